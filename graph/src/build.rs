@@ -1,0 +1,288 @@
+//! From a [`PlanSpec`] and a gate pattern to a lowered [`Plan`].
+//!
+//! [`Planner::new`] does the per-model work once (owners, buckets); [`Planner::plan`]
+//! builds each rank's nodes in serial order for one gate pattern and lowers them to
+//! stream programs. Node order within a micro-batch follows backward: layers from the
+//! highest down, and within a layer each bucket's chain (pack, Stage 1, fold or Stage 2
+//! and unpack). The step's optimizer and publish nodes come last.
+
+use crate::dag::{lower_rank, Segment};
+use crate::gate::Gate;
+use crate::mesh::{Coord, Group, Mesh};
+use crate::node::{BucketId, Collective, CollectiveKind, Node, Op, OptimizerKind, ReduceOp, Stream};
+use crate::param::{ParamId, Route};
+use crate::plan::{Bucket, PlacedParam, Plan, PlanSpec, RankProgram, PLAN_FORMAT, PLAN_VERSION};
+use crate::{owner, PlanError};
+
+/// The model-level half of planning, done once and reused for every gate pattern.
+#[derive(Debug, Clone)]
+pub struct Planner {
+    spec: PlanSpec,
+    params: Vec<PlacedParam>,
+    buckets: Vec<Bucket>,
+}
+
+impl Planner {
+    /// Checks the spec, assigns owners and packs buckets.
+    pub fn new(spec: PlanSpec) -> Result<Planner, PlanError> {
+        spec.mesh.check()?;
+        if spec.params.is_empty() {
+            return Err(PlanError::Input { key: "param".into(), reason: "no parameters: add [[param]] entries or a [model]".into() });
+        }
+        let mut names = std::collections::HashSet::new();
+        for p in &spec.params {
+            p.check()?;
+            if !names.insert(p.name.as_str()) {
+                return Err(PlanError::Param { name: p.name.clone(), reason: "the name is used twice".into() });
+            }
+        }
+        if spec.bucket_cap_bytes == 0 {
+            return Err(PlanError::Input { key: "buckets.cap_bytes".into(), reason: "must be at least 1".into() });
+        }
+        let owners = owner::assign_owners(spec.mesh, &spec.params);
+        let params: Vec<PlacedParam> =
+            spec.params.iter().zip(owners).map(|(p, owner)| PlacedParam { spec: p.clone(), owner }).collect();
+        let buckets = make_buckets(&params, spec.mesh, spec.reduce.dtype.size(), spec.bucket_cap_bytes);
+        Ok(Planner { spec, params, buckets })
+    }
+
+    /// The planner's input.
+    pub fn spec(&self) -> &PlanSpec {
+        &self.spec
+    }
+
+    /// Parameters with their owners.
+    pub fn params(&self) -> &[PlacedParam] {
+        &self.params
+    }
+
+    /// The buckets, in issue order (highest layer first).
+    pub fn buckets(&self) -> &[Bucket] {
+        &self.buckets
+    }
+
+    /// Builds and lowers the plan of one step with the given gate of each micro-batch.
+    pub fn plan(&self, gates: &[Gate]) -> Result<Plan, PlanError> {
+        if gates.is_empty() {
+            return Err(PlanError::Input { key: "accumulation.micro_batches".into(), reason: "a step needs at least one micro-batch".into() });
+        }
+        if gates.len() > u32::MAX as usize {
+            return Err(PlanError::Input { key: "accumulation.micro_batches".into(), reason: "too many micro-batches".into() });
+        }
+        let mut plan = Plan {
+            format: PLAN_FORMAT.into(),
+            version: PLAN_VERSION,
+            mesh: self.spec.mesh,
+            reduce: self.spec.reduce,
+            gates: gates.to_vec(),
+            params: self.params.clone(),
+            buckets: self.buckets.clone(),
+            ranks: Vec::new(),
+        };
+        let ranks: Vec<RankProgram> = self
+            .spec
+            .mesh
+            .ranks()
+            .map(|rank| {
+                let (nodes, segments) = self.rank_nodes(&plan, rank);
+                lower_rank(&plan, rank, nodes, &segments)
+            })
+            .collect();
+        plan.ranks = ranks;
+        Ok(plan)
+    }
+
+    fn rank_nodes(&self, plan: &Plan, rank: u32) -> (Vec<Node>, Vec<Segment>) {
+        let mesh = self.spec.mesh;
+        let b = &self.spec.bindings;
+        let red = self.spec.reduce;
+        let me = mesh.coord(rank);
+        let mut nodes: Vec<Node> = Vec::new();
+        let mut segments = Vec::new();
+        let push = |nodes: &mut Vec<Node>, mb: Option<u32>, stream: Stream, op: Op| {
+            let id = nodes.len() as u32;
+            nodes.push(Node { id, micro_batch: mb, stream, op });
+        };
+        // Per bucket: has a no_sync accumulation / a partial / a reduced gradient started.
+        let nb = self.buckets.len();
+        let mut accum = vec![false; nb];
+        let mut partial = vec![false; nb];
+        let mut reduced = vec![false; nb];
+        let layers = plan.layers_desc();
+        for (m, &gate) in plan.gates.iter().enumerate() {
+            let m = m as u32;
+            let mb = Some(m);
+            let start = nodes.len();
+            for &layer in &layers {
+                push(&mut nodes, mb, Stream::Compute, Op::GradReady { layer });
+                for bucket in self.buckets.iter().filter(|x| x.layer == layer) {
+                    let id = bucket.id;
+                    let i = id as usize;
+                    if gate == Gate::NoSync {
+                        push(&mut nodes, mb, b.accumulate, Op::Accumulate { bucket: id, micro_batch: m, accumulate: accum[i] });
+                        accum[i] = true;
+                        continue;
+                    }
+                    push(&mut nodes, mb, b.pack, Op::Pack { bucket: id, micro_batch: m, with_accum: accum[i] });
+                    accum[i] = false;
+                    let stage1 = stage1_collective(plan, id, me, red.op, red.dtype);
+                    push(&mut nodes, mb, b.stage1, Op::Stage1 { bucket: id, micro_batch: m, collective: stage1 });
+                    if !plan.holds_stage1(id, rank) {
+                        continue;
+                    }
+                    if gate == Gate::ReplicateOff {
+                        push(&mut nodes, mb, b.fold, Op::Fold { bucket: id, micro_batch: m, accumulate: partial[i] });
+                        partial[i] = true;
+                        continue;
+                    }
+                    if partial[i] {
+                        push(&mut nodes, mb, b.fold, Op::FoldPartial { bucket: id, micro_batch: m });
+                        partial[i] = false;
+                    }
+                    let stage2 = stage2_collective(plan, id, me, red.op, red.dtype);
+                    push(&mut nodes, mb, b.stage2, Op::Stage2 { bucket: id, micro_batch: m, collective: stage2 });
+                    if plan.holds_stage2(id, rank) {
+                        push(&mut nodes, mb, b.unpack, Op::Unpack { bucket: id, micro_batch: m, accumulate: reduced[i] });
+                        reduced[i] = true;
+                    }
+                }
+            }
+            segments.push(Segment { start, end: nodes.len() });
+        }
+        let start = nodes.len();
+        for (i, p) in self.params.iter().enumerate() {
+            let param = i as ParamId;
+            let kind = if p.spec.route == Route::Muon { OptimizerKind::Muon } else { OptimizerKind::Adamw };
+            match p.owner {
+                None => push(&mut nodes, None, b.optimizer, Op::Optimizer { param, kind }),
+                Some(o) if o.shard != me.shard => {}
+                Some(o) => {
+                    if o == me {
+                        push(&mut nodes, None, b.optimizer, Op::Optimizer { param, kind });
+                    }
+                    let collective = Collective {
+                        kind: CollectiveKind::Broadcast,
+                        group: Group::Replicate { shard: o.shard },
+                        count: p.spec.numel(),
+                        dtype: crate::node::DType::F32,
+                        op: ReduceOp::Sum,
+                        root: Some(o.replicate),
+                    };
+                    push(&mut nodes, None, b.publish, Op::Publish { param, collective });
+                }
+            }
+        }
+        segments.push(Segment { start, end: nodes.len() });
+        (nodes, segments)
+    }
+}
+
+fn stage1_collective(plan: &Plan, b: BucketId, me: Coord, op: ReduceOp, dtype: crate::node::DType) -> Collective {
+    let bucket = plan.bucket(b);
+    let group = Group::Shard { replicate: me.replicate };
+    match bucket.owner {
+        None => Collective { kind: CollectiveKind::ReduceScatter, group, count: plan.stage1_elems(b), dtype, op, root: None },
+        Some(o) => Collective { kind: CollectiveKind::Reduce, group, count: plan.stage1_elems(b), dtype, op, root: Some(o.shard) },
+    }
+}
+
+fn stage2_collective(plan: &Plan, b: BucketId, me: Coord, op: ReduceOp, dtype: crate::node::DType) -> Collective {
+    let bucket = plan.bucket(b);
+    let group = Group::Replicate { shard: me.shard };
+    match bucket.owner {
+        None => Collective { kind: CollectiveKind::AllReduce, group, count: plan.stage1_elems(b), dtype, op, root: None },
+        Some(o) => Collective { kind: CollectiveKind::Reduce, group, count: plan.stage1_elems(b), dtype, op, root: Some(o.replicate) },
+    }
+}
+
+/// Packs parameters of one (layer, route, owner) into buckets of at most `cap` bytes on
+/// the wire (a parameter larger than the cap gets a bucket of its own). Buckets are
+/// numbered in issue order: highest layer first, then route, owner and parameter order.
+fn make_buckets(params: &[PlacedParam], mesh: Mesh, dtype_bytes: u64, cap: u64) -> Vec<Bucket> {
+    let mut keys: Vec<(std::cmp::Reverse<u32>, Route, Option<Coord>)> =
+        params.iter().map(|p| (std::cmp::Reverse(p.spec.layer), p.spec.route, p.owner)).collect();
+    keys.sort();
+    keys.dedup();
+    let mut buckets: Vec<Bucket> = Vec::new();
+    for (layer, route, owner) in keys {
+        let mut cur: Option<(Bucket, u64)> = None;
+        for (i, p) in params.iter().enumerate() {
+            if p.spec.layer != layer.0 || p.spec.route != route || p.owner != owner {
+                continue;
+            }
+            let bytes = p.spec.chunk(mesh.shard) * if route.is_sharded() { u64::from(mesh.shard) } else { 1 } * dtype_bytes;
+            match &mut cur {
+                Some((b, used)) if *used + bytes <= cap => {
+                    b.params.push(i as ParamId);
+                    *used += bytes;
+                }
+                _ => {
+                    if let Some((b, _)) = cur.take() {
+                        buckets.push(b);
+                    }
+                    let id = buckets.len() as BucketId;
+                    cur = Some((Bucket { id, layer: layer.0, route, owner, params: vec![i as ParamId] }, bytes));
+                }
+            }
+        }
+        if let Some((b, _)) = cur {
+            buckets.push(b);
+        }
+    }
+    buckets
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::param::ParamSpec;
+    use crate::plan::{Bindings, ReduceSpec};
+
+    fn spec(mesh: Mesh, cap: u64) -> PlanSpec {
+        let p = |name: &str, shape: Vec<u64>, route, layer| ParamSpec { name: name.into(), shape, route, layer };
+        PlanSpec {
+            mesh,
+            params: vec![
+                p("a", vec![10], Route::Fsdp, 1),
+                p("b", vec![7], Route::Fsdp, 1),
+                p("c", vec![5, 3], Route::Muon, 1),
+                p("d", vec![9], Route::ShardedAdamw, 0),
+            ],
+            reduce: ReduceSpec::default(),
+            bucket_cap_bytes: cap,
+            bindings: Bindings::default(),
+        }
+    }
+
+    #[test]
+    fn buckets_group_layer_route_owner_and_respect_the_cap() {
+        let big = Planner::new(spec(Mesh::new(2, 1).unwrap(), 1 << 20)).unwrap();
+        assert_eq!(big.buckets().len(), 3);
+        assert_eq!(big.buckets()[0].params, vec![0, 1]);
+        assert_eq!(big.buckets()[0].layer, 1);
+        let small = Planner::new(spec(Mesh::new(2, 1).unwrap(), 40)).unwrap();
+        assert_eq!(small.buckets().len(), 4);
+    }
+
+    #[test]
+    fn gate_off_micro_batch_omits_stage2() {
+        let planner = Planner::new(spec(Mesh::new(2, 2).unwrap(), 1 << 20)).unwrap();
+        let plan = planner.plan(&[Gate::ReplicateOff, Gate::On]).unwrap();
+        for rp in &plan.ranks {
+            let stage2_in = |m| rp.nodes.iter().any(|n| n.micro_batch == Some(m) && matches!(n.op, Op::Stage2 { .. }));
+            assert!(!stage2_in(0));
+            assert!(stage2_in(1));
+            assert!(rp.nodes.iter().any(|n| n.micro_batch == Some(0) && matches!(n.op, Op::Fold { .. })));
+        }
+    }
+
+    #[test]
+    fn no_sync_micro_batch_issues_no_collectives() {
+        let planner = Planner::new(spec(Mesh::new(2, 2).unwrap(), 1 << 20)).unwrap();
+        let plan = planner.plan(&[Gate::NoSync, Gate::On]).unwrap();
+        for rp in &plan.ranks {
+            assert!(rp.nodes.iter().filter(|n| n.micro_batch == Some(0)).all(|n| n.op.collective().is_none()));
+            assert!(rp.nodes.iter().any(|n| matches!(n.op, Op::Pack { with_accum: true, .. })));
+        }
+    }
+}

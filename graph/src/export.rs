@@ -1,0 +1,85 @@
+//! Plan exports for people: a text listing and Graphviz DOT.
+
+use std::fmt::Write;
+
+use crate::dag::dependencies;
+use crate::node::{Instr, Stream};
+use crate::plan::Plan;
+
+/// A text listing: the tables, then each rank's stream programs.
+pub fn to_text(plan: &Plan) -> String {
+    let mut s = String::new();
+    let _ = writeln!(s, "plan: mesh {} ({} ranks), gates {}, reduce {:?}/{:?}", plan.mesh, plan.mesh.world(), crate::Gate::pattern_label(&plan.gates), plan.reduce.op, plan.reduce.dtype);
+    let _ = writeln!(s, "params ({}):", plan.params.len());
+    for (i, p) in plan.params.iter().enumerate() {
+        let owner = p.owner.map(|o| format!(" owner ({}, {})", o.shard, o.replicate)).unwrap_or_default();
+        let _ = writeln!(s, "  p{i} {} {:?} {} layer {}{owner}", p.spec.name, p.spec.shape, p.spec.route, p.spec.layer);
+    }
+    let _ = writeln!(s, "buckets ({}):", plan.buckets.len());
+    for b in &plan.buckets {
+        let _ = writeln!(s, "  b{} layer {} {} [{}] stage1 {} elems", b.id, b.layer, b.route, plan.bucket_param_names(b.id), plan.stage1_elems(b.id));
+    }
+    for rp in &plan.ranks {
+        let c = plan.mesh.coord(rp.rank);
+        let _ = writeln!(s, "rank {} (s={}, r={}): {} nodes, {} events", rp.rank, c.shard, c.replicate, rp.nodes.len(), rp.events);
+        for sp in &rp.streams {
+            let _ = writeln!(s, "  {}:", sp.stream);
+            for ins in &sp.instrs {
+                match *ins {
+                    Instr::Run(n) => {
+                        let _ = writeln!(s, "    run    n{n} {}", plan.label(&rp.nodes[n as usize]));
+                    }
+                    Instr::Record(e) => {
+                        let _ = writeln!(s, "    record e{e}");
+                    }
+                    Instr::Wait(e) => {
+                        let _ = writeln!(s, "    wait   e{e}");
+                    }
+                }
+            }
+        }
+    }
+    s
+}
+
+fn color(stream: Stream) -> &'static str {
+    match stream {
+        Stream::Compute => "#4e79a7",
+        Stream::Reduce => "#e15759",
+        Stream::Replicate => "#f28e2b",
+        Stream::Publish => "#59a14f",
+    }
+}
+
+/// Graphviz DOT of the ranks' DAGs (`ranks = None` for all): one cluster per rank, one
+/// sub-cluster per stream, solid edges for data dependencies, dashed red edges for events.
+pub fn to_dot(plan: &Plan, ranks: Option<&[u32]>) -> String {
+    let mut s = String::from("digraph plan {\n  rankdir=LR;\n  node [shape=box, style=\"rounded,filled\", fontname=\"Helvetica\", fontsize=10, fillcolor=white];\n");
+    for rp in &plan.ranks {
+        if ranks.is_some_and(|rs| !rs.contains(&rp.rank)) {
+            continue;
+        }
+        let r = rp.rank;
+        let _ = writeln!(s, "  subgraph cluster_rank{r} {{\n    label=\"rank {r}\";");
+        for sp in &rp.streams {
+            let _ = writeln!(s, "    subgraph cluster_r{r}_{} {{\n      label=\"{}\"; color=\"{}\";", sp.stream, sp.stream, color(sp.stream));
+            for ins in &sp.instrs {
+                if let Instr::Run(n) = *ins {
+                    let node = &rp.nodes[n as usize];
+                    let _ = writeln!(s, "      r{r}n{n} [label=\"{}\", color=\"{}\"];", plan.label(node).replace('"', "'"), color(sp.stream));
+                }
+            }
+            s.push_str("    }\n");
+        }
+        let g = dependencies(plan, r, &rp.nodes);
+        for e in g.raw_edges() {
+            let (a, b) = (e.source().index(), e.target().index());
+            let cross = rp.nodes[a].stream != rp.nodes[b].stream;
+            let style = if cross { " [style=dashed, color=\"#b07aa1\"]" } else { "" };
+            let _ = writeln!(s, "    r{r}n{a} -> r{r}n{b}{style};");
+        }
+        s.push_str("  }\n");
+    }
+    s.push_str("}\n");
+    s
+}

@@ -1,0 +1,48 @@
+//! # overlap-graph
+//!
+//! Pure planning for `overlap`: the HSDP [`Mesh`], parameters and their [`Route`]s,
+//! owner assignment, buckets, the per-rank micro-batch DAG, its lowering to stream
+//! programs with explicit events, the validator, and exports (text, DOT, JSON).
+//!
+//! This crate does no I/O, spawns no threads and knows no device: a [`Plan`] is a value
+//! computed from a [`PlanSpec`] and a gate pattern, and [`validate`] proves its
+//! invariants before an executor runs it.
+//!
+//! ```
+//! use overlap_graph::{Bindings, Gate, Mesh, ParamSpec, PlanSpec, Planner, ReduceSpec, Route, validate, Mode};
+//!
+//! let spec = PlanSpec {
+//!     mesh: Mesh::new(2, 2)?,
+//!     params: vec![
+//!         ParamSpec { name: "w".into(), shape: vec![6, 4], route: Route::Muon, layer: 1 },
+//!         ParamSpec { name: "norm".into(), shape: vec![5], route: Route::Fsdp, layer: 1 },
+//!     ],
+//!     reduce: ReduceSpec::default(),
+//!     bucket_cap_bytes: 1 << 20,
+//!     bindings: Bindings::default(),
+//! };
+//! let plan = Planner::new(spec)?.plan(&[Gate::ReplicateOff, Gate::On])?;
+//! assert!(validate(&plan, Mode::Step).is_empty());
+//! # Ok::<(), overlap_graph::PlanError>(())
+//! ```
+
+pub mod build;
+pub mod dag;
+mod error;
+pub mod export;
+pub mod gate;
+pub mod mesh;
+pub mod node;
+pub mod owner;
+pub mod param;
+pub mod plan;
+pub mod validate;
+
+pub use build::Planner;
+pub use error::{PlanError, Violation};
+pub use gate::Gate;
+pub use mesh::{Coord, Group, Mesh};
+pub use node::{Buffer, BucketId, Collective, CollectiveKind, DType, EventId, Instr, Node, NodeId, Op, OptimizerKind, ReduceOp, Stream};
+pub use param::{ModelSpec, ParamId, ParamSpec, Route};
+pub use plan::{Access, Bindings, Bucket, CopySeg, PlacedParam, Plan, PlanSpec, RankProgram, ReduceSpec, StreamProgram};
+pub use validate::{validate, Mode};

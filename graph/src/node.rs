@@ -1,0 +1,331 @@
+//! The node vocabulary: streams, buffers, collectives and typed operations.
+//!
+//! A [`Node`] is one operation bound to one [`Stream`] of one rank. What it reads and
+//! writes is not stored: [`crate::Plan::access`] derives it from the [`Op`] and the
+//! bucket tables, so an edited plan cannot claim accesses its operation does not make.
+
+use serde::{Deserialize, Serialize};
+
+use crate::mesh::Group;
+use crate::param::ParamId;
+
+/// Index of a bucket in [`crate::Plan::buckets`].
+pub type BucketId = u32;
+/// Index of a node within one rank's program.
+pub type NodeId = u32;
+/// Index of an event within one rank's program.
+pub type EventId = u32;
+
+/// The four streams of a rank. The priorities are FSDP2's: reduce high, the rest default.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum Stream {
+    /// The trainer's backward, `grad_ready(layer)`, no_sync accumulation, optimizer steps.
+    Compute,
+    /// Copy-in/pack, Stage 1, fold (high priority).
+    Reduce,
+    /// Stage 2, unpack/scale.
+    Replicate,
+    /// The post-step broadcast.
+    Publish,
+}
+
+impl Stream {
+    /// Every stream, in index order.
+    pub const ALL: [Stream; 4] = [Stream::Compute, Stream::Reduce, Stream::Replicate, Stream::Publish];
+
+    /// Dense index `0..4`.
+    pub fn index(self) -> usize {
+        self as usize
+    }
+
+    /// The name used in plans, metrics and traces.
+    pub fn name(self) -> &'static str {
+        match self {
+            Stream::Compute => "compute",
+            Stream::Reduce => "reduce",
+            Stream::Replicate => "replicate",
+            Stream::Publish => "publish",
+        }
+    }
+
+    /// Parses a stream name.
+    pub fn parse(s: &str) -> Result<Stream, String> {
+        Stream::ALL
+            .into_iter()
+            .find(|x| x.name() == s)
+            .ok_or_else(|| format!("unknown stream `{s}`; expected compute, reduce, replicate or publish"))
+    }
+
+    /// Whether the stream runs at high priority.
+    pub fn high_priority(self) -> bool {
+        self == Stream::Reduce
+    }
+}
+
+impl std::fmt::Display for Stream {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(self.name())
+    }
+}
+
+/// A rank-local buffer, named by what it holds.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord, Serialize, Deserialize)]
+#[serde(tag = "kind", rename_all = "snake_case", deny_unknown_fields)]
+pub enum Buffer {
+    /// The trainer's full gradient of a parameter for one micro-batch.
+    Grad { param: ParamId, micro_batch: u32 },
+    /// The no_sync local accumulation of a parameter's full gradient.
+    Accum { param: ParamId },
+    /// A bucket's packed Stage-1 input for one micro-batch.
+    Send { bucket: BucketId, micro_batch: u32 },
+    /// A bucket's Stage-1 output (this rank's shard, or the owner's whole bucket).
+    Stage1Out { bucket: BucketId, micro_batch: u32 },
+    /// A bucket's partial: Stage-1 outputs of replicate-gate-off micro-batches.
+    Partial { bucket: BucketId },
+    /// A bucket's Stage-2 output.
+    Stage2Out { bucket: BucketId, micro_batch: u32 },
+    /// The reduced gradient of a parameter the optimizer consumes (this rank's piece).
+    Reduced { param: ParamId },
+    /// The parameter's values held by this rank (shard or whole).
+    Param { param: ParamId },
+    /// The optimizer's state for this rank's piece of the parameter.
+    OptState { param: ParamId },
+}
+
+impl Buffer {
+    /// Buffers that live only within one micro-batch and are recycled through the pool.
+    pub fn is_transient(&self) -> bool {
+        matches!(
+            self,
+            Buffer::Grad { .. } | Buffer::Send { .. } | Buffer::Stage1Out { .. } | Buffer::Stage2Out { .. }
+        )
+    }
+
+    /// Buffers that hold state across steps (not written within a step before being read).
+    pub fn is_persistent(&self) -> bool {
+        matches!(self, Buffer::Param { .. } | Buffer::OptState { .. })
+    }
+}
+
+impl std::fmt::Display for Buffer {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            Buffer::Grad { param, micro_batch } => write!(f, "grad[p{param},m{micro_batch}]"),
+            Buffer::Accum { param } => write!(f, "accum[p{param}]"),
+            Buffer::Send { bucket, micro_batch } => write!(f, "send[b{bucket},m{micro_batch}]"),
+            Buffer::Stage1Out { bucket, micro_batch } => write!(f, "stage1_out[b{bucket},m{micro_batch}]"),
+            Buffer::Partial { bucket } => write!(f, "partial[b{bucket}]"),
+            Buffer::Stage2Out { bucket, micro_batch } => write!(f, "stage2_out[b{bucket},m{micro_batch}]"),
+            Buffer::Reduced { param } => write!(f, "reduced[p{param}]"),
+            Buffer::Param { param } => write!(f, "param[p{param}]"),
+            Buffer::OptState { param } => write!(f, "opt_state[p{param}]"),
+        }
+    }
+}
+
+/// The collective operations.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum CollectiveKind {
+    /// Each member gets the reduction of its chunk.
+    ReduceScatter,
+    /// Every member gets the reduction.
+    AllReduce,
+    /// The root gets the reduction.
+    Reduce,
+    /// Every member gets the root's buffer.
+    Broadcast,
+    /// Every member gets the concatenation of all members' chunks.
+    AllGather,
+}
+
+impl CollectiveKind {
+    /// The name used in plans and metrics.
+    pub fn name(self) -> &'static str {
+        match self {
+            CollectiveKind::ReduceScatter => "reduce_scatter",
+            CollectiveKind::AllReduce => "all_reduce",
+            CollectiveKind::Reduce => "reduce",
+            CollectiveKind::Broadcast => "broadcast",
+            CollectiveKind::AllGather => "all_gather",
+        }
+    }
+
+    /// Whether the collective has a root.
+    pub fn rooted(self) -> bool {
+        matches!(self, CollectiveKind::Reduce | CollectiveKind::Broadcast)
+    }
+}
+
+/// The reduction operator.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize, Default)]
+#[serde(rename_all = "snake_case")]
+pub enum ReduceOp {
+    /// Sum divided by the group size.
+    #[default]
+    Avg,
+    /// Plain sum.
+    Sum,
+}
+
+/// Element type of a reduction.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize, Default)]
+#[serde(rename_all = "snake_case")]
+pub enum DType {
+    /// IEEE single precision.
+    #[default]
+    F32,
+    /// bfloat16: the buffer is rounded to bf16 before the collective and reduced in f32.
+    Bf16,
+}
+
+impl DType {
+    /// Bytes per element on the wire.
+    pub fn size(self) -> u64 {
+        match self {
+            DType::F32 => 4,
+            DType::Bf16 => 2,
+        }
+    }
+}
+
+/// One collective call as every member of its communicator must issue it.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct Collective {
+    /// What it computes.
+    pub kind: CollectiveKind,
+    /// The group it runs on. The communicator is the group bound to the node's stream.
+    pub group: Group,
+    /// Elements per member of the reduced or broadcast buffer: the output chunk for
+    /// reduce-scatter, the input chunk for all-gather, the whole buffer otherwise.
+    pub count: u64,
+    /// Element type.
+    pub dtype: DType,
+    /// Reduction operator (ignored by broadcast and all-gather).
+    pub op: ReduceOp,
+    /// Root index within the group for reduce and broadcast.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub root: Option<u32>,
+}
+
+/// The optimizer a parameter's route selects.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum OptimizerKind {
+    /// Decoupled-weight-decay Adam on the rank's piece.
+    Adamw,
+    /// Momentum + Newton–Schulz orthogonalisation on the owner's whole matrix.
+    Muon,
+}
+
+/// A typed operation. Flags say whether the node accumulates into its destination or
+/// initialises it; they are part of the plan so the validator can check the accounting.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize)]
+#[serde(tag = "kind", rename_all = "snake_case", deny_unknown_fields)]
+pub enum Op {
+    /// The trainer's backward produced the gradients of `layer` (writes their `grad` buffers).
+    GradReady { layer: u32 },
+    /// no_sync: `accum (+)= grad` for every parameter of the bucket.
+    Accumulate { bucket: BucketId, micro_batch: u32, accumulate: bool },
+    /// Copy the bucket's gradients (plus their no_sync accumulation) into the send buffer,
+    /// in the Stage-1 layout.
+    Pack { bucket: BucketId, micro_batch: u32, with_accum: bool },
+    /// Stage 1 on the shard group: reduce-scatter or reduce to the owner's shard index.
+    Stage1 { bucket: BucketId, micro_batch: u32, collective: Collective },
+    /// Replicate gate off: `partial (+)= stage1_out`.
+    Fold { bucket: BucketId, micro_batch: u32, accumulate: bool },
+    /// Gate on: `stage1_out += partial`; the partial is released.
+    FoldPartial { bucket: BucketId, micro_batch: u32 },
+    /// Stage 2 on the replicate group: all-reduce, or reduce to the owner's replicate index.
+    Stage2 { bucket: BucketId, micro_batch: u32, collective: Collective },
+    /// Scatter the Stage-2 output into each parameter's reduced gradient (`(+)=`).
+    Unpack { bucket: BucketId, micro_batch: u32, accumulate: bool },
+    /// The optimizer step of one parameter's piece on this rank.
+    Optimizer { param: ParamId, kind: OptimizerKind },
+    /// The owner broadcasts the updated parameter over its replicate group.
+    Publish { param: ParamId, collective: Collective },
+}
+
+impl Op {
+    /// Short kind name: `grad_ready`, `stage1`, `fold`, ...; the `op` label of metrics.
+    pub fn kind(&self) -> &'static str {
+        match self {
+            Op::GradReady { .. } => "grad_ready",
+            Op::Accumulate { .. } => "accumulate",
+            Op::Pack { .. } => "pack",
+            Op::Stage1 { .. } => "stage1",
+            Op::Fold { .. } => "fold",
+            Op::FoldPartial { .. } => "fold_partial",
+            Op::Stage2 { .. } => "stage2",
+            Op::Unpack { .. } => "unpack",
+            Op::Optimizer { .. } => "optimizer",
+            Op::Publish { .. } => "publish",
+        }
+    }
+
+    /// The collective this node issues, if any.
+    pub fn collective(&self) -> Option<&Collective> {
+        match self {
+            Op::Stage1 { collective, .. } | Op::Stage2 { collective, .. } | Op::Publish { collective, .. } => {
+                Some(collective)
+            }
+            _ => None,
+        }
+    }
+
+    /// The micro-batch named by the operation, if it names one.
+    pub fn micro_batch(&self) -> Option<u32> {
+        match *self {
+            Op::Accumulate { micro_batch, .. }
+            | Op::Pack { micro_batch, .. }
+            | Op::Stage1 { micro_batch, .. }
+            | Op::Fold { micro_batch, .. }
+            | Op::FoldPartial { micro_batch, .. }
+            | Op::Stage2 { micro_batch, .. }
+            | Op::Unpack { micro_batch, .. } => Some(micro_batch),
+            _ => None,
+        }
+    }
+
+    /// The bucket the node works on, if any.
+    pub fn bucket(&self) -> Option<BucketId> {
+        match *self {
+            Op::Accumulate { bucket, .. }
+            | Op::Pack { bucket, .. }
+            | Op::Stage1 { bucket, .. }
+            | Op::Fold { bucket, .. }
+            | Op::FoldPartial { bucket, .. }
+            | Op::Stage2 { bucket, .. }
+            | Op::Unpack { bucket, .. } => Some(bucket),
+            _ => None,
+        }
+    }
+}
+
+/// One operation of one rank's program.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct Node {
+    /// Position in the rank's serial order (the order whose results the plan must equal).
+    pub id: NodeId,
+    /// The micro-batch the node belongs to, or `None` for the step's optimizer/publish tail.
+    pub micro_batch: Option<u32>,
+    /// The stream the node is bound to.
+    pub stream: Stream,
+    /// What it does.
+    pub op: Op,
+}
+
+/// One instruction of a stream program.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum Instr {
+    /// Run a node.
+    Run(NodeId),
+    /// Record an event after everything issued before it on this stream.
+    Record(EventId),
+    /// Make later work on this stream wait for an event's record.
+    Wait(EventId),
+}

@@ -1,0 +1,566 @@
+//! The plan: a step's per-rank programs, and the tables they refer to.
+//!
+//! A [`Plan`] is a value: it can be printed, diffed, exported as JSON and read back, and
+//! validated before anything runs. Everything a node reads or writes, and every buffer's
+//! length and layout, is derived here from the plan's own tables, so an executor and the
+//! validator cannot disagree about what a node touches.
+
+use serde::{Deserialize, Serialize};
+
+use crate::gate::Gate;
+use crate::mesh::{Coord, Mesh};
+use crate::node::{Buffer, BucketId, DType, Instr, Node, Op, OptimizerKind, ReduceOp, Stream};
+use crate::param::{ParamId, ParamSpec, Route};
+use crate::PlanError;
+
+/// The format tag every plan JSON carries.
+pub const PLAN_FORMAT: &str = "overlap-plan";
+/// The plan JSON version this crate reads and writes.
+pub const PLAN_VERSION: u32 = 1;
+
+/// How reductions are computed.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize, Default)]
+#[serde(deny_unknown_fields)]
+pub struct ReduceSpec {
+    /// `avg` divides by the number of ranks reduced over; `sum` does not.
+    pub op: ReduceOp,
+    /// Element type on the wire.
+    pub dtype: DType,
+}
+
+/// Which stream each kind of node is bound to. The default is FSDP2's binding.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct Bindings {
+    /// no_sync accumulation.
+    pub accumulate: Stream,
+    /// Copy-in/pack.
+    pub pack: Stream,
+    /// Stage 1 collectives.
+    pub stage1: Stream,
+    /// Fold of Stage-1 output into the partial, and of the partial into Stage-1 output.
+    pub fold: Stream,
+    /// Stage 2 collectives.
+    pub stage2: Stream,
+    /// Unpack/scale into the reduced gradients.
+    pub unpack: Stream,
+    /// Optimizer steps.
+    pub optimizer: Stream,
+    /// Post-step broadcasts.
+    pub publish: Stream,
+}
+
+impl Default for Bindings {
+    fn default() -> Self {
+        Bindings {
+            accumulate: Stream::Compute,
+            pack: Stream::Reduce,
+            stage1: Stream::Reduce,
+            fold: Stream::Reduce,
+            stage2: Stream::Replicate,
+            unpack: Stream::Replicate,
+            optimizer: Stream::Compute,
+            publish: Stream::Publish,
+        }
+    }
+}
+
+/// What the planner needs: the mesh, the parameters and the knobs.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct PlanSpec {
+    /// The mesh.
+    pub mesh: Mesh,
+    /// Parameters in a fixed order (their index is their [`ParamId`]).
+    pub params: Vec<ParamSpec>,
+    /// How reductions are computed.
+    pub reduce: ReduceSpec,
+    /// Largest bucket, in bytes of the reduce dtype; a larger parameter gets its own.
+    pub bucket_cap_bytes: u64,
+    /// Stream of each node kind.
+    pub bindings: Bindings,
+}
+
+/// A parameter with its owner. (Unknown fields are rejected by [`ParamSpec`].)
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct PlacedParam {
+    /// The parameter.
+    #[serde(flatten)]
+    pub spec: ParamSpec,
+    /// The owner `(s_o, r_o)` of an owned route; absent for sharded routes.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub owner: Option<Coord>,
+}
+
+/// Parameters of one layer, route and owner, reduced by one collective.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct Bucket {
+    /// Index in [`Plan::buckets`].
+    pub id: BucketId,
+    /// The layer all its parameters belong to.
+    pub layer: u32,
+    /// The route all its parameters take.
+    pub route: Route,
+    /// The owner of an owned route's bucket.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub owner: Option<Coord>,
+    /// Its parameters, in packing order.
+    pub params: Vec<ParamId>,
+}
+
+/// One rank's step: its nodes in serial order and a program per stream.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct RankProgram {
+    /// Global rank.
+    pub rank: u32,
+    /// Nodes in serial order; `nodes[i].id == i`.
+    pub nodes: Vec<Node>,
+    /// Number of events the programs use (ids `0..events`).
+    pub events: u32,
+    /// The instructions of each stream, in issue order.
+    pub streams: Vec<StreamProgram>,
+}
+
+/// The instructions of one stream.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct StreamProgram {
+    /// The stream.
+    pub stream: Stream,
+    /// Run, record and wait instructions in order.
+    pub instrs: Vec<Instr>,
+}
+
+/// A lowered, self-contained step plan.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct Plan {
+    /// Always [`PLAN_FORMAT`].
+    pub format: String,
+    /// Always [`PLAN_VERSION`].
+    pub version: u32,
+    /// The mesh.
+    pub mesh: Mesh,
+    /// How reductions are computed.
+    pub reduce: ReduceSpec,
+    /// The gate of each micro-batch of the step.
+    pub gates: Vec<Gate>,
+    /// Parameters with owners.
+    pub params: Vec<PlacedParam>,
+    /// Buckets.
+    pub buckets: Vec<Bucket>,
+    /// One program per rank, in rank order.
+    pub ranks: Vec<RankProgram>,
+}
+
+/// A node's buffer accesses.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct Access {
+    /// Buffers read.
+    pub reads: Vec<Buffer>,
+    /// Buffers written (a read-modify-write appears in both).
+    pub writes: Vec<Buffer>,
+}
+
+/// One contiguous copy of a pack or unpack.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct CopySeg {
+    /// The parameter whose data moves.
+    pub param: ParamId,
+    /// Offset in the source buffer.
+    pub src: u64,
+    /// Offset in the destination buffer.
+    pub dst: u64,
+    /// Elements.
+    pub len: u64,
+}
+
+impl Plan {
+    /// The parameter table entry.
+    pub fn param(&self, p: ParamId) -> &PlacedParam {
+        &self.params[p as usize]
+    }
+
+    /// The bucket table entry.
+    pub fn bucket(&self, b: BucketId) -> &Bucket {
+        &self.buckets[b as usize]
+    }
+
+    /// The program of a rank.
+    pub fn rank(&self, rank: u32) -> &RankProgram {
+        &self.ranks[rank as usize]
+    }
+
+    /// Number of micro-batches in the step.
+    pub fn micro_batches(&self) -> u32 {
+        self.gates.len() as u32
+    }
+
+    /// The layers that have parameters, highest (first ready in backward) first.
+    pub fn layers_desc(&self) -> Vec<u32> {
+        let mut ls: Vec<u32> = self.params.iter().map(|p| p.spec.layer).collect();
+        ls.sort_unstable_by(|a, b| b.cmp(a));
+        ls.dedup();
+        ls
+    }
+
+    /// Elements of a bucket's Stage-1 output (and partial, and Stage-2 output) per rank.
+    pub fn stage1_elems(&self, b: BucketId) -> u64 {
+        let s = self.mesh.shard;
+        self.bucket(b).params.iter().map(|&p| self.param(p).spec.chunk(s)).sum()
+    }
+
+    /// Elements of a bucket's packed Stage-1 input.
+    pub fn send_elems(&self, b: BucketId) -> u64 {
+        let bucket = self.bucket(b);
+        if bucket.route.is_sharded() {
+            self.stage1_elems(b) * u64::from(self.mesh.shard)
+        } else {
+            self.stage1_elems(b)
+        }
+    }
+
+    /// Elements of a parameter held by a rank: its shard for sharded routes, the whole
+    /// tensor for owned routes (on the owner's shard column).
+    pub fn local_elems(&self, p: ParamId, rank: u32) -> u64 {
+        let spec = &self.param(p).spec;
+        let r = spec.shard_range(self.mesh.shard, self.mesh.coord(rank).shard);
+        r.end - r.start
+    }
+
+    /// Length in elements of a buffer on a rank.
+    pub fn buffer_len(&self, rank: u32, buf: &Buffer) -> u64 {
+        match *buf {
+            Buffer::Grad { param, .. } | Buffer::Accum { param } => self.param(param).spec.numel(),
+            Buffer::Send { bucket, .. } => self.send_elems(bucket),
+            Buffer::Stage1Out { bucket, .. } | Buffer::Partial { bucket } | Buffer::Stage2Out { bucket, .. } => {
+                self.stage1_elems(bucket)
+            }
+            Buffer::Reduced { param } | Buffer::Param { param } => self.local_elems(param, rank),
+            Buffer::OptState { param } => match self.optimizer_kind(param) {
+                OptimizerKind::Adamw => 2 * self.local_elems(param, rank),
+                OptimizerKind::Muon => self.local_elems(param, rank),
+            },
+        }
+    }
+
+    /// The optimizer a parameter's route selects.
+    pub fn optimizer_kind(&self, p: ParamId) -> OptimizerKind {
+        match self.param(p).spec.route {
+            Route::Muon => OptimizerKind::Muon,
+            _ => OptimizerKind::Adamw,
+        }
+    }
+
+    /// The copies that pack a bucket's gradients into its send buffer (the same on every
+    /// rank). Sharded routes lay out chunk `j` of every parameter at `j·C`; bytes of the
+    /// send buffer not covered by a copy are padding and must be zero.
+    pub fn pack_segments(&self, b: BucketId) -> Vec<CopySeg> {
+        let bucket = self.bucket(b);
+        let s = self.mesh.shard;
+        let mut segs = Vec::new();
+        if bucket.route.is_sharded() {
+            let c = self.stage1_elems(b);
+            for j in 0..s {
+                let mut off = u64::from(j) * c;
+                for &p in &bucket.params {
+                    let spec = &self.param(p).spec;
+                    let r = spec.shard_range(s, j);
+                    if r.end > r.start {
+                        segs.push(CopySeg { param: p, src: r.start, dst: off, len: r.end - r.start });
+                    }
+                    off += spec.chunk(s);
+                }
+            }
+        } else {
+            let mut off = 0;
+            for &p in &bucket.params {
+                let n = self.param(p).spec.numel();
+                segs.push(CopySeg { param: p, src: 0, dst: off, len: n });
+                off += n;
+            }
+        }
+        segs
+    }
+
+    /// The copies that unpack a bucket's Stage-2 output into each parameter's reduced
+    /// gradient on a rank (padding is dropped).
+    pub fn unpack_segments(&self, b: BucketId, rank: u32) -> Vec<CopySeg> {
+        let s = self.mesh.shard;
+        let mut off = 0;
+        let mut segs = Vec::new();
+        for &p in &self.bucket(b).params {
+            let len = self.local_elems(p, rank);
+            if len > 0 {
+                segs.push(CopySeg { param: p, src: off, dst: 0, len });
+            }
+            off += self.param(p).spec.chunk(s);
+        }
+        segs
+    }
+
+    /// Whether a rank holds a bucket's Stage-1 output: every rank for sharded routes, the
+    /// owner's shard column for owned routes.
+    pub fn holds_stage1(&self, b: BucketId, rank: u32) -> bool {
+        match self.bucket(b).owner {
+            None => true,
+            Some(o) => self.mesh.coord(rank).shard == o.shard,
+        }
+    }
+
+    /// Whether a rank holds a bucket's Stage-2 output (and so runs its unpack).
+    pub fn holds_stage2(&self, b: BucketId, rank: u32) -> bool {
+        match self.bucket(b).owner {
+            None => true,
+            Some(o) => self.mesh.coord(rank) == o,
+        }
+    }
+
+    /// What a node reads and writes on a rank. `GradReady` writes the gradients of its
+    /// layer; a collective's output exists only on the ranks that receive it.
+    pub fn access(&self, rank: u32, node: &Node) -> Access {
+        let mut a = Access::default();
+        let params_of = |b: BucketId| self.bucket(b).params.iter().copied();
+        match node.op {
+            Op::GradReady { layer } => {
+                let mb = node.micro_batch.unwrap_or(0);
+                for (i, p) in self.params.iter().enumerate() {
+                    if p.spec.layer == layer {
+                        a.writes.push(Buffer::Grad { param: i as ParamId, micro_batch: mb });
+                    }
+                }
+            }
+            Op::Accumulate { bucket, micro_batch, accumulate } => {
+                for p in params_of(bucket) {
+                    a.reads.push(Buffer::Grad { param: p, micro_batch });
+                    if accumulate {
+                        a.reads.push(Buffer::Accum { param: p });
+                    }
+                    a.writes.push(Buffer::Accum { param: p });
+                }
+            }
+            Op::Pack { bucket, micro_batch, with_accum } => {
+                for p in params_of(bucket) {
+                    a.reads.push(Buffer::Grad { param: p, micro_batch });
+                    if with_accum {
+                        a.reads.push(Buffer::Accum { param: p });
+                    }
+                }
+                a.writes.push(Buffer::Send { bucket, micro_batch });
+            }
+            Op::Stage1 { bucket, micro_batch, .. } => {
+                a.reads.push(Buffer::Send { bucket, micro_batch });
+                if self.holds_stage1(bucket, rank) {
+                    a.writes.push(Buffer::Stage1Out { bucket, micro_batch });
+                }
+            }
+            Op::Fold { bucket, micro_batch, accumulate } => {
+                a.reads.push(Buffer::Stage1Out { bucket, micro_batch });
+                if accumulate {
+                    a.reads.push(Buffer::Partial { bucket });
+                }
+                a.writes.push(Buffer::Partial { bucket });
+            }
+            Op::FoldPartial { bucket, micro_batch } => {
+                a.reads.push(Buffer::Partial { bucket });
+                a.reads.push(Buffer::Stage1Out { bucket, micro_batch });
+                a.writes.push(Buffer::Stage1Out { bucket, micro_batch });
+            }
+            Op::Stage2 { bucket, micro_batch, .. } => {
+                a.reads.push(Buffer::Stage1Out { bucket, micro_batch });
+                if self.holds_stage2(bucket, rank) {
+                    a.writes.push(Buffer::Stage2Out { bucket, micro_batch });
+                }
+            }
+            Op::Unpack { bucket, micro_batch, accumulate } => {
+                a.reads.push(Buffer::Stage2Out { bucket, micro_batch });
+                for p in params_of(bucket) {
+                    if accumulate {
+                        a.reads.push(Buffer::Reduced { param: p });
+                    }
+                    a.writes.push(Buffer::Reduced { param: p });
+                }
+            }
+            Op::Optimizer { param, .. } => {
+                a.reads.extend([Buffer::Reduced { param }, Buffer::Param { param }, Buffer::OptState { param }]);
+                a.writes.extend([Buffer::Param { param }, Buffer::OptState { param }]);
+            }
+            Op::Publish { param, collective } => {
+                let root = collective.root.unwrap_or(0);
+                if self.mesh.index_in(collective.group, rank) == Some(root) {
+                    a.reads.push(Buffer::Param { param });
+                } else {
+                    a.writes.push(Buffer::Param { param });
+                }
+            }
+        }
+        a
+    }
+
+    /// A short human label of a node: `stage1 b3 m0 (reduce_scatter)`.
+    pub fn label(&self, node: &Node) -> String {
+        let mb = node.micro_batch.map(|m| format!(" m{m}")).unwrap_or_default();
+        match node.op {
+            Op::GradReady { layer } => format!("grad_ready L{layer}{mb}"),
+            Op::Optimizer { param, kind } => {
+                format!("optimizer {} ({})", self.param(param).spec.name, if kind == OptimizerKind::Muon { "muon" } else { "adamw" })
+            }
+            Op::Publish { param, .. } => format!("publish {}", self.param(param).spec.name),
+            op => {
+                let b = op.bucket().unwrap_or(0);
+                match op.collective() {
+                    Some(c) => format!("{} b{b}{mb} ({} on {})", op.kind(), c.kind.name(), c.group),
+                    None => format!("{} b{b}{mb}", op.kind()),
+                }
+            }
+        }
+    }
+
+    /// The names of the parameters of a bucket, comma-separated.
+    pub fn bucket_param_names(&self, b: BucketId) -> String {
+        self.bucket(b).params.iter().map(|&p| self.param(p).spec.name.as_str()).collect::<Vec<_>>().join(", ")
+    }
+
+    /// Writes the plan as pretty JSON.
+    pub fn to_json(&self) -> String {
+        serde_json::to_string_pretty(self).expect("a plan always serialises")
+    }
+
+    /// Reads a plan from JSON and checks that it is well formed (ids in range, the
+    /// format tag and version); the invariants are [`crate::validate`]'s job.
+    pub fn from_json(text: &str) -> Result<Plan, PlanError> {
+        let plan: Plan = serde_json::from_str(text).map_err(|e| PlanError::Json(format!("line {}, column {}: {e}", e.line(), e.column())))?;
+        plan.check_well_formed()?;
+        Ok(plan)
+    }
+
+    /// Structural checks that make every other method safe to call.
+    pub fn check_well_formed(&self) -> Result<(), PlanError> {
+        let bad = |key: String, reason: String| Err(PlanError::Input { key, reason });
+        if self.format != PLAN_FORMAT {
+            return bad("format".into(), format!("expected \"{PLAN_FORMAT}\", got {:?}", self.format));
+        }
+        if self.version != PLAN_VERSION {
+            return bad("version".into(), format!("this build reads version {PLAN_VERSION}, got {}", self.version));
+        }
+        self.mesh.check()?;
+        if self.gates.is_empty() {
+            return bad("gates".into(), "a step needs at least one micro-batch".into());
+        }
+        for (i, p) in self.params.iter().enumerate() {
+            p.spec.check()?;
+            match (p.spec.route.is_owned(), p.owner) {
+                (true, None) => return bad(format!("params[{i}].owner"), format!("owned route {} needs an owner", p.spec.route)),
+                (false, Some(_)) => return bad(format!("params[{i}].owner"), format!("sharded route {} has no owner", p.spec.route)),
+                (_, Some(o)) if o.shard >= self.mesh.shard || o.replicate >= self.mesh.replicate => {
+                    return bad(format!("params[{i}].owner"), format!("owner ({}, {}) is outside mesh {}", o.shard, o.replicate, self.mesh))
+                }
+                _ => {}
+            }
+        }
+        let np = self.params.len() as u64;
+        for (i, b) in self.buckets.iter().enumerate() {
+            if b.id as usize != i {
+                return bad(format!("buckets[{i}].id"), format!("expected {i}, got {}", b.id));
+            }
+            if b.params.is_empty() {
+                return bad(format!("buckets[{i}].params"), "a bucket needs at least one parameter".into());
+            }
+            for &p in &b.params {
+                if u64::from(p) >= np {
+                    return bad(format!("buckets[{i}].params"), format!("parameter {p} does not exist ({np} parameters)"));
+                }
+                let spec = &self.param(p);
+                if spec.spec.route != b.route || spec.spec.layer != b.layer || spec.owner != b.owner {
+                    return bad(
+                        format!("buckets[{i}].params"),
+                        format!("parameter `{}` does not share the bucket's layer, route and owner", spec.spec.name),
+                    );
+                }
+            }
+        }
+        if self.ranks.len() as u64 != u64::from(self.mesh.world()) {
+            return bad("ranks".into(), format!("mesh {} has {} ranks, the plan has {} programs", self.mesh, self.mesh.world(), self.ranks.len()));
+        }
+        let nb = self.buckets.len() as u64;
+        for (ri, rp) in self.ranks.iter().enumerate() {
+            let at = |what: String| format!("ranks[{ri}].{what}");
+            if rp.rank as usize != ri {
+                return bad(at("rank".into()), format!("expected {ri}, got {}", rp.rank));
+            }
+            for (ni, n) in rp.nodes.iter().enumerate() {
+                if n.id as usize != ni {
+                    return bad(at(format!("nodes[{ni}].id")), format!("expected {ni}, got {}", n.id));
+                }
+                if let Some(m) = n.micro_batch {
+                    if m >= self.micro_batches() {
+                        return bad(at(format!("nodes[{ni}].micro_batch")), format!("{m} is past the step's {} micro-batches", self.micro_batches()));
+                    }
+                }
+                if n.op.micro_batch().is_some_and(|m| Some(m) != n.micro_batch) {
+                    return bad(at(format!("nodes[{ni}].micro_batch")), "differs from the micro-batch its operation names".into());
+                }
+                if matches!(n.op, Op::Optimizer { .. } | Op::Publish { .. }) != n.micro_batch.is_none() {
+                    return bad(at(format!("nodes[{ni}].micro_batch")), "optimizer and publish nodes, and only they, belong to the step (null)".into());
+                }
+                if let Some(b) = n.op.bucket() {
+                    if u64::from(b) >= nb {
+                        return bad(at(format!("nodes[{ni}].bucket")), format!("bucket {b} does not exist ({nb} buckets)"));
+                    }
+                }
+                if let Op::Optimizer { param, .. } | Op::Publish { param, .. } = n.op {
+                    if u64::from(param) >= np {
+                        return bad(at(format!("nodes[{ni}].param")), format!("parameter {param} does not exist ({np} parameters)"));
+                    }
+                }
+                if let Some(c) = n.op.collective() {
+                    if !self.mesh.has_group(c.group) {
+                        return bad(at(format!("nodes[{ni}].collective.group")), format!("{} is not a group of mesh {}", c.group, self.mesh));
+                    }
+                    if let Some(root) = c.root {
+                        if root >= self.mesh.group_size(c.group) {
+                            return bad(at(format!("nodes[{ni}].collective.root")), format!("root {root} is outside {}", c.group));
+                        }
+                    }
+                }
+            }
+            let mut seen = vec![false; rp.nodes.len()];
+            let mut streams_seen = [false; 4];
+            for (si, sp) in rp.streams.iter().enumerate() {
+                if std::mem::replace(&mut streams_seen[sp.stream.index()], true) {
+                    return bad(at(format!("streams[{si}]")), format!("stream {} appears twice", sp.stream));
+                }
+                for (ii, ins) in sp.instrs.iter().enumerate() {
+                    let here = || at(format!("streams[{si}].instrs[{ii}]"));
+                    match *ins {
+                        Instr::Run(n) => {
+                            let Some(node) = rp.nodes.get(n as usize) else {
+                                return bad(here(), format!("node {n} does not exist"));
+                            };
+                            if node.stream != sp.stream {
+                                return bad(here(), format!("node {n} is bound to stream {} but listed on {}", node.stream, sp.stream));
+                            }
+                            if std::mem::replace(&mut seen[n as usize], true) {
+                                return bad(here(), format!("node {n} runs twice"));
+                            }
+                        }
+                        Instr::Record(e) | Instr::Wait(e) if e >= rp.events => {
+                            return bad(here(), format!("event {e} is past the program's {} events", rp.events));
+                        }
+                        _ => {}
+                    }
+                }
+            }
+            if let Some(n) = seen.iter().position(|s| !s) {
+                return bad(at(format!("nodes[{n}]")), "the node is never run by any stream".into());
+            }
+        }
+        Ok(())
+    }
+}
+
+/// The event and instruction positions of a rank program, for consumers that walk it.
+pub fn stream_of_instrs(rp: &RankProgram, stream: Stream) -> &[Instr] {
+    rp.streams.iter().find(|s| s.stream == stream).map(|s| s.instrs.as_slice()).unwrap_or(&[])
+}

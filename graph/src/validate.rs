@@ -1,0 +1,692 @@
+//! The validator: proves a plan's invariants before anything runs.
+//!
+//! Each check names its invariant, and every violation names the rank, stream and node:
+//!
+//! - `well-formed`: ids in range, every node run once on the stream it is bound to,
+//!   stream programs in serial order ([`Plan::check_well_formed`]).
+//! - `stage1-consumed-once`: every Stage-1 output is consumed exactly once, by a fold or
+//!   by Stage 2 (zero times is seed bug 1 or 4, twice is bug 2).
+//! - `event-order`: every wait follows, in host issue order, a record of its event.
+//! - `ordered-access`: every pair of accesses to one buffer, one of them a write, runs in
+//!   serial order: same stream, or ordered by an event chain (bug 3); nothing reads a
+//!   buffer that nothing wrote.
+//! - `gradient-accounting`: the gradient every optimizer consumes holds each
+//!   micro-batch of the step exactly once, reduced over both stages; no fold or unpack
+//!   overwrites a live accumulation (bug 4's overwrite).
+//! - `partials-flushed`: no partial or no_sync accumulation is left at the end of the step.
+//! - `collective-match`: on every communicator (a group bound to a stream) all members
+//!   issue the same collectives in the same order with the same sizes, dtypes and roots.
+//! - `no-deadlock`: executing all ranks' programs together, every stream finishes.
+//!
+//! Host issue order is the serial node order: to issue node `n` the host issues the
+//! instructions of `n`'s stream up to `Run(n)`, then the records that follow it.
+
+use std::collections::{BTreeMap, HashMap};
+
+use crate::mesh::Group;
+use crate::node::{Buffer, Collective, EventId, Instr, Node, NodeId, Op, Stream};
+use crate::plan::Plan;
+use crate::Violation;
+
+/// How much of a step the plan is meant to cover.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Mode {
+    /// A whole step: partials must be flushed and optimizers must see every micro-batch.
+    Step,
+    /// The micro-batches issued so far: end-of-step invariants are not checked.
+    Prefix,
+}
+
+/// Stops collecting after this many violations.
+const MAX_VIOLATIONS: usize = 64;
+
+/// Validates a plan; an empty list means every invariant holds.
+pub fn validate(plan: &Plan, mode: Mode) -> Vec<Violation> {
+    if let Err(e) = plan.check_well_formed() {
+        return vec![Violation { invariant: "well-formed", rank: 0, stream: None, node: None, detail: e.to_string() }];
+    }
+    let mut out = Vec::new();
+    for rp in &plan.ranks {
+        if let Err(v) = check_serial_stream_order(rp) {
+            out.push(v);
+        }
+    }
+    if !out.is_empty() {
+        return out;
+    }
+    for rp in &plan.ranks {
+        let rank = rp.rank;
+        let accesses: Vec<_> = rp.nodes.iter().map(|n| plan.access(rank, n)).collect();
+        stage1_consumed_once(plan, rank, &rp.nodes, &mut out);
+        ordered_access(plan, rp, &accesses, &mut out);
+        accounting(plan, rank, &rp.nodes, mode, &mut out);
+        if mode == Mode::Step {
+            partials_flushed(plan, rank, &rp.nodes, &accesses, &mut out);
+        }
+        if out.len() >= MAX_VIOLATIONS {
+            out.truncate(MAX_VIOLATIONS);
+            return out;
+        }
+    }
+    let before = out.len();
+    collective_match(plan, &mut out);
+    if out.len() == before {
+        no_deadlock(plan, &mut out);
+    }
+    out.truncate(MAX_VIOLATIONS);
+    out
+}
+
+fn violation(invariant: &'static str, rank: u32, n: Option<&Node>, detail: String) -> Violation {
+    Violation { invariant, rank, stream: n.map(|n| n.stream), node: n.map(|n| n.id), detail }
+}
+
+fn check_serial_stream_order(rp: &crate::plan::RankProgram) -> Result<(), Violation> {
+    for sp in &rp.streams {
+        let mut last: Option<NodeId> = None;
+        for ins in &sp.instrs {
+            if let Instr::Run(n) = *ins {
+                if last.is_some_and(|l| l > n) {
+                    return Err(Violation {
+                        invariant: "well-formed",
+                        rank: rp.rank,
+                        stream: Some(sp.stream),
+                        node: Some(n),
+                        detail: format!("node {n} runs after node {} on its stream; stream programs follow serial order", last.unwrap_or(0)),
+                    });
+                }
+                last = Some(n);
+            }
+        }
+    }
+    Ok(())
+}
+
+fn stage1_consumed_once(plan: &Plan, rank: u32, nodes: &[Node], out: &mut Vec<Violation>) {
+    let mut consumers: BTreeMap<(u32, u32), Vec<&Node>> = BTreeMap::new();
+    let mut producers: BTreeMap<(u32, u32), &Node> = BTreeMap::new();
+    for n in nodes {
+        match n.op {
+            Op::Stage1 { bucket, micro_batch, .. } if plan.holds_stage1(bucket, rank) => {
+                producers.insert((bucket, micro_batch), n);
+            }
+            Op::Fold { bucket, micro_batch, .. } | Op::Stage2 { bucket, micro_batch, .. } => {
+                consumers.entry((bucket, micro_batch)).or_default().push(n);
+            }
+            _ => {}
+        }
+    }
+    for ((b, m), p) in producers {
+        let cs = consumers.get(&(b, m)).map(Vec::as_slice).unwrap_or(&[]);
+        let route = plan.bucket(b).route;
+        let params = plan.bucket_param_names(b);
+        match cs.len() {
+            1 => {}
+            0 => out.push(violation(
+                "stage1-consumed-once",
+                rank,
+                Some(p),
+                format!(
+                    "{} ({route}: {params}) is never consumed: no fold into the partial and no Stage 2 \
+                     (micro-batch {m}'s gradient would be lost or handed on unreduced)",
+                    plan.label(p)
+                ),
+            )),
+            k => out.push(violation(
+                "stage1-consumed-once",
+                rank,
+                Some(p),
+                format!(
+                    "{} ({route}: {params}) is consumed {k} times ({}); the gradient would be counted {k} times",
+                    plan.label(p),
+                    cs.iter().map(|c| plan.label(c)).collect::<Vec<_>>().join(", ")
+                ),
+            )),
+        }
+    }
+}
+
+type Clock = [u32; 4];
+
+fn join(a: &mut Clock, b: &Clock) {
+    for i in 0..4 {
+        a[i] = a[i].max(b[i]);
+    }
+}
+
+/// Issue-order simulation of one rank: per node its stream position and completion clock.
+struct Schedule {
+    pos: Vec<u32>,
+    clock: Vec<Clock>,
+}
+
+/// The host issue order of a rank's instructions: `(stream, instruction)` pairs.
+pub fn issue_order(rp: &crate::plan::RankProgram) -> Vec<(Stream, Instr)> {
+    let mut cursor = vec![0usize; rp.streams.len()];
+    let index_of: HashMap<Stream, usize> = rp.streams.iter().enumerate().map(|(i, s)| (s.stream, i)).collect();
+    let mut out = Vec::with_capacity(rp.streams.iter().map(|s| s.instrs.len()).sum());
+    for n in &rp.nodes {
+        let Some(&si) = index_of.get(&n.stream) else { continue };
+        let sp = &rp.streams[si];
+        while cursor[si] < sp.instrs.len() {
+            let ins = sp.instrs[cursor[si]];
+            cursor[si] += 1;
+            out.push((sp.stream, ins));
+            if ins == Instr::Run(n.id) {
+                while let Some(&Instr::Record(e)) = sp.instrs.get(cursor[si]) {
+                    cursor[si] += 1;
+                    out.push((sp.stream, Instr::Record(e)));
+                }
+                break;
+            }
+        }
+    }
+    for (si, sp) in rp.streams.iter().enumerate() {
+        out.extend(sp.instrs[cursor[si]..].iter().map(|&i| (sp.stream, i)));
+    }
+    out
+}
+
+fn schedule(rp: &crate::plan::RankProgram, out: &mut Vec<Violation>) -> Schedule {
+    let n = rp.nodes.len();
+    let mut s = Schedule { pos: vec![0; n], clock: vec![[0; 4]; n] };
+    let mut cur: [Clock; 4] = [[0; 4]; 4];
+    let mut recorded: HashMap<EventId, Clock> = HashMap::new();
+    for (stream, ins) in issue_order(rp) {
+        let x = stream.index();
+        match ins {
+            Instr::Run(id) => {
+                cur[x][x] += 1;
+                s.pos[id as usize] = cur[x][x];
+                s.clock[id as usize] = cur[x];
+            }
+            Instr::Record(e) => {
+                recorded.insert(e, cur[x]);
+            }
+            Instr::Wait(e) => match recorded.get(&e) {
+                Some(c) => {
+                    let c = *c;
+                    join(&mut cur[x], &c);
+                }
+                None => out.push(Violation {
+                    invariant: "event-order",
+                    rank: rp.rank,
+                    stream: Some(stream),
+                    node: None,
+                    detail: format!("wait on event {e} is issued before any record of it; on a GPU it would not wait at all"),
+                }),
+            },
+        }
+    }
+    s
+}
+
+fn ordered_access(plan: &Plan, rp: &crate::plan::RankProgram, acc: &[crate::plan::Access], out: &mut Vec<Violation>) {
+    let sched = schedule(rp, out);
+    let hb = |u: NodeId, v: NodeId| {
+        let (nu, nv) = (&rp.nodes[u as usize], &rp.nodes[v as usize]);
+        nu.stream == nv.stream || sched.clock[v as usize][nu.stream.index()] >= sched.pos[u as usize]
+    };
+    let mut last_write: HashMap<Buffer, NodeId> = HashMap::new();
+    let mut readers: HashMap<Buffer, Vec<NodeId>> = HashMap::new();
+    let rank = rp.rank;
+    for n in &rp.nodes {
+        let a = &acc[n.id as usize];
+        let report = |other: NodeId, buf: &Buffer, what: &str| {
+            let o = &rp.nodes[other as usize];
+            violation(
+                "ordered-access",
+                rank,
+                Some(n),
+                format!(
+                    "{} {what} {buf} of {} (node {}, stream {}) without an event chain ordering them",
+                    plan.label(n),
+                    plan.label(o),
+                    o.id,
+                    o.stream
+                ),
+            )
+        };
+        for r in &a.reads {
+            match last_write.get(r) {
+                Some(&w) if !hb(w, n.id) => out.push(report(w, r, "reads the write to")),
+                Some(_) => {}
+                None if !r.is_persistent() => out.push(violation(
+                    "ordered-access",
+                    rank,
+                    Some(n),
+                    format!("{} reads {r}, which nothing wrote earlier in the step", plan.label(n)),
+                )),
+                None => {}
+            }
+        }
+        for w in &a.writes {
+            if let Some(rs) = readers.get(w) {
+                for &r in rs {
+                    if r != n.id && !hb(r, n.id) {
+                        out.push(report(r, w, "overwrites, before it finished reading,"));
+                    }
+                }
+            }
+            if let Some(&pw) = last_write.get(w) {
+                if pw != n.id && !hb(pw, n.id) {
+                    out.push(report(pw, w, "races the write to"));
+                }
+            }
+        }
+        for r in &a.reads {
+            readers.entry(*r).or_default().push(n.id);
+        }
+        for w in &a.writes {
+            last_write.insert(*w, n.id);
+            readers.insert(*w, Vec::new());
+        }
+    }
+}
+
+/// How far a gradient has been reduced.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord)]
+enum Level {
+    Local,
+    Shard,
+    Full,
+}
+
+/// The symbolic value of a gradient buffer: its reduction level and how many times
+/// each micro-batch's gradient is in it.
+#[derive(Debug, Clone, PartialEq, Eq)]
+struct Term {
+    level: Level,
+    count: Vec<u32>,
+}
+
+impl Term {
+    fn describe(&self) -> String {
+        let parts: Vec<String> = self
+            .count
+            .iter()
+            .enumerate()
+            .filter(|(_, &c)| c > 0)
+            .map(|(m, &c)| if c == 1 { format!("m{m}") } else { format!("m{m}x{c}") })
+            .collect();
+        let lvl = match self.level {
+            Level::Local => "unreduced",
+            Level::Shard => "reduced over the shard group only",
+            Level::Full => "fully reduced",
+        };
+        format!("{{{}}} {lvl}", parts.join(", "))
+    }
+}
+
+fn add(a: &Term, b: &Term) -> Result<Term, String> {
+    if a.level != b.level {
+        return Err(format!("adds {} to {}", a.describe(), b.describe()));
+    }
+    Ok(Term { level: a.level, count: a.count.iter().zip(&b.count).map(|(x, y)| x + y).collect() })
+}
+
+fn accounting(plan: &Plan, rank: u32, nodes: &[Node], mode: Mode, out: &mut Vec<Violation>) {
+    let m = plan.micro_batches() as usize;
+    let mut val: HashMap<Buffer, Term> = HashMap::new();
+    let start = out.len();
+    for n in nodes {
+        if out.len() - start >= 8 {
+            return;
+        }
+        let mut fail = |detail: String| out.push(violation("gradient-accounting", rank, Some(n), format!("{} {detail}", plan.label(n))));
+        let params = |b: u32| plan.bucket(b).params.clone();
+        let live = |val: &HashMap<Buffer, Term>, b: &Buffer| val.get(b).is_some_and(|t| t.count.iter().any(|&c| c > 0));
+        match n.op {
+            Op::GradReady { layer } => {
+                let mb = n.micro_batch.unwrap_or(0) as usize;
+                let mut count = vec![0; m];
+                if mb < m {
+                    count[mb] = 1;
+                }
+                for (i, p) in plan.params.iter().enumerate() {
+                    if p.spec.layer == layer {
+                        val.insert(Buffer::Grad { param: i as u32, micro_batch: mb as u32 }, Term { level: Level::Local, count: count.clone() });
+                    }
+                }
+            }
+            Op::Accumulate { bucket, micro_batch, accumulate } => {
+                for p in params(bucket) {
+                    let acc = Buffer::Accum { param: p };
+                    let Some(g) = val.get(&Buffer::Grad { param: p, micro_batch }).cloned() else { continue };
+                    if !accumulate && live(&val, &acc) {
+                        fail(format!("overwrites the live no_sync accumulation {} of `{}`", val[&acc].describe(), plan.param(p).spec.name));
+                    }
+                    let next = match (accumulate, val.get(&acc)) {
+                        (true, Some(a)) => add(a, &g),
+                        _ => Ok(g),
+                    };
+                    match next {
+                        Ok(t) => {
+                            val.insert(acc, t);
+                        }
+                        Err(e) => fail(e),
+                    }
+                }
+            }
+            Op::Pack { bucket, micro_batch, with_accum } => {
+                let mut bucket_term: Option<Term> = None;
+                for p in params(bucket) {
+                    let Some(g) = val.get(&Buffer::Grad { param: p, micro_batch }).cloned() else { continue };
+                    let acc = Buffer::Accum { param: p };
+                    let t = if with_accum {
+                        match val.get(&acc).map(|a| add(a, &g)) {
+                            Some(Ok(t)) => t,
+                            Some(Err(e)) => {
+                                fail(e);
+                                continue;
+                            }
+                            None => g,
+                        }
+                    } else {
+                        if live(&val, &acc) {
+                            fail(format!("leaves the no_sync accumulation {} of `{}` behind", val[&acc].describe(), plan.param(p).spec.name));
+                        }
+                        g
+                    };
+                    if with_accum {
+                        val.remove(&acc);
+                    }
+                    match &bucket_term {
+                        Some(b) if *b != t => fail(format!("packs parameters carrying different gradients ({} and {})", b.describe(), t.describe())),
+                        _ => bucket_term = Some(t),
+                    }
+                }
+                if let Some(t) = bucket_term {
+                    val.insert(Buffer::Send { bucket, micro_batch }, t);
+                }
+            }
+            Op::Stage1 { bucket, micro_batch, .. } => {
+                if let Some(t) = val.get(&Buffer::Send { bucket, micro_batch }).cloned() {
+                    if t.level != Level::Local {
+                        fail(format!("reduces {} again over the shard group", t.describe()));
+                    }
+                    if plan.holds_stage1(bucket, rank) {
+                        val.insert(Buffer::Stage1Out { bucket, micro_batch }, Term { level: Level::Shard, ..t });
+                    }
+                }
+            }
+            Op::Fold { bucket, micro_batch, accumulate } => {
+                let partial = Buffer::Partial { bucket };
+                let Some(s1) = val.get(&Buffer::Stage1Out { bucket, micro_batch }).cloned() else { continue };
+                if !accumulate && live(&val, &partial) {
+                    fail(format!("overwrites the live partial {} instead of adding to it", val[&partial].describe()));
+                }
+                let next = match (accumulate, val.get(&partial)) {
+                    (true, Some(p)) => add(p, &s1),
+                    _ => Ok(s1),
+                };
+                match next {
+                    Ok(t) => {
+                        val.insert(partial, t);
+                    }
+                    Err(e) => fail(e),
+                }
+            }
+            Op::FoldPartial { bucket, micro_batch } => {
+                let s1b = Buffer::Stage1Out { bucket, micro_batch };
+                let (Some(p), Some(s1)) = (val.remove(&Buffer::Partial { bucket }), val.get(&s1b).cloned()) else { continue };
+                match add(&s1, &p) {
+                    Ok(t) => {
+                        val.insert(s1b, t);
+                    }
+                    Err(e) => fail(e),
+                }
+            }
+            Op::Stage2 { bucket, micro_batch, .. } => {
+                if let Some(t) = val.get(&Buffer::Stage1Out { bucket, micro_batch }).cloned() {
+                    if t.level != Level::Shard {
+                        fail(format!("runs Stage 2 on {}", t.describe()));
+                    }
+                    if live(&val, &Buffer::Partial { bucket }) {
+                        fail(format!("runs Stage 2 while the partial {} is still unfolded", val[&Buffer::Partial { bucket }].describe()));
+                    }
+                    if plan.holds_stage2(bucket, rank) {
+                        val.insert(Buffer::Stage2Out { bucket, micro_batch }, Term { level: Level::Full, ..t });
+                    }
+                }
+            }
+            Op::Unpack { bucket, micro_batch, accumulate } => {
+                let Some(s2) = val.get(&Buffer::Stage2Out { bucket, micro_batch }).cloned() else { continue };
+                for p in params(bucket) {
+                    let red = Buffer::Reduced { param: p };
+                    if !accumulate && live(&val, &red) {
+                        fail(format!("overwrites the reduced gradient {} of `{}` instead of adding to it", val[&red].describe(), plan.param(p).spec.name));
+                    }
+                    let next = match (accumulate, val.get(&red)) {
+                        (true, Some(r)) => add(r, &s2),
+                        _ => Ok(s2.clone()),
+                    };
+                    match next {
+                        Ok(t) => {
+                            val.insert(red, t);
+                        }
+                        Err(e) => fail(e),
+                    }
+                }
+            }
+            Op::Optimizer { param, .. } if mode == Mode::Step => {
+                let want = Term { level: Level::Full, count: vec![1; m] };
+                match val.get(&Buffer::Reduced { param }) {
+                    Some(t) if *t == want => {}
+                    Some(t) => fail(format!(
+                        "consumes {} for `{}`; it must hold every micro-batch of the step once, fully reduced ({})",
+                        t.describe(),
+                        plan.param(param).spec.name,
+                        want.describe()
+                    )),
+                    None => fail(format!("consumes no reduced gradient for `{}`", plan.param(param).spec.name)),
+                }
+            }
+            Op::Optimizer { .. } | Op::Publish { .. } => {}
+        }
+    }
+}
+
+fn partials_flushed(plan: &Plan, rank: u32, nodes: &[Node], acc: &[crate::plan::Access], out: &mut Vec<Violation>) {
+    // The last access of each partial / accumulation must be a flush (a read that moves
+    // it on); a write as last access means it was left behind.
+    let mut last: BTreeMap<Buffer, (NodeId, bool)> = BTreeMap::new();
+    for n in nodes {
+        let a = &acc[n.id as usize];
+        for b in a.reads.iter().filter(|b| matches!(b, Buffer::Partial { .. } | Buffer::Accum { .. })) {
+            last.insert(*b, (n.id, false));
+        }
+        for b in a.writes.iter().filter(|b| matches!(b, Buffer::Partial { .. } | Buffer::Accum { .. })) {
+            last.insert(*b, (n.id, true));
+        }
+    }
+    for (buf, (node, written)) in last {
+        if !written {
+            continue;
+        }
+        let n = &nodes[node as usize];
+        let what = match buf {
+            Buffer::Partial { bucket } => format!("the partial of bucket {bucket} ({})", plan.bucket_param_names(bucket)),
+            Buffer::Accum { param } => format!("the no_sync accumulation of `{}`", plan.param(param).spec.name),
+            _ => buf.to_string(),
+        };
+        out.push(violation(
+            "partials-flushed",
+            rank,
+            Some(n),
+            format!("{what}, last written by {}, is never flushed by a gate-on Stage 2 in this step", plan.label(n)),
+        ));
+    }
+}
+
+/// A communicator: a group bound to a stream.
+type Comm = (Group, Stream);
+
+fn collective_match(plan: &Plan, out: &mut Vec<Violation>) {
+    let mut seqs: BTreeMap<(String, Stream), Vec<(u32, Vec<(NodeId, Collective)>)>> = BTreeMap::new();
+    let mut groups: HashMap<(String, Stream), Comm> = HashMap::new();
+    for rp in &plan.ranks {
+        let mut per: HashMap<Comm, Vec<(NodeId, Collective)>> = HashMap::new();
+        for n in &rp.nodes {
+            if let Some(c) = n.op.collective() {
+                if plan.mesh.index_in(c.group, rp.rank).is_none() {
+                    out.push(violation(
+                        "collective-match",
+                        rp.rank,
+                        Some(n),
+                        format!("{} runs on {}, which rank {} is not a member of", plan.label(n), c.group, rp.rank),
+                    ));
+                    continue;
+                }
+                per.entry((c.group, n.stream)).or_default().push((n.id, *c));
+            }
+        }
+        for (comm, seq) in per {
+            let key = (format!("{:?}", comm.0), comm.1);
+            groups.insert(key.clone(), comm);
+            seqs.entry(key).or_default().push((rp.rank, seq));
+        }
+    }
+    for (key, mut members) in seqs {
+        let (group, stream) = groups[&key];
+        members.sort_by_key(|m| m.0);
+        // Members that issue nothing on this communicator have an empty sequence.
+        for r in plan.mesh.members(group) {
+            if !members.iter().any(|m| m.0 == r) {
+                members.push((r, Vec::new()));
+            }
+        }
+        members.sort_by_key(|m| m.0);
+        let (r0, s0) = &members[0];
+        for (r, s) in &members[1..] {
+            let k = s0.iter().zip(s).position(|(a, b)| a.1 != b.1).unwrap_or(s0.len().min(s.len()));
+            if k == s0.len() && k == s.len() {
+                continue;
+            }
+            let desc = |seq: &Vec<(NodeId, Collective)>| match seq.get(k) {
+                Some((_, c)) => format!("{} of {} {:?}{}", c.kind.name(), c.count, c.dtype, c.root.map(|r| format!(" root {r}")).unwrap_or_default()),
+                None => "nothing".into(),
+            };
+            let node = s.get(k).or(s0.get(k)).map(|x| x.0);
+            let rank = if s.get(k).is_some() { *r } else { *r0 };
+            out.push(Violation {
+                invariant: "collective-match",
+                rank,
+                stream: Some(stream),
+                node,
+                detail: format!(
+                    "collective #{k} on {group} (stream {stream}): rank {r0} issues {}, rank {r} issues {}; real hardware would hang",
+                    desc(s0),
+                    desc(s)
+                ),
+            });
+            return;
+        }
+    }
+}
+
+fn no_deadlock(plan: &Plan, out: &mut Vec<Violation>) {
+    // Per rank: the issue order binds each wait to the record issued before it.
+    struct Lane {
+        rank: u32,
+        stream: Stream,
+        instrs: Vec<(Instr, u32)>, // (instruction, record instance for waits)
+        ip: usize,
+    }
+    let mut lanes: Vec<Lane> = Vec::new();
+    let mut lane_of: HashMap<(u32, Stream), usize> = HashMap::new();
+    for rp in &plan.ranks {
+        let mut issued: HashMap<EventId, u32> = HashMap::new();
+        let mut per: HashMap<Stream, Vec<(Instr, u32)>> = HashMap::new();
+        for (s, ins) in issue_order(rp) {
+            let inst = match ins {
+                Instr::Record(e) => {
+                    let c = issued.entry(e).or_insert(0);
+                    *c += 1;
+                    *c
+                }
+                Instr::Wait(e) => issued.get(&e).copied().unwrap_or(0),
+                Instr::Run(_) => 0,
+            };
+            per.entry(s).or_default().push((ins, inst));
+        }
+        for sp in &rp.streams {
+            lane_of.insert((rp.rank, sp.stream), lanes.len());
+            lanes.push(Lane { rank: rp.rank, stream: sp.stream, instrs: per.remove(&sp.stream).unwrap_or_default(), ip: 0 });
+        }
+    }
+    let mut fired: HashMap<(u32, EventId), u32> = HashMap::new();
+    let mut event_waiters: HashMap<(u32, EventId), Vec<usize>> = HashMap::new();
+    // Collective arrivals per (communicator, call index).
+    let mut passed: HashMap<(usize, Group), u32> = HashMap::new();
+    let mut arrivals: HashMap<(Comm, u32), Vec<usize>> = HashMap::new();
+    let mut ready: Vec<usize> = (0..lanes.len()).collect();
+    while let Some(li) = ready.pop() {
+        loop {
+            let lane = &lanes[li];
+            let Some(&(ins, inst)) = lane.instrs.get(lane.ip) else { break };
+            let rank = lane.rank;
+            match ins {
+                Instr::Record(e) => {
+                    *fired.entry((rank, e)).or_insert(0) += 1;
+                    if let Some(ws) = event_waiters.remove(&(rank, e)) {
+                        ready.extend(ws);
+                    }
+                    lanes[li].ip += 1;
+                }
+                Instr::Wait(e) => {
+                    if fired.get(&(rank, e)).copied().unwrap_or(0) >= inst {
+                        lanes[li].ip += 1;
+                    } else {
+                        event_waiters.entry((rank, e)).or_default().push(li);
+                        break;
+                    }
+                }
+                Instr::Run(id) => {
+                    let node = &plan.rank(rank).nodes[id as usize];
+                    let Some(c) = node.op.collective() else {
+                        lanes[li].ip += 1;
+                        continue;
+                    };
+                    let comm = (c.group, node.stream);
+                    let call = passed.get(&(li, c.group)).copied().unwrap_or(0);
+                    let arrived = arrivals.entry((comm, call)).or_default();
+                    if !arrived.contains(&li) {
+                        arrived.push(li);
+                    }
+                    if arrived.len() as u32 == plan.mesh.group_size(c.group) {
+                        let all = arrivals.remove(&(comm, call)).unwrap_or_default();
+                        for l in all {
+                            lanes[l].ip += 1;
+                            *passed.entry((l, c.group)).or_insert(0) += 1;
+                            if l != li {
+                                ready.push(l);
+                            }
+                        }
+                    } else {
+                        break;
+                    }
+                }
+            }
+        }
+    }
+    if let Some(l) = lanes.iter().find(|l| l.ip < l.instrs.len()) {
+        let (ins, _) = l.instrs[l.ip];
+        let node = match ins {
+            Instr::Run(n) => Some(&plan.rank(l.rank).nodes[n as usize]),
+            _ => None,
+        };
+        let what = match (ins, node) {
+            (Instr::Wait(e), _) => format!("waits on event {e}, whose record never executes"),
+            (_, Some(n)) => format!("{} never completes: not every member of its communicator reaches it", plan.label(n)),
+            _ => "is blocked".into(),
+        };
+        out.push(Violation {
+            invariant: "no-deadlock",
+            rank: l.rank,
+            stream: Some(l.stream),
+            node: node.map(|n| n.id),
+            detail: format!("executing all ranks together, stream {} of rank {} {what}", l.stream, l.rank),
+        });
+    }
+}

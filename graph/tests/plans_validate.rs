@@ -1,0 +1,41 @@
+//! Every plan the planner builds validates, on every mesh shape and gate pattern.
+
+use overlap_graph::{validate, Bindings, Gate, Mesh, Mode, ParamSpec, PlanSpec, Planner, ReduceSpec, Route};
+
+pub fn four_routes() -> Vec<ParamSpec> {
+    let p = |name: &str, shape: Vec<u64>, route, layer| ParamSpec { name: name.into(), shape, route, layer };
+    vec![
+        p("embed", vec![37, 6], Route::ShardedAdamw, 0),
+        p("blocks.0.norm", vec![7], Route::Fsdp, 1),
+        p("blocks.0.w", vec![9, 5], Route::Muon, 1),
+        p("blocks.0.b", vec![11], Route::Adamw, 1),
+        p("blocks.1.norm", vec![5, 3], Route::Fsdp, 2),
+        p("blocks.1.w", vec![6, 10], Route::Muon, 2),
+        p("head", vec![13, 3], Route::ShardedAdamw, 3),
+    ]
+}
+
+fn spec(shard: u32, replicate: u32) -> PlanSpec {
+    PlanSpec { mesh: Mesh::new(shard, replicate).unwrap(), params: four_routes(), reduce: ReduceSpec::default(), bucket_cap_bytes: 256, bindings: Bindings::default() }
+}
+
+#[test]
+fn built_plans_validate_on_every_mesh_and_gate_pattern() {
+    use Gate::*;
+    let patterns: Vec<Vec<Gate>> = vec![vec![On], vec![ReplicateOff, On], vec![ReplicateOff, ReplicateOff, On], vec![On, On], vec![NoSync, ReplicateOff, On], vec![ReplicateOff, On, ReplicateOff, On], vec![NoSync, NoSync, On]];
+    for (s, r) in [(1, 1), (2, 2), (1, 4), (4, 1), (2, 3), (3, 2)] {
+        let planner = Planner::new(spec(s, r)).unwrap();
+        for g in &patterns {
+            let plan = planner.plan(g).unwrap();
+            let v = validate(&plan, Mode::Step);
+            assert!(v.is_empty(), "mesh {s}x{r} gates {}: {:#?}", Gate::pattern_label(g), v);
+        }
+    }
+}
+
+#[test]
+fn plan_json_round_trips() {
+    let plan = Planner::new(spec(2, 2)).unwrap().plan(&[Gate::ReplicateOff, Gate::On]).unwrap();
+    let back = overlap_graph::Plan::from_json(&plan.to_json()).unwrap();
+    assert_eq!(plan, back);
+}
