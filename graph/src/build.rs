@@ -154,11 +154,11 @@ impl Planner {
             let param = i as ParamId;
             let kind = if p.spec.route == Route::Muon { OptimizerKind::Muon } else { OptimizerKind::Adamw };
             match p.owner {
-                None => push(&mut nodes, None, b.optimizer, Op::Optimizer { param, kind }),
+                None => push(&mut nodes, None, b.optimizer, Op::Optimizer { param, optimizer: kind }),
                 Some(o) if o.shard != me.shard => {}
                 Some(o) => {
                     if o == me {
-                        push(&mut nodes, None, b.optimizer, Op::Optimizer { param, kind });
+                        push(&mut nodes, None, b.optimizer, Op::Optimizer { param, optimizer: kind });
                     }
                     let collective = Collective {
                         kind: CollectiveKind::Broadcast,

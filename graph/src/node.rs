@@ -243,7 +243,7 @@ pub enum Op {
     /// Scatter the Stage-2 output into each parameter's reduced gradient (`(+)=`).
     Unpack { bucket: BucketId, micro_batch: u32, accumulate: bool },
     /// The optimizer step of one parameter's piece on this rank.
-    Optimizer { param: ParamId, kind: OptimizerKind },
+    Optimizer { param: ParamId, optimizer: OptimizerKind },
     /// The owner broadcasts the updated parameter over its replicate group.
     Publish { param: ParamId, collective: Collective },
 }

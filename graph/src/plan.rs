@@ -403,7 +403,7 @@ impl Plan {
         let mb = node.micro_batch.map(|m| format!(" m{m}")).unwrap_or_default();
         match node.op {
             Op::GradReady { layer } => format!("grad_ready L{layer}{mb}"),
-            Op::Optimizer { param, kind } => {
+            Op::Optimizer { param, optimizer: kind } => {
                 format!("optimizer {} ({})", self.param(param).spec.name, if kind == OptimizerKind::Muon { "muon" } else { "adamw" })
             }
             Op::Publish { param, .. } => format!("publish {}", self.param(param).spec.name),
