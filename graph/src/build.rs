@@ -63,6 +63,17 @@ impl Planner {
 
     /// Builds and lowers the plan of one step with the given gate of each micro-batch.
     pub fn plan(&self, gates: &[Gate]) -> Result<Plan, PlanError> {
+        self.build(gates, true)
+    }
+
+    /// The plan of the micro-batches issued so far, without the step's optimizer and
+    /// publish tail: its programs are a prefix of those of every step that starts with
+    /// these gates. Validate it with [`crate::Mode::Prefix`].
+    pub fn plan_prefix(&self, gates: &[Gate]) -> Result<Plan, PlanError> {
+        self.build(gates, false)
+    }
+
+    fn build(&self, gates: &[Gate], tail: bool) -> Result<Plan, PlanError> {
         if gates.is_empty() {
             return Err(PlanError::Input { key: "accumulation.micro_batches".into(), reason: "a step needs at least one micro-batch".into() });
         }
@@ -84,7 +95,7 @@ impl Planner {
             .mesh
             .ranks()
             .map(|rank| {
-                let (nodes, segments) = self.rank_nodes(&plan, rank);
+                let (nodes, segments) = self.rank_nodes(&plan, rank, tail);
                 lower_rank(&plan, rank, nodes, &segments)
             })
             .collect();
@@ -92,7 +103,7 @@ impl Planner {
         Ok(plan)
     }
 
-    fn rank_nodes(&self, plan: &Plan, rank: u32) -> (Vec<Node>, Vec<Segment>) {
+    fn rank_nodes(&self, plan: &Plan, rank: u32, tail: bool) -> (Vec<Node>, Vec<Segment>) {
         let mesh = self.spec.mesh;
         let b = &self.spec.bindings;
         let red = self.spec.reduce;
@@ -147,7 +158,10 @@ impl Planner {
                     }
                 }
             }
-            segments.push(Segment { start, end: nodes.len() });
+            segments.push(Segment { start, end: nodes.len(), tail: false });
+        }
+        if !tail {
+            return (nodes, segments);
         }
         let start = nodes.len();
         for (i, p) in self.params.iter().enumerate() {
@@ -172,7 +186,7 @@ impl Planner {
                 }
             }
         }
-        segments.push(Segment { start, end: nodes.len() });
+        segments.push(Segment { start, end: nodes.len(), tail: true });
         (nodes, segments)
     }
 }

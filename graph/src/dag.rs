@@ -7,10 +7,12 @@
 //! clocks), so the programs carry the fewest events that keep every dependency.
 //!
 //! A step is lowered in segments (one per micro-batch, then the optimizer tail). Within a
-//! segment events are exact; a dependency on an earlier segment is kept by one wait, at
-//! the segment's start, on the end event of the producer stream's latest segment. That
-//! keeps each segment's program a function of its gate and what came before, so the
-//! executor can reuse it (and a GPU backend capture it) per gate pattern.
+//! segment events are exact. Each micro-batch segment ends with one record per stream it
+//! used, and a dependency on an earlier segment is kept by one wait, at the segment's
+//! start, on that end event of the producer stream's latest segment. So a segment's
+//! program depends only on the segments before it: the plan of a gate prefix is a prefix
+//! of the plan of the whole step, the executor can issue micro-batches as the trainer
+//! sets their gates, and a GPU backend can capture each segment per gate pattern.
 
 use std::collections::HashMap;
 
@@ -26,6 +28,8 @@ pub struct Segment {
     pub start: usize,
     /// One past the last node id.
     pub end: usize,
+    /// Whether this is the step's optimizer/publish tail (the last segment).
+    pub tail: bool,
 }
 
 /// Why one node depends on another.
@@ -99,37 +103,42 @@ pub fn lower_rank(plan: &Plan, rank: u32, nodes: Vec<Node>, segments: &[Segment]
         v
     };
     let mut events: EventId = 0;
-    let mut record_after: HashMap<NodeId, EventId> = HashMap::new();
-    let mut waits_before: HashMap<NodeId, Vec<EventId>> = HashMap::new();
-    // entry[k][x] = streams whose earlier-segment work stream x must wait for in segment k.
-    let mut entry: Vec<[[bool; 4]; 4]> = vec![[[false; 4]; 4]; segments.len()];
+    let mut alloc = || {
+        events += 1;
+        events - 1
+    };
+    let mut instrs: [Vec<Instr>; 4] = Default::default();
+    // The end event of the latest earlier segment with work on each stream.
+    let mut last_end: [Option<EventId>; 4] = [None; 4];
     for (k, seg) in segments.iter().enumerate() {
+        let seg_nodes = &nodes[seg.start..seg.end];
+        let mut entry = [[false; 4]; 4];
         let mut pos = [0u32; 4];
         let mut known: [Clock; 4] = [[0; 4]; 4];
         let mut clock_of: HashMap<NodeId, (u32, Clock)> = HashMap::new();
-        for n in &nodes[seg.start..seg.end] {
+        let mut record_after: HashMap<NodeId, EventId> = HashMap::new();
+        let mut waits_before: HashMap<NodeId, Vec<EventId>> = HashMap::new();
+        for n in seg_nodes {
             let x = n.stream.index();
             let mut preds: Vec<NodeId> = g
                 .neighbors_directed(NodeIndex::new(n.id as usize), petgraph::Direction::Incoming)
                 .map(|i| nodes[i.index()].id)
                 .filter(|&p| nodes[p as usize].stream != n.stream)
                 .collect();
+            // Latest first: a later producer's clock may cover an earlier one.
             preds.sort_unstable_by(|a, b| b.cmp(a));
             preds.dedup();
             for p in preds {
                 let y = nodes[p as usize].stream.index();
                 if seg_of[p as usize] != k {
-                    entry[k][x][y] = true;
+                    entry[x][y] = true;
                     continue;
                 }
                 let (ppos, pclock) = clock_of[&p];
                 if known[x][y] >= ppos {
                     continue;
                 }
-                let ev = *record_after.entry(p).or_insert_with(|| {
-                    events += 1;
-                    events - 1
-                });
+                let ev = *record_after.entry(p).or_insert_with(&mut alloc);
                 waits_before.entry(n.id).or_default().push(ev);
                 join(&mut known[x], &pclock);
             }
@@ -137,35 +146,15 @@ pub fn lower_rank(plan: &Plan, rank: u32, nodes: Vec<Node>, segments: &[Segment]
             known[x][x] = pos[x];
             clock_of.insert(n.id, (pos[x], known[x]));
         }
-    }
-    // End events: the latest earlier segment with work on stream y records one when a
-    // later segment's entry needs it.
-    let has_work = |k: usize, s: usize| nodes[segments[k].start..segments[k].end].iter().any(|n| n.stream.index() == s);
-    let mut end_event: HashMap<(usize, usize), EventId> = HashMap::new();
-    let mut entry_waits: Vec<[Vec<EventId>; 4]> = vec![Default::default(); segments.len()];
-    for k in 0..segments.len() {
-        for x in 0..4 {
-            for y in 0..4 {
-                if !entry[k][x][y] {
-                    continue;
-                }
-                if let Some(j) = (0..k).rev().find(|&j| has_work(j, y)) {
-                    let ev = *end_event.entry((j, y)).or_insert_with(|| {
-                        events += 1;
-                        events - 1
-                    });
-                    entry_waits[k][x].push(ev);
-                }
-            }
-        }
-    }
-    let mut instrs: [Vec<Instr>; 4] = Default::default();
-    for (k, seg) in segments.iter().enumerate() {
         let mut started = [false; 4];
-        for n in &nodes[seg.start..seg.end] {
+        for n in seg_nodes {
             let x = n.stream.index();
             if !std::mem::replace(&mut started[x], true) {
-                instrs[x].extend(entry_waits[k][x].iter().map(|&e| Instr::Wait(e)));
+                for y in 0..4 {
+                    if let (true, Some(e)) = (entry[x][y], last_end[y]) {
+                        instrs[x].push(Instr::Wait(e));
+                    }
+                }
             }
             if let Some(ws) = waits_before.get(&n.id) {
                 instrs[x].extend(ws.iter().map(|&e| Instr::Wait(e)));
@@ -175,9 +164,15 @@ pub fn lower_rank(plan: &Plan, rank: u32, nodes: Vec<Node>, segments: &[Segment]
                 instrs[x].push(Instr::Record(e));
             }
         }
-        for (y, list) in instrs.iter_mut().enumerate() {
-            if let Some(&e) = end_event.get(&(k, y)) {
-                list.push(Instr::Record(e));
+        // Every micro-batch segment ends with one event per stream it used, so that the
+        // next segment's program does not depend on what follows it.
+        if !seg.tail {
+            for (y, list) in instrs.iter_mut().enumerate() {
+                if started[y] {
+                    let e = alloc();
+                    list.push(Instr::Record(e));
+                    last_end[y] = Some(e);
+                }
             }
         }
     }

@@ -39,3 +39,23 @@ fn plan_json_round_trips() {
     let back = overlap_graph::Plan::from_json(&plan.to_json()).unwrap();
     assert_eq!(plan, back);
 }
+
+#[test]
+fn plan_of_a_gate_prefix_is_a_prefix_of_the_step_plan() {
+    use Gate::*;
+    let planner = Planner::new(spec(2, 2)).unwrap();
+    let gates = [NoSync, ReplicateOff, On, ReplicateOff, On];
+    let full = planner.plan(&gates).unwrap();
+    for k in 1..gates.len() {
+        let prefix = planner.plan_prefix(&gates[..k]).unwrap();
+        assert!(validate(&prefix, Mode::Prefix).is_empty());
+        for (a, b) in prefix.ranks.iter().zip(&full.ranks) {
+            let mb_nodes = a.nodes.iter().take_while(|n| n.micro_batch.is_some()).count();
+            assert_eq!(a.nodes[..mb_nodes], b.nodes[..mb_nodes]);
+            for (sa, sb) in a.streams.iter().zip(&b.streams) {
+                assert_eq!(sa.stream, sb.stream);
+                assert_eq!(sa.instrs[..], sb.instrs[..sa.instrs.len()], "rank {} stream {}", a.rank, sa.stream);
+            }
+        }
+    }
+}
