@@ -1,1 +1,364 @@
-//! placeholder
+//! # overlap-executor
+//!
+//! Runs lowered plans on a [`Backend`]: it issues each local rank's stream programs in
+//! the host issue order the plan defines (node by node, as the trainer's backward makes
+//! gradients ready), maps plan events to backend events, allocates buffers and keeps
+//! each one alive until the events after its last readers complete, recycles transient
+//! buffers through a pool, bounds the Stage-1 buffers in flight (backpressure), and turns
+//! a failure anywhere into an error value returned from the step.
+//!
+//! Invariant: the executor adds no ordering of its own between streams. Everything that
+//! orders work is in the plan (and so was proven by the validator); the executor's own
+//! events only tell the host when a buffer may be reused.
+//!
+//! Ranks issue concurrently on one host task (their futures are joined), so a rank
+//! waiting on backpressure never stops another rank from reaching a collective.
+
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use futures_util::future::join_all;
+use overlap_graph::{Buffer, Op, ParamId, Plan, Stream};
+use overlap_ops::{AdamwParams, Backend, MuonParams, OpsError, Timing};
+
+mod prepared;
+mod rank;
+
+use prepared::Prepared;
+use rank::{IssueCtx, RankState};
+
+/// Executor settings.
+#[derive(Debug, Clone)]
+pub struct ExecConfig {
+    /// Stage-1 buffers (pack + collective output) allowed in flight per rank.
+    pub stage1_window: usize,
+    /// AdamW hyper-parameters.
+    pub adamw: AdamwParams,
+    /// Muon hyper-parameters.
+    pub muon: MuonParams,
+    /// How long the host waits for the device before giving up on a step.
+    pub host_timeout: Duration,
+}
+
+impl Default for ExecConfig {
+    fn default() -> Self {
+        ExecConfig { stage1_window: 2, adamw: AdamwParams::default(), muon: MuonParams::default(), host_timeout: Duration::from_secs(120) }
+    }
+}
+
+/// A node that failed, as the step reports it.
+#[derive(Debug, Clone, PartialEq)]
+pub struct NodeFailure {
+    /// Global rank.
+    pub rank: u32,
+    /// The node's stream.
+    pub stream: Stream,
+    /// The node id in the rank's program.
+    pub node: u32,
+    /// A readable label of the node (`stage1 b3 m0 (reduce_scatter on ...)`).
+    pub label: String,
+    /// What went wrong.
+    pub error: OpsError,
+}
+
+impl std::fmt::Display for NodeFailure {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "rank {} stream {} node {} ({}): {}", self.rank, self.stream, self.node, self.label, self.error)
+    }
+}
+
+/// Errors of the executor.
+#[derive(Debug, thiserror::Error)]
+pub enum ExecError {
+    /// Nodes failed; their dependents were cancelled and the step's state discarded.
+    #[error("step failed: {}", .failures.iter().map(|f| f.to_string()).collect::<Vec<_>>().join("; "))]
+    Step {
+        /// Root causes (not cancellations), in the order they happened.
+        failures: Vec<NodeFailure>,
+    },
+    /// The caller used the API out of order (wrong layer, no plan, ...).
+    #[error("{0}")]
+    Usage(String),
+    /// A backend operation the host called directly failed.
+    #[error(transparent)]
+    Ops(#[from] OpsError),
+    /// The device did not finish in time.
+    #[error("timed out after {seconds} s waiting for rank {rank}, stream {stream}")]
+    Timeout {
+        /// How long it waited.
+        seconds: u64,
+        /// The rank.
+        rank: u32,
+        /// The stream.
+        stream: Stream,
+    },
+    /// A bug in overlap itself.
+    #[error("internal error: {0}")]
+    Internal(String),
+}
+
+/// What one step cost.
+#[derive(Debug, Clone, Default)]
+pub struct StepStats {
+    /// Nodes issued across local ranks.
+    pub nodes: usize,
+    /// Host time spent issuing them, in seconds.
+    pub issue_seconds: f64,
+    /// Wall time from the first issue to the end of the step, in seconds.
+    pub wall_seconds: f64,
+    /// Kernel timings of the step.
+    pub timings: Vec<Timing>,
+    /// Partials and no_sync accumulations still unflushed when the step's last node was
+    /// issued, over local ranks (a valid plan leaves none).
+    pub partials_left: usize,
+}
+
+/// Issues plans on a backend for its local ranks and owns their buffers.
+pub struct Executor<B: Backend> {
+    backend: Arc<B>,
+    cfg: ExecConfig,
+    ranks: Vec<RankState<B>>,
+    steps_done: u64,
+    issue_time: Duration,
+    step_start: Option<Instant>,
+    staging: Vec<f32>,
+}
+
+impl<B: Backend> Executor<B> {
+    /// An executor over a backend's local ranks.
+    pub fn new(backend: Arc<B>, cfg: ExecConfig) -> Self {
+        let ranks = backend.local_ranks().into_iter().map(RankState::new).collect();
+        Executor { backend, cfg, ranks, steps_done: 0, issue_time: Duration::ZERO, step_start: None, staging: Vec::new() }
+    }
+
+    /// The backend.
+    pub fn backend(&self) -> &Arc<B> {
+        &self.backend
+    }
+
+    /// The settings.
+    pub fn config(&self) -> &ExecConfig {
+        &self.cfg
+    }
+
+    /// Global ranks this executor drives.
+    pub fn local_ranks(&self) -> Vec<u32> {
+        self.ranks.iter().map(|r| r.rank).collect()
+    }
+
+    /// Completed steps.
+    pub fn steps_done(&self) -> u64 {
+        self.steps_done
+    }
+
+    /// Whether any node of the current step has been issued.
+    pub fn in_step(&self) -> bool {
+        self.step_start.is_some()
+    }
+
+    fn rank_mut(&mut self, rank: u32) -> Result<&mut RankState<B>, ExecError> {
+        self.ranks.iter_mut().find(|r| r.rank == rank).ok_or_else(|| ExecError::Usage(format!("rank {rank} is not driven by this executor")))
+    }
+
+    /// Sets a parameter's values on a rank (its shard, or the whole tensor on the owner's
+    /// shard column). Call before the first step.
+    pub fn init_param(&mut self, rank: u32, param: ParamId, values: &[f32]) -> Result<(), ExecError> {
+        let backend = self.backend.clone();
+        let r = self.rank_mut(rank)?;
+        let buf = backend.alloc(rank, values.len())?;
+        backend.upload(&buf, values)?;
+        r.buffers.insert(Buffer::Param { param }, buf);
+        Ok(())
+    }
+
+    /// Reads a buffer of a rank (a parameter, or a reduced gradient of the last step).
+    /// Call between steps.
+    pub fn read(&self, rank: u32, buffer: Buffer) -> Result<Option<Vec<f32>>, ExecError> {
+        let r = self.ranks.iter().find(|r| r.rank == rank).ok_or_else(|| ExecError::Usage(format!("rank {rank} is not driven by this executor")))?;
+        match r.buffers.get(&buffer) {
+            Some(b) => Ok(Some(self.backend.download(b)?)),
+            None => Ok(None),
+        }
+    }
+
+    /// Switches every rank to `plan`, whose programs must extend what was issued so far
+    /// (the plan of a longer gate prefix, or of the whole step).
+    pub fn adopt(&mut self, plan: &Arc<Plan>) {
+        if self.step_start.is_none() {
+            self.step_start = Some(Instant::now());
+            self.issue_time = Duration::ZERO;
+            for r in &mut self.ranks {
+                r.begin_step();
+            }
+        }
+        for r in &mut self.ranks {
+            let same = r.prepared.as_ref().is_some_and(|p| Arc::ptr_eq(&p.plan, plan));
+            if !same {
+                r.adopt(&self.backend, Arc::new(Prepared::new(plan.clone(), r.rank)));
+            }
+        }
+    }
+
+    fn ctx(&self) -> IssueCtx {
+        IssueCtx { window: self.cfg.stage1_window, adamw: self.cfg.adamw, muon: self.cfg.muon, step: self.steps_done + 1 }
+    }
+
+    /// The trainer's backward made `layer`'s gradients of `micro_batch` ready: `fill`
+    /// writes each (rank, parameter) gradient into the slice it is given; then the
+    /// layer's nodes are issued on every local rank.
+    pub async fn grad_ready(&mut self, micro_batch: u32, layer: u32, mut fill: impl FnMut(u32, ParamId, &mut [f32])) -> Result<(), ExecError> {
+        let t0 = Instant::now();
+        let backend = self.backend.clone();
+        let mut ends = Vec::with_capacity(self.ranks.len());
+        for r in &mut self.ranks {
+            let p = r.prepared.clone().ok_or_else(|| ExecError::Usage("grad_ready before a micro-batch began".into()))?;
+            let nodes = &p.plan.rank(r.rank).nodes;
+            let here = nodes.get(r.next_node);
+            match here {
+                Some(n) if n.op == Op::GradReady { layer } && n.micro_batch == Some(micro_batch) => {}
+                other => {
+                    let next = other.map(|n| p.plan.label(n)).unwrap_or_else(|| "the end of the plan".into());
+                    return Err(ExecError::Usage(format!(
+                        "grad_ready(layer {layer}) of micro-batch {micro_batch} on rank {}: the plan expects {next} next (layers are handed in from the highest down, each once per micro-batch)",
+                        r.rank
+                    )));
+                }
+            }
+            let end = (r.next_node + 1..nodes.len())
+                .find(|&i| matches!(nodes[i].op, Op::GradReady { .. }) || nodes[i].micro_batch != Some(micro_batch))
+                .unwrap_or(nodes.len());
+            ends.push(end);
+            for (i, param) in p.plan.params.iter().enumerate() {
+                if param.spec.layer != layer {
+                    continue;
+                }
+                let numel = param.spec.numel() as usize;
+                self.staging.clear();
+                self.staging.resize(numel, 0.0);
+                fill(r.rank, i as ParamId, &mut self.staging);
+                let buf = r.take(&backend, numel)?;
+                backend.upload(&buf, &self.staging)?;
+                r.buffers.insert(Buffer::Grad { param: i as ParamId, micro_batch }, buf);
+            }
+        }
+        let ctx = self.ctx();
+        let results = join_all(self.ranks.iter_mut().zip(ends).map(|(r, end)| r.issue_until(&backend, end, &ctx))).await;
+        self.issue_time += t0.elapsed();
+        results.into_iter().collect()
+    }
+
+    /// Issues the rest of the step's plan (its optimizer and publish tail), waits for the
+    /// device, and returns the step's figures, or the failures of its nodes.
+    pub async fn finish_step(&mut self) -> Result<StepStats, ExecError> {
+        let t0 = Instant::now();
+        let backend = self.backend.clone();
+        let ctx = self.ctx();
+        let ends: Vec<usize> = self.ranks.iter().map(|r| r.prepared.as_ref().map(|p| p.plan.rank(r.rank).nodes.len()).unwrap_or(0)).collect();
+        let results = join_all(self.ranks.iter_mut().zip(ends).map(|(r, end)| r.issue_until(&backend, end, &ctx))).await;
+        for r in &mut self.ranks {
+            r.issue_trailing(&backend);
+        }
+        self.issue_time += t0.elapsed();
+        results.into_iter().collect::<Result<(), _>>()?;
+        let failures = self.drain().await?;
+        let nodes = self.ranks.iter().map(|r| r.issued).sum();
+        let partials_left = self.step_buffers_held();
+        let wall = self.step_start.take().map(|s| s.elapsed().as_secs_f64()).unwrap_or(0.0);
+        let timings = self.backend.take_timings();
+        if !failures.is_empty() {
+            self.backend.reset();
+            for r in &mut self.ranks {
+                r.end_step(false);
+            }
+            return Err(ExecError::Step { failures });
+        }
+        self.steps_done += 1;
+        for r in &mut self.ranks {
+            r.end_step(true);
+        }
+        Ok(StepStats { nodes, issue_seconds: self.issue_time.as_secs_f64(), wall_seconds: wall, timings, partials_left })
+    }
+
+    /// Discards the step in progress (`zero_grad`): waits for what was issued, then drops
+    /// partials, accumulations and reduced gradients. Failures of the discarded work are
+    /// returned; the executor is usable again either way.
+    pub async fn discard(&mut self) -> Result<(), ExecError> {
+        if self.step_start.take().is_none() {
+            for r in &mut self.ranks {
+                r.end_step(false);
+                r.begin_step();
+            }
+            return Ok(());
+        }
+        for r in &mut self.ranks {
+            r.issue_trailing(&self.backend);
+        }
+        let failures = self.drain().await?;
+        self.backend.take_timings();
+        self.backend.reset();
+        for r in &mut self.ranks {
+            r.end_step(false);
+            r.begin_step();
+        }
+        if failures.is_empty() {
+            Ok(())
+        } else {
+            Err(ExecError::Step { failures })
+        }
+    }
+
+    /// Waits until every stream of every local rank has executed what was issued, and
+    /// collects root-cause failures.
+    async fn drain(&mut self) -> Result<Vec<NodeFailure>, ExecError> {
+        let backend = self.backend.clone();
+        let mut waits = Vec::new();
+        for r in &self.ranks {
+            for s in Stream::ALL {
+                let ev = backend.event(r.rank);
+                backend.record(r.rank, s, &ev);
+                waits.push((r.rank, s, ev));
+            }
+        }
+        let limit = self.cfg.host_timeout;
+        for (rank, stream, ev) in waits {
+            match tokio::time::timeout(limit, backend.host_wait(&ev)).await {
+                Ok(_) => {}
+                Err(_) => return Err(ExecError::Timeout { seconds: limit.as_secs(), rank, stream }),
+            }
+        }
+        let mut failures = Vec::new();
+        for (rank, stream, tag, error) in backend.errors() {
+            let label = self
+                .ranks
+                .iter()
+                .find(|r| r.rank == rank)
+                .and_then(|r| r.prepared.as_ref())
+                .and_then(|p| p.plan.rank(rank).nodes.get(tag.node as usize).map(|n| p.plan.label(n)))
+                .unwrap_or_else(|| tag.op.to_string());
+            failures.push(NodeFailure { rank, stream, node: tag.node, label, error });
+        }
+        if failures.is_empty() {
+            for r in &mut self.ranks {
+                if let Some(e) = r.issue_errors.drain(..).next() {
+                    failures.push(NodeFailure { rank: r.rank, stream: Stream::Reduce, node: 0, label: "backpressure wait".into(), error: e });
+                }
+            }
+        }
+        Ok(failures)
+    }
+
+    /// Partials and no_sync accumulations currently unflushed on the local ranks.
+    pub fn step_buffers_held(&self) -> usize {
+        self.ranks.iter().map(|r| r.live_partials.len()).sum()
+    }
+
+    /// Pooled transient buffers per local rank (they stay bounded across steps).
+    pub fn pooled_buffers(&self) -> Vec<(u32, usize)> {
+        self.ranks.iter().map(|r| (r.rank, r.pooled())).collect()
+    }
+
+    /// Whether a rank holds a parameter's values.
+    pub fn holds_param(&self, rank: u32, param: ParamId) -> bool {
+        self.ranks.iter().any(|r| r.rank == rank && r.holds_param(param))
+    }
+}

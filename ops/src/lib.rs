@@ -1,1 +1,297 @@
-//! placeholder
+//! # overlap-ops
+//!
+//! The operation vocabulary of `overlap` ([`Kernel`]) and the [`Backend`] trait that
+//! runs it: per rank four streams executing kernels in issue order, events that order
+//! streams, and communicators for the mesh's groups. The CPU backend ([`cpu`]) runs ranks
+//! as threads with exact reference math; it is the ground truth GPU kernels are tested
+//! against. Reference optimizer math lives in [`math`].
+//!
+//! Semantics every backend keeps (those of CUDA streams):
+//! - work launched on a stream runs after all earlier work on that stream;
+//! - [`Backend::record`] marks a point of a stream; [`Backend::wait`] makes later work
+//!   of another stream wait until that point has executed;
+//! - a kernel that fails *poisons* its stream: later kernels on it are cancelled, events
+//!   recorded on it fail, streams waiting on a failed event are poisoned in turn, and a
+//!   collective with a poisoned member fails on every member (nothing hangs).
+
+use std::future::Future;
+use std::pin::Pin;
+use std::sync::Arc;
+
+pub use overlap_graph as graph;
+use overlap_graph::{Collective, CopySeg, Group, Stream};
+
+pub mod cpu;
+pub mod math;
+
+/// Errors of kernels and backends.
+#[derive(Debug, Clone, PartialEq, thiserror::Error)]
+pub enum OpsError {
+    /// A kernel's buffers do not match what it needs.
+    #[error("{kernel}: {reason}")]
+    Shape {
+        /// The kernel kind.
+        kernel: &'static str,
+        /// What does not match.
+        reason: String,
+    },
+    /// A kernel failed while running.
+    #[error("{kernel} failed: {reason}")]
+    Failed {
+        /// The kernel kind.
+        kernel: &'static str,
+        /// Why.
+        reason: String,
+    },
+    /// Cancelled because something it depends on failed.
+    #[error("cancelled: {0}")]
+    Cancelled(String),
+    /// A collective's members disagree or did not arrive in time.
+    #[error("collective on {comm}: {reason}")]
+    Collective {
+        /// The communicator, e.g. `shard-group(r=0)@reduce`.
+        comm: String,
+        /// What went wrong.
+        reason: String,
+    },
+    /// The backend cannot be used.
+    #[error("backend: {0}")]
+    Backend(String),
+}
+
+impl OpsError {
+    /// Whether this error only reports the failure of something else.
+    pub fn is_cancellation(&self) -> bool {
+        matches!(self, OpsError::Cancelled(_))
+    }
+}
+
+/// A communicator: one group of the mesh bound to the stream that uses it.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub struct CommId {
+    /// The group.
+    pub group: Group,
+    /// The stream its collectives run on.
+    pub stream: Stream,
+}
+
+impl std::fmt::Display for CommId {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "{}@{}", self.group, self.stream)
+    }
+}
+
+/// AdamW hyper-parameters (decoupled weight decay, bias-corrected moments).
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct AdamwParams {
+    /// Learning rate.
+    pub lr: f32,
+    /// First-moment decay.
+    pub beta1: f32,
+    /// Second-moment decay.
+    pub beta2: f32,
+    /// Denominator epsilon.
+    pub eps: f32,
+    /// Decoupled weight decay: `p *= 1 - lr·wd` before the update.
+    pub weight_decay: f32,
+}
+
+impl Default for AdamwParams {
+    fn default() -> Self {
+        AdamwParams { lr: 1e-3, beta1: 0.9, beta2: 0.999, eps: 1e-8, weight_decay: 0.01 }
+    }
+}
+
+/// Muon hyper-parameters.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct MuonParams {
+    /// Learning rate.
+    pub lr: f32,
+    /// Momentum `μ`: `buf = μ·buf + g`, Nesterov input `g + μ·buf`.
+    pub momentum: f32,
+    /// Newton–Schulz iterations (quintic).
+    pub ns_steps: u32,
+    /// Decoupled weight decay.
+    pub weight_decay: f32,
+}
+
+impl Default for MuonParams {
+    fn default() -> Self {
+        MuonParams { lr: 0.02, momentum: 0.95, ns_steps: 5, weight_decay: 0.0 }
+    }
+}
+
+/// One operation with its buffers bound. `B` is the backend's buffer handle.
+#[derive(Debug, Clone)]
+pub enum Kernel<B> {
+    /// A point of the trainer's backward (`grad_ready`): no work, only ordering.
+    Marker,
+    /// `dst = src` (or `dst += src` when `accumulate`), same length.
+    Add {
+        /// Destination.
+        dst: B,
+        /// Source.
+        src: B,
+        /// Add instead of copy.
+        accumulate: bool,
+    },
+    /// Zero `dst`, then for every segment `dst[dst..dst+len] = Σ srcs[src..src+len]`
+    /// over the segment's sources (a gradient, plus its no_sync accumulation).
+    Pack {
+        /// The send buffer.
+        dst: B,
+        /// Copies, each with the buffers summed into it.
+        segs: Arc<[(CopySeg, Vec<B>)]>,
+    },
+    /// For every segment `dsts[i][dst..dst+len] (+)= src[src..src+len]`.
+    Unpack {
+        /// The Stage-2 output.
+        src: B,
+        /// Copies with their destination buffer.
+        segs: Arc<[(CopySeg, B)]>,
+        /// Add instead of copy.
+        accumulate: bool,
+    },
+    /// A collective on a communicator. Buffers by kind (`n` = group size, `c` = count):
+    /// reduce-scatter `send[n·c] → recv[c]`; all-reduce `send[c] → recv[c]` (may be the
+    /// same buffer); reduce `send[c] → recv[c]` on the root only (`recv = None`
+    /// elsewhere); broadcast: the root passes `send` only, the others `recv` only;
+    /// all-gather `send[c] → recv[n·c]`. `bf16` rounds inputs to bfloat16 and reduces in
+    /// f32; `avg` divides by `n`.
+    Collective {
+        /// What every member issues.
+        desc: Collective,
+        /// The communicator.
+        comm: CommId,
+        /// Input.
+        send: Option<B>,
+        /// Output.
+        recv: Option<B>,
+    },
+    /// AdamW on one piece: `state` holds `m` then `v` (2·len).
+    Adamw {
+        /// Parameter values (updated in place).
+        param: B,
+        /// The reduced gradient.
+        grad: B,
+        /// Moments.
+        state: B,
+        /// Hyper-parameters.
+        hp: AdamwParams,
+        /// 1-based step count for bias correction.
+        step: u64,
+    },
+    /// Muon on a whole `rows × cols` matrix (row-major).
+    Muon {
+        /// Parameter values (updated in place).
+        param: B,
+        /// The reduced gradient.
+        grad: B,
+        /// Momentum buffer.
+        momentum: B,
+        /// Rows.
+        rows: usize,
+        /// Columns.
+        cols: usize,
+        /// Hyper-parameters.
+        hp: MuonParams,
+    },
+}
+
+impl<B> Kernel<B> {
+    /// The kernel's kind name.
+    pub fn name(&self) -> &'static str {
+        match self {
+            Kernel::Marker => "marker",
+            Kernel::Add { .. } => "add",
+            Kernel::Pack { .. } => "pack",
+            Kernel::Unpack { .. } => "unpack",
+            Kernel::Collective { .. } => "collective",
+            Kernel::Adamw { .. } => "adamw",
+            Kernel::Muon { .. } => "muon",
+        }
+    }
+}
+
+/// Who launched a kernel: for errors, fault injection, timings and traces.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Tag {
+    /// The plan node.
+    pub node: u32,
+    /// The node's operation kind (`stage1`, `fold`, ...).
+    pub op: &'static str,
+    /// The micro-batch, or `u32::MAX` for the step tail.
+    pub micro_batch: u32,
+}
+
+/// When a kernel ran, relative to the backend's epoch (for timelines and metrics).
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct Timing {
+    /// The rank.
+    pub rank: u32,
+    /// The stream.
+    pub stream: Stream,
+    /// The launching node.
+    pub tag: Tag,
+    /// Start, seconds since the epoch.
+    pub start: f64,
+    /// End, seconds since the epoch.
+    pub end: f64,
+    /// Bytes a collective moved per member (0 for other kernels).
+    pub bytes: u64,
+}
+
+/// The state of an event as the host sees it.
+#[derive(Debug, Clone, PartialEq)]
+pub enum EventStatus {
+    /// Not executed yet.
+    Pending,
+    /// Executed.
+    Complete,
+    /// Recorded on a poisoned stream.
+    Failed(OpsError),
+}
+
+/// A boxed future, as returned by [`Backend::host_wait`].
+pub type BoxFuture<T> = Pin<Box<dyn Future<Output = T> + Send + 'static>>;
+
+/// A device (or the CPU standing in for one) with streams, events and communicators for
+/// the local ranks of a mesh.
+pub trait Backend: Send + Sync + 'static {
+    /// A device buffer of f32 elements.
+    type Buffer: Clone + Send + Sync + std::fmt::Debug + 'static;
+    /// An event.
+    type Event: Clone + Send + Sync + 'static;
+
+    /// `cpu` or `cuda`.
+    fn name(&self) -> &'static str;
+    /// The global ranks this backend drives.
+    fn local_ranks(&self) -> Vec<u32>;
+    /// A zeroed buffer of `len` elements on a rank.
+    fn alloc(&self, rank: u32, len: usize) -> Result<Self::Buffer, OpsError>;
+    /// Number of elements.
+    fn len(&self, buf: &Self::Buffer) -> usize;
+    /// Copies host data into a buffer no stream is using (synchronous).
+    fn upload(&self, buf: &Self::Buffer, data: &[f32]) -> Result<(), OpsError>;
+    /// Copies a buffer no stream is writing to the host (synchronous).
+    fn download(&self, buf: &Self::Buffer) -> Result<Vec<f32>, OpsError>;
+    /// A new event on a rank.
+    fn event(&self, rank: u32) -> Self::Event;
+    /// Enqueues a kernel on a stream of a rank; returns at once.
+    fn launch(&self, rank: u32, stream: Stream, tag: Tag, kernel: Kernel<Self::Buffer>);
+    /// Enqueues a record of `event` on a stream.
+    fn record(&self, rank: u32, stream: Stream, event: &Self::Event);
+    /// Makes later work on a stream wait for the latest record of `event`.
+    fn wait(&self, rank: u32, stream: Stream, event: &Self::Event);
+    /// Non-blocking query.
+    fn status(&self, event: &Self::Event) -> EventStatus;
+    /// Resolves when the event has executed (or failed), without blocking a thread.
+    fn host_wait(&self, event: &Self::Event) -> BoxFuture<Result<(), OpsError>>;
+    /// The first error each stream of the local ranks hit since the last reset
+    /// (root causes, not cancellations), in the order they happened.
+    fn errors(&self) -> Vec<(u32, Stream, Tag, OpsError)>;
+    /// Clears every stream's poison after a failed step. Only call when idle.
+    fn reset(&self);
+    /// Takes the kernel timings recorded since the last call.
+    fn take_timings(&self) -> Vec<Timing>;
+}

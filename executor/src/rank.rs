@@ -1,0 +1,308 @@
+//! One rank's issuing state: its buffers, its buffer pool, its events and its cursor in
+//! the current plan. Issuing a node launches its kernels on the node's stream, records
+//! and waits events as the plan says, and hands transient buffers back to the pool
+//! behind a release event recorded after their last reader.
+
+use std::collections::{HashMap, VecDeque};
+use std::sync::Arc;
+
+use overlap_graph::{Buffer, BucketId, Instr, Op, OptimizerKind, ParamId, Stream};
+use overlap_ops::{AdamwParams, Backend, CommId, EventStatus, Kernel, MuonParams, OpsError, Tag};
+
+use crate::prepared::Prepared;
+use crate::ExecError;
+
+/// A pooled buffer waiting for its release events.
+struct Pooled<B: Backend> {
+    buf: B::Buffer,
+    release: Vec<B::Event>,
+}
+
+pub(crate) struct RankState<B: Backend> {
+    pub rank: u32,
+    /// Live buffers: persistent (parameters, optimizer state), step (accumulations,
+    /// partials, reduced gradients) and transient ones in flight.
+    pub buffers: HashMap<Buffer, B::Buffer>,
+    /// Free transient buffers by length, each reusable once its release events completed.
+    pool: HashMap<usize, Vec<Pooled<B>>>,
+    /// Release events recorded so far for transient buffers not yet returned.
+    pending: HashMap<Buffer, Vec<B::Event>>,
+    /// Plan event id -> backend event.
+    events: Vec<B::Event>,
+    /// The plan being issued and the next node.
+    pub prepared: Option<Arc<Prepared>>,
+    pub next_node: usize,
+    /// Stage-1 buffers in flight (bucket, micro-batch), oldest first, with the release
+    /// events of their send and output buffers once known.
+    in_flight: VecDeque<(BucketId, u32)>,
+    released: HashMap<(BucketId, u32), Vec<B::Event>>,
+    /// Host-side failures seen while issuing (a failed release event), reported at the
+    /// step's end with the backend's errors.
+    pub issue_errors: Vec<OpsError>,
+    /// Nodes issued since the last step began.
+    pub issued: usize,
+    /// Partials and no_sync accumulations written and not yet flushed, as issued.
+    pub live_partials: std::collections::HashSet<Buffer>,
+}
+
+/// Settings an issuing rank needs.
+pub(crate) struct IssueCtx {
+    pub window: usize,
+    pub adamw: AdamwParams,
+    pub muon: MuonParams,
+    pub step: u64,
+}
+
+impl<B: Backend> RankState<B> {
+    pub fn new(rank: u32) -> Self {
+        RankState {
+            rank,
+            buffers: HashMap::new(),
+            pool: HashMap::new(),
+            pending: HashMap::new(),
+            events: Vec::new(),
+            prepared: None,
+            next_node: 0,
+            in_flight: VecDeque::new(),
+            released: HashMap::new(),
+            issue_errors: Vec::new(),
+            issued: 0,
+            live_partials: std::collections::HashSet::new(),
+        }
+    }
+
+    /// Switches to a plan whose programs extend the current one (a longer gate prefix,
+    /// or the whole step).
+    pub fn adopt(&mut self, backend: &B, prepared: Arc<Prepared>) {
+        let need = prepared.plan.rank(self.rank).events as usize;
+        while self.events.len() < need {
+            self.events.push(backend.event(self.rank));
+        }
+        self.prepared = Some(prepared);
+    }
+
+    /// Takes a transient buffer of `len` elements: a pooled one whose release completed,
+    /// or a new one.
+    pub fn take(&mut self, backend: &B, len: usize) -> Result<B::Buffer, OpsError> {
+        if let Some(list) = self.pool.get_mut(&len) {
+            if let Some(i) = list.iter().position(|p| p.release.iter().all(|e| backend.status(e) != EventStatus::Pending)) {
+                return Ok(list.swap_remove(i).buf);
+            }
+        }
+        backend.alloc(self.rank, len)
+    }
+
+    /// Buffers held in the pool (for tests and metrics).
+    pub fn pooled(&self) -> usize {
+        self.pool.values().map(Vec::len).sum()
+    }
+
+    fn buf(&self, b: &Buffer) -> Result<B::Buffer, ExecError> {
+        self.buffers.get(b).cloned().ok_or_else(|| ExecError::Internal(format!("rank {}: buffer {b} is not allocated", self.rank)))
+    }
+
+    /// Issues nodes `next_node..end` of the current plan.
+    pub async fn issue_until(&mut self, backend: &B, end: usize, ctx: &IssueCtx) -> Result<(), ExecError> {
+        let prepared = self.prepared.clone().ok_or_else(|| ExecError::Internal("no plan adopted".into()))?;
+        while self.next_node < end {
+            let n = self.next_node;
+            self.issue_node(backend, &prepared, n, ctx).await?;
+            self.next_node += 1;
+            self.issued += 1;
+        }
+        Ok(())
+    }
+
+    /// Issues what is left of the plan's instructions after its last node.
+    pub fn issue_trailing(&mut self, backend: &B) {
+        let Some(prepared) = self.prepared.clone() else { return };
+        let start = prepared.issue_end.last().copied().unwrap_or(0);
+        for &(stream, ins) in &prepared.issue[start..] {
+            match ins {
+                Instr::Record(e) => backend.record(self.rank, stream, &self.events[e as usize]),
+                Instr::Wait(e) => backend.wait(self.rank, stream, &self.events[e as usize]),
+                Instr::Run(_) => {}
+            }
+        }
+    }
+
+    async fn issue_node(&mut self, backend: &B, p: &Prepared, n: usize, ctx: &IssueCtx) -> Result<(), ExecError> {
+        let node = &p.plan.rank(self.rank).nodes[n];
+        if let Op::Pack { bucket, micro_batch, .. } = node.op {
+            self.backpressure(backend, ctx.window).await;
+            self.in_flight.push_back((bucket, micro_batch));
+        }
+        for &(stream, ins) in &p.issue[p.group(n)] {
+            match ins {
+                Instr::Wait(e) => backend.wait(self.rank, stream, &self.events[e as usize]),
+                Instr::Record(e) => backend.record(self.rank, stream, &self.events[e as usize]),
+                Instr::Run(id) => {
+                    debug_assert_eq!(id as usize, n);
+                    self.run(backend, p, n, ctx)?;
+                }
+            }
+        }
+        Ok(())
+    }
+
+    /// FSDP2-style backpressure: before packing another bucket, wait (on the host,
+    /// without blocking a thread) until fewer than `window` Stage-1 buffers are in flight.
+    async fn backpressure(&mut self, backend: &B, window: usize) {
+        while self.in_flight.len() >= window.max(1) {
+            let Some(key) = self.in_flight.pop_front() else { break };
+            for ev in self.released.remove(&key).unwrap_or_default() {
+                if let Err(e) = backend.host_wait(&ev).await {
+                    // The failure is the backend's to report; keep issuing so every
+                    // rank reaches the same collectives and nothing hangs.
+                    self.issue_errors.push(e);
+                }
+            }
+        }
+    }
+
+    fn run(&mut self, backend: &B, p: &Prepared, n: usize, ctx: &IssueCtx) -> Result<(), ExecError> {
+        let plan = &p.plan;
+        let node = &plan.rank(self.rank).nodes[n];
+        let access = &p.access[n];
+        // Allocate what the node writes and nobody allocated yet.
+        for w in &access.writes {
+            if self.buffers.contains_key(w) {
+                continue;
+            }
+            let len = plan.buffer_len(self.rank, w) as usize;
+            let buf = match w {
+                Buffer::Param { .. } => {
+                    return Err(ExecError::Internal(format!("rank {}: {w} was never initialised", self.rank)));
+                }
+                b if b.is_transient() => self.take(backend, len)?,
+                _ => backend.alloc(self.rank, len)?,
+            };
+            self.buffers.insert(*w, buf);
+        }
+        // Track partials and accumulations: a read flushes, a write (re)fills.
+        for r in &access.reads {
+            self.live_partials.remove(r);
+        }
+        for w in access.writes.iter().filter(|b| matches!(b, Buffer::Partial { .. } | Buffer::Accum { .. })) {
+            self.live_partials.insert(*w);
+        }
+        let tag = Tag { node: n as u32, op: node.op.kind(), micro_batch: node.micro_batch.unwrap_or(u32::MAX) };
+        let stream = node.stream;
+        let launch = |k: Kernel<B::Buffer>| backend.launch(self.rank, stream, tag, k);
+        match node.op {
+            Op::GradReady { .. } => launch(Kernel::Marker),
+            Op::Accumulate { bucket, micro_batch, accumulate } => {
+                for &param in &plan.bucket(bucket).params {
+                    let src = self.buf(&Buffer::Grad { param, micro_batch })?;
+                    let dst = self.buf(&Buffer::Accum { param })?;
+                    launch(Kernel::Add { dst, src, accumulate });
+                }
+            }
+            Op::Pack { bucket, micro_batch, with_accum } => {
+                let segs = p.pack.get(&bucket).cloned().unwrap_or_else(|| Arc::from(Vec::new()));
+                let mut bound = Vec::with_capacity(segs.len());
+                for s in segs.iter() {
+                    let mut srcs = vec![self.buf(&Buffer::Grad { param: s.param, micro_batch })?];
+                    if with_accum {
+                        srcs.push(self.buf(&Buffer::Accum { param: s.param })?);
+                    }
+                    bound.push((*s, srcs));
+                }
+                launch(Kernel::Pack { dst: self.buf(&Buffer::Send { bucket, micro_batch })?, segs: bound.into() });
+            }
+            Op::Stage1 { bucket, micro_batch, collective } => {
+                let send = Some(self.buf(&Buffer::Send { bucket, micro_batch })?);
+                let recv = self.buffers.get(&Buffer::Stage1Out { bucket, micro_batch }).cloned().filter(|_| plan.holds_stage1(bucket, self.rank));
+                launch(Kernel::Collective { desc: collective, comm: CommId { group: collective.group, stream }, send, recv });
+            }
+            Op::Fold { bucket, micro_batch, accumulate } => {
+                let src = self.buf(&Buffer::Stage1Out { bucket, micro_batch })?;
+                launch(Kernel::Add { dst: self.buf(&Buffer::Partial { bucket })?, src, accumulate });
+            }
+            Op::FoldPartial { bucket, micro_batch } => {
+                let src = self.buf(&Buffer::Partial { bucket })?;
+                launch(Kernel::Add { dst: self.buf(&Buffer::Stage1Out { bucket, micro_batch })?, src, accumulate: true });
+            }
+            Op::Stage2 { bucket, micro_batch, collective } => {
+                let send = Some(self.buf(&Buffer::Stage1Out { bucket, micro_batch })?);
+                let recv = if plan.holds_stage2(bucket, self.rank) { Some(self.buf(&Buffer::Stage2Out { bucket, micro_batch })?) } else { None };
+                launch(Kernel::Collective { desc: collective, comm: CommId { group: collective.group, stream }, send, recv });
+            }
+            Op::Unpack { bucket, micro_batch, accumulate } => {
+                let segs = p.unpack.get(&bucket).cloned().unwrap_or_else(|| Arc::from(Vec::new()));
+                let mut bound = Vec::with_capacity(segs.len());
+                for s in segs.iter() {
+                    bound.push((*s, self.buf(&Buffer::Reduced { param: s.param })?));
+                }
+                launch(Kernel::Unpack { src: self.buf(&Buffer::Stage2Out { bucket, micro_batch })?, segs: bound.into(), accumulate });
+            }
+            Op::Optimizer { param, optimizer } => {
+                let pb = self.buf(&Buffer::Param { param })?;
+                let grad = self.buf(&Buffer::Reduced { param })?;
+                let state = self.buf(&Buffer::OptState { param })?;
+                match optimizer {
+                    OptimizerKind::Adamw => launch(Kernel::Adamw { param: pb, grad, state, hp: ctx.adamw, step: ctx.step }),
+                    OptimizerKind::Muon => {
+                        let (rows, cols) = plan.param(param).spec.matrix_dims();
+                        launch(Kernel::Muon { param: pb, grad, momentum: state, rows: rows as usize, cols: cols as usize, hp: ctx.muon });
+                    }
+                }
+            }
+            Op::Publish { param, collective } => {
+                let buf = self.buf(&Buffer::Param { param })?;
+                let is_root = plan.mesh.index_in(collective.group, self.rank) == collective.root;
+                let (send, recv) = if is_root { (Some(buf), None) } else { (None, Some(buf)) };
+                launch(Kernel::Collective { desc: collective, comm: CommId { group: collective.group, stream }, send, recv });
+            }
+        }
+        self.release_after(backend, p, n, stream);
+        Ok(())
+    }
+
+    /// Records a release event after node `n` for every transient buffer it is a final
+    /// accessor of; the last one returns the buffer to the pool behind those events.
+    fn release_after(&mut self, backend: &B, p: &Prepared, n: usize, stream: Stream) {
+        if p.finals[n].is_empty() {
+            return;
+        }
+        let ev = backend.event(self.rank);
+        backend.record(self.rank, stream, &ev);
+        for &(b, last) in &p.finals[n] {
+            self.pending.entry(b).or_default().push(ev.clone());
+            if !last {
+                continue;
+            }
+            let release = self.pending.remove(&b).unwrap_or_default();
+            if let Buffer::Send { bucket, micro_batch } | Buffer::Stage1Out { bucket, micro_batch } = b {
+                self.released.entry((bucket, micro_batch)).or_default().extend(release.iter().cloned());
+            }
+            if let Some(buf) = self.buffers.remove(&b) {
+                self.pool.entry(backend.len(&buf)).or_default().push(Pooled { buf, release });
+            }
+        }
+    }
+
+    /// Forgets the step's state: accumulations, partials, in-flight bookkeeping. Reduced
+    /// gradients are kept until the next step starts (so they can be inspected).
+    pub fn end_step(&mut self, keep_reduced: bool) {
+        self.buffers.retain(|b, _| b.is_persistent() || (keep_reduced && matches!(b, Buffer::Reduced { .. })));
+        self.pending.clear();
+        self.live_partials.clear();
+        self.in_flight.clear();
+        self.released.clear();
+        self.prepared = None;
+        self.next_node = 0;
+    }
+
+    /// Drops reduced gradients kept from the previous step.
+    pub fn begin_step(&mut self) {
+        self.buffers.retain(|b, _| b.is_persistent());
+        self.issued = 0;
+        self.issue_errors.clear();
+    }
+
+    /// Whether a parameter's values are held on this rank.
+    pub fn holds_param(&self, param: ParamId) -> bool {
+        self.buffers.contains_key(&Buffer::Param { param })
+    }
+}

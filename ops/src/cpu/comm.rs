@@ -1,0 +1,289 @@
+//! Communicators: one rendezvous per group of the mesh and stream, shared by the stream
+//! threads of its members.
+//!
+//! Each member numbers its calls; call `k` of every member meets in one [`Round`]. The
+//! last member to arrive checks that every member issued the same collective and then
+//! computes every member's output (reading all inputs before writing any output, so a
+//! send buffer may be its recv buffer); the others wait, with a timeout.
+//!
+//! Invariants: a round completes exactly once, with one result per member, and every
+//! member that arrived is released with its result: on success, on a disagreement, on a
+//! member that could not take part (it still arrives, so peers never hang), on timeout,
+//! on `reset` and on shutdown. Reductions add members in group-index order, so results
+//! are deterministic.
+
+use std::collections::HashMap;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::{Condvar, Mutex};
+use std::time::{Duration, Instant};
+
+use overlap_graph::{Collective, CollectiveKind, DType, ReduceOp, Stream};
+
+use super::buffer::CpuBuffer;
+use super::kernels::expect;
+use super::lock;
+use crate::math::round_bf16;
+use crate::{CommId, OpsError};
+
+/// One member's call as it arrives at the rendezvous.
+pub(super) struct Arrival {
+    /// What the member issued.
+    pub(super) desc: Collective,
+    /// Its input.
+    pub(super) send: Option<CpuBuffer>,
+    /// Its output.
+    pub(super) recv: Option<CpuBuffer>,
+    /// Why the member cannot take part (its stream is poisoned, or its call is invalid).
+    pub(super) failed: Option<OpsError>,
+}
+
+/// A communicator of one group bound to one stream.
+pub(super) struct Comm {
+    id: CommId,
+    /// Global ranks by index within the group.
+    members: Vec<u32>,
+    state: Mutex<State>,
+    changed: Condvar,
+}
+
+struct State {
+    /// Bumped by `reset`, so a waiter of an abandoned round notices.
+    generation: u64,
+    /// Per member index, the number of its next call.
+    next_call: Vec<u64>,
+    /// Calls some member has arrived at and not every member has left.
+    rounds: HashMap<u64, Round>,
+}
+
+/// One call number's meeting.
+struct Round {
+    /// By member index; taken when the round completes.
+    arrivals: Vec<Option<Arrival>>,
+    arrived: usize,
+    /// Set once: every member's result.
+    results: Option<Vec<Result<(), OpsError>>>,
+    departed: usize,
+}
+
+impl Comm {
+    pub(super) fn new(id: CommId, members: Vec<u32>) -> Comm {
+        let state = State { generation: 0, next_call: vec![0; members.len()], rounds: HashMap::new() };
+        Comm { id, members, state: Mutex::new(state), changed: Condvar::new() }
+    }
+
+    /// A rank's index within the group.
+    pub(super) fn index_of(&self, rank: u32) -> Option<usize> {
+        self.members.iter().position(|&r| r == rank)
+    }
+
+    /// Checks one member's call against the communicator and the buffers its role needs;
+    /// returns the bytes the member contributes (the dtype's size times `n·count` for
+    /// reduce-scatter, `count` otherwise).
+    pub(super) fn check(
+        &self,
+        stream: Stream,
+        index: usize,
+        desc: &Collective,
+        send: Option<&CpuBuffer>,
+        recv: Option<&CpuBuffer>,
+    ) -> Result<u64, OpsError> {
+        let kernel = desc.kind.name();
+        let shape = |reason: String| OpsError::Shape { kernel, reason };
+        if desc.group != self.id.group || stream != self.id.stream {
+            return Err(shape(format!(
+                "a collective on {} issued from the {stream} stream cannot use communicator {}",
+                desc.group, self.id
+            )));
+        }
+        let n = self.members.len();
+        let rank = self.members[index];
+        let whole = usize::try_from(desc.count)
+            .ok()
+            .and_then(|c| Some((c, c.checked_mul(n)?)))
+            .ok_or_else(|| shape(format!("count {} × {n} members does not fit in memory", desc.count)));
+        let (c, whole) = whole?;
+        let root = match (desc.kind.rooted(), desc.root) {
+            (false, _) => None,
+            (true, Some(r)) if (r as usize) < n => Some(r as usize),
+            (true, r) => return Err(shape(format!("root {r:?} is not a member index of {} ({n} members)", self.id))),
+        };
+        let is_root = root == Some(index);
+        let (want_send, want_recv) = match desc.kind {
+            CollectiveKind::ReduceScatter => (Some(whole), Some(c)),
+            CollectiveKind::AllReduce => (Some(c), Some(c)),
+            CollectiveKind::Reduce => (Some(c), is_root.then_some(c)),
+            CollectiveKind::Broadcast if is_root => (Some(c), None),
+            CollectiveKind::Broadcast => (None, Some(c)),
+            CollectiveKind::AllGather => (Some(c), Some(whole)),
+        };
+        for (what, buf, want) in [("send", send, want_send), ("recv", recv, want_recv)] {
+            match (buf, want) {
+                (None, None) => {}
+                (Some(buf), Some(len)) => expect(kernel, rank, what, buf, len)?,
+                (None, Some(len)) => {
+                    return Err(shape(format!("member {index} (rank {rank}) needs a {what} buffer of {len} elements")))
+                }
+                (Some(buf), None) => {
+                    return Err(shape(format!("member {index} (rank {rank}) takes no {what} buffer, got {buf:?}")))
+                }
+            }
+        }
+        Ok(want_send.unwrap_or(c) as u64 * desc.dtype.size())
+    }
+
+    /// Takes part in the member's next call: deposits the arrival and waits until the
+    /// round has a result for it, or `timeout` passes (which fails the round for all).
+    pub(super) fn call(&self, index: usize, arrival: Arrival, timeout: Duration, shutdown: &AtomicBool) -> Result<(), OpsError> {
+        let deadline = Instant::now().checked_add(timeout);
+        let n = self.members.len();
+        let mut st = lock(&self.state);
+        let generation = st.generation;
+        let call = st.next_call[index];
+        st.next_call[index] += 1;
+        let round = st.rounds.entry(call).or_insert_with(|| Round {
+            arrivals: (0..n).map(|_| None).collect(),
+            arrived: 0,
+            results: None,
+            departed: 0,
+        });
+        // A late arrival at a round that already failed only collects its result.
+        if round.results.is_none() {
+            round.arrivals[index] = Some(arrival);
+            round.arrived += 1;
+            if round.arrived == n {
+                let arrivals: Vec<Arrival> = round.arrivals.drain(..).flatten().collect();
+                round.results = Some(self.complete(call, &arrivals));
+                self.changed.notify_all();
+            }
+        }
+        loop {
+            if shutdown.load(Ordering::Acquire) {
+                return Err(OpsError::Cancelled(format!("{}: the backend shut down during call #{call}", self.id)));
+            }
+            if st.generation != generation {
+                return Err(OpsError::Cancelled(format!("{}: the backend was reset during call #{call}", self.id)));
+            }
+            let Some(round) = st.rounds.get_mut(&call) else {
+                return Err(OpsError::Cancelled(format!("{}: call #{call} was abandoned", self.id)));
+            };
+            if let Some(results) = &mut round.results {
+                let result = std::mem::replace(&mut results[index], Ok(()));
+                round.departed += 1;
+                if round.departed == n {
+                    st.rounds.remove(&call);
+                }
+                return result;
+            }
+            let now = Instant::now();
+            match deadline {
+                Some(deadline) if now >= deadline => {
+                    let missing: Vec<u32> = (round.arrivals.iter().zip(&self.members))
+                        .filter(|(a, _)| a.is_none())
+                        .map(|(_, &r)| r)
+                        .collect();
+                    let err = OpsError::Collective {
+                        comm: self.id.to_string(),
+                        reason: format!("call #{call} timed out after {timeout:?}: ranks {missing:?} did not arrive"),
+                    };
+                    round.arrivals.clear();
+                    round.results = Some(vec![Err(err); n]);
+                    self.changed.notify_all();
+                }
+                Some(deadline) => st = self.changed.wait_timeout(st, deadline - now).unwrap_or_else(|e| e.into_inner()).0,
+                None => st = self.changed.wait(st).unwrap_or_else(|e| e.into_inner()),
+            }
+        }
+    }
+
+    /// Abandons every round and restarts call numbering (the backend's `reset`).
+    pub(super) fn reset(&self) {
+        let mut st = lock(&self.state);
+        st.generation += 1;
+        st.next_call.fill(0);
+        st.rounds.clear();
+        drop(st);
+        self.changed.notify_all();
+    }
+
+    /// Wakes every waiter so it can notice shutdown (taking the lock orders the wake-up
+    /// after any waiter's check of the flag).
+    pub(super) fn wake_all(&self) {
+        let _st = lock(&self.state);
+        self.changed.notify_all();
+    }
+
+    /// Every member's result of a round all members arrived at, computing the outputs
+    /// when every member could take part and all issued the same collective.
+    fn complete(&self, call: u64, arrivals: &[Arrival]) -> Vec<Result<(), OpsError>> {
+        let failed = arrivals.iter().zip(&self.members).find_map(|(a, &rank)| Some((rank, a.failed.as_ref()?)));
+        if let Some((rank, cause)) = failed {
+            let peer = OpsError::Cancelled(format!("{} call #{call}: rank {rank} could not take part: {cause}", self.id));
+            return arrivals.iter().map(|a| Err(a.failed.clone().unwrap_or_else(|| peer.clone()))).collect();
+        }
+        if let Some(reason) = self.mismatch(arrivals) {
+            let err = OpsError::Collective { comm: self.id.to_string(), reason: format!("call #{call}: {reason}") };
+            return vec![Err(err); arrivals.len()];
+        }
+        execute(arrivals);
+        vec![Ok(()); arrivals.len()]
+    }
+
+    /// How the first member whose collective differs from member 0's differs.
+    fn mismatch(&self, arrivals: &[Arrival]) -> Option<String> {
+        let first = &arrivals.first()?.desc;
+        let (other, rank) = arrivals.iter().zip(&self.members).find(|(a, _)| a.desc != *first)?;
+        let d = &other.desc;
+        let fields = [
+            (d.kind != first.kind).then(|| format!("kind {} vs {}", first.kind.name(), d.kind.name())),
+            (d.group != first.group).then(|| format!("group {} vs {}", first.group, d.group)),
+            (d.count != first.count).then(|| format!("count {} vs {}", first.count, d.count)),
+            (d.dtype != first.dtype).then(|| format!("dtype {:?} vs {:?}", first.dtype, d.dtype)),
+            (d.op != first.op).then(|| format!("op {:?} vs {:?}", first.op, d.op)),
+            (d.root != first.root).then(|| format!("root {:?} vs {:?}", first.root, d.root)),
+        ];
+        let diff: Vec<String> = fields.into_iter().flatten().collect();
+        Some(format!("rank {} and rank {rank} issued different collectives: {}", self.members[0], diff.join(", ")))
+    }
+}
+
+/// Computes and writes every member's output of a validated, agreed collective.
+///
+/// Inputs are read (and for `bf16` rounded) member by member, each lock held alone,
+/// before any output is written.
+fn execute(arrivals: &[Arrival]) {
+    let Some(desc) = arrivals.first().map(|a| a.desc) else {
+        return;
+    };
+    let n = arrivals.len();
+    // The count was checked against memory when each member validated its call.
+    let c = desc.count as usize;
+    let wire = |x: f32| if desc.dtype == DType::Bf16 { round_bf16(x) } else { x };
+    let sends = arrivals.iter().filter_map(|a| a.send.as_ref());
+    let data: Vec<f32> = if desc.kind == CollectiveKind::AllGather {
+        let mut data = Vec::with_capacity(n * c);
+        sends.for_each(|send| data.extend(send.lock().iter().map(|&x| wire(x))));
+        data
+    } else {
+        // Broadcast has a single sender (the root); the reductions sum in member order.
+        let mut sum: Option<Vec<f32>> = None;
+        for send in sends {
+            let s = send.lock();
+            if let Some(acc) = sum.as_mut() {
+                acc.iter_mut().zip(s.iter()).for_each(|(a, &x)| *a += wire(x));
+            } else {
+                sum = Some(s.iter().map(|&x| wire(x)).collect());
+            }
+        }
+        let mut data = sum.unwrap_or_default();
+        if desc.kind != CollectiveKind::Broadcast && desc.op == ReduceOp::Avg {
+            let size = n as f32;
+            data.iter_mut().for_each(|x| *x /= size);
+        }
+        data
+    };
+    for (i, a) in arrivals.iter().enumerate() {
+        let Some(recv) = &a.recv else { continue };
+        let part = if desc.kind == CollectiveKind::ReduceScatter { data.get(i * c..(i + 1) * c) } else { Some(&data[..]) };
+        recv.lock().iter_mut().zip(part.unwrap_or_default()).for_each(|(r, &x)| *r = x);
+    }
+}

@@ -1,0 +1,167 @@
+//! The rank-local kernels (everything but collectives): validate, then compute.
+//!
+//! Invariant: a kernel checks every length, offset, rank and aliasing rule before it
+//! writes anything, so a kernel that fails validation leaves its buffers untouched; the
+//! arithmetic is [`crate::math`]'s, so the CPU backend is the reference bit for bit.
+
+use std::ops::Range;
+
+use overlap_graph::CopySeg;
+
+use super::buffer::{lock_distinct, CpuBuffer};
+use crate::{math, AdamwParams, Kernel, MuonParams, OpsError};
+
+/// Runs a rank-local kernel launched on `rank`.
+///
+/// Collectives need their communicator and are run by the stream worker; passed here one
+/// is reported as a backend error.
+pub(super) fn run(rank: u32, kernel: &Kernel<CpuBuffer>) -> Result<(), OpsError> {
+    match kernel {
+        Kernel::Marker => Ok(()),
+        Kernel::Add { dst, src, accumulate } => add(rank, dst, src, *accumulate),
+        Kernel::Pack { dst, segs } => pack(rank, dst, segs),
+        Kernel::Unpack { src, segs, accumulate } => unpack(rank, src, segs, *accumulate),
+        Kernel::Adamw { param, grad, state, hp, step } => adamw(rank, param, grad, state, hp, *step),
+        Kernel::Muon { param, grad, momentum, rows, cols, hp } => muon(rank, param, grad, momentum, *rows, *cols, hp),
+        Kernel::Collective { .. } => Err(OpsError::Backend("a collective needs its communicator".into())),
+    }
+}
+
+/// Checks that `buf` lives on `rank` and holds `len` elements.
+pub(super) fn expect(kernel: &'static str, rank: u32, what: &str, buf: &CpuBuffer, len: usize) -> Result<(), OpsError> {
+    if buf.rank() == rank && buf.len() == len {
+        Ok(())
+    } else {
+        Err(OpsError::Shape {
+            kernel,
+            reason: format!("{what} must be a buffer of {len} elements on rank {rank}, got {buf:?}"),
+        })
+    }
+}
+
+/// `dst = src` or `dst += src`; `dst` and `src` may be the same buffer.
+fn add(rank: u32, dst: &CpuBuffer, src: &CpuBuffer, accumulate: bool) -> Result<(), OpsError> {
+    const K: &str = "add";
+    expect(K, rank, "dst", dst, dst.len())?;
+    expect(K, rank, "src", src, dst.len())?;
+    if dst.same(src) {
+        if accumulate {
+            dst.lock().iter_mut().for_each(|x| *x += *x);
+        }
+        return Ok(());
+    }
+    let all = 0..dst.len();
+    copy(K, dst, all.clone(), src, all, accumulate)
+}
+
+/// Zeroes `dst`, then sums every segment's sources into it.
+fn pack(rank: u32, dst: &CpuBuffer, segs: &[(CopySeg, Vec<CpuBuffer>)]) -> Result<(), OpsError> {
+    const K: &str = "pack";
+    expect(K, rank, "dst", dst, dst.len())?;
+    let copies = segs
+        .iter()
+        .flat_map(|(seg, srcs)| srcs.iter().map(move |src| segment(K, rank, seg, src, dst).map(|r| (src, r))))
+        .collect::<Result<Vec<_>, _>>()?;
+    dst.lock().fill(0.0);
+    copies.into_iter().try_for_each(|(src, (s, d))| copy(K, dst, d, src, s, true))
+}
+
+/// Copies (or adds) segments of `src` into each segment's destination.
+fn unpack(rank: u32, src: &CpuBuffer, segs: &[(CopySeg, CpuBuffer)], accumulate: bool) -> Result<(), OpsError> {
+    const K: &str = "unpack";
+    let copies = segs
+        .iter()
+        .map(|(seg, dst)| segment(K, rank, seg, src, dst).map(|r| (dst, r)))
+        .collect::<Result<Vec<_>, _>>()?;
+    copies.into_iter().try_for_each(|(dst, (s, d))| copy(K, dst, d, src, s, accumulate))
+}
+
+/// AdamW on one piece; `state` holds `m` then `v`.
+fn adamw(
+    rank: u32,
+    param: &CpuBuffer,
+    grad: &CpuBuffer,
+    state: &CpuBuffer,
+    hp: &AdamwParams,
+    step: u64,
+) -> Result<(), OpsError> {
+    const K: &str = "adamw";
+    let n = param.len();
+    expect(K, rank, "param", param, n)?;
+    expect(K, rank, "grad", grad, n)?;
+    expect(K, rank, "state (m then v)", state, 2 * n)?;
+    if step == 0 {
+        return Err(OpsError::Shape { kernel: K, reason: "step is 1-based, got 0".into() });
+    }
+    let [mut p, g, mut s] = lock_distinct(K, [param, grad, state])?;
+    let (m, v) = s.split_at_mut(n);
+    math::adamw(&mut p, &g, m, v, hp, step);
+    Ok(())
+}
+
+/// Muon on a whole `rows × cols` matrix.
+fn muon(
+    rank: u32,
+    param: &CpuBuffer,
+    grad: &CpuBuffer,
+    momentum: &CpuBuffer,
+    rows: usize,
+    cols: usize,
+    hp: &MuonParams,
+) -> Result<(), OpsError> {
+    const K: &str = "muon";
+    let n = rows.checked_mul(cols).ok_or_else(|| OpsError::Shape {
+        kernel: K,
+        reason: format!("a {rows} × {cols} matrix has more elements than fit in memory"),
+    })?;
+    expect(K, rank, "param (rows × cols)", param, n)?;
+    expect(K, rank, "grad (rows × cols)", grad, n)?;
+    expect(K, rank, "momentum (rows × cols)", momentum, n)?;
+    let [mut p, g, mut buf] = lock_distinct(K, [param, grad, momentum])?;
+    math::muon(&mut p, &g, &mut buf, rows, cols, hp);
+    Ok(())
+}
+
+/// Validates one copy `from[src..src+len] → to[dst..dst+len]` and returns both ranges.
+fn segment(
+    kernel: &'static str,
+    rank: u32,
+    seg: &CopySeg,
+    from: &CpuBuffer,
+    to: &CpuBuffer,
+) -> Result<(Range<usize>, Range<usize>), OpsError> {
+    let shape = |reason: String| OpsError::Shape { kernel, reason };
+    for buf in [from, to] {
+        expect(kernel, rank, "a segment's buffer", buf, buf.len())?;
+    }
+    if from.same(to) {
+        return Err(shape(format!("{from:?} is both a source and the destination")));
+    }
+    let range = |what: &str, off: u64, buf: &CpuBuffer| match off.checked_add(seg.len) {
+        Some(end) if end <= buf.len() as u64 => Ok(off as usize..end as usize),
+        _ => Err(shape(format!(
+            "segment of param {} ({what} offset {off}, {} elements) exceeds {buf:?}",
+            seg.param, seg.len
+        ))),
+    };
+    Ok((range("source", seg.src, from)?, range("destination", seg.dst, to)?))
+}
+
+/// `to[d] = from[s]` (or `+=`), the ranges validated and of equal length.
+fn copy(
+    kernel: &'static str,
+    to: &CpuBuffer,
+    d: Range<usize>,
+    from: &CpuBuffer,
+    s: Range<usize>,
+    accumulate: bool,
+) -> Result<(), OpsError> {
+    let [mut t, f] = lock_distinct(kernel, [to, from])?;
+    let pairs = t[d].iter_mut().zip(&f[s]);
+    if accumulate {
+        pairs.for_each(|(t, &f)| *t += f);
+    } else {
+        pairs.for_each(|(t, &f)| *t = f);
+    }
+    Ok(())
+}

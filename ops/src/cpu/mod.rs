@@ -1,0 +1,415 @@
+//! The CPU backend: every rank of a mesh in one process, each of its four streams a
+//! thread, with the exact reference math of [`crate::math`].
+//!
+//! [`CpuBackend`] owns one OS thread per (rank, stream), named `r{rank}-{stream}`, that
+//! executes a FIFO of commands (run a kernel, record an event, wait for an event) in
+//! order; `launch`, `record` and `wait` only enqueue, as with CUDA streams. It also owns
+//! one communicator per group of the mesh and stream ([`CommId`]), the rendezvous its
+//! members' stream threads meet at.
+//!
+//! Invariants:
+//! - a stream runs its commands in issue order; after a kernel fails the stream is
+//!   *poisoned*: later kernels are skipped, later records fail, and a stream waiting on
+//!   a failed record is poisoned with the same cause; `reset` clears it;
+//! - a poisoned stream still takes part in collectives (marked as unable), so its peers
+//!   fail instead of hanging; every collective wait is bounded by a timeout;
+//! - root causes (never cancellations) are kept in the order they happened, one per
+//!   stream at most between resets, for [`Backend::errors`];
+//! - nothing panics on bad input: kernels return [`OpsError::Shape`] and misuse of the
+//!   backend (an unknown rank) is reported through [`Backend::errors`].
+
+mod buffer;
+mod comm;
+mod event;
+mod kernels;
+#[cfg(test)]
+mod tests;
+
+use std::collections::HashMap;
+use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
+use std::sync::{Arc, Mutex, MutexGuard, PoisonError};
+use std::thread::{self, JoinHandle};
+use std::time::{Duration, Instant};
+
+use crossbeam::channel::{self, Receiver, SendError, Sender};
+use overlap_graph::{Collective, Group, Mesh, Stream};
+
+pub use buffer::CpuBuffer;
+use comm::{Arrival, Comm};
+pub use event::CpuEvent;
+use event::{HostWait, Slot};
+
+use crate::{Backend, BoxFuture, CommId, EventStatus, Kernel, OpsError, Tag, Timing};
+
+/// How long a collective waits for its peers unless configured otherwise.
+const DEFAULT_COLLECTIVE_TIMEOUT: Duration = Duration::from_secs(60);
+
+/// One root cause: the rank, the stream, the failing kernel's tag and the error.
+type RootCause = (u32, Stream, Tag, OpsError);
+
+/// Locks a mutex, recovering the data if a thread panicked while holding it (every
+/// structure guarded here stays consistent between statements).
+fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
+    m.lock().unwrap_or_else(PoisonError::into_inner)
+}
+
+/// The tag under which host-side misuse of `record` or `wait` is reported.
+fn host_tag(op: &'static str) -> Tag {
+    Tag { node: u32::MAX, op, micro_batch: u32::MAX }
+}
+
+/// The backend for every rank of a mesh, in one process.
+pub struct CpuBackend {
+    shared: Arc<Shared>,
+    /// The queue of each (rank, stream), at `rank·4 + stream.index()`.
+    queues: Vec<Sender<Command>>,
+    threads: Vec<JoinHandle<()>>,
+}
+
+/// What one stream thread executes.
+enum Command {
+    Launch(Tag, Kernel<CpuBuffer>),
+    Record(Arc<Slot>),
+    Wait(Arc<Slot>),
+}
+
+/// State shared by the host side and every stream thread.
+struct Shared {
+    mesh: Mesh,
+    /// Ranks driven: the mesh's world, or 0 for an invalid mesh.
+    world: u32,
+    epoch: Instant,
+    comms: HashMap<CommId, Comm>,
+    /// Each stream's poison (always a cancellation naming the root cause).
+    poison: Vec<Mutex<Option<OpsError>>>,
+    errors: Mutex<Vec<RootCause>>,
+    faults: Mutex<Vec<(u32, &'static str)>>,
+    /// `faults.len()`, so kernels skip the lock when no fault is armed.
+    armed_faults: AtomicUsize,
+    timings: Mutex<Vec<Timing>>,
+    timeout_ns: AtomicU64,
+    shutdown: AtomicBool,
+    next_buffer: AtomicU64,
+}
+
+impl CpuBackend {
+    /// A backend driving every rank of `mesh`, with 4 stream threads per rank and a
+    /// communicator per group and stream.
+    ///
+    /// `mesh` should be valid (as [`Mesh::new`] makes it); an invalid one drives no
+    /// ranks. A stream whose thread cannot be spawned reports a `Backend` error through
+    /// [`Backend::errors`] for everything issued to it.
+    pub fn new(mesh: Mesh) -> CpuBackend {
+        let world = if mesh.check().is_ok() { mesh.world() } else { 0 };
+        let groups: Vec<Group> = if world == 0 {
+            Vec::new()
+        } else {
+            let shard = (0..mesh.replicate).map(|replicate| Group::Shard { replicate });
+            shard.chain((0..mesh.shard).map(|shard| Group::Replicate { shard })).collect()
+        };
+        let comms = groups
+            .into_iter()
+            .flat_map(|group| Stream::ALL.map(|stream| CommId { group, stream }))
+            .map(|id| (id, Comm::new(id, mesh.members(id.group))))
+            .collect();
+        let shared = Arc::new(Shared {
+            mesh,
+            world,
+            epoch: Instant::now(),
+            comms,
+            poison: (0..world as usize * Stream::ALL.len()).map(|_| Mutex::new(None)).collect(),
+            errors: Mutex::new(Vec::new()),
+            faults: Mutex::new(Vec::new()),
+            armed_faults: AtomicUsize::new(0),
+            timings: Mutex::new(Vec::new()),
+            timeout_ns: AtomicU64::new(0),
+            shutdown: AtomicBool::new(false),
+            next_buffer: AtomicU64::new(0),
+        });
+        let mut backend = CpuBackend { shared, queues: Vec::new(), threads: Vec::new() };
+        backend.set_timeout(DEFAULT_COLLECTIVE_TIMEOUT);
+        for rank in 0..world {
+            for stream in Stream::ALL {
+                let (tx, rx) = channel::unbounded();
+                let worker = Worker { rank, stream, shared: Arc::clone(&backend.shared) };
+                // On failure the receiver is dropped with the closure: sends then fail and
+                // are reported.
+                let spawned = thread::Builder::new().name(format!("r{rank}-{stream}")).spawn(move || worker.run(rx));
+                backend.queues.push(tx);
+                backend.threads.extend(spawned.ok());
+            }
+        }
+        backend
+    }
+
+    /// Sets how long a collective waits for all members before failing on every member
+    /// that arrived (default 60 s).
+    pub fn with_collective_timeout(self, timeout: Duration) -> CpuBackend {
+        self.set_timeout(timeout);
+        self
+    }
+
+    /// Arms a fault: the next kernel on `rank` whose [`Tag::op`] is `op` fails with
+    /// [`OpsError::Failed`] (`reason: "injected fault"`) instead of running. Faults
+    /// are consumed one per kernel; kernels skipped on a poisoned stream consume none.
+    pub fn inject_fault(&self, rank: u32, op: &'static str) {
+        let mut faults = lock(&self.shared.faults);
+        faults.push((rank, op));
+        self.shared.armed_faults.store(faults.len(), Ordering::Release);
+    }
+
+    /// Disarms every injected fault that has not fired yet.
+    pub fn clear_faults(&self) {
+        let mut faults = lock(&self.shared.faults);
+        faults.clear();
+        self.shared.armed_faults.store(0, Ordering::Release);
+    }
+
+    fn set_timeout(&self, timeout: Duration) {
+        let ns = u64::try_from(timeout.as_nanos()).unwrap_or(u64::MAX);
+        self.shared.timeout_ns.store(ns, Ordering::Relaxed);
+    }
+
+    /// Sends a command to a stream, or reports why it cannot run (failing a record so
+    /// nobody waits for it forever).
+    fn enqueue(&self, rank: u32, stream: Stream, tag: Tag, cmd: Command) {
+        let index = rank as usize * Stream::ALL.len() + stream.index();
+        let cmd = match self.queues.get(index) {
+            Some(queue) => match queue.send(cmd) {
+                Ok(()) => return,
+                Err(SendError(cmd)) => cmd,
+            },
+            None => cmd,
+        };
+        let err = OpsError::Backend(format!(
+            "rank {rank} has no running {stream} stream on this backend (mesh {}, {} ranks)",
+            self.shared.mesh, self.shared.world
+        ));
+        if let Command::Record(slot) = &cmd {
+            slot.complete(Err(err.clone()));
+        }
+        lock(&self.shared.errors).push((rank, stream, tag, err));
+    }
+
+    fn check_rank(&self, rank: u32) -> Result<(), OpsError> {
+        if rank < self.shared.world {
+            Ok(())
+        } else {
+            Err(OpsError::Backend(format!(
+                "rank {rank} is not on this backend (mesh {}, {} ranks)",
+                self.shared.mesh, self.shared.world
+            )))
+        }
+    }
+}
+
+impl Backend for CpuBackend {
+    type Buffer = CpuBuffer;
+    type Event = CpuEvent;
+
+    fn name(&self) -> &'static str {
+        "cpu"
+    }
+
+    fn local_ranks(&self) -> Vec<u32> {
+        (0..self.shared.world).collect()
+    }
+
+    fn alloc(&self, rank: u32, len: usize) -> Result<CpuBuffer, OpsError> {
+        self.check_rank(rank)?;
+        CpuBuffer::zeroed(self.shared.next_buffer.fetch_add(1, Ordering::Relaxed), rank, len)
+    }
+
+    fn len(&self, buf: &CpuBuffer) -> usize {
+        buf.len()
+    }
+
+    fn upload(&self, buf: &CpuBuffer, data: &[f32]) -> Result<(), OpsError> {
+        if data.len() != buf.len() {
+            return Err(OpsError::Shape {
+                kernel: "upload",
+                reason: format!("{} host elements for {buf:?}", data.len()),
+            });
+        }
+        buf.lock().copy_from_slice(data);
+        Ok(())
+    }
+
+    fn download(&self, buf: &CpuBuffer) -> Result<Vec<f32>, OpsError> {
+        Ok(buf.lock().clone())
+    }
+
+    fn event(&self, _rank: u32) -> CpuEvent {
+        CpuEvent::default()
+    }
+
+    fn launch(&self, rank: u32, stream: Stream, tag: Tag, kernel: Kernel<CpuBuffer>) {
+        self.enqueue(rank, stream, tag, Command::Launch(tag, kernel));
+    }
+
+    fn record(&self, rank: u32, stream: Stream, event: &CpuEvent) {
+        self.enqueue(rank, stream, host_tag("record"), Command::Record(event.new_record()));
+    }
+
+    fn wait(&self, rank: u32, stream: Stream, event: &CpuEvent) {
+        if let Some(slot) = event.latest() {
+            self.enqueue(rank, stream, host_tag("wait"), Command::Wait(slot));
+        }
+    }
+
+    fn status(&self, event: &CpuEvent) -> EventStatus {
+        event.status()
+    }
+
+    fn host_wait(&self, event: &CpuEvent) -> BoxFuture<Result<(), OpsError>> {
+        Box::pin(HostWait { slot: event.latest() })
+    }
+
+    /// Root causes in the order they happened. Misuse of `record`/`wait` (an unknown
+    /// rank) is reported with the tag `{ node: u32::MAX, op: "record" | "wait" }`.
+    fn errors(&self) -> Vec<RootCause> {
+        lock(&self.shared.errors).clone()
+    }
+
+    fn reset(&self) {
+        self.shared.poison.iter().for_each(|p| *lock(p) = None);
+        lock(&self.shared.errors).clear();
+        self.shared.comms.values().for_each(Comm::reset);
+    }
+
+    fn take_timings(&self) -> Vec<Timing> {
+        std::mem::take(&mut *lock(&self.shared.timings))
+    }
+}
+
+impl Drop for CpuBackend {
+    /// Stops every stream: queued kernels are skipped, queued records fail, collectives
+    /// in flight are released; then joins the threads.
+    fn drop(&mut self) {
+        self.shared.shutdown.store(true, Ordering::Release);
+        self.shared.comms.values().for_each(Comm::wake_all);
+        self.queues.clear();
+        for thread in self.threads.drain(..) {
+            // A stream thread does not panic; if one did, there is nothing left to undo.
+            let _ = thread.join();
+        }
+    }
+}
+
+/// The loop of one stream thread.
+struct Worker {
+    rank: u32,
+    stream: Stream,
+    shared: Arc<Shared>,
+}
+
+impl Worker {
+    fn run(self, queue: Receiver<Command>) {
+        for cmd in queue {
+            match cmd {
+                Command::Launch(tag, kernel) => self.launch(tag, kernel),
+                Command::Record(slot) => slot.complete(self.poison().map_or(Ok(()), Err)),
+                Command::Wait(slot) => {
+                    if let Err(e) = slot.wait() {
+                        self.poison_with(match e {
+                            OpsError::Cancelled(_) => e,
+                            other => OpsError::Cancelled(other.to_string()),
+                        });
+                    }
+                }
+            }
+        }
+    }
+
+    fn poison_slot(&self) -> MutexGuard<'_, Option<OpsError>> {
+        lock(&self.shared.poison[self.rank as usize * Stream::ALL.len() + self.stream.index()])
+    }
+
+    /// The stream's poison; a dropped backend poisons every stream.
+    fn poison(&self) -> Option<OpsError> {
+        let mut poison = self.poison_slot();
+        if poison.is_none() && self.shared.shutdown.load(Ordering::Acquire) {
+            *poison = Some(OpsError::Cancelled("the CPU backend was dropped".into()));
+        }
+        poison.clone()
+    }
+
+    /// Poisons the stream unless it already is (the first cause wins).
+    fn poison_with(&self, cause: OpsError) {
+        self.poison_slot().get_or_insert(cause);
+    }
+
+    fn launch(&self, tag: Tag, kernel: Kernel<CpuBuffer>) {
+        let poison = self.poison();
+        if poison.is_some() && !matches!(kernel, Kernel::Collective { .. }) {
+            return;
+        }
+        let fault = match poison {
+            None => self.shared.take_fault(self.rank, tag.op, kernel.name()),
+            Some(_) => Ok(()),
+        };
+        let start = self.shared.epoch.elapsed().as_secs_f64();
+        let result = match kernel {
+            Kernel::Collective { desc, comm, send, recv } => self.collective(&desc, comm, send, recv, poison, fault),
+            local => fault.and_then(|()| kernels::run(self.rank, &local)).map(|()| 0),
+        };
+        match result {
+            Ok(bytes) => {
+                let end = self.shared.epoch.elapsed().as_secs_f64();
+                let timing = Timing { rank: self.rank, stream: self.stream, tag, start, end, bytes };
+                lock(&self.shared.timings).push(timing);
+            }
+            Err(e) if e.is_cancellation() => self.poison_with(e),
+            Err(e) => {
+                let (rank, stream) = (self.rank, self.stream);
+                let cause = format!("{} (node {}) on rank {rank}, {stream} stream failed: {e}", tag.op, tag.node);
+                lock(&self.shared.errors).push((rank, stream, tag, e));
+                self.poison_with(OpsError::Cancelled(cause));
+            }
+        }
+    }
+
+    /// Takes part in a collective, even when poisoned or invalid (then as unable, so the
+    /// peers fail rather than wait); returns the bytes moved.
+    fn collective(
+        &self,
+        desc: &Collective,
+        id: CommId,
+        send: Option<CpuBuffer>,
+        recv: Option<CpuBuffer>,
+        poison: Option<OpsError>,
+        fault: Result<(), OpsError>,
+    ) -> Result<u64, OpsError> {
+        let Some((comm, index)) = self.shared.comms.get(&id).and_then(|c| Some((c, c.index_of(self.rank)?))) else {
+            return Err(poison.unwrap_or_else(|| OpsError::Shape {
+                kernel: desc.kind.name(),
+                reason: format!("rank {} is not a member of a communicator {id} of mesh {}", self.rank, self.shared.mesh),
+            }));
+        };
+        let own = fault.and_then(|()| comm.check(self.stream, index, desc, send.as_ref(), recv.as_ref()));
+        let failed = poison.clone().or_else(|| own.as_ref().err().cloned());
+        let timeout = Duration::from_nanos(self.shared.timeout_ns.load(Ordering::Relaxed));
+        let result = comm.call(index, Arrival { desc: *desc, send, recv, failed }, timeout, &self.shared.shutdown);
+        match (poison, own) {
+            (Some(cause), _) => Err(cause),
+            (None, Err(e)) => Err(e),
+            (None, Ok(bytes)) => result.map(|()| bytes),
+        }
+    }
+}
+
+impl Shared {
+    /// Consumes an armed fault for `(rank, op)`, failing the kernel `kernel`.
+    fn take_fault(&self, rank: u32, op: &'static str, kernel: &'static str) -> Result<(), OpsError> {
+        if self.armed_faults.load(Ordering::Acquire) == 0 {
+            return Ok(());
+        }
+        let mut faults = lock(&self.faults);
+        let Some(i) = faults.iter().position(|&(r, o)| r == rank && o == op) else {
+            return Ok(());
+        };
+        faults.remove(i);
+        self.armed_faults.store(faults.len(), Ordering::Release);
+        Err(OpsError::Failed { kernel, reason: "injected fault".into() })
+    }
+}

@@ -1,0 +1,557 @@
+//! Tests of the CPU backend: stream order, events, collectives, poisoning, kernels.
+
+use std::future::Future;
+use std::pin::pin;
+use std::sync::Arc;
+use std::task::{Context, Poll, Wake, Waker};
+use std::thread::{self, Thread};
+use std::time::{Duration, Instant};
+
+use overlap_graph::{Collective, CollectiveKind, CopySeg, DType, Group, Mesh, ReduceOp, Stream};
+
+use super::{CpuBackend, CpuBuffer, CpuEvent};
+use crate::{math, AdamwParams, Backend, CommId, EventStatus, Kernel, MuonParams, OpsError, Tag};
+
+/// Wakes a parked thread.
+struct Unpark(Thread);
+
+impl Wake for Unpark {
+    fn wake(self: Arc<Self>) {
+        self.0.unpark();
+    }
+}
+
+fn waker() -> Waker {
+    Arc::new(Unpark(thread::current())).into()
+}
+
+/// Drives a future to completion on this thread.
+fn block_on<F: Future>(fut: F) -> F::Output {
+    let mut fut = pin!(fut);
+    let waker = waker();
+    let mut cx = Context::from_waker(&waker);
+    loop {
+        if let Poll::Ready(out) = fut.as_mut().poll(&mut cx) {
+            return out;
+        }
+        thread::park();
+    }
+}
+
+fn mesh(shard: u32, replicate: u32) -> Mesh {
+    Mesh::new(shard, replicate).unwrap()
+}
+
+fn tag(node: u32, op: &'static str) -> Tag {
+    Tag { node, op, micro_batch: 0 }
+}
+
+fn buffer(b: &CpuBackend, rank: u32, data: &[f32]) -> CpuBuffer {
+    let buf = b.alloc(rank, data.len()).unwrap();
+    b.upload(&buf, data).unwrap();
+    buf
+}
+
+/// Records an event on a stream.
+fn record(b: &CpuBackend, rank: u32, stream: Stream) -> CpuEvent {
+    let ev = b.event(rank);
+    b.record(rank, stream, &ev);
+    ev
+}
+
+/// Waits until every stream has executed everything issued so far.
+fn sync(b: &CpuBackend) {
+    let events: Vec<CpuEvent> =
+        b.local_ranks().into_iter().flat_map(|r| Stream::ALL.map(|s| record(b, r, s))).collect();
+    for ev in &events {
+        // A failed record is still executed: the stream has reached it.
+        let _ = block_on(b.host_wait(ev));
+    }
+}
+
+fn desc(kind: CollectiveKind, group: Group, count: u64, op: ReduceOp, dtype: DType, root: Option<u32>) -> Collective {
+    Collective { kind, group, count, dtype, op, root }
+}
+
+/// Issues `desc` on every member of its group on `stream`, member `i` with send data
+/// `inputs[i]` and a recv buffer of `outputs[i]` elements; returns the recv contents.
+fn collective(
+    b: &CpuBackend,
+    desc: Collective,
+    stream: Stream,
+    inputs: &[Option<Vec<f32>>],
+    outputs: &[Option<usize>],
+) -> Vec<Option<Vec<f32>>> {
+    let members = b.shared.mesh.members(desc.group);
+    let comm = CommId { group: desc.group, stream };
+    let recvs: Vec<Option<CpuBuffer>> = members
+        .iter()
+        .zip(outputs)
+        .map(|(&rank, len)| len.map(|len| b.alloc(rank, len).unwrap()))
+        .collect();
+    for ((&rank, input), recv) in members.iter().zip(inputs).zip(&recvs) {
+        let send = input.as_ref().map(|data| buffer(b, rank, data));
+        b.launch(rank, stream, tag(1, "stage1"), Kernel::Collective { desc, comm, send, recv: recv.clone() });
+    }
+    sync(b);
+    assert_eq!(b.errors(), vec![]);
+    recvs.iter().map(|r| r.as_ref().map(|r| b.download(r).unwrap())).collect()
+}
+
+fn all(data: &[Vec<f32>]) -> Vec<Option<Vec<f32>>> {
+    data.iter().cloned().map(Some).collect()
+}
+
+#[test]
+fn a_stream_runs_its_commands_in_issue_order() {
+    let b = CpuBackend::new(mesh(1, 1));
+    let (x, a, c) = (buffer(&b, 0, &[0.0; 3]), buffer(&b, 0, &[1.0, 2.0, 3.0]), buffer(&b, 0, &[10.0; 3]));
+    let add = |dst: &CpuBuffer, src: &CpuBuffer, accumulate| Kernel::Add { dst: dst.clone(), src: src.clone(), accumulate };
+    b.launch(0, Stream::Compute, tag(0, "accumulate"), add(&x, &a, false));
+    b.launch(0, Stream::Compute, tag(1, "accumulate"), add(&x, &c, true));
+    b.launch(0, Stream::Compute, tag(2, "accumulate"), add(&x, &x, true));
+    for node in 3..100 {
+        b.launch(0, Stream::Compute, tag(node, "grad_ready"), Kernel::Marker);
+    }
+    sync(&b);
+    assert_eq!(b.download(&x).unwrap(), vec![22.0, 24.0, 26.0]);
+    let timings = b.take_timings();
+    let nodes: Vec<u32> = timings.iter().map(|t| t.tag.node).collect();
+    assert_eq!(nodes, (0..100).collect::<Vec<_>>());
+    assert!(timings.windows(2).all(|w| w[0].end <= w[1].start));
+    assert!(b.take_timings().is_empty(), "take_timings drains");
+}
+
+#[test]
+fn wait_orders_a_stream_after_the_record_issued_before_it() {
+    let b = CpuBackend::new(mesh(2, 1));
+    let g = Group::Shard { replicate: 0 };
+    let d = desc(CollectiveKind::AllReduce, g, 2, ReduceOp::Sum, DType::F32, None);
+    let comm = CommId { group: g, stream: Stream::Reduce };
+    let (s0, r0) = (buffer(&b, 0, &[1.0, 2.0]), b.alloc(0, 2).unwrap());
+    let out = b.alloc(0, 2).unwrap();
+    // Rank 0's reduce stream blocks in the all-reduce until rank 1 joins.
+    let launch = |rank, send: &CpuBuffer, recv: &CpuBuffer| {
+        let k = Kernel::Collective { desc: d, comm, send: Some(send.clone()), recv: Some(recv.clone()) };
+        b.launch(rank, Stream::Reduce, tag(1, "stage1"), k);
+    };
+    launch(0, &s0, &r0);
+    let ev = record(&b, 0, Stream::Reduce);
+    b.wait(0, Stream::Compute, &ev);
+    b.launch(0, Stream::Compute, tag(2, "fold"), Kernel::Add { dst: out.clone(), src: r0.clone(), accumulate: false });
+    let done = record(&b, 0, Stream::Compute);
+    // Re-recording the event elsewhere does not change what the earlier wait waits for.
+    b.record(0, Stream::Publish, &ev);
+
+    let mut host = pin!(b.host_wait(&done));
+    let waker = waker();
+    assert!(host.as_mut().poll(&mut Context::from_waker(&waker)).is_pending());
+    thread::sleep(Duration::from_millis(50));
+    assert_eq!(b.status(&done), EventStatus::Pending);
+    assert_eq!(b.download(&out).unwrap(), vec![0.0, 0.0]);
+
+    let (s1, r1) = (buffer(&b, 1, &[10.0, 20.0]), b.alloc(1, 2).unwrap());
+    launch(1, &s1, &r1);
+    assert_eq!(block_on(host), Ok(()));
+    assert_eq!(b.status(&done), EventStatus::Complete);
+    assert_eq!(b.download(&out).unwrap(), vec![11.0, 22.0]);
+}
+
+#[test]
+fn a_never_recorded_event_is_complete_and_waiting_on_it_is_a_no_op() {
+    let b = CpuBackend::new(mesh(1, 1));
+    let ev = b.event(0);
+    assert_eq!(b.status(&ev), EventStatus::Complete);
+    assert_eq!(block_on(b.host_wait(&ev)), Ok(()));
+    b.wait(0, Stream::Compute, &ev);
+    b.launch(0, Stream::Compute, tag(0, "grad_ready"), Kernel::Marker);
+    sync(&b);
+    assert_eq!(b.take_timings().len(), 1);
+}
+
+#[test]
+fn reduce_scatter_reduces_each_members_chunk() {
+    let b = CpuBackend::new(mesh(3, 1));
+    let g = Group::Shard { replicate: 0 };
+    let inputs: Vec<Vec<f32>> = (0..3).map(|m| (0..6).map(|j| (10 * m + j) as f32).collect()).collect();
+    let sum = collective(&b, desc(CollectiveKind::ReduceScatter, g, 2, ReduceOp::Sum, DType::F32, None), Stream::Reduce, &all(&inputs), &[Some(2); 3]);
+    // Element j of the sum is 30 + 3j; member i gets elements 2i and 2i + 1.
+    assert_eq!(sum, vec![Some(vec![30.0, 33.0]), Some(vec![36.0, 39.0]), Some(vec![42.0, 45.0])]);
+    let avg = collective(&b, desc(CollectiveKind::ReduceScatter, g, 2, ReduceOp::Avg, DType::F32, None), Stream::Reduce, &all(&inputs), &[Some(2); 3]);
+    assert_eq!(avg, vec![Some(vec![10.0, 11.0]), Some(vec![12.0, 13.0]), Some(vec![14.0, 15.0])]);
+    let bytes: Vec<u64> = b.take_timings().iter().map(|t| t.bytes).collect();
+    assert_eq!(bytes, vec![24; 6], "each member contributes 3 × 2 f32");
+}
+
+#[test]
+fn all_reduce_averages_over_replicate_groups_in_place() {
+    let b = CpuBackend::new(mesh(2, 2));
+    for shard in 0..2 {
+        let g = Group::Replicate { shard };
+        let members = b.shared.mesh.members(g);
+        let d = desc(CollectiveKind::AllReduce, g, 2, ReduceOp::Avg, DType::F32, None);
+        let comm = CommId { group: g, stream: Stream::Replicate };
+        // Send and recv are the same buffer.
+        let bufs: Vec<CpuBuffer> =
+            members.iter().map(|&r| buffer(&b, r, &[r as f32, 1.0 + 2.0 * r as f32])).collect();
+        for (&rank, buf) in members.iter().zip(&bufs) {
+            let k = Kernel::Collective { desc: d, comm, send: Some(buf.clone()), recv: Some(buf.clone()) };
+            b.launch(rank, Stream::Replicate, tag(2, "stage2"), k);
+        }
+        sync(&b);
+        // Members are ranks s and s + 2.
+        let s = shard as f32;
+        for buf in &bufs {
+            assert_eq!(b.download(buf).unwrap(), vec![s + 1.0, 2.0 * s + 3.0]);
+        }
+    }
+    assert_eq!(b.errors(), vec![]);
+    let sums = collective(
+        &b,
+        desc(CollectiveKind::AllReduce, Group::Shard { replicate: 1 }, 1, ReduceOp::Sum, DType::F32, None),
+        Stream::Reduce,
+        &all(&[vec![0.5], vec![0.25]]),
+        &[Some(1); 2],
+    );
+    assert_eq!(sums, vec![Some(vec![0.75]); 2]);
+}
+
+#[test]
+fn reduce_writes_the_root_only() {
+    let b = CpuBackend::new(mesh(3, 1));
+    let g = Group::Shard { replicate: 0 };
+    let inputs = all(&[vec![1.0, 2.0], vec![3.0, 4.0], vec![5.0, 9.0]]);
+    let outputs = [None, Some(2), None];
+    let sum = collective(&b, desc(CollectiveKind::Reduce, g, 2, ReduceOp::Sum, DType::F32, Some(1)), Stream::Reduce, &inputs, &outputs);
+    assert_eq!(sum, vec![None, Some(vec![9.0, 15.0]), None]);
+    let avg = collective(&b, desc(CollectiveKind::Reduce, g, 2, ReduceOp::Avg, DType::F32, Some(1)), Stream::Reduce, &inputs, &outputs);
+    assert_eq!(avg, vec![None, Some(vec![3.0, 5.0]), None]);
+}
+
+#[test]
+fn broadcast_copies_the_roots_buffer() {
+    let b = CpuBackend::new(mesh(1, 3));
+    let g = Group::Replicate { shard: 0 };
+    let out = collective(
+        &b,
+        desc(CollectiveKind::Broadcast, g, 3, ReduceOp::Avg, DType::F32, Some(2)),
+        Stream::Publish,
+        &[None, None, Some(vec![7.0, 8.0, 9.0])],
+        &[Some(3), Some(3), None],
+    );
+    assert_eq!(out, vec![Some(vec![7.0, 8.0, 9.0]), Some(vec![7.0, 8.0, 9.0]), None]);
+}
+
+#[test]
+fn all_gather_concatenates_in_member_order() {
+    let b = CpuBackend::new(mesh(2, 2));
+    let g = Group::Shard { replicate: 1 };
+    let out = collective(
+        &b,
+        desc(CollectiveKind::AllGather, g, 2, ReduceOp::Sum, DType::F32, None),
+        Stream::Reduce,
+        &all(&[vec![1.0, 2.0], vec![3.0, 4.0]]),
+        &[Some(4); 2],
+    );
+    assert_eq!(out, vec![Some(vec![1.0, 2.0, 3.0, 4.0]); 2]);
+}
+
+#[test]
+fn bf16_rounds_every_input_before_reducing_in_f32() {
+    let b = CpuBackend::new(mesh(2, 1));
+    let g = Group::Shard { replicate: 0 };
+    let x = 1.0 + 2f32.powi(-10);
+    let inputs = all(&[vec![x, 3.0], vec![x, 2f32.powi(-9)]]);
+    let f32_sum = collective(&b, desc(CollectiveKind::AllReduce, g, 2, ReduceOp::Sum, DType::F32, None), Stream::Reduce, &inputs, &[Some(2); 2]);
+    assert_eq!(f32_sum[0], Some(vec![2.0 * x, 3.0 + 2f32.powi(-9)]));
+    let bf16_sum = collective(&b, desc(CollectiveKind::AllReduce, g, 2, ReduceOp::Sum, DType::Bf16, None), Stream::Reduce, &inputs, &[Some(2); 2]);
+    // 1 + 2^-10 rounds to 1 in bf16; 2^-9 is exact; the sum 3 + 2^-9 is kept in f32.
+    assert_eq!(bf16_sum[0], Some(vec![2.0, 3.0 + 2f32.powi(-9)]));
+    let bytes: Vec<u64> = b.take_timings().iter().map(|t| t.bytes).collect();
+    assert_eq!(bytes, vec![8, 8, 4, 4]);
+}
+
+#[test]
+fn mismatched_collectives_fail_on_every_member_without_hanging() {
+    let b = CpuBackend::new(mesh(2, 1)).with_collective_timeout(Duration::from_secs(30));
+    let g = Group::Shard { replicate: 0 };
+    let comm = CommId { group: g, stream: Stream::Reduce };
+    let started = Instant::now();
+    for (rank, count) in [(0, 2), (1, 3)] {
+        let d = desc(CollectiveKind::AllReduce, g, count, ReduceOp::Sum, DType::F32, None);
+        let buf = b.alloc(rank, count as usize).unwrap();
+        b.launch(rank, Stream::Reduce, tag(4, "stage1"), Kernel::Collective { desc: d, comm, send: Some(buf.clone()), recv: Some(buf) });
+    }
+    let after = [record(&b, 0, Stream::Reduce), record(&b, 1, Stream::Reduce)];
+    sync(&b);
+    assert!(started.elapsed() < Duration::from_secs(10));
+    let mut errors = b.errors();
+    errors.sort_by_key(|e| e.0);
+    assert_eq!(errors.len(), 2, "{errors:?}");
+    for (rank, (r, stream, t, e)) in errors.iter().enumerate() {
+        assert_eq!((*r, *stream, t.op), (rank as u32, Stream::Reduce, "stage1"));
+        let OpsError::Collective { comm, reason } = e else { panic!("{e:?}") };
+        assert_eq!(comm, "shard-group(r=0)@reduce");
+        assert!(reason.contains("count 2 vs 3"), "{reason}");
+    }
+    for ev in &after {
+        assert!(matches!(b.status(ev), EventStatus::Failed(OpsError::Cancelled(_))));
+    }
+}
+
+#[test]
+fn a_missing_member_times_out_and_reset_restarts_the_communicator() {
+    let b = CpuBackend::new(mesh(2, 1)).with_collective_timeout(Duration::from_millis(100));
+    let g = Group::Shard { replicate: 0 };
+    let d = desc(CollectiveKind::AllReduce, g, 1, ReduceOp::Sum, DType::F32, None);
+    let comm = CommId { group: g, stream: Stream::Reduce };
+    let k = |buf: &CpuBuffer| Kernel::Collective { desc: d, comm, send: Some(buf.clone()), recv: Some(buf.clone()) };
+    let x0 = buffer(&b, 0, &[1.0]);
+    b.launch(0, Stream::Reduce, tag(1, "stage1"), k(&x0));
+    sync(&b);
+    let errors = b.errors();
+    assert_eq!(errors.len(), 1);
+    let OpsError::Collective { reason, .. } = &errors[0].3 else { panic!("{errors:?}") };
+    assert!(reason.contains("timed out") && reason.contains("[1]"), "{reason}");
+
+    b.reset();
+    assert_eq!(b.errors(), vec![]);
+    let x1 = buffer(&b, 1, &[2.0]);
+    b.launch(0, Stream::Reduce, tag(1, "stage1"), k(&x0));
+    b.launch(1, Stream::Reduce, tag(1, "stage1"), k(&x1));
+    sync(&b);
+    assert_eq!(b.errors(), vec![]);
+    assert_eq!((b.download(&x0).unwrap(), b.download(&x1).unwrap()), (vec![3.0], vec![3.0]));
+}
+
+#[test]
+fn an_injected_fault_poisons_its_stream_its_waiters_and_its_collective() {
+    let b = CpuBackend::new(mesh(2, 1));
+    let g = Group::Shard { replicate: 0 };
+    let d = desc(CollectiveKind::AllReduce, g, 1, ReduceOp::Sum, DType::F32, None);
+    let comm = CommId { group: g, stream: Stream::Reduce };
+    let k = |buf: &CpuBuffer| Kernel::Collective { desc: d, comm, send: Some(buf.clone()), recv: Some(buf.clone()) };
+    let (x0, x1) = (buffer(&b, 0, &[1.0]), buffer(&b, 1, &[2.0]));
+    let (dst, src) = (buffer(&b, 0, &[5.0]), buffer(&b, 0, &[9.0]));
+    let copy = || Kernel::Add { dst: dst.clone(), src: src.clone(), accumulate: false };
+    b.inject_fault(0, "pack");
+
+    let before = record(&b, 0, Stream::Reduce);
+    let pack_tag = tag(3, "pack");
+    b.launch(0, Stream::Reduce, pack_tag, Kernel::Pack { dst: dst.clone(), segs: Arc::from(vec![]) });
+    let after = record(&b, 0, Stream::Reduce);
+    b.launch(0, Stream::Reduce, tag(4, "fold"), copy());
+    b.launch(0, Stream::Reduce, tag(5, "stage1"), k(&x0));
+    b.wait(0, Stream::Compute, &after);
+    b.launch(0, Stream::Compute, tag(6, "accumulate"), copy());
+    let waiter = record(&b, 0, Stream::Compute);
+    b.launch(1, Stream::Reduce, tag(5, "stage1"), k(&x1));
+    let peer = record(&b, 1, Stream::Reduce);
+    sync(&b);
+
+    assert_eq!(b.status(&before), EventStatus::Complete);
+    for ev in [&after, &waiter] {
+        let EventStatus::Failed(OpsError::Cancelled(cause)) = b.status(ev) else { panic!() };
+        assert!(cause.contains("pack (node 3) on rank 0") && cause.contains("injected fault"), "{cause}");
+    }
+    let EventStatus::Failed(OpsError::Cancelled(cause)) = b.status(&peer) else { panic!() };
+    assert!(cause.contains("rank 0 could not take part") && cause.contains("injected fault"), "{cause}");
+    assert_eq!(
+        b.errors(),
+        vec![(0, Stream::Reduce, pack_tag, OpsError::Failed { kernel: "pack", reason: "injected fault".into() })]
+    );
+    // Skipped kernels did not run: dst keeps its value and the collective wrote nothing.
+    assert_eq!(b.download(&dst).unwrap(), vec![5.0]);
+    assert_eq!((b.download(&x0).unwrap(), b.download(&x1).unwrap()), (vec![1.0], vec![2.0]));
+
+    b.reset();
+    assert_eq!(b.errors(), vec![]);
+    b.launch(0, Stream::Reduce, pack_tag, Kernel::Pack { dst: dst.clone(), segs: Arc::from(vec![]) });
+    b.launch(0, Stream::Reduce, tag(5, "stage1"), k(&x0));
+    b.launch(1, Stream::Reduce, tag(5, "stage1"), k(&x1));
+    let ok = [record(&b, 0, Stream::Reduce), record(&b, 1, Stream::Reduce)];
+    sync(&b);
+    assert_eq!(b.errors(), vec![], "the fault fired once");
+    assert!(ok.iter().all(|ev| b.status(ev) == EventStatus::Complete));
+    assert_eq!((b.download(&x0).unwrap(), b.download(&dst).unwrap()), (vec![3.0], vec![0.0]));
+}
+
+#[test]
+fn clear_faults_disarms_pending_faults() {
+    let b = CpuBackend::new(mesh(1, 1));
+    b.inject_fault(0, "grad_ready");
+    b.clear_faults();
+    b.launch(0, Stream::Compute, tag(0, "grad_ready"), Kernel::Marker);
+    sync(&b);
+    assert_eq!(b.errors(), vec![]);
+}
+
+#[test]
+fn pack_zeroes_then_sums_segments_and_unpack_scatters() {
+    let b = CpuBackend::new(mesh(1, 1));
+    let (g0, acc, g1) = (buffer(&b, 0, &[1.0, 2.0, 3.0]), buffer(&b, 0, &[10.0, 20.0, 30.0]), buffer(&b, 0, &[5.0, 6.0]));
+    let send = buffer(&b, 0, &[-1.0; 6]);
+    let seg = |param, src, dst, len| CopySeg { param, src, dst, len };
+    let segs = vec![(seg(0, 1, 0, 2), vec![g0.clone(), acc.clone()]), (seg(1, 0, 3, 2), vec![g1.clone()])];
+    b.launch(0, Stream::Reduce, tag(0, "pack"), Kernel::Pack { dst: send.clone(), segs: Arc::from(segs) });
+    sync(&b);
+    assert_eq!(b.download(&send).unwrap(), vec![22.0, 33.0, 0.0, 5.0, 6.0, 0.0]);
+
+    let (r0, r1) = (buffer(&b, 0, &[100.0, 100.0]), buffer(&b, 0, &[7.0]));
+    let unpack = |accumulate| Kernel::Unpack {
+        src: send.clone(),
+        segs: Arc::from(vec![(seg(0, 0, 0, 2), r0.clone()), (seg(1, 4, 0, 1), r1.clone())]),
+        accumulate,
+    };
+    b.launch(0, Stream::Replicate, tag(1, "unpack"), unpack(true));
+    sync(&b);
+    assert_eq!((b.download(&r0).unwrap(), b.download(&r1).unwrap()), (vec![122.0, 133.0], vec![13.0]));
+    b.launch(0, Stream::Replicate, tag(1, "unpack"), unpack(false));
+    sync(&b);
+    assert_eq!((b.download(&r0).unwrap(), b.download(&r1).unwrap()), (vec![22.0, 33.0], vec![6.0]));
+    assert_eq!(b.errors(), vec![]);
+}
+
+#[test]
+fn optimizer_kernels_equal_the_reference_math() {
+    let b = CpuBackend::new(mesh(1, 1));
+    let values = |n: usize, k: f32| (0..n).map(|i| ((i as f32 + k) * 0.37).sin()).collect::<Vec<f32>>();
+
+    let (p, g, st) = (values(5, 0.0), values(5, 1.0), values(10, 2.0));
+    let hp = AdamwParams::default();
+    let bufs = [buffer(&b, 0, &p), buffer(&b, 0, &g), buffer(&b, 0, &st)];
+    let [param, grad, state] = bufs.clone();
+    b.launch(0, Stream::Compute, tag(0, "optimizer"), Kernel::Adamw { param, grad, state, hp, step: 3 });
+    let (mut p_ref, mut st_ref) = (p, st);
+    let (m, v) = st_ref.split_at_mut(5);
+    math::adamw(&mut p_ref, &g, m, v, &hp, 3);
+
+    let (rows, cols) = (6, 4);
+    let (mp, mg, mm) = (values(24, 3.0), values(24, 4.0), values(24, 5.0));
+    let hp = MuonParams { weight_decay: 0.1, ..MuonParams::default() };
+    let mbufs = [buffer(&b, 0, &mp), buffer(&b, 0, &mg), buffer(&b, 0, &mm)];
+    let [param, grad, momentum] = mbufs.clone();
+    b.launch(0, Stream::Compute, tag(1, "optimizer"), Kernel::Muon { param, grad, momentum, rows, cols, hp });
+    let (mut mp_ref, mut mm_ref) = (mp, mm);
+    math::muon(&mut mp_ref, &mg, &mut mm_ref, rows, cols, &hp);
+
+    sync(&b);
+    assert_eq!(b.errors(), vec![]);
+    assert_eq!(b.download(&bufs[0]).unwrap(), p_ref);
+    assert_eq!(b.download(&bufs[2]).unwrap(), st_ref);
+    assert_eq!(b.download(&mbufs[0]).unwrap(), mp_ref);
+    assert_eq!(b.download(&mbufs[2]).unwrap(), mm_ref);
+}
+
+#[test]
+fn bad_kernels_report_shape_errors_and_write_nothing() {
+    let b = CpuBackend::new(mesh(2, 1));
+    let (a, short) = (buffer(&b, 0, &[1.0, 2.0]), buffer(&b, 0, &[3.0]));
+    let (p1, state1) = (buffer(&b, 1, &[4.0, 5.0]), buffer(&b, 1, &[0.0; 4]));
+    let seg = CopySeg { param: 7, src: 1, dst: 0, len: 2 };
+    let adamw = |param: &CpuBuffer, grad: &CpuBuffer, state: &CpuBuffer, step| Kernel::Adamw {
+        param: param.clone(),
+        grad: grad.clone(),
+        state: state.clone(),
+        hp: AdamwParams::default(),
+        step,
+    };
+    // One case per stream, so no case is skipped behind another's poison.
+    let cases: Vec<(u32, Stream, Kernel<CpuBuffer>, &str)> = vec![
+        (0, Stream::Compute, Kernel::Add { dst: a.clone(), src: short.clone(), accumulate: true }, "add: src must be a buffer of 2 elements on rank 0"),
+        (0, Stream::Reduce, Kernel::Pack { dst: a.clone(), segs: Arc::from(vec![(seg, vec![a.clone()])]) }, "is both a source and the destination"),
+        (0, Stream::Replicate, Kernel::Unpack { src: a.clone(), segs: Arc::from(vec![(seg, short.clone())]), accumulate: false }, "segment of param 7 (source offset 1, 2 elements) exceeds"),
+        (0, Stream::Publish, adamw(&a, &p1, &short, 1), "grad must be a buffer of 2 elements on rank 0, got CpuBuffer"),
+        (1, Stream::Compute, Kernel::Muon { param: p1.clone(), grad: p1.clone(), momentum: p1.clone(), rows: usize::MAX, cols: 2, hp: MuonParams::default() }, "matrix has more elements than fit"),
+        (1, Stream::Reduce, adamw(&p1, &p1, &state1, 1), "adamw: its buffers must be distinct"),
+        (1, Stream::Replicate, adamw(&p1, &state1, &state1, 0), "grad must be a buffer of 2 elements"),
+        (1, Stream::Publish, adamw(&p1, &short, &state1, 0), "on rank 1, got CpuBuffer"),
+    ];
+    let expected: Vec<(u32, Stream, &str)> = cases.iter().map(|(r, s, _, msg)| (*r, *s, *msg)).collect();
+    for (node, (rank, stream, kernel, _)) in cases.into_iter().enumerate() {
+        b.launch(rank, stream, tag(node as u32, "fold"), kernel);
+    }
+    sync(&b);
+    let errors = b.errors();
+    assert_eq!(errors.len(), expected.len(), "{errors:?}");
+    for (rank, stream, t, e) in &errors {
+        let (want_rank, want_stream, msg) = expected[t.node as usize];
+        assert_eq!((*rank, *stream), (want_rank, want_stream));
+        assert!(matches!(e, OpsError::Shape { .. }) && e.to_string().contains(msg), "{e} does not say {msg}");
+    }
+    for (buf, data) in [(&a, vec![1.0, 2.0]), (&p1, vec![4.0, 5.0]), (&state1, vec![0.0; 4])] {
+        assert_eq!(b.download(buf).unwrap(), data);
+    }
+}
+
+#[test]
+fn an_invalid_member_fails_its_collective_on_every_member() {
+    let b = CpuBackend::new(mesh(2, 1));
+    let g = Group::Shard { replicate: 0 };
+    let d = desc(CollectiveKind::ReduceScatter, g, 2, ReduceOp::Sum, DType::F32, None);
+    let comm = CommId { group: g, stream: Stream::Reduce };
+    // Rank 0's send holds one chunk instead of two.
+    let (s0, r0) = (b.alloc(0, 2).unwrap(), b.alloc(0, 2).unwrap());
+    let (s1, r1) = (b.alloc(1, 4).unwrap(), b.alloc(1, 2).unwrap());
+    b.launch(0, Stream::Reduce, tag(1, "stage1"), Kernel::Collective { desc: d, comm, send: Some(s0), recv: Some(r0) });
+    b.launch(1, Stream::Reduce, tag(1, "stage1"), Kernel::Collective { desc: d, comm, send: Some(s1), recv: Some(r1) });
+    let peer = record(&b, 1, Stream::Reduce);
+    sync(&b);
+    let errors = b.errors();
+    assert_eq!(errors.len(), 1, "{errors:?}");
+    assert!(errors[0].3.to_string().contains("reduce_scatter: send must be a buffer of 4 elements"), "{}", errors[0].3);
+    assert!(matches!(b.status(&peer), EventStatus::Failed(OpsError::Cancelled(_))));
+}
+
+#[test]
+fn misuse_of_ranks_is_reported_not_panicked() {
+    let b = CpuBackend::new(mesh(1, 1));
+    assert!(matches!(b.alloc(3, 4), Err(OpsError::Backend(_))));
+    b.launch(3, Stream::Compute, tag(0, "fold"), Kernel::Marker);
+    let ev = record(&b, 3, Stream::Reduce);
+    assert!(matches!(b.status(&ev), EventStatus::Failed(OpsError::Backend(_))));
+    b.wait(0, Stream::Compute, &ev);
+    let after = record(&b, 0, Stream::Compute);
+    sync(&b);
+    let errors = b.errors();
+    assert_eq!(errors.iter().map(|e| (e.0, e.2.op)).collect::<Vec<_>>(), vec![(3, "fold"), (3, "record")]);
+    // Waiting on the failed record poisons the waiting stream.
+    assert!(matches!(b.status(&after), EventStatus::Failed(OpsError::Cancelled(_))));
+    let bad = CpuBackend::new(Mesh { shard: 0, replicate: 2 });
+    assert!(bad.local_ranks().is_empty());
+}
+
+#[test]
+fn dropping_the_backend_releases_a_blocked_collective() {
+    let b = CpuBackend::new(mesh(2, 1));
+    let g = Group::Shard { replicate: 0 };
+    let d = desc(CollectiveKind::AllReduce, g, 1, ReduceOp::Sum, DType::F32, None);
+    let x = b.alloc(0, 1).unwrap();
+    let comm = CommId { group: g, stream: Stream::Reduce };
+    b.launch(0, Stream::Reduce, tag(1, "stage1"), Kernel::Collective { desc: d, comm, send: Some(x.clone()), recv: Some(x) });
+    b.launch(0, Stream::Reduce, tag(2, "fold"), Kernel::Marker);
+    let ev = record(&b, 0, Stream::Reduce);
+    let host = b.host_wait(&ev);
+    thread::sleep(Duration::from_millis(20));
+    let started = Instant::now();
+    drop(b);
+    assert!(started.elapsed() < Duration::from_secs(5));
+    assert!(matches!(block_on(host), Err(OpsError::Cancelled(_))));
+}
+
+/// Host cost of `launch`; meaningful in release builds only
+/// (`cargo test -p overlap-ops --release -- --ignored launch_cost`).
+#[test]
+#[ignore = "timing measurement; run with --release"]
+fn launch_cost() {
+    let b = CpuBackend::new(mesh(1, 1));
+    let n = 200_000u32;
+    let started = Instant::now();
+    for node in 0..n {
+        b.launch(0, Stream::Compute, tag(node, "grad_ready"), Kernel::Marker);
+    }
+    let per_launch = started.elapsed() / n;
+    sync(&b);
+    println!("launch: {per_launch:?} per kernel");
+    assert!(cfg!(debug_assertions) || per_launch < Duration::from_micros(2), "{per_launch:?}");
+}

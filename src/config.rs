@@ -1,0 +1,1052 @@
+//! The config file: TOML in, a checked [`Config`] out.
+//!
+//! This module owns the config contract (design §5, reference in `docs/config.md`): the
+//! sections and keys, their defaults, and every error a user sees for bad input. It
+//! reads the file in two layers: serde fills `raw` structs whose fields keep their
+//! source spans ([`serde_spanned::Spanned`]), then [`Config::from_toml`] checks them and
+//! builds the typed [`Config`]. Semantic checks the planner also makes
+//! ([`Mesh::check`], [`ModelSpec::check`], [`ParamSpec::check`], [`Planner::new`]) are
+//! called here rather than copied, and their [`PlanError`]s are mapped to the key and
+//! line that caused them.
+//!
+//! The invariant it keeps: a [`Config`] exists only if its [`PlanSpec`] is accepted by
+//! [`Planner::new`], its gate list is non-empty, and every number is in range; anything
+//! else is a [`ConfigError`] naming the file, the dotted key (`param[2].route`), the
+//! line and column where possible, and what to do about it. Nothing here panics on
+//! any input.
+
+use std::collections::HashMap;
+use std::fmt;
+use std::net::SocketAddr;
+use std::ops::Range;
+use std::path::Path;
+use std::str::FromStr;
+
+use overlap_graph::{
+    Bindings, DType, Gate, Mesh, ModelSpec, ParamSpec, PlanError, PlanSpec, Planner, ReduceOp,
+    ReduceSpec, Route, Stream,
+};
+use overlap_ops::{AdamwParams, MuonParams};
+use serde::Deserialize;
+use serde_spanned::Spanned;
+use toml::de::{DeTable, DeValue};
+
+/// The default largest bucket: 25 MiB, as in PyTorch DDP/FSDP.
+pub const DEFAULT_BUCKET_CAP_BYTES: u64 = 25 * 1024 * 1024;
+
+/// A checked config: the planner's input plus everything a run needs.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Config {
+    /// The file name as given to [`Config::from_file`], or the source name given to
+    /// [`Config::from_toml`] (`"<inline>"` by convention).
+    pub source: String,
+    /// Mesh, parameters (the `[model]`'s first, then `[[param]]` in file order),
+    /// reduction, bucket cap and stream bindings.
+    pub plan: PlanSpec,
+    /// The gate of each micro-batch of a step; never empty.
+    pub gates: Vec<Gate>,
+    /// `[run]`: steps, seed, backend.
+    pub run: RunConfig,
+    /// `[overlap]`: scheduling knobs of the executor.
+    pub overlap: OverlapConfig,
+    /// `[optimizer.adamw]`: used by the `adamw`, `sharded_adamw` and `fsdp` routes.
+    pub adamw: AdamwParams,
+    /// `[optimizer.muon]`: used by the `muon` route.
+    pub muon: MuonParams,
+    /// `[metrics]`: the Prometheus exporter.
+    pub metrics: MetricsConfig,
+}
+
+/// `[run]`: how many steps to run, with which seed, on which backend.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct RunConfig {
+    /// Training steps (at least 1; default 3).
+    pub steps: u32,
+    /// Seed of the synthetic gradients and initial parameters (default 42).
+    pub seed: u64,
+    /// The backend to run on (default [`BackendChoice::Auto`]).
+    pub backend: BackendChoice,
+}
+
+impl Default for RunConfig {
+    fn default() -> Self {
+        RunConfig {
+            steps: 3,
+            seed: 42,
+            backend: BackendChoice::Auto,
+        }
+    }
+}
+
+/// `[overlap]`: scheduling knobs.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct OverlapConfig {
+    /// Backpressure: at most this many Stage-1 buffers in flight per rank (at least 1;
+    /// default 2).
+    pub stage1_window: u32,
+}
+
+impl Default for OverlapConfig {
+    fn default() -> Self {
+        OverlapConfig { stage1_window: 2 }
+    }
+}
+
+/// `[metrics]`: the Prometheus exporter.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub struct MetricsConfig {
+    /// Address to serve `/metrics` on; `None` (the default) serves nothing.
+    pub listen: Option<SocketAddr>,
+}
+
+/// Which backend runs the ranks.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Default)]
+pub enum BackendChoice {
+    /// CUDA when a GPU and the `cuda` feature are available, else CPU.
+    #[default]
+    Auto,
+    /// Ranks as threads with the exact CPU reference math.
+    Cpu,
+    /// One GPU per rank, NCCL collectives.
+    Cuda,
+}
+
+impl BackendChoice {
+    /// Every choice, in the order the docs list them.
+    pub const ALL: [BackendChoice; 3] =
+        [BackendChoice::Auto, BackendChoice::Cpu, BackendChoice::Cuda];
+
+    /// The name used in configs and on the command line: `auto`, `cpu`, `cuda`.
+    pub fn name(self) -> &'static str {
+        match self {
+            BackendChoice::Auto => "auto",
+            BackendChoice::Cpu => "cpu",
+            BackendChoice::Cuda => "cuda",
+        }
+    }
+}
+
+impl FromStr for BackendChoice {
+    type Err = String;
+
+    /// Parses `auto`, `cpu` or `cuda`; the error lists the valid names.
+    fn from_str(s: &str) -> Result<Self, String> {
+        BackendChoice::ALL
+            .into_iter()
+            .find(|b| b.name() == s)
+            .ok_or_else(|| format!("unknown backend `{s}`; expected auto, cpu or cuda"))
+    }
+}
+
+impl fmt::Display for BackendChoice {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(self.name())
+    }
+}
+
+/// Why a config could not be loaded. Displays as
+/// `{file}:{line}:{column}: `{key}`: {reason}`; the position is left out when unknown,
+/// and the key when the error is about the whole file (it cannot be read).
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+#[error("{}", render(.file, .key, *.line, *.column, .reason))]
+pub struct ConfigError {
+    /// The file, as given (or the source name of an inline config).
+    pub file: String,
+    /// The dotted key at fault, with array indices: `param[2].route`,
+    /// `accumulation.replicate_gate[1]`. Empty when the file itself cannot be read.
+    pub key: String,
+    /// 1-based line of the offending text, when it is known.
+    pub line: Option<usize>,
+    /// 1-based column (in characters) of the offending text, when it is known.
+    pub column: Option<usize>,
+    /// What is wrong and what is allowed.
+    pub reason: String,
+}
+
+fn render(
+    file: &str,
+    key: &str,
+    line: Option<usize>,
+    column: Option<usize>,
+    reason: &str,
+) -> String {
+    let mut s = file.to_string();
+    if let Some(l) = line {
+        s.push_str(&format!(":{l}"));
+        if let Some(c) = column {
+            s.push_str(&format!(":{c}"));
+        }
+    }
+    if !key.is_empty() {
+        s.push_str(&format!(": `{key}`"));
+    }
+    s.push_str(&format!(": {reason}"));
+    s
+}
+
+impl Config {
+    /// Reads and checks a config file. The error's `file` is `path` as given.
+    pub fn from_file(path: &Path) -> Result<Config, ConfigError> {
+        let source = path.display().to_string();
+        let text = std::fs::read_to_string(path).map_err(|e| {
+            let reason = match e.kind() {
+                std::io::ErrorKind::InvalidData => {
+                    "cannot read the config file: it is not valid UTF-8".to_string()
+                }
+                _ => format!("cannot read the config file: {e}"),
+            };
+            ConfigError {
+                file: source.clone(),
+                key: String::new(),
+                line: None,
+                column: None,
+                reason,
+            }
+        })?;
+        Config::from_toml(&text, &source)
+    }
+
+    /// Parses and checks config text; `source` names it in errors (a file name, or
+    /// `"<inline>"`).
+    pub fn from_toml(text: &str, source: &str) -> Result<Config, ConfigError> {
+        let doc = Doc { text, file: source };
+        let table = DeTable::parse(text).map_err(|e| doc.syntax_error(&e))?;
+        let raw = raw::Root::deserialize(toml::de::Deserializer::from(table))
+            .map_err(|e| doc.serde_error(&e))?;
+        doc.build(raw)
+    }
+}
+
+/// The text being read, for turning spans into positions and keys.
+struct Doc<'a> {
+    text: &'a str,
+    file: &'a str,
+}
+
+impl Doc<'_> {
+    /// An error at a span of the text (or nowhere).
+    fn err(
+        &self,
+        key: impl Into<String>,
+        span: Option<Range<usize>>,
+        reason: impl Into<String>,
+    ) -> ConfigError {
+        let (line, column) = match span {
+            Some(s) => {
+                let (l, c) = self.position(s.start);
+                (Some(l), Some(c))
+            }
+            None => (None, None),
+        };
+        ConfigError {
+            file: self.file.to_string(),
+            key: key.into(),
+            line,
+            column,
+            reason: reason.into(),
+        }
+    }
+
+    /// 1-based line and column (in characters) of a byte offset.
+    fn position(&self, offset: usize) -> (usize, usize) {
+        let mut offset = offset.min(self.text.len());
+        while !self.text.is_char_boundary(offset) {
+            offset -= 1;
+        }
+        let before = &self.text[..offset];
+        let line = before.matches('\n').count() + 1;
+        let line_start = before.rfind('\n').map_or(0, |i| i + 1);
+        (line, before[line_start..].chars().count() + 1)
+    }
+
+    fn syntax_error(&self, e: &toml::de::Error) -> ConfigError {
+        let span = e.span();
+        let key = span
+            .as_ref()
+            .map(|s| self.locate(s.start, true))
+            .unwrap_or_default();
+        self.err(key, span, format!("invalid TOML: {}", e.message()))
+    }
+
+    fn serde_error(&self, e: &toml::de::Error) -> ConfigError {
+        let span = e.span();
+        let mut key = span
+            .as_ref()
+            .map(|s| self.locate(s.start, false))
+            .unwrap_or_default();
+        let msg = e.message();
+        if let Some(field) = msg
+            .strip_prefix("missing field `")
+            .and_then(|r| r.strip_suffix('`'))
+        {
+            key = join_key(&key, field);
+        }
+        let mut reason = humanize(msg);
+        if key == "param" && msg.starts_with("invalid type: map") {
+            reason.push_str("; write each parameter as a `[[param]]` table");
+        }
+        self.err(key, span, reason)
+    }
+
+    /// The dotted key whose key or value holds a byte offset (the innermost one). For a
+    /// syntax error, which may lie past everything parsed, falls back to the last key
+    /// starting before the offset on the same line.
+    fn locate(&self, offset: usize, syntax: bool) -> String {
+        let (table, _) = DeTable::parse_recoverable(self.text);
+        let mut entries = Vec::new();
+        collect_keys(table.get_ref(), "", &mut entries);
+        let holds = |s: &Range<usize>| {
+            (s.start <= offset && offset < s.end) || (s.is_empty() && s.start == offset)
+        };
+        let mut best: Option<(usize, &str)> = None;
+        for e in &entries {
+            for s in [e.key.as_ref(), Some(&e.value)].into_iter().flatten() {
+                if holds(s) && best.map_or(true, |(len, _)| s.len() <= len) {
+                    best = Some((s.len(), &e.path));
+                }
+            }
+        }
+        if let Some((_, path)) = best {
+            return path.to_string();
+        }
+        if !syntax {
+            return String::new();
+        }
+        let line = self.position(offset).0;
+        let on_line = entries
+            .iter()
+            .filter_map(|e| e.key.as_ref().map(|k| (k.start, &e.path)))
+            .filter(|&(start, _)| start <= offset && self.position(start).0 == line)
+            .max_by_key(|&(start, _)| start)
+            .map(|(_, p)| p.clone());
+        // A broken table header is dropped by the parser: name it from the text.
+        on_line.unwrap_or_else(|| {
+            let text = self.text.lines().nth(line - 1).unwrap_or("").trim();
+            match text.strip_prefix('[') {
+                Some(h) => h
+                    .trim_start_matches('[')
+                    .split(']')
+                    .next()
+                    .unwrap_or("")
+                    .trim()
+                    .to_string(),
+                None => String::new(),
+            }
+        })
+    }
+
+    /// Checks the raw config and builds the [`Config`].
+    fn build(&self, raw: raw::Root) -> Result<Config, ConfigError> {
+        let Some(raw_mesh) = raw.mesh else {
+            return Err(self.err(
+                "mesh",
+                None,
+                "missing [mesh] section; add `[mesh]` with `shard` (ranks per shard group) and `replicate` (replicate groups)",
+            ));
+        };
+        let mesh = self.mesh(&raw_mesh)?;
+        let params = self.params(raw.model.as_ref(), &raw.param)?;
+        let reduce = ReduceSpec {
+            op: raw
+                .reduce
+                .op
+                .map_or(ReduceOp::default(), Spanned::into_inner),
+            dtype: raw
+                .reduce
+                .dtype
+                .map_or(DType::default(), Spanned::into_inner),
+        };
+        let bucket_cap_bytes = match raw.buckets.cap_bytes {
+            None => DEFAULT_BUCKET_CAP_BYTES,
+            Some(c) if *c.get_ref() == 0 => {
+                return Err(self.err(
+                    "buckets.cap_bytes",
+                    Some(c.span()),
+                    "must be at least 1 byte",
+                ))
+            }
+            Some(c) => c.into_inner(),
+        };
+        let bindings = self.bindings(&raw.streams)?;
+        let plan = PlanSpec {
+            mesh,
+            params,
+            reduce,
+            bucket_cap_bytes,
+            bindings,
+        };
+        // The planner's own checks, as a backstop: whatever it rejects, the config rejects.
+        if let Err(e) = Planner::new(plan.clone()) {
+            return Err(self.plan_error(e, &raw_mesh, raw.model.as_ref(), &raw.param));
+        }
+        let gates = self.gates(&raw.accumulation)?;
+        Ok(Config {
+            source: self.file.to_string(),
+            plan,
+            gates,
+            run: self.run(raw.run)?,
+            overlap: OverlapConfig {
+                stage1_window: self.at_least_one(
+                    "overlap.stage1_window",
+                    raw.overlap.stage1_window,
+                    OverlapConfig::default().stage1_window,
+                )?,
+            },
+            adamw: self.adamw(&raw.optimizer.adamw)?,
+            muon: self.muon(&raw.optimizer.muon)?,
+            metrics: self.metrics(raw.metrics)?,
+        })
+    }
+
+    fn mesh(&self, raw: &Spanned<raw::Mesh>) -> Result<Mesh, ConfigError> {
+        let r = raw.get_ref();
+        let mesh = Mesh {
+            shard: *r.shard.get_ref(),
+            replicate: *r.replicate.get_ref(),
+        };
+        mesh.check().map_err(|e| {
+            let (key, span) = if mesh.shard == 0 {
+                ("mesh.shard", r.shard.span())
+            } else if mesh.replicate == 0 {
+                ("mesh.replicate", r.replicate.span())
+            } else {
+                ("mesh", raw.span())
+            };
+            self.err(key, Some(span), plan_reason(e))
+        })?;
+        Ok(mesh)
+    }
+
+    /// The `[model]`'s parameters, then the explicit ones, each checked; names unique.
+    fn params(
+        &self,
+        model: Option<&Spanned<raw::Model>>,
+        explicit: &[Spanned<raw::Param>],
+    ) -> Result<Vec<ParamSpec>, ConfigError> {
+        let mut params = Vec::new();
+        if let Some(m) = model {
+            let r = m.get_ref();
+            let spec = ModelSpec {
+                layers: *r.layers.get_ref(),
+                hidden: *r.hidden.get_ref(),
+                vocab: *r.vocab.get_ref(),
+            };
+            spec.check().map_err(|e| {
+                let (key, span) = if spec.layers == 0 {
+                    ("model.layers", r.layers.span())
+                } else if spec.hidden == 0 {
+                    ("model.hidden", r.hidden.span())
+                } else {
+                    ("model.vocab", r.vocab.span())
+                };
+                self.err(key, Some(span), plan_reason(e))
+            })?;
+            for p in spec.params() {
+                p.check().map_err(|e| {
+                    self.err(
+                        "model",
+                        Some(m.span()),
+                        format!("the generated parameter `{}`: {}", p.name, plan_reason(e)),
+                    )
+                })?;
+                params.push(p);
+            }
+        }
+        let mut seen: HashMap<String, Option<usize>> =
+            params.iter().map(|p| (p.name.clone(), None)).collect();
+        for (i, p) in explicit.iter().enumerate() {
+            let r = p.get_ref();
+            let at = |field: &str| format!("param[{i}].{field}");
+            let route = Route::parse(r.route.get_ref())
+                .map_err(|reason| self.err(at("route"), Some(r.route.span()), reason))?;
+            let spec = ParamSpec {
+                name: r.name.get_ref().clone(),
+                shape: r.shape.get_ref().clone(),
+                route,
+                layer: r.layer.as_ref().map_or(0, |l| *l.get_ref()),
+            };
+            spec.check().map_err(|e| {
+                let (field, span) = if spec.name.is_empty() {
+                    ("name", r.name.span())
+                } else if route == Route::Muon && spec.shape.len() == 1 {
+                    ("route", r.route.span())
+                } else {
+                    ("shape", r.shape.span())
+                };
+                self.err(at(field), Some(span), plan_reason(e))
+            })?;
+            if let Some(prev) = seen.insert(spec.name.clone(), Some(i)) {
+                let other = match prev {
+                    Some(j) => format!(
+                        "param[{j}] (line {})",
+                        self.position(explicit[j].get_ref().name.span().start).0
+                    ),
+                    None => "a parameter generated by [model]".to_string(),
+                };
+                return Err(self.err(
+                    at("name"),
+                    Some(r.name.span()),
+                    format!(
+                        "duplicate parameter name `{}`: {other} has it too; names must be unique",
+                        spec.name
+                    ),
+                ));
+            }
+            params.push(spec);
+        }
+        if params.is_empty() {
+            return Err(self.err(
+                "param",
+                None,
+                "no parameters: add [[param]] entries or a [model] section",
+            ));
+        }
+        Ok(params)
+    }
+
+    /// Maps an error of [`Planner::new`] to the key that caused it.
+    fn plan_error(
+        &self,
+        e: PlanError,
+        mesh: &Spanned<raw::Mesh>,
+        model: Option<&Spanned<raw::Model>>,
+        explicit: &[Spanned<raw::Param>],
+    ) -> ConfigError {
+        match &e {
+            PlanError::Mesh(_) => self.err("mesh", Some(mesh.span()), plan_reason(e)),
+            PlanError::Param { name, .. } => match explicit
+                .iter()
+                .position(|p| p.get_ref().name.get_ref() == name)
+            {
+                Some(i) => self.err(
+                    format!("param[{i}]"),
+                    Some(explicit[i].span()),
+                    plan_reason(e),
+                ),
+                None => self.err("model", model.map(Spanned::span), plan_reason(e)),
+            },
+            PlanError::Model(_) => self.err("model", model.map(Spanned::span), plan_reason(e)),
+            PlanError::Input { key, .. } => self.err(key.clone(), None, plan_reason(e)),
+            PlanError::Json(_) => self.err("", None, plan_reason(e)),
+        }
+    }
+
+    /// The gate of each micro-batch from `[accumulation]`.
+    fn gates(&self, a: &raw::Accumulation) -> Result<Vec<Gate>, ConfigError> {
+        if let Some(g) = &a.gates {
+            if a.replicate_gate.is_some() || a.reduce_gate.is_some() {
+                return Err(self.err(
+                    "accumulation.gates",
+                    Some(g.span()),
+                    "`gates` cannot be combined with `replicate_gate` or `reduce_gate`; give either `gates` or the two lists",
+                ));
+            }
+        }
+        // Values first, so a typo is reported at its element.
+        let flags =
+            |name: &str, list: &Option<raw::Names>| -> Result<Option<Vec<bool>>, ConfigError> {
+                let Some(list) = list else { return Ok(None) };
+                let values =
+                    list.get_ref()
+                        .iter()
+                        .enumerate()
+                        .map(|(i, v)| match v.get_ref().as_str() {
+                            "on" => Ok(true),
+                            "off" => Ok(false),
+                            other => Err(self.err(
+                                format!("accumulation.{name}[{i}]"),
+                                Some(v.span()),
+                                format!("unknown gate value `{other}`; expected \"on\" or \"off\""),
+                            )),
+                        });
+                values.collect::<Result<Vec<_>, _>>().map(Some)
+            };
+        let replicate = flags("replicate_gate", &a.replicate_gate)?;
+        let reduce = flags("reduce_gate", &a.reduce_gate)?;
+        let combined = match &a.gates {
+            None => None,
+            Some(list) => Some(
+                list.get_ref()
+                    .iter()
+                    .enumerate()
+                    .map(|(i, v)| {
+                        Gate::parse(v.get_ref()).map_err(|reason| {
+                            self.err(format!("accumulation.gates[{i}]"), Some(v.span()), reason)
+                        })
+                    })
+                    .collect::<Result<Vec<_>, _>>()?,
+            ),
+        };
+        // The number of micro-batches: given, else the first list's length, else 1.
+        let lists = [
+            ("gates", &a.gates),
+            ("replicate_gate", &a.replicate_gate),
+            ("reduce_gate", &a.reduce_gate),
+        ];
+        let given: Vec<(&str, &raw::Names)> = lists
+            .iter()
+            .filter_map(|&(n, l)| l.as_ref().map(|l| (n, l)))
+            .collect();
+        let m = match (&a.micro_batches, given.first()) {
+            (Some(mb), _) if *mb.get_ref() == 0 => {
+                return Err(self.err(
+                    "accumulation.micro_batches",
+                    Some(mb.span()),
+                    "must be at least 1 (a step needs a micro-batch)",
+                ))
+            }
+            (Some(mb), _) => *mb.get_ref() as usize,
+            (None, Some(&(name, list))) if list.get_ref().is_empty() => {
+                return Err(self.err(
+                    format!("accumulation.{name}"),
+                    Some(list.span()),
+                    "the list is empty; a step needs at least one micro-batch",
+                ))
+            }
+            (None, Some((_, list))) => list.get_ref().len(),
+            (None, None) => 1,
+        };
+        for &(name, list) in &given {
+            let n = list.get_ref().len();
+            if n != m {
+                let source = match (&a.micro_batches, given.first()) {
+                    (Some(_), _) | (None, None) => format!("micro_batches is {m}"),
+                    (None, Some((first, _))) => format!("`{first}` has {m}"),
+                };
+                return Err(self.err(
+                    format!("accumulation.{name}"),
+                    Some(list.span()),
+                    format!("has {n} entries but {source}; give one entry per micro-batch"),
+                ));
+            }
+        }
+        if let Some(g) = combined {
+            return Ok(g);
+        }
+        Ok((0..m)
+            .map(|i| {
+                let rep = replicate.as_ref().map_or(i + 1 == m, |v| v[i]);
+                let red = reduce.as_ref().map_or(true, |v| v[i]);
+                Gate::from_flags(red, rep)
+            })
+            .collect())
+    }
+
+    fn bindings(&self, raw: &raw::Streams) -> Result<Bindings, ConfigError> {
+        let mut b = Bindings::default();
+        let slots: [(&str, &Option<Spanned<String>>, &mut Stream); 8] = [
+            ("accumulate", &raw.accumulate, &mut b.accumulate),
+            ("pack", &raw.pack, &mut b.pack),
+            ("stage1", &raw.stage1, &mut b.stage1),
+            ("fold", &raw.fold, &mut b.fold),
+            ("stage2", &raw.stage2, &mut b.stage2),
+            ("unpack", &raw.unpack, &mut b.unpack),
+            ("optimizer", &raw.optimizer, &mut b.optimizer),
+            ("publish", &raw.publish, &mut b.publish),
+        ];
+        for (name, value, slot) in slots {
+            if let Some(v) = value {
+                *slot = Stream::parse(v.get_ref()).map_err(|reason| {
+                    self.err(format!("streams.{name}"), Some(v.span()), reason)
+                })?;
+            }
+        }
+        Ok(b)
+    }
+
+    fn run(&self, raw: raw::Run) -> Result<RunConfig, ConfigError> {
+        let d = RunConfig::default();
+        let backend = match raw.backend {
+            None => d.backend,
+            Some(b) => b
+                .get_ref()
+                .parse()
+                .map_err(|reason: String| self.err("run.backend", Some(b.span()), reason))?,
+        };
+        Ok(RunConfig {
+            steps: self.at_least_one("run.steps", raw.steps, d.steps)?,
+            seed: raw.seed.unwrap_or(d.seed),
+            backend,
+        })
+    }
+
+    fn at_least_one(
+        &self,
+        key: &str,
+        v: Option<Spanned<u32>>,
+        default: u32,
+    ) -> Result<u32, ConfigError> {
+        match v {
+            None => Ok(default),
+            Some(v) if *v.get_ref() == 0 => {
+                Err(self.err(key, Some(v.span()), "must be at least 1"))
+            }
+            Some(v) => Ok(v.into_inner()),
+        }
+    }
+
+    fn adamw(&self, raw: &raw::Adamw) -> Result<AdamwParams, ConfigError> {
+        let d = AdamwParams::default();
+        let k = |name: &str| format!("optimizer.adamw.{name}");
+        Ok(AdamwParams {
+            lr: self.float(&k("lr"), &raw.lr, d.lr, Bound::NonNegative)?,
+            beta1: self.float(&k("beta1"), &raw.beta1, d.beta1, Bound::Fraction)?,
+            beta2: self.float(&k("beta2"), &raw.beta2, d.beta2, Bound::Fraction)?,
+            eps: self.float(&k("eps"), &raw.eps, d.eps, Bound::Positive)?,
+            weight_decay: self.float(
+                &k("weight_decay"),
+                &raw.weight_decay,
+                d.weight_decay,
+                Bound::NonNegative,
+            )?,
+        })
+    }
+
+    fn muon(&self, raw: &raw::Muon) -> Result<MuonParams, ConfigError> {
+        let d = MuonParams::default();
+        let k = |name: &str| format!("optimizer.muon.{name}");
+        Ok(MuonParams {
+            lr: self.float(&k("lr"), &raw.lr, d.lr, Bound::NonNegative)?,
+            momentum: self.float(&k("momentum"), &raw.momentum, d.momentum, Bound::Fraction)?,
+            ns_steps: self.at_least_one(&k("ns_steps"), raw.ns_steps.clone(), d.ns_steps)?,
+            weight_decay: self.float(
+                &k("weight_decay"),
+                &raw.weight_decay,
+                d.weight_decay,
+                Bound::NonNegative,
+            )?,
+        })
+    }
+
+    /// A finite `f32` hyper-parameter within `bound`, or its default.
+    fn float(
+        &self,
+        key: &str,
+        v: &Option<Spanned<f64>>,
+        default: f32,
+        bound: Bound,
+    ) -> Result<f32, ConfigError> {
+        let Some(v) = v else { return Ok(default) };
+        let x = *v.get_ref();
+        let fail = |what: &str| {
+            Err(self.err(
+                key,
+                Some(v.span()),
+                format!("must be a finite number {what}, got {x}"),
+            ))
+        };
+        // Narrowing to f32 is the point: a value f32 cannot hold is out of range.
+        let y = x as f32;
+        if !y.is_finite() {
+            return fail(bound.describe());
+        }
+        let ok = match bound {
+            Bound::NonNegative => y >= 0.0,
+            Bound::Positive => y > 0.0,
+            Bound::Fraction => (0.0..1.0).contains(&y),
+        };
+        if ok {
+            Ok(y)
+        } else {
+            fail(bound.describe())
+        }
+    }
+
+    fn metrics(&self, raw: raw::Metrics) -> Result<MetricsConfig, ConfigError> {
+        let listen = match raw.listen {
+            None => None,
+            Some(l) => Some(l.get_ref().parse::<SocketAddr>().map_err(|e| {
+                self.err(
+                    "metrics.listen",
+                    Some(l.span()),
+                    format!("`{}` is not a socket address ({e}); give an IP address and port, e.g. \"127.0.0.1:9464\" or \"[::]:9464\"", l.get_ref()),
+                )
+            })?),
+        };
+        Ok(MetricsConfig { listen })
+    }
+}
+
+/// The range a float hyper-parameter must lie in.
+#[derive(Clone, Copy)]
+enum Bound {
+    NonNegative,
+    Positive,
+    Fraction,
+}
+
+impl Bound {
+    fn describe(self) -> &'static str {
+        match self {
+            Bound::NonNegative => ">= 0",
+            Bound::Positive => "> 0",
+            Bound::Fraction => "in [0, 1)",
+        }
+    }
+}
+
+/// The reason inside a [`PlanError`], without its category prefix.
+fn plan_reason(e: PlanError) -> String {
+    match e {
+        PlanError::Mesh(r) | PlanError::Model(r) | PlanError::Json(r) => r,
+        PlanError::Param { reason, .. } | PlanError::Input { reason, .. } => reason,
+    }
+}
+
+/// A key or value of the document, with its dotted path.
+struct Entry {
+    path: String,
+    key: Option<Range<usize>>,
+    value: Range<usize>,
+}
+
+fn collect_keys(table: &DeTable<'_>, prefix: &str, out: &mut Vec<Entry>) {
+    for (k, v) in table.iter() {
+        let path = join_key(prefix, k.get_ref());
+        out.push(Entry {
+            path: path.clone(),
+            key: Some(k.span()),
+            value: v.span(),
+        });
+        collect_value(v, &path, out);
+    }
+}
+
+fn collect_value(v: &Spanned<DeValue<'_>>, path: &str, out: &mut Vec<Entry>) {
+    match v.get_ref() {
+        DeValue::Table(t) => collect_keys(t, path, out),
+        DeValue::Array(a) => {
+            for (i, e) in a.iter().enumerate() {
+                let p = format!("{path}[{i}]");
+                out.push(Entry {
+                    path: p.clone(),
+                    key: None,
+                    value: e.span(),
+                });
+                collect_value(e, &p, out);
+            }
+        }
+        _ => {}
+    }
+}
+
+/// `prefix.key`, quoting a key that is not a bare TOML key.
+fn join_key(prefix: &str, key: &str) -> String {
+    let bare = !key.is_empty()
+        && key
+            .chars()
+            .all(|c| c.is_ascii_alphanumeric() || c == '_' || c == '-');
+    let key = if bare {
+        key.to_string()
+    } else {
+        format!("{key:?}")
+    };
+    if prefix.is_empty() {
+        key
+    } else {
+        format!("{prefix}.{key}")
+    }
+}
+
+/// Rewrites serde's messages in the config's words.
+fn humanize(msg: &str) -> String {
+    if let Some(rest) = msg.strip_prefix("unknown field `") {
+        if let Some((name, allowed)) = rest.split_once('`') {
+            let allowed = allowed.trim_start_matches(", ");
+            let allowed = allowed
+                .strip_prefix("expected one of ")
+                .or_else(|| allowed.strip_prefix("expected "))
+                .map(|a| a.replace(" or ", ", ").replace('`', ""))
+                .unwrap_or_else(|| "none".to_string());
+            return format!("unknown key `{name}`; allowed keys here: {allowed}");
+        }
+    }
+    if let Some(rest) = msg.strip_prefix("unknown variant `") {
+        if let Some((name, allowed)) = rest.split_once('`') {
+            let allowed = allowed
+                .trim_start_matches(", ")
+                .trim_start_matches("expected ")
+                .trim_start_matches("one of ");
+            return format!("unknown value `{name}`; expected {allowed}");
+        }
+    }
+    if let Some(field) = msg
+        .strip_prefix("missing field `")
+        .and_then(|r| r.strip_suffix('`'))
+    {
+        return format!("missing required key `{field}`");
+    }
+    for (prefix, word) in [
+        ("invalid type: ", "wrong type"),
+        ("invalid value: ", "out of range"),
+    ] {
+        if let Some(rest) = msg.strip_prefix(prefix) {
+            if let Some((found, expected)) = rest.split_once(", expected ") {
+                return format!(
+                    "{word}: found {}, expected {}",
+                    found
+                        .replace("map", "a table")
+                        .replace("sequence", "an array"),
+                    expected_in_words(expected)
+                );
+            }
+        }
+    }
+    msg.to_string()
+}
+
+/// serde's name of an expected type, as a user would say it.
+fn expected_in_words(expected: &str) -> String {
+    match expected {
+        "u32" => "a whole number from 0 to 4294967295".into(),
+        "u64" => "a whole number >= 0".into(),
+        "f64" => "a number".into(),
+        "a string" => "a string (in quotes)".into(),
+        "a sequence" => "an array".into(),
+        other => other
+            .replace("struct ", "a table ")
+            .replace("map", "a table"),
+    }
+}
+
+/// The file as serde sees it: every field keeps its span so checks can point at it.
+mod raw {
+    use overlap_graph::{DType, ReduceOp};
+    use serde::Deserialize;
+    use serde_spanned::Spanned;
+
+    /// A list of strings with the span of the list and of each element.
+    pub type Names = Spanned<Vec<Spanned<String>>>;
+
+    #[derive(Deserialize)]
+    #[serde(deny_unknown_fields)]
+    pub struct Root {
+        pub mesh: Option<Spanned<Mesh>>,
+        pub model: Option<Spanned<Model>>,
+        #[serde(default)]
+        pub param: Vec<Spanned<Param>>,
+        #[serde(default)]
+        pub buckets: Buckets,
+        #[serde(default)]
+        pub accumulation: Accumulation,
+        #[serde(default)]
+        pub reduce: Reduce,
+        #[serde(default)]
+        pub run: Run,
+        #[serde(default)]
+        pub overlap: Overlap,
+        #[serde(default)]
+        pub streams: Streams,
+        #[serde(default)]
+        pub optimizer: Optimizer,
+        #[serde(default)]
+        pub metrics: Metrics,
+    }
+
+    #[derive(Deserialize)]
+    #[serde(deny_unknown_fields)]
+    pub struct Mesh {
+        pub shard: Spanned<u32>,
+        pub replicate: Spanned<u32>,
+    }
+
+    #[derive(Deserialize)]
+    #[serde(deny_unknown_fields)]
+    pub struct Model {
+        pub layers: Spanned<u32>,
+        pub hidden: Spanned<u64>,
+        pub vocab: Spanned<u64>,
+    }
+
+    #[derive(Deserialize)]
+    #[serde(deny_unknown_fields)]
+    pub struct Param {
+        pub name: Spanned<String>,
+        pub shape: Spanned<Vec<u64>>,
+        pub route: Spanned<String>,
+        pub layer: Option<Spanned<u32>>,
+    }
+
+    #[derive(Deserialize, Default)]
+    #[serde(deny_unknown_fields)]
+    pub struct Buckets {
+        pub cap_bytes: Option<Spanned<u64>>,
+    }
+
+    #[derive(Deserialize, Default)]
+    #[serde(deny_unknown_fields)]
+    pub struct Accumulation {
+        pub micro_batches: Option<Spanned<u32>>,
+        pub replicate_gate: Option<Names>,
+        pub reduce_gate: Option<Names>,
+        pub gates: Option<Names>,
+    }
+
+    #[derive(Deserialize, Default)]
+    #[serde(deny_unknown_fields)]
+    pub struct Reduce {
+        pub op: Option<Spanned<ReduceOp>>,
+        pub dtype: Option<Spanned<DType>>,
+    }
+
+    #[derive(Deserialize, Default)]
+    #[serde(deny_unknown_fields)]
+    pub struct Run {
+        pub steps: Option<Spanned<u32>>,
+        pub seed: Option<u64>,
+        pub backend: Option<Spanned<String>>,
+    }
+
+    #[derive(Deserialize, Default)]
+    #[serde(deny_unknown_fields)]
+    pub struct Overlap {
+        pub stage1_window: Option<Spanned<u32>>,
+    }
+
+    #[derive(Deserialize, Default)]
+    #[serde(deny_unknown_fields)]
+    pub struct Streams {
+        pub accumulate: Option<Spanned<String>>,
+        pub pack: Option<Spanned<String>>,
+        pub stage1: Option<Spanned<String>>,
+        pub fold: Option<Spanned<String>>,
+        pub stage2: Option<Spanned<String>>,
+        pub unpack: Option<Spanned<String>>,
+        pub optimizer: Option<Spanned<String>>,
+        pub publish: Option<Spanned<String>>,
+    }
+
+    #[derive(Deserialize, Default)]
+    #[serde(deny_unknown_fields)]
+    pub struct Optimizer {
+        #[serde(default)]
+        pub adamw: Adamw,
+        #[serde(default)]
+        pub muon: Muon,
+    }
+
+    #[derive(Deserialize, Default)]
+    #[serde(deny_unknown_fields)]
+    pub struct Adamw {
+        pub lr: Option<Spanned<f64>>,
+        pub beta1: Option<Spanned<f64>>,
+        pub beta2: Option<Spanned<f64>>,
+        pub eps: Option<Spanned<f64>>,
+        pub weight_decay: Option<Spanned<f64>>,
+    }
+
+    #[derive(Deserialize, Default)]
+    #[serde(deny_unknown_fields)]
+    pub struct Muon {
+        pub lr: Option<Spanned<f64>>,
+        pub momentum: Option<Spanned<f64>>,
+        pub ns_steps: Option<Spanned<u32>>,
+        pub weight_decay: Option<Spanned<f64>>,
+    }
+
+    #[derive(Deserialize, Default)]
+    #[serde(deny_unknown_fields)]
+    pub struct Metrics {
+        pub listen: Option<Spanned<String>>,
+    }
+}

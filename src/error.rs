@@ -1,0 +1,59 @@
+//! The facade's error type: one enum a trainer can match on.
+
+use overlap_executor::ExecError;
+use overlap_graph::{PlanError, Violation};
+
+use crate::config::ConfigError;
+
+/// Everything that can go wrong through the `overlap` facade.
+#[derive(Debug, thiserror::Error)]
+pub enum Error {
+    /// The config file is wrong.
+    #[error(transparent)]
+    Config(#[from] ConfigError),
+    /// The planner's input is wrong.
+    #[error("plan: {0}")]
+    Plan(#[from] PlanError),
+    /// A plan broke the validator's invariants.
+    #[error("plan rejected by the validator:\n{}", .0.iter().map(|v| format!("  {v}")).collect::<Vec<_>>().join("\n"))]
+    Invalid(Vec<Violation>),
+    /// The step ended with partials or no_sync accumulations that no gate-on micro-batch
+    /// flushed: the optimizer would consume a gradient missing those micro-batches.
+    #[error(
+        "step after a micro-batch that left gradients unflushed (gates {gates}): partials or no_sync accumulations of {} are not reduced; \
+         end the step with a gate-on micro-batch, or call zero_grad() to discard them",
+        names(.params)
+    )]
+    Unflushed {
+        /// The gate pattern of the step so far.
+        gates: String,
+        /// The parameters left unflushed.
+        params: Vec<String>,
+    },
+    /// The execution failed.
+    #[error(transparent)]
+    Exec(#[from] ExecError),
+    /// The API was used out of order.
+    #[error("{0}")]
+    Usage(String),
+    /// The requested backend is not available in this build or on this machine.
+    #[error("backend: {0}")]
+    Backend(String),
+    /// Reading or writing a file failed.
+    #[error("{path}: {source}")]
+    Io {
+        /// The file.
+        path: String,
+        /// The OS error.
+        source: std::io::Error,
+    },
+}
+
+fn names(params: &[String]) -> String {
+    const SHOWN: usize = 8;
+    let mut s = params.iter().take(SHOWN).map(|p| format!("`{p}`")).collect::<Vec<_>>().join(", ");
+    if params.len() > SHOWN {
+        s.push_str(&format!(" and {} more", params.len() - SHOWN));
+    }
+    s
+}

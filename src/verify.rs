@@ -1,0 +1,150 @@
+//! `overlap verify`: the gated schedule against the no_sync reference.
+//!
+//! Two sessions start from the same parameters and see the same seeded gradients: one
+//! runs the configured gate pattern, the other the no_sync pattern (local accumulation,
+//! one reduction in the last micro-batch). After every step, the reduced gradient every
+//! optimizer consumed, on every rank and route, is compared with the exact reference
+//! computed on the host in f64 (each rank's sum over micro-batches, averaged over all
+//! ranks); after the last step, the parameters of the two sessions are compared.
+//!
+//! Relative error of a tensor piece: `max |a - b| / max |b|` (the max-norm relative
+//! error), so it is meaningful for pieces whose elements cross zero.
+
+use std::collections::BTreeMap;
+
+use overlap_graph::{DType, Gate, ParamId, ReduceOp};
+use serde::Serialize;
+
+use crate::config::Config;
+use crate::drive::{no_sync_pattern, synthetic_step};
+use crate::session::Session;
+use crate::{synthetic, Error};
+
+/// What `overlap verify --json` prints.
+#[derive(Debug, Clone, Serialize)]
+pub struct VerifyReport {
+    /// Every comparison within tolerance, and no partial left.
+    pub ok: bool,
+    /// Worst relative error of any consumed gradient against the reference.
+    pub worst_rel_err: f64,
+    /// Worst relative error per route.
+    pub per_route: BTreeMap<String, f64>,
+    /// Worst relative error of the parameters after the last step, gated vs no_sync.
+    pub param_rel_err: f64,
+    /// Partials and accumulations left unflushed at the end of any step.
+    pub partials_left: usize,
+    /// Steps run.
+    pub steps: u64,
+    /// Ranks in the mesh.
+    pub ranks: u32,
+    /// The gate pattern verified.
+    pub gates: String,
+    /// Tolerance on gradients.
+    pub grad_tolerance: f64,
+    /// Tolerance on parameters.
+    pub param_tolerance: f64,
+    /// Where the worst gradient error was seen (`step 2, rank 1, blocks.0.qkv`).
+    pub worst_at: String,
+}
+
+/// Relative error `max |a - b| / max |b|` (0 for empty pieces).
+pub fn rel_err(a: &[f32], b: &[f64]) -> f64 {
+    let num = a.iter().zip(b).map(|(x, y)| (f64::from(*x) - y).abs()).fold(0.0, f64::max);
+    let den = b.iter().map(|y| y.abs()).fold(0.0, f64::max);
+    if num == 0.0 {
+        0.0
+    } else {
+        num / den.max(f64::MIN_POSITIVE)
+    }
+}
+
+/// Tolerances for a reduce dtype: (gradients, parameters). f32 is design.md's bound;
+/// bf16 inputs carry 8 bits of mantissa, so its bound is that of one rounding per
+/// reduction stage (measured on the examples: see docs/verify.md).
+pub fn tolerances(dtype: DType) -> (f64, f64) {
+    match dtype {
+        DType::F32 => (1e-6, 1e-5),
+        DType::Bf16 => (1e-2, 5e-2),
+    }
+}
+
+/// Runs the verification of a config for `steps` steps with `seed`.
+pub async fn verify(config: &Config, steps: u64, seed: u64, mut progress: impl FnMut(u64)) -> Result<VerifyReport, Error> {
+    let mut config = config.clone();
+    config.run.seed = seed;
+    let gates = config.gates.clone();
+    let mut gated = Session::cpu(&config)?;
+    let mut reference = Session::cpu(&config)?;
+    let ref_gates = no_sync_pattern(gates.len());
+    let mesh = config.plan.mesh;
+    let (grad_tol, param_tol) = tolerances(config.plan.reduce.dtype);
+    let params = gated.planner().params().to_vec();
+    let mut per_route: BTreeMap<String, f64> = BTreeMap::new();
+    let mut worst = 0.0f64;
+    let mut worst_at = String::new();
+    let mut partials_left = 0;
+    for step in 0..steps {
+        let report = synthetic_step(&mut gated, seed, step, &gates).await?;
+        partials_left += report.stats.partials_left;
+        synthetic_step(&mut reference, seed, step, &ref_gates).await?;
+        for (i, p) in params.iter().enumerate() {
+            let full = reference_grad(&config, step, gates.len() as u32, i as ParamId, p.spec.numel() as usize);
+            for rank in mesh.ranks() {
+                let Some(got) = gated.reduced_grad(rank, i as ParamId)? else { continue };
+                let r = p.spec.shard_range(mesh.shard, mesh.coord(rank).shard);
+                let e = rel_err(&got, &full[r.start as usize..r.end as usize]);
+                let slot = per_route.entry(p.spec.route.name().to_string()).or_insert(0.0);
+                *slot = slot.max(e);
+                if e > worst || worst_at.is_empty() {
+                    worst = worst.max(e);
+                    worst_at = format!("step {}, rank {rank}, {}", step + 1, p.spec.name);
+                }
+            }
+        }
+        progress(step + 1);
+    }
+    let mut param_rel_err = 0.0f64;
+    for i in 0..params.len() {
+        for rank in mesh.ranks() {
+            if let (Some(a), Some(b)) = (gated.param_values(rank, i as ParamId)?, reference.param_values(rank, i as ParamId)?) {
+                let b: Vec<f64> = b.iter().map(|&x| f64::from(x)).collect();
+                param_rel_err = param_rel_err.max(rel_err(&a, &b));
+            }
+        }
+    }
+    let ok = worst <= grad_tol && param_rel_err <= param_tol && partials_left == 0;
+    Ok(VerifyReport {
+        ok,
+        worst_rel_err: worst,
+        per_route,
+        param_rel_err,
+        partials_left,
+        steps,
+        ranks: mesh.world(),
+        gates: Gate::pattern_label(&gates),
+        grad_tolerance: grad_tol,
+        param_tolerance: param_tol,
+        worst_at,
+    })
+}
+
+/// The exact reduced gradient of a parameter in a step: every rank's sum over the
+/// step's micro-batches, summed over ranks in f64, divided by the world size for `avg`.
+pub fn reference_grad(config: &Config, step: u64, micro_batches: u32, param: ParamId, numel: usize) -> Vec<f64> {
+    let mesh = config.plan.mesh;
+    let mut acc = vec![0.0f64; numel];
+    let mut g = vec![0.0f32; numel];
+    for rank in mesh.ranks() {
+        for m in 0..micro_batches {
+            synthetic::grad(config.run.seed, step, m, rank, param, &mut g);
+            for (a, x) in acc.iter_mut().zip(&g) {
+                *a += f64::from(*x);
+            }
+        }
+    }
+    if config.plan.reduce.op == ReduceOp::Avg {
+        let w = f64::from(mesh.world());
+        acc.iter_mut().for_each(|a| *a /= w);
+    }
+    acc
+}

@@ -1,0 +1,789 @@
+//! The config contract's errors: every bad input names the file, the key, the line and
+//! a reason; and a good config parses to exactly the expected [`Config`].
+
+use std::path::Path;
+
+use overlap::config::{
+    BackendChoice, Config, ConfigError, MetricsConfig, OverlapConfig, RunConfig,
+    DEFAULT_BUCKET_CAP_BYTES,
+};
+use overlap_graph::{
+    Bindings, DType, Gate, Mesh, ModelSpec, ParamSpec, ReduceOp, ReduceSpec, Route, Stream,
+};
+use overlap_ops::{AdamwParams, MuonParams};
+
+const FILE: &str = "job.toml";
+
+/// A valid mesh and parameter, lines 1-7, for tests that break something after them.
+const BASE: &str = "[mesh]
+shard = 2
+replicate = 2
+[[param]]
+name = \"w\"
+shape = [4, 3]
+route = \"muon\"
+";
+
+fn err(text: &str) -> ConfigError {
+    match Config::from_toml(text, FILE) {
+        Ok(c) => panic!("expected an error, got {c:?}"),
+        Err(e) => e,
+    }
+}
+
+/// Asserts the error's file, key, line and a phrase of its reason.
+#[track_caller]
+fn expect(text: &str, key: &str, line: Option<usize>, phrase: &str) -> ConfigError {
+    let e = err(text);
+    assert_eq!(e.file, FILE, "{e}");
+    assert_eq!(e.key, key, "{e}");
+    assert_eq!(e.line, line, "{e}");
+    assert_eq!(e.line.is_some(), e.column.is_some(), "{e}");
+    assert!(e.reason.contains(phrase), "reason lacks {phrase:?}: {e}");
+    e
+}
+
+fn with_base(rest: &str) -> String {
+    format!("{BASE}{rest}")
+}
+
+#[test]
+fn missing_file_names_the_path() {
+    let e = Config::from_file(Path::new("no/such/config.toml")).unwrap_err();
+    assert_eq!(e.file, "no/such/config.toml");
+    assert_eq!(e.key, "");
+    assert_eq!(e.line, None);
+    assert!(e.reason.contains("cannot read"), "{e}");
+    assert!(
+        e.to_string()
+            .starts_with("no/such/config.toml: cannot read"),
+        "{e}"
+    );
+}
+
+#[test]
+fn syntax_error_points_at_the_line() {
+    let e = expect(
+        "[mesh]\nshard = 2\nreplicate = \n",
+        "mesh.replicate",
+        Some(3),
+        "invalid TOML",
+    );
+    assert_eq!(e.column, Some(13));
+    expect("[mesh\nshard = 2\n", "mesh", Some(1), "invalid TOML");
+    expect(
+        &with_base("[mesh]\nshard = 1\n"),
+        "mesh",
+        Some(8),
+        "duplicate key",
+    );
+}
+
+#[test]
+fn unknown_top_level_section_lists_the_allowed_ones() {
+    let e = expect(
+        &with_base("[trainer]\nlr = 1\n"),
+        "trainer",
+        Some(8),
+        "unknown key `trainer`",
+    );
+    assert!(
+        e.reason.contains("mesh")
+            && e.reason.contains("accumulation")
+            && e.reason.contains("metrics"),
+        "{e}"
+    );
+}
+
+#[test]
+fn unknown_key_in_a_section_lists_the_allowed_ones() {
+    let e = expect(
+        "[mesh]\nshard = 2\nreplicas = 2\n",
+        "mesh.replicas",
+        Some(3),
+        "unknown key `replicas`",
+    );
+    assert!(e.reason.contains("shard, replicate"), "{e}");
+    expect(
+        &with_base("sizes = [1]\n"),
+        "param[0].sizes",
+        Some(8),
+        "allowed keys here: name, shape, route, layer",
+    );
+    expect(
+        &with_base("[optimizer.sgd]\nlr = 1\n"),
+        "optimizer.sgd",
+        Some(8),
+        "adamw, muon",
+    );
+    expect(
+        &with_base("[optimizer.adamw]\nbeta = 0.9\n"),
+        "optimizer.adamw.beta",
+        Some(9),
+        "unknown key `beta`",
+    );
+}
+
+#[test]
+fn wrong_type_says_what_was_expected() {
+    let e = expect(
+        "[mesh]\nshard = \"two\"\nreplicate = 2\n",
+        "mesh.shard",
+        Some(2),
+        "wrong type",
+    );
+    assert!(e.reason.contains("whole number"), "{e}");
+    expect(
+        &with_base("[run]\nsteps = 1.5\n"),
+        "run.steps",
+        Some(9),
+        "wrong type",
+    );
+    expect(
+        &with_base("[accumulation]\ngates = \"on\"\n"),
+        "accumulation.gates",
+        Some(9),
+        "expected an array",
+    );
+}
+
+#[test]
+fn negative_integer_is_out_of_range() {
+    expect(
+        "[mesh]\nshard = -1\nreplicate = 2\n",
+        "mesh.shard",
+        Some(2),
+        "out of range",
+    );
+    expect(
+        &with_base("[[param]]\nname = \"v\"\nshape = [3, -2]\nroute = \"fsdp\"\n"),
+        "param[1].shape[1]",
+        Some(10),
+        "out of range",
+    );
+}
+
+#[test]
+fn zero_sized_mesh_is_rejected() {
+    expect(
+        "[mesh]\nshard = 0\nreplicate = 2\n",
+        "mesh.shard",
+        Some(2),
+        "at least 1",
+    );
+    expect(
+        "[mesh]\nshard = 2\nreplicate = 0\n",
+        "mesh.replicate",
+        Some(3),
+        "at least 1",
+    );
+}
+
+#[test]
+fn missing_mesh_section_says_what_to_add() {
+    expect(
+        "[[param]]\nname = \"w\"\nshape = [4]\nroute = \"fsdp\"\n",
+        "mesh",
+        None,
+        "missing [mesh]",
+    );
+}
+
+#[test]
+fn missing_required_key_names_it() {
+    expect(
+        "[mesh]\nshard = 2\n",
+        "mesh.replicate",
+        Some(1),
+        "missing required key `replicate`",
+    );
+    expect(
+        &with_base("[[param]]\nname = \"v\"\nroute = \"fsdp\"\n"),
+        "param[1].shape",
+        Some(8),
+        "missing required key `shape`",
+    );
+}
+
+#[test]
+fn gate_list_of_the_wrong_length() {
+    let e = expect(
+        &with_base("[accumulation]\nmicro_batches = 3\nreplicate_gate = [\"off\", \"on\"]\n"),
+        "accumulation.replicate_gate",
+        Some(10),
+        "has 2 entries but micro_batches is 3",
+    );
+    assert_eq!(e.column, Some(18));
+    expect(
+        &with_base("[accumulation]\nreplicate_gate = [\"off\", \"on\"]\nreduce_gate = [\"on\"]\n"),
+        "accumulation.reduce_gate",
+        Some(10),
+        "has 1 entries but `replicate_gate` has 2",
+    );
+    expect(
+        &with_base("[accumulation]\nreduce_gate = []\n"),
+        "accumulation.reduce_gate",
+        Some(9),
+        "empty",
+    );
+}
+
+#[test]
+fn gate_value_other_than_on_off() {
+    let e = expect(
+        &with_base("[accumulation]\nreplicate_gate = [\"off\", \"no_sync\"]\n"),
+        "accumulation.replicate_gate[1]",
+        Some(9),
+        "unknown gate value `no_sync`; expected \"on\" or \"off\"",
+    );
+    assert_eq!(e.column, Some(26));
+    expect(
+        &with_base("[accumulation]\nreduce_gate = [\"true\"]\n"),
+        "accumulation.reduce_gate[0]",
+        Some(9),
+        "\"on\" or \"off\"",
+    );
+    expect(
+        &with_base("[accumulation]\ngates = [\"on\", \"sync\"]\n"),
+        "accumulation.gates[1]",
+        Some(9),
+        "expected no_sync, off or on",
+    );
+}
+
+#[test]
+fn gates_together_with_the_two_lists() {
+    expect(
+        &with_base("[accumulation]\nreplicate_gate = [\"on\"]\ngates = [\"on\"]\n"),
+        "accumulation.gates",
+        Some(10),
+        "cannot be combined",
+    );
+}
+
+#[test]
+fn zero_micro_batches() {
+    expect(
+        &with_base("[accumulation]\nmicro_batches = 0\n"),
+        "accumulation.micro_batches",
+        Some(9),
+        "at least 1",
+    );
+}
+
+#[test]
+fn unknown_route_lists_the_valid_ones() {
+    let e = expect("[mesh]\nshard = 1\nreplicate = 1\n[[param]]\nname = \"w\"\nshape = [4, 4]\nroute = \"sgd\"\n", "param[0].route", Some(7), "unknown route `sgd`");
+    assert!(e.reason.contains("muon, adamw, sharded_adamw, fsdp"), "{e}");
+}
+
+#[test]
+fn shape_with_a_zero_dimension_or_empty() {
+    expect(
+        &with_base("[[param]]\nname = \"v\"\nshape = [3, 0]\nroute = \"fsdp\"\n"),
+        "param[1].shape",
+        Some(10),
+        "dimension 1 of shape [3, 0] is zero",
+    );
+    expect(
+        &with_base("[[param]]\nname = \"v\"\nshape = []\nroute = \"fsdp\"\n"),
+        "param[1].shape",
+        Some(10),
+        "the shape is empty",
+    );
+}
+
+#[test]
+fn empty_parameter_name() {
+    expect(
+        &with_base("[[param]]\nname = \"\"\nshape = [3]\nroute = \"fsdp\"\n"),
+        "param[1].name",
+        Some(9),
+        "the name is empty",
+    );
+}
+
+#[test]
+fn muon_route_on_a_vector() {
+    expect(
+        &with_base("[[param]]\nname = \"bias\"\nshape = [8]\nroute = \"muon\"\n"),
+        "param[1].route",
+        Some(11),
+        "needs a matrix",
+    );
+}
+
+#[test]
+fn duplicate_parameter_names() {
+    let e = expect(
+        &with_base("[[param]]\nname = \"w\"\nshape = [3]\nroute = \"fsdp\"\n"),
+        "param[1].name",
+        Some(9),
+        "duplicate parameter name `w`",
+    );
+    assert!(e.reason.contains("param[0] (line 5)"), "{e}");
+    let model = "[mesh]\nshard = 1\nreplicate = 1\n[model]\nlayers = 1\nhidden = 4\nvocab = 8\n[[param]]\nname = \"head\"\nshape = [3]\nroute = \"fsdp\"\n";
+    let e = expect(
+        model,
+        "param[0].name",
+        Some(9),
+        "duplicate parameter name `head`",
+    );
+    assert!(e.reason.contains("generated by [model]"), "{e}");
+}
+
+#[test]
+fn no_parameters_at_all() {
+    expect(
+        "[mesh]\nshard = 2\nreplicate = 2\n",
+        "param",
+        None,
+        "no parameters",
+    );
+}
+
+#[test]
+fn zero_model_sizes() {
+    let model = |l: u32, h: u32, v: u32| {
+        format!(
+            "[mesh]\nshard = 1\nreplicate = 1\n[model]\nlayers = {l}\nhidden = {h}\nvocab = {v}\n"
+        )
+    };
+    expect(
+        &model(0, 4, 8),
+        "model.layers",
+        Some(5),
+        "`layers` must be at least 1",
+    );
+    expect(
+        &model(1, 0, 8),
+        "model.hidden",
+        Some(6),
+        "`hidden` must be at least 1",
+    );
+    expect(
+        &model(1, 4, 0),
+        "model.vocab",
+        Some(7),
+        "`vocab` must be at least 1",
+    );
+}
+
+#[test]
+fn oversized_model_is_rejected_at_the_model() {
+    expect(
+        "[mesh]\nshard = 1\nreplicate = 1\n[model]\nlayers = 1\nhidden = 100000\nvocab = 8\n",
+        "model",
+        Some(4),
+        "more than 2^32 elements",
+    );
+}
+
+#[test]
+fn zero_steps() {
+    expect(
+        &with_base("[run]\nseed = 1\nsteps = 0\n"),
+        "run.steps",
+        Some(10),
+        "at least 1",
+    );
+}
+
+#[test]
+fn zero_stage1_window() {
+    expect(
+        &with_base("[overlap]\nstage1_window = 0\n"),
+        "overlap.stage1_window",
+        Some(9),
+        "at least 1",
+    );
+}
+
+#[test]
+fn zero_bucket_cap() {
+    expect(
+        &with_base("[buckets]\ncap_bytes = 0\n"),
+        "buckets.cap_bytes",
+        Some(9),
+        "at least 1",
+    );
+}
+
+#[test]
+fn unknown_stream_name() {
+    let e = expect(
+        &with_base("[streams]\nfold = \"copy\"\n"),
+        "streams.fold",
+        Some(9),
+        "unknown stream `copy`",
+    );
+    assert!(
+        e.reason.contains("compute, reduce, replicate or publish"),
+        "{e}"
+    );
+}
+
+#[test]
+fn unknown_binding_key() {
+    let e = expect(
+        &with_base("[streams]\nstage3 = \"reduce\"\n"),
+        "streams.stage3",
+        Some(9),
+        "unknown key `stage3`",
+    );
+    assert!(
+        e.reason
+            .contains("accumulate, pack, stage1, fold, stage2, unpack, optimizer, publish"),
+        "{e}"
+    );
+}
+
+#[test]
+fn unknown_reduce_op_and_dtype() {
+    expect(
+        &with_base("[reduce]\nop = \"max\"\n"),
+        "reduce.op",
+        Some(9),
+        "unknown value `max`; expected `avg` or `sum`",
+    );
+    expect(
+        &with_base("[reduce]\ndtype = \"f16\"\n"),
+        "reduce.dtype",
+        Some(9),
+        "`f32` or `bf16`",
+    );
+}
+
+#[test]
+fn unknown_backend() {
+    expect(
+        &with_base("[run]\nbackend = \"rocm\"\n"),
+        "run.backend",
+        Some(9),
+        "unknown backend `rocm`; expected auto, cpu or cuda",
+    );
+}
+
+#[test]
+fn negative_learning_rate() {
+    expect(
+        &with_base("[optimizer.adamw]\nlr = -0.1\n"),
+        "optimizer.adamw.lr",
+        Some(9),
+        "finite number >= 0",
+    );
+    expect(
+        &with_base("[optimizer.muon]\nlr = -1\n"),
+        "optimizer.muon.lr",
+        Some(9),
+        "finite number >= 0",
+    );
+}
+
+#[test]
+fn non_finite_learning_rate() {
+    expect(
+        &with_base("[optimizer.adamw]\nlr = nan\n"),
+        "optimizer.adamw.lr",
+        Some(9),
+        "finite",
+    );
+    expect(
+        &with_base("[optimizer.muon]\nlr = inf\n"),
+        "optimizer.muon.lr",
+        Some(9),
+        "finite",
+    );
+    // Finite in f64 but not in f32.
+    expect(
+        &with_base("[optimizer.muon]\nlr = 1e300\n"),
+        "optimizer.muon.lr",
+        Some(9),
+        "finite",
+    );
+}
+
+#[test]
+fn other_hyper_parameters_out_of_range() {
+    expect(
+        &with_base("[optimizer.adamw]\nbeta2 = 1.0\n"),
+        "optimizer.adamw.beta2",
+        Some(9),
+        "in [0, 1)",
+    );
+    expect(
+        &with_base("[optimizer.adamw]\neps = 0\n"),
+        "optimizer.adamw.eps",
+        Some(9),
+        "> 0",
+    );
+    expect(
+        &with_base("[optimizer.muon]\nns_steps = 0\n"),
+        "optimizer.muon.ns_steps",
+        Some(9),
+        "at least 1",
+    );
+}
+
+#[test]
+fn bad_metrics_listen_address() {
+    let e = expect(
+        &with_base("[metrics]\nlisten = \"localhost\"\n"),
+        "metrics.listen",
+        Some(9),
+        "not a socket address",
+    );
+    assert!(e.reason.contains("127.0.0.1:9464"), "{e}");
+}
+
+#[test]
+fn display_names_file_line_column_key_and_reason() {
+    let e = err("[mesh]\nshard = 0\nreplicate = 2\n");
+    assert_eq!(
+        e.to_string(),
+        format!("{FILE}:2:9: `mesh.shard`: {}", e.reason)
+    );
+    let e = err("[model]\nlayers = 1\nhidden = 4\nvocab = 4\n");
+    assert_eq!(e.to_string(), format!("{FILE}: `mesh`: {}", e.reason));
+}
+
+#[test]
+fn byte_offsets_become_character_columns() {
+    let e = expect("# é ü\n[mesh]\nshard = 2\nreplicate = 2\n[[param]]\nname = \"ü\"\nshape = [4]\nroute = \"x\"\n", "param[0].route", Some(8), "unknown route");
+    assert_eq!(e.column, Some(9));
+}
+
+#[test]
+fn full_config_parses_to_the_expected_value() {
+    let text = r#"
+[mesh]
+shard = 2
+replicate = 3
+
+[model]
+layers = 1
+hidden = 8
+vocab = 16
+
+[[param]]
+name = "extra.proj"
+shape = [5, 3]
+route = "muon"
+layer = 2
+
+[[param]]
+name = "extra.bias"
+shape = [7]
+route = "adamw"
+
+[buckets]
+cap_bytes = 4096
+
+[accumulation]
+micro_batches = 4
+replicate_gate = ["off", "on", "on", "on"]
+reduce_gate = ["off", "off", "on", "on"]
+
+[reduce]
+op = "sum"
+dtype = "bf16"
+
+[run]
+steps = 5
+seed = 7
+backend = "cpu"
+
+[overlap]
+stage1_window = 4
+
+[streams]
+fold = "compute"
+stage2 = "reduce"
+
+[optimizer.adamw]
+lr = 0.5
+weight_decay = 0
+
+[optimizer.muon]
+momentum = 0.9
+ns_steps = 3
+
+[metrics]
+listen = "127.0.0.1:9464"
+"#;
+    let c = Config::from_toml(text, "<inline>").unwrap();
+    let mut params = ModelSpec {
+        layers: 1,
+        hidden: 8,
+        vocab: 16,
+    }
+    .params();
+    params.push(ParamSpec {
+        name: "extra.proj".into(),
+        shape: vec![5, 3],
+        route: Route::Muon,
+        layer: 2,
+    });
+    params.push(ParamSpec {
+        name: "extra.bias".into(),
+        shape: vec![7],
+        route: Route::Adamw,
+        layer: 0,
+    });
+    let expected = Config {
+        source: "<inline>".into(),
+        plan: overlap_graph::PlanSpec {
+            mesh: Mesh {
+                shard: 2,
+                replicate: 3,
+            },
+            params,
+            reduce: ReduceSpec {
+                op: ReduceOp::Sum,
+                dtype: DType::Bf16,
+            },
+            bucket_cap_bytes: 4096,
+            bindings: Bindings {
+                fold: Stream::Compute,
+                stage2: Stream::Reduce,
+                ..Bindings::default()
+            },
+        },
+        // reduce off wins over replicate; then replicate decides.
+        gates: vec![Gate::NoSync, Gate::NoSync, Gate::On, Gate::On],
+        run: RunConfig {
+            steps: 5,
+            seed: 7,
+            backend: BackendChoice::Cpu,
+        },
+        overlap: OverlapConfig { stage1_window: 4 },
+        adamw: AdamwParams {
+            lr: 0.5,
+            weight_decay: 0.0,
+            ..AdamwParams::default()
+        },
+        muon: MuonParams {
+            momentum: 0.9,
+            ns_steps: 3,
+            ..MuonParams::default()
+        },
+        metrics: MetricsConfig {
+            listen: Some("127.0.0.1:9464".parse().unwrap()),
+        },
+    };
+    assert_eq!(c, expected);
+    assert_eq!(c.plan.params[0].name, "embed");
+    assert_eq!(c.plan.params[c.plan.params.len() - 2].name, "extra.proj");
+}
+
+#[test]
+fn gate_combination_replicate_off_with_reduce_on() {
+    let c = Config::from_toml(&with_base("[accumulation]\nreplicate_gate = [\"off\", \"on\", \"off\", \"on\"]\nreduce_gate = [\"on\", \"on\", \"off\", \"on\"]\n"), FILE).unwrap();
+    assert_eq!(
+        c.gates,
+        vec![Gate::ReplicateOff, Gate::On, Gate::NoSync, Gate::On]
+    );
+}
+
+#[test]
+fn minimal_config_takes_the_defaults() {
+    let c = Config::from_toml(BASE, FILE).unwrap();
+    assert_eq!(c.source, FILE);
+    assert_eq!(c.gates, vec![Gate::On]);
+    assert_eq!(c.plan.reduce, ReduceSpec::default());
+    assert_eq!(c.plan.bucket_cap_bytes, DEFAULT_BUCKET_CAP_BYTES);
+    assert_eq!(c.plan.bindings, Bindings::default());
+    assert_eq!(c.plan.params[0].layer, 0);
+    assert_eq!(
+        c.run,
+        RunConfig {
+            steps: 3,
+            seed: 42,
+            backend: BackendChoice::Auto
+        }
+    );
+    assert_eq!(c.overlap, OverlapConfig { stage1_window: 2 });
+    assert_eq!(c.adamw, AdamwParams::default());
+    assert_eq!(c.muon, MuonParams::default());
+    assert_eq!(c.metrics, MetricsConfig::default());
+}
+
+#[test]
+fn micro_batches_alone_defaults_to_replicate_off_but_the_last() {
+    let c = Config::from_toml(&with_base("[accumulation]\nmicro_batches = 3\n"), FILE).unwrap();
+    assert_eq!(
+        c.gates,
+        vec![Gate::ReplicateOff, Gate::ReplicateOff, Gate::On]
+    );
+    let c = Config::from_toml(
+        &with_base("[accumulation]\nreduce_gate = [\"off\", \"on\"]\n"),
+        FILE,
+    )
+    .unwrap();
+    assert_eq!(c.gates, vec![Gate::NoSync, Gate::On]);
+}
+
+#[test]
+fn backend_choice_round_trips_its_names() {
+    for b in BackendChoice::ALL {
+        assert_eq!(b.name().parse::<BackendChoice>(), Ok(b));
+    }
+    assert!("gpu"
+        .parse::<BackendChoice>()
+        .unwrap_err()
+        .contains("auto, cpu or cuda"));
+}
+
+#[test]
+fn example_hsdp_2x2_loads() {
+    let path = Path::new(env!("CARGO_MANIFEST_DIR")).join("examples/hsdp_2x2.toml");
+    let c = Config::from_file(&path).unwrap();
+    assert_eq!(c.source, path.display().to_string());
+    assert_eq!(
+        c.plan.mesh,
+        Mesh {
+            shard: 2,
+            replicate: 2
+        }
+    );
+    assert_eq!(c.gates, vec![Gate::ReplicateOff, Gate::On]);
+    assert_eq!(
+        c.run,
+        RunConfig {
+            steps: 3,
+            seed: 42,
+            backend: BackendChoice::Auto
+        }
+    );
+    for r in Route::ALL {
+        assert!(
+            c.plan.params.iter().any(|p| p.route == r),
+            "no {r} parameter"
+        );
+    }
+    assert!(c.plan.params.iter().any(|p| p.shape == [33, 7]));
+}
+
+#[test]
+fn other_examples_load() {
+    let dir = Path::new(env!("CARGO_MANIFEST_DIR")).join("examples");
+    let c = Config::from_file(&dir.join("no_sync_1x4.toml")).unwrap();
+    assert_eq!(
+        c.plan.mesh,
+        Mesh {
+            shard: 1,
+            replicate: 4
+        }
+    );
+    assert_eq!(c.gates, vec![Gate::NoSync, Gate::ReplicateOff, Gate::On]);
+    let c = Config::from_file(&dir.join("pure_fsdp_4x1.toml")).unwrap();
+    assert_eq!(
+        c.plan.mesh,
+        Mesh {
+            shard: 4,
+            replicate: 1
+        }
+    );
+    assert_eq!(c.gates, vec![Gate::On, Gate::On]);
+    assert_eq!(c.plan.reduce.dtype, DType::Bf16);
+}

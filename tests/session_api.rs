@@ -1,0 +1,112 @@
+//! The embedding API's contract: gates, ordering, flushing, zero_grad and errors.
+
+use std::sync::Arc;
+
+use overlap::executor::{ExecConfig, ExecError};
+use overlap::graph::{Bindings, ReduceSpec};
+use overlap::ops::cpu::CpuBackend;
+use overlap::{Error, Gate, Mesh, ParamSpec, PlanSpec, Route, Session};
+
+fn spec(shard: u32, replicate: u32) -> PlanSpec {
+    let p = |name: &str, shape: Vec<u64>, route, layer| ParamSpec { name: name.into(), shape, route, layer };
+    PlanSpec {
+        mesh: Mesh::new(shard, replicate).unwrap(),
+        params: vec![
+            p("w", vec![6, 5], Route::Muon, 2),
+            p("norm", vec![9], Route::Fsdp, 2),
+            p("bias", vec![7], Route::Adamw, 1),
+            p("emb", vec![11, 3], Route::ShardedAdamw, 0),
+        ],
+        reduce: ReduceSpec::default(),
+        bucket_cap_bytes: 1 << 20,
+        bindings: Bindings::default(),
+    }
+}
+
+fn session(shard: u32, replicate: u32) -> (Session<CpuBackend>, Arc<CpuBackend>) {
+    let backend = Arc::new(CpuBackend::new(Mesh::new(shard, replicate).unwrap()));
+    (Session::new(spec(shard, replicate), backend.clone(), ExecConfig::default()).unwrap(), backend)
+}
+
+async fn micro_batch(s: &mut Session<CpuBackend>, gate: Gate) -> Result<(), Error> {
+    s.begin_micro_batch(gate).await?;
+    for layer in s.layers() {
+        s.grad_ready(layer, |rank, param, out| out.iter_mut().enumerate().for_each(|(i, x)| *x = (rank + param) as f32 + i as f32 * 0.01)).await?;
+    }
+    Ok(())
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn step_after_gate_off_last_micro_batch_names_unflushed_parameters() {
+    let (mut s, _) = session(2, 2);
+    micro_batch(&mut s, Gate::ReplicateOff).await.unwrap();
+    let err = s.step().await.unwrap_err();
+    match &err {
+        Error::Unflushed { params, .. } => {
+            for name in ["w", "norm", "bias", "emb"] {
+                assert!(params.iter().any(|p| p == name), "{name} missing from {params:?}");
+            }
+        }
+        other => panic!("expected Unflushed, got {other}"),
+    }
+    assert!(err.to_string().contains("zero_grad"));
+    assert!(s.partials_held() > 0, "the partials are still pending after the refused step");
+    s.zero_grad().await.unwrap();
+    assert_eq!(s.partials_held(), 0);
+    micro_batch(&mut s, Gate::On).await.unwrap();
+    let r = s.step().await.unwrap();
+    assert_eq!(r.step, 1);
+    assert_eq!(r.stats.partials_left, 0);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn step_after_no_sync_last_micro_batch_is_refused() {
+    let (mut s, _) = session(2, 1);
+    micro_batch(&mut s, Gate::On).await.unwrap();
+    micro_batch(&mut s, Gate::NoSync).await.unwrap();
+    assert!(matches!(s.step().await, Err(Error::Unflushed { .. })));
+    // A gate-on micro-batch flushes the accumulation; the step then succeeds.
+    micro_batch(&mut s, Gate::On).await.unwrap();
+    let r = s.step().await.unwrap();
+    assert_eq!(r.gates, vec![Gate::On, Gate::NoSync, Gate::On]);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn layers_out_of_order_are_a_usage_error() {
+    let (mut s, _) = session(2, 1);
+    s.begin_micro_batch(Gate::On).await.unwrap();
+    let err = s.grad_ready(0, |_, _, _| {}).await.unwrap_err();
+    assert!(err.to_string().contains("layer 2 is next"), "{err}");
+    assert!(matches!(s.step().await, Err(Error::Usage(_))));
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn failing_node_cancels_dependents_and_returns_from_step() {
+    let (mut s, backend) = session(2, 2);
+    backend.inject_fault(1, "fold");
+    micro_batch(&mut s, Gate::ReplicateOff).await.unwrap();
+    micro_batch(&mut s, Gate::On).await.unwrap();
+    let err = s.step().await.unwrap_err();
+    let Error::Exec(ExecError::Step { failures }) = &err else { panic!("expected a step failure, got {err}") };
+    assert!(failures.iter().all(|f| !f.error.is_cancellation()), "only root causes are reported: {failures:?}");
+    assert!(failures.iter().any(|f| f.rank == 1 && f.label.starts_with("fold")), "{failures:?}");
+    // The failed step's state is discarded; the next step runs normally.
+    backend.clear_faults();
+    assert_eq!(s.partials_held(), 0);
+    micro_batch(&mut s, Gate::ReplicateOff).await.unwrap();
+    micro_batch(&mut s, Gate::On).await.unwrap();
+    assert_eq!(s.step().await.unwrap().step, 1);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn buffers_are_reused_across_steps() {
+    let (mut s, _) = session(2, 2);
+    let mut pooled = Vec::new();
+    for _ in 0..4 {
+        micro_batch(&mut s, Gate::ReplicateOff).await.unwrap();
+        micro_batch(&mut s, Gate::On).await.unwrap();
+        s.step().await.unwrap();
+        pooled.push(s.executor().pooled_buffers());
+    }
+    assert_eq!(pooled[1], pooled[3], "the pool stops growing once warm: {pooled:?}");
+}
