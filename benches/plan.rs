@@ -12,7 +12,9 @@ use std::hint::black_box;
 use std::time::Duration;
 
 use criterion::{criterion_group, criterion_main, BatchSize, Criterion};
-use overlap_graph::{validate, Bindings, Gate, Mesh, Mode, ParamSpec, PlanSpec, Planner, ReduceSpec, Route};
+use overlap_graph::{
+    validate, Bindings, Gate, Mesh, Mode, ParamSpec, PlanSpec, Planner, ReduceSpec, Route,
+};
 
 const PARAMS: usize = 1000;
 const LAYERS: u32 = 64;
@@ -33,7 +35,12 @@ fn params() -> Vec<ParamSpec> {
                 6 => (Route::Adamw, vec![h]),
                 _ => (Route::ShardedAdamw, vec![8 * h, h]),
             };
-            ParamSpec { name: format!("l{layer}.p{i}"), shape, route, layer }
+            ParamSpec {
+                name: format!("l{layer}.p{i}"),
+                shape,
+                route,
+                layer,
+            }
         })
         .collect()
 }
@@ -53,7 +60,12 @@ fn bench_plan(c: &mut Criterion) {
     let planner = Planner::new(spec()).unwrap();
     let plan = planner.plan(&gates).unwrap();
     let nodes: usize = plan.ranks.iter().map(|r| r.nodes.len()).sum();
-    let instrs: usize = plan.ranks.iter().flat_map(|r| &r.streams).map(|s| s.instrs.len()).sum();
+    let instrs: usize = plan
+        .ranks
+        .iter()
+        .flat_map(|r| &r.streams)
+        .map(|s| s.instrs.len())
+        .sum();
     let events: u64 = plan.ranks.iter().map(|r| u64::from(r.events)).sum();
     println!(
         "plan: {} params, {} buckets, mesh {} ({} ranks), gates {}: {nodes} nodes ({} per rank), {instrs} instructions, {events} events",
@@ -68,10 +80,23 @@ fn bench_plan(c: &mut Criterion) {
     assert!(violations.is_empty(), "{violations:#?}");
 
     let mut group = c.benchmark_group("plan");
-    group.sample_size(10).warm_up_time(Duration::from_secs(1)).measurement_time(Duration::from_secs(3));
-    group.bench_function("planner_new", |b| b.iter_batched(spec, |s| Planner::new(black_box(s)).unwrap(), BatchSize::SmallInput));
-    group.bench_function("plan", |b| b.iter(|| planner.plan(black_box(&gates)).unwrap()));
-    group.bench_function("validate", |b| b.iter(|| validate(black_box(&plan), Mode::Step)));
+    group
+        .sample_size(10)
+        .warm_up_time(Duration::from_secs(1))
+        .measurement_time(Duration::from_secs(3));
+    group.bench_function("planner_new", |b| {
+        b.iter_batched(
+            spec,
+            |s| Planner::new(black_box(s)).unwrap(),
+            BatchSize::SmallInput,
+        )
+    });
+    group.bench_function("plan", |b| {
+        b.iter(|| planner.plan(black_box(&gates)).unwrap())
+    });
+    group.bench_function("validate", |b| {
+        b.iter(|| validate(black_box(&plan), Mode::Step))
+    });
     group.finish();
 }
 

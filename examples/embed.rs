@@ -15,7 +15,12 @@ use overlap::{Gate, Mesh, ParamSpec, PlanSpec, Route, Session};
 #[tokio::main(flavor = "multi_thread", worker_threads = 2)]
 async fn main() -> Result<(), overlap::Error> {
     // 1. Describe the mesh and the parameters: 2 ranks per node, 2 nodes.
-    let p = |name: &str, shape: Vec<u64>, route, layer| ParamSpec { name: name.into(), shape, route, layer };
+    let p = |name: &str, shape: Vec<u64>, route, layer| ParamSpec {
+        name: name.into(),
+        shape,
+        route,
+        layer,
+    };
     let spec = PlanSpec {
         mesh: Mesh::new(2, 2)?,
         params: vec![
@@ -56,12 +61,19 @@ async fn main() -> Result<(), overlap::Error> {
         let report = session.step().await?;
         println!(
             "step {}: {} nodes, {:.2} ms, Stage 2 moved {} B and saved {} B",
-            report.step, report.stats.nodes, report.stats.wall_seconds * 1e3, report.stage2_bytes, report.stage2_bytes_saved
+            report.step,
+            report.stats.nodes,
+            report.stats.wall_seconds * 1e3,
+            report.stage2_bytes,
+            report.stage2_bytes_saved
         );
     }
 
     // 5. What rank 0's optimizer consumed for the norm weight (its shard).
     let norm = session.param_id("block.norm").expect("declared above");
-    println!("rank 0 reduced gradient of block.norm: {:?}", session.reduced_grad(0, norm)?);
+    println!(
+        "rank 0 reduced gradient of block.norm: {:?}",
+        session.reduced_grad(0, norm)?
+    );
     Ok(())
 }

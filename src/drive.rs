@@ -10,11 +10,20 @@ use crate::{synthetic, Error};
 /// Runs one step: every micro-batch with its gate, every layer from the highest down,
 /// rank `r`'s gradient of parameter `p` in micro-batch `m` of step `step` being
 /// [`synthetic::grad`]`(seed, step, m, r, p)`.
-pub async fn synthetic_step<B: Backend>(session: &mut Session<B>, seed: u64, step: u64, gates: &[Gate]) -> Result<StepReport, Error> {
+pub async fn synthetic_step<B: Backend>(
+    session: &mut Session<B>,
+    seed: u64,
+    step: u64,
+    gates: &[Gate],
+) -> Result<StepReport, Error> {
     for (m, &gate) in gates.iter().enumerate() {
         session.begin_micro_batch(gate).await?;
         for layer in session.layers() {
-            session.grad_ready(layer, |rank, param, out| synthetic::grad(seed, step, m as u32, rank, param, out)).await?;
+            session
+                .grad_ready(layer, |rank, param, out| {
+                    synthetic::grad(seed, step, m as u32, rank, param, out)
+                })
+                .await?;
         }
     }
     session.step().await
@@ -22,5 +31,7 @@ pub async fn synthetic_step<B: Backend>(session: &mut Session<B>, seed: u64, ste
 
 /// The no_sync reference pattern for `m` micro-batches: no_sync for all but the last.
 pub fn no_sync_pattern(m: usize) -> Vec<Gate> {
-    (0..m).map(|i| if i + 1 == m { Gate::On } else { Gate::NoSync }).collect()
+    (0..m)
+        .map(|i| if i + 1 == m { Gate::On } else { Gate::NoSync })
+        .collect()
 }

@@ -51,7 +51,12 @@ pub enum Error {
 
 fn names(params: &[String]) -> String {
     const SHOWN: usize = 8;
-    let mut s = params.iter().take(SHOWN).map(|p| format!("`{p}`")).collect::<Vec<_>>().join(", ");
+    let mut s = params
+        .iter()
+        .take(SHOWN)
+        .map(|p| format!("`{p}`"))
+        .collect::<Vec<_>>()
+        .join(", ");
     if params.len() > SHOWN {
         s.push_str(&format!(" and {} more", params.len() - SHOWN));
     }

@@ -10,7 +10,11 @@ use overlap::graph::{export, validate, Gate, Mode, Plan, Planner};
 use overlap::{drive, verify, Error, Session};
 
 #[derive(Parser)]
-#[command(name = "overlap", version, about = "The gradient path of sharded data-parallel training as a validated task graph")]
+#[command(
+    name = "overlap",
+    version,
+    about = "The gradient path of sharded data-parallel training as a validated task graph"
+)]
 struct Cli {
     #[command(subcommand)]
     command: Command,
@@ -83,7 +87,11 @@ enum Format {
 
 fn main() -> ExitCode {
     let cli = Cli::parse();
-    let rt = match tokio::runtime::Builder::new_multi_thread().worker_threads(2).enable_all().build() {
+    let rt = match tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(2)
+        .enable_all()
+        .build()
+    {
         Ok(rt) => rt,
         Err(e) => {
             eprintln!("error: cannot start the async runtime: {e}");
@@ -105,7 +113,12 @@ fn load(path: &Path) -> Result<Config, Error> {
 
 async fn dispatch(cmd: Command) -> Result<ExitCode, Error> {
     match cmd {
-        Command::Run { config, steps, backend, seed } => {
+        Command::Run {
+            config,
+            steps,
+            backend,
+            seed,
+        } => {
             let mut cfg = load(&config)?;
             if let Some(b) = backend {
                 cfg.run.backend = b;
@@ -115,7 +128,12 @@ async fn dispatch(cmd: Command) -> Result<ExitCode, Error> {
             }
             run(&cfg, steps.unwrap_or(cfg.run.steps)).await
         }
-        Command::Verify { config, steps, seed, json } => {
+        Command::Verify {
+            config,
+            steps,
+            seed,
+            json,
+        } => {
             let cfg = load(&config)?;
             let steps = u64::from(steps.unwrap_or(cfg.run.steps));
             let seed = seed.unwrap_or(cfg.run.seed);
@@ -133,27 +151,54 @@ async fn dispatch(cmd: Command) -> Result<ExitCode, Error> {
                 for (route, e) in &report.per_route {
                     println!("  {route:<14} worst relative error {e:.3e}");
                 }
-                println!("  gradients      worst {:.3e} at {} (tolerance {:.0e})", report.worst_rel_err, report.worst_at, report.grad_tolerance);
-                println!("  parameters     worst {:.3e} gated vs no_sync (tolerance {:.0e})", report.param_rel_err, report.param_tolerance);
+                println!(
+                    "  gradients      worst {:.3e} at {} (tolerance {:.0e})",
+                    report.worst_rel_err, report.worst_at, report.grad_tolerance
+                );
+                println!(
+                    "  parameters     worst {:.3e} gated vs no_sync (tolerance {:.0e})",
+                    report.param_rel_err, report.param_tolerance
+                );
                 println!("  partials left  {}", report.partials_left);
                 println!("{}", if report.ok { "OK" } else { "FAILED" });
             } else {
-                println!("{}", serde_json::to_string(&report).map_err(|e| Error::Usage(e.to_string()))?);
+                println!(
+                    "{}",
+                    serde_json::to_string(&report).map_err(|e| Error::Usage(e.to_string()))?
+                );
             }
-            Ok(if report.ok { ExitCode::SUCCESS } else { ExitCode::from(1) })
+            Ok(if report.ok {
+                ExitCode::SUCCESS
+            } else {
+                ExitCode::from(1)
+            })
         }
-        Command::Plan { config, format, gates, ranks } => {
+        Command::Plan {
+            config,
+            format,
+            gates,
+            ranks,
+        } => {
             let cfg = load(&config)?;
             let gates = match gates {
                 Some(g) => parse_gates(&g)?,
                 None => cfg.gates.clone(),
             };
-            let plan = Planner::new(cfg.plan.clone())?.plan(&gates)?;
+            let planner = Planner::new(cfg.plan.clone())?;
+            if let Some(params) = overlap::session::unflushed(&planner, &gates) {
+                return Err(Error::Unflushed {
+                    gates: Gate::pattern_label(&gates),
+                    params,
+                });
+            }
+            let plan = planner.plan(&gates)?;
             let v = validate(&plan, Mode::Step);
             if !v.is_empty() {
                 return Err(Error::Invalid(v));
             }
-            let ranks = ranks.map(|r| parse_ranks(&r, plan.mesh.world())).transpose()?;
+            let ranks = ranks
+                .map(|r| parse_ranks(&r, plan.mesh.world()))
+                .transpose()?;
             match format {
                 Format::Json => println!("{}", plan.to_json()),
                 Format::Dot => print!("{}", export::to_dot(&plan, ranks.as_deref())),
@@ -169,7 +214,10 @@ async fn dispatch(cmd: Command) -> Result<ExitCode, Error> {
         }
         Command::Check { plan } => {
             let name = plan.display().to_string();
-            let text = std::fs::read_to_string(&plan).map_err(|source| Error::Io { path: name.clone(), source })?;
+            let text = std::fs::read_to_string(&plan).map_err(|source| Error::Io {
+                path: name.clone(),
+                source,
+            })?;
             let plan = match Plan::from_json(&text) {
                 Ok(p) => p,
                 Err(e) => {
@@ -180,7 +228,11 @@ async fn dispatch(cmd: Command) -> Result<ExitCode, Error> {
             let v = validate(&plan, Mode::Step);
             if v.is_empty() {
                 let nodes: usize = plan.ranks.iter().map(|r| r.nodes.len()).sum();
-                println!("{name}: valid ({} ranks, {nodes} nodes, gates {})", plan.ranks.len(), Gate::pattern_label(&plan.gates));
+                println!(
+                    "{name}: valid ({} ranks, {nodes} nodes, gates {})",
+                    plan.ranks.len(),
+                    Gate::pattern_label(&plan.gates)
+                );
                 Ok(ExitCode::SUCCESS)
             } else {
                 for x in &v {
@@ -193,14 +245,18 @@ async fn dispatch(cmd: Command) -> Result<ExitCode, Error> {
 }
 
 fn parse_gates(s: &str) -> Result<Vec<Gate>, Error> {
-    s.split(',').map(|g| Gate::parse(g.trim()).map_err(|e| Error::Usage(format!("--gates: {e}")))).collect()
+    s.split(',')
+        .map(|g| Gate::parse(g.trim()).map_err(|e| Error::Usage(format!("--gates: {e}"))))
+        .collect()
 }
 
 fn parse_ranks(s: &str, world: u32) -> Result<Vec<u32>, Error> {
     s.split(',')
         .map(|r| match r.trim().parse::<u32>() {
             Ok(x) if x < world => Ok(x),
-            _ => Err(Error::Usage(format!("--ranks: `{r}` is not a rank of this mesh (0..{world})"))),
+            _ => Err(Error::Usage(format!(
+                "--ranks: `{r}` is not a rank of this mesh (0..{world})"
+            ))),
         })
         .collect()
 }
@@ -208,7 +264,9 @@ fn parse_ranks(s: &str, world: u32) -> Result<Vec<u32>, Error> {
 async fn run(cfg: &Config, steps: u32) -> Result<ExitCode, Error> {
     let backend = match cfg.run.backend {
         BackendChoice::Cuda => {
-            return Err(Error::Backend("backend \"cuda\" is not in this build: rebuild with `--features cuda`".into()));
+            return Err(Error::Backend(
+                "backend \"cuda\" is not in this build: rebuild with `--features cuda`".into(),
+            ));
         }
         BackendChoice::Auto | BackendChoice::Cpu => "cpu",
     };
@@ -225,7 +283,11 @@ async fn run(cfg: &Config, steps: u32) -> Result<ExitCode, Error> {
     );
     for step in 0..u64::from(steps) {
         let r = drive::synthetic_step(&mut session, cfg.run.seed, step, &cfg.gates).await?;
-        let per_node = if r.stats.nodes > 0 { r.stats.issue_seconds * 1e6 / r.stats.nodes as f64 } else { 0.0 };
+        let per_node = if r.stats.nodes > 0 {
+            r.stats.issue_seconds * 1e6 / r.stats.nodes as f64
+        } else {
+            0.0
+        };
         println!(
             "step {}/{steps}  gates {}  nodes {}  wall {:.2} ms  host {:.2} us/node  stage2 {} (saved {})  partials left {}",
             r.step,

@@ -42,7 +42,9 @@ use std::collections::HashMap;
 use std::sync::Arc;
 
 use overlap_executor::{ExecConfig, Executor, StepStats};
-use overlap_graph::{validate, Buffer, Gate, Mode, Op, ParamId, PlacedParam, Plan, PlanSpec, Planner};
+use overlap_graph::{
+    validate, Buffer, Gate, Mode, Op, ParamId, PlacedParam, Plan, PlanSpec, Planner,
+};
 use overlap_ops::cpu::CpuBackend;
 use overlap_ops::Backend;
 
@@ -83,7 +85,9 @@ impl Session<CpuBackend> {
     /// initialised from the config's seed.
     pub fn cpu(config: &Config) -> Result<Self, Error> {
         if config.run.backend == BackendChoice::Cuda {
-            return Err(Error::Backend("the config asks for backend \"cuda\"; this session runs on the CPU backend".into()));
+            return Err(Error::Backend(
+                "the config asks for backend \"cuda\"; this session runs on the CPU backend".into(),
+            ));
         }
         let backend = Arc::new(CpuBackend::new(config.plan.mesh));
         let mut s = Session::new(config.plan.clone(), backend, exec_config(config))?;
@@ -95,7 +99,12 @@ impl Session<CpuBackend> {
 
 /// The executor settings a config asks for.
 pub fn exec_config(config: &Config) -> ExecConfig {
-    ExecConfig { stage1_window: config.overlap.stage1_window as usize, adamw: config.adamw, muon: config.muon, ..ExecConfig::default() }
+    ExecConfig {
+        stage1_window: config.overlap.stage1_window as usize,
+        adamw: config.adamw,
+        muon: config.muon,
+        ..ExecConfig::default()
+    }
 }
 
 impl<B: Backend> Session<B> {
@@ -121,16 +130,27 @@ impl<B: Backend> Session<B> {
 
     /// Sets every parameter from its full tensor: `init(id, param)` returns all of its
     /// elements; each local rank keeps its piece.
-    pub fn init_params(&mut self, mut init: impl FnMut(ParamId, &PlacedParam) -> Vec<f32>) -> Result<(), Error> {
+    pub fn init_params(
+        &mut self,
+        mut init: impl FnMut(ParamId, &PlacedParam) -> Vec<f32>,
+    ) -> Result<(), Error> {
         if self.executor.in_step() {
-            return Err(Error::Usage("init_params during a step; call it before the first micro-batch or after step()".into()));
+            return Err(Error::Usage(
+                "init_params during a step; call it before the first micro-batch or after step()"
+                    .into(),
+            ));
         }
         let mesh = self.planner.spec().mesh;
         let params = self.planner.params().to_vec();
         for (i, p) in params.iter().enumerate() {
             let full = init(i as ParamId, p);
             if full.len() as u64 != p.spec.numel() {
-                return Err(Error::Usage(format!("init_params: `{}` has {} elements, the initialiser returned {}", p.spec.name, p.spec.numel(), full.len())));
+                return Err(Error::Usage(format!(
+                    "init_params: `{}` has {} elements, the initialiser returned {}",
+                    p.spec.name,
+                    p.spec.numel(),
+                    full.len()
+                )));
             }
             for rank in self.executor.local_ranks() {
                 let c = mesh.coord(rank);
@@ -138,7 +158,11 @@ impl<B: Backend> Session<B> {
                     continue;
                 }
                 let r = p.spec.shard_range(mesh.shard, c.shard);
-                self.executor.init_param(rank, i as ParamId, &full[r.start as usize..r.end as usize])?;
+                self.executor.init_param(
+                    rank,
+                    i as ParamId,
+                    &full[r.start as usize..r.end as usize],
+                )?;
             }
         }
         Ok(())
@@ -166,7 +190,11 @@ impl<B: Backend> Session<B> {
 
     /// The parameter id of a name.
     pub fn param_id(&self, name: &str) -> Option<ParamId> {
-        self.planner.params().iter().position(|p| p.spec.name == name).map(|i| i as ParamId)
+        self.planner
+            .params()
+            .iter()
+            .position(|p| p.spec.name == name)
+            .map(|i| i as ParamId)
     }
 
     /// The validated plan of a whole step with these gates (cached).
@@ -175,7 +203,10 @@ impl<B: Backend> Session<B> {
             return Ok(p.clone());
         }
         if let Some(params) = unflushed(&self.planner, gates) {
-            return Err(Error::Unflushed { gates: Gate::pattern_label(gates), params });
+            return Err(Error::Unflushed {
+                gates: Gate::pattern_label(gates),
+                params,
+            });
         }
         let plan = self.planner.plan(gates)?;
         let v = validate(&plan, Mode::Step);
@@ -203,7 +234,10 @@ impl<B: Backend> Session<B> {
 
     fn check_micro_batch_complete(&self, what: &str) -> Result<(), Error> {
         if !self.gates.is_empty() && self.layers_done < self.layers.len() {
-            let missing: Vec<String> = self.layers[self.layers_done..].iter().map(|l| l.to_string()).collect();
+            let missing: Vec<String> = self.layers[self.layers_done..]
+                .iter()
+                .map(|l| l.to_string())
+                .collect();
             return Err(Error::Usage(format!(
                 "{what} while micro-batch {} still waits for grad_ready of layers {}",
                 self.gates.len() - 1,
@@ -229,7 +263,11 @@ impl<B: Backend> Session<B> {
     /// Hands in the gradients of `layer` for the current micro-batch: `fill(rank, param,
     /// out)` writes rank `rank`'s gradient of `param` into `out` (its full shape, row
     /// major). Layers come from the highest down ([`Session::layers`]).
-    pub async fn grad_ready(&mut self, layer: u32, fill: impl FnMut(u32, ParamId, &mut [f32])) -> Result<(), Error> {
+    pub async fn grad_ready(
+        &mut self,
+        layer: u32,
+        fill: impl FnMut(u32, ParamId, &mut [f32]),
+    ) -> Result<(), Error> {
         let Some(m) = self.gates.len().checked_sub(1) else {
             return Err(Error::Usage("grad_ready before begin_micro_batch".into()));
         };
@@ -264,7 +302,13 @@ impl<B: Backend> Session<B> {
         self.layers_done = 0;
         let stats = self.executor.finish_step().await?;
         let (stage2_bytes, stage2_bytes_saved) = self.stage2_bytes(&plan);
-        Ok(StepReport { step: self.executor.steps_done(), gates, stats, stage2_bytes, stage2_bytes_saved })
+        Ok(StepReport {
+            step: self.executor.steps_done(),
+            gates,
+            stats,
+            stage2_bytes,
+            stage2_bytes_saved,
+        })
     }
 
     /// Discards the step in progress: partials, no_sync accumulations and gradients
@@ -324,5 +368,11 @@ pub fn unflushed(planner: &Planner, gates: &[Gate]) -> Option<Vec<String>> {
     if tail.is_empty() {
         return None;
     }
-    Some(planner.params().iter().map(|p| p.spec.name.clone()).collect())
+    Some(
+        planner
+            .params()
+            .iter()
+            .map(|p| p.spec.name.clone())
+            .collect(),
+    )
 }

@@ -27,7 +27,18 @@ fn key(parts: &[u64]) -> u64 {
 /// The gradient rank `rank` produces for parameter `param` in micro-batch `micro_batch`
 /// of step `step` (0-based), uniform in [-1, 1).
 pub fn grad(seed: u64, step: u64, micro_batch: u32, rank: u32, param: u32, out: &mut [f32]) {
-    fill(key(&[seed, 1, step, u64::from(micro_batch), u64::from(rank), u64::from(param)]), 1.0, out);
+    fill(
+        key(&[
+            seed,
+            1,
+            step,
+            u64::from(micro_batch),
+            u64::from(rank),
+            u64::from(param),
+        ]),
+        1.0,
+        out,
+    );
 }
 
 /// Initial values of a parameter's full tensor, uniform in [-0.1, 0.1).

@@ -62,10 +62,24 @@ async fn check(shard: u32, replicate: u32, gates: &str) {
         let cfg = config(shard, replicate, gates, cap);
         let r = verify(&cfg, 3, 42, |_| {}).await.unwrap();
         let label = format!("mesh {shard}x{replicate} gates {gates} cap {cap}");
-        assert!(r.worst_rel_err <= 1e-6, "{label}: gradient error {} at {}", r.worst_rel_err, r.worst_at);
-        assert!(r.param_rel_err <= 1e-5, "{label}: parameter error {}", r.param_rel_err);
+        assert!(
+            r.worst_rel_err <= 1e-6,
+            "{label}: gradient error {} at {}",
+            r.worst_rel_err,
+            r.worst_at
+        );
+        assert!(
+            r.param_rel_err <= 1e-5,
+            "{label}: parameter error {}",
+            r.param_rel_err
+        );
         assert_eq!(r.partials_left, 0, "{label}");
-        assert_eq!(r.per_route.len(), 4, "{label}: every route compared: {:?}", r.per_route);
+        assert_eq!(
+            r.per_route.len(),
+            4,
+            "{label}: every route compared: {:?}",
+            r.per_route
+        );
         assert!(r.ok, "{label}");
     }
 }

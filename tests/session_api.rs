@@ -8,7 +8,12 @@ use overlap::ops::cpu::CpuBackend;
 use overlap::{Error, Gate, Mesh, ParamSpec, PlanSpec, Route, Session};
 
 fn spec(shard: u32, replicate: u32) -> PlanSpec {
-    let p = |name: &str, shape: Vec<u64>, route, layer| ParamSpec { name: name.into(), shape, route, layer };
+    let p = |name: &str, shape: Vec<u64>, route, layer| ParamSpec {
+        name: name.into(),
+        shape,
+        route,
+        layer,
+    };
     PlanSpec {
         mesh: Mesh::new(shard, replicate).unwrap(),
         params: vec![
@@ -25,13 +30,26 @@ fn spec(shard: u32, replicate: u32) -> PlanSpec {
 
 fn session(shard: u32, replicate: u32) -> (Session<CpuBackend>, Arc<CpuBackend>) {
     let backend = Arc::new(CpuBackend::new(Mesh::new(shard, replicate).unwrap()));
-    (Session::new(spec(shard, replicate), backend.clone(), ExecConfig::default()).unwrap(), backend)
+    (
+        Session::new(
+            spec(shard, replicate),
+            backend.clone(),
+            ExecConfig::default(),
+        )
+        .unwrap(),
+        backend,
+    )
 }
 
 async fn micro_batch(s: &mut Session<CpuBackend>, gate: Gate) -> Result<(), Error> {
     s.begin_micro_batch(gate).await?;
     for layer in s.layers() {
-        s.grad_ready(layer, |rank, param, out| out.iter_mut().enumerate().for_each(|(i, x)| *x = (rank + param) as f32 + i as f32 * 0.01)).await?;
+        s.grad_ready(layer, |rank, param, out| {
+            out.iter_mut()
+                .enumerate()
+                .for_each(|(i, x)| *x = (rank + param) as f32 + i as f32 * 0.01)
+        })
+        .await?;
     }
     Ok(())
 }
@@ -44,13 +62,19 @@ async fn step_after_gate_off_last_micro_batch_names_unflushed_parameters() {
     match &err {
         Error::Unflushed { params, .. } => {
             for name in ["w", "norm", "bias", "emb"] {
-                assert!(params.iter().any(|p| p == name), "{name} missing from {params:?}");
+                assert!(
+                    params.iter().any(|p| p == name),
+                    "{name} missing from {params:?}"
+                );
             }
         }
         other => panic!("expected Unflushed, got {other}"),
     }
     assert!(err.to_string().contains("zero_grad"));
-    assert!(s.partials_held() > 0, "the partials are still pending after the refused step");
+    assert!(
+        s.partials_held() > 0,
+        "the partials are still pending after the refused step"
+    );
     s.zero_grad().await.unwrap();
     assert_eq!(s.partials_held(), 0);
     micro_batch(&mut s, Gate::On).await.unwrap();
@@ -87,9 +111,19 @@ async fn failing_node_cancels_dependents_and_returns_from_step() {
     micro_batch(&mut s, Gate::ReplicateOff).await.unwrap();
     micro_batch(&mut s, Gate::On).await.unwrap();
     let err = s.step().await.unwrap_err();
-    let Error::Exec(ExecError::Step { failures }) = &err else { panic!("expected a step failure, got {err}") };
-    assert!(failures.iter().all(|f| !f.error.is_cancellation()), "only root causes are reported: {failures:?}");
-    assert!(failures.iter().any(|f| f.rank == 1 && f.label.starts_with("fold")), "{failures:?}");
+    let Error::Exec(ExecError::Step { failures }) = &err else {
+        panic!("expected a step failure, got {err}")
+    };
+    assert!(
+        failures.iter().all(|f| !f.error.is_cancellation()),
+        "only root causes are reported: {failures:?}"
+    );
+    assert!(
+        failures
+            .iter()
+            .any(|f| f.rank == 1 && f.label.starts_with("fold")),
+        "{failures:?}"
+    );
     // The failed step's state is discarded; the next step runs normally.
     backend.clear_faults();
     assert_eq!(s.partials_held(), 0);
@@ -108,5 +142,8 @@ async fn buffers_are_reused_across_steps() {
         s.step().await.unwrap();
         pooled.push(s.executor().pooled_buffers());
     }
-    assert_eq!(pooled[1], pooled[3], "the pool stops growing once warm: {pooled:?}");
+    assert_eq!(
+        pooled[1], pooled[3],
+        "the pool stops growing once warm: {pooled:?}"
+    );
 }

@@ -42,7 +42,12 @@ pub struct ExecConfig {
 
 impl Default for ExecConfig {
     fn default() -> Self {
-        ExecConfig { stage1_window: 2, adamw: AdamwParams::default(), muon: MuonParams::default(), host_timeout: Duration::from_secs(120) }
+        ExecConfig {
+            stage1_window: 2,
+            adamw: AdamwParams::default(),
+            muon: MuonParams::default(),
+            host_timeout: Duration::from_secs(120),
+        }
     }
 }
 
@@ -63,7 +68,11 @@ pub struct NodeFailure {
 
 impl std::fmt::Display for NodeFailure {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        write!(f, "rank {} stream {} node {} ({}): {}", self.rank, self.stream, self.node, self.label, self.error)
+        write!(
+            f,
+            "rank {} stream {} node {} ({}): {}",
+            self.rank, self.stream, self.node, self.label, self.error
+        )
     }
 }
 
@@ -102,7 +111,8 @@ pub enum ExecError {
 pub struct StepStats {
     /// Nodes issued across local ranks.
     pub nodes: usize,
-    /// Host time spent issuing them, in seconds.
+    /// Host time spent issuing them (launches, records, waits, buffer bookkeeping;
+    /// not gradient uploads nor backpressure waits), in seconds, summed over local ranks.
     pub issue_seconds: f64,
     /// Wall time from the first issue to the end of the step, in seconds.
     pub wall_seconds: f64,
@@ -119,7 +129,6 @@ pub struct Executor<B: Backend> {
     cfg: ExecConfig,
     ranks: Vec<RankState<B>>,
     steps_done: u64,
-    issue_time: Duration,
     step_start: Option<Instant>,
     staging: Vec<f32>,
 }
@@ -127,8 +136,19 @@ pub struct Executor<B: Backend> {
 impl<B: Backend> Executor<B> {
     /// An executor over a backend's local ranks.
     pub fn new(backend: Arc<B>, cfg: ExecConfig) -> Self {
-        let ranks = backend.local_ranks().into_iter().map(RankState::new).collect();
-        Executor { backend, cfg, ranks, steps_done: 0, issue_time: Duration::ZERO, step_start: None, staging: Vec::new() }
+        let ranks = backend
+            .local_ranks()
+            .into_iter()
+            .map(RankState::new)
+            .collect();
+        Executor {
+            backend,
+            cfg,
+            ranks,
+            steps_done: 0,
+            step_start: None,
+            staging: Vec::new(),
+        }
     }
 
     /// The backend.
@@ -157,12 +177,20 @@ impl<B: Backend> Executor<B> {
     }
 
     fn rank_mut(&mut self, rank: u32) -> Result<&mut RankState<B>, ExecError> {
-        self.ranks.iter_mut().find(|r| r.rank == rank).ok_or_else(|| ExecError::Usage(format!("rank {rank} is not driven by this executor")))
+        self.ranks
+            .iter_mut()
+            .find(|r| r.rank == rank)
+            .ok_or_else(|| ExecError::Usage(format!("rank {rank} is not driven by this executor")))
     }
 
     /// Sets a parameter's values on a rank (its shard, or the whole tensor on the owner's
     /// shard column). Call before the first step.
-    pub fn init_param(&mut self, rank: u32, param: ParamId, values: &[f32]) -> Result<(), ExecError> {
+    pub fn init_param(
+        &mut self,
+        rank: u32,
+        param: ParamId,
+        values: &[f32],
+    ) -> Result<(), ExecError> {
         let backend = self.backend.clone();
         let r = self.rank_mut(rank)?;
         let buf = backend.alloc(rank, values.len())?;
@@ -174,7 +202,9 @@ impl<B: Backend> Executor<B> {
     /// Reads a buffer of a rank (a parameter, or a reduced gradient of the last step).
     /// Call between steps.
     pub fn read(&self, rank: u32, buffer: Buffer) -> Result<Option<Vec<f32>>, ExecError> {
-        let r = self.ranks.iter().find(|r| r.rank == rank).ok_or_else(|| ExecError::Usage(format!("rank {rank} is not driven by this executor")))?;
+        let r = self.ranks.iter().find(|r| r.rank == rank).ok_or_else(|| {
+            ExecError::Usage(format!("rank {rank} is not driven by this executor"))
+        })?;
         match r.buffers.get(&buffer) {
             Some(b) => Ok(Some(self.backend.download(b)?)),
             None => Ok(None),
@@ -186,13 +216,15 @@ impl<B: Backend> Executor<B> {
     pub fn adopt(&mut self, plan: &Arc<Plan>) {
         if self.step_start.is_none() {
             self.step_start = Some(Instant::now());
-            self.issue_time = Duration::ZERO;
             for r in &mut self.ranks {
                 r.begin_step();
             }
         }
         for r in &mut self.ranks {
-            let same = r.prepared.as_ref().is_some_and(|p| Arc::ptr_eq(&p.plan, plan));
+            let same = r
+                .prepared
+                .as_ref()
+                .is_some_and(|p| Arc::ptr_eq(&p.plan, plan));
             if !same {
                 r.adopt(&self.backend, Arc::new(Prepared::new(plan.clone(), r.rank)));
             }
@@ -200,24 +232,39 @@ impl<B: Backend> Executor<B> {
     }
 
     fn ctx(&self) -> IssueCtx {
-        IssueCtx { window: self.cfg.stage1_window, adamw: self.cfg.adamw, muon: self.cfg.muon, step: self.steps_done + 1 }
+        IssueCtx {
+            window: self.cfg.stage1_window,
+            adamw: self.cfg.adamw,
+            muon: self.cfg.muon,
+            step: self.steps_done + 1,
+        }
     }
 
     /// The trainer's backward made `layer`'s gradients of `micro_batch` ready: `fill`
     /// writes each (rank, parameter) gradient into the slice it is given; then the
     /// layer's nodes are issued on every local rank.
-    pub async fn grad_ready(&mut self, micro_batch: u32, layer: u32, mut fill: impl FnMut(u32, ParamId, &mut [f32])) -> Result<(), ExecError> {
-        let t0 = Instant::now();
+    pub async fn grad_ready(
+        &mut self,
+        micro_batch: u32,
+        layer: u32,
+        mut fill: impl FnMut(u32, ParamId, &mut [f32]),
+    ) -> Result<(), ExecError> {
         let backend = self.backend.clone();
         let mut ends = Vec::with_capacity(self.ranks.len());
         for r in &mut self.ranks {
-            let p = r.prepared.clone().ok_or_else(|| ExecError::Usage("grad_ready before a micro-batch began".into()))?;
+            let p = r
+                .prepared
+                .clone()
+                .ok_or_else(|| ExecError::Usage("grad_ready before a micro-batch began".into()))?;
             let nodes = &p.plan.rank(r.rank).nodes;
             let here = nodes.get(r.next_node);
             match here {
-                Some(n) if n.op == Op::GradReady { layer } && n.micro_batch == Some(micro_batch) => {}
+                Some(n)
+                    if n.op == Op::GradReady { layer } && n.micro_batch == Some(micro_batch) => {}
                 other => {
-                    let next = other.map(|n| p.plan.label(n)).unwrap_or_else(|| "the end of the plan".into());
+                    let next = other
+                        .map(|n| p.plan.label(n))
+                        .unwrap_or_else(|| "the end of the plan".into());
                     return Err(ExecError::Usage(format!(
                         "grad_ready(layer {layer}) of micro-batch {micro_batch} on rank {}: the plan expects {next} next (layers are handed in from the highest down, each once per micro-batch)",
                         r.rank
@@ -225,7 +272,10 @@ impl<B: Backend> Executor<B> {
                 }
             }
             let end = (r.next_node + 1..nodes.len())
-                .find(|&i| matches!(nodes[i].op, Op::GradReady { .. }) || nodes[i].micro_batch != Some(micro_batch))
+                .find(|&i| {
+                    matches!(nodes[i].op, Op::GradReady { .. })
+                        || nodes[i].micro_batch != Some(micro_batch)
+                })
                 .unwrap_or(nodes.len());
             ends.push(end);
             for (i, param) in p.plan.params.iter().enumerate() {
@@ -238,32 +288,60 @@ impl<B: Backend> Executor<B> {
                 fill(r.rank, i as ParamId, &mut self.staging);
                 let buf = r.take(&backend, numel)?;
                 backend.upload(&buf, &self.staging)?;
-                r.buffers.insert(Buffer::Grad { param: i as ParamId, micro_batch }, buf);
+                r.buffers.insert(
+                    Buffer::Grad {
+                        param: i as ParamId,
+                        micro_batch,
+                    },
+                    buf,
+                );
             }
         }
         let ctx = self.ctx();
-        let results = join_all(self.ranks.iter_mut().zip(ends).map(|(r, end)| r.issue_until(&backend, end, &ctx))).await;
-        self.issue_time += t0.elapsed();
+        let results = join_all(
+            self.ranks
+                .iter_mut()
+                .zip(ends)
+                .map(|(r, end)| r.issue_until(&backend, end, &ctx)),
+        )
+        .await;
         results.into_iter().collect()
     }
 
     /// Issues the rest of the step's plan (its optimizer and publish tail), waits for the
     /// device, and returns the step's figures, or the failures of its nodes.
     pub async fn finish_step(&mut self) -> Result<StepStats, ExecError> {
-        let t0 = Instant::now();
         let backend = self.backend.clone();
         let ctx = self.ctx();
-        let ends: Vec<usize> = self.ranks.iter().map(|r| r.prepared.as_ref().map(|p| p.plan.rank(r.rank).nodes.len()).unwrap_or(0)).collect();
-        let results = join_all(self.ranks.iter_mut().zip(ends).map(|(r, end)| r.issue_until(&backend, end, &ctx))).await;
+        let ends: Vec<usize> = self
+            .ranks
+            .iter()
+            .map(|r| {
+                r.prepared
+                    .as_ref()
+                    .map(|p| p.plan.rank(r.rank).nodes.len())
+                    .unwrap_or(0)
+            })
+            .collect();
+        let results = join_all(
+            self.ranks
+                .iter_mut()
+                .zip(ends)
+                .map(|(r, end)| r.issue_until(&backend, end, &ctx)),
+        )
+        .await;
         for r in &mut self.ranks {
             r.issue_trailing(&backend);
         }
-        self.issue_time += t0.elapsed();
         results.into_iter().collect::<Result<(), _>>()?;
         let failures = self.drain().await?;
         let nodes = self.ranks.iter().map(|r| r.issued).sum();
         let partials_left = self.step_buffers_held();
-        let wall = self.step_start.take().map(|s| s.elapsed().as_secs_f64()).unwrap_or(0.0);
+        let wall = self
+            .step_start
+            .take()
+            .map(|s| s.elapsed().as_secs_f64())
+            .unwrap_or(0.0);
         let timings = self.backend.take_timings();
         if !failures.is_empty() {
             self.backend.reset();
@@ -276,7 +354,14 @@ impl<B: Backend> Executor<B> {
         for r in &mut self.ranks {
             r.end_step(true);
         }
-        Ok(StepStats { nodes, issue_seconds: self.issue_time.as_secs_f64(), wall_seconds: wall, timings, partials_left })
+        let issue_seconds = self.ranks.iter().map(|r| r.issue_time.as_secs_f64()).sum();
+        Ok(StepStats {
+            nodes,
+            issue_seconds,
+            wall_seconds: wall,
+            timings,
+            partials_left,
+        })
     }
 
     /// Discards the step in progress (`zero_grad`): waits for what was issued, then drops
@@ -323,7 +408,13 @@ impl<B: Backend> Executor<B> {
         for (rank, stream, ev) in waits {
             match tokio::time::timeout(limit, backend.host_wait(&ev)).await {
                 Ok(_) => {}
-                Err(_) => return Err(ExecError::Timeout { seconds: limit.as_secs(), rank, stream }),
+                Err(_) => {
+                    return Err(ExecError::Timeout {
+                        seconds: limit.as_secs(),
+                        rank,
+                        stream,
+                    })
+                }
             }
         }
         let mut failures = Vec::new();
@@ -333,14 +424,32 @@ impl<B: Backend> Executor<B> {
                 .iter()
                 .find(|r| r.rank == rank)
                 .and_then(|r| r.prepared.as_ref())
-                .and_then(|p| p.plan.rank(rank).nodes.get(tag.node as usize).map(|n| p.plan.label(n)))
+                .and_then(|p| {
+                    p.plan
+                        .rank(rank)
+                        .nodes
+                        .get(tag.node as usize)
+                        .map(|n| p.plan.label(n))
+                })
                 .unwrap_or_else(|| tag.op.to_string());
-            failures.push(NodeFailure { rank, stream, node: tag.node, label, error });
+            failures.push(NodeFailure {
+                rank,
+                stream,
+                node: tag.node,
+                label,
+                error,
+            });
         }
         if failures.is_empty() {
             for r in &mut self.ranks {
                 if let Some(e) = r.issue_errors.drain(..).next() {
-                    failures.push(NodeFailure { rank: r.rank, stream: Stream::Reduce, node: 0, label: "backpressure wait".into(), error: e });
+                    failures.push(NodeFailure {
+                        rank: r.rank,
+                        stream: Stream::Reduce,
+                        node: 0,
+                        label: "backpressure wait".into(),
+                        error: e,
+                    });
                 }
             }
         }
@@ -359,6 +468,8 @@ impl<B: Backend> Executor<B> {
 
     /// Whether a rank holds a parameter's values.
     pub fn holds_param(&self, rank: u32, param: ParamId) -> bool {
-        self.ranks.iter().any(|r| r.rank == rank && r.holds_param(param))
+        self.ranks
+            .iter()
+            .any(|r| r.rank == rank && r.holds_param(param))
     }
 }

@@ -6,7 +6,7 @@ use std::collections::HashMap;
 use std::sync::Arc;
 
 use overlap_graph::validate::issue_order;
-use overlap_graph::{Access, Buffer, BucketId, CopySeg, Instr, Op, Plan, Stream};
+use overlap_graph::{Access, BucketId, Buffer, CopySeg, Instr, Op, Plan, Stream};
 
 /// A plan prepared for one rank.
 pub(crate) struct Prepared {
@@ -75,15 +75,26 @@ impl Prepared {
         for n in &rp.nodes {
             match n.op {
                 Op::Pack { bucket, .. } => {
-                    pack.entry(bucket).or_insert_with(|| plan.pack_segments(bucket).into());
+                    pack.entry(bucket)
+                        .or_insert_with(|| plan.pack_segments(bucket).into());
                 }
                 Op::Unpack { bucket, .. } => {
-                    unpack.entry(bucket).or_insert_with(|| plan.unpack_segments(bucket, rank).into());
+                    unpack
+                        .entry(bucket)
+                        .or_insert_with(|| plan.unpack_segments(bucket, rank).into());
                 }
                 _ => {}
             }
         }
-        Prepared { plan, access, issue, issue_end, finals, pack, unpack }
+        Prepared {
+            plan,
+            access,
+            issue,
+            issue_end,
+            finals,
+            pack,
+            unpack,
+        }
     }
 
     /// The slice of the issue order that issues node `n`.

@@ -6,7 +6,7 @@
 use std::collections::{HashMap, VecDeque};
 use std::sync::Arc;
 
-use overlap_graph::{Buffer, BucketId, Instr, Op, OptimizerKind, ParamId, Stream};
+use overlap_graph::{BucketId, Buffer, Instr, Op, OptimizerKind, ParamId, Stream};
 use overlap_ops::{AdamwParams, Backend, CommId, EventStatus, Kernel, MuonParams, OpsError, Tag};
 
 use crate::prepared::Prepared;
@@ -41,6 +41,8 @@ pub(crate) struct RankState<B: Backend> {
     pub issue_errors: Vec<OpsError>,
     /// Nodes issued since the last step began.
     pub issued: usize,
+    /// Host time spent issuing them (excluding backpressure waits).
+    pub issue_time: std::time::Duration,
     /// Partials and no_sync accumulations written and not yet flushed, as issued.
     pub live_partials: std::collections::HashSet<Buffer>,
 }
@@ -67,6 +69,7 @@ impl<B: Backend> RankState<B> {
             released: HashMap::new(),
             issue_errors: Vec::new(),
             issued: 0,
+            issue_time: std::time::Duration::ZERO,
             live_partials: std::collections::HashSet::new(),
         }
     }
@@ -85,7 +88,11 @@ impl<B: Backend> RankState<B> {
     /// or a new one.
     pub fn take(&mut self, backend: &B, len: usize) -> Result<B::Buffer, OpsError> {
         if let Some(list) = self.pool.get_mut(&len) {
-            if let Some(i) = list.iter().position(|p| p.release.iter().all(|e| backend.status(e) != EventStatus::Pending)) {
+            if let Some(i) = list.iter().position(|p| {
+                p.release
+                    .iter()
+                    .all(|e| backend.status(e) != EventStatus::Pending)
+            }) {
                 return Ok(list.swap_remove(i).buf);
             }
         }
@@ -98,12 +105,22 @@ impl<B: Backend> RankState<B> {
     }
 
     fn buf(&self, b: &Buffer) -> Result<B::Buffer, ExecError> {
-        self.buffers.get(b).cloned().ok_or_else(|| ExecError::Internal(format!("rank {}: buffer {b} is not allocated", self.rank)))
+        self.buffers.get(b).cloned().ok_or_else(|| {
+            ExecError::Internal(format!("rank {}: buffer {b} is not allocated", self.rank))
+        })
     }
 
     /// Issues nodes `next_node..end` of the current plan.
-    pub async fn issue_until(&mut self, backend: &B, end: usize, ctx: &IssueCtx) -> Result<(), ExecError> {
-        let prepared = self.prepared.clone().ok_or_else(|| ExecError::Internal("no plan adopted".into()))?;
+    pub async fn issue_until(
+        &mut self,
+        backend: &B,
+        end: usize,
+        ctx: &IssueCtx,
+    ) -> Result<(), ExecError> {
+        let prepared = self
+            .prepared
+            .clone()
+            .ok_or_else(|| ExecError::Internal("no plan adopted".into()))?;
         while self.next_node < end {
             let n = self.next_node;
             self.issue_node(backend, &prepared, n, ctx).await?;
@@ -115,7 +132,9 @@ impl<B: Backend> RankState<B> {
 
     /// Issues what is left of the plan's instructions after its last node.
     pub fn issue_trailing(&mut self, backend: &B) {
-        let Some(prepared) = self.prepared.clone() else { return };
+        let Some(prepared) = self.prepared.clone() else {
+            return;
+        };
         let start = prepared.issue_end.last().copied().unwrap_or(0);
         for &(stream, ins) in &prepared.issue[start..] {
             match ins {
@@ -126,12 +145,24 @@ impl<B: Backend> RankState<B> {
         }
     }
 
-    async fn issue_node(&mut self, backend: &B, p: &Prepared, n: usize, ctx: &IssueCtx) -> Result<(), ExecError> {
+    async fn issue_node(
+        &mut self,
+        backend: &B,
+        p: &Prepared,
+        n: usize,
+        ctx: &IssueCtx,
+    ) -> Result<(), ExecError> {
         let node = &p.plan.rank(self.rank).nodes[n];
-        if let Op::Pack { bucket, micro_batch, .. } = node.op {
+        if let Op::Pack {
+            bucket,
+            micro_batch,
+            ..
+        } = node.op
+        {
             self.backpressure(backend, ctx.window).await;
             self.in_flight.push_back((bucket, micro_batch));
         }
+        let t0 = std::time::Instant::now();
         for &(stream, ins) in &p.issue[p.group(n)] {
             match ins {
                 Instr::Wait(e) => backend.wait(self.rank, stream, &self.events[e as usize]),
@@ -142,6 +173,7 @@ impl<B: Backend> RankState<B> {
                 }
             }
         }
+        self.issue_time += t0.elapsed();
         Ok(())
     }
 
@@ -149,7 +181,9 @@ impl<B: Backend> RankState<B> {
     /// without blocking a thread) until fewer than `window` Stage-1 buffers are in flight.
     async fn backpressure(&mut self, backend: &B, window: usize) {
         while self.in_flight.len() >= window.max(1) {
-            let Some(key) = self.in_flight.pop_front() else { break };
+            let Some(key) = self.in_flight.pop_front() else {
+                break;
+            };
             for ev in self.released.remove(&key).unwrap_or_default() {
                 if let Err(e) = backend.host_wait(&ev).await {
                     // The failure is the backend's to report; keep issuing so every
@@ -160,7 +194,13 @@ impl<B: Backend> RankState<B> {
         }
     }
 
-    fn run(&mut self, backend: &B, p: &Prepared, n: usize, ctx: &IssueCtx) -> Result<(), ExecError> {
+    fn run(
+        &mut self,
+        backend: &B,
+        p: &Prepared,
+        n: usize,
+        ctx: &IssueCtx,
+    ) -> Result<(), ExecError> {
         let plan = &p.plan;
         let node = &plan.rank(self.rank).nodes[n];
         let access = &p.access[n];
@@ -172,7 +212,10 @@ impl<B: Backend> RankState<B> {
             let len = plan.buffer_len(self.rank, w) as usize;
             let buf = match w {
                 Buffer::Param { .. } => {
-                    return Err(ExecError::Internal(format!("rank {}: {w} was never initialised", self.rank)));
+                    return Err(ExecError::Internal(format!(
+                        "rank {}: {w} was never initialised",
+                        self.rank
+                    )));
                 }
                 b if b.is_transient() => self.take(backend, len)?,
                 _ => backend.alloc(self.rank, len)?,
@@ -183,76 +226,214 @@ impl<B: Backend> RankState<B> {
         for r in &access.reads {
             self.live_partials.remove(r);
         }
-        for w in access.writes.iter().filter(|b| matches!(b, Buffer::Partial { .. } | Buffer::Accum { .. })) {
+        for w in access
+            .writes
+            .iter()
+            .filter(|b| matches!(b, Buffer::Partial { .. } | Buffer::Accum { .. }))
+        {
             self.live_partials.insert(*w);
         }
-        let tag = Tag { node: n as u32, op: node.op.kind(), micro_batch: node.micro_batch.unwrap_or(u32::MAX) };
+        let tag = Tag {
+            node: n as u32,
+            op: node.op.kind(),
+            micro_batch: node.micro_batch.unwrap_or(u32::MAX),
+        };
         let stream = node.stream;
         let launch = |k: Kernel<B::Buffer>| backend.launch(self.rank, stream, tag, k);
         match node.op {
             Op::GradReady { .. } => launch(Kernel::Marker),
-            Op::Accumulate { bucket, micro_batch, accumulate } => {
+            Op::Accumulate {
+                bucket,
+                micro_batch,
+                accumulate,
+            } => {
                 for &param in &plan.bucket(bucket).params {
                     let src = self.buf(&Buffer::Grad { param, micro_batch })?;
                     let dst = self.buf(&Buffer::Accum { param })?;
-                    launch(Kernel::Add { dst, src, accumulate });
+                    launch(Kernel::Add {
+                        dst,
+                        src,
+                        accumulate,
+                    });
                 }
             }
-            Op::Pack { bucket, micro_batch, with_accum } => {
-                let segs = p.pack.get(&bucket).cloned().unwrap_or_else(|| Arc::from(Vec::new()));
+            Op::Pack {
+                bucket,
+                micro_batch,
+                with_accum,
+            } => {
+                let segs = p
+                    .pack
+                    .get(&bucket)
+                    .cloned()
+                    .unwrap_or_else(|| Arc::from(Vec::new()));
                 let mut bound = Vec::with_capacity(segs.len());
                 for s in segs.iter() {
-                    let mut srcs = vec![self.buf(&Buffer::Grad { param: s.param, micro_batch })?];
+                    let mut srcs = vec![self.buf(&Buffer::Grad {
+                        param: s.param,
+                        micro_batch,
+                    })?];
                     if with_accum {
                         srcs.push(self.buf(&Buffer::Accum { param: s.param })?);
                     }
                     bound.push((*s, srcs));
                 }
-                launch(Kernel::Pack { dst: self.buf(&Buffer::Send { bucket, micro_batch })?, segs: bound.into() });
+                launch(Kernel::Pack {
+                    dst: self.buf(&Buffer::Send {
+                        bucket,
+                        micro_batch,
+                    })?,
+                    segs: bound.into(),
+                });
             }
-            Op::Stage1 { bucket, micro_batch, collective } => {
-                let send = Some(self.buf(&Buffer::Send { bucket, micro_batch })?);
-                let recv = self.buffers.get(&Buffer::Stage1Out { bucket, micro_batch }).cloned().filter(|_| plan.holds_stage1(bucket, self.rank));
-                launch(Kernel::Collective { desc: collective, comm: CommId { group: collective.group, stream }, send, recv });
+            Op::Stage1 {
+                bucket,
+                micro_batch,
+                collective,
+            } => {
+                let send = Some(self.buf(&Buffer::Send {
+                    bucket,
+                    micro_batch,
+                })?);
+                let recv = self
+                    .buffers
+                    .get(&Buffer::Stage1Out {
+                        bucket,
+                        micro_batch,
+                    })
+                    .cloned()
+                    .filter(|_| plan.holds_stage1(bucket, self.rank));
+                launch(Kernel::Collective {
+                    desc: collective,
+                    comm: CommId {
+                        group: collective.group,
+                        stream,
+                    },
+                    send,
+                    recv,
+                });
             }
-            Op::Fold { bucket, micro_batch, accumulate } => {
-                let src = self.buf(&Buffer::Stage1Out { bucket, micro_batch })?;
-                launch(Kernel::Add { dst: self.buf(&Buffer::Partial { bucket })?, src, accumulate });
+            Op::Fold {
+                bucket,
+                micro_batch,
+                accumulate,
+            } => {
+                let src = self.buf(&Buffer::Stage1Out {
+                    bucket,
+                    micro_batch,
+                })?;
+                launch(Kernel::Add {
+                    dst: self.buf(&Buffer::Partial { bucket })?,
+                    src,
+                    accumulate,
+                });
             }
-            Op::FoldPartial { bucket, micro_batch } => {
+            Op::FoldPartial {
+                bucket,
+                micro_batch,
+            } => {
                 let src = self.buf(&Buffer::Partial { bucket })?;
-                launch(Kernel::Add { dst: self.buf(&Buffer::Stage1Out { bucket, micro_batch })?, src, accumulate: true });
+                launch(Kernel::Add {
+                    dst: self.buf(&Buffer::Stage1Out {
+                        bucket,
+                        micro_batch,
+                    })?,
+                    src,
+                    accumulate: true,
+                });
             }
-            Op::Stage2 { bucket, micro_batch, collective } => {
-                let send = Some(self.buf(&Buffer::Stage1Out { bucket, micro_batch })?);
-                let recv = if plan.holds_stage2(bucket, self.rank) { Some(self.buf(&Buffer::Stage2Out { bucket, micro_batch })?) } else { None };
-                launch(Kernel::Collective { desc: collective, comm: CommId { group: collective.group, stream }, send, recv });
+            Op::Stage2 {
+                bucket,
+                micro_batch,
+                collective,
+            } => {
+                let send = Some(self.buf(&Buffer::Stage1Out {
+                    bucket,
+                    micro_batch,
+                })?);
+                let recv = if plan.holds_stage2(bucket, self.rank) {
+                    Some(self.buf(&Buffer::Stage2Out {
+                        bucket,
+                        micro_batch,
+                    })?)
+                } else {
+                    None
+                };
+                launch(Kernel::Collective {
+                    desc: collective,
+                    comm: CommId {
+                        group: collective.group,
+                        stream,
+                    },
+                    send,
+                    recv,
+                });
             }
-            Op::Unpack { bucket, micro_batch, accumulate } => {
-                let segs = p.unpack.get(&bucket).cloned().unwrap_or_else(|| Arc::from(Vec::new()));
+            Op::Unpack {
+                bucket,
+                micro_batch,
+                accumulate,
+            } => {
+                let segs = p
+                    .unpack
+                    .get(&bucket)
+                    .cloned()
+                    .unwrap_or_else(|| Arc::from(Vec::new()));
                 let mut bound = Vec::with_capacity(segs.len());
                 for s in segs.iter() {
                     bound.push((*s, self.buf(&Buffer::Reduced { param: s.param })?));
                 }
-                launch(Kernel::Unpack { src: self.buf(&Buffer::Stage2Out { bucket, micro_batch })?, segs: bound.into(), accumulate });
+                launch(Kernel::Unpack {
+                    src: self.buf(&Buffer::Stage2Out {
+                        bucket,
+                        micro_batch,
+                    })?,
+                    segs: bound.into(),
+                    accumulate,
+                });
             }
             Op::Optimizer { param, optimizer } => {
                 let pb = self.buf(&Buffer::Param { param })?;
                 let grad = self.buf(&Buffer::Reduced { param })?;
                 let state = self.buf(&Buffer::OptState { param })?;
                 match optimizer {
-                    OptimizerKind::Adamw => launch(Kernel::Adamw { param: pb, grad, state, hp: ctx.adamw, step: ctx.step }),
+                    OptimizerKind::Adamw => launch(Kernel::Adamw {
+                        param: pb,
+                        grad,
+                        state,
+                        hp: ctx.adamw,
+                        step: ctx.step,
+                    }),
                     OptimizerKind::Muon => {
                         let (rows, cols) = plan.param(param).spec.matrix_dims();
-                        launch(Kernel::Muon { param: pb, grad, momentum: state, rows: rows as usize, cols: cols as usize, hp: ctx.muon });
+                        launch(Kernel::Muon {
+                            param: pb,
+                            grad,
+                            momentum: state,
+                            rows: rows as usize,
+                            cols: cols as usize,
+                            hp: ctx.muon,
+                        });
                     }
                 }
             }
             Op::Publish { param, collective } => {
                 let buf = self.buf(&Buffer::Param { param })?;
                 let is_root = plan.mesh.index_in(collective.group, self.rank) == collective.root;
-                let (send, recv) = if is_root { (Some(buf), None) } else { (None, Some(buf)) };
-                launch(Kernel::Collective { desc: collective, comm: CommId { group: collective.group, stream }, send, recv });
+                let (send, recv) = if is_root {
+                    (Some(buf), None)
+                } else {
+                    (None, Some(buf))
+                };
+                launch(Kernel::Collective {
+                    desc: collective,
+                    comm: CommId {
+                        group: collective.group,
+                        stream,
+                    },
+                    send,
+                    recv,
+                });
             }
         }
         self.release_after(backend, p, n, stream);
@@ -273,11 +454,25 @@ impl<B: Backend> RankState<B> {
                 continue;
             }
             let release = self.pending.remove(&b).unwrap_or_default();
-            if let Buffer::Send { bucket, micro_batch } | Buffer::Stage1Out { bucket, micro_batch } = b {
-                self.released.entry((bucket, micro_batch)).or_default().extend(release.iter().cloned());
+            if let Buffer::Send {
+                bucket,
+                micro_batch,
+            }
+            | Buffer::Stage1Out {
+                bucket,
+                micro_batch,
+            } = b
+            {
+                self.released
+                    .entry((bucket, micro_batch))
+                    .or_default()
+                    .extend(release.iter().cloned());
             }
             if let Some(buf) = self.buffers.remove(&b) {
-                self.pool.entry(backend.len(&buf)).or_default().push(Pooled { buf, release });
+                self.pool
+                    .entry(backend.len(&buf))
+                    .or_default()
+                    .push(Pooled { buf, release });
             }
         }
     }
@@ -285,7 +480,9 @@ impl<B: Backend> RankState<B> {
     /// Forgets the step's state: accumulations, partials, in-flight bookkeeping. Reduced
     /// gradients are kept until the next step starts (so they can be inspected).
     pub fn end_step(&mut self, keep_reduced: bool) {
-        self.buffers.retain(|b, _| b.is_persistent() || (keep_reduced && matches!(b, Buffer::Reduced { .. })));
+        self.buffers.retain(|b, _| {
+            b.is_persistent() || (keep_reduced && matches!(b, Buffer::Reduced { .. }))
+        });
         self.pending.clear();
         self.live_partials.clear();
         self.in_flight.clear();
@@ -298,6 +495,7 @@ impl<B: Backend> RankState<B> {
     pub fn begin_step(&mut self) {
         self.buffers.retain(|b, _| b.is_persistent());
         self.issued = 0;
+        self.issue_time = std::time::Duration::ZERO;
         self.issue_errors.clear();
     }
 

@@ -9,7 +9,9 @@
 use crate::dag::{lower_rank, Segment};
 use crate::gate::Gate;
 use crate::mesh::{Coord, Group, Mesh};
-use crate::node::{BucketId, Collective, CollectiveKind, Node, Op, OptimizerKind, ReduceOp, Stream};
+use crate::node::{
+    BucketId, Collective, CollectiveKind, Node, Op, OptimizerKind, ReduceOp, Stream,
+};
 use crate::param::{ParamId, Route};
 use crate::plan::{Bucket, PlacedParam, Plan, PlanSpec, RankProgram, PLAN_FORMAT, PLAN_VERSION};
 use crate::{owner, PlanError};
@@ -27,23 +29,48 @@ impl Planner {
     pub fn new(spec: PlanSpec) -> Result<Planner, PlanError> {
         spec.mesh.check()?;
         if spec.params.is_empty() {
-            return Err(PlanError::Input { key: "param".into(), reason: "no parameters: add [[param]] entries or a [model]".into() });
+            return Err(PlanError::Input {
+                key: "param".into(),
+                reason: "no parameters: add [[param]] entries or a [model]".into(),
+            });
         }
         let mut names = std::collections::HashSet::new();
         for p in &spec.params {
             p.check()?;
             if !names.insert(p.name.as_str()) {
-                return Err(PlanError::Param { name: p.name.clone(), reason: "the name is used twice".into() });
+                return Err(PlanError::Param {
+                    name: p.name.clone(),
+                    reason: "the name is used twice".into(),
+                });
             }
         }
         if spec.bucket_cap_bytes == 0 {
-            return Err(PlanError::Input { key: "buckets.cap_bytes".into(), reason: "must be at least 1".into() });
+            return Err(PlanError::Input {
+                key: "buckets.cap_bytes".into(),
+                reason: "must be at least 1".into(),
+            });
         }
         let owners = owner::assign_owners(spec.mesh, &spec.params);
-        let params: Vec<PlacedParam> =
-            spec.params.iter().zip(owners).map(|(p, owner)| PlacedParam { spec: p.clone(), owner }).collect();
-        let buckets = make_buckets(&params, spec.mesh, spec.reduce.dtype.size(), spec.bucket_cap_bytes);
-        Ok(Planner { spec, params, buckets })
+        let params: Vec<PlacedParam> = spec
+            .params
+            .iter()
+            .zip(owners)
+            .map(|(p, owner)| PlacedParam {
+                spec: p.clone(),
+                owner,
+            })
+            .collect();
+        let buckets = make_buckets(
+            &params,
+            spec.mesh,
+            spec.reduce.dtype.size(),
+            spec.bucket_cap_bytes,
+        );
+        Ok(Planner {
+            spec,
+            params,
+            buckets,
+        })
     }
 
     /// The planner's input.
@@ -75,10 +102,16 @@ impl Planner {
 
     fn build(&self, gates: &[Gate], tail: bool) -> Result<Plan, PlanError> {
         if gates.is_empty() {
-            return Err(PlanError::Input { key: "accumulation.micro_batches".into(), reason: "a step needs at least one micro-batch".into() });
+            return Err(PlanError::Input {
+                key: "accumulation.micro_batches".into(),
+                reason: "a step needs at least one micro-batch".into(),
+            });
         }
         if gates.len() > u32::MAX as usize {
-            return Err(PlanError::Input { key: "accumulation.micro_batches".into(), reason: "too many micro-batches".into() });
+            return Err(PlanError::Input {
+                key: "accumulation.micro_batches".into(),
+                reason: "too many micro-batches".into(),
+            });
         }
         let mut plan = Plan {
             format: PLAN_FORMAT.into(),
@@ -112,7 +145,12 @@ impl Planner {
         let mut segments = Vec::new();
         let push = |nodes: &mut Vec<Node>, mb: Option<u32>, stream: Stream, op: Op| {
             let id = nodes.len() as u32;
-            nodes.push(Node { id, micro_batch: mb, stream, op });
+            nodes.push(Node {
+                id,
+                micro_batch: mb,
+                stream,
+                op,
+            });
         };
         // Per bucket: has a no_sync accumulation / a partial / a reduced gradient started.
         let nb = self.buckets.len();
@@ -130,35 +168,101 @@ impl Planner {
                     let id = bucket.id;
                     let i = id as usize;
                     if gate == Gate::NoSync {
-                        push(&mut nodes, mb, b.accumulate, Op::Accumulate { bucket: id, micro_batch: m, accumulate: accum[i] });
+                        push(
+                            &mut nodes,
+                            mb,
+                            b.accumulate,
+                            Op::Accumulate {
+                                bucket: id,
+                                micro_batch: m,
+                                accumulate: accum[i],
+                            },
+                        );
                         accum[i] = true;
                         continue;
                     }
-                    push(&mut nodes, mb, b.pack, Op::Pack { bucket: id, micro_batch: m, with_accum: accum[i] });
+                    push(
+                        &mut nodes,
+                        mb,
+                        b.pack,
+                        Op::Pack {
+                            bucket: id,
+                            micro_batch: m,
+                            with_accum: accum[i],
+                        },
+                    );
                     accum[i] = false;
                     let stage1 = stage1_collective(plan, id, me, red.op, red.dtype);
-                    push(&mut nodes, mb, b.stage1, Op::Stage1 { bucket: id, micro_batch: m, collective: stage1 });
+                    push(
+                        &mut nodes,
+                        mb,
+                        b.stage1,
+                        Op::Stage1 {
+                            bucket: id,
+                            micro_batch: m,
+                            collective: stage1,
+                        },
+                    );
                     if !plan.holds_stage1(id, rank) {
                         continue;
                     }
                     if gate == Gate::ReplicateOff {
-                        push(&mut nodes, mb, b.fold, Op::Fold { bucket: id, micro_batch: m, accumulate: partial[i] });
+                        push(
+                            &mut nodes,
+                            mb,
+                            b.fold,
+                            Op::Fold {
+                                bucket: id,
+                                micro_batch: m,
+                                accumulate: partial[i],
+                            },
+                        );
                         partial[i] = true;
                         continue;
                     }
                     if partial[i] {
-                        push(&mut nodes, mb, b.fold, Op::FoldPartial { bucket: id, micro_batch: m });
+                        push(
+                            &mut nodes,
+                            mb,
+                            b.fold,
+                            Op::FoldPartial {
+                                bucket: id,
+                                micro_batch: m,
+                            },
+                        );
                         partial[i] = false;
                     }
                     let stage2 = stage2_collective(plan, id, me, red.op, red.dtype);
-                    push(&mut nodes, mb, b.stage2, Op::Stage2 { bucket: id, micro_batch: m, collective: stage2 });
+                    push(
+                        &mut nodes,
+                        mb,
+                        b.stage2,
+                        Op::Stage2 {
+                            bucket: id,
+                            micro_batch: m,
+                            collective: stage2,
+                        },
+                    );
                     if plan.holds_stage2(id, rank) {
-                        push(&mut nodes, mb, b.unpack, Op::Unpack { bucket: id, micro_batch: m, accumulate: reduced[i] });
+                        push(
+                            &mut nodes,
+                            mb,
+                            b.unpack,
+                            Op::Unpack {
+                                bucket: id,
+                                micro_batch: m,
+                                accumulate: reduced[i],
+                            },
+                        );
                         reduced[i] = true;
                     }
                 }
             }
-            segments.push(Segment { start, end: nodes.len(), tail: false });
+            segments.push(Segment {
+                start,
+                end: nodes.len(),
+                tail: false,
+            });
         }
         if !tail {
             return (nodes, segments);
@@ -166,13 +270,33 @@ impl Planner {
         let start = nodes.len();
         for (i, p) in self.params.iter().enumerate() {
             let param = i as ParamId;
-            let kind = if p.spec.route == Route::Muon { OptimizerKind::Muon } else { OptimizerKind::Adamw };
+            let kind = if p.spec.route == Route::Muon {
+                OptimizerKind::Muon
+            } else {
+                OptimizerKind::Adamw
+            };
             match p.owner {
-                None => push(&mut nodes, None, b.optimizer, Op::Optimizer { param, optimizer: kind }),
+                None => push(
+                    &mut nodes,
+                    None,
+                    b.optimizer,
+                    Op::Optimizer {
+                        param,
+                        optimizer: kind,
+                    },
+                ),
                 Some(o) if o.shard != me.shard => {}
                 Some(o) => {
                     if o == me {
-                        push(&mut nodes, None, b.optimizer, Op::Optimizer { param, optimizer: kind });
+                        push(
+                            &mut nodes,
+                            None,
+                            b.optimizer,
+                            Op::Optimizer {
+                                param,
+                                optimizer: kind,
+                            },
+                        );
                     }
                     let collective = Collective {
                         kind: CollectiveKind::Broadcast,
@@ -182,30 +306,81 @@ impl Planner {
                         op: ReduceOp::Sum,
                         root: Some(o.replicate),
                     };
-                    push(&mut nodes, None, b.publish, Op::Publish { param, collective });
+                    push(
+                        &mut nodes,
+                        None,
+                        b.publish,
+                        Op::Publish { param, collective },
+                    );
                 }
             }
         }
-        segments.push(Segment { start, end: nodes.len(), tail: true });
+        segments.push(Segment {
+            start,
+            end: nodes.len(),
+            tail: true,
+        });
         (nodes, segments)
     }
 }
 
-fn stage1_collective(plan: &Plan, b: BucketId, me: Coord, op: ReduceOp, dtype: crate::node::DType) -> Collective {
+fn stage1_collective(
+    plan: &Plan,
+    b: BucketId,
+    me: Coord,
+    op: ReduceOp,
+    dtype: crate::node::DType,
+) -> Collective {
     let bucket = plan.bucket(b);
-    let group = Group::Shard { replicate: me.replicate };
+    let group = Group::Shard {
+        replicate: me.replicate,
+    };
     match bucket.owner {
-        None => Collective { kind: CollectiveKind::ReduceScatter, group, count: plan.stage1_elems(b), dtype, op, root: None },
-        Some(o) => Collective { kind: CollectiveKind::Reduce, group, count: plan.stage1_elems(b), dtype, op, root: Some(o.shard) },
+        None => Collective {
+            kind: CollectiveKind::ReduceScatter,
+            group,
+            count: plan.stage1_elems(b),
+            dtype,
+            op,
+            root: None,
+        },
+        Some(o) => Collective {
+            kind: CollectiveKind::Reduce,
+            group,
+            count: plan.stage1_elems(b),
+            dtype,
+            op,
+            root: Some(o.shard),
+        },
     }
 }
 
-fn stage2_collective(plan: &Plan, b: BucketId, me: Coord, op: ReduceOp, dtype: crate::node::DType) -> Collective {
+fn stage2_collective(
+    plan: &Plan,
+    b: BucketId,
+    me: Coord,
+    op: ReduceOp,
+    dtype: crate::node::DType,
+) -> Collective {
     let bucket = plan.bucket(b);
     let group = Group::Replicate { shard: me.shard };
     match bucket.owner {
-        None => Collective { kind: CollectiveKind::AllReduce, group, count: plan.stage1_elems(b), dtype, op, root: None },
-        Some(o) => Collective { kind: CollectiveKind::Reduce, group, count: plan.stage1_elems(b), dtype, op, root: Some(o.replicate) },
+        None => Collective {
+            kind: CollectiveKind::AllReduce,
+            group,
+            count: plan.stage1_elems(b),
+            dtype,
+            op,
+            root: None,
+        },
+        Some(o) => Collective {
+            kind: CollectiveKind::Reduce,
+            group,
+            count: plan.stage1_elems(b),
+            dtype,
+            op,
+            root: Some(o.replicate),
+        },
     }
 }
 
@@ -213,8 +388,10 @@ fn stage2_collective(plan: &Plan, b: BucketId, me: Coord, op: ReduceOp, dtype: c
 /// the wire (a parameter larger than the cap gets a bucket of its own). Buckets are
 /// numbered in issue order: highest layer first, then route, owner and parameter order.
 fn make_buckets(params: &[PlacedParam], mesh: Mesh, dtype_bytes: u64, cap: u64) -> Vec<Bucket> {
-    let mut keys: Vec<(std::cmp::Reverse<u32>, Route, Option<Coord>)> =
-        params.iter().map(|p| (std::cmp::Reverse(p.spec.layer), p.spec.route, p.owner)).collect();
+    let mut keys: Vec<(std::cmp::Reverse<u32>, Route, Option<Coord>)> = params
+        .iter()
+        .map(|p| (std::cmp::Reverse(p.spec.layer), p.spec.route, p.owner))
+        .collect();
     keys.sort();
     keys.dedup();
     let mut buckets: Vec<Bucket> = Vec::new();
@@ -224,7 +401,13 @@ fn make_buckets(params: &[PlacedParam], mesh: Mesh, dtype_bytes: u64, cap: u64) 
             if p.spec.layer != layer.0 || p.spec.route != route || p.owner != owner {
                 continue;
             }
-            let bytes = p.spec.chunk(mesh.shard) * if route.is_sharded() { u64::from(mesh.shard) } else { 1 } * dtype_bytes;
+            let bytes = p.spec.chunk(mesh.shard)
+                * if route.is_sharded() {
+                    u64::from(mesh.shard)
+                } else {
+                    1
+                }
+                * dtype_bytes;
             match &mut cur {
                 Some((b, used)) if *used + bytes <= cap => {
                     b.params.push(i as ParamId);
@@ -235,7 +418,16 @@ fn make_buckets(params: &[PlacedParam], mesh: Mesh, dtype_bytes: u64, cap: u64) 
                         buckets.push(b);
                     }
                     let id = buckets.len() as BucketId;
-                    cur = Some((Bucket { id, layer: layer.0, route, owner, params: vec![i as ParamId] }, bytes));
+                    cur = Some((
+                        Bucket {
+                            id,
+                            layer: layer.0,
+                            route,
+                            owner,
+                            params: vec![i as ParamId],
+                        },
+                        bytes,
+                    ));
                 }
             }
         }
@@ -253,7 +445,12 @@ mod tests {
     use crate::plan::{Bindings, ReduceSpec};
 
     fn spec(mesh: Mesh, cap: u64) -> PlanSpec {
-        let p = |name: &str, shape: Vec<u64>, route, layer| ParamSpec { name: name.into(), shape, route, layer };
+        let p = |name: &str, shape: Vec<u64>, route, layer| ParamSpec {
+            name: name.into(),
+            shape,
+            route,
+            layer,
+        };
         PlanSpec {
             mesh,
             params: vec![
@@ -283,10 +480,17 @@ mod tests {
         let planner = Planner::new(spec(Mesh::new(2, 2).unwrap(), 1 << 20)).unwrap();
         let plan = planner.plan(&[Gate::ReplicateOff, Gate::On]).unwrap();
         for rp in &plan.ranks {
-            let stage2_in = |m| rp.nodes.iter().any(|n| n.micro_batch == Some(m) && matches!(n.op, Op::Stage2 { .. }));
+            let stage2_in = |m| {
+                rp.nodes
+                    .iter()
+                    .any(|n| n.micro_batch == Some(m) && matches!(n.op, Op::Stage2 { .. }))
+            };
             assert!(!stage2_in(0));
             assert!(stage2_in(1));
-            assert!(rp.nodes.iter().any(|n| n.micro_batch == Some(0) && matches!(n.op, Op::Fold { .. })));
+            assert!(rp
+                .nodes
+                .iter()
+                .any(|n| n.micro_batch == Some(0) && matches!(n.op, Op::Fold { .. })));
         }
     }
 
@@ -295,8 +499,18 @@ mod tests {
         let planner = Planner::new(spec(Mesh::new(2, 2).unwrap(), 1 << 20)).unwrap();
         let plan = planner.plan(&[Gate::NoSync, Gate::On]).unwrap();
         for rp in &plan.ranks {
-            assert!(rp.nodes.iter().filter(|n| n.micro_batch == Some(0)).all(|n| n.op.collective().is_none()));
-            assert!(rp.nodes.iter().any(|n| matches!(n.op, Op::Pack { with_accum: true, .. })));
+            assert!(rp
+                .nodes
+                .iter()
+                .filter(|n| n.micro_batch == Some(0))
+                .all(|n| n.op.collective().is_none()));
+            assert!(rp.nodes.iter().any(|n| matches!(
+                n.op,
+                Op::Pack {
+                    with_accum: true,
+                    ..
+                }
+            )));
         }
     }
 }

@@ -62,7 +62,11 @@ pub fn dependencies(plan: &Plan, rank: u32, nodes: &[Node]) -> DiGraph<NodeId, D
         }
         for w in &a.writes {
             if let Some(rs) = readers.get(w) {
-                edges.extend(rs.iter().filter(|&&r| r != n.id).map(|&r| (r, n.id, Dep::WriteAfterRead(*w))));
+                edges.extend(
+                    rs.iter()
+                        .filter(|&&r| r != n.id)
+                        .map(|&r| (r, n.id, Dep::WriteAfterRead(*w))),
+                );
             }
             if let Some(&pw) = last_write.get(w) {
                 edges.push((pw, n.id, Dep::WriteAfterWrite(*w)));
@@ -182,5 +186,10 @@ pub fn lower_rank(plan: &Plan, rank: u32, nodes: Vec<Node>, segments: &[Segment]
         .filter(|(_, v)| !v.is_empty())
         .map(|(stream, instrs)| StreamProgram { stream, instrs })
         .collect();
-    RankProgram { rank, nodes, events, streams }
+    RankProgram {
+        rank,
+        nodes,
+        events,
+        streams,
+    }
 }

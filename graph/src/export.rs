@@ -9,25 +9,57 @@ use crate::plan::Plan;
 /// A text listing: the tables, then each rank's stream programs.
 pub fn to_text(plan: &Plan) -> String {
     let mut s = String::new();
-    let _ = writeln!(s, "plan: mesh {} ({} ranks), gates {}, reduce {:?}/{:?}", plan.mesh, plan.mesh.world(), crate::Gate::pattern_label(&plan.gates), plan.reduce.op, plan.reduce.dtype);
+    let _ = writeln!(
+        s,
+        "plan: mesh {} ({} ranks), gates {}, reduce {:?}/{:?}",
+        plan.mesh,
+        plan.mesh.world(),
+        crate::Gate::pattern_label(&plan.gates),
+        plan.reduce.op,
+        plan.reduce.dtype
+    );
     let _ = writeln!(s, "params ({}):", plan.params.len());
     for (i, p) in plan.params.iter().enumerate() {
-        let owner = p.owner.map(|o| format!(" owner ({}, {})", o.shard, o.replicate)).unwrap_or_default();
-        let _ = writeln!(s, "  p{i} {} {:?} {} layer {}{owner}", p.spec.name, p.spec.shape, p.spec.route, p.spec.layer);
+        let owner = p
+            .owner
+            .map(|o| format!(" owner ({}, {})", o.shard, o.replicate))
+            .unwrap_or_default();
+        let _ = writeln!(
+            s,
+            "  p{i} {} {:?} {} layer {}{owner}",
+            p.spec.name, p.spec.shape, p.spec.route, p.spec.layer
+        );
     }
     let _ = writeln!(s, "buckets ({}):", plan.buckets.len());
     for b in &plan.buckets {
-        let _ = writeln!(s, "  b{} layer {} {} [{}] stage1 {} elems", b.id, b.layer, b.route, plan.bucket_param_names(b.id), plan.stage1_elems(b.id));
+        let _ = writeln!(
+            s,
+            "  b{} layer {} {} [{}] stage1 {} elems",
+            b.id,
+            b.layer,
+            b.route,
+            plan.bucket_param_names(b.id),
+            plan.stage1_elems(b.id)
+        );
     }
     for rp in &plan.ranks {
         let c = plan.mesh.coord(rp.rank);
-        let _ = writeln!(s, "rank {} (s={}, r={}): {} nodes, {} events", rp.rank, c.shard, c.replicate, rp.nodes.len(), rp.events);
+        let _ = writeln!(
+            s,
+            "rank {} (s={}, r={}): {} nodes, {} events",
+            rp.rank,
+            c.shard,
+            c.replicate,
+            rp.nodes.len(),
+            rp.events
+        );
         for sp in &rp.streams {
             let _ = writeln!(s, "  {}:", sp.stream);
             for ins in &sp.instrs {
                 match *ins {
                     Instr::Run(n) => {
-                        let _ = writeln!(s, "    run    n{n} {}", plan.label(&rp.nodes[n as usize]));
+                        let _ =
+                            writeln!(s, "    run    n{n} {}", plan.label(&rp.nodes[n as usize]));
                     }
                     Instr::Record(e) => {
                         let _ = writeln!(s, "    record e{e}");
@@ -62,11 +94,22 @@ pub fn to_dot(plan: &Plan, ranks: Option<&[u32]>) -> String {
         let r = rp.rank;
         let _ = writeln!(s, "  subgraph cluster_rank{r} {{\n    label=\"rank {r}\";");
         for sp in &rp.streams {
-            let _ = writeln!(s, "    subgraph cluster_r{r}_{} {{\n      label=\"{}\"; color=\"{}\";", sp.stream, sp.stream, color(sp.stream));
+            let _ = writeln!(
+                s,
+                "    subgraph cluster_r{r}_{} {{\n      label=\"{}\"; color=\"{}\";",
+                sp.stream,
+                sp.stream,
+                color(sp.stream)
+            );
             for ins in &sp.instrs {
                 if let Instr::Run(n) = *ins {
                     let node = &rp.nodes[n as usize];
-                    let _ = writeln!(s, "      r{r}n{n} [label=\"{}\", color=\"{}\"];", plan.label(node).replace('"', "'"), color(sp.stream));
+                    let _ = writeln!(
+                        s,
+                        "      r{r}n{n} [label=\"{}\", color=\"{}\"];",
+                        plan.label(node).replace('"', "'"),
+                        color(sp.stream)
+                    );
                 }
             }
             s.push_str("    }\n");
@@ -75,7 +118,11 @@ pub fn to_dot(plan: &Plan, ranks: Option<&[u32]>) -> String {
         for e in g.raw_edges() {
             let (a, b) = (e.source().index(), e.target().index());
             let cross = rp.nodes[a].stream != rp.nodes[b].stream;
-            let style = if cross { " [style=dashed, color=\"#b07aa1\"]" } else { "" };
+            let style = if cross {
+                " [style=dashed, color=\"#b07aa1\"]"
+            } else {
+                ""
+            };
             let _ = writeln!(s, "    r{r}n{a} -> r{r}n{b}{style};");
         }
         s.push_str("  }\n");

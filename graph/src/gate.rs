@@ -49,12 +49,24 @@ impl Gate {
 
     /// The default pattern for `m` micro-batches: replicate gate off for all but the last.
     pub fn default_pattern(m: usize) -> Vec<Gate> {
-        (0..m).map(|i| if i + 1 == m { Gate::On } else { Gate::ReplicateOff }).collect()
+        (0..m)
+            .map(|i| {
+                if i + 1 == m {
+                    Gate::On
+                } else {
+                    Gate::ReplicateOff
+                }
+            })
+            .collect()
     }
 
     /// Formats a pattern as `off,on`.
     pub fn pattern_label(gates: &[Gate]) -> String {
-        gates.iter().map(|g| g.label()).collect::<Vec<_>>().join(",")
+        gates
+            .iter()
+            .map(|g| g.label())
+            .collect::<Vec<_>>()
+            .join(",")
     }
 }
 

@@ -42,7 +42,13 @@ pub use build::Planner;
 pub use error::{PlanError, Violation};
 pub use gate::Gate;
 pub use mesh::{Coord, Group, Mesh};
-pub use node::{Buffer, BucketId, Collective, CollectiveKind, DType, EventId, Instr, Node, NodeId, Op, OptimizerKind, ReduceOp, Stream};
+pub use node::{
+    BucketId, Buffer, Collective, CollectiveKind, DType, EventId, Instr, Node, NodeId, Op,
+    OptimizerKind, ReduceOp, Stream,
+};
 pub use param::{ModelSpec, ParamId, ParamSpec, Route};
-pub use plan::{Access, Bindings, Bucket, CopySeg, PlacedParam, Plan, PlanSpec, RankProgram, ReduceSpec, StreamProgram};
+pub use plan::{
+    Access, Bindings, Bucket, CopySeg, PlacedParam, Plan, PlanSpec, RankProgram, ReduceSpec,
+    StreamProgram,
+};
 pub use validate::{validate, Mode};

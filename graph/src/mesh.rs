@@ -81,7 +81,10 @@ impl Mesh {
 
     /// Coordinates of a global rank.
     pub fn coord(&self, rank: u32) -> Coord {
-        Coord { shard: rank % self.shard, replicate: rank / self.shard }
+        Coord {
+            shard: rank % self.shard,
+            replicate: rank / self.shard,
+        }
     }
 
     /// All global ranks in order.
@@ -91,22 +94,36 @@ impl Mesh {
 
     /// The shard group a rank belongs to.
     pub fn shard_group(&self, rank: u32) -> Group {
-        Group::Shard { replicate: self.coord(rank).replicate }
+        Group::Shard {
+            replicate: self.coord(rank).replicate,
+        }
     }
 
     /// The replicate group a rank belongs to.
     pub fn replicate_group(&self, rank: u32) -> Group {
-        Group::Replicate { shard: self.coord(rank).shard }
+        Group::Replicate {
+            shard: self.coord(rank).shard,
+        }
     }
 
     /// Member global ranks of a group, ordered by their index within the group.
     pub fn members(&self, group: Group) -> Vec<u32> {
         match group {
             Group::Shard { replicate } => (0..self.shard)
-                .map(|s| self.rank(Coord { shard: s, replicate }))
+                .map(|s| {
+                    self.rank(Coord {
+                        shard: s,
+                        replicate,
+                    })
+                })
                 .collect(),
             Group::Replicate { shard } => (0..self.replicate)
-                .map(|r| self.rank(Coord { shard, replicate: r }))
+                .map(|r| {
+                    self.rank(Coord {
+                        shard,
+                        replicate: r,
+                    })
+                })
                 .collect(),
         }
     }
@@ -160,8 +177,20 @@ mod tests {
     #[test]
     fn global_rank_is_r_times_s_plus_s() {
         let m = Mesh::new(3, 2).unwrap();
-        assert_eq!(m.rank(Coord { shard: 1, replicate: 1 }), 4);
-        assert_eq!(m.coord(4), Coord { shard: 1, replicate: 1 });
+        assert_eq!(
+            m.rank(Coord {
+                shard: 1,
+                replicate: 1
+            }),
+            4
+        );
+        assert_eq!(
+            m.coord(4),
+            Coord {
+                shard: 1,
+                replicate: 1
+            }
+        );
         for g in m.ranks() {
             assert_eq!(m.rank(m.coord(g)), g);
         }

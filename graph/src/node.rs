@@ -32,7 +32,12 @@ pub enum Stream {
 
 impl Stream {
     /// Every stream, in index order.
-    pub const ALL: [Stream; 4] = [Stream::Compute, Stream::Reduce, Stream::Replicate, Stream::Publish];
+    pub const ALL: [Stream; 4] = [
+        Stream::Compute,
+        Stream::Reduce,
+        Stream::Replicate,
+        Stream::Publish,
+    ];
 
     /// Dense index `0..4`.
     pub fn index(self) -> usize {
@@ -54,7 +59,9 @@ impl Stream {
         Stream::ALL
             .into_iter()
             .find(|x| x.name() == s)
-            .ok_or_else(|| format!("unknown stream `{s}`; expected compute, reduce, replicate or publish"))
+            .ok_or_else(|| {
+                format!("unknown stream `{s}`; expected compute, reduce, replicate or publish")
+            })
     }
 
     /// Whether the stream runs at high priority.
@@ -98,7 +105,10 @@ impl Buffer {
     pub fn is_transient(&self) -> bool {
         matches!(
             self,
-            Buffer::Grad { .. } | Buffer::Send { .. } | Buffer::Stage1Out { .. } | Buffer::Stage2Out { .. }
+            Buffer::Grad { .. }
+                | Buffer::Send { .. }
+                | Buffer::Stage1Out { .. }
+                | Buffer::Stage2Out { .. }
         )
     }
 
@@ -113,10 +123,19 @@ impl std::fmt::Display for Buffer {
         match self {
             Buffer::Grad { param, micro_batch } => write!(f, "grad[p{param},m{micro_batch}]"),
             Buffer::Accum { param } => write!(f, "accum[p{param}]"),
-            Buffer::Send { bucket, micro_batch } => write!(f, "send[b{bucket},m{micro_batch}]"),
-            Buffer::Stage1Out { bucket, micro_batch } => write!(f, "stage1_out[b{bucket},m{micro_batch}]"),
+            Buffer::Send {
+                bucket,
+                micro_batch,
+            } => write!(f, "send[b{bucket},m{micro_batch}]"),
+            Buffer::Stage1Out {
+                bucket,
+                micro_batch,
+            } => write!(f, "stage1_out[b{bucket},m{micro_batch}]"),
             Buffer::Partial { bucket } => write!(f, "partial[b{bucket}]"),
-            Buffer::Stage2Out { bucket, micro_batch } => write!(f, "stage2_out[b{bucket},m{micro_batch}]"),
+            Buffer::Stage2Out {
+                bucket,
+                micro_batch,
+            } => write!(f, "stage2_out[b{bucket},m{micro_batch}]"),
             Buffer::Reduced { param } => write!(f, "reduced[p{param}]"),
             Buffer::Param { param } => write!(f, "param[p{param}]"),
             Buffer::OptState { param } => write!(f, "opt_state[p{param}]"),
@@ -228,24 +247,54 @@ pub enum Op {
     /// The trainer's backward produced the gradients of `layer` (writes their `grad` buffers).
     GradReady { layer: u32 },
     /// no_sync: `accum (+)= grad` for every parameter of the bucket.
-    Accumulate { bucket: BucketId, micro_batch: u32, accumulate: bool },
+    Accumulate {
+        bucket: BucketId,
+        micro_batch: u32,
+        accumulate: bool,
+    },
     /// Copy the bucket's gradients (plus their no_sync accumulation) into the send buffer,
     /// in the Stage-1 layout.
-    Pack { bucket: BucketId, micro_batch: u32, with_accum: bool },
+    Pack {
+        bucket: BucketId,
+        micro_batch: u32,
+        with_accum: bool,
+    },
     /// Stage 1 on the shard group: reduce-scatter or reduce to the owner's shard index.
-    Stage1 { bucket: BucketId, micro_batch: u32, collective: Collective },
+    Stage1 {
+        bucket: BucketId,
+        micro_batch: u32,
+        collective: Collective,
+    },
     /// Replicate gate off: `partial (+)= stage1_out`.
-    Fold { bucket: BucketId, micro_batch: u32, accumulate: bool },
+    Fold {
+        bucket: BucketId,
+        micro_batch: u32,
+        accumulate: bool,
+    },
     /// Gate on: `stage1_out += partial`; the partial is released.
     FoldPartial { bucket: BucketId, micro_batch: u32 },
     /// Stage 2 on the replicate group: all-reduce, or reduce to the owner's replicate index.
-    Stage2 { bucket: BucketId, micro_batch: u32, collective: Collective },
+    Stage2 {
+        bucket: BucketId,
+        micro_batch: u32,
+        collective: Collective,
+    },
     /// Scatter the Stage-2 output into each parameter's reduced gradient (`(+)=`).
-    Unpack { bucket: BucketId, micro_batch: u32, accumulate: bool },
+    Unpack {
+        bucket: BucketId,
+        micro_batch: u32,
+        accumulate: bool,
+    },
     /// The optimizer step of one parameter's piece on this rank.
-    Optimizer { param: ParamId, optimizer: OptimizerKind },
+    Optimizer {
+        param: ParamId,
+        optimizer: OptimizerKind,
+    },
     /// The owner broadcasts the updated parameter over its replicate group.
-    Publish { param: ParamId, collective: Collective },
+    Publish {
+        param: ParamId,
+        collective: Collective,
+    },
 }
 
 impl Op {
@@ -268,9 +317,9 @@ impl Op {
     /// The collective this node issues, if any.
     pub fn collective(&self) -> Option<&Collective> {
         match self {
-            Op::Stage1 { collective, .. } | Op::Stage2 { collective, .. } | Op::Publish { collective, .. } => {
-                Some(collective)
-            }
+            Op::Stage1 { collective, .. }
+            | Op::Stage2 { collective, .. }
+            | Op::Publish { collective, .. } => Some(collective),
             _ => None,
         }
     }

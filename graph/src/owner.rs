@@ -10,7 +10,9 @@ use crate::param::ParamSpec;
 
 /// The owner of every parameter: `Some` for owned routes, `None` for sharded ones.
 pub fn assign_owners(mesh: Mesh, params: &[ParamSpec]) -> Vec<Option<Coord>> {
-    let mut order: Vec<usize> = (0..params.len()).filter(|&i| params[i].route.is_owned()).collect();
+    let mut order: Vec<usize> = (0..params.len())
+        .filter(|&i| params[i].route.is_owned())
+        .collect();
     order.sort_by(|&a, &b| params[b].numel().cmp(&params[a].numel()).then(a.cmp(&b)));
     let (s, r) = (mesh.shard as usize, mesh.replicate as usize);
     let mut column = vec![0u64; s];
@@ -22,7 +24,10 @@ pub fn assign_owners(mesh: Mesh, params: &[ParamSpec]) -> Vec<Option<Coord>> {
         let rc = argmin(&slot[sc * r..(sc + 1) * r]);
         column[sc] += cost;
         slot[sc * r + rc] += cost;
-        owners[i] = Some(Coord { shard: sc as u32, replicate: rc as u32 });
+        owners[i] = Some(Coord {
+            shard: sc as u32,
+            replicate: rc as u32,
+        });
     }
     owners
 }
@@ -43,18 +48,53 @@ mod tests {
     use crate::param::Route;
 
     fn p(n: u64, route: Route) -> ParamSpec {
-        ParamSpec { name: format!("p{n}"), shape: vec![n, 1], route, layer: 0 }
+        ParamSpec {
+            name: format!("p{n}"),
+            shape: vec![n, 1],
+            route,
+            layer: 0,
+        }
     }
 
     #[test]
     fn owners_balance_columns_then_slots() {
         let mesh = Mesh::new(2, 2).unwrap();
-        let ps = vec![p(8, Route::Muon), p(6, Route::Muon), p(5, Route::Adamw), p(4, Route::Muon), p(3, Route::Fsdp)];
+        let ps = vec![
+            p(8, Route::Muon),
+            p(6, Route::Muon),
+            p(5, Route::Adamw),
+            p(4, Route::Muon),
+            p(3, Route::Fsdp),
+        ];
         let o = assign_owners(mesh, &ps);
-        assert_eq!(o[0], Some(Coord { shard: 0, replicate: 0 }));
-        assert_eq!(o[1], Some(Coord { shard: 1, replicate: 0 }));
-        assert_eq!(o[2], Some(Coord { shard: 1, replicate: 1 }));
-        assert_eq!(o[3], Some(Coord { shard: 0, replicate: 1 }));
+        assert_eq!(
+            o[0],
+            Some(Coord {
+                shard: 0,
+                replicate: 0
+            })
+        );
+        assert_eq!(
+            o[1],
+            Some(Coord {
+                shard: 1,
+                replicate: 0
+            })
+        );
+        assert_eq!(
+            o[2],
+            Some(Coord {
+                shard: 1,
+                replicate: 1
+            })
+        );
+        assert_eq!(
+            o[3],
+            Some(Coord {
+                shard: 0,
+                replicate: 1
+            })
+        );
         assert_eq!(o[4], None);
     }
 

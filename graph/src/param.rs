@@ -42,7 +42,9 @@ impl Route {
         Route::ALL
             .into_iter()
             .find(|r| r.name() == s)
-            .ok_or_else(|| format!("unknown route `{s}`; expected one of muon, adamw, sharded_adamw, fsdp"))
+            .ok_or_else(|| {
+                format!("unknown route `{s}`; expected one of muon, adamw, sharded_adamw, fsdp")
+            })
     }
 
     /// Whether the gradient is scattered over the shard group (every rank keeps a chunk).
@@ -121,7 +123,10 @@ impl ParamSpec {
 
     /// Checks the shape and route against what the planner needs.
     pub fn check(&self) -> Result<(), PlanError> {
-        let bad = |reason: String| PlanError::Param { name: self.name.clone(), reason };
+        let bad = |reason: String| PlanError::Param {
+            name: self.name.clone(),
+            reason,
+        };
         if self.name.is_empty() {
             return Err(bad("the name is empty".into()));
         }
@@ -129,12 +134,20 @@ impl ParamSpec {
             return Err(bad("the shape is empty; a scalar is shape [1]".into()));
         }
         if let Some(i) = self.shape.iter().position(|&d| d == 0) {
-            return Err(bad(format!("dimension {i} of shape {:?} is zero", self.shape)));
+            return Err(bad(format!(
+                "dimension {i} of shape {:?} is zero",
+                self.shape
+            )));
         }
         let numel = self.shape.iter().try_fold(1u64, |a, &d| a.checked_mul(d));
         match numel {
             Some(n) if n <= u64::from(u32::MAX) => {}
-            _ => return Err(bad(format!("shape {:?} has more than 2^32 elements", self.shape))),
+            _ => {
+                return Err(bad(format!(
+                    "shape {:?} has more than 2^32 elements",
+                    self.shape
+                )))
+            }
         }
         if self.route == Route::Muon && self.shape.len() < 2 {
             return Err(bad(format!(
@@ -164,8 +177,18 @@ impl ModelSpec {
     /// highest layer (`layers + 1`), the embedding layer 0, block `i` layer `i + 1`.
     pub fn params(&self) -> Vec<ParamSpec> {
         let h = self.hidden;
-        let p = |name: String, shape: Vec<u64>, route, layer| ParamSpec { name, shape, route, layer };
-        let mut out = vec![p("embed".into(), vec![self.vocab, h], Route::ShardedAdamw, 0)];
+        let p = |name: String, shape: Vec<u64>, route, layer| ParamSpec {
+            name,
+            shape,
+            route,
+            layer,
+        };
+        let mut out = vec![p(
+            "embed".into(),
+            vec![self.vocab, h],
+            Route::ShardedAdamw,
+            0,
+        )];
         for i in 0..self.layers {
             let l = i + 1;
             out.push(p(format!("blocks.{i}.attn_norm"), vec![h], Route::Fsdp, l));
@@ -175,14 +198,28 @@ impl ModelSpec {
             out.push(p(format!("blocks.{i}.fc1"), vec![4 * h, h], Route::Muon, l));
             out.push(p(format!("blocks.{i}.fc2"), vec![h, 4 * h], Route::Muon, l));
         }
-        out.push(p("final_norm".into(), vec![h], Route::Fsdp, self.layers + 1));
-        out.push(p("head".into(), vec![self.vocab, h], Route::ShardedAdamw, self.layers + 1));
+        out.push(p(
+            "final_norm".into(),
+            vec![h],
+            Route::Fsdp,
+            self.layers + 1,
+        ));
+        out.push(p(
+            "head".into(),
+            vec![self.vocab, h],
+            Route::ShardedAdamw,
+            self.layers + 1,
+        ));
         out
     }
 
     /// Rejects a zero-sized model.
     pub fn check(&self) -> Result<(), PlanError> {
-        for (key, v) in [("layers", u64::from(self.layers)), ("hidden", self.hidden), ("vocab", self.vocab)] {
+        for (key, v) in [
+            ("layers", u64::from(self.layers)),
+            ("hidden", self.hidden),
+            ("vocab", self.vocab),
+        ] {
             if v == 0 {
                 return Err(PlanError::Model(format!("`{key}` must be at least 1")));
             }
@@ -196,7 +233,12 @@ mod tests {
     use super::*;
 
     fn spec(shape: Vec<u64>, route: Route) -> ParamSpec {
-        ParamSpec { name: "p".into(), shape, route, layer: 0 }
+        ParamSpec {
+            name: "p".into(),
+            shape,
+            route,
+            layer: 0,
+        }
     }
 
     #[test]
@@ -225,7 +267,12 @@ mod tests {
 
     #[test]
     fn model_generator_routes_by_kind() {
-        let ps = ModelSpec { layers: 2, hidden: 8, vocab: 32 }.params();
+        let ps = ModelSpec {
+            layers: 2,
+            hidden: 8,
+            vocab: 32,
+        }
+        .params();
         assert_eq!(ps.len(), 2 + 2 * 6 + 1);
         assert!(ps.iter().any(|p| p.route == Route::Muon));
         assert_eq!(ps.last().unwrap().layer, 3);

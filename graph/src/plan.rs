@@ -9,7 +9,7 @@ use serde::{Deserialize, Serialize};
 
 use crate::gate::Gate;
 use crate::mesh::{Coord, Mesh};
-use crate::node::{Buffer, BucketId, DType, Instr, Node, Op, OptimizerKind, ReduceOp, Stream};
+use crate::node::{BucketId, Buffer, DType, Instr, Node, Op, OptimizerKind, ReduceOp, Stream};
 use crate::param::{ParamId, ParamSpec, Route};
 use crate::PlanError;
 
@@ -208,7 +208,11 @@ impl Plan {
     /// Elements of a bucket's Stage-1 output (and partial, and Stage-2 output) per rank.
     pub fn stage1_elems(&self, b: BucketId) -> u64 {
         let s = self.mesh.shard;
-        self.bucket(b).params.iter().map(|&p| self.param(p).spec.chunk(s)).sum()
+        self.bucket(b)
+            .params
+            .iter()
+            .map(|&p| self.param(p).spec.chunk(s))
+            .sum()
     }
 
     /// Elements of a bucket's packed Stage-1 input.
@@ -234,9 +238,9 @@ impl Plan {
         match *buf {
             Buffer::Grad { param, .. } | Buffer::Accum { param } => self.param(param).spec.numel(),
             Buffer::Send { bucket, .. } => self.send_elems(bucket),
-            Buffer::Stage1Out { bucket, .. } | Buffer::Partial { bucket } | Buffer::Stage2Out { bucket, .. } => {
-                self.stage1_elems(bucket)
-            }
+            Buffer::Stage1Out { bucket, .. }
+            | Buffer::Partial { bucket }
+            | Buffer::Stage2Out { bucket, .. } => self.stage1_elems(bucket),
             Buffer::Reduced { param } | Buffer::Param { param } => self.local_elems(param, rank),
             Buffer::OptState { param } => match self.optimizer_kind(param) {
                 OptimizerKind::Adamw => 2 * self.local_elems(param, rank),
@@ -268,7 +272,12 @@ impl Plan {
                     let spec = &self.param(p).spec;
                     let r = spec.shard_range(s, j);
                     if r.end > r.start {
-                        segs.push(CopySeg { param: p, src: r.start, dst: off, len: r.end - r.start });
+                        segs.push(CopySeg {
+                            param: p,
+                            src: r.start,
+                            dst: off,
+                            len: r.end - r.start,
+                        });
                     }
                     off += spec.chunk(s);
                 }
@@ -277,7 +286,12 @@ impl Plan {
             let mut off = 0;
             for &p in &bucket.params {
                 let n = self.param(p).spec.numel();
-                segs.push(CopySeg { param: p, src: 0, dst: off, len: n });
+                segs.push(CopySeg {
+                    param: p,
+                    src: 0,
+                    dst: off,
+                    len: n,
+                });
                 off += n;
             }
         }
@@ -293,7 +307,12 @@ impl Plan {
         for &p in &self.bucket(b).params {
             let len = self.local_elems(p, rank);
             if len > 0 {
-                segs.push(CopySeg { param: p, src: off, dst: 0, len });
+                segs.push(CopySeg {
+                    param: p,
+                    src: off,
+                    dst: 0,
+                    len,
+                });
             }
             off += self.param(p).spec.chunk(s);
         }
@@ -327,54 +346,117 @@ impl Plan {
                 let mb = node.micro_batch.unwrap_or(0);
                 for (i, p) in self.params.iter().enumerate() {
                     if p.spec.layer == layer {
-                        a.writes.push(Buffer::Grad { param: i as ParamId, micro_batch: mb });
+                        a.writes.push(Buffer::Grad {
+                            param: i as ParamId,
+                            micro_batch: mb,
+                        });
                     }
                 }
             }
-            Op::Accumulate { bucket, micro_batch, accumulate } => {
+            Op::Accumulate {
+                bucket,
+                micro_batch,
+                accumulate,
+            } => {
                 for p in params_of(bucket) {
-                    a.reads.push(Buffer::Grad { param: p, micro_batch });
+                    a.reads.push(Buffer::Grad {
+                        param: p,
+                        micro_batch,
+                    });
                     if accumulate {
                         a.reads.push(Buffer::Accum { param: p });
                     }
                     a.writes.push(Buffer::Accum { param: p });
                 }
             }
-            Op::Pack { bucket, micro_batch, with_accum } => {
+            Op::Pack {
+                bucket,
+                micro_batch,
+                with_accum,
+            } => {
                 for p in params_of(bucket) {
-                    a.reads.push(Buffer::Grad { param: p, micro_batch });
+                    a.reads.push(Buffer::Grad {
+                        param: p,
+                        micro_batch,
+                    });
                     if with_accum {
                         a.reads.push(Buffer::Accum { param: p });
                     }
                 }
-                a.writes.push(Buffer::Send { bucket, micro_batch });
+                a.writes.push(Buffer::Send {
+                    bucket,
+                    micro_batch,
+                });
             }
-            Op::Stage1 { bucket, micro_batch, .. } => {
-                a.reads.push(Buffer::Send { bucket, micro_batch });
+            Op::Stage1 {
+                bucket,
+                micro_batch,
+                ..
+            } => {
+                a.reads.push(Buffer::Send {
+                    bucket,
+                    micro_batch,
+                });
                 if self.holds_stage1(bucket, rank) {
-                    a.writes.push(Buffer::Stage1Out { bucket, micro_batch });
+                    a.writes.push(Buffer::Stage1Out {
+                        bucket,
+                        micro_batch,
+                    });
                 }
             }
-            Op::Fold { bucket, micro_batch, accumulate } => {
-                a.reads.push(Buffer::Stage1Out { bucket, micro_batch });
+            Op::Fold {
+                bucket,
+                micro_batch,
+                accumulate,
+            } => {
+                a.reads.push(Buffer::Stage1Out {
+                    bucket,
+                    micro_batch,
+                });
                 if accumulate {
                     a.reads.push(Buffer::Partial { bucket });
                 }
                 a.writes.push(Buffer::Partial { bucket });
             }
-            Op::FoldPartial { bucket, micro_batch } => {
+            Op::FoldPartial {
+                bucket,
+                micro_batch,
+            } => {
                 a.reads.push(Buffer::Partial { bucket });
-                a.reads.push(Buffer::Stage1Out { bucket, micro_batch });
-                a.writes.push(Buffer::Stage1Out { bucket, micro_batch });
+                a.reads.push(Buffer::Stage1Out {
+                    bucket,
+                    micro_batch,
+                });
+                a.writes.push(Buffer::Stage1Out {
+                    bucket,
+                    micro_batch,
+                });
             }
-            Op::Stage2 { bucket, micro_batch, .. } => {
-                a.reads.push(Buffer::Stage1Out { bucket, micro_batch });
+            Op::Stage2 {
+                bucket,
+                micro_batch,
+                ..
+            } => {
+                a.reads.push(Buffer::Stage1Out {
+                    bucket,
+                    micro_batch,
+                });
                 if self.holds_stage2(bucket, rank) {
-                    a.writes.push(Buffer::Stage2Out { bucket, micro_batch });
+                    a.writes.push(Buffer::Stage2Out {
+                        bucket,
+                        micro_batch,
+                    });
                 }
             }
-            Op::Unpack { bucket, micro_batch, accumulate } => {
-                a.reads.push(Buffer::Stage2Out { bucket, micro_batch });
+            Op::Unpack {
+                bucket,
+                micro_batch,
+                accumulate,
+            } => {
+                a.reads.push(Buffer::Stage2Out {
+                    bucket,
+                    micro_batch,
+                });
                 for p in params_of(bucket) {
                     if accumulate {
                         a.reads.push(Buffer::Reduced { param: p });
@@ -383,8 +465,13 @@ impl Plan {
                 }
             }
             Op::Optimizer { param, .. } => {
-                a.reads.extend([Buffer::Reduced { param }, Buffer::Param { param }, Buffer::OptState { param }]);
-                a.writes.extend([Buffer::Param { param }, Buffer::OptState { param }]);
+                a.reads.extend([
+                    Buffer::Reduced { param },
+                    Buffer::Param { param },
+                    Buffer::OptState { param },
+                ]);
+                a.writes
+                    .extend([Buffer::Param { param }, Buffer::OptState { param }]);
             }
             Op::Publish { param, collective } => {
                 let root = collective.root.unwrap_or(0);
@@ -400,11 +487,25 @@ impl Plan {
 
     /// A short human label of a node: `stage1 b3 m0 (reduce_scatter)`.
     pub fn label(&self, node: &Node) -> String {
-        let mb = node.micro_batch.map(|m| format!(" m{m}")).unwrap_or_default();
+        let mb = node
+            .micro_batch
+            .map(|m| format!(" m{m}"))
+            .unwrap_or_default();
         match node.op {
             Op::GradReady { layer } => format!("grad_ready L{layer}{mb}"),
-            Op::Optimizer { param, optimizer: kind } => {
-                format!("optimizer {} ({})", self.param(param).spec.name, if kind == OptimizerKind::Muon { "muon" } else { "adamw" })
+            Op::Optimizer {
+                param,
+                optimizer: kind,
+            } => {
+                format!(
+                    "optimizer {} ({})",
+                    self.param(param).spec.name,
+                    if kind == OptimizerKind::Muon {
+                        "muon"
+                    } else {
+                        "adamw"
+                    }
+                )
             }
             Op::Publish { param, .. } => format!("publish {}", self.param(param).spec.name),
             op => {
@@ -419,7 +520,12 @@ impl Plan {
 
     /// The names of the parameters of a bucket, comma-separated.
     pub fn bucket_param_names(&self, b: BucketId) -> String {
-        self.bucket(b).params.iter().map(|&p| self.param(p).spec.name.as_str()).collect::<Vec<_>>().join(", ")
+        self.bucket(b)
+            .params
+            .iter()
+            .map(|&p| self.param(p).spec.name.as_str())
+            .collect::<Vec<_>>()
+            .join(", ")
     }
 
     /// Writes the plan as pretty JSON.
@@ -430,7 +536,9 @@ impl Plan {
     /// Reads a plan from JSON and checks that it is well formed (ids in range, the
     /// format tag and version); the invariants are [`crate::validate`]'s job.
     pub fn from_json(text: &str) -> Result<Plan, PlanError> {
-        let plan: Plan = serde_json::from_str(text).map_err(|e| PlanError::Json(format!("line {}, column {}: {e}", e.line(), e.column())))?;
+        let plan: Plan = serde_json::from_str(text).map_err(|e| {
+            PlanError::Json(format!("line {}, column {}: {e}", e.line(), e.column()))
+        })?;
         plan.check_well_formed()?;
         Ok(plan)
     }
@@ -439,22 +547,52 @@ impl Plan {
     pub fn check_well_formed(&self) -> Result<(), PlanError> {
         let bad = |key: String, reason: String| Err(PlanError::Input { key, reason });
         if self.format != PLAN_FORMAT {
-            return bad("format".into(), format!("expected \"{PLAN_FORMAT}\", got {:?}", self.format));
+            return bad(
+                "format".into(),
+                format!("expected \"{PLAN_FORMAT}\", got {:?}", self.format),
+            );
         }
         if self.version != PLAN_VERSION {
-            return bad("version".into(), format!("this build reads version {PLAN_VERSION}, got {}", self.version));
+            return bad(
+                "version".into(),
+                format!(
+                    "this build reads version {PLAN_VERSION}, got {}",
+                    self.version
+                ),
+            );
         }
         self.mesh.check()?;
         if self.gates.is_empty() {
-            return bad("gates".into(), "a step needs at least one micro-batch".into());
+            return bad(
+                "gates".into(),
+                "a step needs at least one micro-batch".into(),
+            );
         }
         for (i, p) in self.params.iter().enumerate() {
             p.spec.check()?;
             match (p.spec.route.is_owned(), p.owner) {
-                (true, None) => return bad(format!("params[{i}].owner"), format!("owned route {} needs an owner", p.spec.route)),
-                (false, Some(_)) => return bad(format!("params[{i}].owner"), format!("sharded route {} has no owner", p.spec.route)),
-                (_, Some(o)) if o.shard >= self.mesh.shard || o.replicate >= self.mesh.replicate => {
-                    return bad(format!("params[{i}].owner"), format!("owner ({}, {}) is outside mesh {}", o.shard, o.replicate, self.mesh))
+                (true, None) => {
+                    return bad(
+                        format!("params[{i}].owner"),
+                        format!("owned route {} needs an owner", p.spec.route),
+                    )
+                }
+                (false, Some(_)) => {
+                    return bad(
+                        format!("params[{i}].owner"),
+                        format!("sharded route {} has no owner", p.spec.route),
+                    )
+                }
+                (_, Some(o))
+                    if o.shard >= self.mesh.shard || o.replicate >= self.mesh.replicate =>
+                {
+                    return bad(
+                        format!("params[{i}].owner"),
+                        format!(
+                            "owner ({}, {}) is outside mesh {}",
+                            o.shard, o.replicate, self.mesh
+                        ),
+                    )
                 }
                 _ => {}
             }
@@ -462,26 +600,47 @@ impl Plan {
         let np = self.params.len() as u64;
         for (i, b) in self.buckets.iter().enumerate() {
             if b.id as usize != i {
-                return bad(format!("buckets[{i}].id"), format!("expected {i}, got {}", b.id));
+                return bad(
+                    format!("buckets[{i}].id"),
+                    format!("expected {i}, got {}", b.id),
+                );
             }
             if b.params.is_empty() {
-                return bad(format!("buckets[{i}].params"), "a bucket needs at least one parameter".into());
+                return bad(
+                    format!("buckets[{i}].params"),
+                    "a bucket needs at least one parameter".into(),
+                );
             }
             for &p in &b.params {
                 if u64::from(p) >= np {
-                    return bad(format!("buckets[{i}].params"), format!("parameter {p} does not exist ({np} parameters)"));
-                }
-                let spec = &self.param(p);
-                if spec.spec.route != b.route || spec.spec.layer != b.layer || spec.owner != b.owner {
                     return bad(
                         format!("buckets[{i}].params"),
-                        format!("parameter `{}` does not share the bucket's layer, route and owner", spec.spec.name),
+                        format!("parameter {p} does not exist ({np} parameters)"),
+                    );
+                }
+                let spec = &self.param(p);
+                if spec.spec.route != b.route || spec.spec.layer != b.layer || spec.owner != b.owner
+                {
+                    return bad(
+                        format!("buckets[{i}].params"),
+                        format!(
+                            "parameter `{}` does not share the bucket's layer, route and owner",
+                            spec.spec.name
+                        ),
                     );
                 }
             }
         }
         if self.ranks.len() as u64 != u64::from(self.mesh.world()) {
-            return bad("ranks".into(), format!("mesh {} has {} ranks, the plan has {} programs", self.mesh, self.mesh.world(), self.ranks.len()));
+            return bad(
+                "ranks".into(),
+                format!(
+                    "mesh {} has {} ranks, the plan has {} programs",
+                    self.mesh,
+                    self.mesh.world(),
+                    self.ranks.len()
+                ),
+            );
         }
         let nb = self.buckets.len() as u64;
         for (ri, rp) in self.ranks.iter().enumerate() {
@@ -491,36 +650,66 @@ impl Plan {
             }
             for (ni, n) in rp.nodes.iter().enumerate() {
                 if n.id as usize != ni {
-                    return bad(at(format!("nodes[{ni}].id")), format!("expected {ni}, got {}", n.id));
+                    return bad(
+                        at(format!("nodes[{ni}].id")),
+                        format!("expected {ni}, got {}", n.id),
+                    );
                 }
                 if let Some(m) = n.micro_batch {
                     if m >= self.micro_batches() {
-                        return bad(at(format!("nodes[{ni}].micro_batch")), format!("{m} is past the step's {} micro-batches", self.micro_batches()));
+                        return bad(
+                            at(format!("nodes[{ni}].micro_batch")),
+                            format!(
+                                "{m} is past the step's {} micro-batches",
+                                self.micro_batches()
+                            ),
+                        );
                     }
                 }
                 if n.op.micro_batch().is_some_and(|m| Some(m) != n.micro_batch) {
-                    return bad(at(format!("nodes[{ni}].micro_batch")), "differs from the micro-batch its operation names".into());
+                    return bad(
+                        at(format!("nodes[{ni}].micro_batch")),
+                        "differs from the micro-batch its operation names".into(),
+                    );
                 }
-                if matches!(n.op, Op::Optimizer { .. } | Op::Publish { .. }) != n.micro_batch.is_none() {
-                    return bad(at(format!("nodes[{ni}].micro_batch")), "optimizer and publish nodes, and only they, belong to the step (null)".into());
+                if matches!(n.op, Op::Optimizer { .. } | Op::Publish { .. })
+                    != n.micro_batch.is_none()
+                {
+                    return bad(
+                        at(format!("nodes[{ni}].micro_batch")),
+                        "optimizer and publish nodes, and only they, belong to the step (null)"
+                            .into(),
+                    );
                 }
                 if let Some(b) = n.op.bucket() {
                     if u64::from(b) >= nb {
-                        return bad(at(format!("nodes[{ni}].bucket")), format!("bucket {b} does not exist ({nb} buckets)"));
+                        return bad(
+                            at(format!("nodes[{ni}].bucket")),
+                            format!("bucket {b} does not exist ({nb} buckets)"),
+                        );
                     }
                 }
                 if let Op::Optimizer { param, .. } | Op::Publish { param, .. } = n.op {
                     if u64::from(param) >= np {
-                        return bad(at(format!("nodes[{ni}].param")), format!("parameter {param} does not exist ({np} parameters)"));
+                        return bad(
+                            at(format!("nodes[{ni}].param")),
+                            format!("parameter {param} does not exist ({np} parameters)"),
+                        );
                     }
                 }
                 if let Some(c) = n.op.collective() {
                     if !self.mesh.has_group(c.group) {
-                        return bad(at(format!("nodes[{ni}].collective.group")), format!("{} is not a group of mesh {}", c.group, self.mesh));
+                        return bad(
+                            at(format!("nodes[{ni}].collective.group")),
+                            format!("{} is not a group of mesh {}", c.group, self.mesh),
+                        );
                     }
                     if let Some(root) = c.root {
                         if root >= self.mesh.group_size(c.group) {
-                            return bad(at(format!("nodes[{ni}].collective.root")), format!("root {root} is outside {}", c.group));
+                            return bad(
+                                at(format!("nodes[{ni}].collective.root")),
+                                format!("root {root} is outside {}", c.group),
+                            );
                         }
                     }
                 }
@@ -529,7 +718,10 @@ impl Plan {
             let mut streams_seen = [false; 4];
             for (si, sp) in rp.streams.iter().enumerate() {
                 if std::mem::replace(&mut streams_seen[sp.stream.index()], true) {
-                    return bad(at(format!("streams[{si}]")), format!("stream {} appears twice", sp.stream));
+                    return bad(
+                        at(format!("streams[{si}]")),
+                        format!("stream {} appears twice", sp.stream),
+                    );
                 }
                 for (ii, ins) in sp.instrs.iter().enumerate() {
                     let here = || at(format!("streams[{si}].instrs[{ii}]"));
@@ -539,21 +731,33 @@ impl Plan {
                                 return bad(here(), format!("node {n} does not exist"));
                             };
                             if node.stream != sp.stream {
-                                return bad(here(), format!("node {n} is bound to stream {} but listed on {}", node.stream, sp.stream));
+                                return bad(
+                                    here(),
+                                    format!(
+                                        "node {n} is bound to stream {} but listed on {}",
+                                        node.stream, sp.stream
+                                    ),
+                                );
                             }
                             if std::mem::replace(&mut seen[n as usize], true) {
                                 return bad(here(), format!("node {n} runs twice"));
                             }
                         }
                         Instr::Record(e) | Instr::Wait(e) if e >= rp.events => {
-                            return bad(here(), format!("event {e} is past the program's {} events", rp.events));
+                            return bad(
+                                here(),
+                                format!("event {e} is past the program's {} events", rp.events),
+                            );
                         }
                         _ => {}
                     }
                 }
             }
             if let Some(n) = seen.iter().position(|s| !s) {
-                return bad(at(format!("nodes[{n}]")), "the node is never run by any stream".into());
+                return bad(
+                    at(format!("nodes[{n}]")),
+                    "the node is never run by any stream".into(),
+                );
             }
         }
         Ok(())
@@ -562,5 +766,9 @@ impl Plan {
 
 /// The event and instruction positions of a rank program, for consumers that walk it.
 pub fn stream_of_instrs(rp: &RankProgram, stream: Stream) -> &[Instr] {
-    rp.streams.iter().find(|s| s.stream == stream).map(|s| s.instrs.as_slice()).unwrap_or(&[])
+    rp.streams
+        .iter()
+        .find(|s| s.stream == stream)
+        .map(|s| s.instrs.as_slice())
+        .unwrap_or(&[])
 }

@@ -43,7 +43,13 @@ const MAX_VIOLATIONS: usize = 64;
 /// Validates a plan; an empty list means every invariant holds.
 pub fn validate(plan: &Plan, mode: Mode) -> Vec<Violation> {
     if let Err(e) = plan.check_well_formed() {
-        return vec![Violation { invariant: "well-formed", rank: 0, stream: None, node: None, detail: e.to_string() }];
+        return vec![Violation {
+            invariant: "well-formed",
+            rank: 0,
+            stream: None,
+            node: None,
+            detail: e.to_string(),
+        }];
     }
     let mut out = Vec::new();
     for rp in &plan.ranks {
@@ -78,7 +84,13 @@ pub fn validate(plan: &Plan, mode: Mode) -> Vec<Violation> {
 }
 
 fn violation(invariant: &'static str, rank: u32, n: Option<&Node>, detail: String) -> Violation {
-    Violation { invariant, rank, stream: n.map(|n| n.stream), node: n.map(|n| n.id), detail }
+    Violation {
+        invariant,
+        rank,
+        stream: n.map(|n| n.stream),
+        node: n.map(|n| n.id),
+        detail,
+    }
 }
 
 fn check_serial_stream_order(rp: &crate::plan::RankProgram) -> Result<(), Violation> {
@@ -107,10 +119,23 @@ fn stage1_consumed_once(plan: &Plan, rank: u32, nodes: &[Node], out: &mut Vec<Vi
     let mut producers: BTreeMap<(u32, u32), &Node> = BTreeMap::new();
     for n in nodes {
         match n.op {
-            Op::Stage1 { bucket, micro_batch, .. } if plan.holds_stage1(bucket, rank) => {
+            Op::Stage1 {
+                bucket,
+                micro_batch,
+                ..
+            } if plan.holds_stage1(bucket, rank) => {
                 producers.insert((bucket, micro_batch), n);
             }
-            Op::Fold { bucket, micro_batch, .. } | Op::Stage2 { bucket, micro_batch, .. } => {
+            Op::Fold {
+                bucket,
+                micro_batch,
+                ..
+            }
+            | Op::Stage2 {
+                bucket,
+                micro_batch,
+                ..
+            } => {
                 consumers.entry((bucket, micro_batch)).or_default().push(n);
             }
             _ => {}
@@ -163,10 +188,17 @@ struct Schedule {
 /// The host issue order of a rank's instructions: `(stream, instruction)` pairs.
 pub fn issue_order(rp: &crate::plan::RankProgram) -> Vec<(Stream, Instr)> {
     let mut cursor = vec![0usize; rp.streams.len()];
-    let index_of: HashMap<Stream, usize> = rp.streams.iter().enumerate().map(|(i, s)| (s.stream, i)).collect();
+    let index_of: HashMap<Stream, usize> = rp
+        .streams
+        .iter()
+        .enumerate()
+        .map(|(i, s)| (s.stream, i))
+        .collect();
     let mut out = Vec::with_capacity(rp.streams.iter().map(|s| s.instrs.len()).sum());
     for n in &rp.nodes {
-        let Some(&si) = index_of.get(&n.stream) else { continue };
+        let Some(&si) = index_of.get(&n.stream) else {
+            continue;
+        };
         let sp = &rp.streams[si];
         while cursor[si] < sp.instrs.len() {
             let ins = sp.instrs[cursor[si]];
@@ -189,7 +221,10 @@ pub fn issue_order(rp: &crate::plan::RankProgram) -> Vec<(Stream, Instr)> {
 
 fn schedule(rp: &crate::plan::RankProgram, out: &mut Vec<Violation>) -> Schedule {
     let n = rp.nodes.len();
-    let mut s = Schedule { pos: vec![0; n], clock: vec![[0; 4]; n] };
+    let mut s = Schedule {
+        pos: vec![0; n],
+        clock: vec![[0; 4]; n],
+    };
     let mut cur: [Clock; 4] = [[0; 4]; 4];
     let mut recorded: HashMap<EventId, Clock> = HashMap::new();
     for (stream, ins) in issue_order(rp) {
@@ -221,11 +256,17 @@ fn schedule(rp: &crate::plan::RankProgram, out: &mut Vec<Violation>) -> Schedule
     s
 }
 
-fn ordered_access(plan: &Plan, rp: &crate::plan::RankProgram, acc: &[crate::plan::Access], out: &mut Vec<Violation>) {
+fn ordered_access(
+    plan: &Plan,
+    rp: &crate::plan::RankProgram,
+    acc: &[crate::plan::Access],
+    out: &mut Vec<Violation>,
+) {
     let sched = schedule(rp, out);
     let hb = |u: NodeId, v: NodeId| {
         let (nu, nv) = (&rp.nodes[u as usize], &rp.nodes[v as usize]);
-        nu.stream == nv.stream || sched.clock[v as usize][nu.stream.index()] >= sched.pos[u as usize]
+        nu.stream == nv.stream
+            || sched.clock[v as usize][nu.stream.index()] >= sched.pos[u as usize]
     };
     let mut last_write: HashMap<Buffer, NodeId> = HashMap::new();
     let mut readers: HashMap<Buffer, Vec<NodeId>> = HashMap::new();
@@ -255,7 +296,10 @@ fn ordered_access(plan: &Plan, rp: &crate::plan::RankProgram, acc: &[crate::plan
                     "ordered-access",
                     rank,
                     Some(n),
-                    format!("{} reads {r}, which nothing wrote earlier in the step", plan.label(n)),
+                    format!(
+                        "{} reads {r}, which nothing wrote earlier in the step",
+                        plan.label(n)
+                    ),
                 )),
                 None => {}
             }
@@ -307,7 +351,13 @@ impl Term {
             .iter()
             .enumerate()
             .filter(|(_, &c)| c > 0)
-            .map(|(m, &c)| if c == 1 { format!("m{m}") } else { format!("m{m}x{c}") })
+            .map(|(m, &c)| {
+                if c == 1 {
+                    format!("m{m}")
+                } else {
+                    format!("m{m}x{c}")
+                }
+            })
             .collect();
         let lvl = match self.level {
             Level::Local => "unreduced",
@@ -322,7 +372,10 @@ fn add(a: &Term, b: &Term) -> Result<Term, String> {
     if a.level != b.level {
         return Err(format!("adds {} to {}", a.describe(), b.describe()));
     }
-    Ok(Term { level: a.level, count: a.count.iter().zip(&b.count).map(|(x, y)| x + y).collect() })
+    Ok(Term {
+        level: a.level,
+        count: a.count.iter().zip(&b.count).map(|(x, y)| x + y).collect(),
+    })
 }
 
 fn accounting(plan: &Plan, rank: u32, nodes: &[Node], mode: Mode, out: &mut Vec<Violation>) {
@@ -333,9 +386,18 @@ fn accounting(plan: &Plan, rank: u32, nodes: &[Node], mode: Mode, out: &mut Vec<
         if out.len() - start >= 8 {
             return;
         }
-        let mut fail = |detail: String| out.push(violation("gradient-accounting", rank, Some(n), format!("{} {detail}", plan.label(n))));
+        let mut fail = |detail: String| {
+            out.push(violation(
+                "gradient-accounting",
+                rank,
+                Some(n),
+                format!("{} {detail}", plan.label(n)),
+            ))
+        };
         let params = |b: u32| plan.bucket(b).params.clone();
-        let live = |val: &HashMap<Buffer, Term>, b: &Buffer| val.get(b).is_some_and(|t| t.count.iter().any(|&c| c > 0));
+        let live = |val: &HashMap<Buffer, Term>, b: &Buffer| {
+            val.get(b).is_some_and(|t| t.count.iter().any(|&c| c > 0))
+        };
         match n.op {
             Op::GradReady { layer } => {
                 let mb = n.micro_batch.unwrap_or(0) as usize;
@@ -345,16 +407,41 @@ fn accounting(plan: &Plan, rank: u32, nodes: &[Node], mode: Mode, out: &mut Vec<
                 }
                 for (i, p) in plan.params.iter().enumerate() {
                     if p.spec.layer == layer {
-                        val.insert(Buffer::Grad { param: i as u32, micro_batch: mb as u32 }, Term { level: Level::Local, count: count.clone() });
+                        val.insert(
+                            Buffer::Grad {
+                                param: i as u32,
+                                micro_batch: mb as u32,
+                            },
+                            Term {
+                                level: Level::Local,
+                                count: count.clone(),
+                            },
+                        );
                     }
                 }
             }
-            Op::Accumulate { bucket, micro_batch, accumulate } => {
+            Op::Accumulate {
+                bucket,
+                micro_batch,
+                accumulate,
+            } => {
                 for p in params(bucket) {
                     let acc = Buffer::Accum { param: p };
-                    let Some(g) = val.get(&Buffer::Grad { param: p, micro_batch }).cloned() else { continue };
+                    let Some(g) = val
+                        .get(&Buffer::Grad {
+                            param: p,
+                            micro_batch,
+                        })
+                        .cloned()
+                    else {
+                        continue;
+                    };
                     if !accumulate && live(&val, &acc) {
-                        fail(format!("overwrites the live no_sync accumulation {} of `{}`", val[&acc].describe(), plan.param(p).spec.name));
+                        fail(format!(
+                            "overwrites the live no_sync accumulation {} of `{}`",
+                            val[&acc].describe(),
+                            plan.param(p).spec.name
+                        ));
                     }
                     let next = match (accumulate, val.get(&acc)) {
                         (true, Some(a)) => add(a, &g),
@@ -368,10 +455,22 @@ fn accounting(plan: &Plan, rank: u32, nodes: &[Node], mode: Mode, out: &mut Vec<
                     }
                 }
             }
-            Op::Pack { bucket, micro_batch, with_accum } => {
+            Op::Pack {
+                bucket,
+                micro_batch,
+                with_accum,
+            } => {
                 let mut bucket_term: Option<Term> = None;
                 for p in params(bucket) {
-                    let Some(g) = val.get(&Buffer::Grad { param: p, micro_batch }).cloned() else { continue };
+                    let Some(g) = val
+                        .get(&Buffer::Grad {
+                            param: p,
+                            micro_batch,
+                        })
+                        .cloned()
+                    else {
+                        continue;
+                    };
                     let acc = Buffer::Accum { param: p };
                     let t = if with_accum {
                         match val.get(&acc).map(|a| add(a, &g)) {
@@ -384,7 +483,11 @@ fn accounting(plan: &Plan, rank: u32, nodes: &[Node], mode: Mode, out: &mut Vec<
                         }
                     } else {
                         if live(&val, &acc) {
-                            fail(format!("leaves the no_sync accumulation {} of `{}` behind", val[&acc].describe(), plan.param(p).spec.name));
+                            fail(format!(
+                                "leaves the no_sync accumulation {} of `{}` behind",
+                                val[&acc].describe(),
+                                plan.param(p).spec.name
+                            ));
                         }
                         g
                     };
@@ -392,29 +495,76 @@ fn accounting(plan: &Plan, rank: u32, nodes: &[Node], mode: Mode, out: &mut Vec<
                         val.remove(&acc);
                     }
                     match &bucket_term {
-                        Some(b) if *b != t => fail(format!("packs parameters carrying different gradients ({} and {})", b.describe(), t.describe())),
+                        Some(b) if *b != t => fail(format!(
+                            "packs parameters carrying different gradients ({} and {})",
+                            b.describe(),
+                            t.describe()
+                        )),
                         _ => bucket_term = Some(t),
                     }
                 }
                 if let Some(t) = bucket_term {
-                    val.insert(Buffer::Send { bucket, micro_batch }, t);
+                    val.insert(
+                        Buffer::Send {
+                            bucket,
+                            micro_batch,
+                        },
+                        t,
+                    );
                 }
             }
-            Op::Stage1 { bucket, micro_batch, .. } => {
-                if let Some(t) = val.get(&Buffer::Send { bucket, micro_batch }).cloned() {
+            Op::Stage1 {
+                bucket,
+                micro_batch,
+                ..
+            } => {
+                if let Some(t) = val
+                    .get(&Buffer::Send {
+                        bucket,
+                        micro_batch,
+                    })
+                    .cloned()
+                {
                     if t.level != Level::Local {
-                        fail(format!("reduces {} again over the shard group", t.describe()));
+                        fail(format!(
+                            "reduces {} again over the shard group",
+                            t.describe()
+                        ));
                     }
                     if plan.holds_stage1(bucket, rank) {
-                        val.insert(Buffer::Stage1Out { bucket, micro_batch }, Term { level: Level::Shard, ..t });
+                        val.insert(
+                            Buffer::Stage1Out {
+                                bucket,
+                                micro_batch,
+                            },
+                            Term {
+                                level: Level::Shard,
+                                ..t
+                            },
+                        );
                     }
                 }
             }
-            Op::Fold { bucket, micro_batch, accumulate } => {
+            Op::Fold {
+                bucket,
+                micro_batch,
+                accumulate,
+            } => {
                 let partial = Buffer::Partial { bucket };
-                let Some(s1) = val.get(&Buffer::Stage1Out { bucket, micro_batch }).cloned() else { continue };
+                let Some(s1) = val
+                    .get(&Buffer::Stage1Out {
+                        bucket,
+                        micro_batch,
+                    })
+                    .cloned()
+                else {
+                    continue;
+                };
                 if !accumulate && live(&val, &partial) {
-                    fail(format!("overwrites the live partial {} instead of adding to it", val[&partial].describe()));
+                    fail(format!(
+                        "overwrites the live partial {} instead of adding to it",
+                        val[&partial].describe()
+                    ));
                 }
                 let next = match (accumulate, val.get(&partial)) {
                     (true, Some(p)) => add(p, &s1),
@@ -427,9 +577,20 @@ fn accounting(plan: &Plan, rank: u32, nodes: &[Node], mode: Mode, out: &mut Vec<
                     Err(e) => fail(e),
                 }
             }
-            Op::FoldPartial { bucket, micro_batch } => {
-                let s1b = Buffer::Stage1Out { bucket, micro_batch };
-                let (Some(p), Some(s1)) = (val.remove(&Buffer::Partial { bucket }), val.get(&s1b).cloned()) else { continue };
+            Op::FoldPartial {
+                bucket,
+                micro_batch,
+            } => {
+                let s1b = Buffer::Stage1Out {
+                    bucket,
+                    micro_batch,
+                };
+                let (Some(p), Some(s1)) = (
+                    val.remove(&Buffer::Partial { bucket }),
+                    val.get(&s1b).cloned(),
+                ) else {
+                    continue;
+                };
                 match add(&s1, &p) {
                     Ok(t) => {
                         val.insert(s1b, t);
@@ -437,25 +598,63 @@ fn accounting(plan: &Plan, rank: u32, nodes: &[Node], mode: Mode, out: &mut Vec<
                     Err(e) => fail(e),
                 }
             }
-            Op::Stage2 { bucket, micro_batch, .. } => {
-                if let Some(t) = val.get(&Buffer::Stage1Out { bucket, micro_batch }).cloned() {
+            Op::Stage2 {
+                bucket,
+                micro_batch,
+                ..
+            } => {
+                if let Some(t) = val
+                    .get(&Buffer::Stage1Out {
+                        bucket,
+                        micro_batch,
+                    })
+                    .cloned()
+                {
                     if t.level != Level::Shard {
                         fail(format!("runs Stage 2 on {}", t.describe()));
                     }
                     if live(&val, &Buffer::Partial { bucket }) {
-                        fail(format!("runs Stage 2 while the partial {} is still unfolded", val[&Buffer::Partial { bucket }].describe()));
+                        fail(format!(
+                            "runs Stage 2 while the partial {} is still unfolded",
+                            val[&Buffer::Partial { bucket }].describe()
+                        ));
                     }
                     if plan.holds_stage2(bucket, rank) {
-                        val.insert(Buffer::Stage2Out { bucket, micro_batch }, Term { level: Level::Full, ..t });
+                        val.insert(
+                            Buffer::Stage2Out {
+                                bucket,
+                                micro_batch,
+                            },
+                            Term {
+                                level: Level::Full,
+                                ..t
+                            },
+                        );
                     }
                 }
             }
-            Op::Unpack { bucket, micro_batch, accumulate } => {
-                let Some(s2) = val.get(&Buffer::Stage2Out { bucket, micro_batch }).cloned() else { continue };
+            Op::Unpack {
+                bucket,
+                micro_batch,
+                accumulate,
+            } => {
+                let Some(s2) = val
+                    .get(&Buffer::Stage2Out {
+                        bucket,
+                        micro_batch,
+                    })
+                    .cloned()
+                else {
+                    continue;
+                };
                 for p in params(bucket) {
                     let red = Buffer::Reduced { param: p };
                     if !accumulate && live(&val, &red) {
-                        fail(format!("overwrites the reduced gradient {} of `{}` instead of adding to it", val[&red].describe(), plan.param(p).spec.name));
+                        fail(format!(
+                            "overwrites the reduced gradient {} of `{}` instead of adding to it",
+                            val[&red].describe(),
+                            plan.param(p).spec.name
+                        ));
                     }
                     let next = match (accumulate, val.get(&red)) {
                         (true, Some(r)) => add(r, &s2),
@@ -470,7 +669,10 @@ fn accounting(plan: &Plan, rank: u32, nodes: &[Node], mode: Mode, out: &mut Vec<
                 }
             }
             Op::Optimizer { param, .. } if mode == Mode::Step => {
-                let want = Term { level: Level::Full, count: vec![1; m] };
+                let want = Term {
+                    level: Level::Full,
+                    count: vec![1; m],
+                };
                 match val.get(&Buffer::Reduced { param }) {
                     Some(t) if *t == want => {}
                     Some(t) => fail(format!(
@@ -487,16 +689,30 @@ fn accounting(plan: &Plan, rank: u32, nodes: &[Node], mode: Mode, out: &mut Vec<
     }
 }
 
-fn partials_flushed(plan: &Plan, rank: u32, nodes: &[Node], acc: &[crate::plan::Access], out: &mut Vec<Violation>) {
+fn partials_flushed(
+    plan: &Plan,
+    rank: u32,
+    nodes: &[Node],
+    acc: &[crate::plan::Access],
+    out: &mut Vec<Violation>,
+) {
     // The last access of each partial / accumulation must be a flush (a read that moves
     // it on); a write as last access means it was left behind.
     let mut last: BTreeMap<Buffer, (NodeId, bool)> = BTreeMap::new();
     for n in nodes {
         let a = &acc[n.id as usize];
-        for b in a.reads.iter().filter(|b| matches!(b, Buffer::Partial { .. } | Buffer::Accum { .. })) {
+        for b in a
+            .reads
+            .iter()
+            .filter(|b| matches!(b, Buffer::Partial { .. } | Buffer::Accum { .. }))
+        {
             last.insert(*b, (n.id, false));
         }
-        for b in a.writes.iter().filter(|b| matches!(b, Buffer::Partial { .. } | Buffer::Accum { .. })) {
+        for b in a
+            .writes
+            .iter()
+            .filter(|b| matches!(b, Buffer::Partial { .. } | Buffer::Accum { .. }))
+        {
             last.insert(*b, (n.id, true));
         }
     }
@@ -506,15 +722,24 @@ fn partials_flushed(plan: &Plan, rank: u32, nodes: &[Node], acc: &[crate::plan::
         }
         let n = &nodes[node as usize];
         let what = match buf {
-            Buffer::Partial { bucket } => format!("the partial of bucket {bucket} ({})", plan.bucket_param_names(bucket)),
-            Buffer::Accum { param } => format!("the no_sync accumulation of `{}`", plan.param(param).spec.name),
+            Buffer::Partial { bucket } => format!(
+                "the partial of bucket {bucket} ({})",
+                plan.bucket_param_names(bucket)
+            ),
+            Buffer::Accum { param } => format!(
+                "the no_sync accumulation of `{}`",
+                plan.param(param).spec.name
+            ),
             _ => buf.to_string(),
         };
         out.push(violation(
             "partials-flushed",
             rank,
             Some(n),
-            format!("{what}, last written by {}, is never flushed by a gate-on Stage 2 in this step", plan.label(n)),
+            format!(
+                "{what}, last written by {}, is never flushed by a gate-on Stage 2 in this step",
+                plan.label(n)
+            ),
         ));
     }
 }
@@ -523,7 +748,8 @@ fn partials_flushed(plan: &Plan, rank: u32, nodes: &[Node], acc: &[crate::plan::
 type Comm = (Group, Stream);
 
 fn collective_match(plan: &Plan, out: &mut Vec<Violation>) {
-    let mut seqs: BTreeMap<(String, Stream), Vec<(u32, Vec<(NodeId, Collective)>)>> = BTreeMap::new();
+    let mut seqs: BTreeMap<(String, Stream), Vec<(u32, Vec<(NodeId, Collective)>)>> =
+        BTreeMap::new();
     let mut groups: HashMap<(String, Stream), Comm> = HashMap::new();
     for rp in &plan.ranks {
         let mut per: HashMap<Comm, Vec<(NodeId, Collective)>> = HashMap::new();
@@ -534,7 +760,12 @@ fn collective_match(plan: &Plan, out: &mut Vec<Violation>) {
                         "collective-match",
                         rp.rank,
                         Some(n),
-                        format!("{} runs on {}, which rank {} is not a member of", plan.label(n), c.group, rp.rank),
+                        format!(
+                            "{} runs on {}, which rank {} is not a member of",
+                            plan.label(n),
+                            c.group,
+                            rp.rank
+                        ),
                     ));
                     continue;
                 }
@@ -559,12 +790,22 @@ fn collective_match(plan: &Plan, out: &mut Vec<Violation>) {
         members.sort_by_key(|m| m.0);
         let (r0, s0) = &members[0];
         for (r, s) in &members[1..] {
-            let k = s0.iter().zip(s).position(|(a, b)| a.1 != b.1).unwrap_or(s0.len().min(s.len()));
+            let k = s0
+                .iter()
+                .zip(s)
+                .position(|(a, b)| a.1 != b.1)
+                .unwrap_or(s0.len().min(s.len()));
             if k == s0.len() && k == s.len() {
                 continue;
             }
             let desc = |seq: &Vec<(NodeId, Collective)>| match seq.get(k) {
-                Some((_, c)) => format!("{} of {} {:?}{}", c.kind.name(), c.count, c.dtype, c.root.map(|r| format!(" root {r}")).unwrap_or_default()),
+                Some((_, c)) => format!(
+                    "{} of {} {:?}{}",
+                    c.kind.name(),
+                    c.count,
+                    c.dtype,
+                    c.root.map(|r| format!(" root {r}")).unwrap_or_default()
+                ),
                 None => "nothing".into(),
             };
             let node = s.get(k).or(s0.get(k)).map(|x| x.0);
@@ -612,7 +853,12 @@ fn no_deadlock(plan: &Plan, out: &mut Vec<Violation>) {
         }
         for sp in &rp.streams {
             lane_of.insert((rp.rank, sp.stream), lanes.len());
-            lanes.push(Lane { rank: rp.rank, stream: sp.stream, instrs: per.remove(&sp.stream).unwrap_or_default(), ip: 0 });
+            lanes.push(Lane {
+                rank: rp.rank,
+                stream: sp.stream,
+                instrs: per.remove(&sp.stream).unwrap_or_default(),
+                ip: 0,
+            });
         }
     }
     let mut fired: HashMap<(u32, EventId), u32> = HashMap::new();
@@ -624,7 +870,9 @@ fn no_deadlock(plan: &Plan, out: &mut Vec<Violation>) {
     while let Some(li) = ready.pop() {
         loop {
             let lane = &lanes[li];
-            let Some(&(ins, inst)) = lane.instrs.get(lane.ip) else { break };
+            let Some(&(ins, inst)) = lane.instrs.get(lane.ip) else {
+                break;
+            };
             let rank = lane.rank;
             match ins {
                 Instr::Record(e) => {
@@ -678,7 +926,10 @@ fn no_deadlock(plan: &Plan, out: &mut Vec<Violation>) {
         };
         let what = match (ins, node) {
             (Instr::Wait(e), _) => format!("waits on event {e}, whose record never executes"),
-            (_, Some(n)) => format!("{} never completes: not every member of its communicator reaches it", plan.label(n)),
+            (_, Some(n)) => format!(
+                "{} never completes: not every member of its communicator reaches it",
+                plan.label(n)
+            ),
             _ => "is blocked".into(),
         };
         out.push(Violation {
@@ -686,7 +937,10 @@ fn no_deadlock(plan: &Plan, out: &mut Vec<Violation>) {
             rank: l.rank,
             stream: Some(l.stream),
             node: node.map(|n| n.id),
-            detail: format!("executing all ranks together, stream {} of rank {} {what}", l.stream, l.rank),
+            detail: format!(
+                "executing all ranks together, stream {} of rank {} {what}",
+                l.stream, l.rank
+            ),
         });
     }
 }

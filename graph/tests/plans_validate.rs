@@ -1,9 +1,16 @@
 //! Every plan the planner builds validates, on every mesh shape and gate pattern.
 
-use overlap_graph::{validate, Bindings, Gate, Mesh, Mode, ParamSpec, PlanSpec, Planner, ReduceSpec, Route};
+use overlap_graph::{
+    validate, Bindings, Gate, Mesh, Mode, ParamSpec, PlanSpec, Planner, ReduceSpec, Route,
+};
 
 pub fn four_routes() -> Vec<ParamSpec> {
-    let p = |name: &str, shape: Vec<u64>, route, layer| ParamSpec { name: name.into(), shape, route, layer };
+    let p = |name: &str, shape: Vec<u64>, route, layer| ParamSpec {
+        name: name.into(),
+        shape,
+        route,
+        layer,
+    };
     vec![
         p("embed", vec![37, 6], Route::ShardedAdamw, 0),
         p("blocks.0.norm", vec![7], Route::Fsdp, 1),
@@ -16,26 +23,48 @@ pub fn four_routes() -> Vec<ParamSpec> {
 }
 
 fn spec(shard: u32, replicate: u32) -> PlanSpec {
-    PlanSpec { mesh: Mesh::new(shard, replicate).unwrap(), params: four_routes(), reduce: ReduceSpec::default(), bucket_cap_bytes: 256, bindings: Bindings::default() }
+    PlanSpec {
+        mesh: Mesh::new(shard, replicate).unwrap(),
+        params: four_routes(),
+        reduce: ReduceSpec::default(),
+        bucket_cap_bytes: 256,
+        bindings: Bindings::default(),
+    }
 }
 
 #[test]
 fn built_plans_validate_on_every_mesh_and_gate_pattern() {
     use Gate::*;
-    let patterns: Vec<Vec<Gate>> = vec![vec![On], vec![ReplicateOff, On], vec![ReplicateOff, ReplicateOff, On], vec![On, On], vec![NoSync, ReplicateOff, On], vec![ReplicateOff, On, ReplicateOff, On], vec![NoSync, NoSync, On]];
+    let patterns: Vec<Vec<Gate>> = vec![
+        vec![On],
+        vec![ReplicateOff, On],
+        vec![ReplicateOff, ReplicateOff, On],
+        vec![On, On],
+        vec![NoSync, ReplicateOff, On],
+        vec![ReplicateOff, On, ReplicateOff, On],
+        vec![NoSync, NoSync, On],
+    ];
     for (s, r) in [(1, 1), (2, 2), (1, 4), (4, 1), (2, 3), (3, 2)] {
         let planner = Planner::new(spec(s, r)).unwrap();
         for g in &patterns {
             let plan = planner.plan(g).unwrap();
             let v = validate(&plan, Mode::Step);
-            assert!(v.is_empty(), "mesh {s}x{r} gates {}: {:#?}", Gate::pattern_label(g), v);
+            assert!(
+                v.is_empty(),
+                "mesh {s}x{r} gates {}: {:#?}",
+                Gate::pattern_label(g),
+                v
+            );
         }
     }
 }
 
 #[test]
 fn plan_json_round_trips() {
-    let plan = Planner::new(spec(2, 2)).unwrap().plan(&[Gate::ReplicateOff, Gate::On]).unwrap();
+    let plan = Planner::new(spec(2, 2))
+        .unwrap()
+        .plan(&[Gate::ReplicateOff, Gate::On])
+        .unwrap();
     let back = overlap_graph::Plan::from_json(&plan.to_json()).unwrap();
     assert_eq!(plan, back);
 }
@@ -50,11 +79,21 @@ fn plan_of_a_gate_prefix_is_a_prefix_of_the_step_plan() {
         let prefix = planner.plan_prefix(&gates[..k]).unwrap();
         assert!(validate(&prefix, Mode::Prefix).is_empty());
         for (a, b) in prefix.ranks.iter().zip(&full.ranks) {
-            let mb_nodes = a.nodes.iter().take_while(|n| n.micro_batch.is_some()).count();
+            let mb_nodes = a
+                .nodes
+                .iter()
+                .take_while(|n| n.micro_batch.is_some())
+                .count();
             assert_eq!(a.nodes[..mb_nodes], b.nodes[..mb_nodes]);
             for (sa, sb) in a.streams.iter().zip(&b.streams) {
                 assert_eq!(sa.stream, sb.stream);
-                assert_eq!(sa.instrs[..], sb.instrs[..sa.instrs.len()], "rank {} stream {}", a.rank, sa.stream);
+                assert_eq!(
+                    sa.instrs[..],
+                    sb.instrs[..sa.instrs.len()],
+                    "rank {} stream {}",
+                    a.rank,
+                    sa.stream
+                );
             }
         }
     }

@@ -7,8 +7,8 @@
 //! for one; gate sequences of 1 to 5 micro-batches ending gate-on; any stream binding.
 
 use overlap_graph::{
-    validate, Bindings, Gate, Mesh, Mode, ParamSpec, Plan, PlanSpec, Planner, ReduceOp, ReduceSpec, Route, Stream,
-    DType,
+    validate, Bindings, DType, Gate, Mesh, Mode, ParamSpec, Plan, PlanSpec, Planner, ReduceOp,
+    ReduceSpec, Route, Stream,
 };
 use proptest::prelude::*;
 use proptest::sample::select;
@@ -24,7 +24,10 @@ fn mesh() -> impl Strategy<Value = Mesh> {
 /// A shape of 1 to 3 dimensions and a route it allows.
 fn shape_and_route() -> impl Strategy<Value = (Vec<u64>, Route)> {
     prop::collection::vec(1u64..=40, 1..=3).prop_flat_map(|shape| {
-        let routes: Vec<Route> = Route::ALL.into_iter().filter(|&r| r != Route::Muon || shape.len() >= 2).collect();
+        let routes: Vec<Route> = Route::ALL
+            .into_iter()
+            .filter(|&r| r != Route::Muon || shape.len() >= 2)
+            .collect();
         (Just(shape), select(routes))
     })
 }
@@ -33,7 +36,12 @@ fn params() -> impl Strategy<Value = Vec<ParamSpec>> {
     prop::collection::vec((shape_and_route(), 0u32..=4), 1..=12).prop_map(|ps| {
         ps.into_iter()
             .enumerate()
-            .map(|(i, ((shape, route), layer))| ParamSpec { name: format!("p{i}"), shape, route, layer })
+            .map(|(i, ((shape, route), layer))| ParamSpec {
+                name: format!("p{i}"),
+                shape,
+                route,
+                layer,
+            })
             .collect()
     })
 }
@@ -46,7 +54,11 @@ fn bucket_cap() -> impl Strategy<Value = u64> {
 
 /// 1 to 5 micro-batches; the last one is gate-on.
 fn gates() -> impl Strategy<Value = Vec<Gate>> {
-    prop::collection::vec(select(vec![Gate::NoSync, Gate::ReplicateOff, Gate::On]), 0..=4).prop_map(|mut g| {
+    prop::collection::vec(
+        select(vec![Gate::NoSync, Gate::ReplicateOff, Gate::On]),
+        0..=4,
+    )
+    .prop_map(|mut g| {
         g.push(Gate::On);
         g
     })
@@ -74,14 +86,23 @@ fn bindings() -> impl Strategy<Value = Bindings> {
 }
 
 fn reduce() -> impl Strategy<Value = ReduceSpec> {
-    (select(vec![ReduceOp::Avg, ReduceOp::Sum]), select(vec![DType::F32, DType::Bf16]))
+    (
+        select(vec![ReduceOp::Avg, ReduceOp::Sum]),
+        select(vec![DType::F32, DType::Bf16]),
+    )
         .prop_map(|(op, dtype)| ReduceSpec { op, dtype })
 }
 
 fn plan_spec() -> impl Strategy<Value = PlanSpec> {
-    (mesh(), params(), reduce(), bucket_cap(), bindings()).prop_map(|(mesh, params, reduce, bucket_cap_bytes, bindings)| {
-        PlanSpec { mesh, params, reduce, bucket_cap_bytes, bindings }
-    })
+    (mesh(), params(), reduce(), bucket_cap(), bindings()).prop_map(
+        |(mesh, params, reduce, bucket_cap_bytes, bindings)| PlanSpec {
+            mesh,
+            params,
+            reduce,
+            bucket_cap_bytes,
+            bindings,
+        },
+    )
 }
 
 proptest! {

@@ -13,8 +13,8 @@ use std::collections::BTreeSet;
 
 use common::*;
 use overlap_graph::{
-    Bindings, Collective, CollectiveKind, DType, Gate, Group, Mesh, Op, OptimizerKind, Plan, PlanSpec, Planner,
-    ReduceOp, ReduceSpec, Route, Stream,
+    Bindings, Collective, CollectiveKind, DType, Gate, Group, Mesh, Op, OptimizerKind, Plan,
+    PlanSpec, Planner, ReduceOp, ReduceSpec, Route, Stream,
 };
 use serde::{de::DeserializeOwned, Serialize};
 use serde_json::{json, Value};
@@ -42,8 +42,12 @@ impl Checker {
 
     /// The schema a `$ref` names; only local `#/$defs/...` references are used.
     fn target(&self, reference: &str) -> &Value {
-        let name = reference.strip_prefix("#/$defs/").unwrap_or_else(|| panic!("unsupported $ref `{reference}`"));
-        self.root["$defs"].get(name).unwrap_or_else(|| panic!("$ref `{reference}` names no definition"))
+        let name = reference
+            .strip_prefix("#/$defs/")
+            .unwrap_or_else(|| panic!("unsupported $ref `{reference}`"));
+        self.root["$defs"]
+            .get(name)
+            .unwrap_or_else(|| panic!("$ref `{reference}` names no definition"))
     }
 
     /// Every violation of `schema` by `value`, as `path: reason`.
@@ -54,7 +58,9 @@ impl Checker {
     }
 
     fn check(&self, schema: &Value, v: &Value, path: &str, out: &mut Vec<String>) {
-        let schema = schema.as_object().unwrap_or_else(|| panic!("schema at {path} is not an object"));
+        let schema = schema
+            .as_object()
+            .unwrap_or_else(|| panic!("schema at {path} is not an object"));
         let fail = |out: &mut Vec<String>, reason: String| out.push(format!("{path}: {reason}"));
         for (keyword, arg) in schema {
             match keyword.as_str() {
@@ -89,7 +95,11 @@ impl Checker {
                     }
                 }
                 "additionalProperties" => {
-                    assert_eq!(*arg, json!(false), "only `additionalProperties: false` is supported ({path})");
+                    assert_eq!(
+                        *arg,
+                        json!(false),
+                        "only `additionalProperties: false` is supported ({path})"
+                    );
                     let declared = schema.get("properties").and_then(Value::as_object);
                     if let Some(obj) = v.as_object() {
                         for name in obj.keys() {
@@ -118,14 +128,27 @@ impl Checker {
                 }
                 "oneOf" => {
                     let branches = arg.as_array().unwrap();
-                    let passing = branches.iter().filter(|b| self.errors(b, v, path).is_empty()).count();
+                    let passing = branches
+                        .iter()
+                        .filter(|b| self.errors(b, v, path).is_empty())
+                        .count();
                     if passing != 1 {
-                        fail(out, format!("{v} matches {passing} of the {} alternatives, not exactly one", branches.len()));
+                        fail(
+                            out,
+                            format!(
+                                "{v} matches {passing} of the {} alternatives, not exactly one",
+                                branches.len()
+                            ),
+                        );
                     }
                 }
                 "minimum" | "maximum" => {
                     if let (Some(x), Some(bound)) = (number(v), number(arg)) {
-                        let ok = if keyword == "minimum" { x >= bound } else { x <= bound };
+                        let ok = if keyword == "minimum" {
+                            x >= bound
+                        } else {
+                            x <= bound
+                        };
                         if !ok {
                             fail(out, format!("{v} is outside the {keyword} {arg}"));
                         }
@@ -134,9 +157,16 @@ impl Checker {
                 "minItems" | "maxItems" => {
                     if let Some(xs) = v.as_array() {
                         let bound = arg.as_u64().unwrap() as usize;
-                        let ok = if keyword == "minItems" { xs.len() >= bound } else { xs.len() <= bound };
+                        let ok = if keyword == "minItems" {
+                            xs.len() >= bound
+                        } else {
+                            xs.len() <= bound
+                        };
                         if !ok {
-                            fail(out, format!("{} items is outside the {keyword} {bound}", xs.len()));
+                            fail(
+                                out,
+                                format!("{} items is outside the {keyword} {bound}", xs.len()),
+                            );
                         }
                     }
                 }
@@ -147,26 +177,40 @@ impl Checker {
                         }
                     }
                 }
-                other => panic!("schema keyword `{other}` at {path} is not supported by this checker"),
+                other => {
+                    panic!("schema keyword `{other}` at {path} is not supported by this checker")
+                }
             }
         }
     }
 
     /// The schema that declares the fields of `value`: `$ref`s followed, and of a `oneOf`
     /// the alternative the value matches (or, failing that, whose `kind` it names).
-    fn declaring<'a>(&'a self, mut schema: &'a Value, value: &Value, path: &str) -> Result<&'a Value, String> {
+    fn declaring<'a>(
+        &'a self,
+        mut schema: &'a Value,
+        value: &Value,
+        path: &str,
+    ) -> Result<&'a Value, String> {
         loop {
             if let Some(r) = schema.get("$ref") {
                 schema = self.target(r.as_str().unwrap());
             } else if let Some(branches) = schema.get("oneOf").and_then(Value::as_array) {
-                let matching = branches.iter().find(|b| self.errors(b, value, path).is_empty());
+                let matching = branches
+                    .iter()
+                    .find(|b| self.errors(b, value, path).is_empty());
                 let by_kind = || {
                     branches.iter().find(|b| {
-                        let b = b.get("$ref").map_or(*b, |r| self.target(r.as_str().unwrap()));
-                        b.pointer("/properties/kind/const").is_some_and(|k| Some(k) == value.get("kind"))
+                        let b = b
+                            .get("$ref")
+                            .map_or(*b, |r| self.target(r.as_str().unwrap()));
+                        b.pointer("/properties/kind/const")
+                            .is_some_and(|k| Some(k) == value.get("kind"))
                     })
                 };
-                schema = matching.or_else(by_kind).ok_or_else(|| format!("{path}: no alternative of the oneOf describes {value}"))?;
+                schema = matching.or_else(by_kind).ok_or_else(|| {
+                    format!("{path}: no alternative of the oneOf describes {value}")
+                })?;
             } else {
                 return Ok(schema);
             }
@@ -190,7 +234,10 @@ impl Checker {
                 }
             }
             Value::Array(xs) => match schema.get("items") {
-                Some(items) => xs.iter().enumerate().for_each(|(i, x)| self.undeclared(items, x, &format!("{path}[{i}]"), out)),
+                Some(items) => xs
+                    .iter()
+                    .enumerate()
+                    .for_each(|(i, x)| self.undeclared(items, x, &format!("{path}[{i}]"), out)),
                 None if xs.is_empty() => {}
                 None => out.push(format!("{path} is an array but its schema has no `items`")),
             },
@@ -214,7 +261,9 @@ fn has_type(v: &Value, t: &str) -> bool {
 
 /// A JSON number, exact for every integer a plan holds.
 fn number(v: &Value) -> Option<i128> {
-    v.as_u64().map(i128::from).or_else(|| v.as_i64().map(i128::from))
+    v.as_u64()
+        .map(i128::from)
+        .or_else(|| v.as_i64().map(i128::from))
 }
 
 // --- Plans to check -------------------------------------------------------------------
@@ -229,17 +278,42 @@ fn every_node_kind() -> Plan {
 fn assorted_plans() -> Vec<Plan> {
     let mut plans = vec![every_node_kind()];
     let mut bf16 = spec(3, 2, four_routes(), 16);
-    bf16.reduce = ReduceSpec { op: ReduceOp::Sum, dtype: DType::Bf16 };
-    bf16.bindings = Bindings { fold: Stream::Compute, stage2: Stream::Reduce, publish: Stream::Replicate, ..Bindings::default() };
-    plans.push(Planner::new(bf16).unwrap().plan(&[Gate::ReplicateOff, Gate::On, Gate::NoSync, Gate::On]).unwrap());
-    let single = PlanSpec { mesh: Mesh::new(1, 1).unwrap(), ..spec(1, 1, four_routes(), 1 << 20) };
+    bf16.reduce = ReduceSpec {
+        op: ReduceOp::Sum,
+        dtype: DType::Bf16,
+    };
+    bf16.bindings = Bindings {
+        fold: Stream::Compute,
+        stage2: Stream::Reduce,
+        publish: Stream::Replicate,
+        ..Bindings::default()
+    };
+    plans.push(
+        Planner::new(bf16)
+            .unwrap()
+            .plan(&[Gate::ReplicateOff, Gate::On, Gate::NoSync, Gate::On])
+            .unwrap(),
+    );
+    let single = PlanSpec {
+        mesh: Mesh::new(1, 1).unwrap(),
+        ..spec(1, 1, four_routes(), 1 << 20)
+    };
     plans.push(Planner::new(single).unwrap().plan(&[Gate::On]).unwrap());
-    plans.push(Planner::new(spec(2, 2, four_routes(), 1 << 20)).unwrap().plan_prefix(&[Gate::NoSync]).unwrap());
+    plans.push(
+        Planner::new(spec(2, 2, four_routes(), 1 << 20))
+            .unwrap()
+            .plan_prefix(&[Gate::NoSync])
+            .unwrap(),
+    );
     plans
 }
 
 fn op_kinds(plan: &Plan) -> BTreeSet<&'static str> {
-    plan.ranks.iter().flat_map(|r| &r.nodes).map(|n| n.op.kind()).collect()
+    plan.ranks
+        .iter()
+        .flat_map(|r| &r.nodes)
+        .map(|n| n.op.kind())
+        .collect()
 }
 
 // --- (a) every field the plan writes is declared where it appears ---------------------
@@ -270,7 +344,10 @@ fn every_field_of_every_operation_is_declared_in_the_schema() {
         let mut out = Vec::new();
         checker.undeclared(&op_schema, &v, op.kind(), &mut out);
         assert!(out.is_empty(), "{out:#?}");
-        assert_eq!(checker.errors(&op_schema, &v, op.kind()), Vec::<String>::new());
+        assert_eq!(
+            checker.errors(&op_schema, &v, op.kind()),
+            Vec::<String>::new()
+        );
     }
 }
 
@@ -288,15 +365,48 @@ fn one_op_of_each_kind() -> Vec<Op> {
     };
     let ops = vec![
         Op::GradReady { layer: 0 },
-        Op::Accumulate { bucket: 0, micro_batch: 0, accumulate: true },
-        Op::Pack { bucket: 0, micro_batch: 0, with_accum: true },
-        Op::Stage1 { bucket: 0, micro_batch: 0, collective },
-        Op::Fold { bucket: 0, micro_batch: 0, accumulate: true },
-        Op::FoldPartial { bucket: 0, micro_batch: 0 },
-        Op::Stage2 { bucket: 0, micro_batch: 0, collective },
-        Op::Unpack { bucket: 0, micro_batch: 0, accumulate: true },
-        Op::Optimizer { param: 0, optimizer: OptimizerKind::Muon },
-        Op::Publish { param: 0, collective },
+        Op::Accumulate {
+            bucket: 0,
+            micro_batch: 0,
+            accumulate: true,
+        },
+        Op::Pack {
+            bucket: 0,
+            micro_batch: 0,
+            with_accum: true,
+        },
+        Op::Stage1 {
+            bucket: 0,
+            micro_batch: 0,
+            collective,
+        },
+        Op::Fold {
+            bucket: 0,
+            micro_batch: 0,
+            accumulate: true,
+        },
+        Op::FoldPartial {
+            bucket: 0,
+            micro_batch: 0,
+        },
+        Op::Stage2 {
+            bucket: 0,
+            micro_batch: 0,
+            collective,
+        },
+        Op::Unpack {
+            bucket: 0,
+            micro_batch: 0,
+            accumulate: true,
+        },
+        Op::Optimizer {
+            param: 0,
+            optimizer: OptimizerKind::Muon,
+        },
+        Op::Publish {
+            param: 0,
+            collective,
+        },
     ];
     for op in &ops {
         match op {
@@ -317,7 +427,16 @@ fn one_op_of_each_kind() -> Vec<Op> {
 
 /// The serialised names of every variant of a unit-variant enum.
 fn names<T: Serialize>(variants: &[T]) -> BTreeSet<String> {
-    variants.iter().map(|v| serde_json::to_value(v).unwrap().as_str().unwrap().to_owned()).collect()
+    variants
+        .iter()
+        .map(|v| {
+            serde_json::to_value(v)
+                .unwrap()
+                .as_str()
+                .unwrap()
+                .to_owned()
+        })
+        .collect()
 }
 
 /// The strings a `$defs` entry lists in its `enum`.
@@ -333,7 +452,8 @@ fn schema_enum(schema: &Value, def: &str) -> BTreeSet<String> {
 /// Every name the schema lists reads back as a value of the Rust type.
 fn parse_all<T: DeserializeOwned>(names: &BTreeSet<String>) {
     for n in names {
-        serde_json::from_value::<T>(json!(n)).unwrap_or_else(|e| panic!("`{n}` is in the schema but not accepted: {e}"));
+        serde_json::from_value::<T>(json!(n))
+            .unwrap_or_else(|e| panic!("`{n}` is in the schema but not accepted: {e}"));
     }
 }
 
@@ -384,8 +504,14 @@ fn schema_enums_list_exactly_the_serialised_names_of_each_rust_enum() {
     assert_eq!(schema_enum(&s, "Gate"), names(&gates));
     assert_eq!(schema_enum(&s, "CollectiveKind"), names(&collectives));
     assert_eq!(schema_enum(&s, "DType"), names(&[DType::F32, DType::Bf16]));
-    assert_eq!(schema_enum(&s, "ReduceOp"), names(&[ReduceOp::Avg, ReduceOp::Sum]));
-    assert_eq!(schema_enum(&s, "OptimizerKind"), names(&[OptimizerKind::Adamw, OptimizerKind::Muon]));
+    assert_eq!(
+        schema_enum(&s, "ReduceOp"),
+        names(&[ReduceOp::Avg, ReduceOp::Sum])
+    );
+    assert_eq!(
+        schema_enum(&s, "OptimizerKind"),
+        names(&[OptimizerKind::Adamw, OptimizerKind::Muon])
+    );
 
     parse_all::<Route>(&schema_enum(&s, "Route"));
     parse_all::<Stream>(&schema_enum(&s, "Stream"));
@@ -404,19 +530,38 @@ fn schema_lists_exactly_the_operation_kinds_and_group_kinds() {
             .as_array()
             .unwrap()
             .iter()
-            .map(|b| b.pointer("/properties/kind/const").unwrap().as_str().unwrap().to_owned())
+            .map(|b| {
+                b.pointer("/properties/kind/const")
+                    .unwrap()
+                    .as_str()
+                    .unwrap()
+                    .to_owned()
+            })
             .collect()
     };
-    let op_kinds: BTreeSet<String> = one_op_of_each_kind().iter().map(|op| op.kind().to_owned()).collect();
+    let op_kinds: BTreeSet<String> = one_op_of_each_kind()
+        .iter()
+        .map(|op| op.kind().to_owned())
+        .collect();
     assert_eq!(consts("Op"), op_kinds);
     for plan in assorted_plans() {
         for k in op_kinds_in_json(&to_value(&plan)) {
-            assert!(consts("Op").contains(&k), "operation kind `{k}` is missing from the schema");
+            assert!(
+                consts("Op").contains(&k),
+                "operation kind `{k}` is missing from the schema"
+            );
         }
     }
     let groups = [Group::Shard { replicate: 0 }, Group::Replicate { shard: 0 }];
-    let group_kinds: BTreeSet<String> =
-        groups.iter().map(|g| serde_json::to_value(g).unwrap()["kind"].as_str().unwrap().to_owned()).collect();
+    let group_kinds: BTreeSet<String> = groups
+        .iter()
+        .map(|g| {
+            serde_json::to_value(g).unwrap()["kind"]
+                .as_str()
+                .unwrap()
+                .to_owned()
+        })
+        .collect();
     assert_eq!(consts("Group"), group_kinds);
 }
 
@@ -446,7 +591,12 @@ fn every_definition_is_used_and_every_reference_resolves() {
     let s = schema();
     let mut refs = BTreeSet::new();
     collect_refs(&s, &mut refs);
-    let defs: BTreeSet<String> = s["$defs"].as_object().unwrap().keys().map(|k| format!("#/$defs/{k}")).collect();
+    let defs: BTreeSet<String> = s["$defs"]
+        .as_object()
+        .unwrap()
+        .keys()
+        .map(|k| format!("#/$defs/{k}"))
+        .collect();
     assert_eq!(refs, defs);
 }
 
@@ -471,27 +621,53 @@ fn schema_and_loader_reject_the_same_malformed_shapes() {
     // The checker is not vacuous, and the schema is not looser than the loader.
     let edits: Vec<(&str, Edit)> = vec![
         ("unknown top-level field", |v| v["comment"] = json!("hi")),
-        ("unknown node field", |v| v["ranks"][0]["nodes"][0]["label"] = json!("x")),
-        ("unknown operation field", |v| v["ranks"][0]["nodes"][0]["op"]["bucket"] = json!(0)),
-        ("unknown operation kind", |v| v["ranks"][0]["nodes"][0]["op"]["kind"] = json!("backward")),
+        ("unknown node field", |v| {
+            v["ranks"][0]["nodes"][0]["label"] = json!("x")
+        }),
+        ("unknown operation field", |v| {
+            v["ranks"][0]["nodes"][0]["op"]["bucket"] = json!(0)
+        }),
+        ("unknown operation kind", |v| {
+            v["ranks"][0]["nodes"][0]["op"]["kind"] = json!("backward")
+        }),
         ("missing required field", |v| {
             v["ranks"][0].as_object_mut().unwrap().remove("events");
         }),
-        ("unknown stream", |v| v["ranks"][0]["nodes"][0]["stream"] = json!("copy")),
+        ("unknown stream", |v| {
+            v["ranks"][0]["nodes"][0]["stream"] = json!("copy")
+        }),
         ("unknown gate", |v| v["gates"][0] = json!("off")),
-        ("negative node id in an instruction", |v| v["ranks"][0]["streams"][0]["instrs"][0] = json!({ "run": -1 })),
-        ("instruction with two tags", |v| v["ranks"][0]["streams"][0]["instrs"][0] = json!({ "run": 0, "wait": 0 })),
-        ("instruction as a string", |v| v["ranks"][0]["streams"][0]["instrs"][0] = json!("run")),
+        ("negative node id in an instruction", |v| {
+            v["ranks"][0]["streams"][0]["instrs"][0] = json!({ "run": -1 })
+        }),
+        ("instruction with two tags", |v| {
+            v["ranks"][0]["streams"][0]["instrs"][0] = json!({ "run": 0, "wait": 0 })
+        }),
+        ("instruction as a string", |v| {
+            v["ranks"][0]["streams"][0]["instrs"][0] = json!("run")
+        }),
         ("count as a string", |v| {
-            let n = v["ranks"][0]["nodes"].as_array_mut().unwrap().iter_mut().find(|n| n["op"]["kind"] == "stage1").unwrap();
+            let n = v["ranks"][0]["nodes"]
+                .as_array_mut()
+                .unwrap()
+                .iter_mut()
+                .find(|n| n["op"]["kind"] == "stage1")
+                .unwrap();
             n["op"]["collective"]["count"] = json!("3");
         }),
         ("group of an unknown kind", |v| {
-            let n = v["ranks"][0]["nodes"].as_array_mut().unwrap().iter_mut().find(|n| n["op"]["kind"] == "stage1").unwrap();
+            let n = v["ranks"][0]["nodes"]
+                .as_array_mut()
+                .unwrap()
+                .iter_mut()
+                .find(|n| n["op"]["kind"] == "stage1")
+                .unwrap();
             n["op"]["collective"]["group"] = json!({ "kind": "world" });
         }),
         ("unknown mesh field", |v| v["mesh"]["pipeline"] = json!(1)),
-        ("wrong format tag", |v| v["format"] = json!("overlap-plan-v2")),
+        ("wrong format tag", |v| {
+            v["format"] = json!("overlap-plan-v2")
+        }),
         ("empty gate list", |v| v["gates"] = json!([])),
         ("zero mesh dimension", |v| v["mesh"]["shard"] = json!(0)),
         ("empty shape", |v| v["params"][0]["shape"] = json!([])),
@@ -501,8 +677,14 @@ fn schema_and_loader_reject_the_same_malformed_shapes() {
     for (what, edit) in edits {
         let mut v = good.clone();
         edit(&mut v);
-        assert!(!checker.errors(&checker.root, &v, "plan").is_empty(), "the schema accepts: {what}");
-        assert!(Plan::from_json(&v.to_string()).is_err(), "the loader accepts: {what}");
+        assert!(
+            !checker.errors(&checker.root, &v, "plan").is_empty(),
+            "the schema accepts: {what}"
+        );
+        assert!(
+            Plan::from_json(&v.to_string()).is_err(),
+            "the loader accepts: {what}"
+        );
     }
 }
 
@@ -512,12 +694,28 @@ fn schema_and_loader_accept_null_for_optional_fields_and_a_missing_micro_batch()
     let mut v = to_value(&every_node_kind());
     v["params"][1]["owner"] = json!(null); // an fsdp parameter
     v["buckets"][0]["owner"] = json!(null); // its bucket
-    let tail = v["ranks"][0]["nodes"].as_array_mut().unwrap().iter_mut().find(|n| n["micro_batch"].is_null()).unwrap();
+    let tail = v["ranks"][0]["nodes"]
+        .as_array_mut()
+        .unwrap()
+        .iter_mut()
+        .find(|n| n["micro_batch"].is_null())
+        .unwrap();
     tail.as_object_mut().unwrap().remove("micro_batch");
-    let stage1 = v["ranks"][0]["nodes"].as_array_mut().unwrap().iter_mut().find(|n| n["op"]["kind"] == "stage1").unwrap();
-    assert!(stage1["op"]["collective"].get("root").is_none(), "the first Stage 1 is a reduce-scatter");
+    let stage1 = v["ranks"][0]["nodes"]
+        .as_array_mut()
+        .unwrap()
+        .iter_mut()
+        .find(|n| n["op"]["kind"] == "stage1")
+        .unwrap();
+    assert!(
+        stage1["op"]["collective"].get("root").is_none(),
+        "the first Stage 1 is a reduce-scatter"
+    );
     stage1["op"]["collective"]["root"] = json!(null);
 
-    assert_eq!(checker.errors(&checker.root, &v, "plan"), Vec::<String>::new());
+    assert_eq!(
+        checker.errors(&checker.root, &v, "plan"),
+        Vec::<String>::new()
+    );
     assert_eq!(Plan::from_json(&v.to_string()).unwrap(), every_node_kind());
 }

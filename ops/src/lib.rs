@@ -98,7 +98,13 @@ pub struct AdamwParams {
 
 impl Default for AdamwParams {
     fn default() -> Self {
-        AdamwParams { lr: 1e-3, beta1: 0.9, beta2: 0.999, eps: 1e-8, weight_decay: 0.01 }
+        AdamwParams {
+            lr: 1e-3,
+            beta1: 0.9,
+            beta2: 0.999,
+            eps: 1e-8,
+            weight_decay: 0.01,
+        }
     }
 }
 
@@ -117,7 +123,12 @@ pub struct MuonParams {
 
 impl Default for MuonParams {
     fn default() -> Self {
-        MuonParams { lr: 0.02, momentum: 0.95, ns_steps: 5, weight_decay: 0.0 }
+        MuonParams {
+            lr: 0.02,
+            momentum: 0.95,
+            ns_steps: 5,
+            weight_decay: 0.0,
+        }
     }
 }
 

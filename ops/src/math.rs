@@ -34,7 +34,14 @@ const MUON_SCALE: f64 = 0.2;
 ///
 /// When `grad`, `m` or `v` is not as long as `param`, or `step` is 0 (no bias
 /// correction exists for it). Backends check both before calling.
-pub fn adamw(param: &mut [f32], grad: &[f32], m: &mut [f32], v: &mut [f32], hp: &AdamwParams, step: u64) {
+pub fn adamw(
+    param: &mut [f32],
+    grad: &[f32],
+    m: &mut [f32],
+    v: &mut [f32],
+    hp: &AdamwParams,
+    step: u64,
+) {
     assert!(
         grad.len() == param.len() && m.len() == param.len() && v.len() == param.len(),
         "adamw: param, grad, m and v must have the same length"
@@ -47,7 +54,12 @@ pub fn adamw(param: &mut [f32], grad: &[f32], m: &mut [f32], v: &mut [f32], hp: 
     // `step as f64` is exact up to 2^53 steps.
     let bc1 = 1.0 - b1.powf(step as f64);
     let bc2 = 1.0 - b2.powf(step as f64);
-    for (((p, &g), m), v) in param.iter_mut().zip(grad).zip(m.iter_mut()).zip(v.iter_mut()) {
+    for (((p, &g), m), v) in param
+        .iter_mut()
+        .zip(grad)
+        .zip(m.iter_mut())
+        .zip(v.iter_mut())
+    {
         let g = f64::from(g);
         let m_new = b1 * f64::from(*m) + (1.0 - b1) * g;
         let v_new = b2 * f64::from(*v) + (1.0 - b2) * g * g;
@@ -64,7 +76,7 @@ pub fn adamw(param: &mut [f32], grad: &[f32], m: &mut [f32], v: &mut [f32], hp: 
 /// `X = G / (‖G‖_F + 1e-7)`, working on `Gᵀ` when `rows > cols` (so `X X^T` is the
 /// smaller Gram matrix); then `steps` times `A = X Xᵀ`, `B = b·A + c·A²`,
 /// `X = a·X + B·X`; the result is transposed back. The iteration drives every singular
-/// value of the normalised matrix towards ~1 (into roughly `[0.7, 1.2]` after five
+/// value of the normalised matrix towards ~1 (into about `[0.68, 1.12]` after five
 /// steps: the quintic trades exactness for speed) while keeping the singular vectors.
 ///
 /// Computed in `f64`; `O(min(r,c)² · max(r,c))` per iteration.
@@ -73,15 +85,26 @@ pub fn adamw(param: &mut [f32], grad: &[f32], m: &mut [f32], v: &mut [f32], hp: 
 ///
 /// When `g.len() != rows * cols`.
 pub fn newton_schulz(g: &[f32], rows: usize, cols: usize, steps: u32) -> Vec<f32> {
-    assert_eq!(Some(g.len()), rows.checked_mul(cols), "newton_schulz: g must hold rows × cols elements");
+    assert_eq!(
+        Some(g.len()),
+        rows.checked_mul(cols),
+        "newton_schulz: g must hold rows × cols elements"
+    );
     if g.is_empty() {
         return Vec::new();
     }
     let transposed = rows > cols;
     // Work on an `m × n` matrix with `m <= n`.
-    let (m, n) = if transposed { (cols, rows) } else { (rows, cols) };
+    let (m, n) = if transposed {
+        (cols, rows)
+    } else {
+        (rows, cols)
+    };
     let mut x: Vec<f64> = if transposed {
-        transpose(g, rows, cols).into_iter().map(f64::from).collect()
+        transpose(g, rows, cols)
+            .into_iter()
+            .map(f64::from)
+            .collect()
     } else {
         g.iter().copied().map(f64::from).collect()
     };
@@ -95,9 +118,13 @@ pub fn newton_schulz(g: &[f32], rows: usize, cols: usize, steps: u32) -> Vec<f32
         gram(&x, m, n, &mut a);
         // `A` is symmetric, so `A·A = A·Aᵀ`.
         gram(&a, m, m, &mut b);
-        b.iter_mut().zip(&a).for_each(|(b, &a)| *b = NS_B * a + NS_C * *b);
+        b.iter_mut()
+            .zip(&a)
+            .for_each(|(b, &a)| *b = NS_B * a + NS_C * *b);
         matmul(&b, &x, m, n, &mut bx);
-        x.iter_mut().zip(&bx).for_each(|(x, &bx)| *x = NS_A * *x + bx);
+        x.iter_mut()
+            .zip(&bx)
+            .for_each(|(x, &bx)| *x = NS_A * *x + bx);
     }
     let out: Vec<f32> = x.into_iter().map(|v| v as f32).collect();
     if transposed {
@@ -115,7 +142,14 @@ pub fn newton_schulz(g: &[f32], rows: usize, cols: usize, steps: u32) -> Vec<f32
 /// # Panics
 ///
 /// When `param`, `grad` or `momentum` does not hold `rows × cols` elements.
-pub fn muon(param: &mut [f32], grad: &[f32], momentum: &mut [f32], rows: usize, cols: usize, hp: &MuonParams) {
+pub fn muon(
+    param: &mut [f32],
+    grad: &[f32],
+    momentum: &mut [f32],
+    rows: usize,
+    cols: usize,
+    hp: &MuonParams,
+) {
     let numel = rows.checked_mul(cols);
     assert!(
         numel == Some(param.len()) && numel == Some(grad.len()) && numel == Some(momentum.len()),
@@ -183,7 +217,10 @@ fn matmul(a: &[f64], x: &[f64], m: usize, n: usize, out: &mut [f64]) {
     for (out_row, a_row) in out.chunks_exact_mut(n).zip(a.chunks_exact(m)) {
         out_row.fill(0.0);
         for (&aik, x_row) in a_row.iter().zip(x.chunks_exact(n)) {
-            out_row.iter_mut().zip(x_row).for_each(|(o, &xv)| *o += aik * xv);
+            out_row
+                .iter_mut()
+                .zip(x_row)
+                .for_each(|(o, &xv)| *o += aik * xv);
         }
     }
 }
@@ -208,7 +245,11 @@ mod tests {
     /// Eigenvalues of a symmetric matrix (cyclic Jacobi), for checking singular values.
     fn symmetric_eigenvalues(mut a: Vec<f64>, n: usize) -> Vec<f64> {
         for _sweep in 0..100 {
-            let off: f64 = (0..n).flat_map(|i| (0..n).map(move |j| (i, j))).filter(|(i, j)| i != j).map(|(i, j)| a[i * n + j].powi(2)).sum();
+            let off: f64 = (0..n)
+                .flat_map(|i| (0..n).map(move |j| (i, j)))
+                .filter(|(i, j)| i != j)
+                .map(|(i, j)| a[i * n + j].powi(2))
+                .sum();
             if off < 1e-22 {
                 break;
             }
@@ -244,28 +285,59 @@ mod tests {
         let x: Vec<f64> = o.iter().copied().map(f64::from).collect();
         let mut g = vec![0.0; rows * rows];
         gram(&x, rows, cols, &mut g);
-        symmetric_eigenvalues(g, rows).into_iter().map(f64::sqrt).collect()
+        symmetric_eigenvalues(g, rows)
+            .into_iter()
+            .map(f64::sqrt)
+            .collect()
     }
 
     #[test]
     fn adamw_first_step_matches_hand_computation() {
-        let hp = AdamwParams { lr: 0.1, beta1: 0.9, beta2: 0.999, eps: 1e-8, weight_decay: 0.1 };
+        let hp = AdamwParams {
+            lr: 0.1,
+            beta1: 0.9,
+            beta2: 0.999,
+            eps: 1e-8,
+            weight_decay: 0.1,
+        };
         let (mut p, mut m, mut v) = ([1.0f32, -2.0], [0.0f32; 2], [0.0f32; 2]);
         adamw(&mut p, &[0.5, -0.25], &mut m, &mut v, &hp, 1);
         // Decay: 1 · (1 - 0.01) = 0.99; m̂ = g, v̂ = g², so the update is lr·g/(|g| + eps).
-        let expect_p = [0.99 - 0.1 * 0.5 / (0.5 + 1e-8), -1.98 + 0.1 * 0.25 / (0.25 + 1e-8)];
+        let expect_p = [
+            0.99 - 0.1 * 0.5 / (0.5 + 1e-8),
+            -1.98 + 0.1 * 0.25 / (0.25 + 1e-8),
+        ];
         for (got, want) in p.iter().zip(expect_p) {
-            assert!((f64::from(*got) - want).abs() < 1e-7, "param {got} vs {want}");
+            assert!(
+                (f64::from(*got) - want).abs() < 1e-7,
+                "param {got} vs {want}"
+            );
         }
         // Moments from the f32 hyper-parameters: m = (1 - 0.9f32)·g, v = (1 - 0.999f32)·g².
         let one_minus = |b: f32| 1.0 - f64::from(b);
-        assert_eq!(m, [(one_minus(0.9) * 0.5) as f32, (one_minus(0.9) * -0.25) as f32]);
-        assert_eq!(v, [(one_minus(0.999) * 0.25) as f32, (one_minus(0.999) * 0.0625) as f32]);
+        assert_eq!(
+            m,
+            [
+                (one_minus(0.9) * 0.5) as f32,
+                (one_minus(0.9) * -0.25) as f32
+            ]
+        );
+        assert_eq!(
+            v,
+            [
+                (one_minus(0.999) * 0.25) as f32,
+                (one_minus(0.999) * 0.0625) as f32
+            ]
+        );
     }
 
     #[test]
     fn adamw_second_step_uses_bias_correction() {
-        let hp = AdamwParams { lr: 0.01, weight_decay: 0.0, ..AdamwParams::default() };
+        let hp = AdamwParams {
+            lr: 0.01,
+            weight_decay: 0.0,
+            ..AdamwParams::default()
+        };
         let (mut p, mut m, mut v) = ([0.0f32], [0.0f32], [0.0f32]);
         adamw(&mut p, &[1.0], &mut m, &mut v, &hp, 1);
         adamw(&mut p, &[1.0], &mut m, &mut v, &hp, 2);
@@ -279,8 +351,12 @@ mod tests {
         let g = random(rows * cols, 7);
         let o = newton_schulz(&g, rows, cols, 5);
         let sv = singular_values(&o, rows, cols);
-        let (lo, hi) = sv.iter().fold((f64::MAX, f64::MIN), |(lo, hi), &s| (lo.min(s), hi.max(s)));
-        assert!(lo > 0.6 && hi < 1.25, "singular values in [{lo}, {hi}]");
+        let (lo, hi) = sv
+            .iter()
+            .fold((f64::MAX, f64::MIN), |(lo, hi), &s| (lo.min(s), hi.max(s)));
+        // The quintic's coefficients trade exactness for speed: after five steps the
+        // singular values oscillate in about [0.68, 1.12] instead of converging to 1.
+        assert!(lo > 0.65 && hi < 1.15, "singular values in [{lo}, {hi}]");
         // Before the iteration the normalised matrix's singular values are far below 1.
         let x0 = newton_schulz(&g, rows, cols, 0);
         let sv0 = singular_values(&x0, rows, cols);
@@ -304,15 +380,28 @@ mod tests {
     #[test]
     fn muon_applies_momentum_nesterov_and_scaled_update() {
         let (rows, cols) = (4, 6);
-        let hp = MuonParams { lr: 0.1, momentum: 0.5, ns_steps: 5, weight_decay: 0.2 };
+        let hp = MuonParams {
+            lr: 0.1,
+            momentum: 0.5,
+            ns_steps: 5,
+            weight_decay: 0.2,
+        };
         let g = random(rows * cols, 3);
         let mut buf = random(rows * cols, 5);
         let buf0 = buf.clone();
         let mut p = vec![1.0f32; rows * cols];
         muon(&mut p, &g, &mut buf, rows, cols, &hp);
-        let buf_want: Vec<f32> = buf0.iter().zip(&g).map(|(&b, &g)| (0.5 * f64::from(b) + f64::from(g)) as f32).collect();
+        let buf_want: Vec<f32> = buf0
+            .iter()
+            .zip(&g)
+            .map(|(&b, &g)| (0.5 * f64::from(b) + f64::from(g)) as f32)
+            .collect();
         assert_eq!(buf, buf_want);
-        let u: Vec<f32> = g.iter().zip(&buf).map(|(&g, &b)| (f64::from(g) + 0.5 * f64::from(b)) as f32).collect();
+        let u: Vec<f32> = g
+            .iter()
+            .zip(&buf)
+            .map(|(&g, &b)| (f64::from(g) + 0.5 * f64::from(b)) as f32)
+            .collect();
         let o = newton_schulz(&u, rows, cols, 5);
         let scale = 0.1 * 0.2 * 6f64.sqrt();
         for (got, o) in p.iter().zip(&o) {

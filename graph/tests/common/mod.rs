@@ -7,12 +7,20 @@
 
 #![allow(dead_code)]
 
-use overlap_graph::{Bindings, Gate, Instr, Mesh, Node, NodeId, ParamSpec, Plan, PlanSpec, Planner, ReduceSpec, Route, Stream};
+use overlap_graph::{
+    Bindings, Gate, Instr, Mesh, Node, NodeId, ParamSpec, Plan, PlanSpec, Planner, ReduceSpec,
+    Route, Stream,
+};
 use serde_json::{json, Value};
 
 /// One parameter.
 pub fn param(name: &str, shape: &[u64], route: Route, layer: u32) -> ParamSpec {
-    ParamSpec { name: name.into(), shape: shape.to_vec(), route, layer }
+    ParamSpec {
+        name: name.into(),
+        shape: shape.to_vec(),
+        route,
+        layer,
+    }
 }
 
 /// A small model with a parameter of every route. Sizes do not divide by 2.
@@ -42,7 +50,10 @@ pub fn spec(shard: u32, replicate: u32, params: Vec<ParamSpec>, bucket_cap_bytes
 
 /// The plan of [`four_routes`] on mesh 2x2 with one bucket per (layer, route, owner).
 pub fn four_routes_plan(gates: &[Gate]) -> Plan {
-    Planner::new(spec(2, 2, four_routes(), 1 << 20)).unwrap().plan(gates).unwrap()
+    Planner::new(spec(2, 2, four_routes(), 1 << 20))
+        .unwrap()
+        .plan(gates)
+        .unwrap()
 }
 
 /// A plan as a JSON value.
@@ -130,9 +141,17 @@ pub fn remove_nodes(plan: &mut Value, rank: usize, pred: impl Fn(&Value) -> bool
 pub fn program_mut(plan: &mut Plan, rank: u32, stream: Stream) -> &mut Vec<Instr> {
     let rp = &mut plan.ranks[rank as usize];
     if !rp.streams.iter().any(|s| s.stream == stream) {
-        rp.streams.push(overlap_graph::StreamProgram { stream, instrs: Vec::new() });
+        rp.streams.push(overlap_graph::StreamProgram {
+            stream,
+            instrs: Vec::new(),
+        });
     }
-    &mut rp.streams.iter_mut().find(|s| s.stream == stream).unwrap().instrs
+    &mut rp
+        .streams
+        .iter_mut()
+        .find(|s| s.stream == stream)
+        .unwrap()
+        .instrs
 }
 
 /// Inserts `node` at serial position `at` of a rank (its id becomes `at`), shifting later
@@ -163,5 +182,8 @@ pub fn new_event(plan: &mut Plan, rank: u32) -> u32 {
 
 /// Position of `Run(node)` in a stream program.
 pub fn run_position(instrs: &[Instr], node: NodeId) -> usize {
-    instrs.iter().position(|&i| i == Instr::Run(node)).unwrap_or_else(|| panic!("node {node} is not run here"))
+    instrs
+        .iter()
+        .position(|&i| i == Instr::Run(node))
+        .unwrap_or_else(|| panic!("node {node} is not run here"))
 }

@@ -29,10 +29,20 @@ impl CpuBuffer {
     /// A zeroed buffer, or a `Backend` error when the memory cannot be reserved.
     pub(super) fn zeroed(id: u64, rank: u32, len: usize) -> Result<CpuBuffer, OpsError> {
         let mut data = Vec::new();
-        data.try_reserve_exact(len)
-            .map_err(|e| OpsError::Backend(format!("cannot allocate {len} f32 elements on rank {rank}: {e}")))?;
+        data.try_reserve_exact(len).map_err(|e| {
+            OpsError::Backend(format!(
+                "cannot allocate {len} f32 elements on rank {rank}: {e}"
+            ))
+        })?;
         data.resize(len, 0.0);
-        Ok(CpuBuffer { inner: Arc::new(Inner { id, rank, len, data: Mutex::new(data) }) })
+        Ok(CpuBuffer {
+            inner: Arc::new(Inner {
+                id,
+                rank,
+                len,
+                data: Mutex::new(data),
+            }),
+        })
     }
 
     /// The backend-unique id; the global lock order.
@@ -63,7 +73,11 @@ impl CpuBuffer {
 
 impl fmt::Debug for CpuBuffer {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        write!(f, "CpuBuffer#{}(rank {}, {} elements)", self.inner.id, self.inner.rank, self.inner.len)
+        write!(
+            f,
+            "CpuBuffer#{}(rank {}, {} elements)",
+            self.inner.id, self.inner.rank, self.inner.len
+        )
     }
 }
 

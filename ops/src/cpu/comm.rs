@@ -67,8 +67,17 @@ struct Round {
 
 impl Comm {
     pub(super) fn new(id: CommId, members: Vec<u32>) -> Comm {
-        let state = State { generation: 0, next_call: vec![0; members.len()], rounds: HashMap::new() };
-        Comm { id, members, state: Mutex::new(state), changed: Condvar::new() }
+        let state = State {
+            generation: 0,
+            next_call: vec![0; members.len()],
+            rounds: HashMap::new(),
+        };
+        Comm {
+            id,
+            members,
+            state: Mutex::new(state),
+            changed: Condvar::new(),
+        }
     }
 
     /// A rank's index within the group.
@@ -100,12 +109,22 @@ impl Comm {
         let whole = usize::try_from(desc.count)
             .ok()
             .and_then(|c| Some((c, c.checked_mul(n)?)))
-            .ok_or_else(|| shape(format!("count {} × {n} members does not fit in memory", desc.count)));
+            .ok_or_else(|| {
+                shape(format!(
+                    "count {} × {n} members does not fit in memory",
+                    desc.count
+                ))
+            });
         let (c, whole) = whole?;
         let root = match (desc.kind.rooted(), desc.root) {
             (false, _) => None,
             (true, Some(r)) if (r as usize) < n => Some(r as usize),
-            (true, r) => return Err(shape(format!("root {r:?} is not a member index of {} ({n} members)", self.id))),
+            (true, r) => {
+                return Err(shape(format!(
+                    "root {r:?} is not a member index of {} ({n} members)",
+                    self.id
+                )))
+            }
         };
         let is_root = root == Some(index);
         let (want_send, want_recv) = match desc.kind {
@@ -121,10 +140,14 @@ impl Comm {
                 (None, None) => {}
                 (Some(buf), Some(len)) => expect(kernel, rank, what, buf, len)?,
                 (None, Some(len)) => {
-                    return Err(shape(format!("member {index} (rank {rank}) needs a {what} buffer of {len} elements")))
+                    return Err(shape(format!(
+                        "member {index} (rank {rank}) needs a {what} buffer of {len} elements"
+                    )))
                 }
                 (Some(buf), None) => {
-                    return Err(shape(format!("member {index} (rank {rank}) takes no {what} buffer, got {buf:?}")))
+                    return Err(shape(format!(
+                        "member {index} (rank {rank}) takes no {what} buffer, got {buf:?}"
+                    )))
                 }
             }
         }
@@ -133,7 +156,13 @@ impl Comm {
 
     /// Takes part in the member's next call: deposits the arrival and waits until the
     /// round has a result for it, or `timeout` passes (which fails the round for all).
-    pub(super) fn call(&self, index: usize, arrival: Arrival, timeout: Duration, shutdown: &AtomicBool) -> Result<(), OpsError> {
+    pub(super) fn call(
+        &self,
+        index: usize,
+        arrival: Arrival,
+        timeout: Duration,
+        shutdown: &AtomicBool,
+    ) -> Result<(), OpsError> {
         let deadline = Instant::now().checked_add(timeout);
         let n = self.members.len();
         let mut st = lock(&self.state);
@@ -158,13 +187,22 @@ impl Comm {
         }
         loop {
             if shutdown.load(Ordering::Acquire) {
-                return Err(OpsError::Cancelled(format!("{}: the backend shut down during call #{call}", self.id)));
+                return Err(OpsError::Cancelled(format!(
+                    "{}: the backend shut down during call #{call}",
+                    self.id
+                )));
             }
             if st.generation != generation {
-                return Err(OpsError::Cancelled(format!("{}: the backend was reset during call #{call}", self.id)));
+                return Err(OpsError::Cancelled(format!(
+                    "{}: the backend was reset during call #{call}",
+                    self.id
+                )));
             }
             let Some(round) = st.rounds.get_mut(&call) else {
-                return Err(OpsError::Cancelled(format!("{}: call #{call} was abandoned", self.id)));
+                return Err(OpsError::Cancelled(format!(
+                    "{}: call #{call} was abandoned",
+                    self.id
+                )));
             };
             if let Some(results) = &mut round.results {
                 let result = std::mem::replace(&mut results[index], Ok(()));
@@ -189,7 +227,13 @@ impl Comm {
                     round.results = Some(vec![Err(err); n]);
                     self.changed.notify_all();
                 }
-                Some(deadline) => st = self.changed.wait_timeout(st, deadline - now).unwrap_or_else(|e| e.into_inner()).0,
+                Some(deadline) => {
+                    st = self
+                        .changed
+                        .wait_timeout(st, deadline - now)
+                        .unwrap_or_else(|e| e.into_inner())
+                        .0
+                }
                 None => st = self.changed.wait(st).unwrap_or_else(|e| e.into_inner()),
             }
         }
@@ -215,13 +259,25 @@ impl Comm {
     /// Every member's result of a round all members arrived at, computing the outputs
     /// when every member could take part and all issued the same collective.
     fn complete(&self, call: u64, arrivals: &[Arrival]) -> Vec<Result<(), OpsError>> {
-        let failed = arrivals.iter().zip(&self.members).find_map(|(a, &rank)| Some((rank, a.failed.as_ref()?)));
+        let failed = arrivals
+            .iter()
+            .zip(&self.members)
+            .find_map(|(a, &rank)| Some((rank, a.failed.as_ref()?)));
         if let Some((rank, cause)) = failed {
-            let peer = OpsError::Cancelled(format!("{} call #{call}: rank {rank} could not take part: {cause}", self.id));
-            return arrivals.iter().map(|a| Err(a.failed.clone().unwrap_or_else(|| peer.clone()))).collect();
+            let peer = OpsError::Cancelled(format!(
+                "{} call #{call}: rank {rank} could not take part: {cause}",
+                self.id
+            ));
+            return arrivals
+                .iter()
+                .map(|a| Err(a.failed.clone().unwrap_or_else(|| peer.clone())))
+                .collect();
         }
         if let Some(reason) = self.mismatch(arrivals) {
-            let err = OpsError::Collective { comm: self.id.to_string(), reason: format!("call #{call}: {reason}") };
+            let err = OpsError::Collective {
+                comm: self.id.to_string(),
+                reason: format!("call #{call}: {reason}"),
+            };
             return vec![Err(err); arrivals.len()];
         }
         execute(arrivals);
@@ -231,10 +287,14 @@ impl Comm {
     /// How the first member whose collective differs from member 0's differs.
     fn mismatch(&self, arrivals: &[Arrival]) -> Option<String> {
         let first = &arrivals.first()?.desc;
-        let (other, rank) = arrivals.iter().zip(&self.members).find(|(a, _)| a.desc != *first)?;
+        let (other, rank) = arrivals
+            .iter()
+            .zip(&self.members)
+            .find(|(a, _)| a.desc != *first)?;
         let d = &other.desc;
         let fields = [
-            (d.kind != first.kind).then(|| format!("kind {} vs {}", first.kind.name(), d.kind.name())),
+            (d.kind != first.kind)
+                .then(|| format!("kind {} vs {}", first.kind.name(), d.kind.name())),
             (d.group != first.group).then(|| format!("group {} vs {}", first.group, d.group)),
             (d.count != first.count).then(|| format!("count {} vs {}", first.count, d.count)),
             (d.dtype != first.dtype).then(|| format!("dtype {:?} vs {:?}", first.dtype, d.dtype)),
@@ -242,7 +302,11 @@ impl Comm {
             (d.root != first.root).then(|| format!("root {:?} vs {:?}", first.root, d.root)),
         ];
         let diff: Vec<String> = fields.into_iter().flatten().collect();
-        Some(format!("rank {} and rank {rank} issued different collectives: {}", self.members[0], diff.join(", ")))
+        Some(format!(
+            "rank {} and rank {rank} issued different collectives: {}",
+            self.members[0],
+            diff.join(", ")
+        ))
     }
 }
 
@@ -257,7 +321,13 @@ fn execute(arrivals: &[Arrival]) {
     let n = arrivals.len();
     // The count was checked against memory when each member validated its call.
     let c = desc.count as usize;
-    let wire = |x: f32| if desc.dtype == DType::Bf16 { round_bf16(x) } else { x };
+    let wire = |x: f32| {
+        if desc.dtype == DType::Bf16 {
+            round_bf16(x)
+        } else {
+            x
+        }
+    };
     let sends = arrivals.iter().filter_map(|a| a.send.as_ref());
     let data: Vec<f32> = if desc.kind == CollectiveKind::AllGather {
         let mut data = Vec::with_capacity(n * c);
@@ -269,7 +339,9 @@ fn execute(arrivals: &[Arrival]) {
         for send in sends {
             let s = send.lock();
             if let Some(acc) = sum.as_mut() {
-                acc.iter_mut().zip(s.iter()).for_each(|(a, &x)| *a += wire(x));
+                acc.iter_mut()
+                    .zip(s.iter())
+                    .for_each(|(a, &x)| *a += wire(x));
             } else {
                 sum = Some(s.iter().map(|&x| wire(x)).collect());
             }
@@ -283,7 +355,14 @@ fn execute(arrivals: &[Arrival]) {
     };
     for (i, a) in arrivals.iter().enumerate() {
         let Some(recv) = &a.recv else { continue };
-        let part = if desc.kind == CollectiveKind::ReduceScatter { data.get(i * c..(i + 1) * c) } else { Some(&data[..]) };
-        recv.lock().iter_mut().zip(part.unwrap_or_default()).for_each(|(r, &x)| *r = x);
+        let part = if desc.kind == CollectiveKind::ReduceScatter {
+            data.get(i * c..(i + 1) * c)
+        } else {
+            Some(&data[..])
+        };
+        recv.lock()
+            .iter_mut()
+            .zip(part.unwrap_or_default())
+            .for_each(|(r, &x)| *r = x);
     }
 }

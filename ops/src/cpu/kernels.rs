@@ -18,23 +18,54 @@ use crate::{math, AdamwParams, Kernel, MuonParams, OpsError};
 pub(super) fn run(rank: u32, kernel: &Kernel<CpuBuffer>) -> Result<(), OpsError> {
     match kernel {
         Kernel::Marker => Ok(()),
-        Kernel::Add { dst, src, accumulate } => add(rank, dst, src, *accumulate),
+        Kernel::Add {
+            dst,
+            src,
+            accumulate,
+        } => add(rank, dst, src, *accumulate),
         Kernel::Pack { dst, segs } => pack(rank, dst, segs),
-        Kernel::Unpack { src, segs, accumulate } => unpack(rank, src, segs, *accumulate),
-        Kernel::Adamw { param, grad, state, hp, step } => adamw(rank, param, grad, state, hp, *step),
-        Kernel::Muon { param, grad, momentum, rows, cols, hp } => muon(rank, param, grad, momentum, *rows, *cols, hp),
-        Kernel::Collective { .. } => Err(OpsError::Backend("a collective needs its communicator".into())),
+        Kernel::Unpack {
+            src,
+            segs,
+            accumulate,
+        } => unpack(rank, src, segs, *accumulate),
+        Kernel::Adamw {
+            param,
+            grad,
+            state,
+            hp,
+            step,
+        } => adamw(rank, param, grad, state, hp, *step),
+        Kernel::Muon {
+            param,
+            grad,
+            momentum,
+            rows,
+            cols,
+            hp,
+        } => muon(rank, param, grad, momentum, *rows, *cols, hp),
+        Kernel::Collective { .. } => Err(OpsError::Backend(
+            "a collective needs its communicator".into(),
+        )),
     }
 }
 
 /// Checks that `buf` lives on `rank` and holds `len` elements.
-pub(super) fn expect(kernel: &'static str, rank: u32, what: &str, buf: &CpuBuffer, len: usize) -> Result<(), OpsError> {
+pub(super) fn expect(
+    kernel: &'static str,
+    rank: u32,
+    what: &str,
+    buf: &CpuBuffer,
+    len: usize,
+) -> Result<(), OpsError> {
     if buf.rank() == rank && buf.len() == len {
         Ok(())
     } else {
         Err(OpsError::Shape {
             kernel,
-            reason: format!("{what} must be a buffer of {len} elements on rank {rank}, got {buf:?}"),
+            reason: format!(
+                "{what} must be a buffer of {len} elements on rank {rank}, got {buf:?}"
+            ),
         })
     }
 }
@@ -60,20 +91,32 @@ fn pack(rank: u32, dst: &CpuBuffer, segs: &[(CopySeg, Vec<CpuBuffer>)]) -> Resul
     expect(K, rank, "dst", dst, dst.len())?;
     let copies = segs
         .iter()
-        .flat_map(|(seg, srcs)| srcs.iter().map(move |src| segment(K, rank, seg, src, dst).map(|r| (src, r))))
+        .flat_map(|(seg, srcs)| {
+            srcs.iter()
+                .map(move |src| segment(K, rank, seg, src, dst).map(|r| (src, r)))
+        })
         .collect::<Result<Vec<_>, _>>()?;
     dst.lock().fill(0.0);
-    copies.into_iter().try_for_each(|(src, (s, d))| copy(K, dst, d, src, s, true))
+    copies
+        .into_iter()
+        .try_for_each(|(src, (s, d))| copy(K, dst, d, src, s, true))
 }
 
 /// Copies (or adds) segments of `src` into each segment's destination.
-fn unpack(rank: u32, src: &CpuBuffer, segs: &[(CopySeg, CpuBuffer)], accumulate: bool) -> Result<(), OpsError> {
+fn unpack(
+    rank: u32,
+    src: &CpuBuffer,
+    segs: &[(CopySeg, CpuBuffer)],
+    accumulate: bool,
+) -> Result<(), OpsError> {
     const K: &str = "unpack";
     let copies = segs
         .iter()
         .map(|(seg, dst)| segment(K, rank, seg, src, dst).map(|r| (dst, r)))
         .collect::<Result<Vec<_>, _>>()?;
-    copies.into_iter().try_for_each(|(dst, (s, d))| copy(K, dst, d, src, s, accumulate))
+    copies
+        .into_iter()
+        .try_for_each(|(dst, (s, d))| copy(K, dst, d, src, s, accumulate))
 }
 
 /// AdamW on one piece; `state` holds `m` then `v`.
@@ -91,7 +134,10 @@ fn adamw(
     expect(K, rank, "grad", grad, n)?;
     expect(K, rank, "state (m then v)", state, 2 * n)?;
     if step == 0 {
-        return Err(OpsError::Shape { kernel: K, reason: "step is 1-based, got 0".into() });
+        return Err(OpsError::Shape {
+            kernel: K,
+            reason: "step is 1-based, got 0".into(),
+        });
     }
     let [mut p, g, mut s] = lock_distinct(K, [param, grad, state])?;
     let (m, v) = s.split_at_mut(n);
@@ -135,7 +181,9 @@ fn segment(
         expect(kernel, rank, "a segment's buffer", buf, buf.len())?;
     }
     if from.same(to) {
-        return Err(shape(format!("{from:?} is both a source and the destination")));
+        return Err(shape(format!(
+            "{from:?} is both a source and the destination"
+        )));
     }
     let range = |what: &str, off: u64, buf: &CpuBuffer| match off.checked_add(seg.len) {
         Some(end) if end <= buf.len() as u64 => Ok(off as usize..end as usize),
@@ -144,7 +192,10 @@ fn segment(
             seg.param, seg.len
         ))),
     };
-    Ok((range("source", seg.src, from)?, range("destination", seg.dst, to)?))
+    Ok((
+        range("source", seg.src, from)?,
+        range("destination", seg.dst, to)?,
+    ))
 }
 
 /// `to[d] = from[s]` (or `+=`), the ranges validated and of equal length.

@@ -53,9 +53,18 @@ fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
     m.lock().unwrap_or_else(PoisonError::into_inner)
 }
 
+/// A duration in nanoseconds, saturating (about 584 years).
+fn nanos(d: Duration) -> u64 {
+    u64::try_from(d.as_nanos()).unwrap_or(u64::MAX)
+}
+
 /// The tag under which host-side misuse of `record` or `wait` is reported.
 fn host_tag(op: &'static str) -> Tag {
-    Tag { node: u32::MAX, op, micro_batch: u32::MAX }
+    Tag {
+        node: u32::MAX,
+        op,
+        micro_batch: u32::MAX,
+    }
 }
 
 /// The backend for every rank of a mesh, in one process.
@@ -100,12 +109,18 @@ impl CpuBackend {
     /// ranks. A stream whose thread cannot be spawned reports a `Backend` error through
     /// [`Backend::errors`] for everything issued to it.
     pub fn new(mesh: Mesh) -> CpuBackend {
-        let world = if mesh.check().is_ok() { mesh.world() } else { 0 };
+        let world = if mesh.check().is_ok() {
+            mesh.world()
+        } else {
+            0
+        };
         let groups: Vec<Group> = if world == 0 {
             Vec::new()
         } else {
             let shard = (0..mesh.replicate).map(|replicate| Group::Shard { replicate });
-            shard.chain((0..mesh.shard).map(|shard| Group::Replicate { shard })).collect()
+            shard
+                .chain((0..mesh.shard).map(|shard| Group::Replicate { shard }))
+                .collect()
         };
         let comms = groups
             .into_iter()
@@ -117,35 +132,48 @@ impl CpuBackend {
             world,
             epoch: Instant::now(),
             comms,
-            poison: (0..world as usize * Stream::ALL.len()).map(|_| Mutex::new(None)).collect(),
+            poison: (0..world as usize * Stream::ALL.len())
+                .map(|_| Mutex::new(None))
+                .collect(),
             errors: Mutex::new(Vec::new()),
             faults: Mutex::new(Vec::new()),
             armed_faults: AtomicUsize::new(0),
             timings: Mutex::new(Vec::new()),
-            timeout_ns: AtomicU64::new(0),
+            timeout_ns: AtomicU64::new(nanos(DEFAULT_COLLECTIVE_TIMEOUT)),
             shutdown: AtomicBool::new(false),
             next_buffer: AtomicU64::new(0),
         });
-        let mut backend = CpuBackend { shared, queues: Vec::new(), threads: Vec::new() };
-        backend.set_timeout(DEFAULT_COLLECTIVE_TIMEOUT);
+        let (mut queues, mut threads) = (Vec::new(), Vec::new());
         for rank in 0..world {
             for stream in Stream::ALL {
                 let (tx, rx) = channel::unbounded();
-                let worker = Worker { rank, stream, shared: Arc::clone(&backend.shared) };
+                let worker = Worker {
+                    rank,
+                    stream,
+                    shared: Arc::clone(&shared),
+                };
                 // On failure the receiver is dropped with the closure: sends then fail and
                 // are reported.
-                let spawned = thread::Builder::new().name(format!("r{rank}-{stream}")).spawn(move || worker.run(rx));
-                backend.queues.push(tx);
-                backend.threads.extend(spawned.ok());
+                let spawned = thread::Builder::new()
+                    .name(format!("r{rank}-{stream}"))
+                    .spawn(move || worker.run(rx));
+                queues.push(tx);
+                threads.extend(spawned.ok());
             }
         }
-        backend
+        CpuBackend {
+            shared,
+            queues,
+            threads,
+        }
     }
 
     /// Sets how long a collective waits for all members before failing on every member
     /// that arrived (default 60 s).
     pub fn with_collective_timeout(self, timeout: Duration) -> CpuBackend {
-        self.set_timeout(timeout);
+        self.shared
+            .timeout_ns
+            .store(nanos(timeout), Ordering::Relaxed);
         self
     }
 
@@ -155,7 +183,9 @@ impl CpuBackend {
     pub fn inject_fault(&self, rank: u32, op: &'static str) {
         let mut faults = lock(&self.shared.faults);
         faults.push((rank, op));
-        self.shared.armed_faults.store(faults.len(), Ordering::Release);
+        self.shared
+            .armed_faults
+            .store(faults.len(), Ordering::Release);
     }
 
     /// Disarms every injected fault that has not fired yet.
@@ -163,11 +193,6 @@ impl CpuBackend {
         let mut faults = lock(&self.shared.faults);
         faults.clear();
         self.shared.armed_faults.store(0, Ordering::Release);
-    }
-
-    fn set_timeout(&self, timeout: Duration) {
-        let ns = u64::try_from(timeout.as_nanos()).unwrap_or(u64::MAX);
-        self.shared.timeout_ns.store(ns, Ordering::Relaxed);
     }
 
     /// Sends a command to a stream, or reports why it cannot run (failing a record so
@@ -217,7 +242,11 @@ impl Backend for CpuBackend {
 
     fn alloc(&self, rank: u32, len: usize) -> Result<CpuBuffer, OpsError> {
         self.check_rank(rank)?;
-        CpuBuffer::zeroed(self.shared.next_buffer.fetch_add(1, Ordering::Relaxed), rank, len)
+        CpuBuffer::zeroed(
+            self.shared.next_buffer.fetch_add(1, Ordering::Relaxed),
+            rank,
+            len,
+        )
     }
 
     fn len(&self, buf: &CpuBuffer) -> usize {
@@ -248,7 +277,12 @@ impl Backend for CpuBackend {
     }
 
     fn record(&self, rank: u32, stream: Stream, event: &CpuEvent) {
-        self.enqueue(rank, stream, host_tag("record"), Command::Record(event.new_record()));
+        self.enqueue(
+            rank,
+            stream,
+            host_tag("record"),
+            Command::Record(event.new_record()),
+        );
     }
 
     fn wait(&self, rank: u32, stream: Stream, event: &CpuEvent) {
@@ -262,7 +296,9 @@ impl Backend for CpuBackend {
     }
 
     fn host_wait(&self, event: &CpuEvent) -> BoxFuture<Result<(), OpsError>> {
-        Box::pin(HostWait { slot: event.latest() })
+        Box::pin(HostWait {
+            slot: event.latest(),
+        })
     }
 
     /// Root causes in the order they happened. Misuse of `record`/`wait` (an unknown
@@ -271,6 +307,9 @@ impl Backend for CpuBackend {
         lock(&self.shared.errors).clone()
     }
 
+    /// Clears every stream's poison and the error list, and restarts every
+    /// communicator (collectives in flight are abandoned, call numbering starts over), so
+    /// members that diverged in a failed step meet again.
     fn reset(&self) {
         self.shared.poison.iter().for_each(|p| *lock(p) = None);
         lock(&self.shared.errors).clear();
@@ -350,19 +389,36 @@ impl Worker {
         };
         let start = self.shared.epoch.elapsed().as_secs_f64();
         let result = match kernel {
-            Kernel::Collective { desc, comm, send, recv } => self.collective(&desc, comm, send, recv, poison, fault),
-            local => fault.and_then(|()| kernels::run(self.rank, &local)).map(|()| 0),
+            Kernel::Collective {
+                desc,
+                comm,
+                send,
+                recv,
+            } => self.collective(&desc, comm, send, recv, poison, fault),
+            local => fault
+                .and_then(|()| kernels::run(self.rank, &local))
+                .map(|()| 0),
         };
         match result {
             Ok(bytes) => {
                 let end = self.shared.epoch.elapsed().as_secs_f64();
-                let timing = Timing { rank: self.rank, stream: self.stream, tag, start, end, bytes };
+                let timing = Timing {
+                    rank: self.rank,
+                    stream: self.stream,
+                    tag,
+                    start,
+                    end,
+                    bytes,
+                };
                 lock(&self.shared.timings).push(timing);
             }
             Err(e) if e.is_cancellation() => self.poison_with(e),
             Err(e) => {
                 let (rank, stream) = (self.rank, self.stream);
-                let cause = format!("{} (node {}) on rank {rank}, {stream} stream failed: {e}", tag.op, tag.node);
+                let cause = format!(
+                    "{} (node {}) on rank {rank}, {stream} stream failed: {e}",
+                    tag.op, tag.node
+                );
                 lock(&self.shared.errors).push((rank, stream, tag, e));
                 self.poison_with(OpsError::Cancelled(cause));
             }
@@ -380,16 +436,35 @@ impl Worker {
         poison: Option<OpsError>,
         fault: Result<(), OpsError>,
     ) -> Result<u64, OpsError> {
-        let Some((comm, index)) = self.shared.comms.get(&id).and_then(|c| Some((c, c.index_of(self.rank)?))) else {
+        let Some((comm, index)) = self
+            .shared
+            .comms
+            .get(&id)
+            .and_then(|c| Some((c, c.index_of(self.rank)?)))
+        else {
             return Err(poison.unwrap_or_else(|| OpsError::Shape {
                 kernel: desc.kind.name(),
-                reason: format!("rank {} is not a member of a communicator {id} of mesh {}", self.rank, self.shared.mesh),
+                reason: format!(
+                    "rank {} is not a member of a communicator {id} of mesh {}",
+                    self.rank, self.shared.mesh
+                ),
             }));
         };
-        let own = fault.and_then(|()| comm.check(self.stream, index, desc, send.as_ref(), recv.as_ref()));
+        let own =
+            fault.and_then(|()| comm.check(self.stream, index, desc, send.as_ref(), recv.as_ref()));
         let failed = poison.clone().or_else(|| own.as_ref().err().cloned());
         let timeout = Duration::from_nanos(self.shared.timeout_ns.load(Ordering::Relaxed));
-        let result = comm.call(index, Arrival { desc: *desc, send, recv, failed }, timeout, &self.shared.shutdown);
+        let result = comm.call(
+            index,
+            Arrival {
+                desc: *desc,
+                send,
+                recv,
+                failed,
+            },
+            timeout,
+            &self.shared.shutdown,
+        );
         match (poison, own) {
             (Some(cause), _) => Err(cause),
             (None, Err(e)) => Err(e),
@@ -400,7 +475,12 @@ impl Worker {
 
 impl Shared {
     /// Consumes an armed fault for `(rank, op)`, failing the kernel `kernel`.
-    fn take_fault(&self, rank: u32, op: &'static str, kernel: &'static str) -> Result<(), OpsError> {
+    fn take_fault(
+        &self,
+        rank: u32,
+        op: &'static str,
+        kernel: &'static str,
+    ) -> Result<(), OpsError> {
         if self.armed_faults.load(Ordering::Acquire) == 0 {
             return Ok(());
         }
@@ -410,6 +490,9 @@ impl Shared {
         };
         faults.remove(i);
         self.armed_faults.store(faults.len(), Ordering::Release);
-        Err(OpsError::Failed { kernel, reason: "injected fault".into() })
+        Err(OpsError::Failed {
+            kernel,
+            reason: "injected fault".into(),
+        })
     }
 }

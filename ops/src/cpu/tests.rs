@@ -43,7 +43,11 @@ fn mesh(shard: u32, replicate: u32) -> Mesh {
 }
 
 fn tag(node: u32, op: &'static str) -> Tag {
-    Tag { node, op, micro_batch: 0 }
+    Tag {
+        node,
+        op,
+        micro_batch: 0,
+    }
 }
 
 fn buffer(b: &CpuBackend, rank: u32, data: &[f32]) -> CpuBuffer {
@@ -61,16 +65,33 @@ fn record(b: &CpuBackend, rank: u32, stream: Stream) -> CpuEvent {
 
 /// Waits until every stream has executed everything issued so far.
 fn sync(b: &CpuBackend) {
-    let events: Vec<CpuEvent> =
-        b.local_ranks().into_iter().flat_map(|r| Stream::ALL.map(|s| record(b, r, s))).collect();
+    let events: Vec<CpuEvent> = b
+        .local_ranks()
+        .into_iter()
+        .flat_map(|r| Stream::ALL.map(|s| record(b, r, s)))
+        .collect();
     for ev in &events {
         // A failed record is still executed: the stream has reached it.
         let _ = block_on(b.host_wait(ev));
     }
 }
 
-fn desc(kind: CollectiveKind, group: Group, count: u64, op: ReduceOp, dtype: DType, root: Option<u32>) -> Collective {
-    Collective { kind, group, count, dtype, op, root }
+fn desc(
+    kind: CollectiveKind,
+    group: Group,
+    count: u64,
+    op: ReduceOp,
+    dtype: DType,
+    root: Option<u32>,
+) -> Collective {
+    Collective {
+        kind,
+        group,
+        count,
+        dtype,
+        op,
+        root,
+    }
 }
 
 /// Issues `desc` on every member of its group on `stream`, member `i` with send data
@@ -83,7 +104,10 @@ fn collective(
     outputs: &[Option<usize>],
 ) -> Vec<Option<Vec<f32>>> {
     let members = b.shared.mesh.members(desc.group);
-    let comm = CommId { group: desc.group, stream };
+    let comm = CommId {
+        group: desc.group,
+        stream,
+    };
     let recvs: Vec<Option<CpuBuffer>> = members
         .iter()
         .zip(outputs)
@@ -91,11 +115,24 @@ fn collective(
         .collect();
     for ((&rank, input), recv) in members.iter().zip(inputs).zip(&recvs) {
         let send = input.as_ref().map(|data| buffer(b, rank, data));
-        b.launch(rank, stream, tag(1, "stage1"), Kernel::Collective { desc, comm, send, recv: recv.clone() });
+        b.launch(
+            rank,
+            stream,
+            tag(1, "stage1"),
+            Kernel::Collective {
+                desc,
+                comm,
+                send,
+                recv: recv.clone(),
+            },
+        );
     }
     sync(b);
     assert_eq!(b.errors(), vec![]);
-    recvs.iter().map(|r| r.as_ref().map(|r| b.download(r).unwrap())).collect()
+    recvs
+        .iter()
+        .map(|r| r.as_ref().map(|r| b.download(r).unwrap()))
+        .collect()
 }
 
 fn all(data: &[Vec<f32>]) -> Vec<Option<Vec<f32>>> {
@@ -105,8 +142,16 @@ fn all(data: &[Vec<f32>]) -> Vec<Option<Vec<f32>>> {
 #[test]
 fn a_stream_runs_its_commands_in_issue_order() {
     let b = CpuBackend::new(mesh(1, 1));
-    let (x, a, c) = (buffer(&b, 0, &[0.0; 3]), buffer(&b, 0, &[1.0, 2.0, 3.0]), buffer(&b, 0, &[10.0; 3]));
-    let add = |dst: &CpuBuffer, src: &CpuBuffer, accumulate| Kernel::Add { dst: dst.clone(), src: src.clone(), accumulate };
+    let (x, a, c) = (
+        buffer(&b, 0, &[0.0; 3]),
+        buffer(&b, 0, &[1.0, 2.0, 3.0]),
+        buffer(&b, 0, &[10.0; 3]),
+    );
+    let add = |dst: &CpuBuffer, src: &CpuBuffer, accumulate| Kernel::Add {
+        dst: dst.clone(),
+        src: src.clone(),
+        accumulate,
+    };
     b.launch(0, Stream::Compute, tag(0, "accumulate"), add(&x, &a, false));
     b.launch(0, Stream::Compute, tag(1, "accumulate"), add(&x, &c, true));
     b.launch(0, Stream::Compute, tag(2, "accumulate"), add(&x, &x, true));
@@ -126,26 +171,53 @@ fn a_stream_runs_its_commands_in_issue_order() {
 fn wait_orders_a_stream_after_the_record_issued_before_it() {
     let b = CpuBackend::new(mesh(2, 1));
     let g = Group::Shard { replicate: 0 };
-    let d = desc(CollectiveKind::AllReduce, g, 2, ReduceOp::Sum, DType::F32, None);
-    let comm = CommId { group: g, stream: Stream::Reduce };
+    let d = desc(
+        CollectiveKind::AllReduce,
+        g,
+        2,
+        ReduceOp::Sum,
+        DType::F32,
+        None,
+    );
+    let comm = CommId {
+        group: g,
+        stream: Stream::Reduce,
+    };
     let (s0, r0) = (buffer(&b, 0, &[1.0, 2.0]), b.alloc(0, 2).unwrap());
     let out = b.alloc(0, 2).unwrap();
     // Rank 0's reduce stream blocks in the all-reduce until rank 1 joins.
     let launch = |rank, send: &CpuBuffer, recv: &CpuBuffer| {
-        let k = Kernel::Collective { desc: d, comm, send: Some(send.clone()), recv: Some(recv.clone()) };
+        let k = Kernel::Collective {
+            desc: d,
+            comm,
+            send: Some(send.clone()),
+            recv: Some(recv.clone()),
+        };
         b.launch(rank, Stream::Reduce, tag(1, "stage1"), k);
     };
     launch(0, &s0, &r0);
     let ev = record(&b, 0, Stream::Reduce);
     b.wait(0, Stream::Compute, &ev);
-    b.launch(0, Stream::Compute, tag(2, "fold"), Kernel::Add { dst: out.clone(), src: r0.clone(), accumulate: false });
+    b.launch(
+        0,
+        Stream::Compute,
+        tag(2, "fold"),
+        Kernel::Add {
+            dst: out.clone(),
+            src: r0.clone(),
+            accumulate: false,
+        },
+    );
     let done = record(&b, 0, Stream::Compute);
     // Re-recording the event elsewhere does not change what the earlier wait waits for.
     b.record(0, Stream::Publish, &ev);
 
     let mut host = pin!(b.host_wait(&done));
     let waker = waker();
-    assert!(host.as_mut().poll(&mut Context::from_waker(&waker)).is_pending());
+    assert!(host
+        .as_mut()
+        .poll(&mut Context::from_waker(&waker))
+        .is_pending());
     thread::sleep(Duration::from_millis(50));
     assert_eq!(b.status(&done), EventStatus::Pending);
     assert_eq!(b.download(&out).unwrap(), vec![0.0, 0.0]);
@@ -173,12 +245,54 @@ fn a_never_recorded_event_is_complete_and_waiting_on_it_is_a_no_op() {
 fn reduce_scatter_reduces_each_members_chunk() {
     let b = CpuBackend::new(mesh(3, 1));
     let g = Group::Shard { replicate: 0 };
-    let inputs: Vec<Vec<f32>> = (0..3).map(|m| (0..6).map(|j| (10 * m + j) as f32).collect()).collect();
-    let sum = collective(&b, desc(CollectiveKind::ReduceScatter, g, 2, ReduceOp::Sum, DType::F32, None), Stream::Reduce, &all(&inputs), &[Some(2); 3]);
+    let inputs: Vec<Vec<f32>> = (0..3)
+        .map(|m| (0..6).map(|j| (10 * m + j) as f32).collect())
+        .collect();
+    let sum = collective(
+        &b,
+        desc(
+            CollectiveKind::ReduceScatter,
+            g,
+            2,
+            ReduceOp::Sum,
+            DType::F32,
+            None,
+        ),
+        Stream::Reduce,
+        &all(&inputs),
+        &[Some(2); 3],
+    );
     // Element j of the sum is 30 + 3j; member i gets elements 2i and 2i + 1.
-    assert_eq!(sum, vec![Some(vec![30.0, 33.0]), Some(vec![36.0, 39.0]), Some(vec![42.0, 45.0])]);
-    let avg = collective(&b, desc(CollectiveKind::ReduceScatter, g, 2, ReduceOp::Avg, DType::F32, None), Stream::Reduce, &all(&inputs), &[Some(2); 3]);
-    assert_eq!(avg, vec![Some(vec![10.0, 11.0]), Some(vec![12.0, 13.0]), Some(vec![14.0, 15.0])]);
+    assert_eq!(
+        sum,
+        vec![
+            Some(vec![30.0, 33.0]),
+            Some(vec![36.0, 39.0]),
+            Some(vec![42.0, 45.0])
+        ]
+    );
+    let avg = collective(
+        &b,
+        desc(
+            CollectiveKind::ReduceScatter,
+            g,
+            2,
+            ReduceOp::Avg,
+            DType::F32,
+            None,
+        ),
+        Stream::Reduce,
+        &all(&inputs),
+        &[Some(2); 3],
+    );
+    assert_eq!(
+        avg,
+        vec![
+            Some(vec![10.0, 11.0]),
+            Some(vec![12.0, 13.0]),
+            Some(vec![14.0, 15.0])
+        ]
+    );
     let bytes: Vec<u64> = b.take_timings().iter().map(|t| t.bytes).collect();
     assert_eq!(bytes, vec![24; 6], "each member contributes 3 × 2 f32");
 }
@@ -189,13 +303,30 @@ fn all_reduce_averages_over_replicate_groups_in_place() {
     for shard in 0..2 {
         let g = Group::Replicate { shard };
         let members = b.shared.mesh.members(g);
-        let d = desc(CollectiveKind::AllReduce, g, 2, ReduceOp::Avg, DType::F32, None);
-        let comm = CommId { group: g, stream: Stream::Replicate };
+        let d = desc(
+            CollectiveKind::AllReduce,
+            g,
+            2,
+            ReduceOp::Avg,
+            DType::F32,
+            None,
+        );
+        let comm = CommId {
+            group: g,
+            stream: Stream::Replicate,
+        };
         // Send and recv are the same buffer.
-        let bufs: Vec<CpuBuffer> =
-            members.iter().map(|&r| buffer(&b, r, &[r as f32, 1.0 + 2.0 * r as f32])).collect();
+        let bufs: Vec<CpuBuffer> = members
+            .iter()
+            .map(|&r| buffer(&b, r, &[r as f32, 1.0 + 2.0 * r as f32]))
+            .collect();
         for (&rank, buf) in members.iter().zip(&bufs) {
-            let k = Kernel::Collective { desc: d, comm, send: Some(buf.clone()), recv: Some(buf.clone()) };
+            let k = Kernel::Collective {
+                desc: d,
+                comm,
+                send: Some(buf.clone()),
+                recv: Some(buf.clone()),
+            };
             b.launch(rank, Stream::Replicate, tag(2, "stage2"), k);
         }
         sync(&b);
@@ -208,7 +339,14 @@ fn all_reduce_averages_over_replicate_groups_in_place() {
     assert_eq!(b.errors(), vec![]);
     let sums = collective(
         &b,
-        desc(CollectiveKind::AllReduce, Group::Shard { replicate: 1 }, 1, ReduceOp::Sum, DType::F32, None),
+        desc(
+            CollectiveKind::AllReduce,
+            Group::Shard { replicate: 1 },
+            1,
+            ReduceOp::Sum,
+            DType::F32,
+            None,
+        ),
         Stream::Reduce,
         &all(&[vec![0.5], vec![0.25]]),
         &[Some(1); 2],
@@ -222,9 +360,35 @@ fn reduce_writes_the_root_only() {
     let g = Group::Shard { replicate: 0 };
     let inputs = all(&[vec![1.0, 2.0], vec![3.0, 4.0], vec![5.0, 9.0]]);
     let outputs = [None, Some(2), None];
-    let sum = collective(&b, desc(CollectiveKind::Reduce, g, 2, ReduceOp::Sum, DType::F32, Some(1)), Stream::Reduce, &inputs, &outputs);
+    let sum = collective(
+        &b,
+        desc(
+            CollectiveKind::Reduce,
+            g,
+            2,
+            ReduceOp::Sum,
+            DType::F32,
+            Some(1),
+        ),
+        Stream::Reduce,
+        &inputs,
+        &outputs,
+    );
     assert_eq!(sum, vec![None, Some(vec![9.0, 15.0]), None]);
-    let avg = collective(&b, desc(CollectiveKind::Reduce, g, 2, ReduceOp::Avg, DType::F32, Some(1)), Stream::Reduce, &inputs, &outputs);
+    let avg = collective(
+        &b,
+        desc(
+            CollectiveKind::Reduce,
+            g,
+            2,
+            ReduceOp::Avg,
+            DType::F32,
+            Some(1),
+        ),
+        Stream::Reduce,
+        &inputs,
+        &outputs,
+    );
     assert_eq!(avg, vec![None, Some(vec![3.0, 5.0]), None]);
 }
 
@@ -234,12 +398,22 @@ fn broadcast_copies_the_roots_buffer() {
     let g = Group::Replicate { shard: 0 };
     let out = collective(
         &b,
-        desc(CollectiveKind::Broadcast, g, 3, ReduceOp::Avg, DType::F32, Some(2)),
+        desc(
+            CollectiveKind::Broadcast,
+            g,
+            3,
+            ReduceOp::Avg,
+            DType::F32,
+            Some(2),
+        ),
         Stream::Publish,
         &[None, None, Some(vec![7.0, 8.0, 9.0])],
         &[Some(3), Some(3), None],
     );
-    assert_eq!(out, vec![Some(vec![7.0, 8.0, 9.0]), Some(vec![7.0, 8.0, 9.0]), None]);
+    assert_eq!(
+        out,
+        vec![Some(vec![7.0, 8.0, 9.0]), Some(vec![7.0, 8.0, 9.0]), None]
+    );
 }
 
 #[test]
@@ -248,7 +422,14 @@ fn all_gather_concatenates_in_member_order() {
     let g = Group::Shard { replicate: 1 };
     let out = collective(
         &b,
-        desc(CollectiveKind::AllGather, g, 2, ReduceOp::Sum, DType::F32, None),
+        desc(
+            CollectiveKind::AllGather,
+            g,
+            2,
+            ReduceOp::Sum,
+            DType::F32,
+            None,
+        ),
         Stream::Reduce,
         &all(&[vec![1.0, 2.0], vec![3.0, 4.0]]),
         &[Some(4); 2],
@@ -262,9 +443,35 @@ fn bf16_rounds_every_input_before_reducing_in_f32() {
     let g = Group::Shard { replicate: 0 };
     let x = 1.0 + 2f32.powi(-10);
     let inputs = all(&[vec![x, 3.0], vec![x, 2f32.powi(-9)]]);
-    let f32_sum = collective(&b, desc(CollectiveKind::AllReduce, g, 2, ReduceOp::Sum, DType::F32, None), Stream::Reduce, &inputs, &[Some(2); 2]);
+    let f32_sum = collective(
+        &b,
+        desc(
+            CollectiveKind::AllReduce,
+            g,
+            2,
+            ReduceOp::Sum,
+            DType::F32,
+            None,
+        ),
+        Stream::Reduce,
+        &inputs,
+        &[Some(2); 2],
+    );
     assert_eq!(f32_sum[0], Some(vec![2.0 * x, 3.0 + 2f32.powi(-9)]));
-    let bf16_sum = collective(&b, desc(CollectiveKind::AllReduce, g, 2, ReduceOp::Sum, DType::Bf16, None), Stream::Reduce, &inputs, &[Some(2); 2]);
+    let bf16_sum = collective(
+        &b,
+        desc(
+            CollectiveKind::AllReduce,
+            g,
+            2,
+            ReduceOp::Sum,
+            DType::Bf16,
+            None,
+        ),
+        Stream::Reduce,
+        &inputs,
+        &[Some(2); 2],
+    );
     // 1 + 2^-10 rounds to 1 in bf16; 2^-9 is exact; the sum 3 + 2^-9 is kept in f32.
     assert_eq!(bf16_sum[0], Some(vec![2.0, 3.0 + 2f32.powi(-9)]));
     let bytes: Vec<u64> = b.take_timings().iter().map(|t| t.bytes).collect();
@@ -275,12 +482,32 @@ fn bf16_rounds_every_input_before_reducing_in_f32() {
 fn mismatched_collectives_fail_on_every_member_without_hanging() {
     let b = CpuBackend::new(mesh(2, 1)).with_collective_timeout(Duration::from_secs(30));
     let g = Group::Shard { replicate: 0 };
-    let comm = CommId { group: g, stream: Stream::Reduce };
+    let comm = CommId {
+        group: g,
+        stream: Stream::Reduce,
+    };
     let started = Instant::now();
     for (rank, count) in [(0, 2), (1, 3)] {
-        let d = desc(CollectiveKind::AllReduce, g, count, ReduceOp::Sum, DType::F32, None);
+        let d = desc(
+            CollectiveKind::AllReduce,
+            g,
+            count,
+            ReduceOp::Sum,
+            DType::F32,
+            None,
+        );
         let buf = b.alloc(rank, count as usize).unwrap();
-        b.launch(rank, Stream::Reduce, tag(4, "stage1"), Kernel::Collective { desc: d, comm, send: Some(buf.clone()), recv: Some(buf) });
+        b.launch(
+            rank,
+            Stream::Reduce,
+            tag(4, "stage1"),
+            Kernel::Collective {
+                desc: d,
+                comm,
+                send: Some(buf.clone()),
+                recv: Some(buf),
+            },
+        );
     }
     let after = [record(&b, 0, Stream::Reduce), record(&b, 1, Stream::Reduce)];
     sync(&b);
@@ -290,12 +517,17 @@ fn mismatched_collectives_fail_on_every_member_without_hanging() {
     assert_eq!(errors.len(), 2, "{errors:?}");
     for (rank, (r, stream, t, e)) in errors.iter().enumerate() {
         assert_eq!((*r, *stream, t.op), (rank as u32, Stream::Reduce, "stage1"));
-        let OpsError::Collective { comm, reason } = e else { panic!("{e:?}") };
+        let OpsError::Collective { comm, reason } = e else {
+            panic!("{e:?}")
+        };
         assert_eq!(comm, "shard-group(r=0)@reduce");
         assert!(reason.contains("count 2 vs 3"), "{reason}");
     }
     for ev in &after {
-        assert!(matches!(b.status(ev), EventStatus::Failed(OpsError::Cancelled(_))));
+        assert!(matches!(
+            b.status(ev),
+            EventStatus::Failed(OpsError::Cancelled(_))
+        ));
     }
 }
 
@@ -303,16 +535,36 @@ fn mismatched_collectives_fail_on_every_member_without_hanging() {
 fn a_missing_member_times_out_and_reset_restarts_the_communicator() {
     let b = CpuBackend::new(mesh(2, 1)).with_collective_timeout(Duration::from_millis(100));
     let g = Group::Shard { replicate: 0 };
-    let d = desc(CollectiveKind::AllReduce, g, 1, ReduceOp::Sum, DType::F32, None);
-    let comm = CommId { group: g, stream: Stream::Reduce };
-    let k = |buf: &CpuBuffer| Kernel::Collective { desc: d, comm, send: Some(buf.clone()), recv: Some(buf.clone()) };
+    let d = desc(
+        CollectiveKind::AllReduce,
+        g,
+        1,
+        ReduceOp::Sum,
+        DType::F32,
+        None,
+    );
+    let comm = CommId {
+        group: g,
+        stream: Stream::Reduce,
+    };
+    let k = |buf: &CpuBuffer| Kernel::Collective {
+        desc: d,
+        comm,
+        send: Some(buf.clone()),
+        recv: Some(buf.clone()),
+    };
     let x0 = buffer(&b, 0, &[1.0]);
     b.launch(0, Stream::Reduce, tag(1, "stage1"), k(&x0));
     sync(&b);
     let errors = b.errors();
     assert_eq!(errors.len(), 1);
-    let OpsError::Collective { reason, .. } = &errors[0].3 else { panic!("{errors:?}") };
-    assert!(reason.contains("timed out") && reason.contains("[1]"), "{reason}");
+    let OpsError::Collective { reason, .. } = &errors[0].3 else {
+        panic!("{errors:?}")
+    };
+    assert!(
+        reason.contains("timed out") && reason.contains("[1]"),
+        "{reason}"
+    );
 
     b.reset();
     assert_eq!(b.errors(), vec![]);
@@ -321,24 +573,54 @@ fn a_missing_member_times_out_and_reset_restarts_the_communicator() {
     b.launch(1, Stream::Reduce, tag(1, "stage1"), k(&x1));
     sync(&b);
     assert_eq!(b.errors(), vec![]);
-    assert_eq!((b.download(&x0).unwrap(), b.download(&x1).unwrap()), (vec![3.0], vec![3.0]));
+    assert_eq!(
+        (b.download(&x0).unwrap(), b.download(&x1).unwrap()),
+        (vec![3.0], vec![3.0])
+    );
 }
 
 #[test]
 fn an_injected_fault_poisons_its_stream_its_waiters_and_its_collective() {
     let b = CpuBackend::new(mesh(2, 1));
     let g = Group::Shard { replicate: 0 };
-    let d = desc(CollectiveKind::AllReduce, g, 1, ReduceOp::Sum, DType::F32, None);
-    let comm = CommId { group: g, stream: Stream::Reduce };
-    let k = |buf: &CpuBuffer| Kernel::Collective { desc: d, comm, send: Some(buf.clone()), recv: Some(buf.clone()) };
+    let d = desc(
+        CollectiveKind::AllReduce,
+        g,
+        1,
+        ReduceOp::Sum,
+        DType::F32,
+        None,
+    );
+    let comm = CommId {
+        group: g,
+        stream: Stream::Reduce,
+    };
+    let k = |buf: &CpuBuffer| Kernel::Collective {
+        desc: d,
+        comm,
+        send: Some(buf.clone()),
+        recv: Some(buf.clone()),
+    };
     let (x0, x1) = (buffer(&b, 0, &[1.0]), buffer(&b, 1, &[2.0]));
     let (dst, src) = (buffer(&b, 0, &[5.0]), buffer(&b, 0, &[9.0]));
-    let copy = || Kernel::Add { dst: dst.clone(), src: src.clone(), accumulate: false };
+    let copy = || Kernel::Add {
+        dst: dst.clone(),
+        src: src.clone(),
+        accumulate: false,
+    };
     b.inject_fault(0, "pack");
 
     let before = record(&b, 0, Stream::Reduce);
     let pack_tag = tag(3, "pack");
-    b.launch(0, Stream::Reduce, pack_tag, Kernel::Pack { dst: dst.clone(), segs: Arc::from(vec![]) });
+    b.launch(
+        0,
+        Stream::Reduce,
+        pack_tag,
+        Kernel::Pack {
+            dst: dst.clone(),
+            segs: Arc::from(vec![]),
+        },
+    );
     let after = record(&b, 0, Stream::Reduce);
     b.launch(0, Stream::Reduce, tag(4, "fold"), copy());
     b.launch(0, Stream::Reduce, tag(5, "stage1"), k(&x0));
@@ -351,29 +633,61 @@ fn an_injected_fault_poisons_its_stream_its_waiters_and_its_collective() {
 
     assert_eq!(b.status(&before), EventStatus::Complete);
     for ev in [&after, &waiter] {
-        let EventStatus::Failed(OpsError::Cancelled(cause)) = b.status(ev) else { panic!() };
-        assert!(cause.contains("pack (node 3) on rank 0") && cause.contains("injected fault"), "{cause}");
+        let EventStatus::Failed(OpsError::Cancelled(cause)) = b.status(ev) else {
+            panic!()
+        };
+        assert!(
+            cause.contains("pack (node 3) on rank 0") && cause.contains("injected fault"),
+            "{cause}"
+        );
     }
-    let EventStatus::Failed(OpsError::Cancelled(cause)) = b.status(&peer) else { panic!() };
-    assert!(cause.contains("rank 0 could not take part") && cause.contains("injected fault"), "{cause}");
+    let EventStatus::Failed(OpsError::Cancelled(cause)) = b.status(&peer) else {
+        panic!()
+    };
+    assert!(
+        cause.contains("rank 0 could not take part") && cause.contains("injected fault"),
+        "{cause}"
+    );
     assert_eq!(
         b.errors(),
-        vec![(0, Stream::Reduce, pack_tag, OpsError::Failed { kernel: "pack", reason: "injected fault".into() })]
+        vec![(
+            0,
+            Stream::Reduce,
+            pack_tag,
+            OpsError::Failed {
+                kernel: "pack",
+                reason: "injected fault".into()
+            }
+        )]
     );
     // Skipped kernels did not run: dst keeps its value and the collective wrote nothing.
     assert_eq!(b.download(&dst).unwrap(), vec![5.0]);
-    assert_eq!((b.download(&x0).unwrap(), b.download(&x1).unwrap()), (vec![1.0], vec![2.0]));
+    assert_eq!(
+        (b.download(&x0).unwrap(), b.download(&x1).unwrap()),
+        (vec![1.0], vec![2.0])
+    );
 
     b.reset();
     assert_eq!(b.errors(), vec![]);
-    b.launch(0, Stream::Reduce, pack_tag, Kernel::Pack { dst: dst.clone(), segs: Arc::from(vec![]) });
+    b.launch(
+        0,
+        Stream::Reduce,
+        pack_tag,
+        Kernel::Pack {
+            dst: dst.clone(),
+            segs: Arc::from(vec![]),
+        },
+    );
     b.launch(0, Stream::Reduce, tag(5, "stage1"), k(&x0));
     b.launch(1, Stream::Reduce, tag(5, "stage1"), k(&x1));
     let ok = [record(&b, 0, Stream::Reduce), record(&b, 1, Stream::Reduce)];
     sync(&b);
     assert_eq!(b.errors(), vec![], "the fault fired once");
     assert!(ok.iter().all(|ev| b.status(ev) == EventStatus::Complete));
-    assert_eq!((b.download(&x0).unwrap(), b.download(&dst).unwrap()), (vec![3.0], vec![0.0]));
+    assert_eq!(
+        (b.download(&x0).unwrap(), b.download(&dst).unwrap()),
+        (vec![3.0], vec![0.0])
+    );
 }
 
 #[test]
@@ -389,49 +703,116 @@ fn clear_faults_disarms_pending_faults() {
 #[test]
 fn pack_zeroes_then_sums_segments_and_unpack_scatters() {
     let b = CpuBackend::new(mesh(1, 1));
-    let (g0, acc, g1) = (buffer(&b, 0, &[1.0, 2.0, 3.0]), buffer(&b, 0, &[10.0, 20.0, 30.0]), buffer(&b, 0, &[5.0, 6.0]));
+    let (g0, acc, g1) = (
+        buffer(&b, 0, &[1.0, 2.0, 3.0]),
+        buffer(&b, 0, &[10.0, 20.0, 30.0]),
+        buffer(&b, 0, &[5.0, 6.0]),
+    );
     let send = buffer(&b, 0, &[-1.0; 6]);
-    let seg = |param, src, dst, len| CopySeg { param, src, dst, len };
-    let segs = vec![(seg(0, 1, 0, 2), vec![g0.clone(), acc.clone()]), (seg(1, 0, 3, 2), vec![g1.clone()])];
-    b.launch(0, Stream::Reduce, tag(0, "pack"), Kernel::Pack { dst: send.clone(), segs: Arc::from(segs) });
+    let seg = |param, src, dst, len| CopySeg {
+        param,
+        src,
+        dst,
+        len,
+    };
+    let segs = vec![
+        (seg(0, 1, 0, 2), vec![g0.clone(), acc.clone()]),
+        (seg(1, 0, 3, 2), vec![g1.clone()]),
+    ];
+    b.launch(
+        0,
+        Stream::Reduce,
+        tag(0, "pack"),
+        Kernel::Pack {
+            dst: send.clone(),
+            segs: Arc::from(segs),
+        },
+    );
     sync(&b);
-    assert_eq!(b.download(&send).unwrap(), vec![22.0, 33.0, 0.0, 5.0, 6.0, 0.0]);
+    assert_eq!(
+        b.download(&send).unwrap(),
+        vec![22.0, 33.0, 0.0, 5.0, 6.0, 0.0]
+    );
 
     let (r0, r1) = (buffer(&b, 0, &[100.0, 100.0]), buffer(&b, 0, &[7.0]));
     let unpack = |accumulate| Kernel::Unpack {
         src: send.clone(),
-        segs: Arc::from(vec![(seg(0, 0, 0, 2), r0.clone()), (seg(1, 4, 0, 1), r1.clone())]),
+        segs: Arc::from(vec![
+            (seg(0, 0, 0, 2), r0.clone()),
+            (seg(1, 4, 0, 1), r1.clone()),
+        ]),
         accumulate,
     };
     b.launch(0, Stream::Replicate, tag(1, "unpack"), unpack(true));
     sync(&b);
-    assert_eq!((b.download(&r0).unwrap(), b.download(&r1).unwrap()), (vec![122.0, 133.0], vec![13.0]));
+    assert_eq!(
+        (b.download(&r0).unwrap(), b.download(&r1).unwrap()),
+        (vec![122.0, 133.0], vec![13.0])
+    );
     b.launch(0, Stream::Replicate, tag(1, "unpack"), unpack(false));
     sync(&b);
-    assert_eq!((b.download(&r0).unwrap(), b.download(&r1).unwrap()), (vec![22.0, 33.0], vec![6.0]));
+    assert_eq!(
+        (b.download(&r0).unwrap(), b.download(&r1).unwrap()),
+        (vec![22.0, 33.0], vec![6.0])
+    );
     assert_eq!(b.errors(), vec![]);
 }
 
 #[test]
 fn optimizer_kernels_equal_the_reference_math() {
     let b = CpuBackend::new(mesh(1, 1));
-    let values = |n: usize, k: f32| (0..n).map(|i| ((i as f32 + k) * 0.37).sin()).collect::<Vec<f32>>();
+    let values = |n: usize, k: f32| {
+        (0..n)
+            .map(|i| ((i as f32 + k) * 0.37).sin())
+            .collect::<Vec<f32>>()
+    };
 
-    let (p, g, st) = (values(5, 0.0), values(5, 1.0), values(10, 2.0));
+    // The second moments (the upper half of the state) must be non-negative.
+    let (p, g, st) = (
+        values(5, 0.0),
+        values(5, 1.0),
+        values(10, 2.0).iter().map(|x| x.abs()).collect::<Vec<_>>(),
+    );
     let hp = AdamwParams::default();
     let bufs = [buffer(&b, 0, &p), buffer(&b, 0, &g), buffer(&b, 0, &st)];
     let [param, grad, state] = bufs.clone();
-    b.launch(0, Stream::Compute, tag(0, "optimizer"), Kernel::Adamw { param, grad, state, hp, step: 3 });
+    b.launch(
+        0,
+        Stream::Compute,
+        tag(0, "optimizer"),
+        Kernel::Adamw {
+            param,
+            grad,
+            state,
+            hp,
+            step: 3,
+        },
+    );
     let (mut p_ref, mut st_ref) = (p, st);
     let (m, v) = st_ref.split_at_mut(5);
     math::adamw(&mut p_ref, &g, m, v, &hp, 3);
 
     let (rows, cols) = (6, 4);
     let (mp, mg, mm) = (values(24, 3.0), values(24, 4.0), values(24, 5.0));
-    let hp = MuonParams { weight_decay: 0.1, ..MuonParams::default() };
+    let hp = MuonParams {
+        weight_decay: 0.1,
+        ..MuonParams::default()
+    };
     let mbufs = [buffer(&b, 0, &mp), buffer(&b, 0, &mg), buffer(&b, 0, &mm)];
     let [param, grad, momentum] = mbufs.clone();
-    b.launch(0, Stream::Compute, tag(1, "optimizer"), Kernel::Muon { param, grad, momentum, rows, cols, hp });
+    b.launch(
+        0,
+        Stream::Compute,
+        tag(1, "optimizer"),
+        Kernel::Muon {
+            param,
+            grad,
+            momentum,
+            rows,
+            cols,
+            hp,
+        },
+    );
     let (mut mp_ref, mut mm_ref) = (mp, mm);
     math::muon(&mut mp_ref, &mg, &mut mm_ref, rows, cols, &hp);
 
@@ -448,7 +829,12 @@ fn bad_kernels_report_shape_errors_and_write_nothing() {
     let b = CpuBackend::new(mesh(2, 1));
     let (a, short) = (buffer(&b, 0, &[1.0, 2.0]), buffer(&b, 0, &[3.0]));
     let (p1, state1) = (buffer(&b, 1, &[4.0, 5.0]), buffer(&b, 1, &[0.0; 4]));
-    let seg = CopySeg { param: 7, src: 1, dst: 0, len: 2 };
+    let seg = CopySeg {
+        param: 7,
+        src: 1,
+        dst: 0,
+        len: 2,
+    };
     let adamw = |param: &CpuBuffer, grad: &CpuBuffer, state: &CpuBuffer, step| Kernel::Adamw {
         param: param.clone(),
         grad: grad.clone(),
@@ -458,16 +844,75 @@ fn bad_kernels_report_shape_errors_and_write_nothing() {
     };
     // One case per stream, so no case is skipped behind another's poison.
     let cases: Vec<(u32, Stream, Kernel<CpuBuffer>, &str)> = vec![
-        (0, Stream::Compute, Kernel::Add { dst: a.clone(), src: short.clone(), accumulate: true }, "add: src must be a buffer of 2 elements on rank 0"),
-        (0, Stream::Reduce, Kernel::Pack { dst: a.clone(), segs: Arc::from(vec![(seg, vec![a.clone()])]) }, "is both a source and the destination"),
-        (0, Stream::Replicate, Kernel::Unpack { src: a.clone(), segs: Arc::from(vec![(seg, short.clone())]), accumulate: false }, "segment of param 7 (source offset 1, 2 elements) exceeds"),
-        (0, Stream::Publish, adamw(&a, &p1, &short, 1), "grad must be a buffer of 2 elements on rank 0, got CpuBuffer"),
-        (1, Stream::Compute, Kernel::Muon { param: p1.clone(), grad: p1.clone(), momentum: p1.clone(), rows: usize::MAX, cols: 2, hp: MuonParams::default() }, "matrix has more elements than fit"),
-        (1, Stream::Reduce, adamw(&p1, &p1, &state1, 1), "adamw: its buffers must be distinct"),
-        (1, Stream::Replicate, adamw(&p1, &state1, &state1, 0), "grad must be a buffer of 2 elements"),
-        (1, Stream::Publish, adamw(&p1, &short, &state1, 0), "on rank 1, got CpuBuffer"),
+        (
+            0,
+            Stream::Compute,
+            Kernel::Add {
+                dst: a.clone(),
+                src: short.clone(),
+                accumulate: true,
+            },
+            "add: src must be a buffer of 2 elements on rank 0",
+        ),
+        (
+            0,
+            Stream::Reduce,
+            Kernel::Pack {
+                dst: a.clone(),
+                segs: Arc::from(vec![(seg, vec![a.clone()])]),
+            },
+            "is both a source and the destination",
+        ),
+        (
+            0,
+            Stream::Replicate,
+            Kernel::Unpack {
+                src: a.clone(),
+                segs: Arc::from(vec![(seg, short.clone())]),
+                accumulate: false,
+            },
+            "segment of param 7 (source offset 1, 2 elements) exceeds",
+        ),
+        (
+            0,
+            Stream::Publish,
+            adamw(&a, &p1, &short, 1),
+            "grad must be a buffer of 2 elements on rank 0, got CpuBuffer",
+        ),
+        (
+            1,
+            Stream::Compute,
+            Kernel::Muon {
+                param: p1.clone(),
+                grad: p1.clone(),
+                momentum: p1.clone(),
+                rows: usize::MAX,
+                cols: 2,
+                hp: MuonParams::default(),
+            },
+            "matrix has more elements than fit",
+        ),
+        (
+            1,
+            Stream::Reduce,
+            adamw(&p1, &p1, &state1, 1),
+            "adamw: its buffers must be distinct",
+        ),
+        (
+            1,
+            Stream::Replicate,
+            adamw(&p1, &state1, &state1, 0),
+            "grad must be a buffer of 2 elements",
+        ),
+        (
+            1,
+            Stream::Publish,
+            adamw(&p1, &short, &state1, 0),
+            "on rank 1, got CpuBuffer",
+        ),
     ];
-    let expected: Vec<(u32, Stream, &str)> = cases.iter().map(|(r, s, _, msg)| (*r, *s, *msg)).collect();
+    let expected: Vec<(u32, Stream, &str)> =
+        cases.iter().map(|(r, s, _, msg)| (*r, *s, *msg)).collect();
     for (node, (rank, stream, kernel, _)) in cases.into_iter().enumerate() {
         b.launch(rank, stream, tag(node as u32, "fold"), kernel);
     }
@@ -477,9 +922,16 @@ fn bad_kernels_report_shape_errors_and_write_nothing() {
     for (rank, stream, t, e) in &errors {
         let (want_rank, want_stream, msg) = expected[t.node as usize];
         assert_eq!((*rank, *stream), (want_rank, want_stream));
-        assert!(matches!(e, OpsError::Shape { .. }) && e.to_string().contains(msg), "{e} does not say {msg}");
+        assert!(
+            matches!(e, OpsError::Shape { .. }) && e.to_string().contains(msg),
+            "{e} does not say {msg}"
+        );
     }
-    for (buf, data) in [(&a, vec![1.0, 2.0]), (&p1, vec![4.0, 5.0]), (&state1, vec![0.0; 4])] {
+    for (buf, data) in [
+        (&a, vec![1.0, 2.0]),
+        (&p1, vec![4.0, 5.0]),
+        (&state1, vec![0.0; 4]),
+    ] {
         assert_eq!(b.download(buf).unwrap(), data);
     }
 }
@@ -488,19 +940,59 @@ fn bad_kernels_report_shape_errors_and_write_nothing() {
 fn an_invalid_member_fails_its_collective_on_every_member() {
     let b = CpuBackend::new(mesh(2, 1));
     let g = Group::Shard { replicate: 0 };
-    let d = desc(CollectiveKind::ReduceScatter, g, 2, ReduceOp::Sum, DType::F32, None);
-    let comm = CommId { group: g, stream: Stream::Reduce };
+    let d = desc(
+        CollectiveKind::ReduceScatter,
+        g,
+        2,
+        ReduceOp::Sum,
+        DType::F32,
+        None,
+    );
+    let comm = CommId {
+        group: g,
+        stream: Stream::Reduce,
+    };
     // Rank 0's send holds one chunk instead of two.
     let (s0, r0) = (b.alloc(0, 2).unwrap(), b.alloc(0, 2).unwrap());
     let (s1, r1) = (b.alloc(1, 4).unwrap(), b.alloc(1, 2).unwrap());
-    b.launch(0, Stream::Reduce, tag(1, "stage1"), Kernel::Collective { desc: d, comm, send: Some(s0), recv: Some(r0) });
-    b.launch(1, Stream::Reduce, tag(1, "stage1"), Kernel::Collective { desc: d, comm, send: Some(s1), recv: Some(r1) });
+    b.launch(
+        0,
+        Stream::Reduce,
+        tag(1, "stage1"),
+        Kernel::Collective {
+            desc: d,
+            comm,
+            send: Some(s0),
+            recv: Some(r0),
+        },
+    );
+    b.launch(
+        1,
+        Stream::Reduce,
+        tag(1, "stage1"),
+        Kernel::Collective {
+            desc: d,
+            comm,
+            send: Some(s1),
+            recv: Some(r1),
+        },
+    );
     let peer = record(&b, 1, Stream::Reduce);
     sync(&b);
     let errors = b.errors();
     assert_eq!(errors.len(), 1, "{errors:?}");
-    assert!(errors[0].3.to_string().contains("reduce_scatter: send must be a buffer of 4 elements"), "{}", errors[0].3);
-    assert!(matches!(b.status(&peer), EventStatus::Failed(OpsError::Cancelled(_))));
+    assert!(
+        errors[0]
+            .3
+            .to_string()
+            .contains("reduce_scatter: send must be a buffer of 4 elements"),
+        "{}",
+        errors[0].3
+    );
+    assert!(matches!(
+        b.status(&peer),
+        EventStatus::Failed(OpsError::Cancelled(_))
+    ));
 }
 
 #[test]
@@ -509,15 +1001,27 @@ fn misuse_of_ranks_is_reported_not_panicked() {
     assert!(matches!(b.alloc(3, 4), Err(OpsError::Backend(_))));
     b.launch(3, Stream::Compute, tag(0, "fold"), Kernel::Marker);
     let ev = record(&b, 3, Stream::Reduce);
-    assert!(matches!(b.status(&ev), EventStatus::Failed(OpsError::Backend(_))));
+    assert!(matches!(
+        b.status(&ev),
+        EventStatus::Failed(OpsError::Backend(_))
+    ));
     b.wait(0, Stream::Compute, &ev);
     let after = record(&b, 0, Stream::Compute);
     sync(&b);
     let errors = b.errors();
-    assert_eq!(errors.iter().map(|e| (e.0, e.2.op)).collect::<Vec<_>>(), vec![(3, "fold"), (3, "record")]);
+    assert_eq!(
+        errors.iter().map(|e| (e.0, e.2.op)).collect::<Vec<_>>(),
+        vec![(3, "fold"), (3, "record")]
+    );
     // Waiting on the failed record poisons the waiting stream.
-    assert!(matches!(b.status(&after), EventStatus::Failed(OpsError::Cancelled(_))));
-    let bad = CpuBackend::new(Mesh { shard: 0, replicate: 2 });
+    assert!(matches!(
+        b.status(&after),
+        EventStatus::Failed(OpsError::Cancelled(_))
+    ));
+    let bad = CpuBackend::new(Mesh {
+        shard: 0,
+        replicate: 2,
+    });
     assert!(bad.local_ranks().is_empty());
 }
 
@@ -525,10 +1029,30 @@ fn misuse_of_ranks_is_reported_not_panicked() {
 fn dropping_the_backend_releases_a_blocked_collective() {
     let b = CpuBackend::new(mesh(2, 1));
     let g = Group::Shard { replicate: 0 };
-    let d = desc(CollectiveKind::AllReduce, g, 1, ReduceOp::Sum, DType::F32, None);
+    let d = desc(
+        CollectiveKind::AllReduce,
+        g,
+        1,
+        ReduceOp::Sum,
+        DType::F32,
+        None,
+    );
     let x = b.alloc(0, 1).unwrap();
-    let comm = CommId { group: g, stream: Stream::Reduce };
-    b.launch(0, Stream::Reduce, tag(1, "stage1"), Kernel::Collective { desc: d, comm, send: Some(x.clone()), recv: Some(x) });
+    let comm = CommId {
+        group: g,
+        stream: Stream::Reduce,
+    };
+    b.launch(
+        0,
+        Stream::Reduce,
+        tag(1, "stage1"),
+        Kernel::Collective {
+            desc: d,
+            comm,
+            send: Some(x.clone()),
+            recv: Some(x),
+        },
+    );
     b.launch(0, Stream::Reduce, tag(2, "fold"), Kernel::Marker);
     let ev = record(&b, 0, Stream::Reduce);
     let host = b.host_wait(&ev);
@@ -553,5 +1077,8 @@ fn launch_cost() {
     let per_launch = started.elapsed() / n;
     sync(&b);
     println!("launch: {per_launch:?} per kernel");
-    assert!(cfg!(debug_assertions) || per_launch < Duration::from_micros(2), "{per_launch:?}");
+    assert!(
+        cfg!(debug_assertions) || per_launch < Duration::from_micros(2),
+        "{per_launch:?}"
+    );
 }

@@ -1,0 +1,265 @@
+//! The command line's contract: exit codes, the `--json` line of verify, and clear
+//! errors (file, key, reason) with a non-zero exit and no panic on bad input.
+
+use std::path::PathBuf;
+use std::process::{Command, Output};
+
+fn overlap(args: &[&str]) -> Output {
+    Command::new(env!("CARGO_BIN_EXE_overlap"))
+        .args(args)
+        .current_dir(env!("CARGO_MANIFEST_DIR"))
+        .output()
+        .expect("the binary runs")
+}
+
+fn text(o: &Output) -> (String, String) {
+    (
+        String::from_utf8_lossy(&o.stdout).into_owned(),
+        String::from_utf8_lossy(&o.stderr).into_owned(),
+    )
+}
+
+fn scratch(name: &str, contents: &str) -> PathBuf {
+    let dir = PathBuf::from(env!("CARGO_TARGET_TMPDIR")).join("cli");
+    std::fs::create_dir_all(&dir).unwrap();
+    let p = dir.join(name);
+    std::fs::write(&p, contents).unwrap();
+    p
+}
+
+fn assert_clean_failure(o: &Output, phrases: &[&str]) {
+    let (_, err) = text(o);
+    assert!(!o.status.success(), "expected failure, stderr: {err}");
+    assert!(!err.contains("panicked"), "panic: {err}");
+    for p in phrases {
+        assert!(err.contains(p), "stderr lacks {p:?}: {err}");
+    }
+}
+
+const GOOD: &str = "[mesh]\nshard = 2\nreplicate = 2\n[[param]]\nname = \"w\"\nshape = [5, 3]\nroute = \"muon\"\nlayer = 0\n[[param]]\nname = \"n\"\nshape = [7]\nroute = \"fsdp\"\nlayer = 1\n";
+
+#[test]
+fn run_prints_a_line_per_step_and_honours_steps() {
+    let o = overlap(&["run", "--config", "examples/hsdp_2x2.toml", "--steps", "2"]);
+    let (out, err) = text(&o);
+    assert!(o.status.success(), "{err}");
+    assert!(
+        out.contains("step 1/2") && out.contains("step 2/2") && !out.contains("step 3/"),
+        "{out}"
+    );
+    assert!(out.contains("partials left 0"), "{out}");
+}
+
+#[test]
+fn verify_json_ends_with_one_json_line() {
+    let o = overlap(&[
+        "verify",
+        "--config",
+        "examples/hsdp_2x2.toml",
+        "--steps",
+        "2",
+        "--seed",
+        "7",
+        "--json",
+    ]);
+    let (out, err) = text(&o);
+    assert!(o.status.success(), "{err}");
+    let last = out.lines().last().unwrap();
+    let v: serde_json::Value = serde_json::from_str(last).unwrap();
+    assert_eq!(v["ok"], true);
+    assert_eq!(v["steps"], 2);
+    assert_eq!(v["ranks"], 4);
+    assert_eq!(v["partials_left"], 0);
+    assert!(v["worst_rel_err"].as_f64().unwrap() <= 1e-6);
+    for route in ["fsdp", "sharded_adamw", "muon", "adamw"] {
+        assert!(
+            v["per_route"][route].is_number(),
+            "per_route lacks {route}: {last}"
+        );
+    }
+}
+
+#[test]
+fn plan_formats_and_check_round_trip() {
+    let json = overlap(&[
+        "plan",
+        "--config",
+        "examples/hsdp_2x2.toml",
+        "--format",
+        "json",
+        "--gates",
+        "no_sync,off,on",
+    ]);
+    assert!(json.status.success());
+    let file = scratch("plan.json", &String::from_utf8_lossy(&json.stdout));
+    let check = overlap(&["check", "--plan", file.to_str().unwrap()]);
+    let (out, err) = text(&check);
+    assert!(check.status.success(), "{err}");
+    assert!(out.contains("valid"), "{out}");
+    let dot = overlap(&[
+        "plan",
+        "--config",
+        "examples/hsdp_2x2.toml",
+        "--format",
+        "dot",
+        "--ranks",
+        "0",
+    ]);
+    assert!(String::from_utf8_lossy(&dot.stdout).starts_with("digraph plan {"));
+    let txt = overlap(&["plan", "--config", "examples/hsdp_2x2.toml"]);
+    assert!(String::from_utf8_lossy(&txt.stdout).contains("rank 3"));
+}
+
+#[test]
+fn check_names_the_invariant_of_an_edited_plan() {
+    let json = overlap(&[
+        "plan",
+        "--config",
+        "examples/hsdp_2x2.toml",
+        "--format",
+        "json",
+    ]);
+    let mut plan: serde_json::Value = serde_json::from_slice(&json.stdout).unwrap();
+    // Seed bug 3: rank 0's first fold moved to the compute stream, with no event after
+    // its Stage-1 collective (the fold races the collective's output).
+    let rank0 = &mut plan["ranks"][0];
+    let fold = rank0["nodes"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .find(|n| n["op"]["kind"] == "fold")
+        .unwrap()["id"]
+        .as_u64()
+        .unwrap();
+    rank0["nodes"][fold as usize]["stream"] = "compute".into();
+    let streams = rank0["streams"].as_array_mut().unwrap();
+    for s in streams.iter_mut() {
+        s["instrs"]
+            .as_array_mut()
+            .unwrap()
+            .retain(|i| i["run"].as_u64() != Some(fold));
+    }
+    let compute = streams
+        .iter_mut()
+        .find(|s| s["stream"] == "compute")
+        .unwrap()["instrs"]
+        .as_array_mut()
+        .unwrap();
+    let at = compute
+        .iter()
+        .position(|i| i["run"].as_u64().is_some_and(|n| n > fold))
+        .unwrap_or(compute.len());
+    compute.insert(at, serde_json::json!({ "run": fold }));
+    let file = scratch("fold_on_compute.json", &plan.to_string());
+    let o = overlap(&["check", "--plan", file.to_str().unwrap()]);
+    assert_clean_failure(
+        &o,
+        &[
+            "ordered-access",
+            "rank 0, stream compute",
+            &format!("node {fold}"),
+        ],
+    );
+    assert_eq!(o.status.code(), Some(1));
+}
+
+#[test]
+fn bad_configs_fail_with_file_key_and_reason() {
+    let cases: &[(&str, String, &[&str])] = &[
+        (
+            "unknown_key.toml",
+            GOOD.replace("[mesh]\n", "[mesh]\nshards = 3\n"),
+            &["unknown_key.toml", "mesh.shards"],
+        ),
+        (
+            "zero_mesh.toml",
+            GOOD.replace("shard = 2", "shard = 0"),
+            &["zero_mesh.toml", "mesh.shard"],
+        ),
+        (
+            "gates.toml",
+            format!(
+                "{GOOD}[accumulation]\nmicro_batches = 3\nreplicate_gate = [\"off\", \"on\"]\n"
+            ),
+            &["gates.toml", "accumulation.replicate_gate"],
+        ),
+        (
+            "route.toml",
+            GOOD.replace("route = \"muon\"", "route = \"moun\""),
+            &["route.toml", "param[0].route", "moun"],
+        ),
+        (
+            "zero_dim.toml",
+            GOOD.replace("shape = [5, 3]", "shape = [5, 0]"),
+            &["zero_dim.toml", "param[0].shape"],
+        ),
+    ];
+    for (name, body, phrases) in cases {
+        let f = scratch(name, body);
+        for cmd in ["run", "verify", "plan"] {
+            let o = overlap(&[cmd, "--config", f.to_str().unwrap()]);
+            assert_clean_failure(&o, phrases);
+            assert_eq!(o.status.code(), Some(2), "{cmd} {name}");
+        }
+    }
+    let o = overlap(&["run", "--config", "no/such/file.toml"]);
+    assert_clean_failure(&o, &["no/such/file.toml"]);
+}
+
+#[test]
+fn bad_plan_files_fail_cleanly() {
+    let cases = [
+        ("not_json.json", "{ this is not json", "line 1"),
+        (
+            "wrong_format.json",
+            r#"{"format":"other","version":1}"#,
+            "format",
+        ),
+        ("empty.json", "", "plan JSON"),
+    ];
+    for (name, body, phrase) in cases {
+        let f = scratch(name, body);
+        let o = overlap(&["check", "--plan", f.to_str().unwrap()]);
+        assert_clean_failure(&o, &[name, phrase]);
+    }
+    let o = overlap(&["check", "--plan", "no/such/plan.json"]);
+    assert_clean_failure(&o, &["no/such/plan.json"]);
+}
+
+#[test]
+fn bad_arguments_fail_cleanly() {
+    assert_clean_failure(
+        &overlap(&[
+            "plan",
+            "--config",
+            "examples/hsdp_2x2.toml",
+            "--gates",
+            "off,maybe",
+        ]),
+        &["--gates", "maybe"],
+    );
+    assert_clean_failure(
+        &overlap(&["plan", "--config", "examples/hsdp_2x2.toml", "--ranks", "9"]),
+        &["--ranks"],
+    );
+    assert_clean_failure(
+        &overlap(&[
+            "plan",
+            "--config",
+            "examples/hsdp_2x2.toml",
+            "--gates",
+            "on,off",
+        ]),
+        &["unflushed"],
+    );
+    assert_clean_failure(
+        &overlap(&[
+            "run",
+            "--config",
+            "examples/hsdp_2x2.toml",
+            "--backend",
+            "cuda",
+        ]),
+        &["cuda"],
+    );
+}
