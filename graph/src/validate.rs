@@ -746,13 +746,13 @@ fn partials_flushed(
 
 /// A communicator: a group bound to a stream.
 type Comm = (Group, Stream);
+/// The collectives one rank issues on one communicator, in order.
+type Calls = Vec<(NodeId, Collective)>;
 
 fn collective_match(plan: &Plan, out: &mut Vec<Violation>) {
-    let mut seqs: BTreeMap<(String, Stream), Vec<(u32, Vec<(NodeId, Collective)>)>> =
-        BTreeMap::new();
-    let mut groups: HashMap<(String, Stream), Comm> = HashMap::new();
+    let mut seqs: BTreeMap<Comm, Vec<(u32, Calls)>> = BTreeMap::new();
     for rp in &plan.ranks {
-        let mut per: HashMap<Comm, Vec<(NodeId, Collective)>> = HashMap::new();
+        let mut per: HashMap<Comm, Calls> = HashMap::new();
         for n in &rp.nodes {
             if let Some(c) = n.op.collective() {
                 if plan.mesh.index_in(c.group, rp.rank).is_none() {
@@ -773,14 +773,10 @@ fn collective_match(plan: &Plan, out: &mut Vec<Violation>) {
             }
         }
         for (comm, seq) in per {
-            let key = (format!("{:?}", comm.0), comm.1);
-            groups.insert(key.clone(), comm);
-            seqs.entry(key).or_default().push((rp.rank, seq));
+            seqs.entry(comm).or_default().push((rp.rank, seq));
         }
     }
-    for (key, mut members) in seqs {
-        let (group, stream) = groups[&key];
-        members.sort_by_key(|m| m.0);
+    for ((group, stream), mut members) in seqs {
         // Members that issue nothing on this communicator have an empty sequence.
         for r in plan.mesh.members(group) {
             if !members.iter().any(|m| m.0 == r) {
@@ -798,7 +794,7 @@ fn collective_match(plan: &Plan, out: &mut Vec<Violation>) {
             if k == s0.len() && k == s.len() {
                 continue;
             }
-            let desc = |seq: &Vec<(NodeId, Collective)>| match seq.get(k) {
+            let desc = |seq: &Calls| match seq.get(k) {
                 Some((_, c)) => format!(
                     "{} of {} {:?}{}",
                     c.kind.name(),

@@ -58,6 +58,11 @@ fn nanos(d: Duration) -> u64 {
     u64::try_from(d.as_nanos()).unwrap_or(u64::MAX)
 }
 
+/// Where a (rank, stream) pair's queue and poison live.
+fn stream_index(rank: u32, stream: Stream) -> usize {
+    rank as usize * Stream::ALL.len() + stream.index()
+}
+
 /// The tag under which host-side misuse of `record` or `wait` is reported.
 fn host_tag(op: &'static str) -> Tag {
     Tag {
@@ -70,7 +75,7 @@ fn host_tag(op: &'static str) -> Tag {
 /// The backend for every rank of a mesh, in one process.
 pub struct CpuBackend {
     shared: Arc<Shared>,
-    /// The queue of each (rank, stream), at `rank·4 + stream.index()`.
+    /// The queue of each (rank, stream), at [`stream_index`].
     queues: Vec<Sender<Command>>,
     threads: Vec<JoinHandle<()>>,
 }
@@ -198,8 +203,7 @@ impl CpuBackend {
     /// Sends a command to a stream, or reports why it cannot run (failing a record so
     /// nobody waits for it forever).
     fn enqueue(&self, rank: u32, stream: Stream, tag: Tag, cmd: Command) {
-        let index = rank as usize * Stream::ALL.len() + stream.index();
-        let cmd = match self.queues.get(index) {
+        let cmd = match self.queues.get(stream_index(rank, stream)) {
             Some(queue) => match queue.send(cmd) {
                 Ok(()) => return,
                 Err(SendError(cmd)) => cmd,
@@ -361,7 +365,7 @@ impl Worker {
     }
 
     fn poison_slot(&self) -> MutexGuard<'_, Option<OpsError>> {
-        lock(&self.shared.poison[self.rank as usize * Stream::ALL.len() + self.stream.index()])
+        lock(&self.shared.poison[stream_index(self.rank, self.stream)])
     }
 
     /// The stream's poison; a dropped backend poisons every stream.
