@@ -8,10 +8,8 @@
 
 use crate::dag::{lower_rank, Segment};
 use crate::gate::Gate;
-use crate::mesh::{Coord, Group, Mesh};
-use crate::node::{
-    BucketId, Collective, CollectiveKind, Node, Op, OptimizerKind, ReduceOp, Stream,
-};
+use crate::mesh::{Coord, Mesh};
+use crate::node::{BucketId, Node, Op, OptimizerKind, Stream};
 use crate::param::{ParamId, Route};
 use crate::plan::{Bucket, PlacedParam, Plan, PlanSpec, RankProgram, PLAN_FORMAT, PLAN_VERSION};
 use crate::{owner, PlanError};
@@ -139,7 +137,6 @@ impl Planner {
     fn rank_nodes(&self, plan: &Plan, rank: u32, tail: bool) -> (Vec<Node>, Vec<Segment>) {
         let mesh = self.spec.mesh;
         let b = &self.spec.bindings;
-        let red = self.spec.reduce;
         let me = mesh.coord(rank);
         let mut nodes: Vec<Node> = Vec::new();
         let mut segments = Vec::new();
@@ -192,7 +189,7 @@ impl Planner {
                         },
                     );
                     accum[i] = false;
-                    let stage1 = stage1_collective(plan, id, me, red.op, red.dtype);
+                    let stage1 = plan.stage_collective(id, rank, 1);
                     push(
                         &mut nodes,
                         mb,
@@ -232,7 +229,7 @@ impl Planner {
                         );
                         partial[i] = false;
                     }
-                    let stage2 = stage2_collective(plan, id, me, red.op, red.dtype);
+                    let stage2 = plan.stage_collective(id, rank, 2);
                     push(
                         &mut nodes,
                         mb,
@@ -298,13 +295,8 @@ impl Planner {
                             },
                         );
                     }
-                    let collective = Collective {
-                        kind: CollectiveKind::Broadcast,
-                        group: Group::Replicate { shard: o.shard },
-                        count: p.spec.numel(),
-                        dtype: crate::node::DType::F32,
-                        op: ReduceOp::Sum,
-                        root: Some(o.replicate),
+                    let Some(collective) = plan.publish_collective(param) else {
+                        continue;
                     };
                     push(
                         &mut nodes,
@@ -321,66 +313,6 @@ impl Planner {
             tail: true,
         });
         (nodes, segments)
-    }
-}
-
-fn stage1_collective(
-    plan: &Plan,
-    b: BucketId,
-    me: Coord,
-    op: ReduceOp,
-    dtype: crate::node::DType,
-) -> Collective {
-    let bucket = plan.bucket(b);
-    let group = Group::Shard {
-        replicate: me.replicate,
-    };
-    match bucket.owner {
-        None => Collective {
-            kind: CollectiveKind::ReduceScatter,
-            group,
-            count: plan.stage1_elems(b),
-            dtype,
-            op,
-            root: None,
-        },
-        Some(o) => Collective {
-            kind: CollectiveKind::Reduce,
-            group,
-            count: plan.stage1_elems(b),
-            dtype,
-            op,
-            root: Some(o.shard),
-        },
-    }
-}
-
-fn stage2_collective(
-    plan: &Plan,
-    b: BucketId,
-    me: Coord,
-    op: ReduceOp,
-    dtype: crate::node::DType,
-) -> Collective {
-    let bucket = plan.bucket(b);
-    let group = Group::Replicate { shard: me.shard };
-    match bucket.owner {
-        None => Collective {
-            kind: CollectiveKind::AllReduce,
-            group,
-            count: plan.stage1_elems(b),
-            dtype,
-            op,
-            root: None,
-        },
-        Some(o) => Collective {
-            kind: CollectiveKind::Reduce,
-            group,
-            count: plan.stage1_elems(b),
-            dtype,
-            op,
-            root: Some(o.replicate),
-        },
     }
 }
 

@@ -27,6 +27,21 @@ pub enum PlanError {
         /// What is wrong.
         reason: String,
     },
+    /// A rank's program is not well formed (ids out of range, a node on the wrong
+    /// stream, a node never run, ...).
+    #[error("{path}: {reason}")]
+    Malformed {
+        /// JSON path of the offending entry, e.g. `ranks[1].streams[0].instrs[3]`.
+        path: String,
+        /// What is wrong.
+        reason: String,
+        /// The rank whose program it is.
+        rank: u32,
+        /// The stream concerned, when one is.
+        stream: Option<Stream>,
+        /// The node concerned, when one is.
+        node: Option<NodeId>,
+    },
     /// The plan JSON could not be read.
     #[error("plan JSON: {0}")]
     Json(String),

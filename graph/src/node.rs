@@ -229,6 +229,30 @@ pub struct Collective {
     pub root: Option<u32>,
 }
 
+impl std::fmt::Display for Collective {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        let dtype = match self.dtype {
+            DType::F32 => "f32",
+            DType::Bf16 => "bf16",
+        };
+        let op = match self.op {
+            ReduceOp::Avg => "avg",
+            ReduceOp::Sum => "sum",
+        };
+        write!(
+            f,
+            "{} of {} {dtype} ({op}) on {}",
+            self.kind.name(),
+            self.count,
+            self.group
+        )?;
+        if let Some(r) = self.root {
+            write!(f, " root {r}")?;
+        }
+        Ok(())
+    }
+}
+
 /// The optimizer a parameter's route selects.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize)]
 #[serde(rename_all = "snake_case")]

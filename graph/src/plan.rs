@@ -8,8 +8,11 @@
 use serde::{Deserialize, Serialize};
 
 use crate::gate::Gate;
-use crate::mesh::{Coord, Mesh};
-use crate::node::{BucketId, Buffer, DType, Instr, Node, Op, OptimizerKind, ReduceOp, Stream};
+use crate::mesh::{Coord, Group, Mesh};
+use crate::node::{
+    BucketId, Buffer, Collective, CollectiveKind, DType, Instr, Node, Op, OptimizerKind, ReduceOp,
+    Stream,
+};
 use crate::param::{ParamId, ParamSpec, Route};
 use crate::PlanError;
 
@@ -80,15 +83,59 @@ pub struct PlanSpec {
     pub bindings: Bindings,
 }
 
-/// A parameter with its owner. (Unknown fields are rejected by [`ParamSpec`].)
+/// A parameter with its owner. In JSON its fields are the parameter's own plus `owner`.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(from = "PlacedParamRepr", into = "PlacedParamRepr")]
 pub struct PlacedParam {
     /// The parameter.
-    #[serde(flatten)]
     pub spec: ParamSpec,
     /// The owner `(s_o, r_o)` of an owned route; absent for sharded routes.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub owner: Option<Coord>,
+}
+
+/// The flat JSON form of [`PlacedParam`] (serde's `flatten` cannot reject unknown keys).
+#[derive(Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+struct PlacedParamRepr {
+    name: String,
+    shape: Vec<u64>,
+    route: Route,
+    layer: u32,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    owner: Option<Coord>,
+}
+
+impl From<PlacedParamRepr> for PlacedParam {
+    fn from(r: PlacedParamRepr) -> Self {
+        PlacedParam {
+            spec: ParamSpec {
+                name: r.name,
+                shape: r.shape,
+                route: r.route,
+                layer: r.layer,
+            },
+            owner: r.owner,
+        }
+    }
+}
+
+impl From<PlacedParam> for PlacedParamRepr {
+    fn from(p: PlacedParam) -> Self {
+        let ParamSpec {
+            name,
+            shape,
+            route,
+            layer,
+        } = p.spec;
+        PlacedParamRepr {
+            name,
+            shape,
+            route,
+            layer,
+            owner: p.owner,
+        }
+    }
 }
 
 /// Parameters of one layer, route and owner, reduced by one collective.
@@ -485,6 +532,74 @@ impl Plan {
         a
     }
 
+    /// The collective a bucket's Stage 1 (`stage == 1`) or Stage 2 (`stage == 2`) must
+    /// issue on a rank: reduce-scatter / all-reduce for sharded routes, reduce to the
+    /// owner's shard index / replicate index for owned ones, over the rank's shard /
+    /// replicate group, with the plan's reduce op and dtype.
+    pub fn stage_collective(&self, b: BucketId, rank: u32, stage: u8) -> Collective {
+        let me = self.mesh.coord(rank);
+        let owner = self.bucket(b).owner;
+        let (group, kind, root) = match (stage, owner) {
+            (1, None) => (
+                Group::Shard {
+                    replicate: me.replicate,
+                },
+                CollectiveKind::ReduceScatter,
+                None,
+            ),
+            (1, Some(o)) => (
+                Group::Shard {
+                    replicate: me.replicate,
+                },
+                CollectiveKind::Reduce,
+                Some(o.shard),
+            ),
+            (_, None) => (
+                Group::Replicate { shard: me.shard },
+                CollectiveKind::AllReduce,
+                None,
+            ),
+            (_, Some(o)) => (
+                Group::Replicate { shard: me.shard },
+                CollectiveKind::Reduce,
+                Some(o.replicate),
+            ),
+        };
+        Collective {
+            kind,
+            group,
+            count: self.stage1_elems(b),
+            dtype: self.reduce.dtype,
+            op: self.reduce.op,
+            root,
+        }
+    }
+
+    /// The broadcast that publishes an owned parameter: from its owner over the owner's
+    /// replicate group, in f32. `None` for sharded routes.
+    pub fn publish_collective(&self, p: ParamId) -> Option<Collective> {
+        let placed = self.param(p);
+        let o = placed.owner?;
+        Some(Collective {
+            kind: CollectiveKind::Broadcast,
+            group: Group::Replicate { shard: o.shard },
+            count: placed.spec.numel(),
+            dtype: DType::F32,
+            op: ReduceOp::Sum,
+            root: Some(o.replicate),
+        })
+    }
+
+    /// The collective a node must issue on a rank, if its operation issues one.
+    pub fn expected_collective(&self, rank: u32, node: &Node) -> Option<Collective> {
+        match node.op {
+            Op::Stage1 { bucket, .. } => Some(self.stage_collective(bucket, rank, 1)),
+            Op::Stage2 { bucket, .. } => Some(self.stage_collective(bucket, rank, 2)),
+            Op::Publish { param, .. } => self.publish_collective(param),
+            _ => None,
+        }
+    }
+
     /// A short human label of a node: `stage1 b3 m0 (reduce_scatter)`.
     pub fn label(&self, node: &Node) -> String {
         let mb = node
@@ -645,19 +760,37 @@ impl Plan {
         let nb = self.buckets.len() as u64;
         for (ri, rp) in self.ranks.iter().enumerate() {
             let at = |what: String| format!("ranks[{ri}].{what}");
+            let mal = |stream: Option<Stream>, node: Option<u32>, path: String, reason: String| {
+                Err(PlanError::Malformed {
+                    path,
+                    reason,
+                    rank: ri as u32,
+                    stream,
+                    node,
+                })
+            };
             if rp.rank as usize != ri {
-                return bad(at("rank".into()), format!("expected {ri}, got {}", rp.rank));
+                return mal(
+                    None,
+                    None,
+                    at("rank".into()),
+                    format!("expected {ri}, got {}", rp.rank),
+                );
             }
             for (ni, n) in rp.nodes.iter().enumerate() {
                 if n.id as usize != ni {
-                    return bad(
+                    return mal(
+                        Some(n.stream),
+                        Some(ni as u32),
                         at(format!("nodes[{ni}].id")),
                         format!("expected {ni}, got {}", n.id),
                     );
                 }
                 if let Some(m) = n.micro_batch {
                     if m >= self.micro_batches() {
-                        return bad(
+                        return mal(
+                            Some(n.stream),
+                            Some(ni as u32),
                             at(format!("nodes[{ni}].micro_batch")),
                             format!(
                                 "{m} is past the step's {} micro-batches",
@@ -667,7 +800,9 @@ impl Plan {
                     }
                 }
                 if n.op.micro_batch().is_some_and(|m| Some(m) != n.micro_batch) {
-                    return bad(
+                    return mal(
+                        Some(n.stream),
+                        Some(ni as u32),
                         at(format!("nodes[{ni}].micro_batch")),
                         "differs from the micro-batch its operation names".into(),
                     );
@@ -675,7 +810,9 @@ impl Plan {
                 if matches!(n.op, Op::Optimizer { .. } | Op::Publish { .. })
                     != n.micro_batch.is_none()
                 {
-                    return bad(
+                    return mal(
+                        Some(n.stream),
+                        Some(ni as u32),
                         at(format!("nodes[{ni}].micro_batch")),
                         "optimizer and publish nodes, and only they, belong to the step (null)"
                             .into(),
@@ -683,7 +820,9 @@ impl Plan {
                 }
                 if let Some(b) = n.op.bucket() {
                     if u64::from(b) >= nb {
-                        return bad(
+                        return mal(
+                            Some(n.stream),
+                            Some(ni as u32),
                             at(format!("nodes[{ni}].bucket")),
                             format!("bucket {b} does not exist ({nb} buckets)"),
                         );
@@ -691,7 +830,9 @@ impl Plan {
                 }
                 if let Op::Optimizer { param, .. } | Op::Publish { param, .. } = n.op {
                     if u64::from(param) >= np {
-                        return bad(
+                        return mal(
+                            Some(n.stream),
+                            Some(ni as u32),
                             at(format!("nodes[{ni}].param")),
                             format!("parameter {param} does not exist ({np} parameters)"),
                         );
@@ -699,14 +840,18 @@ impl Plan {
                 }
                 if let Some(c) = n.op.collective() {
                     if !self.mesh.has_group(c.group) {
-                        return bad(
+                        return mal(
+                            Some(n.stream),
+                            Some(ni as u32),
                             at(format!("nodes[{ni}].collective.group")),
                             format!("{} is not a group of mesh {}", c.group, self.mesh),
                         );
                     }
                     if let Some(root) = c.root {
                         if root >= self.mesh.group_size(c.group) {
-                            return bad(
+                            return mal(
+                                Some(n.stream),
+                                Some(ni as u32),
                                 at(format!("nodes[{ni}].collective.root")),
                                 format!("root {root} is outside {}", c.group),
                             );
@@ -718,20 +863,25 @@ impl Plan {
             let mut streams_seen = [false; 4];
             for (si, sp) in rp.streams.iter().enumerate() {
                 if std::mem::replace(&mut streams_seen[sp.stream.index()], true) {
-                    return bad(
+                    return mal(
+                        Some(sp.stream),
+                        None,
                         at(format!("streams[{si}]")),
                         format!("stream {} appears twice", sp.stream),
                     );
                 }
                 for (ii, ins) in sp.instrs.iter().enumerate() {
                     let here = || at(format!("streams[{si}].instrs[{ii}]"));
+                    let st = Some(sp.stream);
                     match *ins {
                         Instr::Run(n) => {
                             let Some(node) = rp.nodes.get(n as usize) else {
-                                return bad(here(), format!("node {n} does not exist"));
+                                return mal(st, None, here(), format!("node {n} does not exist"));
                             };
                             if node.stream != sp.stream {
-                                return bad(
+                                return mal(
+                                    st,
+                                    Some(n),
                                     here(),
                                     format!(
                                         "node {n} is bound to stream {} but listed on {}",
@@ -740,11 +890,13 @@ impl Plan {
                                 );
                             }
                             if std::mem::replace(&mut seen[n as usize], true) {
-                                return bad(here(), format!("node {n} runs twice"));
+                                return mal(st, Some(n), here(), format!("node {n} runs twice"));
                             }
                         }
                         Instr::Record(e) | Instr::Wait(e) if e >= rp.events => {
-                            return bad(
+                            return mal(
+                                st,
+                                None,
                                 here(),
                                 format!("event {e} is past the program's {} events", rp.events),
                             );
@@ -754,7 +906,9 @@ impl Plan {
                 }
             }
             if let Some(n) = seen.iter().position(|s| !s) {
-                return bad(
+                return mal(
+                    rp.nodes.get(n).map(|x| x.stream),
+                    Some(n as u32),
                     at(format!("nodes[{n}]")),
                     "the node is never run by any stream".into(),
                 );

@@ -14,6 +14,8 @@
 //!   micro-batch of the step exactly once, reduced over both stages; no fold or unpack
 //!   overwrites a live accumulation (bug 4's overwrite).
 //! - `partials-flushed`: no partial or no_sync accumulation is left at the end of the step.
+//! - `collective-shape`: every collective is the one its node's route requires (kind,
+//!   group, size, root at the owner, the plan's reduce op and dtype).
 //! - `collective-match`: on every communicator (a group bound to a stream) all members
 //!   issue the same collectives in the same order with the same sizes, dtypes and roots.
 //! - `no-deadlock`: executing all ranks' programs together, every stream finishes.
@@ -26,7 +28,7 @@ use std::collections::{BTreeMap, HashMap};
 use crate::mesh::Group;
 use crate::node::{Buffer, Collective, EventId, Instr, Node, NodeId, Op, Stream};
 use crate::plan::Plan;
-use crate::Violation;
+use crate::{PlanError, Violation};
 
 /// How much of a step the plan is meant to cover.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -43,11 +45,17 @@ const MAX_VIOLATIONS: usize = 64;
 /// Validates a plan; an empty list means every invariant holds.
 pub fn validate(plan: &Plan, mode: Mode) -> Vec<Violation> {
     if let Err(e) = plan.check_well_formed() {
+        let (rank, stream, node) = match e {
+            PlanError::Malformed {
+                rank, stream, node, ..
+            } => (rank, stream, node),
+            _ => (0, None, None),
+        };
         return vec![Violation {
             invariant: "well-formed",
-            rank: 0,
-            stream: None,
-            node: None,
+            rank,
+            stream,
+            node,
             detail: e.to_string(),
         }];
     }
@@ -64,6 +72,7 @@ pub fn validate(plan: &Plan, mode: Mode) -> Vec<Violation> {
         let rank = rp.rank;
         let accesses: Vec<_> = rp.nodes.iter().map(|n| plan.access(rank, n)).collect();
         stage1_consumed_once(plan, rank, &rp.nodes, &mut out);
+        collective_shape(plan, rank, &rp.nodes, &mut out);
         ordered_access(plan, rp, &accesses, &mut out);
         accounting(plan, rank, &rp.nodes, mode, &mut out);
         if mode == Mode::Step {
@@ -747,7 +756,53 @@ fn partials_flushed(
 /// A communicator: a group bound to a stream.
 type Comm = (Group, Stream);
 /// The collectives one rank issues on one communicator, in order.
-type Calls = Vec<(NodeId, Collective)>;
+type Calls = Vec<(NodeId, Subject, Collective)>;
+
+/// What a call reduces: the node kind, bucket and micro-batch, or the published parameter.
+/// Two members whose calls match in shape but not in this would silently mix the
+/// gradients of different buckets.
+type Subject = (&'static str, Option<u32>, Option<u32>, Option<u32>);
+
+fn subject(op: &Op) -> Subject {
+    let param = match *op {
+        Op::Publish { param, .. } => Some(param),
+        _ => None,
+    };
+    (op.kind(), op.bucket(), op.micro_batch(), param)
+}
+
+fn describe_call(plan: &Plan, call: Option<&(NodeId, Subject, Collective)>) -> String {
+    match call {
+        Some((_, (kind, bucket, mb, param), c)) => {
+            let what = match (bucket, param) {
+                (Some(b), _) => format!(
+                    "{kind} b{b}{}",
+                    mb.map(|m| format!(" m{m}")).unwrap_or_default()
+                ),
+                (_, Some(p)) => format!("{kind} {}", plan.param(*p).spec.name),
+                _ => (*kind).to_string(),
+            };
+            format!("{what}: {c}")
+        }
+        None => "nothing".into(),
+    }
+}
+
+fn collective_shape(plan: &Plan, rank: u32, nodes: &[Node], out: &mut Vec<Violation>) {
+    for n in nodes {
+        let (Some(got), Some(want)) = (n.op.collective(), plan.expected_collective(rank, n)) else {
+            continue;
+        };
+        if *got != want {
+            out.push(violation(
+                "collective-shape",
+                rank,
+                Some(n),
+                format!("{} issues {got}, but its route needs {want}", plan.label(n)),
+            ));
+        }
+    }
+}
 
 fn collective_match(plan: &Plan, out: &mut Vec<Violation>) {
     let mut seqs: BTreeMap<Comm, Vec<(u32, Calls)>> = BTreeMap::new();
@@ -769,7 +824,9 @@ fn collective_match(plan: &Plan, out: &mut Vec<Violation>) {
                     ));
                     continue;
                 }
-                per.entry((c.group, n.stream)).or_default().push((n.id, *c));
+                per.entry((c.group, n.stream))
+                    .or_default()
+                    .push((n.id, subject(&n.op), *c));
             }
         }
         for (comm, seq) in per {
@@ -784,41 +841,50 @@ fn collective_match(plan: &Plan, out: &mut Vec<Violation>) {
             }
         }
         members.sort_by_key(|m| m.0);
-        let (r0, s0) = &members[0];
-        for (r, s) in &members[1..] {
-            let k = s0
+        let key = |seq: &Calls, k: usize| seq.get(k).map(|(_, s, c)| (*s, *c));
+        let longest = members.iter().map(|m| m.1.len()).max().unwrap_or(0);
+        let Some(k) = (0..longest).find(|&k| {
+            members
                 .iter()
-                .zip(s)
-                .position(|(a, b)| a.1 != b.1)
-                .unwrap_or(s0.len().min(s.len()));
-            if k == s0.len() && k == s.len() {
-                continue;
+                .any(|m| key(&m.1, k) != key(&members[0].1, k))
+        }) else {
+            continue;
+        };
+        // The call most members issue at slot k is taken as intended; the others are blamed.
+        let mut votes: Vec<(Option<(Subject, Collective)>, usize)> = Vec::new();
+        for m in &members {
+            let v = key(&m.1, k);
+            match votes.iter_mut().find(|x| x.0 == v) {
+                Some(x) => x.1 += 1,
+                None => votes.push((v, 1)),
             }
-            let desc = |seq: &Calls| match seq.get(k) {
-                Some((_, c)) => format!(
-                    "{} of {} {:?}{}",
-                    c.kind.name(),
-                    c.count,
-                    c.dtype,
-                    c.root.map(|r| format!(" root {r}")).unwrap_or_default()
-                ),
-                None => "nothing".into(),
-            };
-            let node = s.get(k).or(s0.get(k)).map(|x| x.0);
-            let rank = if s.get(k).is_some() { *r } else { *r0 };
+        }
+        let majority = votes
+            .iter()
+            .max_by_key(|x| x.1)
+            .map(|x| x.0)
+            .unwrap_or(None);
+        let (agree_rank, agree_seq) = members
+            .iter()
+            .find(|m| key(&m.1, k) == majority)
+            .map(|m| (m.0, &m.1))
+            .unwrap_or((members[0].0, &members[0].1));
+        for (r, s) in members.iter().filter(|m| key(&m.1, k) != majority) {
+            let node = s.get(k).or(agree_seq.get(k)).map(|x| x.0);
             out.push(Violation {
                 invariant: "collective-match",
-                rank,
+                rank: *r,
                 stream: Some(stream),
                 node,
                 detail: format!(
-                    "collective #{k} on {group} (stream {stream}): rank {r0} issues {}, rank {r} issues {}; real hardware would hang",
-                    desc(s0),
-                    desc(s)
+                    "collective #{k} on {group} (stream {stream}): rank {r} issues {}, rank {agree_rank} (and the majority) {}; \
+                     real hardware would hang or mix different buffers",
+                    describe_call(plan, s.get(k)),
+                    describe_call(plan, agree_seq.get(k)),
                 ),
             });
-            return;
         }
+        return;
     }
 }
 
