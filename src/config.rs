@@ -66,7 +66,15 @@ pub struct RunConfig {
     pub seed: u64,
     /// The backend to run on (default [`BackendChoice::Auto`]).
     pub backend: BackendChoice,
+    /// Synthetic backward cost per layer and micro-batch, in microseconds (default 0):
+    /// each `grad_ready` keeps the compute stream busy this long, so that a run on the
+    /// CPU backend, whose trainer's backward is not on the compute stream, shows how
+    /// communication overlaps compute. At most [`MAX_BACKWARD_US`].
+    pub backward_us_per_layer: u32,
 }
+
+/// The largest `run.backward_us_per_layer`: one second per layer.
+pub const MAX_BACKWARD_US: u32 = 1_000_000;
 
 impl Default for RunConfig {
     fn default() -> Self {
@@ -74,6 +82,7 @@ impl Default for RunConfig {
             steps: 3,
             seed: 42,
             backend: BackendChoice::Auto,
+            backward_us_per_layer: 0,
         }
     }
 }
@@ -527,7 +536,7 @@ impl Doc<'_> {
             },
             PlanError::Model(_) => self.err("model", model.map(Spanned::span), plan_reason(e)),
             PlanError::Input { key, .. } => self.err(key.clone(), None, plan_reason(e)),
-            PlanError::Json(_) => self.err("", None, plan_reason(e)),
+            PlanError::Json(_) | PlanError::Malformed { .. } => self.err("", None, plan_reason(e)),
         }
     }
 
@@ -667,6 +676,20 @@ impl Doc<'_> {
             steps: self.at_least_one("run.steps", raw.steps, d.steps)?,
             seed: raw.seed.unwrap_or(d.seed),
             backend,
+            backward_us_per_layer: match raw.backward_us_per_layer {
+                None => d.backward_us_per_layer,
+                Some(v) if *v.get_ref() > MAX_BACKWARD_US => {
+                    return Err(self.err(
+                        "run.backward_us_per_layer",
+                        Some(v.span()),
+                        format!(
+                            "must be at most {MAX_BACKWARD_US} (one second per layer), got {}",
+                            v.get_ref()
+                        ),
+                    ))
+                }
+                Some(v) => v.into_inner(),
+            },
         })
     }
 
@@ -789,7 +812,9 @@ impl Bound {
 fn plan_reason(e: PlanError) -> String {
     match e {
         PlanError::Mesh(r) | PlanError::Model(r) | PlanError::Json(r) => r,
-        PlanError::Param { reason, .. } | PlanError::Input { reason, .. } => reason,
+        PlanError::Param { reason, .. }
+        | PlanError::Input { reason, .. }
+        | PlanError::Malformed { reason, .. } => reason,
     }
 }
 
@@ -995,6 +1020,7 @@ mod raw {
         pub steps: Option<Spanned<u32>>,
         pub seed: Option<u64>,
         pub backend: Option<Spanned<String>>,
+        pub backward_us_per_layer: Option<Spanned<u32>>,
     }
 
     #[derive(Deserialize, Default)]

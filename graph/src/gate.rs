@@ -13,6 +13,7 @@ pub enum Gate {
     /// Reduce gate off: no collectives; the full gradient accumulates locally.
     NoSync,
     /// Replicate gate off: Stage 1, then fold into the partial on the reduce stream.
+    #[serde(rename = "off")]
     ReplicateOff,
     /// Both gates on: fold the partial into Stage 1's output, run Stage 2, unpack.
     On,

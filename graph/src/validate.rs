@@ -4,6 +4,9 @@
 //!
 //! - `well-formed`: ids in range, every node run once on the stream it is bound to,
 //!   stream programs in serial order ([`Plan::check_well_formed`]).
+//! - `gate-conformance`: each micro-batch runs only what its gate allows (no collective
+//!   under `no_sync`, no Stage 2 or unpack with the replicate gate off, no fold into the
+//!   partial with it on).
 //! - `stage1-consumed-once`: every Stage-1 output is consumed exactly once, by a fold or
 //!   by Stage 2 (zero times is seed bug 1 or 4, twice is bug 2).
 //! - `event-order`: every wait follows, in host issue order, a record of its event.
@@ -25,6 +28,7 @@
 
 use std::collections::{BTreeMap, HashMap};
 
+use crate::gate::Gate;
 use crate::mesh::Group;
 use crate::node::{Buffer, Collective, EventId, Instr, Node, NodeId, Op, Stream};
 use crate::plan::Plan;
@@ -71,6 +75,7 @@ pub fn validate(plan: &Plan, mode: Mode) -> Vec<Violation> {
     for rp in &plan.ranks {
         let rank = rp.rank;
         let accesses: Vec<_> = rp.nodes.iter().map(|n| plan.access(rank, n)).collect();
+        gate_conformance(plan, rank, &rp.nodes, &mut out);
         stage1_consumed_once(plan, rank, &rp.nodes, &mut out);
         collective_shape(plan, rank, &rp.nodes, &mut out);
         ordered_access(plan, rp, &accesses, &mut out);
@@ -121,6 +126,36 @@ fn check_serial_stream_order(rp: &crate::plan::RankProgram) -> Result<(), Violat
         }
     }
     Ok(())
+}
+
+fn gate_conformance(plan: &Plan, rank: u32, nodes: &[Node], out: &mut Vec<Violation>) {
+    for n in nodes {
+        let Some(m) = n.micro_batch else { continue };
+        let gate = plan.gates[m as usize];
+        let allowed = match (gate, n.op) {
+            (_, Op::GradReady { .. }) => true,
+            (Gate::NoSync, Op::Accumulate { .. }) => true,
+            (Gate::NoSync, _) => false,
+            (_, Op::Accumulate { .. }) => false,
+            (
+                Gate::ReplicateOff,
+                Op::Stage2 { .. } | Op::Unpack { .. } | Op::FoldPartial { .. },
+            ) => false,
+            (Gate::On, Op::Fold { .. }) => false,
+            _ => true,
+        };
+        if !allowed {
+            out.push(violation(
+                "gate-conformance",
+                rank,
+                Some(n),
+                format!(
+                    "{} runs in micro-batch {m}, whose gate is `{gate}`",
+                    plan.label(n)
+                ),
+            ));
+        }
+    }
 }
 
 fn stage1_consumed_once(plan: &Plan, rank: u32, nodes: &[Node], out: &mut Vec<Violation>) {
@@ -850,26 +885,44 @@ fn collective_match(plan: &Plan, out: &mut Vec<Violation>) {
         }) else {
             continue;
         };
-        // The call most members issue at slot k is taken as intended; the others are blamed.
-        let mut votes: Vec<(Option<(Subject, Collective)>, usize)> = Vec::new();
-        for m in &members {
-            let v = key(&m.1, k);
+        // The intended call at slot k: the one most members issue; on a tie (always
+        // possible in a two-member group), the one the route requires; then the lowest
+        // rank's. Every member issuing something else is blamed.
+        let mut votes: Vec<(Option<(Subject, Collective)>, usize, bool)> = Vec::new();
+        for (r, seq) in &members {
+            let v = key(seq, k);
+            let required = seq.get(k).is_some_and(|(n, _, c)| {
+                plan.expected_collective(*r, &plan.rank(*r).nodes[*n as usize])
+                    .as_ref()
+                    == Some(c)
+            });
             match votes.iter_mut().find(|x| x.0 == v) {
-                Some(x) => x.1 += 1,
-                None => votes.push((v, 1)),
+                Some(x) => {
+                    x.1 += 1;
+                    x.2 |= required;
+                }
+                None => votes.push((v, 1, required)),
             }
         }
-        let majority = votes
+        let top = votes.iter().map(|x| x.1).max().unwrap_or(0);
+        let intended = votes
             .iter()
-            .max_by_key(|x| x.1)
+            .filter(|x| x.1 == top)
+            .find(|x| x.2)
+            .or_else(|| votes.iter().find(|x| x.1 == top))
             .map(|x| x.0)
             .unwrap_or(None);
+        let who = if top * 2 > members.len() {
+            "the majority"
+        } else {
+            "the call its route requires"
+        };
         let (agree_rank, agree_seq) = members
             .iter()
-            .find(|m| key(&m.1, k) == majority)
+            .find(|m| key(&m.1, k) == intended)
             .map(|m| (m.0, &m.1))
             .unwrap_or((members[0].0, &members[0].1));
-        for (r, s) in members.iter().filter(|m| key(&m.1, k) != majority) {
+        for (r, s) in members.iter().filter(|m| key(&m.1, k) != intended) {
             let node = s.get(k).or(agree_seq.get(k)).map(|x| x.0);
             out.push(Violation {
                 invariant: "collective-match",
@@ -877,7 +930,7 @@ fn collective_match(plan: &Plan, out: &mut Vec<Violation>) {
                 stream: Some(stream),
                 node,
                 detail: format!(
-                    "collective #{k} on {group} (stream {stream}): rank {r} issues {}, rank {agree_rank} (and the majority) {}; \
+                    "collective #{k} on {group} (stream {stream}): rank {r} issues {}, rank {agree_rank} ({who}) {}; \
                      real hardware would hang or mix different buffers",
                     describe_call(plan, s.get(k)),
                     describe_call(plan, agree_seq.get(k)),

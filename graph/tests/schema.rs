@@ -636,7 +636,7 @@ fn schema_and_loader_reject_the_same_malformed_shapes() {
         ("unknown stream", |v| {
             v["ranks"][0]["nodes"][0]["stream"] = json!("copy")
         }),
-        ("unknown gate", |v| v["gates"][0] = json!("off")),
+        ("unknown gate", |v| v["gates"][0] = json!("replicate_off")),
         ("negative node id in an instruction", |v| {
             v["ranks"][0]["streams"][0]["instrs"][0] = json!({ "run": -1 })
         }),
@@ -665,6 +665,9 @@ fn schema_and_loader_reject_the_same_malformed_shapes() {
             n["op"]["collective"]["group"] = json!({ "kind": "world" });
         }),
         ("unknown mesh field", |v| v["mesh"]["pipeline"] = json!(1)),
+        ("unknown parameter field", |v| {
+            v["params"][0]["rout"] = json!("muon")
+        }),
         ("wrong format tag", |v| {
             v["format"] = json!("overlap-plan-v2")
         }),

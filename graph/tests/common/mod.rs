@@ -56,6 +56,18 @@ pub fn four_routes_plan(gates: &[Gate]) -> Plan {
         .unwrap()
 }
 
+/// The plan of [`four_routes`] on another mesh, one bucket per (layer, route, owner).
+///
+/// On meshes 3x1 and 4x1 the buckets are those of mesh 2x2 (b0 fsdp, b1 muon owned by
+/// shard index 0, b2 adamw owned by shard index 1, b3 sharded_adamw), with shard groups
+/// large enough for a majority.
+pub fn four_routes_plan_on(shard: u32, replicate: u32, gates: &[Gate]) -> Plan {
+    Planner::new(spec(shard, replicate, four_routes(), 1 << 20))
+        .unwrap()
+        .plan(gates)
+        .unwrap()
+}
+
 /// A plan as a JSON value.
 pub fn to_value(plan: &Plan) -> Value {
     serde_json::from_str(&plan.to_json()).unwrap()
