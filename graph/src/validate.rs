@@ -43,6 +43,20 @@ pub enum Mode {
     Prefix,
 }
 
+/// The name of every invariant the validator checks, in the order of this module's
+/// docs: every [`Violation::invariant`] is one of these (metrics label by them).
+pub const INVARIANTS: [&str; 9] = [
+    "well-formed",
+    "stage1-consumed-once",
+    "event-order",
+    "ordered-access",
+    "gradient-accounting",
+    "partials-flushed",
+    "collective-shape",
+    "collective-match",
+    "no-deadlock",
+];
+
 /// Stops collecting after this many violations.
 const MAX_VIOLATIONS: usize = 64;
 
@@ -792,6 +806,8 @@ fn partials_flushed(
 type Comm = (Group, Stream);
 /// The collectives one rank issues on one communicator, in order.
 type Calls = Vec<(NodeId, Subject, Collective)>;
+/// What a call is, for comparing members' sequences.
+type Call = (Subject, Collective);
 
 /// What a call reduces: the node kind, bucket and micro-batch, or the published parameter.
 /// Two members whose calls match in shape but not in this would silently mix the
@@ -888,7 +904,8 @@ fn collective_match(plan: &Plan, out: &mut Vec<Violation>) {
         // The intended call at slot k: the one most members issue; on a tie (always
         // possible in a two-member group), the one the route requires; then the lowest
         // rank's. Every member issuing something else is blamed.
-        let mut votes: Vec<(Option<(Subject, Collective)>, usize, bool)> = Vec::new();
+        // (call, how many members issue it, whether it is the one the route requires)
+        let mut votes: Vec<(Option<Call>, usize, bool)> = Vec::new();
         for (r, seq) in &members {
             let v = key(seq, k);
             let required = seq.get(k).is_some_and(|(n, _, c)| {
