@@ -38,6 +38,13 @@ pub struct ExecConfig {
     pub muon: MuonParams,
     /// How long the host waits for the device before giving up on a step.
     pub host_timeout: Duration,
+    /// A synthetic backward cost: each `grad_ready` node runs a [`Kernel::Spin`] of this
+    /// many microseconds on its stream instead of a marker, standing in for the layer's
+    /// backward on backends where the trainer's backward is not on the compute stream
+    /// (0, the default: a marker, no cost).
+    ///
+    /// [`Kernel::Spin`]: overlap_ops::Kernel::Spin
+    pub backward_us_per_layer: u32,
 }
 
 impl Default for ExecConfig {
@@ -47,6 +54,7 @@ impl Default for ExecConfig {
             adamw: AdamwParams::default(),
             muon: MuonParams::default(),
             host_timeout: Duration::from_secs(120),
+            backward_us_per_layer: 0,
         }
     }
 }
@@ -118,6 +126,8 @@ pub struct StepStats {
     pub wall_seconds: f64,
     /// Kernel timings of the step.
     pub timings: Vec<Timing>,
+    /// Most Stage-1 buffers any local rank had in flight at once (at most the window).
+    pub stage1_in_flight_peak: usize,
     /// Partials and no_sync accumulations still unflushed when the step's last node was
     /// issued, over local ranks (a valid plan leaves none).
     pub partials_left: usize,
@@ -237,6 +247,7 @@ impl<B: Backend> Executor<B> {
             adamw: self.cfg.adamw,
             muon: self.cfg.muon,
             step: self.steps_done + 1,
+            backward_us: self.cfg.backward_us_per_layer,
         }
     }
 
@@ -355,9 +366,11 @@ impl<B: Backend> Executor<B> {
             r.end_step(true);
         }
         let issue_seconds = self.ranks.iter().map(|r| r.issue_time.as_secs_f64()).sum();
+        let stage1_in_flight_peak = self.ranks.iter().map(|r| r.peak_in_flight).max().unwrap_or(0);
         Ok(StepStats {
             nodes,
             issue_seconds,
+            stage1_in_flight_peak,
             wall_seconds: wall,
             timings,
             partials_left,

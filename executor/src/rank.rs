@@ -41,6 +41,8 @@ pub(crate) struct RankState<B: Backend> {
     pub issue_errors: Vec<OpsError>,
     /// Nodes issued since the last step began.
     pub issued: usize,
+    /// Most Stage-1 buffers in flight at once since the last step began.
+    pub peak_in_flight: usize,
     /// Host time spent issuing them (excluding backpressure waits).
     pub issue_time: std::time::Duration,
     /// Partials and no_sync accumulations written and not yet flushed, as issued.
@@ -53,6 +55,8 @@ pub(crate) struct IssueCtx {
     pub adamw: AdamwParams,
     pub muon: MuonParams,
     pub step: u64,
+    /// Synthetic backward cost of a `grad_ready` node, in µs (0: a marker).
+    pub backward_us: u32,
 }
 
 impl<B: Backend> RankState<B> {
@@ -70,6 +74,7 @@ impl<B: Backend> RankState<B> {
             issue_errors: Vec::new(),
             issued: 0,
             issue_time: std::time::Duration::ZERO,
+            peak_in_flight: 0,
             live_partials: std::collections::HashSet::new(),
         }
     }
@@ -161,6 +166,7 @@ impl<B: Backend> RankState<B> {
         {
             self.backpressure(backend, ctx.window).await;
             self.in_flight.push_back((bucket, micro_batch));
+            self.peak_in_flight = self.peak_in_flight.max(self.in_flight.len());
         }
         let t0 = std::time::Instant::now();
         for &(stream, ins) in &p.issue[p.group(n)] {
@@ -241,6 +247,9 @@ impl<B: Backend> RankState<B> {
         let stream = node.stream;
         let launch = |k: Kernel<B::Buffer>| backend.launch(self.rank, stream, tag, k);
         match node.op {
+            Op::GradReady { .. } if ctx.backward_us > 0 => launch(Kernel::Spin {
+                micros: ctx.backward_us,
+            }),
             Op::GradReady { .. } => launch(Kernel::Marker),
             Op::Accumulate {
                 bucket,
@@ -496,6 +505,7 @@ impl<B: Backend> RankState<B> {
         self.buffers.retain(|b, _| b.is_persistent());
         self.issued = 0;
         self.issue_time = std::time::Duration::ZERO;
+        self.peak_in_flight = 0;
         self.issue_errors.clear();
     }
 
