@@ -31,6 +31,7 @@ use std::collections::{BTreeMap, HashMap};
 use crate::gate::Gate;
 use crate::mesh::Group;
 use crate::node::{Buffer, Collective, EventId, Instr, Node, NodeId, Op, Stream};
+use crate::param::ParamId;
 use crate::plan::Plan;
 use crate::{PlanError, Violation};
 
@@ -417,12 +418,17 @@ impl Term {
                 }
             })
             .collect();
-        let lvl = match self.level {
+        format!("{{{}}} {}", parts.join(", "), self.level.describe())
+    }
+}
+
+impl Level {
+    fn describe(self) -> &'static str {
+        match self {
             Level::Local => "unreduced",
             Level::Shard => "reduced over the shard group only",
             Level::Full => "fully reduced",
-        };
-        format!("{{{}}} {lvl}", parts.join(", "))
+        }
     }
 }
 
@@ -436,46 +442,102 @@ fn add(a: &Term, b: &Term) -> Result<Term, String> {
     })
 }
 
+/// The symbolic values of one rank's gradient buffers during the accounting walk.
+#[derive(Default)]
+struct Values(HashMap<Buffer, Term>);
+
+impl Values {
+    fn get(&self, b: &Buffer) -> Option<Term> {
+        self.0.get(b).cloned()
+    }
+
+    fn live(&self, b: &Buffer) -> Option<&Term> {
+        self.0.get(b).filter(|t| t.count.iter().any(|&c| c > 0))
+    }
+
+    /// `dst (+)= src`: adding requires equal levels; initialising must not drop a live
+    /// value (`what` names it in the error).
+    fn fold_into(
+        &mut self,
+        dst: Buffer,
+        src: Term,
+        accumulate: bool,
+        what: &str,
+    ) -> Result<(), String> {
+        let next = match (accumulate, self.0.get(&dst)) {
+            (true, Some(old)) => add(old, &src)?,
+            (false, _) if self.live(&dst).is_some() => {
+                return Err(format!(
+                    "overwrites the live {what} {} instead of adding to it",
+                    self.0[&dst].describe()
+                ));
+            }
+            _ => src,
+        };
+        self.0.insert(dst, next);
+        Ok(())
+    }
+
+    /// A collective stage: `src` must be at level `from`; `dst` (where this rank receives
+    /// the result) holds the same micro-batches at level `to`.
+    fn reduce(
+        &mut self,
+        src: &Buffer,
+        dst: Option<Buffer>,
+        from: Level,
+        to: Level,
+    ) -> Result<(), String> {
+        let Some(t) = self.get(src) else {
+            return Ok(());
+        };
+        if t.level != from {
+            return Err(format!(
+                "reduces {}, which is not {}",
+                t.describe(),
+                from.describe()
+            ));
+        }
+        if let Some(d) = dst {
+            self.0.insert(d, Term { level: to, ..t });
+        }
+        Ok(())
+    }
+}
+
 fn accounting(plan: &Plan, rank: u32, nodes: &[Node], mode: Mode, out: &mut Vec<Violation>) {
     let m = plan.micro_batches() as usize;
-    let mut val: HashMap<Buffer, Term> = HashMap::new();
+    let mut val = Values::default();
     let start = out.len();
     for n in nodes {
         if out.len() - start >= 8 {
             return;
         }
-        let mut fail = |detail: String| {
-            out.push(violation(
-                "gradient-accounting",
-                rank,
-                Some(n),
-                format!("{} {detail}", plan.label(n)),
-            ))
-        };
-        let params = |b: u32| plan.bucket(b).params.clone();
-        let live = |val: &HashMap<Buffer, Term>, b: &Buffer| {
-            val.get(b).is_some_and(|t| t.count.iter().any(|&c| c > 0))
-        };
+        let mut errors: Vec<String> = Vec::new();
+        let name = |p: ParamId| &plan.param(p).spec.name;
         match n.op {
             Op::GradReady { layer } => {
-                let mb = n.micro_batch.unwrap_or(0) as usize;
+                let mb = n.micro_batch.unwrap_or(0);
                 let mut count = vec![0; m];
-                if mb < m {
-                    count[mb] = 1;
+                if let Some(c) = count.get_mut(mb as usize) {
+                    *c = 1;
                 }
-                for (i, p) in plan.params.iter().enumerate() {
-                    if p.spec.layer == layer {
-                        val.insert(
-                            Buffer::Grad {
-                                param: i as u32,
-                                micro_batch: mb as u32,
-                            },
-                            Term {
-                                level: Level::Local,
-                                count: count.clone(),
-                            },
-                        );
-                    }
+                for (i, _) in plan
+                    .params
+                    .iter()
+                    .enumerate()
+                    .filter(|(_, p)| p.spec.layer == layer)
+                {
+                    let term = Term {
+                        level: Level::Local,
+                        count: count.clone(),
+                    };
+                    val.0.insert(
+                        Buffer::Grad {
+                            param: i as ParamId,
+                            micro_batch: mb,
+                        },
+                        term,
+                    );
                 }
             }
             Op::Accumulate {
@@ -483,34 +545,18 @@ fn accounting(plan: &Plan, rank: u32, nodes: &[Node], mode: Mode, out: &mut Vec<
                 micro_batch,
                 accumulate,
             } => {
-                for p in params(bucket) {
-                    let acc = Buffer::Accum { param: p };
-                    let Some(g) = val
-                        .get(&Buffer::Grad {
-                            param: p,
-                            micro_batch,
-                        })
-                        .cloned()
-                    else {
+                for &p in &plan.bucket(bucket).params {
+                    let Some(g) = val.get(&Buffer::Grad {
+                        param: p,
+                        micro_batch,
+                    }) else {
                         continue;
                     };
-                    if !accumulate && live(&val, &acc) {
-                        fail(format!(
-                            "overwrites the live no_sync accumulation {} of `{}`",
-                            val[&acc].describe(),
-                            plan.param(p).spec.name
-                        ));
-                    }
-                    let next = match (accumulate, val.get(&acc)) {
-                        (true, Some(a)) => add(a, &g),
-                        _ => Ok(g),
-                    };
-                    match next {
-                        Ok(t) => {
-                            val.insert(acc, t);
-                        }
-                        Err(e) => fail(e),
-                    }
+                    let what = format!("no_sync accumulation of `{}`", name(p));
+                    errors.extend(
+                        val.fold_into(Buffer::Accum { param: p }, g, accumulate, &what)
+                            .err(),
+                    );
                 }
             }
             Op::Pack {
@@ -518,51 +564,40 @@ fn accounting(plan: &Plan, rank: u32, nodes: &[Node], mode: Mode, out: &mut Vec<
                 micro_batch,
                 with_accum,
             } => {
-                let mut bucket_term: Option<Term> = None;
-                for p in params(bucket) {
-                    let Some(g) = val
-                        .get(&Buffer::Grad {
-                            param: p,
-                            micro_batch,
-                        })
-                        .cloned()
-                    else {
+                let mut packed: Option<Term> = None;
+                for &p in &plan.bucket(bucket).params {
+                    let Some(g) = val.get(&Buffer::Grad {
+                        param: p,
+                        micro_batch,
+                    }) else {
                         continue;
                     };
                     let acc = Buffer::Accum { param: p };
-                    let t = if with_accum {
-                        match val.get(&acc).map(|a| add(a, &g)) {
-                            Some(Ok(t)) => t,
-                            Some(Err(e)) => {
-                                fail(e);
-                                continue;
-                            }
-                            None => g,
-                        }
-                    } else {
-                        if live(&val, &acc) {
-                            fail(format!(
+                    let t = match (with_accum, val.0.remove(&acc)) {
+                        (true, Some(a)) => add(&a, &g),
+                        (false, Some(a)) if a.count.iter().any(|&c| c > 0) => {
+                            errors.push(format!(
                                 "leaves the no_sync accumulation {} of `{}` behind",
-                                val[&acc].describe(),
-                                plan.param(p).spec.name
+                                a.describe(),
+                                name(p)
                             ));
+                            val.0.insert(acc, a);
+                            Ok(g)
                         }
-                        g
+                        _ => Ok(g),
                     };
-                    if with_accum {
-                        val.remove(&acc);
-                    }
-                    match &bucket_term {
-                        Some(b) if *b != t => fail(format!(
+                    match (t, &packed) {
+                        (Err(e), _) => errors.push(e),
+                        (Ok(t), Some(b)) if *b != t => errors.push(format!(
                             "packs parameters carrying different gradients ({} and {})",
                             b.describe(),
                             t.describe()
                         )),
-                        _ => bucket_term = Some(t),
+                        (Ok(t), _) => packed = Some(t),
                     }
                 }
-                if let Some(t) = bucket_term {
-                    val.insert(
+                if let Some(t) = packed {
+                    val.0.insert(
                         Buffer::Send {
                             bucket,
                             micro_batch,
@@ -576,84 +611,57 @@ fn accounting(plan: &Plan, rank: u32, nodes: &[Node], mode: Mode, out: &mut Vec<
                 micro_batch,
                 ..
             } => {
-                if let Some(t) = val
-                    .get(&Buffer::Send {
+                let dst = plan
+                    .holds_stage1(bucket, rank)
+                    .then_some(Buffer::Stage1Out {
                         bucket,
                         micro_batch,
-                    })
-                    .cloned()
-                {
-                    if t.level != Level::Local {
-                        fail(format!(
-                            "reduces {} again over the shard group",
-                            t.describe()
-                        ));
-                    }
-                    if plan.holds_stage1(bucket, rank) {
-                        val.insert(
-                            Buffer::Stage1Out {
-                                bucket,
-                                micro_batch,
-                            },
-                            Term {
-                                level: Level::Shard,
-                                ..t
-                            },
-                        );
-                    }
-                }
+                    });
+                errors.extend(
+                    val.reduce(
+                        &Buffer::Send {
+                            bucket,
+                            micro_batch,
+                        },
+                        dst,
+                        Level::Local,
+                        Level::Shard,
+                    )
+                    .err(),
+                );
             }
             Op::Fold {
                 bucket,
                 micro_batch,
                 accumulate,
             } => {
-                let partial = Buffer::Partial { bucket };
-                let Some(s1) = val
-                    .get(&Buffer::Stage1Out {
-                        bucket,
-                        micro_batch,
-                    })
-                    .cloned()
-                else {
-                    continue;
-                };
-                if !accumulate && live(&val, &partial) {
-                    fail(format!(
-                        "overwrites the live partial {} instead of adding to it",
-                        val[&partial].describe()
-                    ));
-                }
-                let next = match (accumulate, val.get(&partial)) {
-                    (true, Some(p)) => add(p, &s1),
-                    _ => Ok(s1),
-                };
-                match next {
-                    Ok(t) => {
-                        val.insert(partial, t);
-                    }
-                    Err(e) => fail(e),
+                if let Some(s1) = val.get(&Buffer::Stage1Out {
+                    bucket,
+                    micro_batch,
+                }) {
+                    errors.extend(
+                        val.fold_into(Buffer::Partial { bucket }, s1, accumulate, "partial")
+                            .err(),
+                    );
                 }
             }
             Op::FoldPartial {
                 bucket,
                 micro_batch,
             } => {
-                let s1b = Buffer::Stage1Out {
-                    bucket,
-                    micro_batch,
-                };
-                let (Some(p), Some(s1)) = (
-                    val.remove(&Buffer::Partial { bucket }),
-                    val.get(&s1b).cloned(),
-                ) else {
-                    continue;
-                };
-                match add(&s1, &p) {
-                    Ok(t) => {
-                        val.insert(s1b, t);
-                    }
-                    Err(e) => fail(e),
+                if let Some(p) = val.0.remove(&Buffer::Partial { bucket }) {
+                    errors.extend(
+                        val.fold_into(
+                            Buffer::Stage1Out {
+                                bucket,
+                                micro_batch,
+                            },
+                            p,
+                            true,
+                            "Stage-1 output",
+                        )
+                        .err(),
+                    );
                 }
             }
             Op::Stage2 {
@@ -661,69 +669,48 @@ fn accounting(plan: &Plan, rank: u32, nodes: &[Node], mode: Mode, out: &mut Vec<
                 micro_batch,
                 ..
             } => {
-                if let Some(t) = val
-                    .get(&Buffer::Stage1Out {
+                if let Some(p) = val.live(&Buffer::Partial { bucket }) {
+                    errors.push(format!(
+                        "runs Stage 2 while the partial {} is still unfolded",
+                        p.describe()
+                    ));
+                }
+                let dst = plan
+                    .holds_stage2(bucket, rank)
+                    .then_some(Buffer::Stage2Out {
                         bucket,
                         micro_batch,
-                    })
-                    .cloned()
-                {
-                    if t.level != Level::Shard {
-                        fail(format!("runs Stage 2 on {}", t.describe()));
-                    }
-                    if live(&val, &Buffer::Partial { bucket }) {
-                        fail(format!(
-                            "runs Stage 2 while the partial {} is still unfolded",
-                            val[&Buffer::Partial { bucket }].describe()
-                        ));
-                    }
-                    if plan.holds_stage2(bucket, rank) {
-                        val.insert(
-                            Buffer::Stage2Out {
-                                bucket,
-                                micro_batch,
-                            },
-                            Term {
-                                level: Level::Full,
-                                ..t
-                            },
-                        );
-                    }
-                }
+                    });
+                errors.extend(
+                    val.reduce(
+                        &Buffer::Stage1Out {
+                            bucket,
+                            micro_batch,
+                        },
+                        dst,
+                        Level::Shard,
+                        Level::Full,
+                    )
+                    .err(),
+                );
             }
             Op::Unpack {
                 bucket,
                 micro_batch,
                 accumulate,
             } => {
-                let Some(s2) = val
-                    .get(&Buffer::Stage2Out {
-                        bucket,
-                        micro_batch,
-                    })
-                    .cloned()
-                else {
+                let Some(s2) = val.get(&Buffer::Stage2Out {
+                    bucket,
+                    micro_batch,
+                }) else {
                     continue;
                 };
-                for p in params(bucket) {
-                    let red = Buffer::Reduced { param: p };
-                    if !accumulate && live(&val, &red) {
-                        fail(format!(
-                            "overwrites the reduced gradient {} of `{}` instead of adding to it",
-                            val[&red].describe(),
-                            plan.param(p).spec.name
-                        ));
-                    }
-                    let next = match (accumulate, val.get(&red)) {
-                        (true, Some(r)) => add(r, &s2),
-                        _ => Ok(s2.clone()),
-                    };
-                    match next {
-                        Ok(t) => {
-                            val.insert(red, t);
-                        }
-                        Err(e) => fail(e),
-                    }
+                for &p in &plan.bucket(bucket).params {
+                    let what = format!("reduced gradient of `{}`", name(p));
+                    errors.extend(
+                        val.fold_into(Buffer::Reduced { param: p }, s2.clone(), accumulate, &what)
+                            .err(),
+                    );
                 }
             }
             Op::Optimizer { param, .. } if mode == Mode::Step => {
@@ -732,17 +719,25 @@ fn accounting(plan: &Plan, rank: u32, nodes: &[Node], mode: Mode, out: &mut Vec<
                     count: vec![1; m],
                 };
                 match val.get(&Buffer::Reduced { param }) {
-                    Some(t) if *t == want => {}
-                    Some(t) => fail(format!(
+                    Some(t) if t == want => {}
+                    Some(t) => errors.push(format!(
                         "consumes {} for `{}`; it must hold every micro-batch of the step once, fully reduced ({})",
                         t.describe(),
-                        plan.param(param).spec.name,
+                        name(param),
                         want.describe()
                     )),
-                    None => fail(format!("consumes no reduced gradient for `{}`", plan.param(param).spec.name)),
+                    None => errors.push(format!("consumes no reduced gradient for `{}`", name(param))),
                 }
             }
             Op::Optimizer { .. } | Op::Publish { .. } => {}
+        }
+        for e in errors {
+            out.push(violation(
+                "gradient-accounting",
+                rank,
+                Some(n),
+                format!("{} {e}", plan.label(n)),
+            ));
         }
     }
 }
