@@ -39,6 +39,10 @@ pub enum Error {
     /// The requested backend is not available in this build or on this machine.
     #[error("backend: {0}")]
     Backend(String),
+    /// The multi-process set-up failed: launcher variables, the rendezvous, `overlap
+    /// launch`, or another rank.
+    #[error(transparent)]
+    Dist(#[from] crate::dist::DistError),
     /// Reading or writing a file failed.
     #[error("{path}: {source}")]
     Io {

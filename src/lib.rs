@@ -9,10 +9,25 @@
 //! `overlap` command line runs. The work is done by three libraries usable on their own:
 //! [`graph`] (planning and validation, pure), [`ops`] (operations and backends) and
 //! [`executor`] (issuing plans on a backend).
+//!
+//! [`observe`] shows what ran: Prometheus metrics of every step (one call,
+//! [`observe::metrics::install_prometheus`]), Chrome traces for Perfetto and a Gantt
+//! picture of a step.
+//!
+//! Multi-process jobs (one process per GPU): [`dist`] reads a rank's place in the job
+//! from the launcher's environment, [`rendezvous`] connects the ranks over TCP,
+//! [`launch`] is `overlap launch`, and `cuda` (with the `cuda` feature) runs sessions on
+//! the CUDA + NCCL backend.
 
 pub mod config;
+#[cfg(feature = "cuda")]
+pub mod cuda;
+pub mod dist;
 pub mod drive;
 mod error;
+pub mod launch;
+pub mod observe;
+pub mod rendezvous;
 pub mod session;
 pub mod synthetic;
 pub mod verify;

@@ -7,7 +7,7 @@ use std::process::ExitCode;
 use clap::{Parser, Subcommand, ValueEnum};
 use overlap::config::{BackendChoice, Config};
 use overlap::graph::{export, validate, Gate, Mode, Plan, Planner};
-use overlap::{drive, verify, Error, Session};
+use overlap::{drive, observe, verify, Error, Session};
 
 #[derive(Parser)]
 #[command(
@@ -37,6 +37,8 @@ enum Command {
         /// Seed of the synthetic gradients (overrides `run.seed`).
         #[arg(long)]
         seed: Option<u64>,
+        #[command(flatten)]
+        observe: ObserveArgs,
     },
     /// Run the gated schedule and the no_sync reference side by side and compare what
     /// every optimizer consumes; exits 0 only when every comparison is within tolerance.
@@ -53,6 +55,17 @@ enum Command {
         /// End with one JSON line: ok, worst_rel_err, per_route, partials_left, steps, ranks, ...
         #[arg(long)]
         json: bool,
+        /// Backend (overrides `run.backend`): auto, cpu or cuda. With cuda, run one process
+        /// per GPU (`overlap launch --nproc-per-node N -- verify ...`); the GPUs' results are
+        /// compared with the exact reference and with the CPU backend.
+        #[arg(long)]
+        backend: Option<BackendChoice>,
+        /// Gate pattern, e.g. `no_sync,off,on` (overrides the config's).
+        #[arg(long)]
+        gates: Option<String>,
+        /// Reduction dtype on the wire (overrides `reduce.dtype`).
+        #[arg(long, value_enum)]
+        dtype: Option<WireDType>,
     },
     /// Print the lowered plan of one step.
     Plan {
@@ -76,6 +89,76 @@ enum Command {
         #[arg(long)]
         plan: PathBuf,
     },
+    /// Start N local ranks of a job, as torchrun does (RANK, WORLD_SIZE, LOCAL_RANK,
+    /// MASTER_ADDR, MASTER_PORT), each running `overlap <ARGS>`; their output is prefixed
+    /// with `[rank k]`, and the first rank to fail stops the others and sets the exit code.
+    Launch {
+        /// Processes on this node (one per GPU).
+        #[arg(long)]
+        nproc_per_node: u32,
+        /// Nodes in the job.
+        #[arg(long, default_value_t = 1)]
+        nnodes: u32,
+        /// This node's index.
+        #[arg(long, default_value_t = 0)]
+        node_rank: u32,
+        /// Host of rank 0.
+        #[arg(long, default_value = "127.0.0.1")]
+        master_addr: String,
+        /// Port of rank 0's rendezvous.
+        #[arg(long, default_value_t = overlap::dist::DEFAULT_MASTER_PORT)]
+        master_port: u16,
+        /// The overlap subcommand each rank runs, after `--`.
+        #[arg(last = true, required = true, value_name = "ARGS")]
+        args: Vec<std::ffi::OsString>,
+    },
+    /// Print this process's rank environment as JSON (for checking a launcher).
+    #[command(hide = true)]
+    Env {
+        /// Also meet the other ranks at rank 0's rendezvous; rank 0 prints who arrived.
+        #[arg(long)]
+        rendezvous: bool,
+    },
+    /// Check a GPU job: libraries, every collective, the kernels against the reference
+    /// math, and all-reduce bandwidth (run under `overlap launch`).
+    #[command(hide = true)]
+    CudaSmoke {
+        /// All-reduce sizes to time, in MiB per rank, comma-separated.
+        #[arg(long, default_value = "1,16,64,256")]
+        mib: String,
+        /// Timed calls per size.
+        #[arg(long, default_value_t = 20)]
+        iters: u32,
+    },
+}
+
+/// The reduction dtype on the wire.
+#[derive(Clone, Copy, ValueEnum)]
+enum WireDType {
+    F32,
+    Bf16,
+}
+
+/// What `overlap run` shows besides its summary lines.
+#[derive(clap::Args)]
+struct ObserveArgs {
+    /// Serve Prometheus metrics on this address while running, e.g. 127.0.0.1:9464
+    /// (overrides `metrics.listen`).
+    #[arg(long, value_name = "ADDR")]
+    metrics: Option<std::net::SocketAddr>,
+    /// Write the executed schedule of every step as a Chrome trace (JSON; open it in
+    /// https://ui.perfetto.dev).
+    #[arg(long, value_name = "FILE")]
+    trace: Option<PathBuf>,
+    /// Draw one step's schedule as an SVG Gantt picture (the last step, or --svg-step).
+    #[arg(long, value_name = "FILE")]
+    svg: Option<PathBuf>,
+    /// The step --svg draws (1-based).
+    #[arg(long, value_name = "N", requires = "svg")]
+    svg_step: Option<u64>,
+    /// Pause this long after each step, so that a run can be watched (and scraped).
+    #[arg(long, value_name = "MS", default_value_t = 0)]
+    step_interval_ms: u64,
 }
 
 #[derive(Clone, Copy, ValueEnum)]
@@ -118,6 +201,7 @@ async fn dispatch(cmd: Command) -> Result<ExitCode, Error> {
             steps,
             backend,
             seed,
+            observe,
         } => {
             let mut cfg = load(&config)?;
             if let Some(b) = backend {
@@ -126,53 +210,66 @@ async fn dispatch(cmd: Command) -> Result<ExitCode, Error> {
             if let Some(s) = seed {
                 cfg.run.seed = s;
             }
-            run(&cfg, steps.unwrap_or(cfg.run.steps)).await
+            if let Some(addr) = observe.metrics {
+                cfg.metrics.listen = Some(addr);
+            }
+            run(&cfg, steps.unwrap_or(cfg.run.steps), &observe).await
         }
         Command::Verify {
             config,
             steps,
             seed,
             json,
+            backend,
+            gates,
+            dtype,
         } => {
-            let cfg = load(&config)?;
+            let mut cfg = load(&config)?;
+            if let Some(g) = gates {
+                cfg.gates = parse_gates(&g)?;
+            }
+            if let Some(d) = dtype {
+                cfg.plan.reduce.dtype = match d {
+                    WireDType::F32 => overlap::graph::DType::F32,
+                    WireDType::Bf16 => overlap::graph::DType::Bf16,
+                };
+            }
             let steps = u64::from(steps.unwrap_or(cfg.run.steps));
             let seed = seed.unwrap_or(cfg.run.seed);
+            if let Some(b) = backend {
+                cfg.run.backend = b;
+            }
+            if use_cuda(cfg.run.backend)? {
+                return verify_cuda(&cfg, steps, seed, json).await;
+            }
             let report = verify::verify(&cfg, steps, seed, |s| {
                 if !json {
                     eprintln!("verify: step {s}/{steps} done");
                 }
             })
             .await?;
-            if !json {
-                println!(
-                    "verify {}: mesh {} ({} ranks), gates {}, {} steps",
-                    cfg.source, cfg.plan.mesh, report.ranks, report.gates, report.steps
-                );
-                for (route, e) in &report.per_route {
-                    println!("  {route:<14} worst relative error {e:.3e}");
-                }
-                println!(
-                    "  gradients      worst {:.3e} at {} (tolerance {:.0e})",
-                    report.worst_rel_err, report.worst_at, report.grad_tolerance
-                );
-                println!(
-                    "  parameters     worst {:.3e} gated vs no_sync (tolerance {:.0e})",
-                    report.param_rel_err, report.param_tolerance
-                );
-                println!("  partials left  {}", report.partials_left);
-                println!("{}", if report.ok { "OK" } else { "FAILED" });
-            } else {
-                println!(
-                    "{}",
-                    serde_json::to_string(&report).map_err(|e| Error::Usage(e.to_string()))?
-                );
-            }
-            Ok(if report.ok {
-                ExitCode::SUCCESS
-            } else {
-                ExitCode::from(1)
-            })
+            print_verify(&cfg, &report, json)
         }
+        Command::Launch {
+            nproc_per_node,
+            nnodes,
+            node_rank,
+            master_addr,
+            master_port,
+            args,
+        } => {
+            let spec = overlap::launch::LaunchSpec {
+                nproc_per_node,
+                nnodes,
+                node_rank,
+                master_addr,
+                master_port,
+                args,
+            };
+            Ok(ExitCode::from(overlap::launch::launch(&spec)?))
+        }
+        Command::Env { rendezvous } => env(rendezvous),
+        Command::CudaSmoke { mib, iters } => cuda_smoke(&mib, iters).await,
         Command::Plan {
             config,
             format,
@@ -261,16 +358,44 @@ fn parse_ranks(s: &str, world: u32) -> Result<Vec<u32>, Error> {
         .collect()
 }
 
-async fn run(cfg: &Config, steps: u32) -> Result<ExitCode, Error> {
-    let backend = match cfg.run.backend {
-        BackendChoice::Cuda => {
-            return Err(Error::Backend(
-                "backend \"cuda\" is not in this build: rebuild with `--features cuda`".into(),
-            ));
-        }
-        BackendChoice::Auto | BackendChoice::Cpu => "cpu",
-    };
-    let mut session = Session::cpu(cfg)?;
+async fn run(cfg: &Config, steps: u32, observe: &ObserveArgs) -> Result<ExitCode, Error> {
+    let cuda = use_cuda(cfg.run.backend)?;
+    let backend = if cuda { "cuda" } else { "cpu" };
+    // In a multi-process job only rank 0 serves metrics and writes the trace and picture.
+    let primary = !cuda || overlap::dist::RankEnv::from_env()?.map_or(true, |e| e.rank == 0);
+    if let Some(n) = observe.svg_step.filter(|&n| n == 0 || n > u64::from(steps)) {
+        return Err(Error::Usage(format!(
+            "--svg-step {n}: the run has steps 1 to {steps}"
+        )));
+    }
+    let recording = observe::Recording::new(
+        observe.trace.as_deref().filter(|_| primary),
+        observe.svg.as_deref().filter(|_| primary),
+        observe.svg_step,
+    )?;
+    if let Some(addr) = cfg.metrics.listen.filter(|_| primary) {
+        observe::metrics::install_prometheus(addr)?;
+        println!("metrics: serving http://{addr}/metrics");
+    }
+    #[cfg(feature = "cuda")]
+    if cuda {
+        let env = overlap::cuda::rank_env(cfg.plan.mesh)?;
+        let world = overlap::cuda::world(cfg, env, true)?;
+        let session = Session::cuda(cfg, world.backend.clone())?;
+        return run_steps(session, cfg, steps, observe, recording, backend).await;
+    }
+    run_steps(Session::cpu(cfg)?, cfg, steps, observe, recording, backend).await
+}
+
+/// Runs the steps of `overlap run` on a session and prints a line per step.
+async fn run_steps<B: overlap::ops::Backend>(
+    mut session: Session<B>,
+    cfg: &Config,
+    steps: u32,
+    observe: &ObserveArgs,
+    mut recording: observe::Recording,
+    backend: &str,
+) -> Result<ExitCode, Error> {
     let planner = session.planner();
     println!(
         "overlap run {}: mesh {} ({} ranks), {} params, {} buckets, gates {}, backend {backend}, {steps} steps",
@@ -283,13 +408,16 @@ async fn run(cfg: &Config, steps: u32) -> Result<ExitCode, Error> {
     );
     for step in 0..u64::from(steps) {
         let r = drive::synthetic_step(&mut session, cfg.run.seed, step, &cfg.gates).await?;
+        let plan = session.step_plan(&r.gates)?;
+        recording.step(&r, &plan)?;
+        let analysis = observe::StepAnalysis::new(&r, &plan);
         let per_node = if r.stats.nodes > 0 {
             r.stats.issue_seconds * 1e6 / r.stats.nodes as f64
         } else {
             0.0
         };
         println!(
-            "step {}/{steps}  gates {}  nodes {}  wall {:.2} ms  host {:.2} us/node  stage2 {} (saved {})  partials left {}",
+            "step {}/{steps}  gates {}  nodes {}  wall {:.2} ms  host {:.2} us/node  stage2 {} (saved {})  partials left {}  exposed comm {:.2} ms  overlap {}",
             r.step,
             Gate::pattern_label(&r.gates),
             r.stats.nodes,
@@ -297,8 +425,18 @@ async fn run(cfg: &Config, steps: u32) -> Result<ExitCode, Error> {
             per_node,
             bytes(r.stage2_bytes),
             bytes(r.stage2_bytes_saved),
-            r.stats.partials_left
+            r.stats.partials_left,
+            analysis.exposed_seconds() * 1e3,
+            analysis
+                .efficiency()
+                .map_or_else(|| "n/a".into(), |e| format!("{e:.2}")),
         );
+        if observe.step_interval_ms > 0 {
+            tokio::time::sleep(std::time::Duration::from_millis(observe.step_interval_ms)).await;
+        }
+    }
+    for line in recording.finish()? {
+        println!("{line}");
     }
     Ok(ExitCode::SUCCESS)
 }
@@ -310,4 +448,156 @@ fn bytes(b: u64) -> String {
         b if b >= 1 << 10 => format!("{:.1} KiB", b as f64 / 1024.0),
         b => format!("{b} B"),
     }
+}
+
+/// Prints a verification report (text, or one JSON line) and picks the exit code.
+fn print_verify(
+    cfg: &Config,
+    report: &verify::VerifyReport,
+    json: bool,
+) -> Result<ExitCode, Error> {
+    if json {
+        println!(
+            "{}",
+            serde_json::to_string(report).map_err(|e| Error::Usage(e.to_string()))?
+        );
+    } else {
+        println!(
+            "verify {}: mesh {} ({} ranks), gates {}, {} steps",
+            cfg.source, cfg.plan.mesh, report.ranks, report.gates, report.steps
+        );
+        for (route, e) in &report.per_route {
+            println!("  {route:<14} worst relative error {e:.3e}");
+        }
+        println!(
+            "  gradients      worst {:.3e} at {} (tolerance {:.0e})",
+            report.worst_rel_err, report.worst_at, report.grad_tolerance
+        );
+        let against = if report.update_rel_err.is_empty() {
+            "gated vs no_sync"
+        } else {
+            "GPU vs CPU backend"
+        };
+        println!(
+            "  parameters     worst {:.3e} {against} (tolerance {:.0e})",
+            report.param_rel_err, report.param_tolerance
+        );
+        for (opt, e) in &report.update_rel_err {
+            println!("  {opt:<14} update relative error {e:.3e} (GPU vs CPU backend)");
+        }
+        println!("  partials left  {}", report.partials_left);
+        println!("{}", if report.ok { "OK" } else { "FAILED" });
+    }
+    Ok(if report.ok {
+        ExitCode::SUCCESS
+    } else {
+        ExitCode::from(1)
+    })
+}
+
+/// Whether a backend choice means the CUDA backend: `cuda`, or `auto` in a build with
+/// it, started as a rank of a job (a launcher's variables are set) whose CUDA libraries
+/// load.
+fn use_cuda(choice: BackendChoice) -> Result<bool, Error> {
+    match choice {
+        BackendChoice::Cpu => Ok(false),
+        BackendChoice::Cuda if cfg!(feature = "cuda") => Ok(true),
+        BackendChoice::Cuda => Err(Error::Backend(
+            "backend \"cuda\" is not in this build: rebuild with `cargo build --release --features cuda`".into(),
+        )),
+        BackendChoice::Auto => Ok(auto_cuda()),
+    }
+}
+
+#[cfg(feature = "cuda")]
+fn auto_cuda() -> bool {
+    matches!(overlap::dist::RankEnv::from_env(), Ok(Some(_)))
+        && overlap::ops::cuda::check_libraries().is_ok()
+}
+
+#[cfg(not(feature = "cuda"))]
+fn auto_cuda() -> bool {
+    false
+}
+
+#[cfg(feature = "cuda")]
+async fn verify_cuda(cfg: &Config, steps: u64, seed: u64, json: bool) -> Result<ExitCode, Error> {
+    let env = overlap::cuda::rank_env(cfg.plan.mesh)?;
+    let mut world = overlap::cuda::world(cfg, env, false)?;
+    let report = overlap::cuda::verify(cfg, steps, seed, &mut world, |s| {
+        if !json {
+            eprintln!("verify: step {s}/{steps} done");
+        }
+    })
+    .await?;
+    match report {
+        Some(report) => print_verify(cfg, &report, json),
+        None => Ok(ExitCode::SUCCESS),
+    }
+}
+
+#[cfg(not(feature = "cuda"))]
+async fn verify_cuda(_: &Config, _: u64, _: u64, _: bool) -> Result<ExitCode, Error> {
+    use_cuda(BackendChoice::Cuda).map(|_| ExitCode::from(2))
+}
+
+/// `overlap env`: the detected rank environment, and optionally a rendezvous.
+fn env(rendezvous: bool) -> Result<ExitCode, Error> {
+    let env = overlap::dist::RankEnv::from_env()?.unwrap_or_else(overlap::dist::RankEnv::single);
+    println!(
+        "{}",
+        serde_json::to_string(&env).map_err(|e| Error::Usage(e.to_string()))?
+    );
+    if rendezvous {
+        let timeout = std::time::Duration::from_secs(60);
+        let mut rdv = overlap::rendezvous::Rendezvous::connect(&env, timeout)?;
+        let me = format!("rank {} pid {}", env.rank, std::process::id());
+        if let Some(all) = rdv.gather(me.as_bytes(), timeout)? {
+            let names: Vec<String> = all
+                .iter()
+                .map(|b| String::from_utf8_lossy(b).into_owned())
+                .collect();
+            println!(
+                "rendezvous: {} ranks arrived: {}",
+                all.len(),
+                names.join(", ")
+            );
+        }
+    }
+    Ok(ExitCode::SUCCESS)
+}
+
+#[cfg(feature = "cuda")]
+async fn cuda_smoke(mib: &str, iters: u32) -> Result<ExitCode, Error> {
+    let sizes = mib
+        .split(',')
+        .map(|m| {
+            m.trim()
+                .parse::<u64>()
+                .map(|m| m << 20)
+                .map_err(|_| Error::Usage(format!("--mib: `{m}` is not a whole number of MiB")))
+        })
+        .collect::<Result<Vec<_>, _>>()?;
+    let env = overlap::dist::RankEnv::from_env()?.unwrap_or_else(overlap::dist::RankEnv::single);
+    let mesh = overlap::Mesh {
+        shard: 1,
+        replicate: env.world_size,
+    };
+    let comms = overlap::ops::cuda::mesh_comms(mesh, &overlap::graph::Bindings::default());
+    let mut world = overlap::cuda::open(env, mesh, comms, false)?;
+    let report = overlap::cuda::smoke(&mut world, &sizes, iters).await?;
+    println!(
+        "{}",
+        serde_json::to_string(&report).map_err(|e| Error::Usage(e.to_string()))?
+    );
+    Ok(if report.ok {
+        ExitCode::SUCCESS
+    } else {
+        ExitCode::from(1)
+    })
+}
+
+#[cfg(not(feature = "cuda"))]
+async fn cuda_smoke(_: &str, _: u32) -> Result<ExitCode, Error> {
+    use_cuda(BackendChoice::Cuda).map(|_| ExitCode::from(2))
 }

@@ -103,6 +103,7 @@ pub fn exec_config(config: &Config) -> ExecConfig {
         stage1_window: config.overlap.stage1_window as usize,
         adamw: config.adamw,
         muon: config.muon,
+        backward_us_per_layer: config.run.backward_us_per_layer,
         ..ExecConfig::default()
     }
 }
@@ -203,6 +204,7 @@ impl<B: Backend> Session<B> {
             return Ok(p.clone());
         }
         if let Some(params) = unflushed(&self.planner, gates) {
+            crate::observe::metrics::record_unflushed();
             return Err(Error::Unflushed {
                 gates: Gate::pattern_label(gates),
                 params,
@@ -211,6 +213,7 @@ impl<B: Backend> Session<B> {
         let plan = self.planner.plan(gates)?;
         let v = validate(&plan, Mode::Step);
         if !v.is_empty() {
+            crate::observe::metrics::record_rejection(&v);
             return Err(Error::Invalid(v));
         }
         let plan = Arc::new(plan);
@@ -225,6 +228,7 @@ impl<B: Backend> Session<B> {
         let plan = self.planner.plan_prefix(gates)?;
         let v = validate(&plan, Mode::Prefix);
         if !v.is_empty() {
+            crate::observe::metrics::record_rejection(&v);
             return Err(Error::Invalid(v));
         }
         let plan = Arc::new(plan);
@@ -302,13 +306,15 @@ impl<B: Backend> Session<B> {
         self.layers_done = 0;
         let stats = self.executor.finish_step().await?;
         let (stage2_bytes, stage2_bytes_saved) = self.stage2_bytes(&plan);
-        Ok(StepReport {
+        let report = StepReport {
             step: self.executor.steps_done(),
             gates,
             stats,
             stage2_bytes,
             stage2_bytes_saved,
-        })
+        };
+        crate::observe::metrics::record_step(&report, &plan);
+        Ok(report)
     }
 
     /// Discards the step in progress: partials, no_sync accumulations and gradients

@@ -33,8 +33,13 @@ pub struct VerifyReport {
     pub worst_rel_err: f64,
     /// Worst relative error per route.
     pub per_route: BTreeMap<String, f64>,
-    /// Worst relative error of the parameters after the last step, gated vs no_sync.
+    /// Worst relative error of the parameters after the last step, gated vs no_sync
+    /// (on the CUDA backend: the GPU's against the CPU backend's, same gates).
     pub param_rel_err: f64,
+    /// CUDA backend only: worst relative error of each optimizer's accumulated update
+    /// (`p_last - p_0`), GPU against CPU, by optimizer (`adamw`, `muon`).
+    #[serde(skip_serializing_if = "BTreeMap::is_empty")]
+    pub update_rel_err: BTreeMap<String, f64>,
     /// Partials and accumulations left unflushed at the end of any step.
     pub partials_left: usize,
     /// Steps run.
@@ -149,6 +154,7 @@ pub async fn verify(
         worst_rel_err: worst,
         per_route,
         param_rel_err,
+        update_rel_err: BTreeMap::new(),
         partials_left,
         steps,
         ranks: mesh.world(),

@@ -465,6 +465,16 @@ fn unknown_backend() {
 }
 
 #[test]
+fn backward_cost_above_one_second_per_layer() {
+    expect(
+        &with_base("[run]\nbackward_us_per_layer = 5000000\n"),
+        "run.backward_us_per_layer",
+        Some(9),
+        "must be at most 1000000 (one second per layer), got 5000000",
+    );
+}
+
+#[test]
 fn negative_learning_rate() {
     expect(
         &with_base("[optimizer.adamw]\nlr = -0.1\n"),
@@ -592,6 +602,7 @@ dtype = "bf16"
 steps = 5
 seed = 7
 backend = "cpu"
+backward_us_per_layer = 250
 
 [overlap]
 stage1_window = 4
@@ -655,6 +666,7 @@ listen = "127.0.0.1:9464"
             steps: 5,
             seed: 7,
             backend: BackendChoice::Cpu,
+            backward_us_per_layer: 250,
         },
         overlap: OverlapConfig { stage1_window: 4 },
         adamw: AdamwParams {
@@ -699,7 +711,8 @@ fn minimal_config_takes_the_defaults() {
         RunConfig {
             steps: 3,
             seed: 42,
-            backend: BackendChoice::Auto
+            backend: BackendChoice::Auto,
+            backward_us_per_layer: 0,
         }
     );
     assert_eq!(c.overlap, OverlapConfig { stage1_window: 2 });
@@ -752,7 +765,8 @@ fn example_hsdp_2x2_loads() {
         RunConfig {
             steps: 3,
             seed: 42,
-            backend: BackendChoice::Auto
+            backend: BackendChoice::Auto,
+            backward_us_per_layer: 400,
         }
     );
     for r in Route::ALL {

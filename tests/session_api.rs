@@ -151,9 +151,15 @@ async fn buffers_are_reused_across_steps() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn backpressure_window_bounds_stage1_buffers_in_flight() {
     for window in [1usize, 2, 3] {
-        let spec = PlanSpec { bucket_cap_bytes: 16, ..spec(2, 2) }; // one bucket per parameter
+        let spec = PlanSpec {
+            bucket_cap_bytes: 16,
+            ..spec(2, 2)
+        }; // one bucket per parameter
         let backend = Arc::new(CpuBackend::new(spec.mesh));
-        let exec = ExecConfig { stage1_window: window, ..ExecConfig::default() };
+        let exec = ExecConfig {
+            stage1_window: window,
+            ..ExecConfig::default()
+        };
         let mut s = Session::new(spec, backend, exec).unwrap();
         micro_batch(&mut s, Gate::ReplicateOff).await.unwrap();
         micro_batch(&mut s, Gate::On).await.unwrap();

@@ -366,7 +366,12 @@ impl<B: Backend> Executor<B> {
             r.end_step(true);
         }
         let issue_seconds = self.ranks.iter().map(|r| r.issue_time.as_secs_f64()).sum();
-        let stage1_in_flight_peak = self.ranks.iter().map(|r| r.peak_in_flight).max().unwrap_or(0);
+        let stage1_in_flight_peak = self
+            .ranks
+            .iter()
+            .map(|r| r.peak_in_flight)
+            .max()
+            .unwrap_or(0);
         Ok(StepStats {
             nodes,
             issue_seconds,

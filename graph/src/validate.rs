@@ -46,8 +46,9 @@ pub enum Mode {
 
 /// The name of every invariant the validator checks, in the order of this module's
 /// docs: every [`Violation::invariant`] is one of these (metrics label by them).
-pub const INVARIANTS: [&str; 9] = [
+pub const INVARIANTS: [&str; 10] = [
     "well-formed",
+    "gate-conformance",
     "stage1-consumed-once",
     "event-order",
     "ordered-access",

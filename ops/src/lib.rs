@@ -22,6 +22,8 @@ pub use overlap_graph as graph;
 use overlap_graph::{Collective, CopySeg, Group, Stream};
 
 pub mod cpu;
+#[cfg(feature = "cuda")]
+pub mod cuda;
 pub mod math;
 
 /// Errors of kernels and backends.
@@ -137,6 +139,13 @@ impl Default for MuonParams {
 pub enum Kernel<B> {
     /// A point of the trainer's backward (`grad_ready`): no work, only ordering.
     Marker,
+    /// Occupies its stream for `micros` microseconds and touches no buffer: stands in for
+    /// device work that is not otherwise on the stream (the trainer's backward, when
+    /// `[run] backward_us_per_layer` asks for a synthetic cost).
+    Spin {
+        /// How long the stream stays busy, in microseconds.
+        micros: u32,
+    },
     /// `dst = src` (or `dst += src` when `accumulate`), same length.
     Add {
         /// Destination.
@@ -214,6 +223,7 @@ impl<B> Kernel<B> {
     pub fn name(&self) -> &'static str {
         match self {
             Kernel::Marker => "marker",
+            Kernel::Spin { .. } => "spin",
             Kernel::Add { .. } => "add",
             Kernel::Pack { .. } => "pack",
             Kernel::Unpack { .. } => "unpack",

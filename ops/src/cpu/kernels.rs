@@ -18,6 +18,10 @@ use crate::{math, AdamwParams, Kernel, MuonParams, OpsError};
 pub(super) fn run(rank: u32, kernel: &Kernel<CpuBuffer>) -> Result<(), OpsError> {
     match kernel {
         Kernel::Marker => Ok(()),
+        Kernel::Spin { micros } => {
+            spin(*micros);
+            Ok(())
+        }
         Kernel::Add {
             dst,
             src,
@@ -49,6 +53,25 @@ pub(super) fn run(rank: u32, kernel: &Kernel<CpuBuffer>) -> Result<(), OpsError>
         )),
     }
 }
+
+/// Keeps the calling stream busy for `micros` µs. The stream thread sleeps through all
+/// but the last [`SPIN_TAIL`] and spins through that: a GPU stream busy with a kernel
+/// does not take the host's cores from the other streams, and on a machine with fewer
+/// cores than streams a pure spin would starve the very streams it should overlap with;
+/// the spun tail keeps the end accurate to a few µs despite the sleep's coarse wake-up.
+fn spin(micros: u32) {
+    let start = std::time::Instant::now();
+    let total = std::time::Duration::from_micros(u64::from(micros));
+    if let Some(sleep) = total.checked_sub(SPIN_TAIL) {
+        std::thread::sleep(sleep);
+    }
+    while start.elapsed() < total {
+        std::hint::spin_loop();
+    }
+}
+
+/// The end of a [`Kernel::Spin`] that is spun rather than slept.
+const SPIN_TAIL: std::time::Duration = std::time::Duration::from_micros(100);
 
 /// Checks that `buf` lives on `rank` and holds `len` elements.
 pub(super) fn expect(

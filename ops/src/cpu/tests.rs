@@ -1082,3 +1082,31 @@ fn launch_cost() {
         "{per_launch:?}"
     );
 }
+
+#[test]
+fn spin_kernel_keeps_its_stream_busy_and_lets_other_streams_run() {
+    let b = CpuBackend::new(mesh(1, 1));
+    b.launch(
+        0,
+        Stream::Compute,
+        tag(0, "grad_ready"),
+        Kernel::Spin { micros: 200_000 },
+    );
+    let after = b.event(0);
+    b.record(0, Stream::Compute, &after);
+    b.launch(0, Stream::Reduce, tag(1, "pack"), Kernel::Marker);
+    let reduce_done = record(&b, 0, Stream::Reduce);
+    // The reduce stream is not held up by the compute stream's spin.
+    block_on(b.host_wait(&reduce_done)).unwrap();
+    assert_eq!(
+        b.status(&after),
+        EventStatus::Pending,
+        "the spin is still running"
+    );
+    sync(&b);
+    let timings = b.take_timings();
+    let spin = timings.iter().find(|t| t.tag.node == 0).unwrap();
+    let busy = spin.end - spin.start;
+    assert!((0.2..5.0).contains(&busy), "spin lasted {busy} s");
+    assert_eq!((spin.stream, spin.bytes), (Stream::Compute, 0));
+}

@@ -1,0 +1,171 @@
+// The CUDA backend's kernels, compiled at start with NVRTC (see kernels.rs).
+//
+// Every kernel matches the CPU reference (ops/src/cpu/kernels.rs, ops/src/math.rs)
+// operation for operation: it is compiled with --fmad=false so no multiply-add is
+// contracted, element-wise optimizer math runs in double and rounds each stored value to
+// float once, and sums are taken in the reference's order. Every kernel uses a
+// grid-stride loop, so any grid size covers any length.
+
+typedef unsigned long long u64;
+typedef unsigned int u32;
+typedef unsigned short u16;
+
+#define GRID_STRIDE(i, n) \
+    for (u64 i = (u64)blockIdx.x * blockDim.x + threadIdx.x; i < (u64)(n); \
+         i += (u64)gridDim.x * blockDim.x)
+
+// dst = src, or dst += src. dst and src may be the same buffer.
+extern "C" __global__ void ov_add(float* dst, const float* src, u64 n, int accumulate) {
+    GRID_STRIDE(i, n) {
+        float v = src[i];
+        dst[i] = accumulate ? dst[i] + v : v;
+    }
+}
+
+// One copy of a pack or unpack: dst[i] = (accumulate ? dst[i] + a[i] : a[i]) (+ b[i]).
+struct Seg {
+    const float* a;
+    const float* b;  // null: no second source
+    float* dst;
+    u64 len;
+};
+
+#define OV_MAX_SEGS 32
+
+// Up to OV_MAX_SEGS copies with disjoint destinations, one per blockIdx.y.
+struct Segs {
+    Seg s[OV_MAX_SEGS];
+    u64 count;
+    int accumulate;
+    int pad;
+};
+
+extern "C" __global__ void ov_segments(const Segs p) {
+    if ((u64)blockIdx.y >= p.count) return;
+    const Seg s = p.s[blockIdx.y];
+    GRID_STRIDE(i, s.len) {
+        float v = p.accumulate ? s.dst[i] + s.a[i] : s.a[i];
+        if (s.b != 0) v = v + s.b[i];
+        s.dst[i] = v;
+    }
+}
+
+// Round to nearest bfloat16, ties to even (ops::math::round_bf16); NaN stays a quiet NaN.
+__device__ __forceinline__ u16 ov_f2bf(float x) {
+    u32 u = __float_as_uint(x);
+    if ((u & 0x7fffffffu) > 0x7f800000u) return (u16)((u >> 16) | 0x0040u);
+    u += 0x7fffu + ((u >> 16) & 1u);
+    return (u16)(u >> 16);
+}
+
+extern "C" __global__ void ov_to_bf16(u16* dst, const float* src, u64 n) {
+    GRID_STRIDE(i, n) { dst[i] = ov_f2bf(src[i]); }
+}
+
+extern "C" __global__ void ov_from_bf16(float* dst, const u16* src, u64 n) {
+    GRID_STRIDE(i, n) { dst[i] = __uint_as_float(((u32)src[i]) << 16); }
+}
+
+// AdamW (ops::math::adamw): decay = 1 - lr*wd, bc1 = 1 - b1^step, bc2 = 1 - b2^step
+// computed on the host in double, exactly as the reference does.
+extern "C" __global__ void ov_adamw(float* p, const float* g, float* m, float* v, u64 n,
+                                    double b1, double b2, double eps, double lr,
+                                    double decay, double bc1, double bc2) {
+    GRID_STRIDE(i, n) {
+        double gd = (double)g[i];
+        double m_new = b1 * (double)m[i] + (1.0 - b1) * gd;
+        double v_new = b2 * (double)v[i] + (1.0 - b2) * gd * gd;
+        m[i] = (float)m_new;
+        v[i] = (float)v_new;
+        double update = lr * (m_new / bc1) / (sqrt(v_new / bc2) + eps);
+        p[i] = (float)((double)p[i] * decay - update);
+    }
+}
+
+// Muon momentum (ops::math::muon): buf = mu*buf + g (stored as float); u = g + mu*buf.
+extern "C" __global__ void ov_muon_momentum(float* buf, const float* g, float* u, u64 n,
+                                            double mu) {
+    GRID_STRIDE(i, n) {
+        double gd = (double)g[i];
+        float b = (float)(mu * (double)buf[i] + gd);
+        buf[i] = b;
+        u[i] = (float)(gd + mu * (double)b);
+    }
+}
+
+#define OV_REDUCE_THREADS 256
+
+// Per block: the sum of squares of its grid-stride share of x, in double.
+extern "C" __global__ void ov_sumsq_partial(const float* x, u64 n, double* partial) {
+    __shared__ double sh[OV_REDUCE_THREADS];
+    double acc = 0.0;
+    GRID_STRIDE(i, n) {
+        double v = (double)x[i];
+        acc += v * v;
+    }
+    sh[threadIdx.x] = acc;
+    __syncthreads();
+    for (u32 s = OV_REDUCE_THREADS / 2; s > 0; s >>= 1) {
+        if (threadIdx.x < s) sh[threadIdx.x] += sh[threadIdx.x + s];
+        __syncthreads();
+    }
+    if (threadIdx.x == 0) partial[blockIdx.x] = sh[0];
+}
+
+// One block: norm = sqrt(sum of partials) + 1e-7 (Muon's normalisation).
+extern "C" __global__ void ov_norm_final(const double* partial, u32 count, double* norm) {
+    __shared__ double sh[OV_REDUCE_THREADS];
+    double acc = 0.0;
+    for (u32 i = threadIdx.x; i < count; i += OV_REDUCE_THREADS) acc += partial[i];
+    sh[threadIdx.x] = acc;
+    __syncthreads();
+    for (u32 s = OV_REDUCE_THREADS / 2; s > 0; s >>= 1) {
+        if (threadIdx.x < s) sh[threadIdx.x] += sh[threadIdx.x + s];
+        __syncthreads();
+    }
+    if (threadIdx.x == 0) norm[0] = sqrt(sh[0]) + 1e-7;
+}
+
+// X = U / norm as the row-major m x n working matrix (m <= n): U itself, or U's
+// transpose when rows > cols (then m = cols, n = rows).
+extern "C" __global__ void ov_ns_init(const float* u, float* x, u64 rows, u64 cols,
+                                      int transposed, const double* norm) {
+    double d = norm[0];
+    GRID_STRIDE(k, rows * cols) {
+        float v;
+        if (transposed) {
+            u64 a = k / rows, b = k % rows;  // X[a][b] = U[b][a]
+            v = u[b * cols + a];
+        } else {
+            v = u[k];
+        }
+        x[k] = (float)((double)v / d);
+    }
+}
+
+// p = p*decay - scale*O, where O is the working matrix X (transposed back if needed).
+extern "C" __global__ void ov_muon_update(float* p, const float* x, u64 rows, u64 cols,
+                                          int transposed, double decay, double scale) {
+    GRID_STRIDE(k, rows * cols) {
+        float o;
+        if (transposed) {
+            u64 r = k / cols, c = k % cols;  // O[r][c] = X[c][r]
+            o = x[c * rows + r];
+        } else {
+            o = x[k];
+        }
+        p[k] = (float)((double)p[k] * decay - scale * (double)o);
+    }
+}
+
+// Keeps the stream busy for `nanos` nanoseconds (Kernel::Spin: stands in for device work
+// such as the trainer's backward). One thread polls the global timer; it sleeps between
+// polls so that it occupies one SM slot and no memory bandwidth.
+extern "C" __global__ void ov_spin(u64 nanos) {
+    u64 start, now;
+    asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(start));
+    do {
+        __nanosleep(1000);
+        asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(now));
+    } while (now - start < nanos);
+}

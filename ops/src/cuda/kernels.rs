@@ -1,0 +1,451 @@
+//! The backend's own kernels: CUDA C (`kernels.cu`) compiled once at start with NVRTC,
+//! and typed launchers for them.
+//!
+//! The source is compiled for the device's compute capability with `--fmad=false`, so
+//! no multiply and add are contracted into one rounding: with the reference's operation
+//! order and double-precision element-wise math, AdamW, the Muon momentum and update,
+//! folds, packs and unpacks produce the CPU reference's bits.
+//!
+//! Invariant: a launcher never launches an empty grid (a zero-length operation is a
+//! no-op) and never reads its arguments after `cuLaunchKernel` returned (the driver
+//! copies them at launch).
+
+use std::ffi::{c_void, CString};
+
+use cudarc::driver::result as cu;
+use cudarc::driver::sys;
+use cudarc::nvrtc::{self, CompileOptions};
+
+use super::device::{backend, failed, Device};
+use crate::OpsError;
+
+/// The CUDA C source of every kernel.
+pub(super) const SOURCE: &str = include_str!("kernels.cu");
+
+/// Threads per block of every kernel (the reductions need exactly this many).
+const THREADS: u32 = 256;
+/// Blocks of the sum-of-squares pass (its partials are summed by one block).
+pub(super) const SUMSQ_BLOCKS: u32 = 256;
+/// Most blocks a grid-stride kernel is launched with.
+const MAX_BLOCKS: u64 = 4096;
+/// Copies per `ov_segments` launch (`OV_MAX_SEGS` in the source).
+pub(super) const MAX_SEGS: usize = 32;
+
+/// One copy of a pack or unpack (`struct Seg` in the source).
+#[repr(C)]
+#[derive(Clone, Copy, Default)]
+pub(super) struct Seg {
+    /// First source.
+    pub a: sys::CUdeviceptr,
+    /// Second source, or 0.
+    pub b: sys::CUdeviceptr,
+    /// Destination.
+    pub dst: sys::CUdeviceptr,
+    /// Elements.
+    pub len: u64,
+}
+
+/// A batch of copies with disjoint destinations (`struct Segs` in the source).
+#[repr(C)]
+#[derive(Clone, Copy)]
+pub(super) struct Segs {
+    s: [Seg; MAX_SEGS],
+    count: u64,
+    accumulate: i32,
+    pad: i32,
+}
+
+/// The compiled module and its functions.
+pub(super) struct Kernels {
+    module: sys::CUmodule,
+    add: sys::CUfunction,
+    segments: sys::CUfunction,
+    to_bf16: sys::CUfunction,
+    from_bf16: sys::CUfunction,
+    adamw: sys::CUfunction,
+    muon_momentum: sys::CUfunction,
+    sumsq_partial: sys::CUfunction,
+    norm_final: sys::CUfunction,
+    ns_init: sys::CUfunction,
+    muon_update: sys::CUfunction,
+    spin: sys::CUfunction,
+}
+
+/// Kernel arguments, each stored 8-byte aligned until the launch copies them.
+#[derive(Default)]
+struct Args {
+    slots: Vec<Box<[u64]>>,
+}
+
+impl Args {
+    fn push<T: Copy>(mut self, value: T) -> Self {
+        let words = std::mem::size_of::<T>().div_ceil(8).max(1);
+        let mut slot = vec![0u64; words].into_boxed_slice();
+        // SAFETY: `slot` has room for `size_of::<T>()` bytes and `T: Copy` is plain data.
+        unsafe {
+            std::ptr::copy_nonoverlapping(
+                (&value as *const T).cast::<u8>(),
+                slot.as_mut_ptr().cast::<u8>(),
+                std::mem::size_of::<T>(),
+            );
+        }
+        self.slots.push(slot);
+        self
+    }
+
+    fn pointers(&mut self) -> Vec<*mut c_void> {
+        self.slots
+            .iter_mut()
+            .map(|s| s.as_mut_ptr().cast::<c_void>())
+            .collect()
+    }
+}
+
+/// Blocks for `n` elements.
+fn blocks(n: u64) -> u32 {
+    n.div_ceil(u64::from(THREADS)).clamp(1, MAX_BLOCKS) as u32
+}
+
+impl Kernels {
+    /// Compiles the source for the device and loads it. The caller has the context bound.
+    pub(super) fn compile(device: &Device) -> Result<Kernels, OpsError> {
+        let (major, minor) = device.capability;
+        let opts = CompileOptions {
+            fmad: Some(false),
+            options: vec![format!("--gpu-architecture=compute_{major}{minor}")],
+            name: Some("overlap_kernels.cu".into()),
+            ..Default::default()
+        };
+        let ptx = nvrtc::compile_ptx_with_opts(SOURCE, opts).map_err(|e| {
+            OpsError::Backend(format!(
+                "NVRTC could not compile the backend's kernels for compute capability {major}.{minor}: {e:?}"
+            ))
+        })?;
+        let image = match ptx.as_bytes() {
+            Some(bytes) => {
+                let mut v = bytes.to_vec();
+                if v.last() != Some(&0) {
+                    v.push(0);
+                }
+                v
+            }
+            None => CString::new(ptx.to_src())
+                .map_err(|e| OpsError::Backend(format!("NVRTC returned malformed PTX: {e}")))?
+                .into_bytes_with_nul(),
+        };
+        // SAFETY: `image` is NUL-terminated PTX that outlives the call.
+        let module = unsafe { cu::module::load_data(image.as_ptr().cast()) }
+            .map_err(|e| backend("cuModuleLoadData (the backend's kernels)", e))?;
+        let get = |name: &str| -> Result<sys::CUfunction, OpsError> {
+            let c = CString::new(name).map_err(|e| OpsError::Backend(e.to_string()))?;
+            // SAFETY: `module` is loaded; the name is NUL-terminated.
+            unsafe { cu::module::get_function(module, c) }
+                .map_err(|e| backend(&format!("cuModuleGetFunction({name})"), e))
+        };
+        Ok(Kernels {
+            module,
+            add: get("ov_add")?,
+            segments: get("ov_segments")?,
+            to_bf16: get("ov_to_bf16")?,
+            from_bf16: get("ov_from_bf16")?,
+            adamw: get("ov_adamw")?,
+            muon_momentum: get("ov_muon_momentum")?,
+            sumsq_partial: get("ov_sumsq_partial")?,
+            norm_final: get("ov_norm_final")?,
+            ns_init: get("ov_ns_init")?,
+            muon_update: get("ov_muon_update")?,
+            spin: get("ov_spin")?,
+        })
+    }
+
+    /// Unloads the module. The caller has the context bound and the device is idle.
+    pub(super) fn unload(&self) {
+        // SAFETY: the module was loaded by `compile` and is unloaded once, when idle.
+        let _ = unsafe { cu::module::unload(self.module) };
+    }
+
+    fn launch(
+        kernel: &'static str,
+        f: sys::CUfunction,
+        grid: (u32, u32),
+        stream: sys::CUstream,
+        mut args: Args,
+    ) -> Result<(), OpsError> {
+        let mut ptrs = args.pointers();
+        // SAFETY: `f` is a function of the loaded module; `ptrs` point at arguments of
+        // the kernel's parameter types, alive until this call returns (the driver copies
+        // them); the device addresses were validated by the caller.
+        unsafe {
+            cu::launch_kernel(
+                f,
+                (grid.0, grid.1, 1),
+                (THREADS, 1, 1),
+                0,
+                stream,
+                &mut ptrs,
+            )
+        }
+        .map_err(|e| failed(kernel, e))
+    }
+
+    /// Occupies the stream for `micros` microseconds with one thread.
+    pub(super) fn spin(&self, stream: sys::CUstream, micros: u32) -> Result<(), OpsError> {
+        if micros == 0 {
+            return Ok(());
+        }
+        let mut args = Args::default().push(u64::from(micros) * 1000);
+        let mut ptrs = args.pointers();
+        // SAFETY: as in `launch`, with a grid of one thread.
+        unsafe { cu::launch_kernel(self.spin, (1, 1, 1), (1, 1, 1), 0, stream, &mut ptrs) }
+            .map_err(|e| failed("spin", e))
+    }
+
+    /// `dst = src` or `dst += src` over `n` elements.
+    pub(super) fn add(
+        &self,
+        stream: sys::CUstream,
+        dst: sys::CUdeviceptr,
+        src: sys::CUdeviceptr,
+        n: u64,
+        accumulate: bool,
+    ) -> Result<(), OpsError> {
+        if n == 0 {
+            return Ok(());
+        }
+        let args = Args::default()
+            .push(dst)
+            .push(src)
+            .push(n)
+            .push(i32::from(accumulate));
+        Self::launch("add", self.add, (blocks(n), 1), stream, args)
+    }
+
+    /// Runs copies in launches of at most [`MAX_SEGS`]; the caller guarantees that the
+    /// destinations within one call are disjoint.
+    pub(super) fn segments(
+        &self,
+        kernel: &'static str,
+        stream: sys::CUstream,
+        segs: &[Seg],
+        accumulate: bool,
+    ) -> Result<(), OpsError> {
+        for chunk in segs.chunks(MAX_SEGS) {
+            let longest = chunk.iter().map(|s| s.len).max().unwrap_or(0);
+            if longest == 0 {
+                continue;
+            }
+            let mut batch = Segs {
+                s: [Seg::default(); MAX_SEGS],
+                count: chunk.len() as u64,
+                accumulate: i32::from(accumulate),
+                pad: 0,
+            };
+            batch.s[..chunk.len()].copy_from_slice(chunk);
+            let args = Args::default().push(batch);
+            Self::launch(
+                kernel,
+                self.segments,
+                (blocks(longest).min(1024), chunk.len() as u32),
+                stream,
+                args,
+            )?;
+        }
+        Ok(())
+    }
+
+    /// Rounds `n` floats to bfloat16 (u16 storage).
+    pub(super) fn round_bf16(
+        &self,
+        stream: sys::CUstream,
+        dst: sys::CUdeviceptr,
+        src: sys::CUdeviceptr,
+        n: u64,
+    ) -> Result<(), OpsError> {
+        if n == 0 {
+            return Ok(());
+        }
+        let args = Args::default().push(dst).push(src).push(n);
+        Self::launch("collective", self.to_bf16, (blocks(n), 1), stream, args)
+    }
+
+    /// Widens `n` bfloat16 values to floats.
+    pub(super) fn widen_bf16(
+        &self,
+        stream: sys::CUstream,
+        dst: sys::CUdeviceptr,
+        src: sys::CUdeviceptr,
+        n: u64,
+    ) -> Result<(), OpsError> {
+        if n == 0 {
+            return Ok(());
+        }
+        let args = Args::default().push(dst).push(src).push(n);
+        Self::launch("collective", self.from_bf16, (blocks(n), 1), stream, args)
+    }
+
+    /// AdamW on `n` elements; `m` and `v` are the two halves of the state buffer.
+    #[allow(clippy::too_many_arguments)]
+    pub(super) fn adamw(
+        &self,
+        stream: sys::CUstream,
+        (p, g, m, v): (
+            sys::CUdeviceptr,
+            sys::CUdeviceptr,
+            sys::CUdeviceptr,
+            sys::CUdeviceptr,
+        ),
+        n: u64,
+        hp: &crate::AdamwParams,
+        step: u64,
+    ) -> Result<(), OpsError> {
+        if n == 0 {
+            return Ok(());
+        }
+        // Exactly ops::math::adamw's host-side scalars.
+        let lr = f64::from(hp.lr);
+        let (b1, b2) = (f64::from(hp.beta1), f64::from(hp.beta2));
+        let decay = 1.0 - lr * f64::from(hp.weight_decay);
+        let bc1 = 1.0 - b1.powf(step as f64);
+        let bc2 = 1.0 - b2.powf(step as f64);
+        let args = Args::default()
+            .push(p)
+            .push(g)
+            .push(m)
+            .push(v)
+            .push(n)
+            .push(b1)
+            .push(b2)
+            .push(f64::from(hp.eps))
+            .push(lr)
+            .push(decay)
+            .push(bc1)
+            .push(bc2);
+        Self::launch("adamw", self.adamw, (blocks(n), 1), stream, args)
+    }
+
+    /// Muon's momentum: `buf = μ·buf + g`, `u = g + μ·buf`.
+    pub(super) fn muon_momentum(
+        &self,
+        stream: sys::CUstream,
+        (buf, g, u): (sys::CUdeviceptr, sys::CUdeviceptr, sys::CUdeviceptr),
+        n: u64,
+        mu: f64,
+    ) -> Result<(), OpsError> {
+        if n == 0 {
+            return Ok(());
+        }
+        let args = Args::default().push(buf).push(g).push(u).push(n).push(mu);
+        Self::launch("muon", self.muon_momentum, (blocks(n), 1), stream, args)
+    }
+
+    /// `norm = sqrt(Σ x²) + 1e-7` over `n` elements, through `partial` (room for
+    /// [`SUMSQ_BLOCKS`] doubles).
+    pub(super) fn norm(
+        &self,
+        stream: sys::CUstream,
+        x: sys::CUdeviceptr,
+        n: u64,
+        partial: sys::CUdeviceptr,
+        norm: sys::CUdeviceptr,
+    ) -> Result<(), OpsError> {
+        let grid = blocks(n).min(SUMSQ_BLOCKS);
+        let args = Args::default().push(x).push(n).push(partial);
+        Self::launch("muon", self.sumsq_partial, (grid, 1), stream, args)?;
+        let args = Args::default().push(partial).push(grid).push(norm);
+        Self::launch("muon", self.norm_final, (1, 1), stream, args)
+    }
+
+    /// The normalised working matrix of Newton–Schulz.
+    #[allow(clippy::too_many_arguments)]
+    pub(super) fn ns_init(
+        &self,
+        stream: sys::CUstream,
+        u: sys::CUdeviceptr,
+        x: sys::CUdeviceptr,
+        rows: u64,
+        cols: u64,
+        transposed: bool,
+        norm: sys::CUdeviceptr,
+    ) -> Result<(), OpsError> {
+        let args = Args::default()
+            .push(u)
+            .push(x)
+            .push(rows)
+            .push(cols)
+            .push(i32::from(transposed))
+            .push(norm);
+        Self::launch("muon", self.ns_init, (blocks(rows * cols), 1), stream, args)
+    }
+
+    /// The scaled Muon update of the parameter.
+    #[allow(clippy::too_many_arguments)]
+    pub(super) fn muon_update(
+        &self,
+        stream: sys::CUstream,
+        p: sys::CUdeviceptr,
+        x: sys::CUdeviceptr,
+        rows: u64,
+        cols: u64,
+        transposed: bool,
+        decay: f64,
+        scale: f64,
+    ) -> Result<(), OpsError> {
+        let args = Args::default()
+            .push(p)
+            .push(x)
+            .push(rows)
+            .push(cols)
+            .push(i32::from(transposed))
+            .push(decay)
+            .push(scale);
+        Self::launch(
+            "muon",
+            self.muon_update,
+            (blocks(rows * cols), 1),
+            stream,
+            args,
+        )
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn segment_batches_have_the_layout_of_the_cuda_struct() {
+        // struct Seg: three pointers and a u64; struct Segs: 32 of them, a u64, two ints.
+        assert_eq!(std::mem::size_of::<Seg>(), 32);
+        assert_eq!(std::mem::size_of::<Segs>(), 32 * MAX_SEGS + 16);
+        assert!(SOURCE.contains(&format!("#define OV_MAX_SEGS {MAX_SEGS}")));
+        assert!(SOURCE.contains(&format!("#define OV_REDUCE_THREADS {THREADS}")));
+    }
+
+    #[test]
+    fn arguments_are_stored_word_aligned() {
+        let mut a = Args::default().push(1u64).push(2i32).push(3.5f64);
+        let ptrs = a.pointers();
+        assert_eq!(ptrs.len(), 3);
+        assert!(ptrs.iter().all(|p| (*p as usize) % 8 == 0));
+        // SAFETY: the second slot holds an i32.
+        assert_eq!(unsafe { *(ptrs[1] as *const i32) }, 2);
+    }
+
+    /// Compiles the source with NVRTC when the library is present (no GPU needed):
+    /// `LD_LIBRARY_PATH=/usr/local/cuda/lib64 cargo test -p overlap-ops --features cuda`.
+    #[test]
+    fn the_kernel_source_compiles_when_nvrtc_is_available() {
+        if super::super::loader::NVRTC.check().is_err() {
+            eprintln!("NVRTC not found: skipping the compile check");
+            return;
+        }
+        let opts = CompileOptions {
+            fmad: Some(false),
+            options: vec!["--gpu-architecture=compute_90".into()],
+            ..Default::default()
+        };
+        if let Err(e) = nvrtc::compile_ptx_with_opts(SOURCE, opts) {
+            panic!("kernels.cu does not compile: {e:?}");
+        }
+    }
+}

@@ -1,0 +1,1278 @@
+//! The CUDA + NCCL backend: one rank of a mesh on one GPU, one process per GPU.
+//!
+//! [`CudaBackend`] drives the rank it was opened for ([`Backend::local_ranks`] is
+//! `[rank]`), the way trainers run: `overlap launch` (or torchrun, Slurm, `mpirun`)
+//! starts one process per GPU and the facade's rendezvous shares the NCCL unique ids.
+//! Setting one up takes three steps:
+//!
+//! 1. [`CudaBackend::new`] checks that the driver, NVRTC, cuBLAS and NCCL can be
+//!    loaded (a clear error naming the library otherwise, never a panic from inside a
+//!    loader), retains the device's primary context, creates the rank's four streams
+//!    (the reduce stream at high priority), compiles the kernels with NVRTC and creates a
+//!    cuBLAS handle per stream;
+//! 2. rank 0 calls [`unique_ids`] for every communicator of [`mesh_comms`] and shares
+//!    them;
+//! 3. every rank calls [`CudaBackend::connect`] with the same list, creating its NCCL
+//!    communicators in that global order.
+//!
+//! What the backend keeps (the [`crate`] semantics, on real hardware):
+//! - **Streams and events.** `launch`, `record` and `wait` enqueue on the rank's CUDA
+//!   streams and return at once. A plan's event edge is one `cuEventRecord` on the
+//!   producer's stream and one `cuStreamWaitEvent` on the consumer's; nothing else
+//!   orders the streams: they are non-blocking streams, buffers are raw device
+//!   allocations (cudarc's `CudaSlice` and its automatic event tracking are not used at
+//!   all), and the libraries are told which stream to use on every call.
+//! - **Buffers** stay alive until every stream has passed their last use, and their
+//!   memory is reused from a pool ([`memory`]); scratch (bf16 staging, Newton–Schulz
+//!   work matrices) is per stream, so stream order alone protects it.
+//! - **Collectives** go to the NCCL communicator of the kernel's `(group, stream)`,
+//!   issued under one lock in the plan's order. `avg` is NCCL's `ncclAvg`. `bf16`
+//!   reductions convert the f32 input to bfloat16 (round to nearest even, as
+//!   [`crate::math::round_bf16`]), reduce in NCCL's bfloat16 (half the bytes on the
+//!   wire; NCCL rounds its partial sums to bf16, which is where the GPU and the CPU
+//!   reference, which reduces in f32, differ), and widen the result back to f32.
+//! - **Poisoning.** Validation happens on the host at launch: a bad kernel is reported
+//!   through [`Backend::errors`] and poisons its stream (later kernels are skipped, its
+//!   records fail, and streams waiting on them are poisoned). A poisoned or invalid
+//!   member of a collective still joins the NCCL call, with scratch buffers of the right
+//!   size, so its peers never hang; unlike the CPU backend the peers cannot learn of the
+//!   failure and finish with undefined data, while the failing rank reports the root
+//!   cause. Errors the GPU reports asynchronously surface when an event is queried.
+//! - **Timings** (when enabled) come from timing-capable events recorded around every
+//!   kernel and `cuEventElapsedTime`; ordering events have timing disabled.
+//!
+//! Invariant: the backend adds no ordering the plan did not ask for, and every CUDA call
+//! is made with the context bound on the calling thread.
+
+mod device;
+mod event;
+mod kernels;
+mod loader;
+mod memory;
+mod muon;
+mod nccl;
+
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+
+use cudarc::driver::result as cu;
+use cudarc::driver::sys;
+use overlap_graph::{Bindings, Collective, CollectiveKind, CopySeg, DType, Group, Mesh, Stream};
+
+use crate::{
+    AdamwParams, Backend, BoxFuture, CommId, EventStatus, Kernel, MuonParams, OpsError, Tag, Timing,
+};
+use device::Device;
+pub use event::CudaEvent;
+use event::{lock, EventPool, HostWait, Record, Waiter};
+use kernels::{Kernels, Seg};
+pub use loader::check as check_libraries;
+pub use memory::CudaBuffer;
+use memory::{DevMem, Memory};
+use muon::{Blas, Layout, MuonArgs};
+use nccl::Comm;
+pub use nccl::NcclUniqueId;
+
+/// One root cause: the rank, the stream, the failing kernel's tag and the error.
+type RootCause = (u32, Stream, Tag, OpsError);
+
+/// How long dropping the backend waits for in-flight work before tearing down.
+const DRAIN_ON_DROP: Duration = Duration::from_secs(10);
+
+/// The tag under which host-side misuse and device errors are reported.
+fn host_tag(op: &'static str) -> Tag {
+    Tag {
+        node: u32::MAX,
+        op,
+        micro_batch: u32::MAX,
+    }
+}
+
+/// What a [`CudaBackend`] drives.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct CudaOptions {
+    /// The mesh of the whole job.
+    pub mesh: Mesh,
+    /// This process's global rank.
+    pub rank: u32,
+    /// The CUDA device ordinal to use (the local rank, as torchrun assigns GPUs).
+    pub device: u32,
+    /// Record kernel timings with timing events (two event records per kernel).
+    pub timings: bool,
+}
+
+/// What the backend found at start, for logs and `overlap` diagnostics.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct DeviceInfo {
+    /// Device ordinal.
+    pub ordinal: u32,
+    /// Device name (`NVIDIA H200`).
+    pub name: String,
+    /// Compute capability.
+    pub capability: (i32, i32),
+    /// CUDA driver version.
+    pub driver: String,
+    /// NCCL version.
+    pub nccl: String,
+    /// The library files opened: driver, NVRTC, cuBLAS, NCCL.
+    pub libraries: Vec<String>,
+}
+
+/// Every communicator a mesh needs with these stream bindings, in the one global order
+/// in which every rank creates its members: each shard group on the Stage-1 stream,
+/// each replicate group on the Stage-2 stream and on the publish stream.
+///
+/// ```
+/// use overlap_ops::cuda::mesh_comms;
+/// use overlap_ops::graph::{Bindings, Mesh};
+///
+/// let comms = mesh_comms(Mesh { shard: 2, replicate: 1 }, &Bindings::default());
+/// // shard(r=0)@reduce, replicate(s=0)@replicate, replicate(s=0)@publish, ...
+/// assert_eq!(comms.len(), 1 + 2 * 2);
+/// ```
+pub fn mesh_comms(mesh: Mesh, bindings: &Bindings) -> Vec<CommId> {
+    let mut comms: Vec<CommId> = (0..mesh.replicate)
+        .map(|replicate| CommId {
+            group: Group::Shard { replicate },
+            stream: bindings.stage1,
+        })
+        .chain((0..mesh.shard).flat_map(|shard| {
+            [bindings.stage2, bindings.publish].map(|stream| CommId {
+                group: Group::Replicate { shard },
+                stream,
+            })
+        }))
+        .collect();
+    comms.sort();
+    comms.dedup();
+    comms
+}
+
+/// `n` fresh NCCL unique ids (rank 0 generates them for every communicator of the
+/// mesh). Fails with a clear error when the CUDA driver or NCCL cannot be loaded.
+pub fn unique_ids(n: usize) -> Result<Vec<NcclUniqueId>, OpsError> {
+    loader::DRIVER.check()?;
+    loader::NCCL.check()?;
+    nccl::generate(n)
+}
+
+/// The backend for one rank on one GPU.
+pub struct CudaBackend {
+    shared: Arc<Shared>,
+    issue: Mutex<Issue>,
+    waiter: Option<Waiter>,
+    info: DeviceInfo,
+}
+
+/// What the host side and the waiter thread share.
+struct Shared {
+    rank: u32,
+    mesh: Mesh,
+    device: Arc<Device>,
+    memory: Arc<Memory>,
+    events: Arc<EventPool>,
+    errors: Mutex<Vec<RootCause>>,
+}
+
+impl Shared {
+    /// Records a root cause, once per distinct error.
+    fn report(&self, stream: Stream, tag: Tag, error: OpsError) {
+        let mut errors = lock(&self.errors);
+        if !errors.iter().any(|(_, _, _, e)| *e == error) {
+            errors.push((self.rank, stream, tag, error));
+        }
+    }
+}
+
+/// The issuing state, behind one lock so that every rank issues in plan order and
+/// cuBLAS handles and scratch are never used concurrently.
+struct Issue {
+    /// Each stream's poison (a cancellation naming the root cause).
+    poison: [Option<OpsError>; 4],
+    comms: Vec<Comm>,
+    kernels: Kernels,
+    /// One cuBLAS handle per stream, at [`Stream::index`].
+    blas: Vec<Blas>,
+    /// Scratch per stream, at [`Stream::index`].
+    scratch: [Option<Arc<DevMem>>; 4],
+    timings: Timings,
+}
+
+/// Kernel timings: a timing event recorded before and after each kernel.
+struct Timings {
+    on: bool,
+    /// Recorded (and completed) when the backend started: time zero.
+    epoch: sys::CUevent,
+    pending: Vec<PendingTiming>,
+}
+
+struct PendingTiming {
+    stream: Stream,
+    tag: Tag,
+    start: sys::CUevent,
+    end: sys::CUevent,
+    bytes: u64,
+}
+
+// SAFETY: `Issue` holds driver, cuBLAS and NCCL handles that are only used under the
+// backend's mutex with the context bound; none is tied to the thread that created it.
+unsafe impl Send for Issue {}
+
+impl CudaBackend {
+    /// Opens the GPU for one rank: checks the libraries, creates the context's streams,
+    /// compiles the kernels and creates the cuBLAS handles. Communicators come with
+    /// [`CudaBackend::connect`].
+    pub fn new(opts: CudaOptions) -> Result<CudaBackend, OpsError> {
+        opts.mesh
+            .check()
+            .map_err(|e| OpsError::Backend(e.to_string()))?;
+        if opts.rank >= opts.mesh.world() {
+            return Err(OpsError::Backend(format!(
+                "rank {} is not a rank of mesh {} ({} ranks)",
+                opts.rank,
+                opts.mesh,
+                opts.mesh.world()
+            )));
+        }
+        let libraries = loader::check()?;
+        let device = Device::open(opts.device)?;
+        device.bind()?;
+        let events = EventPool::new(Arc::clone(&device));
+        let memory = Memory::new(Arc::clone(&device), Arc::clone(&events));
+        let kernels = Kernels::compile(&device)?;
+        let blas = Stream::ALL
+            .iter()
+            .map(|&s| Blas::new(device.stream(s), &memory))
+            .collect::<Result<Vec<_>, _>>()?;
+        let epoch = events.take_timed()?;
+        // SAFETY: live handles of the bound context.
+        unsafe { cu::event::record(epoch, device.stream(Stream::Compute)) }
+            .and_then(|()| unsafe { cu::event::synchronize(epoch) })
+            .map_err(|e| device::backend("recording the timing epoch", e))?;
+        let info = DeviceInfo {
+            ordinal: device.ordinal,
+            name: device.name.clone(),
+            capability: device.capability,
+            driver: Device::driver_version(),
+            nccl: nccl::version(),
+            libraries,
+        };
+        let shared = Arc::new(Shared {
+            rank: opts.rank,
+            mesh: opts.mesh,
+            device: Arc::clone(&device),
+            memory,
+            events,
+            errors: Mutex::new(Vec::new()),
+        });
+        let sink_shared = Arc::clone(&shared);
+        let waiter = Waiter::start(
+            device,
+            Arc::new(move |e| sink_shared.report(Stream::Compute, host_tag("device"), e)),
+        )?;
+        Ok(CudaBackend {
+            shared,
+            issue: Mutex::new(Issue {
+                poison: Default::default(),
+                comms: Vec::new(),
+                kernels,
+                blas,
+                scratch: Default::default(),
+                timings: Timings {
+                    on: opts.timings,
+                    epoch,
+                    pending: Vec::new(),
+                },
+            }),
+            waiter: Some(waiter),
+            info,
+        })
+    }
+
+    /// Creates this rank's NCCL communicators: for each `(comm, id)` in order, the
+    /// member of it when this rank belongs to its group. Every rank must pass the same
+    /// list (rank 0's ids for [`mesh_comms`]), so all create them in one global order;
+    /// each creation blocks until the group's members have joined.
+    pub fn connect(&mut self, comms: &[(CommId, NcclUniqueId)]) -> Result<(), OpsError> {
+        let (rank, mesh) = (self.shared.rank, self.shared.mesh);
+        self.shared.device.bind()?;
+        let issue = self
+            .issue
+            .get_mut()
+            .unwrap_or_else(std::sync::PoisonError::into_inner);
+        for &(id, uid) in comms {
+            if !mesh.has_group(id.group) {
+                return Err(OpsError::Backend(format!(
+                    "communicator {id} names a group that mesh {mesh} does not have"
+                )));
+            }
+            let Some(index) = mesh.index_in(id.group, rank) else {
+                continue;
+            };
+            if issue.comms.iter().any(|c| c.id == id) {
+                return Err(OpsError::Backend(format!(
+                    "communicator {id} was created twice"
+                )));
+            }
+            let comm = Comm::init(id, uid, mesh.group_size(id.group), index)?;
+            issue.comms.push(comm);
+        }
+        Ok(())
+    }
+
+    /// The global rank this backend drives.
+    pub fn rank(&self) -> u32 {
+        self.shared.rank
+    }
+
+    /// What was found at start.
+    pub fn info(&self) -> &DeviceInfo {
+        &self.info
+    }
+
+    /// Turns kernel timings on or off (they cost two event records per kernel).
+    pub fn set_timings(&self, on: bool) {
+        lock(&self.issue).timings.on = on;
+    }
+
+    /// Device memory obtained from the driver (in use, or pooled for reuse), in bytes.
+    pub fn memory_held(&self) -> usize {
+        self.shared.memory.held_bytes()
+    }
+
+    /// Reports misuse of the backend by the host.
+    fn misuse(&self, stream: Stream, op: &'static str, reason: String) {
+        self.shared
+            .report(stream, host_tag(op), OpsError::Backend(reason));
+    }
+
+    fn not_mine(&self, rank: u32) -> String {
+        format!(
+            "rank {rank} is not driven by this backend (it drives rank {} of mesh {})",
+            self.shared.rank, self.shared.mesh
+        )
+    }
+}
+
+impl Backend for CudaBackend {
+    type Buffer = CudaBuffer;
+    type Event = CudaEvent;
+
+    fn name(&self) -> &'static str {
+        "cuda"
+    }
+
+    fn local_ranks(&self) -> Vec<u32> {
+        vec![self.shared.rank]
+    }
+
+    fn alloc(&self, rank: u32, len: usize) -> Result<CudaBuffer, OpsError> {
+        if rank != self.shared.rank {
+            return Err(OpsError::Backend(self.not_mine(rank)));
+        }
+        self.shared.device.bind()?;
+        self.shared.memory.alloc_zeroed(rank, len)
+    }
+
+    fn len(&self, buf: &CudaBuffer) -> usize {
+        buf.len
+    }
+
+    fn upload(&self, buf: &CudaBuffer, data: &[f32]) -> Result<(), OpsError> {
+        if data.len() != buf.len {
+            return Err(OpsError::Shape {
+                kernel: "upload",
+                reason: format!("{} host elements for {buf:?}", data.len()),
+            });
+        }
+        if data.is_empty() {
+            return Ok(());
+        }
+        let device = &self.shared.device;
+        device.bind()?;
+        // SAFETY: the buffer holds `data.len()` floats and no stream uses it (the
+        // trait's contract); the host stream is synchronised before `data` is released.
+        unsafe {
+            sys::cuMemcpyHtoDAsync_v2(
+                buf.ptr(),
+                data.as_ptr().cast(),
+                std::mem::size_of_val(data),
+                device.host_stream(),
+            )
+        }
+        .result()
+        .map_err(|e| device::backend("upload (cuMemcpyHtoDAsync)", e))?;
+        device.sync_host_stream("upload")
+    }
+
+    fn download(&self, buf: &CudaBuffer) -> Result<Vec<f32>, OpsError> {
+        let mut out = vec![0.0f32; buf.len];
+        if out.is_empty() {
+            return Ok(out);
+        }
+        let device = &self.shared.device;
+        device.bind()?;
+        // SAFETY: `out` holds `buf.len` floats and outlives the synchronised copy.
+        unsafe {
+            sys::cuMemcpyDtoHAsync_v2(
+                out.as_mut_ptr().cast(),
+                buf.ptr(),
+                std::mem::size_of_val(out.as_slice()),
+                device.host_stream(),
+            )
+        }
+        .result()
+        .map_err(|e| device::backend("download (cuMemcpyDtoHAsync)", e))?;
+        device.sync_host_stream("download")?;
+        Ok(out)
+    }
+
+    fn event(&self, rank: u32) -> CudaEvent {
+        CudaEvent::new(rank)
+    }
+
+    fn launch(&self, rank: u32, stream: Stream, tag: Tag, kernel: Kernel<CudaBuffer>) {
+        if rank != self.shared.rank {
+            let reason = self.not_mine(rank);
+            self.shared.report(stream, tag, OpsError::Backend(reason));
+            return;
+        }
+        let mut st = lock(&self.issue);
+        if let Err(e) = self.shared.device.bind() {
+            self.shared.report(stream, tag, e);
+            return;
+        }
+        st.launch(&self.shared, stream, tag, kernel);
+    }
+
+    fn record(&self, rank: u32, stream: Stream, event: &CudaEvent) {
+        let st = lock(&self.issue);
+        let device = &self.shared.device;
+        let mut failed = st.poison[stream.index()].clone();
+        if rank != self.shared.rank || event.rank != self.shared.rank {
+            let reason = self.not_mine(if rank != self.shared.rank {
+                rank
+            } else {
+                event.rank
+            });
+            self.misuse(stream, "record", reason.clone());
+            failed = Some(OpsError::Backend(reason));
+        }
+        let recorded = device
+            .bind()
+            .and_then(|()| Record::new(&self.shared.events, device.stream(stream), failed));
+        match recorded {
+            Ok(r) => event.set(r),
+            Err(e) => self.shared.report(stream, host_tag("record"), e),
+        }
+    }
+
+    fn wait(&self, rank: u32, stream: Stream, event: &CudaEvent) {
+        let Some(record) = event.latest() else {
+            // Waiting for a never-recorded event is a no-op, as in CUDA.
+            return;
+        };
+        if rank != self.shared.rank {
+            self.misuse(stream, "wait", self.not_mine(rank));
+            return;
+        }
+        let mut st = lock(&self.issue);
+        if let Some(cause) = &record.failed {
+            let cancel = match cause {
+                OpsError::Cancelled(_) => cause.clone(),
+                other => OpsError::Cancelled(other.to_string()),
+            };
+            st.poison[stream.index()].get_or_insert(cancel);
+        }
+        let device = &self.shared.device;
+        // The one cross-stream edge: the consumer stream waits for the producer's record.
+        let waited = device.bind().and_then(|()| {
+            // SAFETY: live handles of the bound context; the record keeps its event.
+            unsafe {
+                cu::stream::wait_event(
+                    device.stream(stream),
+                    record.raw(),
+                    sys::CUevent_wait_flags::CU_EVENT_WAIT_DEFAULT,
+                )
+            }
+            .map_err(|e| device::backend("cuStreamWaitEvent", e))
+        });
+        if let Err(e) = waited {
+            self.shared.report(stream, host_tag("wait"), e);
+        }
+    }
+
+    fn status(&self, event: &CudaEvent) -> EventStatus {
+        let Some(record) = event.latest() else {
+            return EventStatus::Complete;
+        };
+        if let Err(e) = self.shared.device.bind() {
+            return EventStatus::Failed(e);
+        }
+        match record.query() {
+            Ok(false) => EventStatus::Pending,
+            Ok(true) => match &record.failed {
+                None => EventStatus::Complete,
+                Some(e) => EventStatus::Failed(e.clone()),
+            },
+            Err(e) => {
+                self.shared
+                    .report(Stream::Compute, host_tag("device"), e.clone());
+                EventStatus::Failed(e)
+            }
+        }
+    }
+
+    fn host_wait(&self, event: &CudaEvent) -> BoxFuture<Result<(), OpsError>> {
+        let ready = |r| {
+            Box::pin(HostWait {
+                ready: Some(r),
+                slot: None,
+            })
+        };
+        let Some(record) = event.latest() else {
+            return ready(Ok(()));
+        };
+        match self.status(event) {
+            EventStatus::Complete => ready(Ok(())),
+            EventStatus::Failed(e) => ready(Err(e)),
+            EventStatus::Pending => match &self.waiter {
+                Some(w) => Box::pin(w.wait(record)),
+                None => ready(Err(OpsError::Cancelled(
+                    "the CUDA backend was dropped".into(),
+                ))),
+            },
+        }
+    }
+
+    /// Root causes in the order they were seen, including NCCL's asynchronous errors.
+    /// Host-side misuse is reported with the tag `{ node: u32::MAX, op: "record" |
+    /// "wait" }`, errors the GPU reported with `op: "device"`.
+    fn errors(&self) -> Vec<RootCause> {
+        {
+            let st = lock(&self.issue);
+            if self.shared.device.bind().is_ok() {
+                for c in &st.comms {
+                    if let Some(e) = c.async_error() {
+                        self.shared.report(c.id.stream, host_tag("nccl"), e);
+                    }
+                }
+            }
+        }
+        lock(&self.shared.errors).clone()
+    }
+
+    /// Clears every stream's poison and the error list. An error the GPU itself
+    /// reported (a sticky CUDA error, an NCCL failure) cannot be cleared: the next
+    /// operation reports it again, and the process should exit.
+    fn reset(&self) {
+        lock(&self.issue).poison = Default::default();
+        lock(&self.shared.errors).clear();
+    }
+
+    fn take_timings(&self) -> Vec<Timing> {
+        let mut st = lock(&self.issue);
+        if self.shared.device.bind().is_err() {
+            return Vec::new();
+        }
+        st.take_timings(&self.shared)
+    }
+}
+
+impl Issue {
+    fn launch(&mut self, shared: &Shared, stream: Stream, tag: Tag, kernel: Kernel<CudaBuffer>) {
+        let poison = self.poison[stream.index()].clone();
+        let collective = matches!(kernel, Kernel::Collective { .. });
+        if matches!(kernel, Kernel::Marker) || (poison.is_some() && !collective) {
+            // A marker only orders, which stream order already does.
+            return;
+        }
+        let raw = shared.device.stream(stream);
+        let start = if self.timings.on && poison.is_none() {
+            self.timing_event(shared, raw)
+        } else {
+            None
+        };
+        let result = self.run(shared, stream, raw, kernel, poison);
+        match result {
+            Ok(bytes) => {
+                if let Some(start) = start {
+                    match self.timing_event(shared, raw) {
+                        Some(end) => self.timings.pending.push(PendingTiming {
+                            stream,
+                            tag,
+                            start,
+                            end,
+                            bytes,
+                        }),
+                        None => shared.events.put_timed(start),
+                    }
+                }
+                return;
+            }
+            Err(e) if e.is_cancellation() => {
+                self.poison[stream.index()].get_or_insert(e);
+            }
+            Err(e) => {
+                let cause = format!(
+                    "{} (node {}) on rank {}, {stream} stream failed: {e}",
+                    tag.op, tag.node, shared.rank
+                );
+                shared.report(stream, tag, e);
+                self.poison[stream.index()].get_or_insert(OpsError::Cancelled(cause));
+            }
+        }
+        if let Some(start) = start {
+            shared.events.put_timed(start);
+        }
+    }
+
+    /// A timing event recorded on `stream`, or `None` (timings are best effort).
+    fn timing_event(&self, shared: &Shared, stream: sys::CUstream) -> Option<sys::CUevent> {
+        let ev = shared.events.take_timed().ok()?;
+        // SAFETY: live handles of the bound context.
+        match unsafe { cu::event::record(ev, stream) } {
+            Ok(()) => Some(ev),
+            Err(_) => {
+                shared.events.put_timed(ev);
+                None
+            }
+        }
+    }
+
+    /// Runs one kernel (validated first); returns the bytes a collective moved.
+    fn run(
+        &mut self,
+        shared: &Shared,
+        stream: Stream,
+        raw: sys::CUstream,
+        kernel: Kernel<CudaBuffer>,
+        poison: Option<OpsError>,
+    ) -> Result<u64, OpsError> {
+        let rank = shared.rank;
+        match kernel {
+            Kernel::Marker => Ok(0),
+            Kernel::Spin { micros } => {
+                self.kernels.spin(raw, micros)?;
+                Ok(0)
+            }
+            Kernel::Add {
+                dst,
+                src,
+                accumulate,
+            } => {
+                expect("add", rank, "dst", &dst, dst.len)?;
+                expect("add", rank, "src", &src, dst.len)?;
+                self.kernels
+                    .add(raw, dst.ptr(), src.ptr(), dst.len as u64, accumulate)?;
+                Ok(0)
+            }
+            Kernel::Pack { dst, segs } => {
+                const K: &str = "pack";
+                expect(K, rank, "dst", &dst, dst.len)?;
+                let mut phases: Vec<Vec<Seg>> = Vec::new();
+                for (seg, srcs) in segs.iter() {
+                    for src in srcs {
+                        segment(K, rank, seg, src, &dst)?;
+                    }
+                    // Sources are summed in order, two per pass: dst = (dst + a) + b.
+                    for (k, pair) in srcs.chunks(2).enumerate() {
+                        if phases.len() <= k {
+                            phases.push(Vec::new());
+                        }
+                        phases[k].push(Seg {
+                            a: pair[0].at(seg.src),
+                            b: pair.get(1).map_or(0, |b| b.at(seg.src)),
+                            dst: dst.at(seg.dst),
+                            len: seg.len,
+                        });
+                    }
+                }
+                if dst.len > 0 {
+                    // SAFETY: `dst` holds `len` words; the memset is ordered on `raw`.
+                    unsafe { sys::cuMemsetD32Async(dst.ptr(), 0, dst.len, raw) }
+                        .result()
+                        .map_err(|e| device::failed(K, e))?;
+                }
+                for phase in phases {
+                    run_disjoint(&self.kernels, K, raw, phase, true)?;
+                }
+                Ok(0)
+            }
+            Kernel::Unpack {
+                src,
+                segs,
+                accumulate,
+            } => {
+                const K: &str = "unpack";
+                let mut copies = Vec::with_capacity(segs.len());
+                for (seg, dst) in segs.iter() {
+                    segment(K, rank, seg, &src, dst)?;
+                    copies.push(Seg {
+                        a: src.at(seg.src),
+                        b: 0,
+                        dst: dst.at(seg.dst),
+                        len: seg.len,
+                    });
+                }
+                run_disjoint(&self.kernels, K, raw, copies, accumulate)?;
+                Ok(0)
+            }
+            Kernel::Collective {
+                desc,
+                comm,
+                send,
+                recv,
+            } => self.collective(shared, stream, raw, &desc, comm, send, recv, poison),
+            Kernel::Adamw {
+                param,
+                grad,
+                state,
+                hp,
+                step,
+            } => {
+                self.adamw(rank, raw, (&param, &grad, &state), &hp, step)?;
+                Ok(0)
+            }
+            Kernel::Muon {
+                param,
+                grad,
+                momentum,
+                rows,
+                cols,
+                hp,
+            } => {
+                self.muon(
+                    shared,
+                    stream,
+                    raw,
+                    (&param, &grad, &momentum),
+                    rows,
+                    cols,
+                    &hp,
+                )?;
+                Ok(0)
+            }
+        }
+    }
+
+    fn adamw(
+        &self,
+        rank: u32,
+        raw: sys::CUstream,
+        (param, grad, state): (&CudaBuffer, &CudaBuffer, &CudaBuffer),
+        hp: &AdamwParams,
+        step: u64,
+    ) -> Result<(), OpsError> {
+        const K: &str = "adamw";
+        let n = param.len;
+        expect(K, rank, "param", param, n)?;
+        expect(K, rank, "grad", grad, n)?;
+        expect(K, rank, "state (m then v)", state, 2 * n)?;
+        distinct(K, &[param, grad, state])?;
+        if step == 0 {
+            return Err(OpsError::Shape {
+                kernel: K,
+                reason: "step is 1-based, got 0".into(),
+            });
+        }
+        let v = state.at(n as u64);
+        self.kernels.adamw(
+            raw,
+            (param.ptr(), grad.ptr(), state.ptr(), v),
+            n as u64,
+            hp,
+            step,
+        )
+    }
+
+    #[allow(clippy::too_many_arguments)]
+    fn muon(
+        &mut self,
+        shared: &Shared,
+        stream: Stream,
+        raw: sys::CUstream,
+        (param, grad, momentum): (&CudaBuffer, &CudaBuffer, &CudaBuffer),
+        rows: usize,
+        cols: usize,
+        hp: &MuonParams,
+    ) -> Result<(), OpsError> {
+        const K: &str = "muon";
+        let too_big = || OpsError::Shape {
+            kernel: K,
+            reason: format!("a {rows} × {cols} matrix has more elements than fit in memory"),
+        };
+        let n = rows.checked_mul(cols).ok_or_else(too_big)?;
+        expect(K, shared.rank, "param (rows × cols)", param, n)?;
+        expect(K, shared.rank, "grad (rows × cols)", grad, n)?;
+        expect(K, shared.rank, "momentum (rows × cols)", momentum, n)?;
+        distinct(K, &[param, grad, momentum])?;
+        if n == 0 {
+            return Ok(());
+        }
+        let layout = Layout::new(rows, cols).ok_or_else(too_big)?;
+        let scratch = self.scratch(shared, stream, layout.bytes)?;
+        let args = MuonArgs {
+            param: param.ptr(),
+            grad: grad.ptr(),
+            momentum: momentum.ptr(),
+            rows,
+            cols,
+        };
+        muon::run(
+            &self.kernels,
+            &self.blas[stream.index()],
+            raw,
+            scratch,
+            &layout,
+            &args,
+            hp,
+        )
+    }
+
+    /// The stream's scratch, grown to at least `bytes`. Only work on this stream uses
+    /// it, so stream order protects it; a replaced block is retired (and fenced).
+    fn scratch(&mut self, shared: &Shared, stream: Stream, bytes: usize) -> Result<u64, OpsError> {
+        let slot = &mut self.scratch[stream.index()];
+        if let Some(mem) = slot.as_ref().filter(|m| m.bytes() >= bytes) {
+            return Ok(mem.ptr());
+        }
+        let grown = slot.as_ref().map_or(0, |m| m.bytes().saturating_mul(2));
+        *slot = None;
+        let mem = shared.memory.alloc_raw(bytes.max(grown).max(1 << 20))?;
+        let ptr = mem.ptr();
+        *slot = Some(mem);
+        Ok(ptr)
+    }
+
+    /// Issues a collective. A member that is poisoned or whose call is invalid still
+    /// joins, on scratch buffers of the size its role needs, so its peers never hang.
+    #[allow(clippy::too_many_arguments)]
+    fn collective(
+        &mut self,
+        shared: &Shared,
+        stream: Stream,
+        raw: sys::CUstream,
+        desc: &Collective,
+        id: CommId,
+        send: Option<CudaBuffer>,
+        recv: Option<CudaBuffer>,
+        poison: Option<OpsError>,
+    ) -> Result<u64, OpsError> {
+        let kernel = desc.kind.name();
+        let shape = |reason: String| OpsError::Shape { kernel, reason };
+        let Some(ci) = self.comms.iter().position(|c| c.id == id) else {
+            return Err(poison.unwrap_or_else(|| {
+                shape(format!(
+                    "rank {} has no communicator {id} (mesh {}); only the (group, stream) pairs of the plan's bindings are created",
+                    shared.rank, shared.mesh
+                ))
+            }));
+        };
+        let (size, index) = (self.comms[ci].size, self.comms[ci].index);
+        let roles = roles(desc, size, index).map_err(shape)?;
+        let own = match poison.clone() {
+            Some(p) => Err(p),
+            None => {
+                check_collective(shared.rank, stream, id, desc, &roles, &send, &recv).map_err(shape)
+            }
+        };
+        let elem = desc.dtype.size() as usize;
+        let send_len = roles.send.unwrap_or(0);
+        let recv_len = roles.recv.unwrap_or(0);
+        let count = usize::try_from(desc.count).map_err(|_| shape("count too large".into()))?;
+        let root = desc.root.unwrap_or(0);
+        let valid = own.is_ok();
+        if valid && desc.dtype == DType::F32 {
+            let s = send.as_ref().map_or(0, CudaBuffer::ptr);
+            let r = recv.as_ref().map_or(0, CudaBuffer::ptr);
+            let (s, r) = endpoints(desc.kind, s, r);
+            self.comms[ci].issue(raw, desc.kind, desc.dtype, desc.op, root, s, r, count)?;
+        } else {
+            // Staging in the wire dtype: bf16 conversion, or the scratch a member that
+            // cannot take part joins with.
+            let s_bytes = (send_len * elem).next_multiple_of(256);
+            let r_bytes = (recv_len * elem).next_multiple_of(256);
+            let base = self.scratch(shared, stream, (s_bytes + r_bytes).max(256))?;
+            let (s16, r16) = (base, base + s_bytes as u64);
+            if valid {
+                if let Some(src) = &send {
+                    self.kernels
+                        .round_bf16(raw, s16, src.ptr(), send_len as u64)?;
+                }
+            }
+            let (s, r) = endpoints(
+                desc.kind,
+                if roles.send.is_some() { s16 } else { 0 },
+                if roles.recv.is_some() { r16 } else { 0 },
+            );
+            self.comms[ci].issue(raw, desc.kind, desc.dtype, desc.op, root, s, r, count)?;
+            if valid {
+                if let Some(dst) = &recv {
+                    self.kernels
+                        .widen_bf16(raw, dst.ptr(), r16, recv_len as u64)?;
+                }
+            }
+        }
+        // Bytes this member contributes, as the CPU backend counts them.
+        own.map(|()| (roles.send.unwrap_or(count) * elem) as u64)
+    }
+
+    fn take_timings(&mut self, shared: &Shared) -> Vec<Timing> {
+        let pending = std::mem::take(&mut self.timings.pending);
+        let mut ready = Vec::new();
+        for p in pending {
+            // SAFETY: a live timing event.
+            match unsafe { cu::event::query(p.end) } {
+                Err(e) if e.0 == sys::CUresult::CUDA_ERROR_NOT_READY => {
+                    self.timings.pending.push(p)
+                }
+                _ => ready.push(p),
+            }
+        }
+        let elapsed = |a: sys::CUevent, b: sys::CUevent| -> Option<f64> {
+            // SAFETY: both events are live and complete.
+            unsafe { cu::event::elapsed(a, b) }
+                .ok()
+                .map(|ms| f64::from(ms) / 1e3)
+        };
+        // Offsets within a batch are measured from its first start (full resolution);
+        // only the batch's anchor is placed relative to the epoch.
+        let anchor = ready.first().map(|p| p.start);
+        let anchor_at = anchor.and_then(|a| elapsed(self.timings.epoch, a));
+        let mut out = Vec::with_capacity(ready.len());
+        for p in &ready {
+            if let (Some(anchor), Some(at)) = (anchor, anchor_at) {
+                if let (Some(s), Some(e)) = (elapsed(anchor, p.start), elapsed(anchor, p.end)) {
+                    out.push(Timing {
+                        rank: shared.rank,
+                        stream: p.stream,
+                        tag: p.tag,
+                        start: at + s,
+                        end: at + e,
+                        bytes: p.bytes,
+                    });
+                }
+            }
+        }
+        for p in ready {
+            shared.events.put_timed(p.start);
+            shared.events.put_timed(p.end);
+        }
+        out
+    }
+}
+
+impl Drop for CudaBackend {
+    fn drop(&mut self) {
+        // Stop host waits first: nothing may wait on the device while it is torn down.
+        self.waiter = None;
+        let shared = Arc::clone(&self.shared);
+        let st = self
+            .issue
+            .get_mut()
+            .unwrap_or_else(std::sync::PoisonError::into_inner);
+        if shared.device.bind().is_err() {
+            return;
+        }
+        let idle = wait_idle(&shared, DRAIN_ON_DROP);
+        for c in st.comms.drain(..) {
+            c.close();
+        }
+        for b in &st.blas {
+            b.destroy();
+        }
+        st.blas.clear();
+        for p in st.timings.pending.drain(..) {
+            shared.events.put_timed(p.start);
+            shared.events.put_timed(p.end);
+        }
+        shared.events.put_timed(st.timings.epoch);
+        if idle {
+            st.kernels.unload();
+        }
+        st.scratch = Default::default();
+    }
+}
+
+/// Waits (polling) until every stream has executed what was issued, up to `limit`.
+fn wait_idle(shared: &Shared, limit: Duration) -> bool {
+    let mut marks = Vec::new();
+    for s in Stream::ALL {
+        match Record::new(&shared.events, shared.device.stream(s), None) {
+            Ok(r) => marks.push(r),
+            Err(_) => return false,
+        }
+    }
+    let deadline = Instant::now() + limit;
+    loop {
+        match marks
+            .iter()
+            .try_fold(true, |all, r| Ok::<_, OpsError>(all && r.query()?))
+        {
+            Ok(true) => return true,
+            Err(_) => return false,
+            Ok(false) if Instant::now() >= deadline => return false,
+            Ok(false) => std::thread::sleep(Duration::from_millis(1)),
+        }
+    }
+}
+
+/// What each member of a collective passes, in elements: `(send, recv)` (`None`: no
+/// buffer), as [`Kernel::Collective`] documents.
+struct Roles {
+    send: Option<usize>,
+    recv: Option<usize>,
+}
+
+fn roles(desc: &Collective, size: u32, index: u32) -> Result<Roles, String> {
+    let c =
+        usize::try_from(desc.count).map_err(|_| format!("count {} is too large", desc.count))?;
+    let whole = c.checked_mul(size as usize).ok_or_else(|| {
+        format!(
+            "count {} × {size} members does not fit in memory",
+            desc.count
+        )
+    })?;
+    let root = match (desc.kind.rooted(), desc.root) {
+        (false, _) => None,
+        (true, Some(r)) if r < size => Some(r),
+        (true, r) => {
+            return Err(format!(
+                "root {r:?} is not a member index of {} ({size} members)",
+                desc.group
+            ))
+        }
+    };
+    let is_root = root == Some(index);
+    let (send, recv) = match desc.kind {
+        CollectiveKind::ReduceScatter => (Some(whole), Some(c)),
+        CollectiveKind::AllReduce => (Some(c), Some(c)),
+        CollectiveKind::Reduce => (Some(c), is_root.then_some(c)),
+        CollectiveKind::Broadcast if is_root => (Some(c), None),
+        CollectiveKind::Broadcast => (None, Some(c)),
+        CollectiveKind::AllGather => (Some(c), Some(whole)),
+    };
+    Ok(Roles { send, recv })
+}
+
+/// NCCL's send and receive addresses for a member's buffers: a broadcast root sends in
+/// place, a non-root receives in place, and a reduce's non-root passes its send buffer
+/// as the (unused) receive address.
+fn endpoints(kind: CollectiveKind, send: u64, recv: u64) -> (u64, u64) {
+    match kind {
+        CollectiveKind::Broadcast if recv == 0 => (send, send),
+        CollectiveKind::Broadcast => (recv, recv),
+        CollectiveKind::Reduce if recv == 0 => (send, send),
+        _ => (send, recv),
+    }
+}
+
+/// Checks one member's call against the communicator and the buffers its role needs.
+fn check_collective(
+    rank: u32,
+    stream: Stream,
+    id: CommId,
+    desc: &Collective,
+    roles: &Roles,
+    send: &Option<CudaBuffer>,
+    recv: &Option<CudaBuffer>,
+) -> Result<(), String> {
+    if desc.group != id.group || stream != id.stream {
+        return Err(format!(
+            "a collective on {} issued from the {stream} stream cannot use communicator {id}",
+            desc.group
+        ));
+    }
+    for (what, buf, want) in [("send", send, roles.send), ("recv", recv, roles.recv)] {
+        match (buf, want) {
+            (None, None) => {}
+            (Some(b), Some(len)) if b.rank == rank && b.len == len => {}
+            (Some(b), Some(len)) => {
+                return Err(format!(
+                    "{what} must be a buffer of {len} elements on rank {rank}, got {b:?}"
+                ))
+            }
+            (None, Some(len)) => {
+                return Err(format!(
+                    "rank {rank} needs a {what} buffer of {len} elements"
+                ))
+            }
+            (Some(b), None) => {
+                return Err(format!("rank {rank} takes no {what} buffer, got {b:?}"))
+            }
+        }
+    }
+    Ok(())
+}
+
+/// Checks that `buf` lives on `rank` and holds `len` elements.
+fn expect(
+    kernel: &'static str,
+    rank: u32,
+    what: &str,
+    buf: &CudaBuffer,
+    len: usize,
+) -> Result<(), OpsError> {
+    if buf.rank == rank && buf.len == len {
+        Ok(())
+    } else {
+        Err(OpsError::Shape {
+            kernel,
+            reason: format!(
+                "{what} must be a buffer of {len} elements on rank {rank}, got {buf:?}"
+            ),
+        })
+    }
+}
+
+/// Checks that the buffers are pairwise distinct.
+fn distinct(kernel: &'static str, bufs: &[&CudaBuffer]) -> Result<(), OpsError> {
+    for (i, a) in bufs.iter().enumerate() {
+        if bufs[i + 1..].iter().any(|b| a.same(b)) {
+            return Err(OpsError::Shape {
+                kernel,
+                reason: format!("its buffers must be distinct, got {bufs:?}"),
+            });
+        }
+    }
+    Ok(())
+}
+
+/// Validates one copy `from[src..src+len] → to[dst..dst+len]`.
+fn segment(
+    kernel: &'static str,
+    rank: u32,
+    seg: &CopySeg,
+    from: &CudaBuffer,
+    to: &CudaBuffer,
+) -> Result<(), OpsError> {
+    let shape = |reason: String| OpsError::Shape { kernel, reason };
+    for buf in [from, to] {
+        expect(kernel, rank, "a segment's buffer", buf, buf.len)?;
+    }
+    if from.same(to) {
+        return Err(shape(format!(
+            "{from:?} is both a source and the destination"
+        )));
+    }
+    for (what, off, buf) in [("source", seg.src, from), ("destination", seg.dst, to)] {
+        match off.checked_add(seg.len) {
+            Some(end) if end <= buf.len as u64 => {}
+            _ => {
+                return Err(shape(format!(
+                    "segment of param {} ({what} offset {off}, {} elements) exceeds {buf:?}",
+                    seg.param, seg.len
+                )))
+            }
+        }
+    }
+    Ok(())
+}
+
+/// Runs copies in order, batching those whose destinations do not overlap (a copy that
+/// overlaps an earlier one of the batch starts the next batch, keeping program order).
+fn run_disjoint(
+    kernels: &Kernels,
+    kernel: &'static str,
+    stream: sys::CUstream,
+    copies: Vec<Seg>,
+    accumulate: bool,
+) -> Result<(), OpsError> {
+    let mut batch: Vec<Seg> = Vec::with_capacity(kernels::MAX_SEGS);
+    for c in copies {
+        let end = c.dst + c.len * 4;
+        let overlaps = batch
+            .iter()
+            .any(|b| c.dst < b.dst + b.len * 4 && b.dst < end);
+        if overlaps || batch.len() == kernels::MAX_SEGS {
+            kernels.segments(kernel, stream, &batch, accumulate)?;
+            batch.clear();
+        }
+        batch.push(c);
+    }
+    kernels.segments(kernel, stream, &batch, accumulate)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn coll(kind: CollectiveKind, count: u64, root: Option<u32>) -> Collective {
+        Collective {
+            kind,
+            group: Group::Shard { replicate: 0 },
+            count,
+            dtype: DType::F32,
+            op: overlap_graph::ReduceOp::Avg,
+            root,
+        }
+    }
+
+    #[test]
+    fn every_rank_creates_the_same_communicators_in_one_order() {
+        let mesh = Mesh {
+            shard: 2,
+            replicate: 3,
+        };
+        let comms = mesh_comms(mesh, &Bindings::default());
+        // 3 shard groups on the reduce stream; 2 replicate groups on replicate + publish.
+        assert_eq!(comms.len(), 3 + 2 * 2);
+        let mut sorted = comms.clone();
+        sorted.sort();
+        assert_eq!(comms, sorted);
+        // Stage 2 and publish on one stream share one communicator.
+        let shared = Bindings {
+            publish: Stream::Replicate,
+            ..Bindings::default()
+        };
+        assert_eq!(mesh_comms(mesh, &shared).len(), 3 + 2);
+    }
+
+    #[test]
+    fn member_roles_follow_the_kernel_contract() {
+        let r = roles(&coll(CollectiveKind::ReduceScatter, 5, None), 4, 1).unwrap();
+        assert_eq!((r.send, r.recv), (Some(20), Some(5)));
+        let r = roles(&coll(CollectiveKind::Reduce, 5, Some(1)), 2, 0).unwrap();
+        assert_eq!((r.send, r.recv), (Some(5), None));
+        let r = roles(&coll(CollectiveKind::Broadcast, 5, Some(1)), 2, 1).unwrap();
+        assert_eq!((r.send, r.recv), (Some(5), None));
+        let r = roles(&coll(CollectiveKind::AllGather, 3, None), 2, 0).unwrap();
+        assert_eq!((r.send, r.recv), (Some(3), Some(6)));
+        assert!(roles(&coll(CollectiveKind::Reduce, 5, Some(2)), 2, 0).is_err());
+        assert!(roles(&coll(CollectiveKind::AllGather, u64::MAX, None), 2, 0).is_err());
+    }
+
+    #[test]
+    fn broadcast_and_reduce_endpoints_are_in_place_where_nccl_needs_them() {
+        assert_eq!(endpoints(CollectiveKind::Broadcast, 8, 0), (8, 8));
+        assert_eq!(endpoints(CollectiveKind::Broadcast, 0, 16), (16, 16));
+        assert_eq!(endpoints(CollectiveKind::Reduce, 8, 0), (8, 8));
+        assert_eq!(endpoints(CollectiveKind::Reduce, 8, 16), (8, 16));
+        assert_eq!(endpoints(CollectiveKind::AllReduce, 8, 8), (8, 8));
+    }
+
+    #[test]
+    fn opening_without_cuda_is_a_clear_error_not_a_panic() {
+        let opts = CudaOptions {
+            mesh: Mesh {
+                shard: 1,
+                replicate: 1,
+            },
+            rank: 0,
+            device: 0,
+            timings: false,
+        };
+        if check_libraries().is_ok() {
+            eprintln!("CUDA libraries present: the error path is not exercised here");
+            return;
+        }
+        let err = CudaBackend::new(opts)
+            .err()
+            .map(|e| e.to_string())
+            .unwrap_or_default();
+        assert!(err.contains("cannot load lib"), "{err}");
+        let bad = CudaOptions { rank: 3, ..opts };
+        assert!(CudaBackend::new(bad).is_err());
+    }
+}

@@ -1,0 +1,304 @@
+//! Muon on the GPU: momentum and Nesterov input (element-wise, as the reference), then
+//! Newton–Schulz with cuBLAS SGEMMs in f32, then the scaled update.
+//!
+//! The working matrix `X` is `m × n` row-major with `m ≤ n` (the gradient, or its
+//! transpose when `rows > cols`, as in [`crate::math::newton_schulz`]). cuBLAS is
+//! column-major, so the buffer holding `X` row-major is `Y = Xᵀ` (`n × m`, leading
+//! dimension `n`) to cuBLAS, and each quintic iteration is three GEMMs:
+//!
+//! - `A = X·Xᵀ = Yᵀ·Y` (`m × m`): `sgemm(T, N, m, m, n, 1, Y, Y, 0, A)`;
+//! - `B = b·A + c·A·A`: `B := A`, then `sgemm(N, N, m, m, m, c, A, A, b, B)`;
+//! - `X' = a·X + B·X`, i.e. `Y' = a·Y + Y·Bᵀ`: `Z := Y`, then
+//!   `sgemm(N, T, n, m, m, 1, Y, B, a, Z)`, and `Y, Z` swap.
+//!
+//! The math mode is cuBLAS's default (full f32, no TF32), so the only difference from the
+//! reference is f32 rather than f64 arithmetic in the iteration; the tolerance this
+//! allows is measured in `docs/gpu-validation.md`.
+//!
+//! Invariant: everything runs on the stream the Muon node is bound to, with that
+//! stream's cuBLAS handle and scratch, so stream order alone protects the scratch.
+
+use std::sync::Arc;
+
+use cudarc::cublas::result as blas;
+use cudarc::cublas::sys as blas_sys;
+use cudarc::driver::sys;
+
+use super::kernels::{Kernels, SUMSQ_BLOCKS};
+use super::memory::{DevMem, Memory};
+use crate::{MuonParams, OpsError};
+
+/// Quintic coefficients, as in [`crate::math::newton_schulz`].
+const NS_A: f32 = 3.4445;
+const NS_B: f32 = -4.7750;
+const NS_C: f32 = 2.0315;
+/// Muon's update scale per `sqrt(max(rows, cols))`.
+const MUON_SCALE: f64 = 0.2;
+/// cuBLAS workspace per handle (NVIDIA's recommendation for Hopper).
+const WORKSPACE_BYTES: usize = 32 << 20;
+/// Alignment of scratch regions.
+const ALIGN: usize = 256;
+
+/// A cuBLAS handle bound to one stream, with its own workspace.
+pub(super) struct Blas {
+    handle: blas_sys::cublasHandle_t,
+    _workspace: Arc<DevMem>,
+}
+
+// SAFETY: the handle is used by one thread at a time (under the backend's issue lock)
+// with the context bound.
+unsafe impl Send for Blas {}
+
+fn blas_err(what: &str, e: blas::CublasError) -> OpsError {
+    OpsError::Backend(format!("cuBLAS {what}: {:?}", e.0))
+}
+
+impl Blas {
+    /// A handle issuing on `stream`. The caller has the context bound.
+    pub(super) fn new(stream: sys::CUstream, memory: &Arc<Memory>) -> Result<Blas, OpsError> {
+        let handle = blas::create_handle().map_err(|e| blas_err("cublasCreate", e))?;
+        let workspace = memory.alloc_raw(WORKSPACE_BYTES)?;
+        // SAFETY: a fresh handle, a live stream and workspace of the stated size. The
+        // stream is set first: cublasSetStream resets the workspace to the default pool.
+        unsafe {
+            blas::set_stream(handle, stream as blas_sys::cudaStream_t)
+                .map_err(|e| blas_err("cublasSetStream", e))?;
+            blas_sys::cublasSetWorkspace_v2(
+                handle,
+                workspace.ptr() as *mut std::ffi::c_void,
+                workspace.bytes(),
+            )
+            .result()
+            .map_err(|e| blas_err("cublasSetWorkspace", e))?;
+            // Full-precision SGEMM: no TF32 (which would round inputs to 10 bits).
+            blas_sys::cublasSetMathMode(handle, blas_sys::cublasMath_t::CUBLAS_DEFAULT_MATH)
+                .result()
+                .map_err(|e| blas_err("cublasSetMathMode", e))?;
+        }
+        Ok(Blas {
+            handle,
+            _workspace: workspace,
+        })
+    }
+
+    /// Destroys the handle. The caller has the context bound.
+    pub(super) fn destroy(&self) {
+        // SAFETY: destroyed once, when the backend is dropped.
+        let _ = unsafe { blas::destroy_handle(self.handle) };
+    }
+
+    #[allow(clippy::too_many_arguments)]
+    fn sgemm(
+        &self,
+        (ta, tb): (bool, bool),
+        (m, n, k): (i32, i32, i32),
+        alpha: f32,
+        (a, lda): (u64, i32),
+        (b, ldb): (u64, i32),
+        beta: f32,
+        (c, ldc): (u64, i32),
+    ) -> Result<(), OpsError> {
+        let op = |t: bool| {
+            if t {
+                blas_sys::cublasOperation_t::CUBLAS_OP_T
+            } else {
+                blas_sys::cublasOperation_t::CUBLAS_OP_N
+            }
+        };
+        // SAFETY: the caller passes device matrices of the stated shapes in scratch it
+        // owns on this handle's stream; alpha and beta are host scalars read at the call.
+        unsafe {
+            blas::sgemm(
+                self.handle,
+                op(ta),
+                op(tb),
+                m,
+                n,
+                k,
+                &alpha,
+                a as *const f32,
+                lda,
+                b as *const f32,
+                ldb,
+                &beta,
+                c as *mut f32,
+                ldc,
+            )
+        }
+        .map_err(|e| OpsError::Failed {
+            kernel: "muon",
+            reason: format!("cublasSgemm: {:?}", e.0),
+        })
+    }
+}
+
+/// Where each scratch region of one Muon call lies, as byte offsets.
+pub(super) struct Layout {
+    y: usize,
+    z: usize,
+    a: usize,
+    b: usize,
+    partial: usize,
+    norm: usize,
+    /// Total bytes.
+    pub(super) bytes: usize,
+}
+
+impl Layout {
+    /// The scratch a `rows × cols` Muon step needs, or `None` if it overflows.
+    pub(super) fn new(rows: usize, cols: usize) -> Option<Layout> {
+        let (m, n) = (rows.min(cols), rows.max(cols));
+        let mut at = 0usize;
+        let mut region = |bytes: usize| -> Option<usize> {
+            let start = at;
+            at = at.checked_add(bytes.checked_next_multiple_of(ALIGN)?)?;
+            Some(start)
+        };
+        let mn = m.checked_mul(n)?.checked_mul(4)?;
+        let mm = m.checked_mul(m)?.checked_mul(4)?;
+        Some(Layout {
+            y: region(mn)?,
+            z: region(mn)?,
+            a: region(mm)?,
+            b: region(mm)?,
+            partial: region(SUMSQ_BLOCKS as usize * 8)?,
+            norm: region(8)?,
+            bytes: at,
+        })
+    }
+}
+
+/// The device buffers of one Muon step.
+pub(super) struct MuonArgs {
+    pub param: u64,
+    pub grad: u64,
+    pub momentum: u64,
+    pub rows: usize,
+    pub cols: usize,
+}
+
+/// Runs one Muon step on `stream` with `scratch` laid out by [`Layout::new`].
+pub(super) fn run(
+    kernels: &Kernels,
+    blas: &Blas,
+    stream: sys::CUstream,
+    scratch: u64,
+    layout: &Layout,
+    args: &MuonArgs,
+    hp: &MuonParams,
+) -> Result<(), OpsError> {
+    let (rows, cols) = (args.rows, args.cols);
+    if rows == 0 || cols == 0 {
+        return Ok(());
+    }
+    let transposed = rows > cols;
+    let (m, n) = (rows.min(cols), rows.max(cols));
+    let too_big = || OpsError::Shape {
+        kernel: "muon",
+        reason: format!("a {rows} × {cols} matrix exceeds cuBLAS's 32-bit dimensions"),
+    };
+    let mi = i32::try_from(m).map_err(|_| too_big())?;
+    let ni = i32::try_from(n).map_err(|_| too_big())?;
+    let at = |off: usize| scratch + off as u64;
+    let (mut y, mut z) = (at(layout.y), at(layout.z));
+    let (a, b) = (at(layout.a), at(layout.b));
+    let numel = (rows * cols) as u64;
+
+    // u = g + μ·(μ·buf + g), into Z; then X = u / (‖u‖ + 1e-7) into Y.
+    kernels.muon_momentum(
+        stream,
+        (args.momentum, args.grad, z),
+        numel,
+        f64::from(hp.momentum),
+    )?;
+    kernels.norm(stream, z, numel, at(layout.partial), at(layout.norm))?;
+    kernels.ns_init(
+        stream,
+        z,
+        y,
+        rows as u64,
+        cols as u64,
+        transposed,
+        at(layout.norm),
+    )?;
+    let copy = |dst: u64, src: u64, bytes: usize| -> Result<(), OpsError> {
+        // SAFETY: both regions lie in this call's scratch and hold `bytes` bytes.
+        unsafe { sys::cuMemcpyDtoDAsync_v2(dst, src, bytes, stream) }
+            .result()
+            .map_err(|e| super::device::failed("muon", e))
+    };
+    for _ in 0..hp.ns_steps {
+        // A = Yᵀ·Y
+        blas.sgemm(
+            (true, false),
+            (mi, mi, ni),
+            1.0,
+            (y, ni),
+            (y, ni),
+            0.0,
+            (a, mi),
+        )?;
+        // B = b·A + c·A·A
+        copy(b, a, m * m * 4)?;
+        blas.sgemm(
+            (false, false),
+            (mi, mi, mi),
+            NS_C,
+            (a, mi),
+            (a, mi),
+            NS_B,
+            (b, mi),
+        )?;
+        // Z = a·Y + Y·Bᵀ
+        copy(z, y, m * n * 4)?;
+        blas.sgemm(
+            (false, true),
+            (ni, mi, mi),
+            1.0,
+            (y, ni),
+            (b, mi),
+            NS_A,
+            (z, ni),
+        )?;
+        std::mem::swap(&mut y, &mut z);
+    }
+    let lr = f64::from(hp.lr);
+    let decay = 1.0 - lr * f64::from(hp.weight_decay);
+    let scale = lr * MUON_SCALE * (rows.max(cols) as f64).sqrt();
+    kernels.muon_update(
+        stream,
+        args.param,
+        y,
+        rows as u64,
+        cols as u64,
+        transposed,
+        decay,
+        scale,
+    )
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn scratch_regions_are_aligned_and_disjoint() {
+        let l = Layout::new(33, 7).expect("fits");
+        let regions = [
+            (l.y, 7 * 33 * 4),
+            (l.z, 7 * 33 * 4),
+            (l.a, 7 * 7 * 4),
+            (l.b, 7 * 7 * 4),
+            (l.partial, SUMSQ_BLOCKS as usize * 8),
+            (l.norm, 8),
+        ];
+        for (i, &(start, len)) in regions.iter().enumerate() {
+            assert_eq!(start % ALIGN, 0);
+            assert!(start + len <= l.bytes);
+            for &(other, olen) in &regions[i + 1..] {
+                assert!(start + len <= other || other + olen <= start);
+            }
+        }
+        assert!(Layout::new(usize::MAX, 2).is_none());
+    }
+}

@@ -1,0 +1,193 @@
+//! NCCL communicators: one per (group, stream) the plan uses, each created from its own
+//! unique id, and the collectives issued on them.
+//!
+//! Rank 0 generates one unique id per communicator of the whole mesh
+//! ([`super::unique_ids`]) and shares them (the facade's TCP rendezvous); every rank
+//! then creates the communicators it is a member of *in the one global order of
+//! [`super::mesh_comms`]*, each with `ncclCommInitRank` (blocking until its members
+//! join). Every rank walks a subsequence of the same total order, so the smallest
+//! communicator not yet created always has all its members waiting for it: creation
+//! cannot deadlock, whatever the mesh.
+//!
+//! A communicator is bound to the stream of its [`CommId`]: the backend refuses a
+//! collective issued on another stream. Collectives of all communicators are issued
+//! from one host thread at a time in plan order (the backend's issue lock), which is the
+//! same order on every rank.
+//!
+//! Invariant: a communicator is aborted exactly once, when the backend is dropped.
+
+use std::ffi::c_void;
+
+use cudarc::nccl::result as nccl;
+use cudarc::nccl::sys;
+use overlap_graph::{CollectiveKind, DType, ReduceOp};
+
+use super::device::c_str;
+use crate::{CommId, OpsError};
+
+/// An NCCL unique id: 128 opaque bytes that rank 0 generates and every member of one
+/// communicator must pass to `ncclCommInitRank`.
+#[derive(Clone, Copy, PartialEq, Eq)]
+pub struct NcclUniqueId(pub [u8; 128]);
+
+impl std::fmt::Debug for NcclUniqueId {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "NcclUniqueId({:02x?}..)", &self.0[..8])
+    }
+}
+
+impl NcclUniqueId {
+    fn to_sys(self) -> sys::ncclUniqueId {
+        sys::ncclUniqueId {
+            internal: self.0.map(|b| b as std::ffi::c_char),
+        }
+    }
+
+    fn from_sys(id: sys::ncclUniqueId) -> NcclUniqueId {
+        NcclUniqueId(id.internal.map(|c| c as u8))
+    }
+}
+
+/// An NCCL error as text: the code's description and NCCL's last message.
+pub(super) fn describe(e: &nccl::NcclError, comm: Option<sys::ncclComm_t>) -> String {
+    // SAFETY: both return static or thread-local NUL-terminated strings.
+    let code = c_str(unsafe { sys::ncclGetErrorString(e.0) });
+    let last = c_str(unsafe { sys::ncclGetLastError(comm.unwrap_or(std::ptr::null_mut())) });
+    if last.is_empty() {
+        format!("{code} ({:?})", e.0)
+    } else {
+        format!("{code} ({:?}): {last}", e.0)
+    }
+}
+
+/// Fresh unique ids (NCCL must be loadable).
+pub(super) fn generate(n: usize) -> Result<Vec<NcclUniqueId>, OpsError> {
+    (0..n)
+        .map(|_| {
+            nccl::get_uniqueid()
+                .map(NcclUniqueId::from_sys)
+                .map_err(|e| OpsError::Backend(format!("ncclGetUniqueId: {}", describe(&e, None))))
+        })
+        .collect()
+}
+
+/// NCCL's version as `major.minor.patch`.
+pub(super) fn version() -> String {
+    match nccl::get_nccl_version() {
+        Ok(v) if v >= 10000 => format!("{}.{}.{}", v / 10000, (v % 10000) / 100, v % 100),
+        Ok(v) => format!("{}.{}.{}", v / 1000, (v % 1000) / 100, v % 100),
+        Err(_) => "unknown".into(),
+    }
+}
+
+/// One communicator of this rank.
+pub(super) struct Comm {
+    pub(super) id: CommId,
+    raw: sys::ncclComm_t,
+    /// Members of the group.
+    pub(super) size: u32,
+    /// This rank's index in the group.
+    pub(super) index: u32,
+}
+
+// SAFETY: an NCCL communicator may be used from any thread as long as calls on it are
+// not concurrent; the backend issues under one lock.
+unsafe impl Send for Comm {}
+
+impl Comm {
+    /// Creates this rank's member of a communicator (blocks until all members join).
+    /// The caller has the device's context bound.
+    pub(super) fn init(
+        id: CommId,
+        uid: NcclUniqueId,
+        size: u32,
+        index: u32,
+    ) -> Result<Comm, OpsError> {
+        let mut raw: sys::ncclComm_t = std::ptr::null_mut();
+        // SAFETY: `raw` is an out-parameter; size and index were checked by the caller.
+        unsafe { nccl::comm_init_rank(&mut raw, size as i32, uid.to_sys(), index as i32) }
+            .map_err(|e| OpsError::Collective {
+                comm: id.to_string(),
+                reason: format!(
+                    "ncclCommInitRank (member {index} of {size}) failed: {}",
+                    describe(&e, None)
+                ),
+            })?;
+        Ok(Comm {
+            id,
+            raw,
+            size,
+            index,
+        })
+    }
+
+    fn err(&self, e: nccl::NcclError, what: &str) -> OpsError {
+        OpsError::Collective {
+            comm: self.id.to_string(),
+            reason: format!("{what}: {}", describe(&e, Some(self.raw))),
+        }
+    }
+
+    /// Issues one collective on `stream` over device buffers of `dtype` elements. For
+    /// rooted kinds `root` is the root's index; `count` follows [`crate::Kernel`]'s
+    /// convention (the output chunk for reduce-scatter, the input chunk for all-gather).
+    #[allow(clippy::too_many_arguments)]
+    pub(super) fn issue(
+        &self,
+        stream: cudarc::driver::sys::CUstream,
+        kind: CollectiveKind,
+        dtype: DType,
+        op: ReduceOp,
+        root: u32,
+        send: u64,
+        recv: u64,
+        count: usize,
+    ) -> Result<(), OpsError> {
+        let dt = match dtype {
+            DType::F32 => sys::ncclDataType_t::ncclFloat32,
+            DType::Bf16 => sys::ncclDataType_t::ncclBfloat16,
+        };
+        let red = match op {
+            ReduceOp::Avg => sys::ncclRedOp_t::ncclAvg,
+            ReduceOp::Sum => sys::ncclRedOp_t::ncclSum,
+        };
+        let s = send as *const c_void;
+        let r = recv as *mut c_void;
+        let st = stream as sys::cudaStream_t;
+        let root = root as i32;
+        // SAFETY: the caller passes device buffers of the sizes the kind needs on this
+        // member, a live stream of the communicator's device, and issues under the
+        // backend's lock (no concurrent call on this communicator).
+        let result = unsafe {
+            match kind {
+                CollectiveKind::ReduceScatter => {
+                    nccl::reduce_scatter(s, r, count, dt, red, self.raw, st)
+                }
+                CollectiveKind::AllReduce => nccl::all_reduce(s, r, count, dt, red, self.raw, st),
+                CollectiveKind::Reduce => nccl::reduce(s, r, count, dt, red, root, self.raw, st),
+                CollectiveKind::Broadcast => nccl::broadcast(s, r, count, dt, root, self.raw, st),
+                CollectiveKind::AllGather => nccl::all_gather(s, r, count, dt, self.raw, st),
+            }
+        };
+        result.map(|_| ()).map_err(|e| self.err(e, kind.name()))
+    }
+
+    /// The communicator's asynchronous error, if NCCL reported one.
+    pub(super) fn async_error(&self) -> Option<OpsError> {
+        let mut code = sys::ncclResult_t::ncclSuccess;
+        // SAFETY: a live communicator and an out-parameter.
+        let r = unsafe { sys::ncclCommGetAsyncError(self.raw, &mut code) };
+        match (r.result(), code.result()) {
+            (Ok(_), Ok(_)) => None,
+            (Err(e), _) | (_, Err(e)) => Some(self.err(e, "asynchronous error")),
+        }
+    }
+
+    /// Frees the communicator with `ncclCommAbort`: local and immediate (unlike
+    /// `ncclCommDestroy`, which may wait for peers that already exited), and harmless on
+    /// an idle communicator.
+    pub(super) fn close(self) {
+        // SAFETY: the communicator is closed once (this consumes it).
+        let _ = unsafe { nccl::comm_abort(self.raw) };
+    }
+}

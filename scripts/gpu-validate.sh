@@ -1,0 +1,48 @@
+#!/usr/bin/env bash
+# The GPU validation of docs/gpu-validation.md, on one machine with 2 GPUs.
+#
+#   cargo build --release --features cuda --bin overlap
+#   scripts/gpu-validate.sh [BINARY] [OUTDIR] [BUDGET_SECONDS]
+#
+# Runs, each under `overlap launch --nproc-per-node 2` (one process per GPU):
+#   1. cuda-smoke: libraries, every collective in f32/bf16 with sum/avg, the kernels
+#      against the reference math, all-reduce bandwidth;
+#   2. verify on meshes 2x1 and 1x2, four gate patterns, f32 and bf16, 3 steps;
+#   3. one `overlap run` for the per-step figures.
+# Everything it prints also goes to OUTDIR/log.txt. Stops starting new runs after
+# BUDGET_SECONDS (default 420).
+set -u
+BIN=${1:-target/release/overlap}
+OUT=${2:-gpu-validation-out}
+BUDGET=${3:-420}
+mkdir -p "$OUT"
+export LD_LIBRARY_PATH=/usr/local/cuda/lib64${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}
+export NCCL_NVLS_ENABLE=0
+port=29600
+failures=0
+step() {
+  port=$((port + 1))
+  if [ "$SECONDS" -gt "$BUDGET" ]; then
+    echo "skipped (time budget): $*"
+    return
+  fi
+  echo "\$ overlap launch --nproc-per-node 2 --master-port $port -- $*"
+  local t0=$SECONDS
+  timeout 90 "$BIN" launch --nproc-per-node 2 --master-port "$port" -- "$@"
+  local rc=$?
+  echo "exit $rc ($((SECONDS - t0)) s)"
+  [ "$rc" -eq 0 ] || failures=$((failures + 1))
+}
+{
+  nvidia-smi --query-gpu=index,name,driver_version,memory.total --format=csv
+  step cuda-smoke --mib 1,16,64,256 --iters 20
+  for mesh in 2x1 1x2; do
+    for dtype in f32 bf16; do
+      for gates in off,on off,off,on on,on no_sync,off,on; do
+        step verify --config "examples/gpu/gpu_$mesh.toml" --backend cuda --gates "$gates" --dtype "$dtype" --steps 3 --json
+      done
+    done
+  done
+  step run --config examples/gpu/gpu_2x1.toml --backend cuda --steps 4
+  echo "failures: $failures"
+} 2>&1 | tee "$OUT/log.txt"

@@ -1,0 +1,224 @@
+//! Running on GPUs (the `cuda` feature): one process per GPU, as trainers run.
+//!
+//! Each process is one rank of the mesh: it reads its place in the job from the
+//! environment ([`RankEnv`], set by `overlap launch`, torchrun, Slurm or Open MPI), opens
+//! its GPU ([`CudaBackend`]), meets the other ranks at rank 0's TCP [`Rendezvous`], and
+//! creates its NCCL communicators from the unique ids rank 0 generated. Then a
+//! [`Session`] over the backend runs the same plans as on the CPU, for this rank only.
+//!
+//! Start-up is two-phase so that no rank is left waiting when another cannot start:
+//! every rank first reports whether it opened its GPU; only when all did does rank 0
+//! broadcast the NCCL ids (otherwise it broadcasts which rank failed and why, and every
+//! rank exits with that error).
+//!
+//! Invariant: a [`CudaWorld`] exists only when the world size equals the mesh's
+//! `shard × replicate` and every rank holds its communicators.
+
+mod smoke;
+mod verify;
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use overlap_graph::Mesh;
+use overlap_ops::cuda::{self as ops_cuda, CudaBackend, CudaOptions, NcclUniqueId};
+use overlap_ops::CommId;
+
+use crate::config::Config;
+use crate::dist::{DistError, RankEnv};
+use crate::rendezvous::Rendezvous;
+use crate::session::{exec_config, Session};
+use crate::Error;
+
+pub use smoke::{smoke, SmokeReport};
+pub use verify::verify;
+
+/// How long ranks wait for each other at start (and rank 0 for the others' status).
+pub const START_TIMEOUT: Duration = Duration::from_secs(180);
+/// How long rank 0 waits for another rank's figures at the end of a run.
+pub const GATHER_TIMEOUT: Duration = Duration::from_secs(3600);
+
+/// This process's rank, its GPU backend and its line to the other ranks.
+pub struct CudaWorld {
+    /// Who this process is.
+    pub env: RankEnv,
+    /// The connections to the other ranks (kept open for gathering results).
+    pub rendezvous: Rendezvous,
+    /// The backend driving this rank's GPU.
+    pub backend: Arc<CudaBackend>,
+}
+
+/// This process's rank environment for a job on `mesh`: from the launcher's variables,
+/// or a single process when none is set and the mesh has one rank.
+pub fn rank_env(mesh: Mesh) -> Result<RankEnv, Error> {
+    let env = match RankEnv::from_env()? {
+        Some(env) => env,
+        None if mesh.world() == 1 => RankEnv::single(),
+        None => {
+            return Err(DistError::Inconsistent(format!(
+                "backend \"cuda\" runs one process per GPU and mesh {mesh} has {} ranks: start them with \
+                 `overlap launch --nproc-per-node {} -- <this command>` (or torchrun, srun, mpirun)",
+                mesh.world(),
+                mesh.world()
+            ))
+            .into())
+        }
+    };
+    if env.world_size != mesh.world() {
+        return Err(DistError::Inconsistent(format!(
+            "the job has {} ranks (WORLD_SIZE) but mesh {mesh} needs shard × replicate = {}",
+            env.world_size,
+            mesh.world()
+        ))
+        .into());
+    }
+    Ok(env)
+}
+
+/// Opens this rank's GPU and connects the job for a config: one communicator per
+/// (group, stream) its bindings use.
+pub fn world(config: &Config, env: RankEnv, timings: bool) -> Result<CudaWorld, Error> {
+    let mesh = config.plan.mesh;
+    open(
+        env,
+        mesh,
+        ops_cuda::mesh_comms(mesh, &config.plan.bindings),
+        timings,
+    )
+}
+
+/// Opens this rank's GPU and connects the job: `comms` is the global list of
+/// communicators (the same on every rank).
+pub fn open(
+    env: RankEnv,
+    mesh: Mesh,
+    comms: Vec<CommId>,
+    timings: bool,
+) -> Result<CudaWorld, Error> {
+    if env.world_size != mesh.world() {
+        return Err(DistError::Inconsistent(format!(
+            "the job has {} ranks but mesh {mesh} needs {}",
+            env.world_size,
+            mesh.world()
+        ))
+        .into());
+    }
+    let mut rendezvous = Rendezvous::connect(&env, START_TIMEOUT)?;
+    let opened = CudaBackend::new(CudaOptions {
+        mesh,
+        rank: env.rank,
+        device: env.local_rank,
+        timings,
+    });
+    // Phase 1: everyone says whether its GPU opened.
+    let status = match &opened {
+        Ok(_) => vec![0u8],
+        Err(e) => [vec![1u8], e.to_string().into_bytes()].concat(),
+    };
+    let statuses = rendezvous.gather(&status, START_TIMEOUT)?;
+    // Phase 2: rank 0 hands out the NCCL ids, or the first failure.
+    let payload = match statuses {
+        Some(all) => decide(&all, comms.len()),
+        None => Vec::new(),
+    };
+    let payload = rendezvous.broadcast(&payload, START_TIMEOUT)?;
+    let ids = decode(&payload, comms.len())?;
+    let mut backend = opened.map_err(|e| Error::Backend(e.to_string()))?;
+    let list: Vec<(CommId, NcclUniqueId)> = comms.into_iter().zip(ids).collect();
+    backend
+        .connect(&list)
+        .map_err(|e| Error::Backend(e.to_string()))?;
+    Ok(CudaWorld {
+        env,
+        rendezvous,
+        backend: Arc::new(backend),
+    })
+}
+
+/// Rank 0's decision from every rank's status: `0` and the ids, or `1`, the failed
+/// rank and its error.
+fn decide(statuses: &[Vec<u8>], n: usize) -> Vec<u8> {
+    let failed = statuses
+        .iter()
+        .enumerate()
+        .find(|(_, s)| s.first() != Some(&0));
+    let failure = |rank: usize, msg: &[u8]| {
+        [
+            vec![1u8],
+            (rank as u32).to_le_bytes().to_vec(),
+            msg.to_vec(),
+        ]
+        .concat()
+    };
+    if let Some((rank, s)) = failed {
+        return failure(rank, s.get(1..).unwrap_or_default());
+    }
+    match ops_cuda::unique_ids(n) {
+        Ok(ids) => {
+            let mut out = vec![0u8];
+            ids.iter().for_each(|id| out.extend_from_slice(&id.0));
+            out
+        }
+        Err(e) => failure(0, e.to_string().as_bytes()),
+    }
+}
+
+fn decode(payload: &[u8], n: usize) -> Result<Vec<NcclUniqueId>, Error> {
+    match payload.split_first() {
+        Some((0, ids)) if ids.len() == n * 128 => Ok(ids
+            .chunks_exact(128)
+            .map(|c| {
+                let mut id = [0u8; 128];
+                id.copy_from_slice(c);
+                NcclUniqueId(id)
+            })
+            .collect()),
+        Some((1, rest)) if rest.len() >= 4 => {
+            let rank = u32::from_le_bytes([rest[0], rest[1], rest[2], rest[3]]);
+            Err(DistError::Peer {
+                rank,
+                reason: String::from_utf8_lossy(&rest[4..]).into_owned(),
+            }
+            .into())
+        }
+        _ => Err(DistError::Rendezvous(format!(
+            "rank 0 sent {} bytes of start-up data, expected {} NCCL ids",
+            payload.len(),
+            n
+        ))
+        .into()),
+    }
+}
+
+impl Session<CudaBackend> {
+    /// A session on this rank's GPU, parameters initialised from the config's seed
+    /// exactly as [`Session::cpu`] does (each rank keeps its piece).
+    pub fn cuda(config: &Config, backend: Arc<CudaBackend>) -> Result<Self, Error> {
+        let mut s = Session::new(config.plan.clone(), backend, exec_config(config))?;
+        let seed = config.run.seed;
+        s.init_params(|i, p| crate::synthetic::init(seed, i, p.spec.numel() as usize))?;
+        Ok(s)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn start_up_decisions_round_trip() {
+        let failed = decide(&[vec![0], vec![1, b'n', b'o']], 3);
+        match decode(&failed, 3) {
+            Err(Error::Dist(DistError::Peer { rank, reason })) => {
+                assert_eq!((rank, reason.as_str()), (1, "no"));
+            }
+            other => panic!("{:?}", other.map(|v| v.len())),
+        }
+        let mut ok = vec![0u8];
+        ok.extend([7u8; 256]);
+        let ids = decode(&ok, 2).unwrap();
+        assert_eq!(ids.len(), 2);
+        assert_eq!(ids[1].0, [7u8; 128]);
+        assert!(decode(&ok, 3).is_err());
+    }
+}

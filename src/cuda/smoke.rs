@@ -1,0 +1,567 @@
+//! `overlap cuda-smoke`: a quick check of a GPU job before real runs.
+//!
+//! Under `overlap launch`, every rank reports the libraries it loaded and its device,
+//! then checks every collective kind in f32 and bf16 with `sum` and `avg` on the
+//! replicate group of a `1 × world` mesh against values computed on the host, checks
+//! the rank-local kernels (add, pack, unpack, AdamW, Muon, spin) against the reference
+//! math of [`overlap_ops::math`], and measures the all-reduce bandwidth with timing
+//! events.
+//!
+//! Invariant: every check compares with values computed on the host from the same
+//! inputs; nothing here trusts the device to check itself.
+
+use std::sync::Arc;
+use std::time::Instant;
+
+use overlap_graph::{Collective, CollectiveKind, CopySeg, DType, Group, ReduceOp, Stream};
+use overlap_ops::cuda::CudaBackend;
+use overlap_ops::{math, AdamwParams, Backend, CommId, Kernel, MuonParams, Tag};
+use serde::Serialize;
+
+use super::CudaWorld;
+use crate::Error;
+
+/// What one rank found.
+#[derive(Debug, Clone, Serialize)]
+pub struct SmokeReport {
+    /// The rank.
+    pub rank: u32,
+    /// Ranks in the job.
+    pub world: u32,
+    /// The GPU.
+    pub device: String,
+    /// Driver and NCCL versions.
+    pub driver: String,
+    /// NCCL version.
+    pub nccl: String,
+    /// Library files opened (driver, NVRTC, cuBLAS, NCCL).
+    pub libraries: Vec<String>,
+    /// Every check, in order.
+    pub checks: Vec<Check>,
+    /// All-reduce bandwidth per size.
+    pub bandwidth: Vec<Bandwidth>,
+    /// Every check passed.
+    pub ok: bool,
+}
+
+/// One check.
+#[derive(Debug, Clone, Serialize)]
+pub struct Check {
+    /// What was checked.
+    pub name: String,
+    /// Whether it passed.
+    pub ok: bool,
+    /// The figure behind the verdict.
+    pub detail: String,
+}
+
+/// One bandwidth measurement.
+#[derive(Debug, Clone, Serialize)]
+pub struct Bandwidth {
+    /// The collective.
+    pub op: String,
+    /// Bytes per rank.
+    pub bytes: u64,
+    /// Mean duration of one call (timing events), seconds.
+    pub seconds: f64,
+    /// Algorithm bandwidth, GB/s (bytes / time).
+    pub algbw_gbs: f64,
+    /// Bus bandwidth, GB/s (`algbw · 2(n-1)/n` for all-reduce, as nccl-tests).
+    pub busbw_gbs: f64,
+}
+
+fn tag(node: u32, op: &'static str) -> Tag {
+    Tag {
+        node,
+        op,
+        micro_batch: 0,
+    }
+}
+
+/// Launches `kernel` on `stream`, waits for it, and returns the backend's errors.
+async fn run(
+    b: &CudaBackend,
+    stream: Stream,
+    kernel: Kernel<<CudaBackend as Backend>::Buffer>,
+) -> Result<(), String> {
+    let rank = b.rank();
+    b.launch(rank, stream, tag(0, "smoke"), kernel);
+    let ev = b.event(rank);
+    b.record(rank, stream, &ev);
+    let waited = b.host_wait(&ev).await;
+    let errors = b.errors();
+    if !errors.is_empty() {
+        b.reset();
+        return Err(errors
+            .iter()
+            .map(|(_, _, _, e)| e.to_string())
+            .collect::<Vec<_>>()
+            .join("; "));
+    }
+    waited.map_err(|e| e.to_string())
+}
+
+fn ops(e: overlap_ops::OpsError) -> Error {
+    Error::Backend(e.to_string())
+}
+
+fn alloc(b: &CudaBackend, len: usize) -> Result<<CudaBackend as Backend>::Buffer, Error> {
+    b.alloc(b.rank(), len).map_err(ops)
+}
+
+fn download(b: &CudaBackend, buf: &<CudaBackend as Backend>::Buffer) -> Result<Vec<f32>, Error> {
+    b.download(buf).map_err(ops)
+}
+
+fn buffer(b: &CudaBackend, data: &[f32]) -> Result<<CudaBackend as Backend>::Buffer, Error> {
+    let buf = alloc(b, data.len())?;
+    b.upload(&buf, data).map_err(ops)?;
+    Ok(buf)
+}
+
+/// A deterministic value in `[-1, 1)` (xorshift), for kernel inputs.
+fn random(len: usize, seed: u64) -> Vec<f32> {
+    let mut s = seed.wrapping_mul(0x9e37_79b9_7f4a_7c15) | 1;
+    (0..len)
+        .map(|_| {
+            s ^= s << 13;
+            s ^= s >> 7;
+            s ^= s << 17;
+            (s >> 40) as f32 / (1u64 << 23) as f32 - 1.0
+        })
+        .collect()
+}
+
+/// `max |a - b| / max |b|`.
+fn rel(a: &[f32], b: &[f32]) -> f64 {
+    let num = a
+        .iter()
+        .zip(b)
+        .map(|(x, y)| f64::from((x - y).abs()))
+        .fold(0.0, f64::max);
+    let den = b.iter().map(|y| f64::from(y.abs())).fold(0.0, f64::max);
+    if num == 0.0 {
+        0.0
+    } else {
+        num / den.max(f64::MIN_POSITIVE)
+    }
+}
+
+/// Runs the checks and measurements on this rank. `sizes` are all-reduce sizes in
+/// bytes per rank, each timed over `iters` calls.
+pub async fn smoke(world: &mut CudaWorld, sizes: &[u64], iters: u32) -> Result<SmokeReport, Error> {
+    let b = Arc::clone(&world.backend);
+    let info = b.info().clone();
+    let mut checks = Vec::new();
+    collectives(&b, world.env.world_size, &mut checks).await?;
+    kernels(&b, &mut checks).await?;
+    let bandwidth = bandwidth(&b, world.env.world_size, sizes, iters).await?;
+    let ok = checks.iter().all(|c| c.ok);
+    Ok(SmokeReport {
+        rank: world.env.rank,
+        world: world.env.world_size,
+        device: format!(
+            "{} (GPU {}, compute capability {}.{})",
+            info.name, info.ordinal, info.capability.0, info.capability.1
+        ),
+        driver: info.driver,
+        nccl: info.nccl,
+        libraries: info.libraries,
+        checks,
+        bandwidth,
+        ok,
+    })
+}
+
+/// Every collective kind, dtype and op on the `1 × world` mesh's replicate group.
+async fn collectives(b: &CudaBackend, world: u32, checks: &mut Vec<Check>) -> Result<(), Error> {
+    let rank = b.rank();
+    let n = world as usize;
+    let c = 1003usize;
+    // Small integers: exact in bf16 and in every sum of a few of them.
+    let x = |r: usize, i: usize| ((r + 1) * (i % 5 + 1)) as f32;
+    let group = Group::Replicate { shard: 0 };
+    let comm = CommId {
+        group,
+        stream: Stream::Replicate,
+    };
+    let kinds = [
+        CollectiveKind::ReduceScatter,
+        CollectiveKind::AllReduce,
+        CollectiveKind::Reduce,
+        CollectiveKind::Broadcast,
+        CollectiveKind::AllGather,
+    ];
+    for kind in kinds {
+        for dtype in [DType::F32, DType::Bf16] {
+            let ops: &[ReduceOp] =
+                if matches!(kind, CollectiveKind::Broadcast | CollectiveKind::AllGather) {
+                    &[ReduceOp::Sum]
+                } else {
+                    &[ReduceOp::Sum, ReduceOp::Avg]
+                };
+            for &op in ops {
+                let root = (world - 1) as usize;
+                let desc = Collective {
+                    kind,
+                    group,
+                    count: c as u64,
+                    dtype,
+                    op,
+                    root: kind.rooted().then_some(root as u32),
+                };
+                let me = rank as usize;
+                let scale = |v: f32| {
+                    if op == ReduceOp::Avg {
+                        v / world as f32
+                    } else {
+                        v
+                    }
+                };
+                let sum = |i: usize| scale((0..n).map(|r| x(r, i)).sum());
+                let (send_len, want): (Option<usize>, Option<Vec<f32>>) = match kind {
+                    CollectiveKind::ReduceScatter => {
+                        (Some(n * c), Some((0..c).map(|i| sum(me * c + i)).collect()))
+                    }
+                    CollectiveKind::AllReduce => (Some(c), Some((0..c).map(sum).collect())),
+                    CollectiveKind::Reduce => {
+                        (Some(c), (me == root).then(|| (0..c).map(sum).collect()))
+                    }
+                    CollectiveKind::Broadcast if me == root => (Some(c), None),
+                    CollectiveKind::Broadcast => (None, Some((0..c).map(|i| x(root, i)).collect())),
+                    CollectiveKind::AllGather => {
+                        (Some(c), Some((0..n * c).map(|k| x(k / c, k % c)).collect()))
+                    }
+                };
+                let send = match send_len {
+                    Some(len) => Some(buffer(b, &(0..len).map(|i| x(me, i)).collect::<Vec<_>>())?),
+                    None => None,
+                };
+                let recv = match &want {
+                    Some(w) => Some(alloc(b, w.len())?),
+                    None => None,
+                };
+                let name = format!(
+                    "{} {} {}",
+                    kind.name(),
+                    if dtype == DType::F32 { "f32" } else { "bf16" },
+                    if op == ReduceOp::Avg { "avg" } else { "sum" }
+                );
+                let ran = run(
+                    b,
+                    Stream::Replicate,
+                    Kernel::Collective {
+                        desc,
+                        comm,
+                        send,
+                        recv: recv.clone(),
+                    },
+                )
+                .await;
+                let check = match (ran, recv, want) {
+                    (Err(e), _, _) => Check {
+                        name,
+                        ok: false,
+                        detail: e,
+                    },
+                    (Ok(()), Some(buf), Some(want)) => {
+                        let got = download(b, &buf)?;
+                        // Exact for the sums; the avg's division rounds once (once more in bf16).
+                        let tol = match (op, dtype) {
+                            (ReduceOp::Sum, _) => 0.0,
+                            (ReduceOp::Avg, DType::F32) => 1e-6,
+                            (ReduceOp::Avg, DType::Bf16) => 8e-3,
+                        };
+                        let e = rel(&got, &want);
+                        Check {
+                            name,
+                            ok: e <= tol,
+                            detail: format!(
+                                "relative error {e:.2e} (tolerance {tol:.0e}) over {} elements",
+                                want.len()
+                            ),
+                        }
+                    }
+                    (Ok(()), _, _) => Check {
+                        name,
+                        ok: true,
+                        detail: "this rank sends only".into(),
+                    },
+                };
+                checks.push(check);
+            }
+        }
+    }
+    Ok(())
+}
+
+/// The rank-local kernels against the reference math.
+async fn kernels(b: &CudaBackend, checks: &mut Vec<Check>) -> Result<(), Error> {
+    let mut push = |name: &str, ok: bool, detail: String| {
+        checks.push(Check {
+            name: name.into(),
+            ok,
+            detail,
+        })
+    };
+    // add: copy, then accumulate onto itself.
+    let a = random(5000, 1);
+    let src = buffer(b, &a)?;
+    let dst = alloc(b, a.len())?;
+    let mut r = run(
+        b,
+        Stream::Compute,
+        Kernel::Add {
+            dst: dst.clone(),
+            src: src.clone(),
+            accumulate: false,
+        },
+    )
+    .await;
+    if r.is_ok() {
+        r = run(
+            b,
+            Stream::Compute,
+            Kernel::Add {
+                dst: dst.clone(),
+                src: dst.clone(),
+                accumulate: true,
+            },
+        )
+        .await;
+    }
+    let want: Vec<f32> = a.iter().map(|v| v + v).collect();
+    let got = download(b, &dst)?;
+    push(
+        "add (copy, then in place)",
+        r.is_ok() && got == want,
+        format!("{r:?}, exact: {}", got == want),
+    );
+
+    // pack: two sources summed into one segment, one source into another, zero between.
+    let (g1, g2, g3) = (random(40, 2), random(40, 3), random(30, 4));
+    let (b1, b2, b3) = (buffer(b, &g1)?, buffer(b, &g2)?, buffer(b, &g3)?);
+    let packed = buffer(b, &vec![9.0; 100])?;
+    let seg = |param, src, dst, len| CopySeg {
+        param,
+        src,
+        dst,
+        len,
+    };
+    let segs = vec![
+        (seg(0, 3, 0, 20), vec![b1.clone(), b2.clone()]),
+        (seg(1, 0, 50, 30), vec![b3.clone()]),
+    ];
+    let r = run(
+        b,
+        Stream::Reduce,
+        Kernel::Pack {
+            dst: packed.clone(),
+            segs: segs.into(),
+        },
+    )
+    .await;
+    let mut want = vec![0.0f32; 100];
+    for i in 0..20 {
+        want[i] = (0.0 + g1[3 + i]) + g2[3 + i];
+    }
+    want[50..80].copy_from_slice(&g3.iter().map(|v| 0.0 + v).collect::<Vec<_>>());
+    let got = download(b, &packed)?;
+    push(
+        "pack (zero, sum of sources)",
+        r.is_ok() && got == want,
+        format!("{r:?}, exact: {}", got == want),
+    );
+
+    // unpack with accumulate into two destinations.
+    let (d1, d2) = (buffer(b, &g1)?, buffer(b, &g3)?);
+    let segs = vec![
+        (seg(0, 0, 5, 20), d1.clone()),
+        (seg(1, 50, 0, 30), d2.clone()),
+    ];
+    let r = run(
+        b,
+        Stream::Replicate,
+        Kernel::Unpack {
+            src: packed.clone(),
+            segs: segs.into(),
+            accumulate: true,
+        },
+    )
+    .await;
+    let mut w1 = g1.clone();
+    for i in 0..20 {
+        w1[5 + i] += want[i];
+    }
+    let w2: Vec<f32> = g3.iter().zip(&want[50..80]).map(|(a, b)| a + b).collect();
+    let ok = download(b, &d1)? == w1 && download(b, &d2)? == w2;
+    push(
+        "unpack (accumulate)",
+        r.is_ok() && ok,
+        format!("{r:?}, exact: {ok}"),
+    );
+
+    // AdamW, step 3: the reference's bits.
+    let n = 10_007;
+    let (p0, g) = (random(n, 5), random(n, 6));
+    let m0: Vec<f32> = random(n, 7).iter().map(|v| v * 0.1).collect();
+    let v0: Vec<f32> = random(n, 8).iter().map(|v| v * v * 0.01).collect();
+    let hp = AdamwParams::default();
+    let state: Vec<f32> = m0.iter().chain(&v0).copied().collect();
+    let (pb, gb, sb) = (buffer(b, &p0)?, buffer(b, &g)?, buffer(b, &state)?);
+    let r = run(
+        b,
+        Stream::Compute,
+        Kernel::Adamw {
+            param: pb.clone(),
+            grad: gb,
+            state: sb.clone(),
+            hp,
+            step: 3,
+        },
+    )
+    .await;
+    let (mut p, mut m, mut v) = (p0.clone(), m0.clone(), v0.clone());
+    math::adamw(&mut p, &g, &mut m, &mut v, &hp, 3);
+    let got_p = download(b, &pb)?;
+    let got_s = download(b, &sb)?;
+    let exact = got_p == p && got_s[..n] == m[..] && got_s[n..] == v[..];
+    push(
+        "adamw (step 3) vs ops::math::adamw",
+        r.is_ok() && exact,
+        format!(
+            "{r:?}, bit-exact: {exact}, param rel err {:.2e}",
+            rel(&got_p, &p)
+        ),
+    );
+
+    // Muon on a wide and a tall matrix: update vs the f64 reference.
+    for (rows, cols) in [(96usize, 40usize), (40, 96), (256, 768)] {
+        let k = rows * cols;
+        let (p0, g, buf0) = (random(k, 9), random(k, 10), random(k, 11));
+        let hp = MuonParams {
+            weight_decay: 0.1,
+            ..MuonParams::default()
+        };
+        let (pb, gb, mb) = (buffer(b, &p0)?, buffer(b, &g)?, buffer(b, &buf0)?);
+        let r = run(
+            b,
+            Stream::Compute,
+            Kernel::Muon {
+                param: pb.clone(),
+                grad: gb,
+                momentum: mb.clone(),
+                rows,
+                cols,
+                hp,
+            },
+        )
+        .await;
+        let (mut p, mut buf) = (p0.clone(), buf0.clone());
+        math::muon(&mut p, &g, &mut buf, rows, cols, &hp);
+        let got = download(b, &pb)?;
+        let du_gpu: Vec<f32> = got.iter().zip(&p0).map(|(a, b)| a - b).collect();
+        let du_ref: Vec<f32> = p.iter().zip(&p0).map(|(a, b)| a - b).collect();
+        let e = rel(&du_gpu, &du_ref);
+        let momentum_exact = download(b, &mb)? == buf;
+        push(
+            &format!("muon {rows}x{cols} vs ops::math::muon"),
+            r.is_ok() && e <= 1e-4 && momentum_exact,
+            format!("{r:?}, update rel err {e:.2e} (tolerance 1e-4), momentum bit-exact: {momentum_exact}"),
+        );
+    }
+
+    // Spin: the stream stays busy for the time asked.
+    let t0 = Instant::now();
+    let r = run(b, Stream::Compute, Kernel::Spin { micros: 20_000 }).await;
+    let ms = t0.elapsed().as_secs_f64() * 1e3;
+    push(
+        "spin 20 ms",
+        r.is_ok() && (20.0..200.0).contains(&ms),
+        format!("{r:?}, host saw {ms:.2} ms"),
+    );
+    Ok(())
+}
+
+/// All-reduce (f32 sum) bandwidth per size, from timing events.
+async fn bandwidth(
+    b: &CudaBackend,
+    world: u32,
+    sizes: &[u64],
+    iters: u32,
+) -> Result<Vec<Bandwidth>, Error> {
+    let rank = b.rank();
+    let group = Group::Replicate { shard: 0 };
+    let comm = CommId {
+        group,
+        stream: Stream::Replicate,
+    };
+    let mut out = Vec::new();
+    for &bytes in sizes {
+        let count = (bytes / 4) as usize;
+        if count == 0 {
+            continue;
+        }
+        let buf = alloc(b, count)?;
+        let desc = Collective {
+            kind: CollectiveKind::AllReduce,
+            group,
+            count: count as u64,
+            dtype: DType::F32,
+            op: ReduceOp::Sum,
+            root: None,
+        };
+        let issue = |k: u32| {
+            b.launch(
+                rank,
+                Stream::Replicate,
+                tag(k, "bench"),
+                Kernel::Collective {
+                    desc,
+                    comm,
+                    send: Some(buf.clone()),
+                    recv: Some(buf.clone()),
+                },
+            )
+        };
+        for k in 0..3 {
+            issue(k);
+        }
+        let ev = b.event(rank);
+        b.record(rank, Stream::Replicate, &ev);
+        b.host_wait(&ev).await.map_err(ops)?;
+        let _ = b.take_timings();
+        b.set_timings(true);
+        for k in 0..iters {
+            issue(k);
+        }
+        b.set_timings(false);
+        let ev = b.event(rank);
+        b.record(rank, Stream::Replicate, &ev);
+        b.host_wait(&ev).await.map_err(ops)?;
+        let errors = b.errors();
+        if let Some((_, _, _, e)) = errors.first() {
+            return Err(Error::Backend(format!("all-reduce of {bytes} bytes: {e}")));
+        }
+        let t: Vec<f64> = b
+            .take_timings()
+            .iter()
+            .filter(|t| t.tag.op == "bench")
+            .map(|t| t.end - t.start)
+            .collect();
+        if t.is_empty() {
+            continue;
+        }
+        let seconds = t.iter().sum::<f64>() / t.len() as f64;
+        let algbw = bytes as f64 / seconds / 1e9;
+        let n = f64::from(world);
+        out.push(Bandwidth {
+            op: "all_reduce f32 sum".into(),
+            bytes,
+            seconds,
+            algbw_gbs: algbw,
+            busbw_gbs: algbw * 2.0 * (n - 1.0) / n,
+        });
+    }
+    Ok(out)
+}

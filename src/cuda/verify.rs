@@ -1,0 +1,220 @@
+//! `overlap verify --backend cuda`: what each GPU's optimizers consume, against the
+//! exact no_sync reference, and what they produce, against the CPU backend.
+//!
+//! Every rank runs the configured gate pattern on its GPU and, beside it, the same
+//! schedule on the CPU backend (all ranks as threads: the reference implementation,
+//! [`Session::cpu`]), from the same seeded parameters and gradients. After every step it
+//! compares the reduced gradient of each piece it holds with
+//! [`crate::verify::reference_grad`] (f64); after the last step, its parameters with the
+//! CPU session's (`param_rel_err`), and each optimizer's accumulated update
+//! (`p_last - p_0`) with the CPU one (`update_rel_err`, per optimizer). Rank 0 gathers
+//! every rank's figures over the rendezvous and builds one [`VerifyReport`].
+//!
+//! Tolerances ([`tolerances`]): gradients as the CPU verify (design.md's 1e-6 in f32;
+//! 1e-2 in bf16); parameters 1e-5 (f32) and 5e-2 (bf16) of their magnitude; updates in
+//! f32 1e-5 for AdamW (the kernels reproduce the reference's arithmetic) and 1e-4 for
+//! Muon (Newton–Schulz runs in f32 on the GPU, in f64 in the reference: about 5e-6
+//! apart). bf16 updates are reported but not judged: a gradient element rounded to the
+//! other side of zero flips AdamW's first-step update of that element, so only the
+//! parameters are bounded.
+
+use std::collections::BTreeMap;
+
+use overlap_graph::{DType, Gate, ParamId, Route};
+use overlap_ops::cuda::CudaBackend;
+use serde::{Deserialize, Serialize};
+
+use super::{CudaWorld, GATHER_TIMEOUT};
+use crate::config::{BackendChoice, Config};
+use crate::dist::DistError;
+use crate::drive::synthetic_step;
+use crate::session::Session;
+use crate::verify::{reference_grad, rel_err, VerifyReport};
+use crate::{synthetic, Error};
+
+/// Tolerances on the GPU: (gradients, parameters, updates per optimizer; `None`: not
+/// judged).
+pub fn tolerances(dtype: DType) -> (f64, f64, Option<[(&'static str, f64); 2]>) {
+    let (grad, param) = crate::verify::tolerances(dtype);
+    match dtype {
+        DType::F32 => (grad, param, Some([("adamw", 1e-5), ("muon", 1e-4)])),
+        DType::Bf16 => (grad, param, None),
+    }
+}
+
+/// One rank's figures, sent to rank 0.
+#[derive(Debug, Clone, Default, Serialize, Deserialize)]
+struct RankFigures {
+    rank: u32,
+    worst: f64,
+    worst_at: String,
+    per_route: BTreeMap<String, f64>,
+    param_rel_err: f64,
+    update_rel_err: BTreeMap<String, f64>,
+    partials_left: usize,
+}
+
+/// The optimizer a route's parameters use.
+fn optimizer(route: Route) -> &'static str {
+    if route == Route::Muon {
+        "muon"
+    } else {
+        "adamw"
+    }
+}
+
+/// `max |a - b| / max |b|` over f64 slices (0 when equal).
+fn rel_err64(a: &[f64], b: &[f64]) -> f64 {
+    let num = a
+        .iter()
+        .zip(b)
+        .map(|(x, y)| (x - y).abs())
+        .fold(0.0, f64::max);
+    let den = b.iter().map(|y| y.abs()).fold(0.0, f64::max);
+    if num == 0.0 {
+        0.0
+    } else {
+        num / den.max(f64::MIN_POSITIVE)
+    }
+}
+
+/// Runs the verification on this rank's GPU; rank 0 returns the job's report, the
+/// other ranks `None`. `progress` is called after each step on rank 0.
+pub async fn verify(
+    config: &Config,
+    steps: u64,
+    seed: u64,
+    world: &mut CudaWorld,
+    mut progress: impl FnMut(u64),
+) -> Result<Option<VerifyReport>, Error> {
+    let mut config = config.clone();
+    config.run.seed = seed;
+    let gates = config.gates.clone();
+    let rank = world.env.rank;
+    let mesh = config.plan.mesh;
+    let mut gpu: Session<CudaBackend> = Session::cuda(&config, world.backend.clone())?;
+    let mut cpu_config = config.clone();
+    cpu_config.run.backend = BackendChoice::Cpu;
+    let mut cpu = Session::cpu(&cpu_config)?;
+    let params = gpu.planner().params().to_vec();
+    let mut fig = RankFigures {
+        rank,
+        ..RankFigures::default()
+    };
+    let coord = mesh.coord(rank);
+    for step in 0..steps {
+        let report = synthetic_step(&mut gpu, seed, step, &gates).await?;
+        fig.partials_left += report.stats.partials_left;
+        synthetic_step(&mut cpu, seed, step, &gates).await?;
+        for (i, p) in params.iter().enumerate() {
+            let Some(got) = gpu.reduced_grad(rank, i as ParamId)? else {
+                continue;
+            };
+            let (full, magnitude) = reference_grad(
+                &config,
+                step,
+                gates.len() as u32,
+                i as ParamId,
+                p.spec.numel() as usize,
+            );
+            let r = p.spec.shard_range(mesh.shard, coord.shard);
+            let piece = r.start as usize..r.end as usize;
+            let e = rel_err(&got, &full[piece.clone()], &magnitude[piece]);
+            let slot = fig
+                .per_route
+                .entry(p.spec.route.name().to_string())
+                .or_insert(0.0);
+            *slot = slot.max(e);
+            if e > fig.worst || fig.worst_at.is_empty() {
+                fig.worst = fig.worst.max(e);
+                fig.worst_at = format!("step {}, rank {rank}, {}", step + 1, p.spec.name);
+            }
+        }
+        if rank == 0 {
+            progress(step + 1);
+        }
+    }
+    for (i, p) in params.iter().enumerate() {
+        let id = i as ParamId;
+        let (Some(a), Some(b)) = (gpu.param_values(rank, id)?, cpu.param_values(rank, id)?) else {
+            continue;
+        };
+        let b64: Vec<f64> = b.iter().map(|&x| f64::from(x)).collect();
+        fig.param_rel_err = fig.param_rel_err.max(rel_err(&a, &b64, &[]));
+        let r = p.spec.shard_range(mesh.shard, coord.shard);
+        let init = synthetic::init(seed, id, p.spec.numel() as usize);
+        let init = &init[r.start as usize..r.end as usize];
+        let du = |x: &[f32]| -> Vec<f64> {
+            x.iter()
+                .zip(init)
+                .map(|(&v, &v0)| f64::from(v) - f64::from(v0))
+                .collect()
+        };
+        let e = rel_err64(&du(&a), &du(&b));
+        let slot = fig
+            .update_rel_err
+            .entry(optimizer(p.spec.route).to_string())
+            .or_insert(0.0);
+        *slot = slot.max(e);
+    }
+    let bytes = serde_json::to_vec(&fig).map_err(|e| Error::Usage(e.to_string()))?;
+    let Some(all) = world.rendezvous.gather(&bytes, GATHER_TIMEOUT)? else {
+        return Ok(None);
+    };
+    let figures = all
+        .iter()
+        .enumerate()
+        .map(|(r, b)| {
+            serde_json::from_slice::<RankFigures>(b).map_err(|e| {
+                Error::Dist(DistError::Rendezvous(format!(
+                    "rank {r} sent unreadable verify figures: {e}"
+                )))
+            })
+        })
+        .collect::<Result<Vec<_>, _>>()?;
+    Ok(Some(merge(&config, steps, &gates, &figures)))
+}
+
+/// Rank 0's report from every rank's figures.
+fn merge(config: &Config, steps: u64, gates: &[Gate], figures: &[RankFigures]) -> VerifyReport {
+    let (grad_tol, param_tol, update_tol) = tolerances(config.plan.reduce.dtype);
+    let mut per_route: BTreeMap<String, f64> = BTreeMap::new();
+    let mut update_rel_err: BTreeMap<String, f64> = BTreeMap::new();
+    let (mut worst, mut worst_at, mut param_rel_err, mut partials_left) =
+        (0.0f64, String::new(), 0.0f64, 0usize);
+    for f in figures {
+        for (k, v) in &f.per_route {
+            let slot = per_route.entry(k.clone()).or_insert(0.0);
+            *slot = slot.max(*v);
+        }
+        for (k, v) in &f.update_rel_err {
+            let slot = update_rel_err.entry(k.clone()).or_insert(0.0);
+            *slot = slot.max(*v);
+        }
+        if f.worst > worst || worst_at.is_empty() {
+            worst = worst.max(f.worst);
+            worst_at = f.worst_at.clone();
+        }
+        param_rel_err = param_rel_err.max(f.param_rel_err);
+        partials_left += f.partials_left;
+    }
+    let updates_ok = update_tol.map_or(true, |tols| {
+        tols.iter()
+            .all(|(k, tol)| update_rel_err.get(*k).map_or(true, |e| e <= tol))
+    });
+    let ok = worst <= grad_tol && param_rel_err <= param_tol && updates_ok && partials_left == 0;
+    VerifyReport {
+        ok,
+        worst_rel_err: worst,
+        per_route,
+        param_rel_err,
+        update_rel_err,
+        partials_left,
+        steps,
+        ranks: config.plan.mesh.world(),
+        gates: Gate::pattern_label(gates),
+        grad_tolerance: grad_tol,
+        param_tolerance: param_tol,
+        worst_at,
+    }
+}

@@ -1,0 +1,199 @@
+//! `overlap launch`: starts the local ranks of a job the way torchrun does.
+//!
+//! Each rank is a copy of the running executable with the given arguments and the
+//! torchrun variables set (`RANK`, `WORLD_SIZE`, `LOCAL_RANK`, `LOCAL_WORLD_SIZE`,
+//! `GROUP_RANK`, `MASTER_ADDR`, `MASTER_PORT`), so every subcommand that understands
+//! [`crate::dist::RankEnv`] runs as one rank of the job. Each line a rank writes to
+//! stdout or stderr is forwarded to the same stream prefixed with `[rank k] `.
+//!
+//! Invariant: the launcher exits with the first non-zero exit status of its ranks (128 +
+//! the signal for a rank killed by one), after stopping the others: a failed rank can
+//! leave its peers waiting in a collective forever, so they are killed rather than
+//! waited for.
+
+use std::ffi::OsString;
+use std::io::{BufRead, BufReader, Read, Write};
+use std::process::{Child, Command, Stdio};
+use std::thread::JoinHandle;
+use std::time::Duration;
+
+use crate::dist::DistError;
+
+/// What to launch.
+#[derive(Debug, Clone)]
+pub struct LaunchSpec {
+    /// Processes to start on this node (one per GPU).
+    pub nproc_per_node: u32,
+    /// Nodes in the job.
+    pub nnodes: u32,
+    /// This node's index, `0..nnodes`.
+    pub node_rank: u32,
+    /// Host of rank 0 (on node 0).
+    pub master_addr: String,
+    /// Port of rank 0's rendezvous.
+    pub master_port: u16,
+    /// The arguments of every rank (an `overlap` subcommand and its options).
+    pub args: Vec<OsString>,
+}
+
+/// Starts the ranks of this node, forwards their output and waits for them; returns
+/// the exit status to exit with.
+pub fn launch(spec: &LaunchSpec) -> Result<u8, DistError> {
+    let fail = |m: String| DistError::Launch(m);
+    if spec.nproc_per_node == 0 || spec.nnodes == 0 {
+        return Err(fail(
+            "--nproc-per-node and --nnodes must be at least 1".into(),
+        ));
+    }
+    if spec.node_rank >= spec.nnodes {
+        return Err(fail(format!(
+            "--node-rank {} is not below --nnodes {}",
+            spec.node_rank, spec.nnodes
+        )));
+    }
+    if spec.args.is_empty() {
+        return Err(fail(
+            "nothing to run: give the overlap subcommand after `--`, e.g. `overlap launch --nproc-per-node 2 -- verify --config F --backend cuda`".into(),
+        ));
+    }
+    let world = spec
+        .nproc_per_node
+        .checked_mul(spec.nnodes)
+        .ok_or_else(|| fail("--nproc-per-node × --nnodes overflows".into()))?;
+    let exe = std::env::current_exe()
+        .map_err(|e| fail(format!("cannot find the overlap executable to start: {e}")))?;
+    let mut children: Vec<(u32, Child)> = Vec::new();
+    let mut pumps: Vec<JoinHandle<()>> = Vec::new();
+    for local in 0..spec.nproc_per_node {
+        let rank = spec.node_rank * spec.nproc_per_node + local;
+        let spawned = Command::new(&exe)
+            .args(&spec.args)
+            .env("RANK", rank.to_string())
+            .env("WORLD_SIZE", world.to_string())
+            .env("LOCAL_RANK", local.to_string())
+            .env("LOCAL_WORLD_SIZE", spec.nproc_per_node.to_string())
+            .env("GROUP_RANK", spec.node_rank.to_string())
+            .env("MASTER_ADDR", &spec.master_addr)
+            .env("MASTER_PORT", spec.master_port.to_string())
+            .stdin(Stdio::null())
+            .stdout(Stdio::piped())
+            .stderr(Stdio::piped())
+            .spawn();
+        let mut child = match spawned {
+            Ok(c) => c,
+            Err(e) => {
+                stop(&mut children);
+                return Err(fail(format!(
+                    "cannot start rank {rank} ({}): {e}",
+                    exe.display()
+                )));
+            }
+        };
+        if let Some(out) = child.stdout.take() {
+            pumps.push(pump(rank, out, false));
+        }
+        if let Some(err) = child.stderr.take() {
+            pumps.push(pump(rank, err, true));
+        }
+        children.push((rank, child));
+    }
+    let code = watch(&mut children);
+    for p in pumps {
+        // A pump only forwards lines; if one panicked there is nothing to undo.
+        let _ = p.join();
+    }
+    code
+}
+
+/// Polls the ranks until all exited or one failed (then kills the rest).
+fn watch(children: &mut [(u32, Child)]) -> Result<u8, DistError> {
+    let mut running: Vec<bool> = vec![true; children.len()];
+    loop {
+        let mut failure = None;
+        let mut broken = None;
+        for (i, (rank, child)) in children.iter_mut().enumerate() {
+            if !running[i] {
+                continue;
+            }
+            match child.try_wait() {
+                Ok(Some(status)) => {
+                    running[i] = false;
+                    let code = exit_code(&status);
+                    if code != 0 && failure.is_none() {
+                        failure = Some((*rank, code));
+                    }
+                }
+                Ok(None) => {}
+                Err(e) => broken = Some(format!("cannot watch rank {rank}: {e}")),
+            }
+        }
+        if let Some(msg) = broken {
+            stop(children);
+            return Err(DistError::Launch(msg));
+        }
+        if let Some((rank, code)) = failure {
+            let others = running.iter().filter(|r| **r).count();
+            if others > 0 {
+                eprintln!("[launch] rank {rank} exited with status {code}; stopping the {others} other rank(s)");
+            }
+            stop(children);
+            return Ok(code);
+        }
+        if running.iter().all(|r| !r) {
+            return Ok(0);
+        }
+        std::thread::sleep(Duration::from_millis(20));
+    }
+}
+
+/// Kills and reaps every rank still running.
+fn stop(children: &mut [(u32, Child)]) {
+    for (_, c) in children.iter_mut() {
+        if matches!(c.try_wait(), Ok(None)) {
+            let _ = c.kill();
+        }
+        let _ = c.wait();
+    }
+}
+
+fn exit_code(status: &std::process::ExitStatus) -> u8 {
+    if let Some(c) = status.code() {
+        return u8::try_from(c & 0xff).unwrap_or(1);
+    }
+    #[cfg(unix)]
+    {
+        use std::os::unix::process::ExitStatusExt;
+        if let Some(sig) = status.signal() {
+            return u8::try_from(128 + sig).unwrap_or(1);
+        }
+    }
+    1
+}
+
+/// Forwards a rank's output line by line with its prefix.
+fn pump(rank: u32, from: impl Read + Send + 'static, to_stderr: bool) -> JoinHandle<()> {
+    std::thread::spawn(move || {
+        let mut reader = BufReader::new(from);
+        let mut line = Vec::new();
+        loop {
+            line.clear();
+            match reader.read_until(b'\n', &mut line) {
+                Ok(0) | Err(_) => return,
+                Ok(_) => {
+                    if line.last() != Some(&b'\n') {
+                        line.push(b'\n');
+                    }
+                    let mut out = format!("[rank {rank}] ").into_bytes();
+                    out.extend_from_slice(&line);
+                    // One write per line keeps ranks' lines whole; a closed pipe is the
+                    // reader's business.
+                    let _ = if to_stderr {
+                        std::io::stderr().lock().write_all(&out)
+                    } else {
+                        std::io::stdout().lock().write_all(&out)
+                    };
+                }
+            }
+        }
+    })
+}

@@ -1,0 +1,288 @@
+//! One step as a Gantt picture (SVG, written by hand): a lane per stream of each local
+//! rank, a bar per node coloured by its kind, and exposed communication (communication
+//! while the compute stream idles) shaded red over the rank's communication lanes and
+//! drawn solid on a strip under them.
+//!
+//! The invariant it keeps: the picture is a pure function of the report, the plan and
+//! the analysis; every text from the plan or config is XML-escaped, so any parameter
+//! name yields a well-formed SVG.
+
+use std::collections::HashMap;
+use std::fmt::Write;
+
+use overlap_graph::{NodeId, Plan, Stream};
+
+use super::{StepAnalysis, COMMUNICATION_STREAMS};
+use crate::session::StepReport;
+
+const WIDTH: f64 = 1400.0;
+const LABEL_W: f64 = 190.0;
+const RIGHT: f64 = 30.0;
+const TOP: f64 = 118.0;
+const LANE_H: f64 = 18.0;
+const LANE_GAP: f64 = 3.0;
+const STRIP_H: f64 = 7.0;
+const RANK_GAP: f64 = 12.0;
+const RANK_HEADER: f64 = 18.0;
+const EXPOSED: &str = "#d62728";
+
+/// Node kinds in legend order, with their colour and legend name.
+const KINDS: [(&str, &str, &str); 10] = [
+    ("grad_ready", "#4e79a7", "backward (grad_ready)"),
+    ("accumulate", "#76b7b2", "accumulate (no_sync)"),
+    ("pack", "#edc948", "pack"),
+    ("stage1", "#f28e2b", "stage 1"),
+    ("fold", "#b07aa1", "fold"),
+    ("fold_partial", "#ff9da7", "fold partial"),
+    ("stage2", "#59a14f", "stage 2"),
+    ("unpack", "#9c755f", "unpack"),
+    ("optimizer", "#a0cbe8", "optimizer"),
+    ("publish", "#79706e", "publish"),
+];
+
+fn colour(kind: &str) -> &'static str {
+    KINDS
+        .iter()
+        .find(|k| k.0 == kind)
+        .map(|k| k.1)
+        .unwrap_or("#bab0ac")
+}
+
+/// Escapes text for XML content and attribute values.
+pub fn escape(s: &str) -> String {
+    let mut out = String::with_capacity(s.len());
+    for c in s.chars() {
+        match c {
+            '&' => out.push_str("&amp;"),
+            '<' => out.push_str("&lt;"),
+            '>' => out.push_str("&gt;"),
+            '"' => out.push_str("&quot;"),
+            '\'' => out.push_str("&apos;"),
+            c => out.push(c),
+        }
+    }
+    out
+}
+
+/// A tick step of 1, 2 or 5 times a power of ten giving about `target` ticks over `span`.
+fn tick_step(span: f64, target: f64) -> f64 {
+    if span <= 0.0 || !span.is_finite() {
+        return 1.0;
+    }
+    let raw = span / target;
+    let p = 10f64.powf(raw.log10().floor());
+    [1.0, 2.0, 5.0, 10.0]
+        .into_iter()
+        .map(|m| m * p)
+        .find(|&s| s >= raw)
+        .unwrap_or(10.0 * p)
+}
+
+fn ms(seconds: f64) -> String {
+    let v = seconds * 1e3;
+    if v.abs() >= 10.0 {
+        format!("{v:.1} ms")
+    } else if v.abs() >= 1.0 {
+        format!("{v:.2} ms")
+    } else {
+        format!("{:.0} µs", v * 1e3)
+    }
+}
+
+/// An axis label: milliseconds with as many decimals as the tick step needs.
+fn tick_label(t: f64, step: f64) -> String {
+    let (v, s) = (t * 1e3, step * 1e3);
+    if s >= 1.0 {
+        format!("{v:.0} ms")
+    } else if s >= 0.1 {
+        format!("{v:.1} ms")
+    } else if s >= 0.01 {
+        format!("{v:.2} ms")
+    } else {
+        format!("{:.0} µs", v * 1e3)
+    }
+}
+
+/// Renders one step. Lanes are the local ranks' streams, in rank order.
+pub fn render(report: &StepReport, plan: &Plan, a: &StepAnalysis) -> String {
+    let mut spans: HashMap<(u32, NodeId), (Stream, f64, f64)> = HashMap::new();
+    for t in &report.stats.timings {
+        let e = spans
+            .entry((t.rank, t.tag.node))
+            .or_insert((t.stream, t.start, t.end));
+        e.1 = e.1.min(t.start);
+        e.2 = e.2.max(t.end);
+    }
+    let (t0, t1) = (a.start(), a.end());
+    let span = if t1 > t0 { t1 - t0 } else { 1e-6 };
+    let plot_w = WIDTH - LABEL_W - RIGHT;
+    let x = |t: f64| LABEL_W + (t - t0) / span * plot_w;
+    let rank_h = RANK_HEADER + 4.0 * (LANE_H + LANE_GAP) + STRIP_H + RANK_GAP;
+    let height = TOP + rank_h * a.ranks.len().max(1) as f64 + 10.0;
+
+    let mut s = String::new();
+    let _ = writeln!(
+        s,
+        r#"<svg xmlns="http://www.w3.org/2000/svg" width="{WIDTH}" height="{height}" viewBox="0 0 {WIDTH} {height}" font-family="DejaVu Sans, Helvetica, Arial, sans-serif" font-size="12">"#
+    );
+    let _ = writeln!(
+        s,
+        r##"<rect x="0" y="0" width="{WIDTH}" height="{height}" fill="#ffffff"/>"##
+    );
+    let gates = overlap_graph::Gate::pattern_label(&report.gates);
+    let _ = writeln!(
+        s,
+        r#"<text x="16" y="26" font-size="17" font-weight="bold">overlap · step {} · mesh {} · gates {}</text>"#,
+        report.step,
+        plan.mesh,
+        escape(&gates)
+    );
+    let eta = a
+        .efficiency()
+        .map(|e| format!("{e:.2}"))
+        .unwrap_or_else(|| "undefined".into());
+    let _ = writeln!(
+        s,
+        r##"<text x="16" y="48" fill="#333">device span {} · compute {} · communication {} · exposed communication {} · overlap efficiency η {} (mean over {} ranks, {} layers)</text>"##,
+        ms(a.span_seconds()),
+        ms(a.busy_seconds(Stream::Compute)),
+        ms(a.ranks
+            .iter()
+            .map(|r| r.communication_seconds())
+            .sum::<f64>()
+            / a.ranks.len().max(1) as f64),
+        ms(a.exposed_seconds()),
+        eta,
+        a.ranks.len(),
+        a.layers
+    );
+
+    // Legend: the kinds present in this step, then exposed communication.
+    let present: Vec<&str> = report.stats.timings.iter().map(|t| t.tag.op).collect();
+    let mut lx = 16.0;
+    let ly = 66.0;
+    for (_, fill, name) in KINDS.iter().filter(|k| present.contains(&k.0)) {
+        let _ = writeln!(
+            s,
+            r#"<rect x="{lx}" y="{ly}" width="12" height="12" fill="{fill}"/><text x="{}" y="{}">{}</text>"#,
+            lx + 16.0,
+            ly + 10.5,
+            escape(name)
+        );
+        lx += 24.0 + 7.0 * name.chars().count() as f64;
+    }
+    let _ = writeln!(
+        s,
+        r#"<rect x="{lx}" y="{ly}" width="12" height="12" fill="{EXPOSED}" fill-opacity="0.35"/><text x="{}" y="{}">exposed communication</text>"#,
+        lx + 16.0,
+        ly + 10.5
+    );
+
+    // Time axis and grid.
+    let step = tick_step(span, 10.0);
+    let axis_y = TOP - 14.0;
+    let _ = writeln!(
+        s,
+        r##"<line x1="{LABEL_W}" y1="{axis_y}" x2="{}" y2="{axis_y}" stroke="#555"/>"##,
+        LABEL_W + plot_w
+    );
+    let mut k = 0.0;
+    while k * step <= span * 1.0001 {
+        let tx = x(t0 + k * step);
+        let _ = writeln!(
+            s,
+            r##"<line x1="{tx:.1}" y1="{}" x2="{tx:.1}" y2="{}" stroke="#e3e3e3"/><line x1="{tx:.1}" y1="{}" x2="{tx:.1}" y2="{axis_y}" stroke="#555"/><text x="{tx:.1}" y="{}" text-anchor="middle" fill="#333">{}</text>"##,
+            axis_y,
+            height - 10.0,
+            axis_y - 4.0,
+            axis_y - 7.0,
+            tick_label(k * step, step)
+        );
+        k += 1.0;
+    }
+
+    for (i, r) in a.ranks.iter().enumerate() {
+        let header_y = TOP + i as f64 * rank_h;
+        let y0 = header_y + RANK_HEADER;
+        let lane_y = |st: Stream| y0 + st.index() as f64 * (LANE_H + LANE_GAP);
+        let c = plan.mesh.coord(r.rank);
+        let _ = writeln!(
+            s,
+            r#"<text x="12" y="{}" font-weight="bold">rank {} (s={}, r={})</text>"#,
+            header_y + RANK_HEADER - 5.0,
+            r.rank,
+            c.shard,
+            c.replicate
+        );
+        for st in Stream::ALL {
+            let ly = lane_y(st);
+            let _ = writeln!(
+                s,
+                r##"<rect x="{LABEL_W}" y="{ly}" width="{plot_w}" height="{LANE_H}" fill="#f4f4f4"/><text x="{}" y="{}" text-anchor="end" fill="#333">{}</text>"##,
+                LABEL_W - 8.0,
+                ly + LANE_H - 5.0,
+                st.name()
+            );
+        }
+        // Exposed communication: shaded over the communication lanes, solid on the strip.
+        let comm_top = lane_y(COMMUNICATION_STREAMS[0]);
+        let comm_h = lane_y(Stream::Publish) + LANE_H - comm_top;
+        let strip_y = lane_y(Stream::Publish) + LANE_H + LANE_GAP;
+        for &(es, ee) in &r.exposed {
+            let (ex, ew) = (x(es), ((ee - es) / span * plot_w).max(0.8));
+            let _ = writeln!(
+                s,
+                r#"<rect x="{ex:.2}" y="{comm_top}" width="{ew:.2}" height="{comm_h}" fill="{EXPOSED}" fill-opacity="0.16"/><rect x="{ex:.2}" y="{strip_y}" width="{ew:.2}" height="{STRIP_H}" fill="{EXPOSED}"/>"#
+            );
+        }
+        // Nodes.
+        let mut nodes: Vec<(&NodeId, &(Stream, f64, f64))> = spans
+            .iter()
+            .filter(|((rank, _), _)| *rank == r.rank)
+            .map(|((_, n), v)| (n, v))
+            .collect();
+        nodes.sort_by_key(|(n, _)| **n);
+        let rp = plan.ranks.get(r.rank as usize);
+        for (node, &(st, ns, ne)) in nodes {
+            let Some(n) = rp.and_then(|rp| rp.nodes.get(*node as usize)) else {
+                continue;
+            };
+            let (bx, bw) = (x(ns), ((ne - ns) / span * plot_w).max(0.8));
+            let _ = writeln!(
+                s,
+                r##"<rect x="{bx:.2}" y="{:.1}" width="{bw:.2}" height="{}" fill="{}" stroke="#ffffff" stroke-width="0.3"><title>{} · {}</title></rect>"##,
+                lane_y(st) + 1.0,
+                LANE_H - 2.0,
+                colour(n.op.kind()),
+                escape(&plan.label(n)),
+                ms(ne - ns)
+            );
+        }
+        let _ = writeln!(
+            s,
+            r##"<text x="{}" y="{}" text-anchor="end" fill="{EXPOSED}" font-size="10">exposed</text>"##,
+            LABEL_W - 8.0,
+            strip_y + STRIP_H
+        );
+    }
+    s.push_str("</svg>\n");
+    s
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn escape_makes_any_name_safe_in_xml() {
+        assert_eq!(escape(r#"a<b>&"c'"#), "a&lt;b&gt;&amp;&quot;c&apos;");
+    }
+
+    #[test]
+    fn ticks_are_one_two_or_five_times_a_power_of_ten() {
+        assert_eq!(tick_step(0.01, 10.0), 0.001);
+        assert!((tick_step(0.013, 10.0) - 0.002).abs() < 1e-12);
+        assert!((tick_step(0.04, 10.0) - 0.005).abs() < 1e-12);
+        assert_eq!(tick_step(0.0, 10.0), 1.0);
+    }
+}
