@@ -97,7 +97,7 @@ pub struct OverlapConfig {
 
 impl Default for OverlapConfig {
     fn default() -> Self {
-        OverlapConfig { stage1_window: 2 }
+        OverlapConfig { stage1_window: 8 }
     }
 }
 

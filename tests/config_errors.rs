@@ -715,7 +715,7 @@ fn minimal_config_takes_the_defaults() {
             backward_us_per_layer: 0,
         }
     );
-    assert_eq!(c.overlap, OverlapConfig { stage1_window: 2 });
+    assert_eq!(c.overlap, OverlapConfig { stage1_window: 8 });
     assert_eq!(c.adamw, AdamwParams::default());
     assert_eq!(c.muon, MuonParams::default());
     assert_eq!(c.metrics, MetricsConfig::default());

@@ -50,7 +50,7 @@ pub struct ExecConfig {
 impl Default for ExecConfig {
     fn default() -> Self {
         ExecConfig {
-            stage1_window: 2,
+            stage1_window: 8,
             adamw: AdamwParams::default(),
             muon: MuonParams::default(),
             host_timeout: Duration::from_secs(120),
