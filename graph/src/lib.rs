@@ -5,7 +5,7 @@
 //! programs with explicit events, the validator, and exports (text, DOT, JSON).
 //!
 //! This crate does no I/O, spawns no threads and knows no device: a [`Plan`] is a value
-//! computed from a [`PlanSpec`] and a gate pattern, and [`validate`] proves its
+//! computed from a [`PlanSpec`] and a gate pattern, and [`validate()`] proves its
 //! invariants before an executor runs it.
 //!
 //! ```

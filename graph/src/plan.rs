@@ -649,7 +649,7 @@ impl Plan {
     }
 
     /// Reads a plan from JSON and checks that it is well formed (ids in range, the
-    /// format tag and version); the invariants are [`crate::validate`]'s job.
+    /// format tag and version); the invariants are [`crate::validate()`]'s job.
     pub fn from_json(text: &str) -> Result<Plan, PlanError> {
         let plan: Plan = serde_json::from_str(text).map_err(|e| {
             PlanError::Json(format!("line {}, column {}: {e}", e.line(), e.column()))
