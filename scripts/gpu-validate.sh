@@ -2,7 +2,7 @@
 # The GPU validation of docs/gpu-validation.md, on one machine with 2 GPUs.
 #
 #   cargo build --release --features cuda --bin overlap
-#   scripts/gpu-validate.sh [BINARY] [OUTDIR] [BUDGET_SECONDS]
+#   scripts/gpu-validate.sh [BINARY] [OUTDIR (default /tmp/overlap-gpu-validation)] [BUDGET_SECONDS]
 #
 # Runs, each under `overlap launch --nproc-per-node 2` (one process per GPU):
 #   1. cuda-smoke: libraries, every collective in f32/bf16 with sum/avg, the kernels
@@ -13,7 +13,7 @@
 # BUDGET_SECONDS (default 420).
 set -u
 BIN=${1:-target/release/overlap}
-OUT=${2:-gpu-validation-out}
+OUT=${2:-${TMPDIR:-/tmp}/overlap-gpu-validation}
 BUDGET=${3:-420}
 mkdir -p "$OUT"
 export LD_LIBRARY_PATH=/usr/local/cuda/lib64${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}
@@ -43,6 +43,6 @@ step() {
       done
     done
   done
-  step run --config examples/gpu/gpu_2x1.toml --backend cuda --steps 4
+  step run --config examples/gpu/gpu_2x1.toml --backend cuda --steps 4 --trace "$OUT/trace-2x1.json"
   echo "failures: $failures"
 } 2>&1 | tee "$OUT/log.txt"

@@ -33,6 +33,18 @@ enum Kind {
     Gather = 3,
 }
 
+/// The variable that overrides how long ranks wait for each other at start, in seconds.
+pub const TIMEOUT_VAR: &str = "OVERLAP_RENDEZVOUS_TIMEOUT_S";
+
+/// How long to wait for the other ranks at start: `OVERLAP_RENDEZVOUS_TIMEOUT_S`
+/// seconds when set to a number, else `default`.
+pub fn start_timeout(default: Duration) -> Duration {
+    std::env::var(TIMEOUT_VAR)
+        .ok()
+        .and_then(|v| v.trim().parse::<u64>().ok())
+        .map_or(default, Duration::from_secs)
+}
+
 /// One rank's end of the rendezvous.
 pub struct Rendezvous {
     rank: u32,

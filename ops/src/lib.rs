@@ -4,7 +4,8 @@
 //! runs it: per rank four streams executing kernels in issue order, events that order
 //! streams, and communicators for the mesh's groups. The CPU backend ([`cpu`]) runs ranks
 //! as threads with exact reference math; it is the ground truth GPU kernels are tested
-//! against. Reference optimizer math lives in [`math`].
+//! against. Reference optimizer math lives in [`math`]. With the `cuda` feature, `cuda`
+//! runs one rank per GPU on CUDA streams with NCCL communicators.
 //!
 //! Semantics every backend keeps (those of CUDA streams):
 //! - work launched on a stream runs after all earlier work on that stream;

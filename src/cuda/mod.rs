@@ -33,7 +33,8 @@ use crate::Error;
 pub use smoke::{smoke, SmokeReport};
 pub use verify::verify;
 
-/// How long ranks wait for each other at start (and rank 0 for the others' status).
+/// How long ranks wait for each other at start (and rank 0 for the others' status),
+/// unless `OVERLAP_RENDEZVOUS_TIMEOUT_S` says otherwise.
 pub const START_TIMEOUT: Duration = Duration::from_secs(180);
 /// How long rank 0 waits for another rank's figures at the end of a run.
 pub const GATHER_TIMEOUT: Duration = Duration::from_secs(3600);
@@ -103,7 +104,8 @@ pub fn open(
         ))
         .into());
     }
-    let mut rendezvous = Rendezvous::connect(&env, START_TIMEOUT)?;
+    let timeout = crate::rendezvous::start_timeout(START_TIMEOUT);
+    let mut rendezvous = Rendezvous::connect(&env, timeout)?;
     let opened = CudaBackend::new(CudaOptions {
         mesh,
         rank: env.rank,
@@ -115,13 +117,13 @@ pub fn open(
         Ok(_) => vec![0u8],
         Err(e) => [vec![1u8], e.to_string().into_bytes()].concat(),
     };
-    let statuses = rendezvous.gather(&status, START_TIMEOUT)?;
+    let statuses = rendezvous.gather(&status, timeout)?;
     // Phase 2: rank 0 hands out the NCCL ids, or the first failure.
     let payload = match statuses {
         Some(all) => decide(&all, comms.len()),
         None => Vec::new(),
     };
-    let payload = rendezvous.broadcast(&payload, START_TIMEOUT)?;
+    let payload = rendezvous.broadcast(&payload, timeout)?;
     let ids = decode(&payload, comms.len())?;
     let mut backend = opened.map_err(|e| Error::Backend(e.to_string()))?;
     let list: Vec<(CommId, NcclUniqueId)> = comms.into_iter().zip(ids).collect();

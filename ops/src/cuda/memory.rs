@@ -62,7 +62,9 @@ impl Drop for DevMem {
 }
 
 /// A buffer of `f32` elements on the rank's GPU: a shared handle (cloning it does not
-/// copy the data). Its length never changes after allocation.
+/// copy the data). Its length never changes after allocation. Dropping the last handle
+/// retires the memory: the backend's pool reuses it only once every stream of the rank
+/// has executed past the drop (so work still queued on it is never disturbed).
 #[derive(Clone)]
 pub struct CudaBuffer {
     pub(super) mem: Arc<DevMem>,

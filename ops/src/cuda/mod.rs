@@ -23,7 +23,7 @@
 //!   allocations (cudarc's `CudaSlice` and its automatic event tracking are not used at
 //!   all), and the libraries are told which stream to use on every call.
 //! - **Buffers** stay alive until every stream has passed their last use, and their
-//!   memory is reused from a pool ([`memory`]); scratch (bf16 staging, Newton–Schulz
+//!   memory is reused from a pool (see [`CudaBuffer`]); scratch (bf16 staging, Newton–Schulz
 //!   work matrices) is per stream, so stream order alone protects it.
 //! - **Collectives** go to the NCCL communicator of the kernel's `(group, stream)`,
 //!   issued under one lock in the plan's order. `avg` is NCCL's `ncclAvg`. `bf16`
@@ -210,8 +210,19 @@ struct PendingTiming {
     stream: Stream,
     tag: Tag,
     start: sys::CUevent,
+    /// The same event as `start` for a marker.
     end: sys::CUevent,
     bytes: u64,
+}
+
+impl PendingTiming {
+    /// Returns the events to the pool (each once).
+    fn recycle(&self, events: &EventPool) {
+        events.put_timed(self.start);
+        if self.end != self.start {
+            events.put_timed(self.end);
+        }
+    }
 }
 
 // SAFETY: `Issue` holds driver, cuBLAS and NCCL handles that are only used under the
@@ -583,11 +594,27 @@ impl Issue {
     fn launch(&mut self, shared: &Shared, stream: Stream, tag: Tag, kernel: Kernel<CudaBuffer>) {
         let poison = self.poison[stream.index()].clone();
         let collective = matches!(kernel, Kernel::Collective { .. });
-        if matches!(kernel, Kernel::Marker) || (poison.is_some() && !collective) {
-            // A marker only orders, which stream order already does.
+        if poison.is_some() && !collective {
             return;
         }
         let raw = shared.device.stream(stream);
+        if matches!(kernel, Kernel::Marker) {
+            // A marker launches nothing (stream order already orders it); with timings on
+            // it is one timing event, a zero-length point of the stream's timeline, as
+            // the CPU backend reports it.
+            if self.timings.on {
+                if let Some(at) = self.timing_event(shared, raw) {
+                    self.timings.pending.push(PendingTiming {
+                        stream,
+                        tag,
+                        start: at,
+                        end: at,
+                        bytes: 0,
+                    });
+                }
+            }
+            return;
+        }
         let start = if self.timings.on && poison.is_none() {
             self.timing_event(shared, raw)
         } else {
@@ -955,10 +982,7 @@ impl Issue {
                 }
             }
         }
-        for p in ready {
-            shared.events.put_timed(p.start);
-            shared.events.put_timed(p.end);
-        }
+        ready.iter().for_each(|p| p.recycle(&shared.events));
         out
     }
 }
@@ -984,8 +1008,7 @@ impl Drop for CudaBackend {
         }
         st.blas.clear();
         for p in st.timings.pending.drain(..) {
-            shared.events.put_timed(p.start);
-            shared.events.put_timed(p.end);
+            p.recycle(&shared.events);
         }
         shared.events.put_timed(st.timings.epoch);
         if idle {
