@@ -263,3 +263,31 @@ fn bad_arguments_fail_cleanly() {
         &["cuda"],
     );
 }
+
+#[test]
+fn closed_stdout_ends_quietly_without_a_panic() {
+    use std::io::{BufRead, BufReader};
+    use std::process::Stdio;
+    let mut child = Command::new(env!("CARGO_BIN_EXE_overlap"))
+        .args([
+            "plan",
+            "--config",
+            "examples/hsdp_2x2.toml",
+            "--format",
+            "json",
+        ])
+        .current_dir(env!("CARGO_MANIFEST_DIR"))
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .unwrap();
+    let mut first = String::new();
+    BufReader::new(child.stdout.take().unwrap())
+        .read_line(&mut first)
+        .unwrap();
+    assert_eq!(first.trim(), "{");
+    // The reader is dropped here, as `| head -1` would.
+    let out = child.wait_with_output().unwrap();
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(!err.contains("panicked"), "{err}");
+}
