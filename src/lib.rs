@@ -19,6 +19,7 @@
 //! [`launch`] is `overlap launch`, and `cuda` (with the `cuda` feature) runs sessions on
 //! the CUDA + NCCL backend.
 
+pub mod bench;
 pub mod config;
 #[cfg(feature = "cuda")]
 pub mod cuda;

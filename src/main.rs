@@ -112,6 +112,55 @@ enum Command {
         #[arg(last = true, required = true, value_name = "ARGS")]
         args: Vec<std::ffi::OsString>,
     },
+    /// GPU benchmark of design §6's workload through the executor (under `overlap
+    /// launch`): L layers of bf16 GEMMs, one f32 gradient per layer reduced on mesh 2x1
+    /// (reduce-scatter) or 1x2 (all-reduce); compute_only, comm_only, serial, overlap,
+    /// ideal, eta and host µs per node. Needs the `cuda` feature.
+    Bench {
+        /// `2x1` (reduce-scatter) or `1x2` (all-reduce).
+        #[arg(long, default_value = "2x1")]
+        mesh: String,
+        /// Layers.
+        #[arg(long, default_value_t = 16)]
+        layers: u32,
+        /// Gradient per layer, MiB of f32.
+        #[arg(long, default_value_t = 64)]
+        grad_mib: u32,
+        /// bf16 GEMMs of D^3 per layer (the synthetic backward).
+        #[arg(long, default_value_t = 3)]
+        gemms: u32,
+        /// GEMM size D.
+        #[arg(long, default_value_t = 4096)]
+        d: u32,
+        /// Timed steps per variant.
+        #[arg(long, default_value_t = 10)]
+        iters: u32,
+        /// Untimed steps per variant before them.
+        #[arg(long, default_value_t = 3)]
+        warmup: u32,
+        /// Stage-1 buffers in flight per rank (backpressure).
+        #[arg(long, default_value_t = 8)]
+        window: u32,
+        /// Print one JSON line (rank 0).
+        #[arg(long)]
+        json: bool,
+    },
+    /// GPU benchmark of the executor's collective nodes against direct NCCL calls on the
+    /// same communicator, 1 to 256 MiB (under `overlap launch`; `cuda` feature).
+    BenchCollectives {
+        /// `2x1` (reduce-scatter) or `1x2` (all-reduce).
+        #[arg(long, default_value = "2x1")]
+        mesh: String,
+        /// Sizes in MiB, comma-separated.
+        #[arg(long, default_value = "1,2,4,8,16,32,64,128,256")]
+        mib: String,
+        /// Timed steps (and direct calls) per size.
+        #[arg(long, default_value_t = 20)]
+        iters: u32,
+        /// Untimed ones before them.
+        #[arg(long, default_value_t = 3)]
+        warmup: u32,
+    },
     /// Print this process's rank environment as JSON (for checking a launcher).
     #[command(hide = true)]
     Env {
@@ -281,6 +330,67 @@ async fn dispatch(cmd: Command) -> Result<ExitCode, Error> {
             Ok(ExitCode::from(overlap::launch::launch(&spec)?))
         }
         Command::Env { rendezvous } => env(rendezvous),
+        Command::Bench {
+            mesh,
+            layers,
+            grad_mib,
+            gemms,
+            d,
+            iters,
+            warmup,
+            window,
+            json,
+        } => {
+            let args = overlap::bench::BenchArgs {
+                mesh: overlap::bench::parse_mesh(&mesh)?,
+                layers,
+                grad_mib,
+                gemms,
+                d,
+                iters,
+                warmup,
+                window,
+            };
+            args.check()?;
+            if let Some(r) = overlap::bench::bench_cuda(&args).await? {
+                if json {
+                    println!(
+                        "{}",
+                        serde_json::to_string(&r).map_err(|e| Error::Usage(e.to_string()))?
+                    );
+                } else {
+                    println!("{}", overlap::bench::render(&r));
+                }
+            }
+            Ok(ExitCode::SUCCESS)
+        }
+        Command::BenchCollectives {
+            mesh,
+            mib,
+            iters,
+            warmup,
+        } => {
+            let mesh = overlap::bench::parse_mesh(&mesh)?;
+            let sizes = mib
+                .split(',')
+                .map(|m| {
+                    m.trim().parse::<u32>().map_err(|_| {
+                        Error::Usage(format!("--mib: `{m}` is not a whole number of MiB"))
+                    })
+                })
+                .collect::<Result<Vec<_>, _>>()?;
+            if let Some(rows) =
+                overlap::bench::collectives_cuda(mesh, &sizes, iters, warmup).await?
+            {
+                for r in rows {
+                    println!(
+                        "{}",
+                        serde_json::to_string(&r).map_err(|e| Error::Usage(e.to_string()))?
+                    );
+                }
+            }
+            Ok(ExitCode::SUCCESS)
+        }
         Command::CudaSmoke { mib, iters } => cuda_smoke(&mib, iters).await,
         Command::Plan {
             config,

@@ -103,7 +103,7 @@ pub fn exec_config(config: &Config) -> ExecConfig {
         stage1_window: config.overlap.stage1_window as usize,
         adamw: config.adamw,
         muon: config.muon,
-        backward_us_per_layer: config.run.backward_us_per_layer,
+        backward: overlap_executor::Backward::spin(config.run.backward_us_per_layer),
         ..ExecConfig::default()
     }
 }

@@ -38,13 +38,63 @@ pub struct ExecConfig {
     pub muon: MuonParams,
     /// How long the host waits for the device before giving up on a step.
     pub host_timeout: Duration,
-    /// A synthetic backward cost: each `grad_ready` node runs a [`Kernel::Spin`] of this
-    /// many microseconds on its stream instead of a marker, standing in for the layer's
-    /// backward on backends where the trainer's backward is not on the compute stream
-    /// (0, the default: a marker, no cost).
+    /// What each `grad_ready` node runs on its stream: nothing (a marker, the default),
+    /// or a synthetic backward standing in for the layer's backward on backends where
+    /// the trainer's backward is not on the compute stream.
+    pub backward: Backward,
+}
+
+/// The synthetic backward a `grad_ready` node launches ([`ExecConfig::backward`]).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum Backward {
+    /// A marker: no device work (the trainer's own backward is on the stream).
+    #[default]
+    None,
+    /// A [`Kernel::Spin`] of this many microseconds (`[run] backward_us_per_layer`).
     ///
     /// [`Kernel::Spin`]: overlap_ops::Kernel::Spin
-    pub backward_us_per_layer: u32,
+    Spin {
+        /// Microseconds per layer.
+        micros: u32,
+    },
+    /// `count` GEMMs of `d × d · d × d` (a [`Kernel::Gemm`]; bf16 through cuBLAS on
+    /// GPUs), the backward of `overlap bench`.
+    ///
+    /// [`Kernel::Gemm`]: overlap_ops::Kernel::Gemm
+    Gemms {
+        /// GEMMs per layer.
+        count: u32,
+        /// Their size.
+        d: u32,
+    },
+}
+
+impl Backward {
+    /// A spin of `micros` µs, or none for 0 (how `[run] backward_us_per_layer` maps).
+    pub fn spin(micros: u32) -> Backward {
+        if micros == 0 {
+            Backward::None
+        } else {
+            Backward::Spin { micros }
+        }
+    }
+
+    /// The kernel a `grad_ready` node launches under this model.
+    pub fn kernel<B>(self) -> overlap_ops::Kernel<B> {
+        use overlap_ops::Kernel;
+        match self {
+            Backward::None | Backward::Spin { micros: 0 } | Backward::Gemms { count: 0, .. } => {
+                Kernel::Marker
+            }
+            Backward::Spin { micros } => Kernel::Spin { micros },
+            Backward::Gemms { count, d } => Kernel::Gemm {
+                m: d,
+                n: d,
+                k: d,
+                count,
+            },
+        }
+    }
 }
 
 impl Default for ExecConfig {
@@ -54,7 +104,7 @@ impl Default for ExecConfig {
             adamw: AdamwParams::default(),
             muon: MuonParams::default(),
             host_timeout: Duration::from_secs(120),
-            backward_us_per_layer: 0,
+            backward: Backward::None,
         }
     }
 }
@@ -247,7 +297,7 @@ impl<B: Backend> Executor<B> {
             adamw: self.cfg.adamw,
             muon: self.cfg.muon,
             step: self.steps_done + 1,
-            backward_us: self.cfg.backward_us_per_layer,
+            backward: self.cfg.backward,
         }
     }
 
@@ -259,6 +309,57 @@ impl<B: Backend> Executor<B> {
         micro_batch: u32,
         layer: u32,
         mut fill: impl FnMut(u32, ParamId, &mut [f32]),
+    ) -> Result<(), ExecError> {
+        self.hand_in(micro_batch, layer, |backend, r, staging, param, numel| {
+            staging.clear();
+            staging.resize(numel, 0.0);
+            fill(r.rank, param, staging);
+            let buf = r.take(backend, numel)?;
+            backend.upload(&buf, staging)?;
+            Ok(buf)
+        })
+        .await
+    }
+
+    /// Like [`Executor::grad_ready`], with gradients already on the device: `bind(rank,
+    /// param)` returns the caller's buffer holding that gradient (its full shape), used
+    /// in place with no upload, as a trainer's autograd hands over its gradient tensors.
+    /// The buffer stays the caller's: the executor only reads it, never pools or reuses
+    /// it, and the caller must not change it until the step has finished.
+    pub async fn grad_ready_bound(
+        &mut self,
+        micro_batch: u32,
+        layer: u32,
+        mut bind: impl FnMut(u32, ParamId) -> Result<B::Buffer, ExecError>,
+    ) -> Result<(), ExecError> {
+        self.hand_in(micro_batch, layer, |backend, r, _, param, numel| {
+            let buf = bind(r.rank, param)?;
+            if backend.len(&buf) != numel {
+                return Err(ExecError::Usage(format!(
+                    "grad_ready_bound: the buffer of parameter {param} on rank {} has {} elements, the parameter {numel}",
+                    r.rank,
+                    backend.len(&buf)
+                )));
+            }
+            r.borrowed.insert(Buffer::Grad { param, micro_batch });
+            Ok(buf)
+        })
+        .await
+    }
+
+    /// Checks that `layer` of `micro_batch` is next on every rank, binds each of its
+    /// parameters' gradient buffer with `put`, and issues the layer's nodes.
+    async fn hand_in(
+        &mut self,
+        micro_batch: u32,
+        layer: u32,
+        mut put: impl FnMut(
+            &B,
+            &mut RankState<B>,
+            &mut Vec<f32>,
+            ParamId,
+            usize,
+        ) -> Result<B::Buffer, ExecError>,
     ) -> Result<(), ExecError> {
         let backend = self.backend.clone();
         let mut ends = Vec::with_capacity(self.ranks.len());
@@ -294,11 +395,7 @@ impl<B: Backend> Executor<B> {
                     continue;
                 }
                 let numel = param.spec.numel() as usize;
-                self.staging.clear();
-                self.staging.resize(numel, 0.0);
-                fill(r.rank, i as ParamId, &mut self.staging);
-                let buf = r.take(&backend, numel)?;
-                backend.upload(&buf, &self.staging)?;
+                let buf = put(&backend, r, &mut self.staging, i as ParamId, numel)?;
                 r.buffers.insert(
                     Buffer::Grad {
                         param: i as ParamId,

@@ -47,6 +47,9 @@ pub(crate) struct RankState<B: Backend> {
     pub issue_time: std::time::Duration,
     /// Partials and no_sync accumulations written and not yet flushed, as issued.
     pub live_partials: std::collections::HashSet<Buffer>,
+    /// Gradient buffers the caller owns (`grad_ready_bound`): dropped after their last
+    /// reader, never pooled.
+    pub borrowed: std::collections::HashSet<Buffer>,
 }
 
 /// Settings an issuing rank needs.
@@ -55,8 +58,8 @@ pub(crate) struct IssueCtx {
     pub adamw: AdamwParams,
     pub muon: MuonParams,
     pub step: u64,
-    /// Synthetic backward cost of a `grad_ready` node, in µs (0: a marker).
-    pub backward_us: u32,
+    /// What a `grad_ready` node launches.
+    pub backward: crate::Backward,
 }
 
 impl<B: Backend> RankState<B> {
@@ -76,6 +79,7 @@ impl<B: Backend> RankState<B> {
             issue_time: std::time::Duration::ZERO,
             peak_in_flight: 0,
             live_partials: std::collections::HashSet::new(),
+            borrowed: std::collections::HashSet::new(),
         }
     }
 
@@ -247,10 +251,7 @@ impl<B: Backend> RankState<B> {
         let stream = node.stream;
         let launch = |k: Kernel<B::Buffer>| backend.launch(self.rank, stream, tag, k);
         match node.op {
-            Op::GradReady { .. } if ctx.backward_us > 0 => launch(Kernel::Spin {
-                micros: ctx.backward_us,
-            }),
-            Op::GradReady { .. } => launch(Kernel::Marker),
+            Op::GradReady { .. } => launch(ctx.backward.kernel()),
             Op::Accumulate {
                 bucket,
                 micro_batch,
@@ -463,6 +464,10 @@ impl<B: Backend> RankState<B> {
                 continue;
             }
             let release = self.pending.remove(&b).unwrap_or_default();
+            if self.borrowed.remove(&b) {
+                self.buffers.remove(&b);
+                continue;
+            }
             if let Buffer::Send {
                 bucket,
                 micro_batch,
@@ -494,6 +499,7 @@ impl<B: Backend> RankState<B> {
         });
         self.pending.clear();
         self.live_partials.clear();
+        self.borrowed.clear();
         self.in_flight.clear();
         self.released.clear();
         self.prepared = None;

@@ -147,6 +147,21 @@ pub enum Kernel<B> {
         /// How long the stream stays busy, in microseconds.
         micros: u32,
     },
+    /// `count` matrix products `C = A·B` (`A` is `m × k`, `B` is `k × n`) on operands
+    /// the backend owns, touching no plan buffer: a synthetic backward with the cost of
+    /// real GEMMs (`overlap bench`). CUDA: bf16 inputs and output with f32 accumulation
+    /// through cuBLAS `cublasGemmEx`, as `torch.mm` on bf16 tensors. CPU: the same
+    /// products in f32 with a plain loop (exact, slow: meant for small sizes and tests).
+    Gemm {
+        /// Rows of `A` and `C`.
+        m: u32,
+        /// Columns of `B` and `C`.
+        n: u32,
+        /// Columns of `A`, rows of `B`.
+        k: u32,
+        /// How many products, one after another on the stream.
+        count: u32,
+    },
     /// `dst = src` (or `dst += src` when `accumulate`), same length.
     Add {
         /// Destination.
@@ -225,6 +240,7 @@ impl<B> Kernel<B> {
         match self {
             Kernel::Marker => "marker",
             Kernel::Spin { .. } => "spin",
+            Kernel::Gemm { .. } => "gemm",
             Kernel::Add { .. } => "add",
             Kernel::Pack { .. } => "pack",
             Kernel::Unpack { .. } => "unpack",

@@ -22,6 +22,12 @@ pub(super) fn run(rank: u32, kernel: &Kernel<CpuBuffer>) -> Result<(), OpsError>
             spin(*micros);
             Ok(())
         }
+        Kernel::Gemm { m, n, k, count } => {
+            for _ in 0..*count {
+                gemm(*m, *n, *k)?;
+            }
+            Ok(())
+        }
         Kernel::Add {
             dst,
             src,
@@ -68,6 +74,46 @@ fn spin(micros: u32) {
     while start.elapsed() < total {
         std::hint::spin_loop();
     }
+}
+
+/// The most multiply-adds one [`Kernel::Gemm`] product may take on the CPU backend
+/// (2^30, about a second): beyond that the plain loop is no stand-in for a GPU GEMM.
+pub const GEMM_CPU_MAX_MACS: u64 = 1 << 30;
+
+/// One [`Kernel::Gemm`] product on the CPU: `C = A·B` in f32 with a plain loop over
+/// operands [`gemm_operand`] fills, returned row-major (`m × n`). Products larger than
+/// [`GEMM_CPU_MAX_MACS`] are refused with [`OpsError::Shape`].
+pub fn gemm(m: u32, n: u32, k: u32) -> Result<Vec<f32>, OpsError> {
+    let (m, n, k) = (m as usize, n as usize, k as usize);
+    let macs = (m as u64) * (n as u64) * (k as u64);
+    if macs > GEMM_CPU_MAX_MACS {
+        return Err(OpsError::Shape {
+            kernel: "gemm",
+            reason: format!(
+                "{m}×{k}·{k}×{n} is {macs} multiply-adds; the CPU backend runs at most {GEMM_CPU_MAX_MACS} per product (use the CUDA backend for real sizes)"
+            ),
+        });
+    }
+    let a = gemm_operand(m * k, 1);
+    let b = gemm_operand(k * n, 2);
+    let mut c = vec![0.0f32; m * n];
+    for i in 0..m {
+        for p in 0..k {
+            let x = a[i * k + p];
+            for j in 0..n {
+                c[i * n + j] += x * b[p * n + j];
+            }
+        }
+    }
+    Ok(c)
+}
+
+/// The deterministic operand `which` (1: `A`, 2: `B`) of a CPU [`Kernel::Gemm`]:
+/// element `i` is `((i · 7 + which) mod 5) − 2`, small integers, so products are exact.
+pub fn gemm_operand(len: usize, which: usize) -> Vec<f32> {
+    (0..len)
+        .map(|i| ((i * 7 + which) % 5) as f32 - 2.0)
+        .collect()
 }
 
 /// The end of a [`Kernel::Spin`] that is spun rather than slept.

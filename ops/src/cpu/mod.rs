@@ -38,6 +38,7 @@ pub use buffer::CpuBuffer;
 use comm::{Arrival, Comm};
 pub use event::CpuEvent;
 use event::{HostWait, Slot};
+pub use kernels::{gemm, gemm_operand, GEMM_CPU_MAX_MACS};
 
 use crate::{Backend, BoxFuture, CommId, EventStatus, Kernel, OpsError, Tag, Timing};
 

@@ -1110,3 +1110,49 @@ fn spin_kernel_keeps_its_stream_busy_and_lets_other_streams_run() {
     assert!((0.2..5.0).contains(&busy), "spin lasted {busy} s");
     assert_eq!((spin.stream, spin.bytes), (Stream::Compute, 0));
 }
+
+#[test]
+fn gemm_is_exact_on_small_integers_and_refuses_huge_products() {
+    // A (2×3) and B (3×2) as gemm_operand fills them, multiplied by hand.
+    let a = super::gemm_operand(6, 1);
+    let b = super::gemm_operand(6, 2);
+    let mut want = vec![0.0f32; 4];
+    for i in 0..2 {
+        for j in 0..2 {
+            want[i * 2 + j] = (0..3).map(|p| a[i * 3 + p] * b[p * 2 + j]).sum();
+        }
+    }
+    assert_eq!(super::gemm(2, 2, 3).unwrap(), want);
+    assert!(a.iter().all(|x| (-2.0..=2.0).contains(x)));
+    match super::gemm(4096, 4096, 4096) {
+        Err(OpsError::Shape {
+            kernel: "gemm",
+            reason,
+        }) => {
+            assert!(reason.contains("CUDA backend"), "{reason}")
+        }
+        other => panic!("{other:?}"),
+    }
+}
+
+#[test]
+fn gemm_kernel_runs_on_its_stream_and_a_huge_one_poisons_it() {
+    let b = CpuBackend::new(mesh(1, 1));
+    let k = |d| Kernel::Gemm {
+        m: d,
+        n: d,
+        k: d,
+        count: 2,
+    };
+    b.launch(0, Stream::Compute, tag(0, "grad_ready"), k(16));
+    sync(&b);
+    assert!(b.errors().is_empty());
+    let t = b.take_timings();
+    assert_eq!(t.len(), 1);
+    assert_eq!(t[0].stream, Stream::Compute);
+    b.launch(0, Stream::Compute, tag(1, "grad_ready"), k(4096));
+    sync(&b);
+    let errors = b.errors();
+    assert_eq!(errors.len(), 1);
+    assert_eq!(errors[0].2.node, 1);
+}

@@ -195,6 +195,9 @@ struct Issue {
     blas: Vec<Blas>,
     /// Scratch per stream, at [`Stream::index`].
     scratch: [Option<Arc<DevMem>>; 4],
+    /// The read-only bf16 operands `A` then `B` of [`Kernel::Gemm`], filled once with
+    /// pseudo-random values, with their `(m, n, k)`.
+    gemm: Option<((u32, u32, u32), Arc<DevMem>)>,
     timings: Timings,
 }
 
@@ -289,6 +292,7 @@ impl CudaBackend {
                 kernels,
                 blas,
                 scratch: Default::default(),
+                gemm: None,
                 timings: Timings {
                     on: opts.timings,
                     epoch,
@@ -683,6 +687,10 @@ impl Issue {
                 self.kernels.spin(raw, micros)?;
                 Ok(0)
             }
+            Kernel::Gemm { m, n, k, count } => {
+                self.gemm(shared, stream, (m, n, k), count)?;
+                Ok(0)
+            }
             Kernel::Add {
                 dst,
                 src,
@@ -715,14 +723,28 @@ impl Issue {
                         });
                     }
                 }
-                if dst.len > 0 {
+                // When the first phase copies single sources over every element of
+                // `dst` exactly once, it writes `dst` whole: no memset, and a copy
+                // instead of an accumulate (one pass over `dst` instead of three).
+                let covers = phases.first().is_some_and(|first| {
+                    let mut spans: Vec<(u64, u64)> = first
+                        .iter()
+                        .filter(|s| s.b == 0)
+                        .map(|s| (s.dst, s.dst + s.len * 4))
+                        .collect();
+                    spans.sort_unstable();
+                    spans.len() == first.len()
+                        && spans.windows(2).all(|w| w[0].1 <= w[1].0)
+                        && first.iter().map(|s| s.len).sum::<u64>() == dst.len as u64
+                });
+                if dst.len > 0 && !covers {
                     // SAFETY: `dst` holds `len` words; the memset is ordered on `raw`.
                     unsafe { sys::cuMemsetD32Async(dst.ptr(), 0, dst.len, raw) }
                         .result()
                         .map_err(|e| device::failed(K, e))?;
                 }
-                for phase in phases {
-                    run_disjoint(&self.kernels, K, raw, phase, true)?;
+                for (k, phase) in phases.into_iter().enumerate() {
+                    run_disjoint(&self.kernels, K, raw, phase, !(covers && k == 0))?;
                 }
                 Ok(0)
             }
@@ -857,6 +879,77 @@ impl Issue {
         )
     }
 
+    /// `count` bf16 GEMMs `C = A·B` on `stream` (the synthetic backward of `overlap
+    /// bench`): `A` and `B` are operands the backend fills once with pseudo-random bf16
+    /// (as `torch.randn` operands, so the tensor cores do representative work), `C` is
+    /// the stream's scratch.
+    fn gemm(
+        &mut self,
+        shared: &Shared,
+        stream: Stream,
+        (m, n, k): (u32, u32, u32),
+        count: u32,
+    ) -> Result<(), OpsError> {
+        const K: &str = "gemm";
+        let dims = |x: u32| {
+            i32::try_from(x).map_err(|_| OpsError::Shape {
+                kernel: K,
+                reason: format!("dimension {x} exceeds cuBLAS's int"),
+            })
+        };
+        let (mi, ni, ki) = (dims(m)?, dims(n)?, dims(k)?);
+        if m == 0 || n == 0 || k == 0 || count == 0 {
+            return Ok(());
+        }
+        let (m, n, k) = (m as usize, n as usize, k as usize);
+        let a_bytes = (m * k * 2).next_multiple_of(256);
+        let b_bytes = k * n * 2;
+        let have = self
+            .gemm
+            .as_ref()
+            .filter(|(d, _)| *d == (m as u32, n as u32, k as u32));
+        let operands = match have {
+            Some((_, mem)) => mem.ptr(),
+            None => {
+                let mem = shared.memory.alloc_raw(a_bytes + b_bytes)?;
+                // Pseudo-random bf16 in [-1, 1) (xorshift, truncated f32 bits).
+                let mut s = 0x9e37_79b9_7f4a_7c15u64;
+                let words: Vec<u16> = (0..(a_bytes + b_bytes) / 2)
+                    .map(|_| {
+                        s ^= s << 13;
+                        s ^= s >> 7;
+                        s ^= s << 17;
+                        let x = (s >> 40) as f32 / (1u64 << 23) as f32 - 1.0;
+                        (x.to_bits() >> 16) as u16
+                    })
+                    .collect();
+                let device = &shared.device;
+                // SAFETY: `mem` holds `words` bytes and nothing uses it yet; the host
+                // stream is synchronised before `words` is released.
+                unsafe {
+                    sys::cuMemcpyHtoDAsync_v2(
+                        mem.ptr(),
+                        words.as_ptr().cast(),
+                        words.len() * 2,
+                        device.host_stream(),
+                    )
+                }
+                .result()
+                .map_err(|e| device::failed(K, e))?;
+                device.sync_host_stream("gemm operands")?;
+                let ptr = mem.ptr();
+                self.gemm = Some(((m as u32, n as u32, k as u32), mem));
+                ptr
+            }
+        };
+        let c = self.scratch(shared, stream, m * n * 2)?;
+        let blas = &self.blas[stream.index()];
+        for _ in 0..count {
+            blas.gemm_bf16((mi, ni, ki), operands, operands + a_bytes as u64, c)?;
+        }
+        Ok(())
+    }
+
     /// The stream's scratch, grown to at least `bytes`. Only work on this stream uses
     /// it, so stream order protects it; a replaced block is retired (and fenced).
     fn scratch(&mut self, shared: &Shared, stream: Stream, bytes: usize) -> Result<u64, OpsError> {
@@ -910,7 +1003,19 @@ impl Issue {
         let count = usize::try_from(desc.count).map_err(|_| shape("count too large".into()))?;
         let root = desc.root.unwrap_or(0);
         let valid = own.is_ok();
-        if valid && desc.dtype == DType::F32 {
+        if valid && size == 1 && desc.dtype == DType::F32 {
+            // A group of one: every collective is the identity (avg divides by 1), so
+            // it is a device copy, or nothing in place; no NCCL launch.
+            let s = send.as_ref().map_or(0, CudaBuffer::ptr);
+            let r = recv.as_ref().map_or(0, CudaBuffer::ptr);
+            if s != 0 && r != 0 && s != r && count > 0 {
+                // SAFETY: both buffers hold `count` floats (checked above); the copy is
+                // ordered on the collective's stream like the NCCL call it replaces.
+                unsafe { sys::cuMemcpyDtoDAsync_v2(r, s, count * 4, raw) }
+                    .result()
+                    .map_err(|e| device::failed(kernel, e))?;
+            }
+        } else if valid && desc.dtype == DType::F32 {
             let s = send.as_ref().map_or(0, CudaBuffer::ptr);
             let r = recv.as_ref().map_or(0, CudaBuffer::ptr);
             let (s, r) = endpoints(desc.kind, s, r);

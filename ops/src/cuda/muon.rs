@@ -87,6 +87,51 @@ impl Blas {
         let _ = unsafe { blas::destroy_handle(self.handle) };
     }
 
+    /// `C = A·B` with bf16 `A` (`m × k`), `B` (`k × n`) and `C` (`m × n`), all
+    /// row-major, accumulated in f32 (tensor cores): what `torch.mm` issues for bf16
+    /// tensors (row-major `C = A·B` is column-major `Cᵀ = Bᵀ·Aᵀ`).
+    pub(super) fn gemm_bf16(
+        &self,
+        (m, n, k): (i32, i32, i32),
+        a: u64,
+        b: u64,
+        c: u64,
+    ) -> Result<(), OpsError> {
+        let (alpha, beta) = (1.0f32, 0.0f32);
+        let bf16 = blas_sys::cudaDataType::CUDA_R_16BF;
+        let n_op = blas_sys::cublasOperation_t::CUBLAS_OP_N;
+        // SAFETY: the caller passes device matrices of the stated shapes (operands it
+        // owns, and scratch of this handle's stream); alpha and beta are host scalars
+        // read at the call, of the compute type's precision (f32).
+        unsafe {
+            blas::gemm_ex(
+                self.handle,
+                n_op,
+                n_op,
+                n,
+                m,
+                k,
+                (&alpha as *const f32).cast(),
+                b as *const std::ffi::c_void,
+                bf16,
+                n,
+                a as *const std::ffi::c_void,
+                bf16,
+                k,
+                (&beta as *const f32).cast(),
+                c as *mut std::ffi::c_void,
+                bf16,
+                n,
+                blas_sys::cublasComputeType_t::CUBLAS_COMPUTE_32F,
+                blas_sys::cublasGemmAlgo_t::CUBLAS_GEMM_DFALT,
+            )
+        }
+        .map_err(|e| OpsError::Failed {
+            kernel: "gemm",
+            reason: format!("cublasGemmEx: {:?}", e.0),
+        })
+    }
+
     #[allow(clippy::too_many_arguments)]
     fn sgemm(
         &self,

@@ -1,0 +1,822 @@
+//! `overlap bench`: the anchor workload of design §6, run through the executor's graph.
+//!
+//! The workload is `anchors/torch_reduce_overlap.py`'s: `L` layers of synthetic backward
+//! (`gemms` GEMMs of `d × d · d × d` per layer on the compute stream, a
+//! [`overlap_ops::Kernel::Gemm`]), one f32 gradient of `grad_mib` MiB per layer with route `fsdp`,
+//! one bucket per layer, every micro-batch gate `on`: a reduce-scatter on mesh `2x1`
+//! (then Stage 2 over a replicate group of one, a device copy) or an all-reduce on mesh
+//! `1x2` (after Stage 1 over a shard group of one). Gradients are device buffers handed
+//! in with [`Executor::grad_ready_bound`] (no upload), and the step's plan is the prefix
+//! plan of the one micro-batch, so the optimizer tail is not part of what is timed: the
+//! anchor measures the backward and the reduction only.
+//!
+//! Four variants, each timed over `iters` steps after `warmup` steps, by the device span
+//! of a step (first kernel start to last kernel end, from the backend's timing events):
+//!
+//! - `compute_only`: the GEMMs alone, launched on the compute stream;
+//! - `comm_only`: the plan with no backward (markers): pack, collectives, unpack;
+//! - `serial`: the plan with every node kind bound to the compute stream, so each
+//!   layer's GEMMs and its reduction run strictly one after the other;
+//! - `overlap`: the plan as the executor runs it (FSDP2's default binding).
+//!
+//! Then `ideal = max(compute, comm) + comm / L` and `η = (serial − overlap) / (serial −
+//! ideal)` ([`ideal_ms`], [`eta`]), as design §6 defines them.
+//!
+//! Invariant: every variant runs the same kernels with the same sizes on the same
+//! backend; only the stream bindings and the backward model differ.
+
+use std::sync::Arc;
+
+use overlap_executor::{Backward, ExecConfig, Executor, StepStats};
+use overlap_graph::{
+    validate, Bindings, Gate, Mode, ParamSpec, Plan, PlanSpec, Planner, ReduceSpec, Route, Stream,
+};
+use overlap_ops::{Backend, Kernel, Tag, Timing};
+use serde::Serialize;
+
+use crate::{Error, Mesh};
+
+/// What `overlap bench` runs.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize)]
+pub struct BenchArgs {
+    /// `2x1` (reduce-scatter) or `1x2` (all-reduce), or any mesh for tests.
+    #[serde(serialize_with = "mesh_str")]
+    pub mesh: Mesh,
+    /// Layers `L`.
+    pub layers: u32,
+    /// Gradient per layer, MiB of f32.
+    pub grad_mib: u32,
+    /// GEMMs per layer.
+    pub gemms: u32,
+    /// GEMM size `d` (each is `d × d · d × d`).
+    pub d: u32,
+    /// Timed steps per variant.
+    pub iters: u32,
+    /// Untimed steps per variant before them.
+    pub warmup: u32,
+    /// Stage-1 buffers in flight per rank (`[overlap] stage1_window`; default 8).
+    pub window: u32,
+}
+
+fn mesh_str<S: serde::Serializer>(m: &Mesh, s: S) -> Result<S::Ok, S::Error> {
+    s.serialize_str(&m.to_string())
+}
+
+/// Parses a mesh written `SxR` (`2x1`, `1x2`).
+pub fn parse_mesh(s: &str) -> Result<Mesh, Error> {
+    let bad = || {
+        Error::Usage(format!(
+            "--mesh: `{s}` is not SHARDxREPLICATE, e.g. 2x1 or 1x2"
+        ))
+    };
+    let (a, b) = s.split_once(['x', 'X']).ok_or_else(bad)?;
+    let shard = a.trim().parse::<u32>().map_err(|_| bad())?;
+    let replicate = b.trim().parse::<u32>().map_err(|_| bad())?;
+    Mesh::new(shard, replicate).map_err(|e| Error::Usage(format!("--mesh {s}: {e}")))
+}
+
+impl BenchArgs {
+    /// Checks the sizes: at least one layer, a gradient that splits evenly over the
+    /// shard group, at least one timed step.
+    pub fn check(&self) -> Result<(), Error> {
+        if self.layers == 0 || self.iters == 0 {
+            return Err(Error::Usage(
+                "--layers and --iters must be at least 1".into(),
+            ));
+        }
+        if self.grad_mib == 0 || self.grad_mib > 4096 {
+            return Err(Error::Usage(format!(
+                "--grad-mib {}: between 1 and 4096",
+                self.grad_mib
+            )));
+        }
+        Ok(())
+    }
+
+    /// Elements of one layer's gradient.
+    pub fn grad_elems(&self) -> u64 {
+        u64::from(self.grad_mib) << 18
+    }
+
+    /// The plan spec: one `fsdp` parameter per layer (`layer{l}.grad`, a vector of
+    /// `grad_mib` MiB), one bucket per layer, f32 `avg`, with `bindings`.
+    pub fn spec(&self, bindings: Bindings) -> PlanSpec {
+        PlanSpec {
+            mesh: self.mesh,
+            params: (0..self.layers)
+                .map(|l| ParamSpec {
+                    name: format!("layer{l}.grad"),
+                    shape: vec![self.grad_elems()],
+                    route: Route::Fsdp,
+                    layer: l,
+                })
+                .collect(),
+            reduce: ReduceSpec::default(),
+            bucket_cap_bytes: self.grad_elems() * 4,
+            bindings,
+        }
+    }
+}
+
+/// Every node kind bound to the compute stream: the `serial` variant (each layer's
+/// backward, then its reduction, strictly in order on one stream).
+pub fn serial_bindings() -> Bindings {
+    Bindings {
+        accumulate: Stream::Compute,
+        pack: Stream::Compute,
+        stage1: Stream::Compute,
+        fold: Stream::Compute,
+        stage2: Stream::Compute,
+        unpack: Stream::Compute,
+        optimizer: Stream::Compute,
+        publish: Stream::Compute,
+    }
+}
+
+/// The validated plan of one gate-`on` micro-batch without the optimizer tail.
+pub fn bench_plan(args: &BenchArgs, bindings: Bindings) -> Result<Plan, Error> {
+    let planner = Planner::new(args.spec(bindings))?;
+    let plan = planner.plan_prefix(&[Gate::On])?;
+    let v = validate(&plan, Mode::Prefix);
+    if !v.is_empty() {
+        return Err(Error::Invalid(v));
+    }
+    Ok(plan)
+}
+
+/// `ideal = max(compute, comm) + comm / L` (design §6: the last layer's reduction
+/// cannot hide).
+pub fn ideal_ms(compute: f64, comm: f64, layers: u32) -> f64 {
+    compute.max(comm) + comm / f64::from(layers.max(1))
+}
+
+/// `η = (serial − actual) / (serial − ideal)`; `None` when serial is not above ideal
+/// (nothing to hide).
+pub fn eta(serial: f64, actual: f64, ideal: f64) -> Option<f64> {
+    (serial > ideal).then(|| (serial - actual) / (serial - ideal))
+}
+
+/// One rank's figures, milliseconds per step (mean over the timed steps).
+#[derive(Debug, Clone, Serialize)]
+pub struct BenchReport {
+    /// The workload.
+    #[serde(flatten)]
+    pub args: BenchArgs,
+    /// The rank these figures are from.
+    pub rank: u32,
+    /// Backend name.
+    pub backend: String,
+    /// GEMMs alone.
+    pub compute_only_ms: f64,
+    /// The reduction path alone (pack, collectives, unpack).
+    pub comm_only_ms: f64,
+    /// Backward then reduction per layer, on one stream.
+    pub serial_ms: f64,
+    /// The executor's plan.
+    pub overlap_ms: f64,
+    /// `max(compute, comm) + comm / L`.
+    pub ideal_ms: f64,
+    /// `(serial − overlap) / (serial − ideal)` (null when undefined).
+    pub eta: Option<f64>,
+    /// Host time issuing the overlap plan's nodes, µs per node (StepStats).
+    pub host_us_per_node: f64,
+    /// Nodes per step on this rank (overlap variant).
+    pub nodes_per_step: usize,
+    /// Mean kernel time of the plan's collective nodes in `comm_only`, ms per layer.
+    pub collective_ms_per_layer: f64,
+    /// Mean kernel time of pack plus unpack (and a group-of-one copy) in `comm_only`,
+    /// ms per layer: the executor's own traffic beside the collective.
+    pub copies_ms_per_layer: f64,
+    /// Every variant's per-step spans, ms, in order (for spread).
+    pub steps_ms: VariantSteps,
+}
+
+/// Per-step device spans of each variant, ms.
+#[derive(Debug, Clone, Default, Serialize)]
+pub struct VariantSteps {
+    /// compute_only
+    pub compute_only: Vec<f64>,
+    /// comm_only
+    pub comm_only: Vec<f64>,
+    /// serial
+    pub serial: Vec<f64>,
+    /// overlap
+    pub overlap: Vec<f64>,
+}
+
+/// The device span of a set of kernel timings, seconds (last end − first start).
+pub fn span(timings: &[Timing]) -> f64 {
+    let start = timings
+        .iter()
+        .map(|t| t.start)
+        .fold(f64::INFINITY, f64::min);
+    let end = timings
+        .iter()
+        .map(|t| t.end)
+        .fold(f64::NEG_INFINITY, f64::max);
+    if end > start {
+        end - start
+    } else {
+        0.0
+    }
+}
+
+fn ops(e: overlap_ops::OpsError) -> Error {
+    Error::Backend(e.to_string())
+}
+
+fn mean(x: &[f64]) -> f64 {
+    if x.is_empty() {
+        0.0
+    } else {
+        x.iter().sum::<f64>() / x.len() as f64
+    }
+}
+
+/// Runs the four variants on `backend` (its one local rank, or every rank of a CPU
+/// backend: figures are then rank `ranks[0]`'s) and returns the figures. The backend
+/// must record kernel timings.
+pub async fn run<B: Backend>(backend: Arc<B>, args: &BenchArgs) -> Result<BenchReport, Error> {
+    args.check()?;
+    let ranks = backend.local_ranks();
+    let me = *ranks
+        .first()
+        .ok_or_else(|| Error::Backend("the backend drives no rank".into()))?;
+    let overlap_plan = Arc::new(bench_plan(args, Bindings::default())?);
+    let serial_plan = Arc::new(bench_plan(args, serial_bindings())?);
+    // The gradients: one device buffer per (rank, layer), handed in by reference.
+    let n = args.grad_elems() as usize;
+    let mut grads = Vec::new();
+    for &r in &ranks {
+        let mut row = Vec::new();
+        for _ in 0..args.layers {
+            row.push(backend.alloc(r, n).map_err(ops)?);
+        }
+        grads.push((r, row));
+    }
+    let gemms = Backward::Gemms {
+        count: args.gemms,
+        d: args.d,
+    };
+    let exec = |backward| ExecConfig {
+        backward,
+        stage1_window: args.window.max(1) as usize,
+        ..ExecConfig::default()
+    };
+    let total = (args.warmup + args.iters) as usize;
+    let mut steps = VariantSteps::default();
+
+    // compute_only: the backward's kernels alone.
+    for i in 0..total {
+        let t = gemms_only(&*backend, &ranks, args, gemms).await?;
+        if i >= args.warmup as usize {
+            steps.compute_only.push(span_of(&t, me) * 1e3);
+        }
+    }
+    let mut comm_kernels = (0.0, 0.0, 0usize);
+    let mut host = (0.0, 0usize);
+    for (variant, plan, backward) in [
+        ("comm_only", &overlap_plan, Backward::None),
+        ("serial", &serial_plan, gemms),
+        ("overlap", &overlap_plan, gemms),
+    ] {
+        let mut ex = Executor::new(backend.clone(), exec(backward));
+        for i in 0..total {
+            let stats = plan_step(&mut ex, plan, &grads).await?;
+            if i < args.warmup as usize {
+                continue;
+            }
+            let ms = span_of(&stats.timings, me) * 1e3;
+            match variant {
+                "comm_only" => {
+                    steps.comm_only.push(ms);
+                    for t in stats.timings.iter().filter(|t| t.rank == me) {
+                        let d = t.end - t.start;
+                        if t.bytes > 0 && t.tag.op.starts_with("stage") && is_wide(plan, t) {
+                            comm_kernels.0 += d;
+                        } else if t.tag.op != "grad_ready" {
+                            comm_kernels.1 += d;
+                        }
+                    }
+                    comm_kernels.2 += 1;
+                }
+                "serial" => steps.serial.push(ms),
+                _ => {
+                    steps.overlap.push(ms);
+                    host.0 += stats.issue_seconds;
+                    host.1 += stats.nodes;
+                }
+            }
+        }
+    }
+    let compute = mean(&steps.compute_only);
+    let comm = mean(&steps.comm_only);
+    let serial = mean(&steps.serial);
+    let overlap = mean(&steps.overlap);
+    let ideal = ideal_ms(compute, comm, args.layers);
+    let per_layer = |s: f64| s * 1e3 / (comm_kernels.2.max(1) as f64 * f64::from(args.layers));
+    Ok(BenchReport {
+        args: *args,
+        rank: me,
+        backend: backend.name().into(),
+        compute_only_ms: compute,
+        comm_only_ms: comm,
+        serial_ms: serial,
+        overlap_ms: overlap,
+        ideal_ms: ideal,
+        eta: eta(serial, overlap, ideal),
+        host_us_per_node: if host.1 > 0 {
+            host.0 * 1e6 / host.1 as f64
+        } else {
+            0.0
+        },
+        nodes_per_step: host.1 / (args.iters as usize * ranks.len()).max(1),
+        collective_ms_per_layer: per_layer(comm_kernels.0),
+        copies_ms_per_layer: per_layer(comm_kernels.1),
+        steps_ms: steps,
+    })
+}
+
+/// Whether a collective timing is of a group larger than one (a real collective, not a
+/// group-of-one copy): Stage 1 on a mesh with shard > 1, Stage 2 with replicate > 1.
+fn is_wide(plan: &Plan, t: &Timing) -> bool {
+    match t.tag.op {
+        "stage1" => plan.mesh.shard > 1,
+        "stage2" => plan.mesh.replicate > 1,
+        _ => false,
+    }
+}
+
+fn span_of(timings: &[Timing], rank: u32) -> f64 {
+    let mine: Vec<Timing> = timings.iter().filter(|t| t.rank == rank).copied().collect();
+    span(&mine)
+}
+
+/// One step of `plan`: one gate-`on` micro-batch, every layer handed in (highest
+/// first) with its device gradient, then the device drained.
+pub async fn plan_step<B: Backend>(
+    ex: &mut Executor<B>,
+    plan: &Arc<Plan>,
+    grads: &[(u32, Vec<B::Buffer>)],
+) -> Result<StepStats, Error> {
+    ex.adopt(plan);
+    for layer in plan.layers_desc() {
+        ex.grad_ready_bound(0, layer, |rank, param| {
+            grads
+                .iter()
+                .find(|(r, _)| *r == rank)
+                .and_then(|(_, g)| g.get(param as usize))
+                .cloned()
+                .ok_or_else(|| {
+                    overlap_executor::ExecError::Usage(format!(
+                        "no gradient of parameter {param} on rank {rank}"
+                    ))
+                })
+        })
+        .await?;
+    }
+    Ok(ex.finish_step().await?)
+}
+
+/// The `compute_only` variant: each layer's backward kernel on the compute stream of
+/// every local rank, then a drain; returns the kernels' timings.
+async fn gemms_only<B: Backend>(
+    backend: &B,
+    ranks: &[u32],
+    args: &BenchArgs,
+    backward: Backward,
+) -> Result<Vec<Timing>, Error> {
+    let mut ends = Vec::new();
+    for &r in ranks {
+        for l in 0..args.layers {
+            let tag = Tag {
+                node: l,
+                op: "grad_ready",
+                micro_batch: 0,
+            };
+            backend.launch(r, Stream::Compute, tag, backward.kernel::<B::Buffer>());
+        }
+        let ev = backend.event(r);
+        backend.record(r, Stream::Compute, &ev);
+        ends.push(ev);
+    }
+    for ev in &ends {
+        backend
+            .host_wait(ev)
+            .await
+            .map_err(|e| Error::Backend(e.to_string()))?;
+    }
+    if let Some((_, _, _, e)) = backend.errors().first() {
+        return Err(Error::Backend(format!("compute_only: {e}")));
+    }
+    Ok(backend.take_timings())
+}
+
+/// One size of `overlap bench-collectives`: the executor's collective node against the
+/// same NCCL call issued directly on the same communicator.
+#[derive(Debug, Clone, Serialize)]
+pub struct CollectiveRow {
+    /// `reduce_scatter` (mesh `2x1`) or `all_reduce` (mesh `1x2`).
+    pub op: String,
+    /// Bytes per rank (the gradient; nccl-tests' size).
+    pub bytes: u64,
+    /// Mean time of the direct call, ms (timing events around each call).
+    pub nccl_ms: f64,
+    /// Mean kernel time of the executor's node, ms.
+    pub node_ms: f64,
+    /// Mean device span of the executor's whole path for this bucket (pack, the
+    /// collectives, unpack), ms.
+    pub path_ms: f64,
+    /// Bus bandwidth of the direct call, GB/s.
+    pub nccl_busbw_gbs: f64,
+    /// Bus bandwidth of the executor's node, GB/s.
+    pub node_busbw_gbs: f64,
+    /// Bus bandwidth of the executor's whole path, GB/s.
+    pub path_busbw_gbs: f64,
+    /// `node_busbw / nccl_busbw`.
+    pub ratio: f64,
+}
+
+/// NCCL's bus-bandwidth factor for a collective over `n` ranks: all-reduce
+/// `2(n−1)/n`, reduce-scatter and all-gather `(n−1)/n`, others 1.
+pub fn bus_factor(kind: overlap_graph::CollectiveKind, n: u32) -> f64 {
+    use overlap_graph::CollectiveKind as K;
+    let n = f64::from(n.max(1));
+    match kind {
+        K::AllReduce => 2.0 * (n - 1.0) / n,
+        K::ReduceScatter | K::AllGather => (n - 1.0) / n,
+        _ => 1.0,
+    }
+}
+
+/// `overlap bench-collectives` on this backend's rank: for each size (MiB), a one-layer
+/// plan of one `fsdp` gradient (its wide collective: reduce-scatter on `S×1`, all-reduce
+/// on `1×R`) run `warmup + iters` steps, and the same collective launched directly.
+pub async fn collectives<B: Backend>(
+    backend: Arc<B>,
+    mesh: Mesh,
+    sizes_mib: &[u32],
+    iters: u32,
+    warmup: u32,
+) -> Result<Vec<CollectiveRow>, Error> {
+    let ranks = backend.local_ranks();
+    let me = *ranks
+        .first()
+        .ok_or_else(|| Error::Backend("the backend drives no rank".into()))?;
+    let mut rows = Vec::new();
+    for &mib in sizes_mib {
+        let args = BenchArgs {
+            mesh,
+            layers: 1,
+            grad_mib: mib,
+            gemms: 0,
+            d: 0,
+            iters,
+            warmup,
+            window: 8,
+        };
+        args.check()?;
+        let plan = Arc::new(bench_plan(&args, Bindings::default())?);
+        let wide = plan
+            .rank(me)
+            .nodes
+            .iter()
+            .find_map(|n| match n.op {
+                overlap_graph::Op::Stage1 { collective, .. } if mesh.shard > 1 => {
+                    Some((collective, n.stream))
+                }
+                overlap_graph::Op::Stage2 { collective, .. } if mesh.replicate > 1 => {
+                    Some((collective, n.stream))
+                }
+                _ => None,
+            })
+            .ok_or_else(|| Error::Usage(format!("mesh {mesh} has no group of two or more")))?;
+        let (desc, stream) = wide;
+        let n = mesh.group_size(desc.group);
+        let elems = args.grad_elems() as usize;
+        let bytes = args.grad_elems() * 4;
+        // The executor's node.
+        let mut grads = Vec::new();
+        for &r in &ranks {
+            grads.push((r, vec![backend.alloc(r, elems).map_err(ops)?]));
+        }
+        let mut ex = Executor::new(backend.clone(), ExecConfig::default());
+        let (mut node, mut path) = (Vec::new(), Vec::new());
+        for i in 0..warmup + iters {
+            let stats = plan_step(&mut ex, &plan, &grads).await?;
+            if i < warmup {
+                continue;
+            }
+            let mine: Vec<Timing> = stats
+                .timings
+                .iter()
+                .filter(|t| t.rank == me)
+                .copied()
+                .collect();
+            path.push(span(&mine));
+            node.extend(
+                mine.iter()
+                    .filter(|t| t.bytes > 0 && is_wide(&plan, t))
+                    .map(|t| t.end - t.start),
+            );
+        }
+        drop(ex);
+        // The same call, direct, on every local rank.
+        let recv_len = match desc.kind {
+            overlap_graph::CollectiveKind::ReduceScatter => elems / n as usize,
+            _ => elems,
+        };
+        let mut bufs = Vec::new();
+        for &r in &ranks {
+            bufs.push((
+                r,
+                backend.alloc(r, elems).map_err(ops)?,
+                backend.alloc(r, recv_len).map_err(ops)?,
+            ));
+        }
+        let comm = overlap_ops::CommId {
+            group: desc.group,
+            stream,
+        };
+        let mut direct = Vec::new();
+        for phase in [warmup, iters] {
+            let mut ends = Vec::new();
+            for (r, send, recv) in &bufs {
+                // Meshes S×1 and 1×R have one wide group, the same on every rank.
+                let d = desc;
+                for k in 0..phase {
+                    let tag = Tag {
+                        node: k,
+                        op: "nccl",
+                        micro_batch: 0,
+                    };
+                    backend.launch(
+                        *r,
+                        stream,
+                        tag,
+                        Kernel::Collective {
+                            desc: d,
+                            comm,
+                            send: Some(send.clone()),
+                            recv: Some(recv.clone()),
+                        },
+                    );
+                }
+                let ev = backend.event(*r);
+                backend.record(*r, stream, &ev);
+                ends.push(ev);
+            }
+            for ev in &ends {
+                backend
+                    .host_wait(ev)
+                    .await
+                    .map_err(|e| Error::Backend(e.to_string()))?;
+            }
+            if let Some((_, _, _, e)) = backend.errors().first() {
+                return Err(Error::Backend(format!("direct {}: {e}", desc.kind.name())));
+            }
+            let t = backend.take_timings();
+            if phase == iters {
+                direct.extend(
+                    t.iter()
+                        .filter(|t| t.tag.op == "nccl" && t.rank == me)
+                        .map(|t| t.end - t.start),
+                );
+            }
+        }
+        let factor = bus_factor(desc.kind, n);
+        let bw = |sec: f64| {
+            if sec > 0.0 {
+                bytes as f64 / sec / 1e9 * factor
+            } else {
+                0.0
+            }
+        };
+        let (nccl_s, node_s, path_s) = (mean(&direct), mean(&node), mean(&path));
+        rows.push(CollectiveRow {
+            op: desc.kind.name().into(),
+            bytes,
+            nccl_ms: nccl_s * 1e3,
+            node_ms: node_s * 1e3,
+            path_ms: path_s * 1e3,
+            nccl_busbw_gbs: bw(nccl_s),
+            node_busbw_gbs: bw(node_s),
+            path_busbw_gbs: bw(path_s),
+            ratio: if nccl_s > 0.0 {
+                nccl_s / node_s.max(f64::MIN_POSITIVE)
+            } else {
+                0.0
+            },
+        });
+    }
+    Ok(rows)
+}
+
+/// Opens this rank's GPU for `mesh` under a launcher (`overlap launch`), with the
+/// communicators of both the default and the serial bindings and kernel timings on.
+#[cfg(feature = "cuda")]
+fn open_cuda(mesh: Mesh) -> Result<crate::cuda::CudaWorld, Error> {
+    use overlap_ops::cuda::mesh_comms;
+    let env = crate::cuda::rank_env(mesh)?;
+    let mut comms = mesh_comms(mesh, &Bindings::default());
+    comms.extend(mesh_comms(mesh, &serial_bindings()));
+    comms.sort();
+    comms.dedup();
+    crate::cuda::open(env, mesh, comms, true)
+}
+
+/// `overlap bench` on this process's GPU: every rank runs the variants; rank 0 returns
+/// its figures (the other ranks `None`).
+#[cfg(feature = "cuda")]
+pub async fn bench_cuda(args: &BenchArgs) -> Result<Option<BenchReport>, Error> {
+    args.check()?;
+    let world = open_cuda(args.mesh)?;
+    let report = run(world.backend.clone(), args).await?;
+    Ok((world.env.rank == 0).then_some(report))
+}
+
+/// `overlap bench-collectives` on this process's GPU; rank 0 returns the rows.
+#[cfg(feature = "cuda")]
+pub async fn collectives_cuda(
+    mesh: Mesh,
+    sizes_mib: &[u32],
+    iters: u32,
+    warmup: u32,
+) -> Result<Option<Vec<CollectiveRow>>, Error> {
+    let world = open_cuda(mesh)?;
+    let rows = collectives(world.backend.clone(), mesh, sizes_mib, iters, warmup).await?;
+    Ok((world.env.rank == 0).then_some(rows))
+}
+
+/// Without the `cuda` feature: the error saying how to get it.
+#[cfg(not(feature = "cuda"))]
+pub async fn bench_cuda(_: &BenchArgs) -> Result<Option<BenchReport>, Error> {
+    Err(no_cuda("bench"))
+}
+
+/// Without the `cuda` feature: the error saying how to get it.
+#[cfg(not(feature = "cuda"))]
+pub async fn collectives_cuda(
+    _: Mesh,
+    _: &[u32],
+    _: u32,
+    _: u32,
+) -> Result<Option<Vec<CollectiveRow>>, Error> {
+    Err(no_cuda("bench-collectives"))
+}
+
+#[cfg(not(feature = "cuda"))]
+fn no_cuda(what: &str) -> Error {
+    Error::Backend(format!(
+        "`overlap {what}` runs on GPUs and this build has no CUDA backend: rebuild with `cargo build --release --features cuda` and run it under `overlap launch --nproc-per-node 2 -- {what} ...`"
+    ))
+}
+
+/// The human-readable form of a bench report.
+pub fn render(r: &BenchReport) -> String {
+    let eta = r.eta.map_or_else(|| "n/a".into(), |e| format!("{e:.2}"));
+    format!(
+        "overlap bench: mesh {} ({}), {} layers, {} MiB f32 grad/layer, {} GEMMs of {}^3/layer, {} iters after {} warm-up, window {} (rank {}, backend {})\n\
+         compute_only {:.3} ms  comm_only {:.3} ms  serial {:.3} ms  overlap {:.3} ms  ideal {:.3} ms  eta {eta}\n\
+         host {:.2} us/node ({} nodes/step); per layer: collective {:.3} ms, executor copies {:.3} ms",
+        r.args.mesh,
+        if r.args.mesh.shard > 1 { "reduce-scatter" } else { "all-reduce" },
+        r.args.layers,
+        r.args.grad_mib,
+        r.args.gemms,
+        r.args.d,
+        r.args.iters,
+        r.args.warmup,
+        r.args.window,
+        r.rank,
+        r.backend,
+        r.compute_only_ms,
+        r.comm_only_ms,
+        r.serial_ms,
+        r.overlap_ms,
+        r.ideal_ms,
+        r.host_us_per_node,
+        r.nodes_per_step,
+        r.collective_ms_per_layer,
+        r.copies_ms_per_layer,
+    )
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use overlap_graph::{CollectiveKind, Op};
+    use overlap_ops::cpu::CpuBackend;
+
+    fn args(mesh: Mesh) -> BenchArgs {
+        BenchArgs {
+            mesh,
+            layers: 3,
+            grad_mib: 1,
+            gemms: 2,
+            d: 16,
+            iters: 2,
+            warmup: 1,
+            window: 8,
+        }
+    }
+
+    #[test]
+    fn meshes_parse_and_bad_ones_are_named() {
+        assert_eq!(parse_mesh("2x1").unwrap(), Mesh::new(2, 1).unwrap());
+        assert_eq!(parse_mesh("1X2").unwrap(), Mesh::new(1, 2).unwrap());
+        for bad in ["2", "2x", "ax1", "0x2"] {
+            let e = parse_mesh(bad).unwrap_err().to_string();
+            assert!(e.contains("--mesh"), "{bad}: {e}");
+        }
+    }
+
+    #[test]
+    fn ideal_and_eta_follow_design_section_6() {
+        // design.md §6, reduce-scatter row: compute 8.67, comm 2.70, L 16.
+        let ideal = ideal_ms(8.67, 2.70, 16);
+        assert!((ideal - 8.83875).abs() < 1e-9);
+        let e = eta(11.57, 10.93, ideal).unwrap();
+        assert!((e - 0.2343).abs() < 1e-3, "{e}");
+        assert_eq!(eta(5.0, 4.0, 5.0), None);
+        assert_eq!(eta(10.0, 8.0, 8.0), Some(1.0));
+        assert_eq!(ideal_ms(1.0, 4.0, 4), 5.0);
+        assert_eq!(bus_factor(CollectiveKind::AllReduce, 2), 1.0);
+        assert_eq!(bus_factor(CollectiveKind::ReduceScatter, 2), 0.5);
+    }
+
+    #[test]
+    fn variant_plans_validate_with_one_bucket_per_layer_and_no_optimizer() {
+        for (mesh, wide) in [
+            (Mesh::new(2, 1).unwrap(), CollectiveKind::ReduceScatter),
+            (Mesh::new(1, 2).unwrap(), CollectiveKind::AllReduce),
+        ] {
+            let a = args(mesh);
+            for bindings in [Bindings::default(), serial_bindings()] {
+                let plan = bench_plan(&a, bindings).unwrap();
+                assert_eq!(plan.buckets.len(), 3);
+                for rp in &plan.ranks {
+                    assert!(!rp
+                        .nodes
+                        .iter()
+                        .any(|n| matches!(n.op, Op::Optimizer { .. })));
+                    let kinds: Vec<_> = rp
+                        .nodes
+                        .iter()
+                        .filter_map(|n| n.op.collective())
+                        .filter(|c| mesh.group_size(c.group) > 1)
+                        .map(|c| c.kind)
+                        .collect();
+                    assert_eq!(kinds, vec![wide; 3]);
+                    if bindings == serial_bindings() {
+                        assert!(rp.nodes.iter().all(|n| n.stream == Stream::Compute));
+                    }
+                }
+            }
+        }
+        let mut bad = args(Mesh::new(2, 1).unwrap());
+        bad.iters = 0;
+        assert!(bad.check().is_err());
+    }
+
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn bench_runs_every_variant_on_the_cpu_backend() {
+        let a = args(Mesh::new(2, 1).unwrap());
+        let backend = Arc::new(CpuBackend::new(a.mesh));
+        let r = run(backend, &a).await.unwrap();
+        assert_eq!(r.steps_ms.overlap.len(), 2);
+        assert_eq!(r.steps_ms.compute_only.len(), 2);
+        for x in [r.compute_only_ms, r.comm_only_ms, r.serial_ms, r.overlap_ms] {
+            assert!(x > 0.0, "{r:?}");
+        }
+        assert!(r.host_us_per_node > 0.0 && r.nodes_per_step > 0);
+        assert!(r.collective_ms_per_layer > 0.0);
+        let json = serde_json::to_string(&r).unwrap();
+        for key in [
+            "compute_only_ms",
+            "comm_only_ms",
+            "serial_ms",
+            "overlap_ms",
+            "ideal_ms",
+            "eta",
+            "host_us_per_node",
+            "\"mesh\":\"2x1\"",
+        ] {
+            assert!(json.contains(key), "{key}: {json}");
+        }
+        assert!(render(&r).contains("reduce-scatter"));
+    }
+
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn collective_sweep_compares_the_node_with_the_direct_call_on_the_cpu_backend() {
+        let mesh = Mesh::new(1, 2).unwrap();
+        let backend = Arc::new(CpuBackend::new(mesh));
+        let rows = collectives(backend, mesh, &[1, 2], 2, 1).await.unwrap();
+        assert_eq!(rows.len(), 2);
+        for r in &rows {
+            assert_eq!(r.op, "all_reduce");
+            assert!(r.nccl_ms > 0.0 && r.node_ms > 0.0 && r.ratio > 0.0, "{r:?}");
+        }
+        assert_eq!(rows[1].bytes, 2 << 20);
+    }
+}
