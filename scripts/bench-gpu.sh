@@ -32,3 +32,8 @@ step coll_rs 90 $BIN launch --nproc-per-node 2 --master-port 29624 -- bench-coll
 step coll_ar 90 $BIN launch --nproc-per-node 2 --master-port 29625 -- bench-collectives --mesh 1x2 --iters 20 --warmup 3
 step bench_rs_w2 90 $BIN launch --nproc-per-node 2 --master-port 29626 -- bench --mesh 2x1 --layers 16 --grad-mib 64 --gemms 3 --d 4096 --iters "$ITERS" --warmup 3 --window 2 --json
 step bench_rs_w16 90 $BIN launch --nproc-per-node 2 --master-port 29627 -- bench --mesh 2x1 --layers 16 --grad-mib 64 --gemms 3 --d 4096 --iters "$ITERS" --warmup 3 --window 16 --json
+# The same three workloads with buffer aliasing off (every pack, group-of-one and
+# unpack copy runs), for the before/after of the aliasing lever in the same call.
+step bench_rs_noalias 90 $BIN launch --nproc-per-node 2 --master-port 29628 -- bench --mesh 2x1 --layers 16 --grad-mib 64 --gemms 3 --d 4096 --iters "$ITERS" --warmup 3 --no-alias --json
+step bench_ar_noalias 90 $BIN launch --nproc-per-node 2 --master-port 29629 -- bench --mesh 1x2 --layers 16 --grad-mib 64 --gemms 3 --d 4096 --iters "$ITERS" --warmup 3 --no-alias --json
+step bench_rs_mm1_noalias 90 $BIN launch --nproc-per-node 2 --master-port 29630 -- bench --mesh 2x1 --layers 16 --grad-mib 64 --gemms 1 --d 4096 --iters "$ITERS" --warmup 3 --no-alias --json

@@ -56,6 +56,9 @@ pub struct BenchArgs {
     pub warmup: u32,
     /// Stage-1 buffers in flight per rank (`[overlap] stage1_window`; default 8).
     pub window: u32,
+    /// No buffer aliasing (`ExecConfig::aliasing` off): every pack, group-of-one and
+    /// unpack copy runs.
+    pub no_alias: bool,
 }
 
 fn mesh_str<S: serde::Serializer>(m: &Mesh, s: S) -> Result<S::Ok, S::Error> {
@@ -180,6 +183,8 @@ pub struct BenchReport {
     pub eta: Option<f64>,
     /// Host time issuing the overlap plan's nodes, µs per node (StepStats).
     pub host_us_per_node: f64,
+    /// The same with kernel timings off (`Backend::set_timings`), µs per node.
+    pub host_us_per_node_untimed: f64,
     /// Nodes per step on this rank (overlap variant).
     pub nodes_per_step: usize,
     /// Mean kernel time of the plan's collective nodes in `comm_only`, ms per layer.
@@ -261,6 +266,7 @@ pub async fn run<B: Backend>(backend: Arc<B>, args: &BenchArgs) -> Result<BenchR
     let exec = |backward| ExecConfig {
         backward,
         stage1_window: args.window.max(1) as usize,
+        aliasing: !args.no_alias,
         ..ExecConfig::default()
     };
     let total = (args.warmup + args.iters) as usize;
@@ -309,6 +315,25 @@ pub async fn run<B: Backend>(backend: Arc<B>, args: &BenchArgs) -> Result<BenchR
             }
         }
     }
+    // The host cost without timing events (two event records per kernel on the CUDA
+    // backend): the overlap plan again, `iters` steps, timings off.
+    backend.set_timings(false);
+    let mut untimed = (0.0, 0usize);
+    let mut ex = Executor::new(backend.clone(), exec(gemms));
+    for _ in 0..args.iters {
+        let stats = plan_step(&mut ex, &overlap_plan, &grads).await;
+        let stats = match stats {
+            Ok(s) => s,
+            Err(e) => {
+                backend.set_timings(true);
+                return Err(e);
+            }
+        };
+        untimed.0 += stats.issue_seconds;
+        untimed.1 += stats.nodes;
+    }
+    drop(ex);
+    backend.set_timings(true);
     let compute = mean(&steps.compute_only);
     let comm = mean(&steps.comm_only);
     let serial = mean(&steps.serial);
@@ -327,6 +352,11 @@ pub async fn run<B: Backend>(backend: Arc<B>, args: &BenchArgs) -> Result<BenchR
         eta: eta(serial, overlap, ideal),
         host_us_per_node: if host.1 > 0 {
             host.0 * 1e6 / host.1 as f64
+        } else {
+            0.0
+        },
+        host_us_per_node_untimed: if untimed.1 > 0 {
+            untimed.0 * 1e6 / untimed.1 as f64
         } else {
             0.0
         },
@@ -474,6 +504,7 @@ pub async fn collectives<B: Backend>(
             iters,
             warmup,
             window: 8,
+            no_alias: false,
         };
         args.check()?;
         let plan = Arc::new(bench_plan(&args, Bindings::default())?);
@@ -718,6 +749,7 @@ mod tests {
             iters: 2,
             warmup: 1,
             window: 8,
+            no_alias: false,
         }
     }
 

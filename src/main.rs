@@ -141,6 +141,9 @@ enum Command {
         /// Stage-1 buffers in flight per rank (backpressure).
         #[arg(long, default_value_t = 8)]
         window: u32,
+        /// Run every copy: no buffer aliasing in the executor (for comparison).
+        #[arg(long)]
+        no_alias: bool,
         /// Print one JSON line (rank 0).
         #[arg(long)]
         json: bool,
@@ -339,6 +342,7 @@ async fn dispatch(cmd: Command) -> Result<ExitCode, Error> {
             iters,
             warmup,
             window,
+            no_alias,
             json,
         } => {
             let args = overlap::bench::BenchArgs {
@@ -350,6 +354,7 @@ async fn dispatch(cmd: Command) -> Result<ExitCode, Error> {
                 iters,
                 warmup,
                 window,
+                no_alias,
             };
             args.check()?;
             if let Some(r) = overlap::bench::bench_cuda(&args).await? {

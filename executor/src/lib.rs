@@ -42,6 +42,12 @@ pub struct ExecConfig {
     /// or a synthetic backward standing in for the layer's backward on backends where
     /// the trainer's backward is not on the compute stream.
     pub backward: Backward,
+    /// Buffer aliasing: a node that copies a buffer unchanged (an identity pack, a
+    /// collective over a group of one, a whole-buffer unpack) makes its output the same
+    /// memory as its input and launches no copy, where the plan's order proves it safe
+    /// (`prepared.rs` explains the rules). On by default; off runs every copy (for
+    /// comparison and measurement).
+    pub aliasing: bool,
 }
 
 /// The synthetic backward a `grad_ready` node launches ([`ExecConfig::backward`]).
@@ -105,6 +111,7 @@ impl Default for ExecConfig {
             muon: MuonParams::default(),
             host_timeout: Duration::from_secs(120),
             backward: Backward::None,
+            aliasing: true,
         }
     }
 }
@@ -178,6 +185,8 @@ pub struct StepStats {
     pub timings: Vec<Timing>,
     /// Most Stage-1 buffers any local rank had in flight at once (at most the window).
     pub stage1_in_flight_peak: usize,
+    /// Nodes that ran as aliases (no copy: [`ExecConfig::aliasing`]), over local ranks.
+    pub aliased_nodes: usize,
     /// Partials and no_sync accumulations still unflushed when the step's last node was
     /// issued, over local ranks (a valid plan leaves none).
     pub partials_left: usize,
@@ -286,7 +295,10 @@ impl<B: Backend> Executor<B> {
                 .as_ref()
                 .is_some_and(|p| Arc::ptr_eq(&p.plan, plan));
             if !same {
-                r.adopt(&self.backend, Arc::new(Prepared::new(plan.clone(), r.rank)));
+                r.adopt(
+                    &self.backend,
+                    Arc::new(Prepared::new(plan.clone(), r.rank, self.cfg.aliasing)),
+                );
             }
         }
     }
@@ -314,7 +326,8 @@ impl<B: Backend> Executor<B> {
             staging.clear();
             staging.resize(numel, 0.0);
             fill(r.rank, param, staging);
-            let buf = r.take(backend, numel)?;
+            // The upload overwrites every element.
+            let buf = r.take(backend, numel, false)?;
             backend.upload(&buf, staging)?;
             Ok(buf)
         })
@@ -469,8 +482,10 @@ impl<B: Backend> Executor<B> {
             .map(|r| r.peak_in_flight)
             .max()
             .unwrap_or(0);
+        let aliased_nodes = self.ranks.iter().map(|r| r.aliased).sum();
         Ok(StepStats {
             nodes,
+            aliased_nodes,
             issue_seconds,
             stage1_in_flight_peak,
             wall_seconds: wall,

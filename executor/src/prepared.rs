@@ -1,12 +1,64 @@
 //! What the executor precomputes once per (plan, rank) so that issuing a node is a few
 //! table lookups: each node's accesses, its slice of the host issue order, the pack and
-//! unpack copies of each bucket, and where each transient buffer can be released.
+//! unpack copies of each bucket, where each transient buffer can be released, how each
+//! buffer is allocated, and which nodes alias their output to their input.
+//!
+//! # Aliasing
+//!
+//! Some nodes copy a buffer unchanged: a pack whose segments lay one gradient out as it
+//! is (an owned route's one-parameter bucket, a sharded one on a shard group of one, an
+//! `fsdp` parameter whose chunks need no padding) and that adds no no_sync accumulation;
+//! a Stage-1 or Stage-2 collective over a group of one in f32 (the identity: `avg`
+//! divides by 1); an unpack of one parameter that is one whole-buffer copy with
+//! `accumulate = false`. For such a node `X` reading name `A` and writing name `B`, the
+//! executor can make `B` *be* `A`'s memory and launch a marker instead of the copy. The
+//! plan and the validator do not change: `X` stays, with its waits and records. It is
+//! done only when no execution order the plan allows can tell the difference:
+//!
+//! 1. `B` does not exist before `X` (its first access in serial order is `X`), and `X`
+//!    writes all of it with `A`'s values, bit for bit.
+//! 2. No name of `A`'s memory (`A` and whatever it already aliases, the group `G`) is
+//!    written after `X` in serial order, and none is accessed after the first write to
+//!    `B` after `X`: every read of `G` sees the values `X` would have copied, and every
+//!    read of `B` the values `X` would have written.
+//! 3. No new race: the plan is race-free per name, so only pairs of an access to `G`
+//!    and an access to `B` (one of them a write) are new; each such pair must be ordered
+//!    by the plan's streams and events (checked on the issue order's happens-before).
+//!    When `B` is a step buffer (a reduced gradient, which later micro-batches of a
+//!    longer gate prefix may accumulate into, and the optimizer reads), every other
+//!    access to `G` must happen before `X`, so that accesses added by a plan that extends
+//!    this one are ordered after all of `G` through `B`'s own (validated) order.
+//! 4. Memory the caller owns (a gradient handed in with `grad_ready_bound`) is never
+//!    written: a group holding a gradient only grows by transient names never written
+//!    after `X`, and never becomes a reduced gradient that outlives the step.
+//!
+//! The transient names of one micro-batch are only accessed by that micro-batch's
+//! nodes, so the decisions for a prefix plan's nodes are the same in every plan that
+//! extends it. A group's memory is released once, after the last accessor of any of its
+//! names; a group that holds a step buffer is never pooled (it is that buffer).
+//!
+//! # Allocation
+//!
+//! A new buffer is zeroed only when its first access in serial order does not write all
+//! of it (a pack zeroes its padding itself, a collective writes its whole output, `Add`
+//! and `Unpack` with `accumulate = false` overwrite what they cover); otherwise it is
+//! allocated without zeroing ([`overlap_ops::Backend::alloc_uninit`]: on the CUDA
+//! backend no memset and no synchronisation).
 
 use std::collections::HashMap;
 use std::sync::Arc;
 
 use overlap_graph::validate::issue_order;
-use overlap_graph::{Access, BucketId, Buffer, CopySeg, Instr, Op, Plan, Stream};
+use overlap_graph::{Access, BucketId, Buffer, CopySeg, DType, Instr, Op, Plan, Stream};
+
+/// How a node allocates a buffer it is the first writer of.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) struct Alloc {
+    /// From the transient pool (the memory goes back to it after its last accessor).
+    pub pooled: bool,
+    /// Zeroed: the first access does not write every element.
+    pub zero: bool,
+}
 
 /// A plan prepared for one rank.
 pub(crate) struct Prepared {
@@ -17,17 +69,99 @@ pub(crate) struct Prepared {
     pub issue: Vec<(Stream, Instr)>,
     /// Per node: one past its last instruction in `issue` (its run and trailing records).
     pub issue_end: Vec<usize>,
-    /// Per node: transient buffers this node is a final accessor of, and whether it is
-    /// the last one in serial order (the buffer goes back to the pool after it).
+    /// Per node: transient memory (named by its group's first name) this node is a final
+    /// accessor of, and whether it is the last one in serial order (the memory goes back
+    /// to the pool after it).
     pub finals: Vec<Vec<(Buffer, bool)>>,
+    /// Per group's first name: every name of the group (one piece of memory).
+    pub names: HashMap<Buffer, Vec<Buffer>>,
+    /// Per node: `(A, B)` when the node's output `B` is its input `A`'s memory (see the
+    /// module docs); the node then launches a marker.
+    pub alias: Vec<Option<(Buffer, Buffer)>>,
+    /// Per node: the buffers it allocates (first writes of new memory) and how.
+    pub allocs: Vec<Vec<(Buffer, Alloc)>>,
     /// Pack copies per bucket.
     pub pack: HashMap<BucketId, Arc<[CopySeg]>>,
     /// Unpack copies per bucket on this rank.
     pub unpack: HashMap<BucketId, Arc<[CopySeg]>>,
 }
 
+/// Whether `segs` copy one parameter's `len` elements to the same offsets, each once.
+fn identity(segs: &[CopySeg], param: u32, len: u64) -> bool {
+    let mut spans: Vec<(u64, u64)> = Vec::with_capacity(segs.len());
+    for s in segs {
+        if s.param != param || s.src != s.dst {
+            return false;
+        }
+        spans.push((s.dst, s.dst + s.len));
+    }
+    spans.sort_unstable();
+    let mut at = 0;
+    for (a, b) in spans {
+        if a != at {
+            return false;
+        }
+        at = b;
+    }
+    at == len
+}
+
+/// Happens-before on one rank's nodes, from the issue order: node `a` completes before
+/// node `b` starts when `a` is on `b`'s stream earlier, or `b`'s stream waited on an
+/// event recorded after `a`.
+struct Order {
+    /// Per node: its stream index and 1-based position on that stream.
+    pos: Vec<(usize, u32)>,
+    /// Per node: the stream positions known complete when it starts (itself included).
+    clock: Vec<[u32; 4]>,
+}
+
+impl Order {
+    fn new(n: usize, events: usize, issue: &[(Stream, Instr)]) -> Order {
+        let mut cur = [[0u32; 4]; 4];
+        let mut ev = vec![[0u32; 4]; events];
+        let mut pos = vec![(0, 0); n];
+        let mut clock = vec![[0u32; 4]; n];
+        for &(s, ins) in issue {
+            let si = s.index();
+            match ins {
+                Instr::Run(id) => {
+                    cur[si][si] += 1;
+                    if let Some(p) = pos.get_mut(id as usize) {
+                        *p = (si, cur[si][si]);
+                        clock[id as usize] = cur[si];
+                    }
+                }
+                Instr::Record(e) => {
+                    if let Some(c) = ev.get_mut(e as usize) {
+                        *c = cur[si];
+                    }
+                }
+                Instr::Wait(e) => {
+                    if let Some(c) = ev.get(e as usize) {
+                        for k in 0..4 {
+                            cur[si][k] = cur[si][k].max(c[k]);
+                        }
+                    }
+                }
+            }
+        }
+        Order { pos, clock }
+    }
+
+    /// Whether `a` completes before `b` starts.
+    fn before(&self, a: u32, b: u32) -> bool {
+        let (s, k) = self.pos[a as usize];
+        a != b && k <= self.clock[b as usize][s]
+    }
+
+    fn ordered(&self, a: u32, b: u32) -> bool {
+        self.before(a, b) || self.before(b, a)
+    }
+}
+
 impl Prepared {
-    pub fn new(plan: Arc<Plan>, rank: u32) -> Prepared {
+    pub fn new(plan: Arc<Plan>, rank: u32, aliasing: bool) -> Prepared {
         let rp = plan.rank(rank);
         let access: Vec<Access> = rp.nodes.iter().map(|n| plan.access(rank, n)).collect();
         let issue = issue_order(rp);
@@ -45,31 +179,6 @@ impl Prepared {
                 i += 1;
             }
         }
-        // Final accessors of transient buffers: the last write and every read after it.
-        let mut last: HashMap<Buffer, (u32, Vec<u32>)> = HashMap::new();
-        for (n, a) in access.iter().enumerate() {
-            let n = n as u32;
-            for b in a.reads.iter().filter(|b| b.is_transient()) {
-                last.entry(*b).or_insert_with(|| (n, Vec::new())).1.push(n);
-            }
-            for b in a.writes.iter().filter(|b| b.is_transient()) {
-                last.insert(*b, (n, Vec::new()));
-            }
-        }
-        let mut finals = vec![Vec::new(); rp.nodes.len()];
-        for (b, (w, reads)) in last {
-            let mut who: Vec<u32> = reads.into_iter().filter(|&r| r != w).collect();
-            who.push(w);
-            who.sort_unstable();
-            who.dedup();
-            let lastn = *who.last().unwrap_or(&w);
-            for n in who {
-                finals[n as usize].push((b, n == lastn));
-            }
-        }
-        for f in &mut finals {
-            f.sort();
-        }
         let mut pack = HashMap::new();
         let mut unpack = HashMap::new();
         for n in &rp.nodes {
@@ -86,12 +195,100 @@ impl Prepared {
                 _ => {}
             }
         }
+        // Every access of every name, in serial order: (node, writes).
+        let mut acc: HashMap<Buffer, Vec<(u32, bool)>> = HashMap::new();
+        for (n, a) in access.iter().enumerate() {
+            for b in &a.reads {
+                acc.entry(*b).or_default().push((n as u32, false));
+            }
+            for b in &a.writes {
+                let list = acc.entry(*b).or_default();
+                match list.last_mut() {
+                    Some(last) if last.0 == n as u32 => last.1 = true,
+                    _ => list.push((n as u32, true)),
+                }
+            }
+        }
+        let len = |b: &Buffer| plan.buffer_len(rank, b);
+        // Aliasing (module docs), decided in serial order.
+        let mut alias = vec![None; rp.nodes.len()];
+        let mut group: HashMap<Buffer, Buffer> = HashMap::new();
+        let mut names: HashMap<Buffer, Vec<Buffer>> = HashMap::new();
+        if aliasing {
+            let order = Order::new(rp.nodes.len(), rp.events as usize, &issue);
+            for (x, node) in rp.nodes.iter().enumerate() {
+                let Some((a, b)) = identity_node(&plan, rank, node.op, &pack, &unpack) else {
+                    continue;
+                };
+                let x = x as u32;
+                let root = group.get(&a).copied().unwrap_or(a);
+                let g = names.get(&root).cloned().unwrap_or_else(|| vec![a]);
+                if safe_alias(&order, &acc, x, &g, b) {
+                    alias[x as usize] = Some((a, b));
+                    group.insert(a, root);
+                    group.insert(b, root);
+                    let list = names.entry(root).or_insert_with(|| vec![a]);
+                    list.push(b);
+                }
+            }
+        }
+        let root_of = |b: &Buffer| group.get(b).copied().unwrap_or(*b);
+        let transient = |root: &Buffer| match names.get(root) {
+            Some(list) => list.iter().all(Buffer::is_transient),
+            None => root.is_transient(),
+        };
+        // Allocations: the first write of each group's memory.
+        let mut allocs = vec![Vec::new(); rp.nodes.len()];
+        let mut seen = std::collections::HashSet::new();
+        for (n, a) in access.iter().enumerate() {
+            for w in &a.writes {
+                if alias[n].is_some_and(|(_, b)| b == *w) || !seen.insert(root_of(w)) {
+                    continue;
+                }
+                let zero = !overwrites(rp.nodes[n].op, w, &unpack, len(w));
+                allocs[n].push((
+                    *w,
+                    Alloc {
+                        pooled: transient(&root_of(w)),
+                        zero,
+                    },
+                ));
+            }
+        }
+        // Final accessors of transient memory: the last write and every read after it.
+        let mut last: HashMap<Buffer, (u32, Vec<u32>)> = HashMap::new();
+        for (n, a) in access.iter().enumerate() {
+            let n = n as u32;
+            for b in a.reads.iter().map(root_of).filter(|r| transient(r)) {
+                last.entry(b).or_insert_with(|| (n, Vec::new())).1.push(n);
+            }
+            for b in a.writes.iter().map(root_of).filter(|r| transient(r)) {
+                last.insert(b, (n, Vec::new()));
+            }
+        }
+        let mut finals = vec![Vec::new(); rp.nodes.len()];
+        for (b, (w, reads)) in last {
+            let mut who: Vec<u32> = reads.into_iter().filter(|&r| r != w).collect();
+            who.push(w);
+            who.sort_unstable();
+            who.dedup();
+            let lastn = *who.last().unwrap_or(&w);
+            for n in who {
+                finals[n as usize].push((b, n == lastn));
+            }
+        }
+        for f in &mut finals {
+            f.sort();
+        }
         Prepared {
             plan,
             access,
             issue,
             issue_end,
             finals,
+            names,
+            alias,
+            allocs,
             pack,
             unpack,
         }
@@ -101,5 +298,187 @@ impl Prepared {
     pub fn group(&self, n: usize) -> std::ops::Range<usize> {
         let start = if n == 0 { 0 } else { self.issue_end[n - 1] };
         start..self.issue_end[n]
+    }
+
+    /// Every name of the memory a group's first name stands for.
+    pub fn names_of<'a>(&'a self, root: &'a Buffer) -> &'a [Buffer] {
+        self.names
+            .get(root)
+            .map_or(std::slice::from_ref(root), Vec::as_slice)
+    }
+}
+
+/// `(A, B)` when node `op` writes its output `B` as an unchanged copy of its input `A`.
+fn identity_node(
+    plan: &Plan,
+    rank: u32,
+    op: Op,
+    pack: &HashMap<BucketId, Arc<[CopySeg]>>,
+    unpack: &HashMap<BucketId, Arc<[CopySeg]>>,
+) -> Option<(Buffer, Buffer)> {
+    let single = |bucket: BucketId| match plan.bucket(bucket).params.as_slice() {
+        [p] => Some(*p),
+        _ => None,
+    };
+    match op {
+        Op::Pack {
+            bucket,
+            micro_batch,
+            with_accum: false,
+        } => {
+            let param = single(bucket)?;
+            let a = Buffer::Grad { param, micro_batch };
+            let b = Buffer::Send {
+                bucket,
+                micro_batch,
+            };
+            let n = plan.buffer_len(rank, &b);
+            (plan.buffer_len(rank, &a) == n && identity(pack.get(&bucket)?, param, n))
+                .then_some((a, b))
+        }
+        Op::Stage1 {
+            bucket,
+            micro_batch,
+            collective,
+        }
+        | Op::Stage2 {
+            bucket,
+            micro_batch,
+            collective,
+        } => {
+            let (a, b, held) = if matches!(op, Op::Stage1 { .. }) {
+                (
+                    Buffer::Send {
+                        bucket,
+                        micro_batch,
+                    },
+                    Buffer::Stage1Out {
+                        bucket,
+                        micro_batch,
+                    },
+                    plan.holds_stage1(bucket, rank),
+                )
+            } else {
+                (
+                    Buffer::Stage1Out {
+                        bucket,
+                        micro_batch,
+                    },
+                    Buffer::Stage2Out {
+                        bucket,
+                        micro_batch,
+                    },
+                    plan.holds_stage2(bucket, rank),
+                )
+            };
+            let n = plan.buffer_len(rank, &b);
+            (held
+                && plan.mesh.group_size(collective.group) == 1
+                && collective.dtype == DType::F32
+                && collective.count == n
+                && plan.buffer_len(rank, &a) == n)
+                .then_some((a, b))
+        }
+        Op::Unpack {
+            bucket,
+            micro_batch,
+            accumulate: false,
+        } => {
+            let param = single(bucket)?;
+            let a = Buffer::Stage2Out {
+                bucket,
+                micro_batch,
+            };
+            let b = Buffer::Reduced { param };
+            let n = plan.buffer_len(rank, &b);
+            (plan.buffer_len(rank, &a) == n && identity(unpack.get(&bucket)?, param, n))
+                .then_some((a, b))
+        }
+        _ => None,
+    }
+}
+
+/// Whether node `x` may make `b` the memory of group `g` (module docs, rules 1–4).
+fn safe_alias(
+    order: &Order,
+    acc: &HashMap<Buffer, Vec<(u32, bool)>>,
+    x: u32,
+    g: &[Buffer],
+    b: Buffer,
+) -> bool {
+    let none = Vec::new();
+    let of_b = acc.get(&b).unwrap_or(&none);
+    // 1. `B` is new at `x`.
+    if of_b.first().map(|&(n, _)| n) != Some(x) {
+        return false;
+    }
+    let b_later: Vec<(u32, bool)> = of_b.iter().copied().filter(|&(n, _)| n != x).collect();
+    let first_b_write = b_later.iter().find(|&&(_, w)| w).map(|&(n, _)| n);
+    let of_g: Vec<(u32, bool)> = g
+        .iter()
+        .flat_map(|n| acc.get(n).unwrap_or(&none).iter().copied())
+        .filter(|&(n, _)| n != x)
+        .collect();
+    for &(z, w) in &of_g {
+        // 2. `G` is not written after `x`, nor accessed after `B`'s next write; its
+        //    writes before `x` complete before `x`.
+        if z > x && (w || first_b_write.is_some_and(|f| z >= f)) {
+            return false;
+        }
+        if z < x && w && !order.before(z, x) {
+            return false;
+        }
+    }
+    // 4. Caller-owned memory is never written nor outlives the step.
+    let caller = g.iter().any(|n| matches!(n, Buffer::Grad { .. }));
+    if caller && (!b.is_transient() || first_b_write.is_some()) {
+        return false;
+    }
+    // 3. No new race.
+    if b.is_transient() {
+        of_g.iter().all(|&(z1, w1)| {
+            b_later
+                .iter()
+                .all(|&(z2, w2)| !(w1 || w2) || order.ordered(z1, z2))
+        })
+    } else {
+        of_g.iter().all(|&(z, _)| z < x && order.before(z, x))
+    }
+}
+
+/// Whether node `op`, the first to access `w` in serial order, writes every element.
+fn overwrites(op: Op, w: &Buffer, unpack: &HashMap<BucketId, Arc<[CopySeg]>>, len: u64) -> bool {
+    match (op, w) {
+        // A pack zeroes what its segments do not cover.
+        (Op::Pack { .. }, Buffer::Send { .. }) => true,
+        // A collective writes its whole output where the rank holds one.
+        (Op::Stage1 { .. }, Buffer::Stage1Out { .. }) => true,
+        (Op::Stage2 { .. }, Buffer::Stage2Out { .. }) => true,
+        (Op::Fold { accumulate, .. }, Buffer::Partial { .. }) => !accumulate,
+        (Op::Accumulate { accumulate, .. }, Buffer::Accum { .. }) => !accumulate,
+        (
+            Op::Unpack {
+                bucket,
+                accumulate: false,
+                ..
+            },
+            Buffer::Reduced { param },
+        ) => {
+            let segs: Vec<CopySeg> = unpack
+                .get(&bucket)
+                .map(|s| s.iter().filter(|s| s.param == *param).copied().collect())
+                .unwrap_or_default();
+            let mut spans: Vec<(u64, u64)> = segs.iter().map(|s| (s.dst, s.dst + s.len)).collect();
+            spans.sort_unstable();
+            let mut at = 0;
+            for (a, b) in spans {
+                if a != at {
+                    return false;
+                }
+                at = b;
+            }
+            at == len
+        }
+        _ => false,
     }
 }

@@ -41,6 +41,8 @@ pub(crate) struct RankState<B: Backend> {
     pub issue_errors: Vec<OpsError>,
     /// Nodes issued since the last step began.
     pub issued: usize,
+    /// Nodes issued as aliases (a marker instead of a copy) since the last step began.
+    pub aliased: usize,
     /// Most Stage-1 buffers in flight at once since the last step began.
     pub peak_in_flight: usize,
     /// Host time spent issuing them (excluding backpressure waits).
@@ -76,6 +78,7 @@ impl<B: Backend> RankState<B> {
             released: HashMap::new(),
             issue_errors: Vec::new(),
             issued: 0,
+            aliased: 0,
             issue_time: std::time::Duration::ZERO,
             peak_in_flight: 0,
             live_partials: std::collections::HashSet::new(),
@@ -94,8 +97,12 @@ impl<B: Backend> RankState<B> {
     }
 
     /// Takes a transient buffer of `len` elements: a pooled one whose release completed,
-    /// or a new one.
-    pub fn take(&mut self, backend: &B, len: usize) -> Result<B::Buffer, OpsError> {
+    /// or a new one; `zero`: a new zeroed one (pooled buffers hold old values), otherwise
+    /// the caller overwrites every element first and a new one is not zeroed.
+    pub fn take(&mut self, backend: &B, len: usize, zero: bool) -> Result<B::Buffer, OpsError> {
+        if zero {
+            return backend.alloc(self.rank, len);
+        }
         if let Some(list) = self.pool.get_mut(&len) {
             if let Some(i) = list.iter().position(|p| {
                 p.release
@@ -105,7 +112,7 @@ impl<B: Backend> RankState<B> {
                 return Ok(list.swap_remove(i).buf);
             }
         }
-        backend.alloc(self.rank, len)
+        backend.alloc_uninit(self.rank, len)
     }
 
     /// Buffers held in the pool (for tests and metrics).
@@ -214,12 +221,18 @@ impl<B: Backend> RankState<B> {
         let plan = &p.plan;
         let node = &plan.rank(self.rank).nodes[n];
         let access = &p.access[n];
-        // Allocate what the node writes and nobody allocated yet.
-        for w in &access.writes {
-            if self.buffers.contains_key(w) {
+        // An aliasing node's output is its input's memory (prepared.rs).
+        let aliased = p.alias[n];
+        if let Some((a, b)) = aliased {
+            let buf = self.buf(&a)?;
+            self.buffers.insert(b, buf);
+        }
+        // Allocate the new memory the node writes first.
+        for &(w, how) in &p.allocs[n] {
+            if self.buffers.contains_key(&w) {
                 continue;
             }
-            let len = plan.buffer_len(self.rank, w) as usize;
+            let len = plan.buffer_len(self.rank, &w) as usize;
             let buf = match w {
                 Buffer::Param { .. } => {
                     return Err(ExecError::Internal(format!(
@@ -227,10 +240,11 @@ impl<B: Backend> RankState<B> {
                         self.rank
                     )));
                 }
-                b if b.is_transient() => self.take(backend, len)?,
-                _ => backend.alloc(self.rank, len)?,
+                _ if how.pooled => self.take(backend, len, how.zero)?,
+                _ if how.zero => backend.alloc(self.rank, len)?,
+                _ => backend.alloc_uninit(self.rank, len)?,
             };
-            self.buffers.insert(*w, buf);
+            self.buffers.insert(w, buf);
         }
         // Track partials and accumulations: a read flushes, a write (re)fills.
         for r in &access.reads {
@@ -250,6 +264,12 @@ impl<B: Backend> RankState<B> {
         };
         let stream = node.stream;
         let launch = |k: Kernel<B::Buffer>| backend.launch(self.rank, stream, tag, k);
+        if aliased.is_some() {
+            self.aliased += 1;
+            launch(Kernel::Marker);
+            self.release_after(backend, p, n, stream);
+            return Ok(());
+        }
         match node.op {
             Op::GradReady { .. } => launch(ctx.backward.kernel()),
             Op::Accumulate {
@@ -458,31 +478,36 @@ impl<B: Backend> RankState<B> {
         }
         let ev = backend.event(self.rank);
         backend.record(self.rank, stream, &ev);
-        for &(b, last) in &p.finals[n] {
-            self.pending.entry(b).or_default().push(ev.clone());
+        for &(root, last) in &p.finals[n] {
+            self.pending.entry(root).or_default().push(ev.clone());
             if !last {
                 continue;
             }
-            let release = self.pending.remove(&b).unwrap_or_default();
-            if self.borrowed.remove(&b) {
-                self.buffers.remove(&b);
-                continue;
+            let release = self.pending.remove(&root).unwrap_or_default();
+            // Every name of the memory goes; the memory itself once.
+            let mut mem = None;
+            let mut borrowed = false;
+            for b in p.names_of(&root) {
+                borrowed |= self.borrowed.remove(b);
+                if let Some(buf) = self.buffers.remove(b) {
+                    mem.get_or_insert(buf);
+                }
+                if let Buffer::Send {
+                    bucket,
+                    micro_batch,
+                }
+                | Buffer::Stage1Out {
+                    bucket,
+                    micro_batch,
+                } = *b
+                {
+                    self.released
+                        .entry((bucket, micro_batch))
+                        .or_default()
+                        .extend(release.iter().cloned());
+                }
             }
-            if let Buffer::Send {
-                bucket,
-                micro_batch,
-            }
-            | Buffer::Stage1Out {
-                bucket,
-                micro_batch,
-            } = b
-            {
-                self.released
-                    .entry((bucket, micro_batch))
-                    .or_default()
-                    .extend(release.iter().cloned());
-            }
-            if let Some(buf) = self.buffers.remove(&b) {
+            if let Some(buf) = mem.filter(|_| !borrowed) {
                 self.pool
                     .entry(backend.len(&buf))
                     .or_default()
@@ -510,6 +535,7 @@ impl<B: Backend> RankState<B> {
     pub fn begin_step(&mut self) {
         self.buffers.retain(|b, _| b.is_persistent());
         self.issued = 0;
+        self.aliased = 0;
         self.issue_time = std::time::Duration::ZERO;
         self.peak_in_flight = 0;
         self.issue_errors.clear();

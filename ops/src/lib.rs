@@ -307,6 +307,12 @@ pub trait Backend: Send + Sync + 'static {
     fn local_ranks(&self) -> Vec<u32>;
     /// A zeroed buffer of `len` elements on a rank.
     fn alloc(&self, rank: u32, len: usize) -> Result<Self::Buffer, OpsError>;
+    /// A buffer of `len` elements whose contents are unspecified, for a caller whose
+    /// first use overwrites every element (no zeroing, so no synchronous device work).
+    /// The default zeroes, like [`Backend::alloc`].
+    fn alloc_uninit(&self, rank: u32, len: usize) -> Result<Self::Buffer, OpsError> {
+        self.alloc(rank, len)
+    }
     /// Number of elements.
     fn len(&self, buf: &Self::Buffer) -> usize;
     /// Copies host data into a buffer no stream is using (synchronous).
@@ -332,4 +338,8 @@ pub trait Backend: Send + Sync + 'static {
     fn reset(&self);
     /// Takes the kernel timings recorded since the last call.
     fn take_timings(&self) -> Vec<Timing>;
+    /// Turns kernel timings on or off for work launched from now on, where recording
+    /// them costs host time (the CUDA backend: two event records per kernel). The
+    /// default ignores it (the backend always records them).
+    fn set_timings(&self, _on: bool) {}
 }

@@ -28,13 +28,23 @@ struct Inner {
 impl CpuBuffer {
     /// A zeroed buffer, or a `Backend` error when the memory cannot be reserved.
     pub(super) fn zeroed(id: u64, rank: u32, len: usize) -> Result<CpuBuffer, OpsError> {
+        CpuBuffer::filled(id, rank, len, 0.0)
+    }
+
+    /// A buffer with every element `value` (NaN stands in for uninitialised memory).
+    pub(super) fn filled(
+        id: u64,
+        rank: u32,
+        len: usize,
+        value: f32,
+    ) -> Result<CpuBuffer, OpsError> {
         let mut data = Vec::new();
         data.try_reserve_exact(len).map_err(|e| {
             OpsError::Backend(format!(
                 "cannot allocate {len} f32 elements on rank {rank}: {e}"
             ))
         })?;
-        data.resize(len, 0.0);
+        data.resize(len, value);
         Ok(CpuBuffer {
             inner: Arc::new(Inner {
                 id,

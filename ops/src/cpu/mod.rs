@@ -254,6 +254,18 @@ impl Backend for CpuBackend {
         )
     }
 
+    /// Filled with NaN, as uninitialised device memory may hold anything: a read before
+    /// the first full overwrite shows in the results.
+    fn alloc_uninit(&self, rank: u32, len: usize) -> Result<CpuBuffer, OpsError> {
+        self.check_rank(rank)?;
+        CpuBuffer::filled(
+            self.shared.next_buffer.fetch_add(1, Ordering::Relaxed),
+            rank,
+            len,
+            f32::NAN,
+        )
+    }
+
     fn len(&self, buf: &CpuBuffer) -> usize {
         buf.len()
     }

@@ -231,6 +231,20 @@ impl Memory {
         Ok(CudaBuffer { mem, rank, len })
     }
 
+    /// An allocation of `len` f32 elements with unspecified contents (asynchronous: no
+    /// device work). The caller has the context bound.
+    pub(super) fn alloc_uninit(
+        self: &Arc<Self>,
+        rank: u32,
+        len: usize,
+    ) -> Result<CudaBuffer, OpsError> {
+        let bytes = len.checked_mul(4).ok_or_else(|| {
+            OpsError::Backend(format!("cannot allocate {len} f32 elements: too many"))
+        })?;
+        let mem = self.alloc_raw(bytes)?;
+        Ok(CudaBuffer { mem, rank, len })
+    }
+
     /// Fences the retired blocks behind one event per stream.
     fn fence(&self, st: &mut State) -> Result<(), OpsError> {
         if st.retired.is_empty() {

@@ -389,6 +389,16 @@ impl Backend for CudaBackend {
         self.shared.memory.alloc_zeroed(rank, len)
     }
 
+    /// No zeroing: the memory comes from the pool (or the driver) as it is, and the
+    /// call makes no device work and no synchronisation.
+    fn alloc_uninit(&self, rank: u32, len: usize) -> Result<CudaBuffer, OpsError> {
+        if rank != self.shared.rank {
+            return Err(OpsError::Backend(self.not_mine(rank)));
+        }
+        self.shared.device.bind()?;
+        self.shared.memory.alloc_uninit(rank, len)
+    }
+
     fn len(&self, buf: &CudaBuffer) -> usize {
         buf.len
     }
@@ -583,6 +593,10 @@ impl Backend for CudaBackend {
     fn reset(&self) {
         lock(&self.issue).poison = Default::default();
         lock(&self.shared.errors).clear();
+    }
+
+    fn set_timings(&self, on: bool) {
+        lock(&self.issue).timings.on = on;
     }
 
     fn take_timings(&self) -> Vec<Timing> {
