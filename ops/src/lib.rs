@@ -20,7 +20,7 @@ use std::pin::Pin;
 use std::sync::Arc;
 
 pub use overlap_graph as graph;
-use overlap_graph::{Collective, CopySeg, Group, Stream};
+use overlap_graph::{Collective, CollectiveKind, CopySeg, Group, Stream};
 
 pub mod cpu;
 #[cfg(feature = "cuda")]
@@ -82,6 +82,53 @@ impl std::fmt::Display for CommId {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         write!(f, "{}@{}", self.group, self.stream)
     }
+}
+
+/// What each member of a collective passes, in elements (`None`: no buffer), as
+/// [`Kernel::Collective`] documents. Both backends check launches against it.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct CollectiveRoles {
+    /// Length of the member's send buffer.
+    pub send: Option<usize>,
+    /// Length of the member's receive buffer.
+    pub recv: Option<usize>,
+}
+
+/// The buffers member `index` of a group of `size` passes to `desc`, or why `desc` is
+/// unusable (a count that does not fit in memory, a root outside the group).
+pub fn collective_roles(
+    desc: &Collective,
+    size: u32,
+    index: u32,
+) -> Result<CollectiveRoles, String> {
+    let c =
+        usize::try_from(desc.count).map_err(|_| format!("count {} is too large", desc.count))?;
+    let whole = c.checked_mul(size as usize).ok_or_else(|| {
+        format!(
+            "count {} × {size} members does not fit in memory",
+            desc.count
+        )
+    })?;
+    let root = match (desc.kind.rooted(), desc.root) {
+        (false, _) => None,
+        (true, Some(r)) if r < size => Some(r),
+        (true, r) => {
+            return Err(format!(
+                "root {r:?} is not a member index of {} ({size} members)",
+                desc.group
+            ))
+        }
+    };
+    let is_root = root == Some(index);
+    let (send, recv) = match desc.kind {
+        CollectiveKind::ReduceScatter => (Some(whole), Some(c)),
+        CollectiveKind::AllReduce => (Some(c), Some(c)),
+        CollectiveKind::Reduce => (Some(c), is_root.then_some(c)),
+        CollectiveKind::Broadcast if is_root => (Some(c), None),
+        CollectiveKind::Broadcast => (None, Some(c)),
+        CollectiveKind::AllGather => (Some(c), Some(whole)),
+    };
+    Ok(CollectiveRoles { send, recv })
 }
 
 /// AdamW hyper-parameters (decoupled weight decay, bias-corrected moments).
@@ -342,4 +389,35 @@ pub trait Backend: Send + Sync + 'static {
     /// them costs host time (the CUDA backend: two event records per kernel). The
     /// default ignores it (the backend always records them).
     fn set_timings(&self, _on: bool) {}
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use overlap_graph::{DType, ReduceOp};
+
+    fn coll(kind: CollectiveKind, count: u64, root: Option<u32>) -> Collective {
+        Collective {
+            kind,
+            group: Group::Shard { replicate: 0 },
+            count,
+            dtype: DType::F32,
+            op: ReduceOp::Avg,
+            root,
+        }
+    }
+
+    #[test]
+    fn member_roles_follow_the_kernel_contract() {
+        let r = collective_roles(&coll(CollectiveKind::ReduceScatter, 5, None), 4, 1).unwrap();
+        assert_eq!((r.send, r.recv), (Some(20), Some(5)));
+        let r = collective_roles(&coll(CollectiveKind::Reduce, 5, Some(1)), 2, 0).unwrap();
+        assert_eq!((r.send, r.recv), (Some(5), None));
+        let r = collective_roles(&coll(CollectiveKind::Broadcast, 5, Some(1)), 2, 1).unwrap();
+        assert_eq!((r.send, r.recv), (Some(5), None));
+        let r = collective_roles(&coll(CollectiveKind::AllGather, 3, None), 2, 0).unwrap();
+        assert_eq!((r.send, r.recv), (Some(3), Some(6)));
+        assert!(collective_roles(&coll(CollectiveKind::Reduce, 5, Some(2)), 2, 0).is_err());
+        assert!(collective_roles(&coll(CollectiveKind::AllGather, u64::MAX, None), 2, 0).is_err());
+    }
 }

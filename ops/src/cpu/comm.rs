@@ -106,35 +106,8 @@ impl Comm {
         }
         let n = self.members.len();
         let rank = self.members[index];
-        let whole = usize::try_from(desc.count)
-            .ok()
-            .and_then(|c| Some((c, c.checked_mul(n)?)))
-            .ok_or_else(|| {
-                shape(format!(
-                    "count {} × {n} members does not fit in memory",
-                    desc.count
-                ))
-            });
-        let (c, whole) = whole?;
-        let root = match (desc.kind.rooted(), desc.root) {
-            (false, _) => None,
-            (true, Some(r)) if (r as usize) < n => Some(r as usize),
-            (true, r) => {
-                return Err(shape(format!(
-                    "root {r:?} is not a member index of {} ({n} members)",
-                    self.id
-                )))
-            }
-        };
-        let is_root = root == Some(index);
-        let (want_send, want_recv) = match desc.kind {
-            CollectiveKind::ReduceScatter => (Some(whole), Some(c)),
-            CollectiveKind::AllReduce => (Some(c), Some(c)),
-            CollectiveKind::Reduce => (Some(c), is_root.then_some(c)),
-            CollectiveKind::Broadcast if is_root => (Some(c), None),
-            CollectiveKind::Broadcast => (None, Some(c)),
-            CollectiveKind::AllGather => (Some(c), Some(whole)),
-        };
+        let roles = crate::collective_roles(desc, n as u32, index as u32).map_err(shape)?;
+        let (want_send, want_recv) = (roles.send, roles.recv);
         for (what, buf, want) in [("send", send, want_send), ("recv", recv, want_recv)] {
             match (buf, want) {
                 (None, None) => {}
@@ -151,7 +124,7 @@ impl Comm {
                 }
             }
         }
-        Ok(want_send.unwrap_or(c) as u64 * desc.dtype.size())
+        Ok(want_send.unwrap_or(desc.count as usize) as u64 * desc.dtype.size())
     }
 
     /// Takes part in the member's next call: deposits the arrival and waits until the

@@ -60,7 +60,8 @@ use cudarc::driver::sys;
 use overlap_graph::{Bindings, Collective, CollectiveKind, CopySeg, DType, Group, Mesh, Stream};
 
 use crate::{
-    AdamwParams, Backend, BoxFuture, CommId, EventStatus, Kernel, MuonParams, OpsError, Tag, Timing,
+    collective_roles, AdamwParams, Backend, BoxFuture, CollectiveRoles, CommId, EventStatus,
+    Kernel, MuonParams, OpsError, Tag, Timing,
 };
 use device::Device;
 pub use event::CudaEvent;
@@ -1004,7 +1005,7 @@ impl Issue {
             }));
         };
         let (size, index) = (self.comms[ci].size, self.comms[ci].index);
-        let roles = roles(desc, size, index).map_err(shape)?;
+        let roles = collective_roles(desc, size, index).map_err(shape)?;
         let own = match poison.clone() {
             Some(p) => Err(p),
             None => {
@@ -1160,44 +1161,6 @@ fn wait_idle(shared: &Shared, limit: Duration) -> bool {
     }
 }
 
-/// What each member of a collective passes, in elements: `(send, recv)` (`None`: no
-/// buffer), as [`Kernel::Collective`] documents.
-struct Roles {
-    send: Option<usize>,
-    recv: Option<usize>,
-}
-
-fn roles(desc: &Collective, size: u32, index: u32) -> Result<Roles, String> {
-    let c =
-        usize::try_from(desc.count).map_err(|_| format!("count {} is too large", desc.count))?;
-    let whole = c.checked_mul(size as usize).ok_or_else(|| {
-        format!(
-            "count {} × {size} members does not fit in memory",
-            desc.count
-        )
-    })?;
-    let root = match (desc.kind.rooted(), desc.root) {
-        (false, _) => None,
-        (true, Some(r)) if r < size => Some(r),
-        (true, r) => {
-            return Err(format!(
-                "root {r:?} is not a member index of {} ({size} members)",
-                desc.group
-            ))
-        }
-    };
-    let is_root = root == Some(index);
-    let (send, recv) = match desc.kind {
-        CollectiveKind::ReduceScatter => (Some(whole), Some(c)),
-        CollectiveKind::AllReduce => (Some(c), Some(c)),
-        CollectiveKind::Reduce => (Some(c), is_root.then_some(c)),
-        CollectiveKind::Broadcast if is_root => (Some(c), None),
-        CollectiveKind::Broadcast => (None, Some(c)),
-        CollectiveKind::AllGather => (Some(c), Some(whole)),
-    };
-    Ok(Roles { send, recv })
-}
-
 /// NCCL's send and receive addresses for a member's buffers: a broadcast root sends in
 /// place, a non-root receives in place, and a reduce's non-root passes its send buffer
 /// as the (unused) receive address.
@@ -1216,7 +1179,7 @@ fn check_collective(
     stream: Stream,
     id: CommId,
     desc: &Collective,
-    roles: &Roles,
+    roles: &CollectiveRoles,
     send: &Option<CudaBuffer>,
     recv: &Option<CudaBuffer>,
 ) -> Result<(), String> {
@@ -1340,17 +1303,6 @@ fn run_disjoint(
 mod tests {
     use super::*;
 
-    fn coll(kind: CollectiveKind, count: u64, root: Option<u32>) -> Collective {
-        Collective {
-            kind,
-            group: Group::Shard { replicate: 0 },
-            count,
-            dtype: DType::F32,
-            op: overlap_graph::ReduceOp::Avg,
-            root,
-        }
-    }
-
     #[test]
     fn every_rank_creates_the_same_communicators_in_one_order() {
         let mesh = Mesh {
@@ -1369,20 +1321,6 @@ mod tests {
             ..Bindings::default()
         };
         assert_eq!(mesh_comms(mesh, &shared).len(), 3 + 2);
-    }
-
-    #[test]
-    fn member_roles_follow_the_kernel_contract() {
-        let r = roles(&coll(CollectiveKind::ReduceScatter, 5, None), 4, 1).unwrap();
-        assert_eq!((r.send, r.recv), (Some(20), Some(5)));
-        let r = roles(&coll(CollectiveKind::Reduce, 5, Some(1)), 2, 0).unwrap();
-        assert_eq!((r.send, r.recv), (Some(5), None));
-        let r = roles(&coll(CollectiveKind::Broadcast, 5, Some(1)), 2, 1).unwrap();
-        assert_eq!((r.send, r.recv), (Some(5), None));
-        let r = roles(&coll(CollectiveKind::AllGather, 3, None), 2, 0).unwrap();
-        assert_eq!((r.send, r.recv), (Some(3), Some(6)));
-        assert!(roles(&coll(CollectiveKind::Reduce, 5, Some(2)), 2, 0).is_err());
-        assert!(roles(&coll(CollectiveKind::AllGather, u64::MAX, None), 2, 0).is_err());
     }
 
     #[test]
