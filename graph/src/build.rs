@@ -9,7 +9,7 @@
 use crate::dag::{lower_rank, Segment};
 use crate::gate::Gate;
 use crate::mesh::{Coord, Mesh};
-use crate::node::{BucketId, Node, Op, OptimizerKind, Stream};
+use crate::node::{BucketId, Node, Op, Stream};
 use crate::param::{ParamId, Route};
 use crate::plan::{Bucket, PlacedParam, Plan, PlanSpec, RankProgram, PLAN_FORMAT, PLAN_VERSION};
 use crate::{owner, PlanError};
@@ -267,11 +267,7 @@ impl Planner {
         let start = nodes.len();
         for (i, p) in self.params.iter().enumerate() {
             let param = i as ParamId;
-            let kind = if p.spec.route == Route::Muon {
-                OptimizerKind::Muon
-            } else {
-                OptimizerKind::Adamw
-            };
+            let kind = plan.optimizer_kind(param);
             match p.owner {
                 None => push(
                     &mut nodes,

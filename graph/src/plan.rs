@@ -917,12 +917,3 @@ impl Plan {
         Ok(())
     }
 }
-
-/// The event and instruction positions of a rank program, for consumers that walk it.
-pub fn stream_of_instrs(rp: &RankProgram, stream: Stream) -> &[Instr] {
-    rp.streams
-        .iter()
-        .find(|s| s.stream == stream)
-        .map(|s| s.instrs.as_slice())
-        .unwrap_or(&[])
-}
