@@ -27,6 +27,9 @@ mod rank;
 use prepared::Prepared;
 use rank::{IssueCtx, RankState};
 
+/// Prepared plans kept per rank (gate prefixes and whole steps of the patterns in use).
+const PREPARED_CACHE: usize = 64;
+
 /// Executor settings.
 #[derive(Debug, Clone)]
 pub struct ExecConfig {
@@ -176,8 +179,9 @@ pub enum ExecError {
 pub struct StepStats {
     /// Nodes issued across local ranks.
     pub nodes: usize,
-    /// Host time spent issuing them (launches, records, waits, buffer bookkeeping;
-    /// not gradient uploads nor backpressure waits), in seconds, summed over local ranks.
+    /// Host time spent issuing them (adopting the step's plans, launches, records,
+    /// waits, buffer bookkeeping; not gradient uploads nor backpressure waits), in
+    /// seconds, summed over local ranks.
     pub issue_seconds: f64,
     /// Wall time from the first issue to the end of the step, in seconds.
     pub wall_seconds: f64,
@@ -199,6 +203,8 @@ pub struct Executor<B: Backend> {
     ranks: Vec<RankState<B>>,
     steps_done: u64,
     step_start: Option<Instant>,
+    /// Host time spent adopting plans in this step (preparing the ones not cached yet).
+    adopt_time: Duration,
     staging: Vec<f32>,
 }
 
@@ -216,6 +222,7 @@ impl<B: Backend> Executor<B> {
             ranks,
             steps_done: 0,
             step_start: None,
+            adopt_time: Duration::ZERO,
             staging: Vec::new(),
         }
     }
@@ -283,8 +290,10 @@ impl<B: Backend> Executor<B> {
     /// Switches every rank to `plan`, whose programs must extend what was issued so far
     /// (the plan of a longer gate prefix, or of the whole step).
     pub fn adopt(&mut self, plan: &Arc<Plan>) {
+        let t0 = Instant::now();
         if self.step_start.is_none() {
-            self.step_start = Some(Instant::now());
+            self.step_start = Some(t0);
+            self.adopt_time = Duration::ZERO;
             for r in &mut self.ranks {
                 r.begin_step();
             }
@@ -294,13 +303,25 @@ impl<B: Backend> Executor<B> {
                 .prepared
                 .as_ref()
                 .is_some_and(|p| Arc::ptr_eq(&p.plan, plan));
-            if !same {
-                r.adopt(
-                    &self.backend,
-                    Arc::new(Prepared::new(plan.clone(), r.rank, self.cfg.aliasing)),
-                );
+            if same {
+                continue;
             }
+            // Preparing a plan walks all of it (issue order, release points, aliasing):
+            // do it once per plan, not once per step.
+            let prepared = match r.prepared_cache.iter().find(|p| Arc::ptr_eq(&p.plan, plan)) {
+                Some(p) => p.clone(),
+                None => {
+                    let p = Arc::new(Prepared::new(plan.clone(), r.rank, self.cfg.aliasing));
+                    if r.prepared_cache.len() == PREPARED_CACHE {
+                        r.prepared_cache.remove(0);
+                    }
+                    r.prepared_cache.push(p.clone());
+                    p
+                }
+            };
+            r.adopt(&self.backend, prepared);
         }
+        self.adopt_time += t0.elapsed();
     }
 
     fn ctx(&self) -> IssueCtx {
@@ -475,7 +496,12 @@ impl<B: Backend> Executor<B> {
         for r in &mut self.ranks {
             r.end_step(true);
         }
-        let issue_seconds = self.ranks.iter().map(|r| r.issue_time.as_secs_f64()).sum();
+        let issue_seconds = self.adopt_time.as_secs_f64()
+            + self
+                .ranks
+                .iter()
+                .map(|r| r.issue_time.as_secs_f64())
+                .sum::<f64>();
         let stage1_in_flight_peak = self
             .ranks
             .iter()

@@ -45,7 +45,7 @@
 //! allocated without zeroing ([`overlap_ops::Backend::alloc_uninit`]: on the CUDA
 //! backend no memset and no synchronisation).
 
-use std::collections::HashMap;
+use rustc_hash::{FxHashMap as HashMap, FxHashSet as HashSet};
 use std::sync::Arc;
 
 use overlap_graph::validate::issue_order;
@@ -179,8 +179,8 @@ impl Prepared {
                 i += 1;
             }
         }
-        let mut pack = HashMap::new();
-        let mut unpack = HashMap::new();
+        let mut pack = HashMap::default();
+        let mut unpack = HashMap::default();
         for n in &rp.nodes {
             match n.op {
                 Op::Pack { bucket, .. } => {
@@ -196,7 +196,7 @@ impl Prepared {
             }
         }
         // Every access of every name, in serial order: (node, writes).
-        let mut acc: HashMap<Buffer, Vec<(u32, bool)>> = HashMap::new();
+        let mut acc: HashMap<Buffer, Vec<(u32, bool)>> = HashMap::default();
         for (n, a) in access.iter().enumerate() {
             for b in &a.reads {
                 acc.entry(*b).or_default().push((n as u32, false));
@@ -212,8 +212,8 @@ impl Prepared {
         let len = |b: &Buffer| plan.buffer_len(rank, b);
         // Aliasing (module docs), decided in serial order.
         let mut alias = vec![None; rp.nodes.len()];
-        let mut group: HashMap<Buffer, Buffer> = HashMap::new();
-        let mut names: HashMap<Buffer, Vec<Buffer>> = HashMap::new();
+        let mut group: HashMap<Buffer, Buffer> = HashMap::default();
+        let mut names: HashMap<Buffer, Vec<Buffer>> = HashMap::default();
         if aliasing {
             let order = Order::new(rp.nodes.len(), rp.events as usize, &issue);
             for (x, node) in rp.nodes.iter().enumerate() {
@@ -239,7 +239,7 @@ impl Prepared {
         };
         // Allocations: the first write of each group's memory.
         let mut allocs = vec![Vec::new(); rp.nodes.len()];
-        let mut seen = std::collections::HashSet::new();
+        let mut seen = HashSet::default();
         for (n, a) in access.iter().enumerate() {
             for w in &a.writes {
                 if alias[n].is_some_and(|(_, b)| b == *w) || !seen.insert(root_of(w)) {
@@ -256,7 +256,7 @@ impl Prepared {
             }
         }
         // Final accessors of transient memory: the last write and every read after it.
-        let mut last: HashMap<Buffer, (u32, Vec<u32>)> = HashMap::new();
+        let mut last: HashMap<Buffer, (u32, Vec<u32>)> = HashMap::default();
         for (n, a) in access.iter().enumerate() {
             let n = n as u32;
             for b in a.reads.iter().map(root_of).filter(|r| transient(r)) {

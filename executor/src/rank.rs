@@ -3,7 +3,9 @@
 //! and waits events as the plan says, and hands transient buffers back to the pool
 //! behind a release event recorded after their last reader.
 
-use std::collections::{HashMap, VecDeque};
+use std::collections::VecDeque;
+
+use rustc_hash::{FxHashMap as HashMap, FxHashSet as HashSet};
 use std::sync::Arc;
 
 use overlap_graph::{BucketId, Buffer, Instr, Op, OptimizerKind, ParamId, Stream};
@@ -29,6 +31,8 @@ pub(crate) struct RankState<B: Backend> {
     pending: HashMap<Buffer, Vec<B::Event>>,
     /// Plan event id -> backend event.
     events: Vec<B::Event>,
+    /// Plans prepared for this rank, most recently prepared last.
+    pub prepared_cache: Vec<Arc<Prepared>>,
     /// The plan being issued and the next node.
     pub prepared: Option<Arc<Prepared>>,
     pub next_node: usize,
@@ -48,10 +52,10 @@ pub(crate) struct RankState<B: Backend> {
     /// Host time spent issuing them (excluding backpressure waits).
     pub issue_time: std::time::Duration,
     /// Partials and no_sync accumulations written and not yet flushed, as issued.
-    pub live_partials: std::collections::HashSet<Buffer>,
+    pub live_partials: HashSet<Buffer>,
     /// Gradient buffers the caller owns (`grad_ready_bound`): dropped after their last
     /// reader, never pooled.
-    pub borrowed: std::collections::HashSet<Buffer>,
+    pub borrowed: HashSet<Buffer>,
 }
 
 /// Settings an issuing rank needs.
@@ -68,21 +72,22 @@ impl<B: Backend> RankState<B> {
     pub fn new(rank: u32) -> Self {
         RankState {
             rank,
-            buffers: HashMap::new(),
-            pool: HashMap::new(),
-            pending: HashMap::new(),
+            buffers: HashMap::default(),
+            pool: HashMap::default(),
+            pending: HashMap::default(),
             events: Vec::new(),
+            prepared_cache: Vec::new(),
             prepared: None,
             next_node: 0,
             in_flight: VecDeque::new(),
-            released: HashMap::new(),
+            released: HashMap::default(),
             issue_errors: Vec::new(),
             issued: 0,
             aliased: 0,
             issue_time: std::time::Duration::ZERO,
             peak_in_flight: 0,
-            live_partials: std::collections::HashSet::new(),
-            borrowed: std::collections::HashSet::new(),
+            live_partials: HashSet::default(),
+            borrowed: HashSet::default(),
         }
     }
 
