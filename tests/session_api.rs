@@ -188,3 +188,15 @@ async fn backpressure_window_bounds_stage1_buffers_in_flight() {
         assert_eq!(r.stats.stage1_in_flight_peak, window, "window {window}");
     }
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn plans_are_prepared_once_and_reused_across_steps() {
+    let (mut s, _) = session(2, 2);
+    for _ in 0..3 {
+        micro_batch(&mut s, Gate::ReplicateOff).await.unwrap();
+        micro_batch(&mut s, Gate::On).await.unwrap();
+        s.step().await.unwrap();
+    }
+    // The prefixes `off` and `off,on`, and the step `off,on`.
+    assert_eq!(s.executor().prepared_plans(), 3);
+}

@@ -612,6 +612,15 @@ impl<B: Backend> Executor<B> {
         Ok(failures)
     }
 
+    /// Plans prepared and cached per local rank (each gate prefix and whole step in use).
+    pub fn prepared_plans(&self) -> usize {
+        self.ranks
+            .iter()
+            .map(|r| r.prepared_cache.len())
+            .max()
+            .unwrap_or(0)
+    }
+
     /// Partials and no_sync accumulations currently unflushed on the local ranks.
     pub fn step_buffers_held(&self) -> usize {
         self.ranks.iter().map(|r| r.live_partials.len()).sum()
