@@ -67,6 +67,13 @@ pub struct StepReport {
     pub stage2_bytes: u64,
 }
 
+/// Stage-2 bytes of a step plan on the local ranks.
+#[derive(Debug, Clone, Copy, Default)]
+struct Stage2Bytes {
+    moved: u64,
+    saved: u64,
+}
+
 /// A running gradient path over a backend's local ranks.
 pub struct Session<B: Backend = CpuBackend> {
     planner: Planner,
@@ -77,7 +84,8 @@ pub struct Session<B: Backend = CpuBackend> {
     /// Layers of the current micro-batch handed in so far.
     layers_done: usize,
     prefix_plans: HashMap<Vec<Gate>, Arc<Plan>>,
-    step_plans: HashMap<Vec<Gate>, Arc<Plan>>,
+    /// Validated step plans, with the Stage-2 bytes their local ranks move and save.
+    step_plans: HashMap<Vec<Gate>, (Arc<Plan>, Stage2Bytes)>,
 }
 
 impl Session<CpuBackend> {
@@ -200,6 +208,10 @@ impl<B: Backend> Session<B> {
 
     /// The validated plan of a whole step with these gates (cached).
     pub fn step_plan(&mut self, gates: &[Gate]) -> Result<Arc<Plan>, Error> {
+        self.cached_step_plan(gates).map(|(plan, _)| plan)
+    }
+
+    fn cached_step_plan(&mut self, gates: &[Gate]) -> Result<(Arc<Plan>, Stage2Bytes), Error> {
         if let Some(p) = self.step_plans.get(gates) {
             return Ok(p.clone());
         }
@@ -216,9 +228,10 @@ impl<B: Backend> Session<B> {
             crate::observe::metrics::record_rejection(&v);
             return Err(Error::Invalid(v));
         }
-        let plan = Arc::new(plan);
-        self.step_plans.insert(gates.to_vec(), plan.clone());
-        Ok(plan)
+        let stage2 = self.stage2_bytes(&plan);
+        let entry = (Arc::new(plan), stage2);
+        self.step_plans.insert(gates.to_vec(), entry.clone());
+        Ok(entry)
     }
 
     fn prefix_plan(&mut self, gates: &[Gate]) -> Result<Arc<Plan>, Error> {
@@ -300,18 +313,17 @@ impl<B: Backend> Session<B> {
         }
         self.check_micro_batch_complete("step()")?;
         let gates = self.gates.clone();
-        let plan = self.step_plan(&gates)?;
+        let (plan, stage2) = self.cached_step_plan(&gates)?;
         self.executor.adopt(&plan);
         self.gates.clear();
         self.layers_done = 0;
         let stats = self.executor.finish_step().await?;
-        let (stage2_bytes, stage2_bytes_saved) = self.stage2_bytes(&plan);
         let report = StepReport {
             step: self.executor.steps_done(),
             gates,
             stats,
-            stage2_bytes,
-            stage2_bytes_saved,
+            stage2_bytes: stage2.moved,
+            stage2_bytes_saved: stage2.saved,
         };
         crate::observe::metrics::record_step(&report, &plan);
         Ok(report)
@@ -347,31 +359,28 @@ impl<B: Backend> Session<B> {
         self.executor.step_buffers_held()
     }
 
-    fn stage2_bytes(&self, plan: &Plan) -> (u64, u64) {
+    /// What a step plan's Stage 2 moves on the local ranks, and what its replicate-gate-off
+    /// folds save it from moving (computed once per plan, with the plan cache).
+    fn stage2_bytes(&self, plan: &Plan) -> Stage2Bytes {
         let dtype = plan.reduce.dtype.size();
-        let (mut moved, mut saved) = (0, 0);
+        let mut b = Stage2Bytes::default();
         for rank in self.executor.local_ranks() {
             for n in &plan.rank(rank).nodes {
                 match n.op {
-                    Op::Stage2 { collective, .. } => moved += collective.count * dtype,
-                    Op::Fold { bucket, .. } => saved += plan.stage1_elems(bucket) * dtype,
+                    Op::Stage2 { collective, .. } => b.moved += collective.count * dtype,
+                    Op::Fold { bucket, .. } => b.saved += plan.stage1_elems(bucket) * dtype,
                     _ => {}
                 }
             }
         }
-        (moved, saved)
+        b
     }
 }
 
 /// The parameters a step with these gates would leave unflushed, if any: every
 /// micro-batch after the last gate-on one leaves a partial or an accumulation.
 pub fn unflushed(planner: &Planner, gates: &[Gate]) -> Option<Vec<String>> {
-    let last_on = gates.iter().rposition(|g| *g == Gate::On);
-    let tail = match last_on {
-        Some(i) => &gates[i + 1..],
-        None => gates,
-    };
-    if tail.is_empty() {
+    if gates.last() == Some(&Gate::On) {
         return None;
     }
     Some(

@@ -8,7 +8,7 @@ use std::collections::VecDeque;
 use rustc_hash::{FxHashMap as HashMap, FxHashSet as HashSet};
 use std::sync::Arc;
 
-use overlap_graph::{BucketId, Buffer, Instr, Op, OptimizerKind, ParamId, Stream};
+use overlap_graph::{BucketId, Buffer, CopySeg, Instr, Op, OptimizerKind, ParamId, Stream};
 use overlap_ops::{AdamwParams, Backend, CommId, EventStatus, Kernel, MuonParams, OpsError, Tag};
 
 use crate::prepared::Prepared;
@@ -297,11 +297,7 @@ impl<B: Backend> RankState<B> {
                 micro_batch,
                 with_accum,
             } => {
-                let segs = p
-                    .pack
-                    .get(&bucket)
-                    .cloned()
-                    .unwrap_or_else(|| Arc::from(Vec::new()));
+                let segs = segments(&p.pack, bucket);
                 let mut bound = Vec::with_capacity(segs.len());
                 for s in segs.iter() {
                     let mut srcs = vec![self.buf(&Buffer::Grad {
@@ -409,11 +405,7 @@ impl<B: Backend> RankState<B> {
                 micro_batch,
                 accumulate,
             } => {
-                let segs = p
-                    .unpack
-                    .get(&bucket)
-                    .cloned()
-                    .unwrap_or_else(|| Arc::from(Vec::new()));
+                let segs = segments(&p.unpack, bucket);
                 let mut bound = Vec::with_capacity(segs.len());
                 for s in segs.iter() {
                     bound.push((*s, self.buf(&Buffer::Reduced { param: s.param })?));
@@ -550,4 +542,12 @@ impl<B: Backend> RankState<B> {
     pub fn holds_param(&self, param: ParamId) -> bool {
         self.buffers.contains_key(&Buffer::Param { param })
     }
+}
+
+/// A bucket's pack or unpack copies (none when the plan has no such node for it).
+fn segments(table: &HashMap<BucketId, Arc<[CopySeg]>>, bucket: BucketId) -> Arc<[CopySeg]> {
+    table
+        .get(&bucket)
+        .cloned()
+        .unwrap_or_else(|| Arc::from(Vec::new()))
 }
