@@ -44,6 +44,7 @@ fn spec() -> PlanSpec {
         reduce: ReduceSpec::default(),
         bucket_cap_bytes: 256,
         bindings: Bindings::default(),
+        schedule: Default::default(),
     }
 }
 

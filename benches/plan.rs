@@ -52,6 +52,7 @@ fn spec() -> PlanSpec {
         reduce: ReduceSpec::default(),
         bucket_cap_bytes: 25 << 20,
         bindings: Bindings::default(),
+        schedule: Default::default(),
     }
 }
 

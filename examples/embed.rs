@@ -33,6 +33,7 @@ async fn main() -> Result<(), overlap::Error> {
         reduce: ReduceSpec::default(),
         bucket_cap_bytes: 25 << 20,
         bindings: Bindings::default(),
+        schedule: Default::default(),
     };
 
     // 2. A session on the CPU backend (every rank is a set of threads here; on GPUs each

@@ -29,7 +29,8 @@ use std::sync::Arc;
 
 use overlap_executor::{Backward, ExecConfig, Executor, StepStats};
 use overlap_graph::{
-    validate, Bindings, Gate, Mode, ParamSpec, Plan, PlanSpec, Planner, ReduceSpec, Route, Stream,
+    validate, Bindings, Gate, Mode, ParamSpec, Plan, PlanSpec, Planner, ReduceSpec, Route,
+    Schedule, Stream, Transport,
 };
 use overlap_ops::{Backend, Kernel, Tag, Timing};
 use serde::Serialize;
@@ -59,6 +60,20 @@ pub struct BenchArgs {
     /// No buffer aliasing (`ExecConfig::aliasing` off): every pack, group-of-one and
     /// unpack copy runs.
     pub no_alias: bool,
+    /// How the stage over the group of two moves its bytes (`[overlap] transport`).
+    #[serde(serialize_with = "transport_str")]
+    pub transport: Transport,
+    /// Copy transport: layers a combine waits behind its exchange (`[overlap]
+    /// combine_lag`).
+    pub combine_lag: u32,
+    /// Copy transport: the stream combines run on (`[streams] combine`).
+    pub combine_stream: Stream,
+    /// Copy transport: receive-ring slot, MiB (`[overlap] copy_slot_mib`).
+    pub copy_slot_mib: u32,
+}
+
+fn transport_str<S: serde::Serializer>(t: &Transport, s: S) -> Result<S::Ok, S::Error> {
+    s.serialize_str(t.name())
 }
 
 fn mesh_str<S: serde::Serializer>(m: &Mesh, s: S) -> Result<S::Ok, S::Error> {
@@ -116,7 +131,18 @@ impl BenchArgs {
                 .collect(),
             reduce: ReduceSpec::default(),
             bucket_cap_bytes: self.grad_elems() * 4,
-            bindings,
+            bindings: Bindings {
+                combine: if bindings == serial_bindings() {
+                    Stream::Compute
+                } else {
+                    self.combine_stream
+                },
+                ..bindings
+            },
+            schedule: Schedule {
+                transport: self.transport,
+                combine_lag: self.combine_lag,
+            },
         }
     }
 }
@@ -133,6 +159,7 @@ pub fn serial_bindings() -> Bindings {
         unpack: Stream::Compute,
         optimizer: Stream::Compute,
         publish: Stream::Compute,
+        combine: Stream::Compute,
     }
 }
 
@@ -298,7 +325,7 @@ pub async fn run<B: Backend>(backend: Arc<B>, args: &BenchArgs) -> Result<BenchR
                     steps.comm_only.push(ms);
                     for t in stats.timings.iter().filter(|t| t.rank == me) {
                         let d = t.end - t.start;
-                        if t.bytes > 0 && t.tag.op.starts_with("stage") && is_wide(plan, t) {
+                        if t.bytes > 0 && is_wide(plan, t) {
                             comm_kernels.0 += d;
                         } else if t.tag.op != "grad_ready" {
                             comm_kernels.1 += d;
@@ -369,10 +396,13 @@ pub async fn run<B: Backend>(backend: Arc<B>, args: &BenchArgs) -> Result<BenchR
 
 /// Whether a collective timing is of a group larger than one (a real collective, not a
 /// group-of-one copy): Stage 1 on a mesh with shard > 1, Stage 2 with replicate > 1.
+/// Whether a timing is the transfer of a stage over a group of two or more: its
+/// collective, or with the copy transport its exchange.
 fn is_wide(plan: &Plan, t: &Timing) -> bool {
     match t.tag.op {
         "stage1" => plan.mesh.shard > 1,
         "stage2" => plan.mesh.replicate > 1,
+        "exchange" => true,
         _ => false,
     }
 }
@@ -505,6 +535,10 @@ pub async fn collectives<B: Backend>(
             warmup,
             window: 8,
             no_alias: false,
+            transport: Transport::Nccl,
+            combine_lag: 0,
+            combine_stream: Stream::Compute,
+            copy_slot_mib: 32,
         };
         args.check()?;
         let plan = Arc::new(bench_plan(&args, Bindings::default())?);
@@ -646,14 +680,14 @@ pub async fn collectives<B: Backend>(
 /// Opens this rank's GPU for `mesh` under a launcher (`overlap launch`), with the
 /// communicators of both the default and the serial bindings and kernel timings on.
 #[cfg(feature = "cuda")]
-fn open_cuda(mesh: Mesh) -> Result<crate::cuda::CudaWorld, Error> {
+fn open_cuda(mesh: Mesh, copy_slot_bytes: Option<usize>) -> Result<crate::cuda::CudaWorld, Error> {
     use overlap_ops::cuda::mesh_comms;
     let env = crate::cuda::rank_env(mesh)?;
     let mut comms = mesh_comms(mesh, &Bindings::default());
     comms.extend(mesh_comms(mesh, &serial_bindings()));
     comms.sort();
     comms.dedup();
-    crate::cuda::open(env, mesh, comms, true)
+    crate::cuda::open(env, mesh, comms, true, copy_slot_bytes)
 }
 
 /// `overlap bench` on this process's GPU: every rank runs the variants; rank 0 returns
@@ -661,7 +695,8 @@ fn open_cuda(mesh: Mesh) -> Result<crate::cuda::CudaWorld, Error> {
 #[cfg(feature = "cuda")]
 pub async fn bench_cuda(args: &BenchArgs) -> Result<Option<BenchReport>, Error> {
     args.check()?;
-    let world = open_cuda(args.mesh)?;
+    let copy = (args.transport == Transport::Copy).then(|| (args.copy_slot_mib as usize) << 20);
+    let world = open_cuda(args.mesh, copy)?;
     let report = run(world.backend.clone(), args).await?;
     Ok((world.env.rank == 0).then_some(report))
 }
@@ -674,7 +709,7 @@ pub async fn collectives_cuda(
     iters: u32,
     warmup: u32,
 ) -> Result<Option<Vec<CollectiveRow>>, Error> {
-    let world = open_cuda(mesh)?;
+    let world = open_cuda(mesh, None)?;
     let rows = collectives(world.backend.clone(), mesh, sizes_mib, iters, warmup).await?;
     Ok((world.env.rank == 0).then_some(rows))
 }
@@ -750,6 +785,10 @@ mod tests {
             warmup: 1,
             window: 8,
             no_alias: false,
+            transport: Transport::Nccl,
+            combine_lag: 0,
+            combine_stream: Stream::Compute,
+            copy_slot_mib: 32,
         }
     }
 

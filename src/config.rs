@@ -24,7 +24,7 @@ use std::str::FromStr;
 
 use overlap_graph::{
     Bindings, DType, Gate, Mesh, ModelSpec, ParamSpec, PlanError, PlanSpec, Planner, ReduceOp,
-    ReduceSpec, Route, Stream,
+    ReduceSpec, Route, Schedule, Stream, Transport,
 };
 use overlap_ops::{AdamwParams, MuonParams};
 use serde::Deserialize;
@@ -93,13 +93,23 @@ pub struct OverlapConfig {
     /// Backpressure: at most this many Stage-1 buffers in flight per rank (at least 1;
     /// default 2).
     pub stage1_window: u32,
+    /// Copy transport on GPUs: bytes of one slot of a communicator's receive ring, in
+    /// MiB (default 32); a larger message moves in pieces of this size. Each
+    /// communicator of `n` members holds `2 × (n − 1)` slots per rank.
+    pub copy_slot_mib: u32,
 }
 
 impl Default for OverlapConfig {
     fn default() -> Self {
-        OverlapConfig { stage1_window: 8 }
+        OverlapConfig {
+            stage1_window: 8,
+            copy_slot_mib: 32,
+        }
     }
 }
+
+/// The largest `overlap.copy_slot_mib` (4 GiB slots).
+pub const MAX_COPY_SLOT_MIB: u32 = 4096;
 
 /// `[metrics]`: the Prometheus exporter.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
@@ -377,12 +387,14 @@ impl Doc<'_> {
             Some(c) => c.into_inner(),
         };
         let bindings = self.bindings(&raw.streams)?;
+        let schedule = self.schedule(&raw.overlap)?;
         let plan = PlanSpec {
             mesh,
             params,
             reduce,
             bucket_cap_bytes,
             bindings,
+            schedule,
         };
         // The planner's own checks, as a backstop: whatever it rejects, the config rejects.
         if let Err(e) = Planner::new(plan.clone()) {
@@ -400,6 +412,20 @@ impl Doc<'_> {
                     raw.overlap.stage1_window,
                     OverlapConfig::default().stage1_window,
                 )?,
+                copy_slot_mib: match &raw.overlap.copy_slot_mib {
+                    None => OverlapConfig::default().copy_slot_mib,
+                    Some(v) if *v.get_ref() == 0 || *v.get_ref() > MAX_COPY_SLOT_MIB => {
+                        return Err(self.err(
+                            "overlap.copy_slot_mib",
+                            Some(v.span()),
+                            format!(
+                                "must be between 1 and {MAX_COPY_SLOT_MIB} MiB, got {}",
+                                v.get_ref()
+                            ),
+                        ))
+                    }
+                    Some(v) => *v.get_ref(),
+                },
             },
             adamw: self.adamw(&raw.optimizer.adamw)?,
             muon: self.muon(&raw.optimizer.muon)?,
@@ -641,9 +667,30 @@ impl Doc<'_> {
             .collect())
     }
 
+    fn schedule(&self, raw: &raw::Overlap) -> Result<Schedule, ConfigError> {
+        let mut s = Schedule::default();
+        if let Some(t) = &raw.transport {
+            s.transport = match t.get_ref().as_str() {
+                "nccl" => Transport::Nccl,
+                "copy" => Transport::Copy,
+                other => {
+                    return Err(self.err(
+                        "overlap.transport",
+                        Some(t.span()),
+                        format!("unknown transport `{other}`; expected nccl or copy"),
+                    ))
+                }
+            };
+        }
+        if let Some(lag) = &raw.combine_lag {
+            s.combine_lag = *lag.get_ref();
+        }
+        Ok(s)
+    }
+
     fn bindings(&self, raw: &raw::Streams) -> Result<Bindings, ConfigError> {
         let mut b = Bindings::default();
-        let slots: [(&str, &Option<Spanned<String>>, &mut Stream); 8] = [
+        let slots: [(&str, &Option<Spanned<String>>, &mut Stream); 9] = [
             ("accumulate", &raw.accumulate, &mut b.accumulate),
             ("pack", &raw.pack, &mut b.pack),
             ("stage1", &raw.stage1, &mut b.stage1),
@@ -652,6 +699,7 @@ impl Doc<'_> {
             ("unpack", &raw.unpack, &mut b.unpack),
             ("optimizer", &raw.optimizer, &mut b.optimizer),
             ("publish", &raw.publish, &mut b.publish),
+            ("combine", &raw.combine, &mut b.combine),
         ];
         for (name, value, slot) in slots {
             if let Some(v) = value {
@@ -1027,6 +1075,9 @@ mod raw {
     #[serde(deny_unknown_fields)]
     pub struct Overlap {
         pub stage1_window: Option<Spanned<u32>>,
+        pub transport: Option<Spanned<String>>,
+        pub combine_lag: Option<Spanned<u32>>,
+        pub copy_slot_mib: Option<Spanned<u32>>,
     }
 
     #[derive(Deserialize, Default)]
@@ -1040,6 +1091,7 @@ mod raw {
         pub unpack: Option<Spanned<String>>,
         pub optimizer: Option<Spanned<String>>,
         pub publish: Option<Spanned<String>>,
+        pub combine: Option<Spanned<String>>,
     }
 
     #[derive(Deserialize, Default)]

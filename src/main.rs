@@ -144,6 +144,19 @@ enum Command {
         /// Run every copy: no buffer aliasing in the executor (for comparison).
         #[arg(long)]
         no_alias: bool,
+        /// How the stage over the group of two moves its bytes: `nccl` (one collective)
+        /// or `copy` (copy engines over NVLink, then a combine kernel).
+        #[arg(long, default_value = "nccl")]
+        transport: String,
+        /// Copy transport: layers each combine is issued behind its exchange.
+        #[arg(long, default_value_t = 1)]
+        combine_lag: u32,
+        /// Copy transport: the stream combines run on.
+        #[arg(long, default_value = "compute")]
+        combine_stream: String,
+        /// Copy transport: receive-ring slot size, MiB.
+        #[arg(long, default_value_t = 32)]
+        copy_slot_mib: u32,
         /// Print one JSON line (rank 0).
         #[arg(long)]
         json: bool,
@@ -343,8 +356,28 @@ async fn dispatch(cmd: Command) -> Result<ExitCode, Error> {
             warmup,
             window,
             no_alias,
+            transport,
+            combine_lag,
+            combine_stream,
+            copy_slot_mib,
             json,
         } => {
+            let transport = match transport.as_str() {
+                "nccl" => overlap::graph::Transport::Nccl,
+                "copy" => overlap::graph::Transport::Copy,
+                other => {
+                    return Err(Error::Usage(format!(
+                        "--transport: unknown transport `{other}`; expected nccl or copy"
+                    )))
+                }
+            };
+            let combine_stream = overlap::graph::Stream::parse(&combine_stream)
+                .map_err(|e| Error::Usage(format!("--combine-stream: {e}")))?;
+            if copy_slot_mib == 0 || copy_slot_mib > 4096 {
+                return Err(Error::Usage(format!(
+                    "--copy-slot-mib {copy_slot_mib}: between 1 and 4096"
+                )));
+            }
             let args = overlap::bench::BenchArgs {
                 mesh: overlap::bench::parse_mesh(&mesh)?,
                 layers,
@@ -355,6 +388,10 @@ async fn dispatch(cmd: Command) -> Result<ExitCode, Error> {
                 warmup,
                 window,
                 no_alias,
+                transport,
+                combine_lag,
+                combine_stream,
+                copy_slot_mib,
             };
             args.check()?;
             if let Some(r) = overlap::bench::bench_cuda(&args).await? {
@@ -711,7 +748,7 @@ async fn cuda_smoke(mib: &str, iters: u32) -> Result<ExitCode, Error> {
         replicate: env.world_size,
     };
     let comms = overlap::ops::cuda::mesh_comms(mesh, &overlap::graph::Bindings::default());
-    let mut world = overlap::cuda::open(env, mesh, comms, false)?;
+    let mut world = overlap::cuda::open(env, mesh, comms, false, None)?;
     let report = overlap::cuda::smoke(&mut world, &sizes, iters).await?;
     println!(
         "{}",

@@ -367,7 +367,12 @@ impl<B: Backend> Session<B> {
         for rank in self.executor.local_ranks() {
             for n in &plan.rank(rank).nodes {
                 match n.op {
-                    Op::Stage2 { collective, .. } => b.moved += collective.count * dtype,
+                    Op::Stage2 { collective, .. }
+                    | Op::Exchange {
+                        stage: 2,
+                        collective,
+                        ..
+                    } => b.moved += collective.count * dtype,
                     Op::Fold { bucket, .. } => b.saved += plan.stage1_elems(bucket) * dtype,
                     _ => {}
                 }

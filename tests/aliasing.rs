@@ -33,6 +33,7 @@ fn spec(shard: u32, replicate: u32) -> PlanSpec {
         // One bucket per parameter except where two of a layer and route fit.
         bucket_cap_bytes: 160,
         bindings: Bindings::default(),
+        schedule: Default::default(),
     }
 }
 

@@ -8,7 +8,8 @@ use overlap::config::{
     DEFAULT_BUCKET_CAP_BYTES,
 };
 use overlap_graph::{
-    Bindings, DType, Gate, Mesh, ModelSpec, ParamSpec, ReduceOp, ReduceSpec, Route, Stream,
+    Bindings, DType, Gate, Mesh, ModelSpec, ParamSpec, ReduceOp, ReduceSpec, Route, Schedule,
+    Stream, Transport,
 };
 use overlap_ops::{AdamwParams, MuonParams};
 
@@ -400,6 +401,49 @@ fn zero_stage1_window() {
 }
 
 #[test]
+fn unknown_transport() {
+    let e = expect(
+        &with_base("[overlap]\ntransport = \"nvlink\"\n"),
+        "overlap.transport",
+        Some(9),
+        "unknown transport `nvlink`",
+    );
+    assert!(e.reason.contains("nccl or copy"), "{e}");
+}
+
+#[test]
+fn copy_slot_out_of_range() {
+    for bad in ["0", "4097"] {
+        expect(
+            &with_base(&format!("[overlap]\ncopy_slot_mib = {bad}\n")),
+            "overlap.copy_slot_mib",
+            Some(9),
+            "between 1 and 4096",
+        );
+    }
+}
+
+#[test]
+fn negative_combine_lag() {
+    expect(
+        &with_base("[overlap]\ncombine_lag = -1\n"),
+        "overlap.combine_lag",
+        Some(9),
+        "",
+    );
+}
+
+#[test]
+fn unknown_combine_stream() {
+    expect(
+        &with_base("[streams]\ncombine = \"copy_engine\"\n"),
+        "streams.combine",
+        Some(9),
+        "unknown stream `copy_engine`",
+    );
+}
+
+#[test]
 fn zero_bucket_cap() {
     expect(
         &with_base("[buckets]\ncap_bytes = 0\n"),
@@ -606,10 +650,14 @@ backward_us_per_layer = 250
 
 [overlap]
 stage1_window = 4
+transport = "copy"
+combine_lag = 2
+copy_slot_mib = 8
 
 [streams]
 fold = "compute"
 stage2 = "reduce"
+combine = "reduce"
 
 [optimizer.adamw]
 lr = 0.5
@@ -657,7 +705,12 @@ listen = "127.0.0.1:9464"
             bindings: Bindings {
                 fold: Stream::Compute,
                 stage2: Stream::Reduce,
+                combine: Stream::Reduce,
                 ..Bindings::default()
+            },
+            schedule: Schedule {
+                transport: Transport::Copy,
+                combine_lag: 2,
             },
         },
         // reduce off wins over replicate; then replicate decides.
@@ -668,7 +721,10 @@ listen = "127.0.0.1:9464"
             backend: BackendChoice::Cpu,
             backward_us_per_layer: 250,
         },
-        overlap: OverlapConfig { stage1_window: 4 },
+        overlap: OverlapConfig {
+            stage1_window: 4,
+            copy_slot_mib: 8,
+        },
         adamw: AdamwParams {
             lr: 0.5,
             weight_decay: 0.0,
@@ -715,7 +771,10 @@ fn minimal_config_takes_the_defaults() {
             backward_us_per_layer: 0,
         }
     );
-    assert_eq!(c.overlap, OverlapConfig { stage1_window: 8 });
+    assert_eq!(c.overlap, OverlapConfig::default());
+    assert_eq!(c.overlap.copy_slot_mib, 32);
+    assert_eq!(c.plan.schedule, Schedule::default());
+    assert_eq!(c.plan.schedule.transport, Transport::Nccl);
     assert_eq!(c.adamw, AdamwParams::default());
     assert_eq!(c.muon, MuonParams::default());
     assert_eq!(c.metrics, MetricsConfig::default());

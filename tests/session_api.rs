@@ -25,6 +25,7 @@ fn spec(shard: u32, replicate: u32) -> PlanSpec {
         reduce: ReduceSpec::default(),
         bucket_cap_bytes: 1 << 20,
         bindings: Bindings::default(),
+        schedule: Default::default(),
     }
 }
 

@@ -454,6 +454,10 @@ fn overwrites(op: Op, w: &Buffer, unpack: &HashMap<BucketId, Arc<[CopySeg]>>, le
         // A collective writes its whole output where the rank holds one.
         (Op::Stage1 { .. }, Buffer::Stage1Out { .. }) => true,
         (Op::Stage2 { .. }, Buffer::Stage2Out { .. }) => true,
+        // An exchange fills its receive buffer; a combine writes its whole output.
+        (Op::Exchange { .. }, Buffer::Recv { .. }) => true,
+        (Op::Combine { stage: 1, .. }, Buffer::Stage1Out { .. }) => true,
+        (Op::Combine { stage: 2, .. }, Buffer::Stage2Out { .. }) => true,
         (Op::Fold { accumulate, .. }, Buffer::Partial { .. }) => !accumulate,
         (Op::Accumulate { accumulate, .. }, Buffer::Accum { .. }) => !accumulate,
         (

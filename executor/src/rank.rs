@@ -8,7 +8,9 @@ use std::collections::VecDeque;
 use rustc_hash::{FxHashMap as HashMap, FxHashSet as HashSet};
 use std::sync::Arc;
 
-use overlap_graph::{BucketId, Buffer, CopySeg, Instr, Op, OptimizerKind, ParamId, Stream};
+use overlap_graph::{
+    BucketId, Buffer, CollectiveKind, CopySeg, Instr, Op, OptimizerKind, ParamId, Stream,
+};
 use overlap_ops::{AdamwParams, Backend, CommId, EventStatus, Kernel, MuonParams, OpsError, Tag};
 
 use crate::prepared::Prepared;
@@ -400,6 +402,73 @@ impl<B: Backend> RankState<B> {
                     recv,
                 });
             }
+            Op::Exchange {
+                bucket,
+                micro_batch,
+                stage,
+                collective,
+            } => {
+                let (src, holds) = plan.stage_input(bucket, micro_batch, stage, self.rank);
+                let recv = if holds {
+                    Some(self.buf(&Buffer::Recv {
+                        bucket,
+                        micro_batch,
+                        stage,
+                    })?)
+                } else {
+                    None
+                };
+                launch(Kernel::Exchange {
+                    desc: collective,
+                    comm: CommId {
+                        group: collective.group,
+                        stream,
+                    },
+                    send: Some(self.buf(&src)?),
+                    recv,
+                });
+            }
+            Op::Combine {
+                bucket,
+                micro_batch,
+                stage,
+                collective,
+            } => {
+                let (src, _) = plan.stage_input(bucket, micro_batch, stage, self.rank);
+                let size = plan.mesh.group_size(collective.group);
+                let index = plan.mesh.index_in(collective.group, self.rank).unwrap_or(0);
+                let own_offset = if collective.kind == CollectiveKind::ReduceScatter {
+                    usize::try_from(collective.count)
+                        .unwrap_or(usize::MAX)
+                        .saturating_mul(index as usize)
+                } else {
+                    0
+                };
+                let dst = if stage == 1 {
+                    Buffer::Stage1Out {
+                        bucket,
+                        micro_batch,
+                    }
+                } else {
+                    Buffer::Stage2Out {
+                        bucket,
+                        micro_batch,
+                    }
+                };
+                launch(Kernel::Combine {
+                    desc: collective,
+                    size,
+                    index,
+                    own: self.buf(&src)?,
+                    own_offset,
+                    recv: self.buf(&Buffer::Recv {
+                        bucket,
+                        micro_batch,
+                        stage,
+                    })?,
+                    dst: self.buf(&dst)?,
+                });
+            }
             Op::Unpack {
                 bucket,
                 micro_batch,
@@ -496,6 +565,11 @@ impl<B: Backend> RankState<B> {
                 | Buffer::Stage1Out {
                     bucket,
                     micro_batch,
+                }
+                | Buffer::Recv {
+                    bucket,
+                    micro_batch,
+                    ..
                 } = *b
                 {
                     self.released

@@ -11,7 +11,9 @@ use crate::gate::Gate;
 use crate::mesh::{Coord, Mesh};
 use crate::node::{BucketId, Node, Op, Stream};
 use crate::param::{ParamId, Route};
-use crate::plan::{Bucket, PlacedParam, Plan, PlanSpec, RankProgram, PLAN_FORMAT, PLAN_VERSION};
+use crate::plan::{
+    Bucket, PlacedParam, Plan, PlanSpec, RankProgram, Transport, PLAN_FORMAT, PLAN_VERSION,
+};
 use crate::{owner, PlanError};
 
 /// The model-level half of planning, done once and reused for every gate pattern.
@@ -155,11 +157,15 @@ impl Planner {
         let mut partial = vec![false; nb];
         let mut reduced = vec![false; nb];
         let layers = plan.layers_desc();
+        let sched = self.spec.schedule;
         for (m, &gate) in plan.gates.iter().enumerate() {
             let m = m as u32;
             let mb = Some(m);
             let start = nodes.len();
-            for &layer in &layers {
+            // Copy transport: the part of each bucket's chain from its first combine on,
+            // held back until `combine_lag` more layers have been issued.
+            let mut deferred: Vec<(usize, Vec<(Stream, Op)>)> = Vec::new();
+            for (li, &layer) in layers.iter().enumerate() {
                 push(&mut nodes, mb, Stream::Compute, Op::GradReady { layer });
                 for bucket in self.buckets.iter().filter(|x| x.layer == layer) {
                     let id = bucket.id;
@@ -178,82 +184,75 @@ impl Planner {
                         accum[i] = true;
                         continue;
                     }
-                    push(
-                        &mut nodes,
-                        mb,
+                    let mut chain: Vec<(Stream, Op)> = Vec::new();
+                    chain.push((
                         b.pack,
                         Op::Pack {
                             bucket: id,
                             micro_batch: m,
                             with_accum: accum[i],
                         },
-                    );
+                    ));
                     accum[i] = false;
-                    let stage1 = plan.stage_collective(id, rank, 1);
-                    push(
-                        &mut nodes,
-                        mb,
-                        b.stage1,
-                        Op::Stage1 {
-                            bucket: id,
-                            micro_batch: m,
-                            collective: stage1,
-                        },
-                    );
-                    if !plan.holds_stage1(id, rank) {
-                        continue;
+                    self.stage(plan, rank, id, m, 1, &mut chain);
+                    if plan.holds_stage1(id, rank) {
+                        if gate == Gate::ReplicateOff {
+                            chain.push((
+                                b.fold,
+                                Op::Fold {
+                                    bucket: id,
+                                    micro_batch: m,
+                                    accumulate: partial[i],
+                                },
+                            ));
+                            partial[i] = true;
+                        } else {
+                            if partial[i] {
+                                chain.push((
+                                    b.fold,
+                                    Op::FoldPartial {
+                                        bucket: id,
+                                        micro_batch: m,
+                                    },
+                                ));
+                                partial[i] = false;
+                            }
+                            self.stage(plan, rank, id, m, 2, &mut chain);
+                            if plan.holds_stage2(id, rank) {
+                                chain.push((
+                                    b.unpack,
+                                    Op::Unpack {
+                                        bucket: id,
+                                        micro_batch: m,
+                                        accumulate: reduced[i],
+                                    },
+                                ));
+                                reduced[i] = true;
+                            }
+                        }
                     }
-                    if gate == Gate::ReplicateOff {
-                        push(
-                            &mut nodes,
-                            mb,
-                            b.fold,
-                            Op::Fold {
-                                bucket: id,
-                                micro_batch: m,
-                                accumulate: partial[i],
-                            },
-                        );
-                        partial[i] = true;
-                        continue;
+                    let split = chain
+                        .iter()
+                        .position(|(_, op)| matches!(op, Op::Combine { .. }))
+                        .filter(|_| sched.combine_lag > 0)
+                        .unwrap_or(chain.len());
+                    let later = chain.split_off(split);
+                    for (stream, op) in chain {
+                        push(&mut nodes, mb, stream, op);
                     }
-                    if partial[i] {
-                        push(
-                            &mut nodes,
-                            mb,
-                            b.fold,
-                            Op::FoldPartial {
-                                bucket: id,
-                                micro_batch: m,
-                            },
-                        );
-                        partial[i] = false;
-                    }
-                    let stage2 = plan.stage_collective(id, rank, 2);
-                    push(
-                        &mut nodes,
-                        mb,
-                        b.stage2,
-                        Op::Stage2 {
-                            bucket: id,
-                            micro_batch: m,
-                            collective: stage2,
-                        },
-                    );
-                    if plan.holds_stage2(id, rank) {
-                        push(
-                            &mut nodes,
-                            mb,
-                            b.unpack,
-                            Op::Unpack {
-                                bucket: id,
-                                micro_batch: m,
-                                accumulate: reduced[i],
-                            },
-                        );
-                        reduced[i] = true;
+                    if !later.is_empty() {
+                        deferred.push((li + sched.combine_lag as usize, later));
                     }
                 }
+                let (due, keep): (Vec<_>, Vec<_>) =
+                    deferred.into_iter().partition(|(at, _)| *at <= li);
+                deferred = keep;
+                for (stream, op) in due.into_iter().flat_map(|(_, ops)| ops) {
+                    push(&mut nodes, mb, stream, op);
+                }
+            }
+            for (stream, op) in deferred.into_iter().flat_map(|(_, ops)| ops) {
+                push(&mut nodes, mb, stream, op);
             }
             segments.push(Segment {
                 start,
@@ -309,6 +308,66 @@ impl Planner {
             tail: true,
         });
         (nodes, segments)
+    }
+}
+
+impl Planner {
+    /// Appends the nodes of one stage of a bucket: one collective, or with the copy
+    /// transport over a group of more than one member, an exchange and (on the ranks
+    /// that receive the result) a combine.
+    fn stage(
+        &self,
+        plan: &Plan,
+        rank: u32,
+        bucket: BucketId,
+        m: u32,
+        stage: u8,
+        chain: &mut Vec<(Stream, Op)>,
+    ) {
+        let b = &self.spec.bindings;
+        let collective = plan.stage_collective(bucket, rank, stage);
+        let stream = if stage == 1 { b.stage1 } else { b.stage2 };
+        let copy = self.spec.schedule.transport == Transport::Copy
+            && plan.mesh.group_size(collective.group) > 1;
+        if !copy {
+            chain.push((
+                stream,
+                if stage == 1 {
+                    Op::Stage1 {
+                        bucket,
+                        micro_batch: m,
+                        collective,
+                    }
+                } else {
+                    Op::Stage2 {
+                        bucket,
+                        micro_batch: m,
+                        collective,
+                    }
+                },
+            ));
+            return;
+        }
+        chain.push((
+            stream,
+            Op::Exchange {
+                bucket,
+                micro_batch: m,
+                stage,
+                collective,
+            },
+        ));
+        if plan.stage_input(bucket, m, stage, rank).1 {
+            chain.push((
+                b.combine,
+                Op::Combine {
+                    bucket,
+                    micro_batch: m,
+                    stage,
+                    collective,
+                },
+            ));
+        }
     }
 }
 
@@ -390,6 +449,7 @@ mod tests {
             reduce: ReduceSpec::default(),
             bucket_cap_bytes: cap,
             bindings: Bindings::default(),
+            schedule: Default::default(),
         }
     }
 

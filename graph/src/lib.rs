@@ -9,7 +9,7 @@
 //! invariants before an executor runs it.
 //!
 //! ```
-//! use overlap_graph::{Bindings, Gate, Mesh, ParamSpec, PlanSpec, Planner, ReduceSpec, Route, validate, Mode};
+//! use overlap_graph::{Bindings, Gate, Mesh, ParamSpec, PlanSpec, Planner, ReduceSpec, Route, Schedule, validate, Mode};
 //!
 //! let spec = PlanSpec {
 //!     mesh: Mesh::new(2, 2)?,
@@ -20,6 +20,7 @@
 //!     reduce: ReduceSpec::default(),
 //!     bucket_cap_bytes: 1 << 20,
 //!     bindings: Bindings::default(),
+//!     schedule: Schedule::default(),
 //! };
 //! let plan = Planner::new(spec)?.plan(&[Gate::ReplicateOff, Gate::On])?;
 //! assert!(validate(&plan, Mode::Step).is_empty());
@@ -49,6 +50,6 @@ pub use node::{
 pub use param::{ModelSpec, ParamId, ParamSpec, Route};
 pub use plan::{
     Access, Bindings, Bucket, CopySeg, PlacedParam, Plan, PlanSpec, RankProgram, ReduceSpec,
-    StreamProgram,
+    Schedule, StreamProgram, Transport,
 };
 pub use validate::{validate, Mode};

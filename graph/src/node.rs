@@ -92,6 +92,14 @@ pub enum Buffer {
     Partial { bucket: BucketId },
     /// A bucket's Stage-2 output.
     Stage2Out { bucket: BucketId, micro_batch: u32 },
+    /// Copy transport: the chunks the other members of a stage's group sent this rank,
+    /// one after another in member order (`(n − 1) · count` elements), which the
+    /// stage's [`Op::Combine`] reduces.
+    Recv {
+        bucket: BucketId,
+        micro_batch: u32,
+        stage: u8,
+    },
     /// The reduced gradient of a parameter the optimizer consumes (this rank's piece).
     Reduced { param: ParamId },
     /// The parameter's values held by this rank (shard or whole).
@@ -109,6 +117,7 @@ impl Buffer {
                 | Buffer::Send { .. }
                 | Buffer::Stage1Out { .. }
                 | Buffer::Stage2Out { .. }
+                | Buffer::Recv { .. }
         )
     }
 
@@ -136,6 +145,11 @@ impl std::fmt::Display for Buffer {
                 bucket,
                 micro_batch,
             } => write!(f, "stage2_out[b{bucket},m{micro_batch}]"),
+            Buffer::Recv {
+                bucket,
+                micro_batch,
+                stage,
+            } => write!(f, "recv{stage}[b{bucket},m{micro_batch}]"),
             Buffer::Reduced { param } => write!(f, "reduced[p{param}]"),
             Buffer::Param { param } => write!(f, "param[p{param}]"),
             Buffer::OptState { param } => write!(f, "opt_state[p{param}]"),
@@ -303,6 +317,26 @@ pub enum Op {
         micro_batch: u32,
         collective: Collective,
     },
+    /// Copy transport, the moving half of a stage (`stage` 1 or 2): every member copies
+    /// the chunks the others need into their [`Buffer::Recv`], without arithmetic (on
+    /// GPUs: copy engines over NVLink, no SMs). `collective` is the reduction the stage
+    /// performs; every member of its group issues the same exchanges in the same order.
+    Exchange {
+        bucket: BucketId,
+        micro_batch: u32,
+        stage: u8,
+        collective: Collective,
+    },
+    /// Copy transport, the arithmetic half of a stage: the rank's own contribution plus
+    /// its [`Buffer::Recv`], reduced by `collective`'s operator into the stage's output
+    /// (Stage-1 or Stage-2 output). Local: it may be bound to any stream and issued
+    /// later than its exchange (`[overlap] combine_lag`).
+    Combine {
+        bucket: BucketId,
+        micro_batch: u32,
+        stage: u8,
+        collective: Collective,
+    },
     /// Scatter the Stage-2 output into each parameter's reduced gradient (`(+)=`).
     Unpack {
         bucket: BucketId,
@@ -332,18 +366,42 @@ impl Op {
             Op::Fold { .. } => "fold",
             Op::FoldPartial { .. } => "fold_partial",
             Op::Stage2 { .. } => "stage2",
+            Op::Exchange { .. } => "exchange",
+            Op::Combine { .. } => "combine",
             Op::Unpack { .. } => "unpack",
             Op::Optimizer { .. } => "optimizer",
             Op::Publish { .. } => "publish",
         }
     }
 
-    /// The collective this node issues, if any.
+    /// The collective this node issues, if any: the call every member of its group
+    /// must make in the same order (an [`Op::Exchange`] is one; an [`Op::Combine`],
+    /// which is local, is not).
     pub fn collective(&self) -> Option<&Collective> {
         match self {
             Op::Stage1 { collective, .. }
             | Op::Stage2 { collective, .. }
+            | Op::Exchange { collective, .. }
             | Op::Publish { collective, .. } => Some(collective),
+            _ => None,
+        }
+    }
+
+    /// The collective the node's fields name: [`Op::collective`] plus the reduction an
+    /// [`Op::Combine`] completes.
+    pub fn named_collective(&self) -> Option<&Collective> {
+        match self {
+            Op::Combine { collective, .. } => Some(collective),
+            _ => self.collective(),
+        }
+    }
+
+    /// The reduction stage (1 or 2) a stage node belongs to.
+    pub fn stage(&self) -> Option<u8> {
+        match *self {
+            Op::Stage1 { .. } => Some(1),
+            Op::Stage2 { .. } => Some(2),
+            Op::Exchange { stage, .. } | Op::Combine { stage, .. } => Some(stage),
             _ => None,
         }
     }
@@ -357,6 +415,8 @@ impl Op {
             | Op::Fold { micro_batch, .. }
             | Op::FoldPartial { micro_batch, .. }
             | Op::Stage2 { micro_batch, .. }
+            | Op::Exchange { micro_batch, .. }
+            | Op::Combine { micro_batch, .. }
             | Op::Unpack { micro_batch, .. } => Some(micro_batch),
             _ => None,
         }
@@ -371,6 +431,8 @@ impl Op {
             | Op::Fold { bucket, .. }
             | Op::FoldPartial { bucket, .. }
             | Op::Stage2 { bucket, .. }
+            | Op::Exchange { bucket, .. }
+            | Op::Combine { bucket, .. }
             | Op::Unpack { bucket, .. } => Some(bucket),
             _ => None,
         }

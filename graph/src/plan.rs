@@ -51,6 +51,58 @@ pub struct Bindings {
     pub optimizer: Stream,
     /// Post-step broadcasts.
     pub publish: Stream,
+    /// The arithmetic half of a copy-transport stage ([`Op::Combine`]).
+    #[serde(default = "combine_default")]
+    pub combine: Stream,
+}
+
+fn combine_default() -> Stream {
+    Stream::Compute
+}
+
+/// How a stage whose group has more than one member moves its bytes.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize, Default)]
+#[serde(rename_all = "snake_case")]
+pub enum Transport {
+    /// One NCCL collective per stage (reduction inside NCCL's kernels, on SMs).
+    #[default]
+    Nccl,
+    /// An [`Op::Exchange`] that copies chunks between the members' memories (on GPUs:
+    /// copy engines over NVLink, no SMs; all members on one node), then an
+    /// [`Op::Combine`] that reduces them, on the stream `Bindings::combine` names.
+    Copy,
+}
+
+impl Transport {
+    /// The name used in configs.
+    pub fn name(self) -> &'static str {
+        match self {
+            Transport::Nccl => "nccl",
+            Transport::Copy => "copy",
+        }
+    }
+}
+
+/// Where the planner places what the bindings leave open.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub struct Schedule {
+    /// How stages with more than one member move their bytes.
+    pub transport: Transport,
+    /// Copy transport: how many later layers' `grad_ready` are issued before a bucket's
+    /// combine (and what follows it). 0 issues it right after its exchange; 1 runs it
+    /// after the next layer's backward, so that on the compute stream it sits between
+    /// GEMMs instead of beside them. Never past the end of the micro-batch.
+    pub combine_lag: u32,
+}
+
+impl Default for Schedule {
+    /// NCCL collectives; with the copy transport, combines one layer behind.
+    fn default() -> Self {
+        Schedule {
+            transport: Transport::Nccl,
+            combine_lag: 1,
+        }
+    }
 }
 
 impl Default for Bindings {
@@ -64,6 +116,7 @@ impl Default for Bindings {
             unpack: Stream::Replicate,
             optimizer: Stream::Compute,
             publish: Stream::Publish,
+            combine: Stream::Compute,
         }
     }
 }
@@ -81,6 +134,8 @@ pub struct PlanSpec {
     pub bucket_cap_bytes: u64,
     /// Stream of each node kind.
     pub bindings: Bindings,
+    /// Transport and placement of copy-transport combines.
+    pub schedule: Schedule,
 }
 
 /// A parameter with its owner. In JSON its fields are the parameter's own plus `owner`.
@@ -288,6 +343,10 @@ impl Plan {
             Buffer::Stage1Out { bucket, .. }
             | Buffer::Partial { bucket }
             | Buffer::Stage2Out { bucket, .. } => self.stage1_elems(bucket),
+            Buffer::Recv { bucket, stage, .. } => {
+                let c = self.stage_collective(bucket, rank, stage);
+                u64::from(self.mesh.group_size(c.group).saturating_sub(1)) * c.count
+            }
             Buffer::Reduced { param } | Buffer::Param { param } => self.local_elems(param, rank),
             Buffer::OptState { param } => match self.optimizer_kind(param) {
                 OptimizerKind::Adamw => 2 * self.local_elems(param, rank),
@@ -495,6 +554,47 @@ impl Plan {
                     });
                 }
             }
+            Op::Exchange {
+                bucket,
+                micro_batch,
+                stage,
+                ..
+            } => {
+                let (src, holds) = self.stage_input(bucket, micro_batch, stage, rank);
+                a.reads.push(src);
+                if holds {
+                    a.writes.push(Buffer::Recv {
+                        bucket,
+                        micro_batch,
+                        stage,
+                    });
+                }
+            }
+            Op::Combine {
+                bucket,
+                micro_batch,
+                stage,
+                ..
+            } => {
+                let (src, _) = self.stage_input(bucket, micro_batch, stage, rank);
+                a.reads.push(src);
+                a.reads.push(Buffer::Recv {
+                    bucket,
+                    micro_batch,
+                    stage,
+                });
+                a.writes.push(if stage == 1 {
+                    Buffer::Stage1Out {
+                        bucket,
+                        micro_batch,
+                    }
+                } else {
+                    Buffer::Stage2Out {
+                        bucket,
+                        micro_batch,
+                    }
+                });
+            }
             Op::Unpack {
                 bucket,
                 micro_batch,
@@ -530,6 +630,34 @@ impl Plan {
             }
         }
         a
+    }
+
+    /// The input of a bucket's stage (the send buffer for Stage 1, the Stage-1 output
+    /// for Stage 2) and whether the rank receives the stage's result.
+    pub fn stage_input(
+        &self,
+        b: BucketId,
+        micro_batch: u32,
+        stage: u8,
+        rank: u32,
+    ) -> (Buffer, bool) {
+        if stage == 1 {
+            (
+                Buffer::Send {
+                    bucket: b,
+                    micro_batch,
+                },
+                self.holds_stage1(b, rank),
+            )
+        } else {
+            (
+                Buffer::Stage1Out {
+                    bucket: b,
+                    micro_batch,
+                },
+                self.holds_stage2(b, rank),
+            )
+        }
     }
 
     /// The collective a bucket's Stage 1 (`stage == 1`) or Stage 2 (`stage == 2`) must
@@ -595,6 +723,9 @@ impl Plan {
         match node.op {
             Op::Stage1 { bucket, .. } => Some(self.stage_collective(bucket, rank, 1)),
             Op::Stage2 { bucket, .. } => Some(self.stage_collective(bucket, rank, 2)),
+            Op::Exchange { bucket, stage, .. } | Op::Combine { bucket, stage, .. } => {
+                Some(self.stage_collective(bucket, rank, stage))
+            }
             Op::Publish { param, .. } => self.publish_collective(param),
             _ => None,
         }
@@ -625,7 +756,7 @@ impl Plan {
             Op::Publish { param, .. } => format!("publish {}", self.param(param).spec.name),
             op => {
                 let b = op.bucket().unwrap_or(0);
-                match op.collective() {
+                match op.named_collective() {
                     Some(c) => format!("{} b{b}{mb} ({} on {})", op.kind(), c.kind.name(), c.group),
                     None => format!("{} b{b}{mb}", op.kind()),
                 }
@@ -817,6 +948,16 @@ impl Plan {
                         "optimizer and publish nodes, and only they, belong to the step (null)"
                             .into(),
                     );
+                }
+                if let Op::Exchange { stage, .. } | Op::Combine { stage, .. } = n.op {
+                    if stage != 1 && stage != 2 {
+                        return mal(
+                            Some(n.stream),
+                            Some(ni as u32),
+                            at(format!("nodes[{ni}].stage")),
+                            format!("stage {stage} does not exist (1 or 2)"),
+                        );
+                    }
                 }
                 if let Some(b) = n.op.bucket() {
                     if u64::from(b) >= nb {

@@ -9,6 +9,9 @@
 //!   partial with it on).
 //! - `stage1-consumed-once`: every Stage-1 output is consumed exactly once, by a fold or
 //!   by Stage 2 (zero times is seed bug 1 or 4, twice is bug 2).
+//! - `exchange-combined-once` (copy transport): every exchange a rank receives is
+//!   combined exactly once, after it, and only ranks that receive a stage's result
+//!   combine it.
 //! - `event-order`: every wait follows, in host issue order, a record of its event.
 //! - `ordered-access`: every pair of accesses to one buffer, one of them a write, runs in
 //!   serial order: same stream, or ordered by an event chain (bug 3); nothing reads a
@@ -46,10 +49,11 @@ pub enum Mode {
 
 /// The name of every invariant the validator checks, in the order of this module's
 /// docs: every [`Violation::invariant`] is one of these (metrics label by them).
-pub const INVARIANTS: [&str; 10] = [
+pub const INVARIANTS: [&str; 11] = [
     "well-formed",
     "gate-conformance",
     "stage1-consumed-once",
+    "exchange-combined-once",
     "event-order",
     "ordered-access",
     "gradient-accounting",
@@ -93,6 +97,7 @@ pub fn validate(plan: &Plan, mode: Mode) -> Vec<Violation> {
         let accesses: Vec<_> = rp.nodes.iter().map(|n| plan.access(rank, n)).collect();
         gate_conformance(plan, rank, &rp.nodes, &mut out);
         stage1_consumed_once(plan, rank, &rp.nodes, &mut out);
+        exchange_combined_once(plan, rank, &rp.nodes, &mut out);
         collective_shape(plan, rank, &rp.nodes, &mut out);
         ordered_access(plan, rp, &accesses, &mut out);
         accounting(plan, rank, &rp.nodes, mode, &mut out);
@@ -155,7 +160,11 @@ fn gate_conformance(plan: &Plan, rank: u32, nodes: &[Node], out: &mut Vec<Violat
             (_, Op::Accumulate { .. }) => false,
             (
                 Gate::ReplicateOff,
-                Op::Stage2 { .. } | Op::Unpack { .. } | Op::FoldPartial { .. },
+                Op::Stage2 { .. }
+                | Op::Unpack { .. }
+                | Op::FoldPartial { .. }
+                | Op::Exchange { stage: 2, .. }
+                | Op::Combine { stage: 2, .. },
             ) => false,
             (Gate::On, Op::Fold { .. }) => false,
             _ => true,
@@ -186,6 +195,14 @@ fn stage1_consumed_once(plan: &Plan, rank: u32, nodes: &[Node], out: &mut Vec<Vi
             } if plan.holds_stage1(bucket, rank) => {
                 producers.insert((bucket, micro_batch), n);
             }
+            Op::Combine {
+                bucket,
+                micro_batch,
+                stage: 1,
+                ..
+            } => {
+                producers.insert((bucket, micro_batch), n);
+            }
             Op::Fold {
                 bucket,
                 micro_batch,
@@ -194,6 +211,12 @@ fn stage1_consumed_once(plan: &Plan, rank: u32, nodes: &[Node], out: &mut Vec<Vi
             | Op::Stage2 {
                 bucket,
                 micro_batch,
+                ..
+            }
+            | Op::Exchange {
+                bucket,
+                micro_batch,
+                stage: 2,
                 ..
             } => {
                 consumers.entry((bucket, micro_batch)).or_default().push(n);
@@ -227,6 +250,85 @@ fn stage1_consumed_once(plan: &Plan, rank: u32, nodes: &[Node], out: &mut Vec<Vi
                     cs.iter().map(|c| plan.label(c)).collect::<Vec<_>>().join(", ")
                 ),
             )),
+        }
+    }
+}
+
+fn exchange_combined_once(plan: &Plan, rank: u32, nodes: &[Node], out: &mut Vec<Violation>) {
+    // (bucket, micro-batch, stage) -> the exchange seen so far, and how often combined.
+    let mut open: BTreeMap<(u32, u32, u8), (&Node, u32)> = BTreeMap::new();
+    for n in nodes {
+        match n.op {
+            Op::Exchange {
+                bucket,
+                micro_batch,
+                stage,
+                ..
+            } => {
+                let (_, holds) = plan.stage_input(bucket, micro_batch, stage, rank);
+                if holds {
+                    if let Some((prev, _)) = open.insert((bucket, micro_batch, stage), (n, 0)) {
+                        out.push(violation(
+                            "exchange-combined-once",
+                            rank,
+                            Some(n),
+                            format!(
+                                "{} exchanges again what {} already exchanged",
+                                plan.label(n),
+                                plan.label(prev)
+                            ),
+                        ));
+                    }
+                }
+            }
+            Op::Combine {
+                bucket,
+                micro_batch,
+                stage,
+                ..
+            } => {
+                let (_, holds) = plan.stage_input(bucket, micro_batch, stage, rank);
+                if !holds {
+                    out.push(violation(
+                        "exchange-combined-once",
+                        rank,
+                        Some(n),
+                        format!(
+                            "{} runs on rank {rank}, which does not receive the stage's result",
+                            plan.label(n)
+                        ),
+                    ));
+                    continue;
+                }
+                match open.get_mut(&(bucket, micro_batch, stage)) {
+                    Some((_, k)) => *k += 1,
+                    None => out.push(violation(
+                        "exchange-combined-once",
+                        rank,
+                        Some(n),
+                        format!(
+                            "{} combines chunks no earlier exchange received",
+                            plan.label(n)
+                        ),
+                    )),
+                }
+            }
+            _ => {}
+        }
+    }
+    for (x, k) in open.into_values() {
+        if k != 1 {
+            let what = if k == 0 {
+                "is never combined: the chunks it received would be lost".to_string()
+            } else {
+                format!("is combined {k} times: its chunks would be counted {k} times")
+            };
+            out.push(violation(
+                "exchange-combined-once",
+                rank,
+                Some(x),
+                format!("{} {what}", plan.label(x)),
+            ));
         }
     }
 }
@@ -695,6 +797,59 @@ fn accounting(plan: &Plan, rank: u32, nodes: &[Node], mode: Mode, out: &mut Vec<
                     .err(),
                 );
             }
+            Op::Exchange {
+                bucket,
+                micro_batch,
+                stage,
+                ..
+            } => {
+                if stage == 2 {
+                    if let Some(p) = val.live(&Buffer::Partial { bucket }) {
+                        errors.push(format!(
+                            "runs Stage 2 while the partial {} is still unfolded",
+                            p.describe()
+                        ));
+                    }
+                }
+                let (src, holds) = plan.stage_input(bucket, micro_batch, stage, rank);
+                let (from, to) = if stage == 1 {
+                    (Level::Local, Level::Shard)
+                } else {
+                    (Level::Shard, Level::Full)
+                };
+                let recv = Buffer::Recv {
+                    bucket,
+                    micro_batch,
+                    stage,
+                };
+                errors.extend(val.reduce(&src, holds.then_some(recv), from, to).err());
+            }
+            Op::Combine {
+                bucket,
+                micro_batch,
+                stage,
+                ..
+            } => {
+                let recv = Buffer::Recv {
+                    bucket,
+                    micro_batch,
+                    stage,
+                };
+                let dst = if stage == 1 {
+                    Buffer::Stage1Out {
+                        bucket,
+                        micro_batch,
+                    }
+                } else {
+                    Buffer::Stage2Out {
+                        bucket,
+                        micro_batch,
+                    }
+                };
+                if let Some(t) = val.0.remove(&recv) {
+                    val.0.insert(dst, t);
+                }
+            }
             Op::Unpack {
                 bucket,
                 micro_batch,
@@ -837,7 +992,8 @@ fn describe_call(plan: &Plan, call: Option<&(NodeId, Subject, Collective)>) -> S
 
 fn collective_shape(plan: &Plan, rank: u32, nodes: &[Node], out: &mut Vec<Violation>) {
     for n in nodes {
-        let (Some(got), Some(want)) = (n.op.collective(), plan.expected_collective(rank, n)) else {
+        let (Some(got), Some(want)) = (n.op.named_collective(), plan.expected_collective(rank, n))
+        else {
             continue;
         };
         if *got != want {

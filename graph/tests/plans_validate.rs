@@ -29,6 +29,7 @@ fn spec(shard: u32, replicate: u32) -> PlanSpec {
         reduce: ReduceSpec::default(),
         bucket_cap_bytes: 256,
         bindings: Bindings::default(),
+        schedule: Default::default(),
     }
 }
 
@@ -55,6 +56,103 @@ fn built_plans_validate_on_every_mesh_and_gate_pattern() {
                 Gate::pattern_label(g),
                 v
             );
+        }
+    }
+}
+
+#[test]
+fn copy_transport_plans_validate_with_every_combine_lag() {
+    use overlap_graph::{Op, Schedule, Stream, Transport};
+    use Gate::*;
+    let patterns: Vec<Vec<Gate>> = vec![
+        vec![On],
+        vec![ReplicateOff, On],
+        vec![NoSync, ReplicateOff, On],
+        vec![ReplicateOff, On, ReplicateOff, On],
+    ];
+    for (s, r) in [(1, 1), (2, 2), (1, 4), (4, 1), (2, 3), (3, 2)] {
+        for lag in [0, 1, 2, 7] {
+            for combine in [Stream::Compute, Stream::Reduce, Stream::Publish] {
+                let spec = PlanSpec {
+                    bindings: Bindings {
+                        combine,
+                        ..Bindings::default()
+                    },
+                    schedule: Schedule {
+                        transport: Transport::Copy,
+                        combine_lag: lag,
+                    },
+                    ..spec(s, r)
+                };
+                let planner = Planner::new(spec).unwrap();
+                for g in &patterns {
+                    let plan = planner.plan(g).unwrap();
+                    let v = validate(&plan, Mode::Step);
+                    assert!(
+                        v.is_empty(),
+                        "mesh {s}x{r} lag {lag} combine on {combine} gates {}: {:#?}",
+                        Gate::pattern_label(g),
+                        v
+                    );
+                    // Groups of more than one member exchange; none runs a collective
+                    // for a stage (only the publish broadcasts remain).
+                    for rp in &plan.ranks {
+                        for n in &rp.nodes {
+                            if let Op::Stage1 { collective, .. } | Op::Stage2 { collective, .. } =
+                                n.op
+                            {
+                                assert_eq!(plan.mesh.group_size(collective.group), 1);
+                            }
+                            if let Op::Combine { .. } = n.op {
+                                assert_eq!(n.stream, combine);
+                            }
+                        }
+                    }
+                    if s * r > 1 && g == &vec![On] {
+                        assert!(plan.ranks[0]
+                            .nodes
+                            .iter()
+                            .any(|n| matches!(n.op, Op::Exchange { .. })));
+                    }
+                }
+            }
+        }
+    }
+}
+
+#[test]
+fn a_lagged_combine_follows_the_next_layers_backward() {
+    use overlap_graph::{Op, Schedule, Transport};
+    let spec = PlanSpec {
+        schedule: Schedule {
+            transport: Transport::Copy,
+            combine_lag: 1,
+        },
+        ..spec(2, 1)
+    };
+    let plan = Planner::new(spec).unwrap().plan(&[Gate::On]).unwrap();
+    let nodes = &plan.ranks[0].nodes;
+    let layer_of = |b: u32| plan.buckets[b as usize].layer;
+    let layers = plan.layers_desc();
+    for n in nodes {
+        let Op::Combine { bucket, .. } = n.op else {
+            continue;
+        };
+        let l = layer_of(bucket);
+        let li = layers.iter().position(|&x| x == l).unwrap();
+        // The grad_ready issued last before the combine is the next layer's (or the
+        // combine ends the micro-batch, after the last layer).
+        let last_ready = nodes[..n.id as usize]
+            .iter()
+            .rev()
+            .find_map(|m| match m.op {
+                Op::GradReady { layer } => Some(layer),
+                _ => None,
+            })
+            .unwrap();
+        match layers.get(li + 1) {
+            Some(&next) => assert_eq!(last_ready, next, "combine of layer {l}"),
+            None => assert_eq!(last_ready, *layers.last().unwrap()),
         }
     }
 }

@@ -8,7 +8,7 @@
 
 use overlap_graph::{
     validate, Bindings, DType, Gate, Mesh, Mode, ParamSpec, Plan, PlanSpec, Planner, ReduceOp,
-    ReduceSpec, Route, Stream,
+    ReduceSpec, Route, Schedule, Stream, Transport,
 };
 use proptest::prelude::*;
 use proptest::sample::select;
@@ -72,7 +72,7 @@ fn stream() -> impl Strategy<Value = Stream> {
 fn bindings() -> impl Strategy<Value = Bindings> {
     prop_oneof![
         1 => Just(Bindings::default()),
-        3 => [stream(), stream(), stream(), stream(), stream(), stream(), stream(), stream()].prop_map(|s| Bindings {
+        3 => [stream(), stream(), stream(), stream(), stream(), stream(), stream(), stream(), stream()].prop_map(|s| Bindings {
             accumulate: s[0],
             pack: s[1],
             stage1: s[2],
@@ -81,6 +81,7 @@ fn bindings() -> impl Strategy<Value = Bindings> {
             unpack: s[5],
             optimizer: s[6],
             publish: s[7],
+            combine: s[8],
         }),
     ]
 }
@@ -93,16 +94,35 @@ fn reduce() -> impl Strategy<Value = ReduceSpec> {
         .prop_map(|(op, dtype)| ReduceSpec { op, dtype })
 }
 
-fn plan_spec() -> impl Strategy<Value = PlanSpec> {
-    (mesh(), params(), reduce(), bucket_cap(), bindings()).prop_map(
-        |(mesh, params, reduce, bucket_cap_bytes, bindings)| PlanSpec {
-            mesh,
-            params,
-            reduce,
-            bucket_cap_bytes,
-            bindings,
+/// Either transport; the copy transport with its combines 0 to 3 layers behind.
+fn schedule() -> impl Strategy<Value = Schedule> {
+    (select(vec![Transport::Nccl, Transport::Copy]), 0u32..4).prop_map(
+        |(transport, combine_lag)| Schedule {
+            transport,
+            combine_lag,
         },
     )
+}
+
+fn plan_spec() -> impl Strategy<Value = PlanSpec> {
+    (
+        mesh(),
+        params(),
+        reduce(),
+        bucket_cap(),
+        bindings(),
+        schedule(),
+    )
+        .prop_map(
+            |(mesh, params, reduce, bucket_cap_bytes, bindings, schedule)| PlanSpec {
+                mesh,
+                params,
+                reduce,
+                bucket_cap_bytes,
+                bindings,
+                schedule,
+            },
+        )
 }
 
 proptest! {

@@ -274,9 +274,22 @@ fn every_node_kind() -> Plan {
     four_routes_plan(&[Gate::NoSync, Gate::ReplicateOff, Gate::On])
 }
 
-/// More plans: other meshes, reductions, bindings and bucket caps.
+/// The copy transport's plan (exchange and combine nodes) on a 2x2 mesh.
+fn copy_transport_plan() -> Plan {
+    let mut copy = spec(2, 2, four_routes(), 1 << 20);
+    copy.schedule = overlap_graph::Schedule {
+        transport: overlap_graph::Transport::Copy,
+        combine_lag: 1,
+    };
+    Planner::new(copy)
+        .unwrap()
+        .plan(&[Gate::ReplicateOff, Gate::On])
+        .unwrap()
+}
+
+/// More plans: other meshes, reductions, bindings, bucket caps and transports.
 fn assorted_plans() -> Vec<Plan> {
-    let mut plans = vec![every_node_kind()];
+    let mut plans = vec![every_node_kind(), copy_transport_plan()];
     let mut bf16 = spec(3, 2, four_routes(), 16);
     bf16.reduce = ReduceSpec {
         op: ReduceOp::Sum,
@@ -321,7 +334,9 @@ fn op_kinds(plan: &Plan) -> BTreeSet<&'static str> {
 #[test]
 fn the_plan_fixture_has_a_node_of_every_kind() {
     let all: BTreeSet<&str> = one_op_of_each_kind().iter().map(|op| op.kind()).collect();
-    assert_eq!(op_kinds(&every_node_kind()), all);
+    let mut kinds = op_kinds(&every_node_kind());
+    kinds.extend(op_kinds(&copy_transport_plan()));
+    assert_eq!(kinds, all);
 }
 
 #[test]
@@ -394,6 +409,18 @@ fn one_op_of_each_kind() -> Vec<Op> {
             micro_batch: 0,
             collective,
         },
+        Op::Exchange {
+            bucket: 0,
+            micro_batch: 0,
+            stage: 1,
+            collective,
+        },
+        Op::Combine {
+            bucket: 0,
+            micro_batch: 0,
+            stage: 2,
+            collective,
+        },
         Op::Unpack {
             bucket: 0,
             micro_batch: 0,
@@ -417,6 +444,8 @@ fn one_op_of_each_kind() -> Vec<Op> {
             | Op::Fold { .. }
             | Op::FoldPartial { .. }
             | Op::Stage2 { .. }
+            | Op::Exchange { .. }
+            | Op::Combine { .. }
             | Op::Unpack { .. }
             | Op::Optimizer { .. }
             | Op::Publish { .. } => {}

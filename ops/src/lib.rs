@@ -131,6 +131,41 @@ pub fn collective_roles(
     Ok(CollectiveRoles { send, recv })
 }
 
+/// What each member of a copy-transport exchange of `desc` passes ([`Kernel::Exchange`]):
+/// a send buffer as the collective's (reduce-scatter `n·c`, all-reduce and reduce `c`),
+/// and where the member receives the stage's result, a receive buffer of `(n − 1)·c`.
+/// Broadcast and all-gather move no reduction and have no exchange.
+pub fn exchange_roles(desc: &Collective, size: u32, index: u32) -> Result<CollectiveRoles, String> {
+    let roles = collective_roles(desc, size, index)?;
+    let c = roles.recv.unwrap_or(0);
+    let peers = size.saturating_sub(1) as usize;
+    let recv = match desc.kind {
+        CollectiveKind::ReduceScatter | CollectiveKind::AllReduce | CollectiveKind::Reduce => {
+            roles.recv.map(|_| c * peers)
+        }
+        CollectiveKind::Broadcast | CollectiveKind::AllGather => {
+            return Err(format!(
+                "{} reduces nothing and has no copy-transport exchange",
+                desc.kind.name()
+            ))
+        }
+    };
+    Ok(CollectiveRoles {
+        send: roles.send,
+        recv,
+    })
+}
+
+/// The receive-buffer slot of member `from` at member `index`: the other members in
+/// group order, skipping `index` itself.
+pub fn exchange_slot(index: u32, from: u32) -> usize {
+    if from < index {
+        from as usize
+    } else {
+        from as usize - 1
+    }
+}
+
 /// AdamW hyper-parameters (decoupled weight decay, bias-corrected moments).
 #[derive(Debug, Clone, Copy, PartialEq)]
 pub struct AdamwParams {
@@ -251,6 +286,45 @@ pub enum Kernel<B> {
         /// Output.
         recv: Option<B>,
     },
+    /// Copy transport, the moving half of `desc` (reduce-scatter, all-reduce or
+    /// reduce over `comm`'s group of `n` members, count `c`), without arithmetic: member
+    /// `i` receives into `recv`, at slot [`exchange_slot`]`(i, j)`, member `j`'s chunk
+    /// `i` of its send buffer (reduce-scatter) or member `j`'s whole send buffer
+    /// (all-reduce; reduce, on the root only). Buffers as [`exchange_roles`]. Every
+    /// member issues the same exchanges in the same order; the exchange ends on a
+    /// member's stream once its own receive buffer is complete and the others have
+    /// taken what they need from it. CUDA: copy engines over NVLink (CUDA IPC), no SMs.
+    Exchange {
+        /// The reduction the stage performs.
+        desc: Collective,
+        /// The communicator.
+        comm: CommId,
+        /// Input (as the collective's).
+        send: Option<B>,
+        /// The other members' chunks, `(n − 1)·c`.
+        recv: Option<B>,
+    },
+    /// Copy transport, the arithmetic half of `desc`: `dst[c] = Σ_j x_j` over members
+    /// `j = 0..size` in order, where `x_index = own[own_offset..own_offset + c]` and
+    /// `x_j = recv[slot(j)·c..]` for the others; `bf16` rounds every `x_j` to bfloat16
+    /// first, `avg` divides by `size`. Every member sums in the same order, so all-reduce
+    /// replicas agree bit for bit.
+    Combine {
+        /// The reduction.
+        desc: Collective,
+        /// Members in the group.
+        size: u32,
+        /// This rank's member index.
+        index: u32,
+        /// This rank's own contribution (its send buffer or Stage-1 output).
+        own: B,
+        /// Where this rank's chunk starts in `own` (`index·c` for reduce-scatter).
+        own_offset: usize,
+        /// What [`Kernel::Exchange`] received.
+        recv: B,
+        /// The stage's output, `c` elements.
+        dst: B,
+    },
     /// AdamW on one piece: `state` holds `m` then `v` (2·len).
     Adamw {
         /// Parameter values (updated in place).
@@ -292,6 +366,8 @@ impl<B> Kernel<B> {
             Kernel::Pack { .. } => "pack",
             Kernel::Unpack { .. } => "unpack",
             Kernel::Collective { .. } => "collective",
+            Kernel::Exchange { .. } => "exchange",
+            Kernel::Combine { .. } => "combine",
             Kernel::Adamw { .. } => "adamw",
             Kernel::Muon { .. } => "muon",
         }

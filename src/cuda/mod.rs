@@ -80,21 +80,26 @@ pub fn rank_env(mesh: Mesh) -> Result<RankEnv, Error> {
 /// (group, stream) its bindings use.
 pub fn world(config: &Config, env: RankEnv, timings: bool) -> Result<CudaWorld, Error> {
     let mesh = config.plan.mesh;
+    let copy = (config.plan.schedule.transport == overlap_graph::Transport::Copy)
+        .then(|| (config.overlap.copy_slot_mib as usize) << 20);
     open(
         env,
         mesh,
         ops_cuda::mesh_comms(mesh, &config.plan.bindings),
         timings,
+        copy,
     )
 }
 
 /// Opens this rank's GPU and connects the job: `comms` is the global list of
-/// communicators (the same on every rank).
+/// communicators (the same on every rank); with `copy_slot_bytes`, every communicator
+/// of more than one member also gets a copy-transport receive ring of that slot size.
 pub fn open(
     env: RankEnv,
     mesh: Mesh,
     comms: Vec<CommId>,
     timings: bool,
+    copy_slot_bytes: Option<usize>,
 ) -> Result<CudaWorld, Error> {
     if env.world_size != mesh.world() {
         return Err(DistError::Inconsistent(format!(
@@ -130,6 +135,11 @@ pub fn open(
     backend
         .connect(&list)
         .map_err(|e| Error::Backend(e.to_string()))?;
+    if let Some(slot) = copy_slot_bytes {
+        backend
+            .connect_copy(slot)
+            .map_err(|e| Error::Backend(e.to_string()))?;
+    }
     Ok(CudaWorld {
         env,
         rendezvous,
