@@ -66,6 +66,10 @@ enum Command {
         /// Reduction dtype on the wire (overrides `reduce.dtype`).
         #[arg(long, value_enum)]
         dtype: Option<WireDType>,
+        /// How stages over groups of two or more move their bytes (overrides
+        /// `overlap.transport`).
+        #[arg(long, value_enum)]
+        transport: Option<TransportArg>,
     },
     /// Print the lowered plan of one step.
     Plan {
@@ -146,8 +150,8 @@ enum Command {
         no_alias: bool,
         /// How the stage over the group of two moves its bytes: `nccl` (one collective)
         /// or `copy` (copy engines over NVLink, then a combine kernel).
-        #[arg(long, default_value = "nccl")]
-        transport: String,
+        #[arg(long, value_enum, default_value_t = TransportArg::Nccl)]
+        transport: TransportArg,
         /// Copy transport: layers each combine is issued behind its exchange.
         #[arg(long, default_value_t = 1)]
         combine_lag: u32,
@@ -202,6 +206,24 @@ enum Command {
 enum WireDType {
     F32,
     Bf16,
+}
+
+/// `[overlap] transport` on the command line.
+#[derive(Clone, Copy, ValueEnum)]
+enum TransportArg {
+    /// One NCCL collective per stage.
+    Nccl,
+    /// Copy engines over NVLink for the bytes, a combine kernel for the reduction.
+    Copy,
+}
+
+impl From<TransportArg> for overlap::graph::Transport {
+    fn from(t: TransportArg) -> Self {
+        match t {
+            TransportArg::Nccl => overlap::graph::Transport::Nccl,
+            TransportArg::Copy => overlap::graph::Transport::Copy,
+        }
+    }
 }
 
 /// What `overlap run` shows besides its summary lines.
@@ -300,8 +322,12 @@ async fn dispatch(cmd: Command) -> Result<ExitCode, Error> {
             backend,
             gates,
             dtype,
+            transport,
         } => {
             let mut cfg = load(&config)?;
+            if let Some(t) = transport {
+                cfg.plan.schedule.transport = t.into();
+            }
             if let Some(g) = gates {
                 cfg.gates = parse_gates(&g)?;
             }
@@ -362,15 +388,7 @@ async fn dispatch(cmd: Command) -> Result<ExitCode, Error> {
             copy_slot_mib,
             json,
         } => {
-            let transport = match transport.as_str() {
-                "nccl" => overlap::graph::Transport::Nccl,
-                "copy" => overlap::graph::Transport::Copy,
-                other => {
-                    return Err(Error::Usage(format!(
-                        "--transport: unknown transport `{other}`; expected nccl or copy"
-                    )))
-                }
-            };
+            let transport = transport.into();
             let combine_stream = overlap::graph::Stream::parse(&combine_stream)
                 .map_err(|e| Error::Usage(format!("--combine-stream: {e}")))?;
             if copy_slot_mib == 0 || copy_slot_mib > 4096 {

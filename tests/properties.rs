@@ -49,8 +49,9 @@ fn config(
     params: &[(Vec<u64>, Route, u32)],
     gates: &[Gate],
     cap: u64,
+    (transport, lag): (&str, u32),
 ) -> Config {
-    let mut t = format!("[mesh]\nshard = {s}\nreplicate = {r}\n[buckets]\ncap_bytes = {cap}\n[accumulation]\ngates = [");
+    let mut t = format!("[mesh]\nshard = {s}\nreplicate = {r}\n[buckets]\ncap_bytes = {cap}\n[overlap]\ntransport = \"{transport}\"\ncombine_lag = {lag}\n[accumulation]\ngates = [");
     t += &gates
         .iter()
         .map(|g| format!("\"{}\"", g.label()))
@@ -70,8 +71,8 @@ proptest! {
     #![proptest_config(ProptestConfig { cases: 24, ..ProptestConfig::default() })]
 
     #[test]
-    fn random_meshes_params_and_gates_validate_and_verify(mesh in meshes(), params in params(), gates in gates(), cap in prop_oneof![Just(32u64), Just(1u64 << 20)]) {
-        let cfg = config(mesh, &params, &gates, cap);
+    fn random_meshes_params_and_gates_validate_and_verify(mesh in meshes(), params in params(), gates in gates(), cap in prop_oneof![Just(32u64), Just(1u64 << 20)], transport in (prop_oneof![Just("nccl"), Just("copy")], 0u32..3)) {
+        let cfg = config(mesh, &params, &gates, cap, transport);
         let plan = Planner::new(cfg.plan.clone()).unwrap().plan(&gates).unwrap();
         let v = validate(&plan, Mode::Step);
         prop_assert!(v.is_empty(), "{:?}", v);

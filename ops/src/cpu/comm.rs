@@ -2,9 +2,14 @@
 //! threads of its members.
 //!
 //! Each member numbers its calls; call `k` of every member meets in one [`Round`]. The
-//! last member to arrive checks that every member issued the same collective and then
+//! last member to arrive checks that every member issued the same call and then
 //! computes every member's output (reading all inputs before writing any output, so a
 //! send buffer may be its recv buffer); the others wait, with a timeout.
+//!
+//! A call is a collective ([`crate::Kernel::Collective`]) or a copy-transport exchange
+//! ([`crate::Kernel::Exchange`]): both share the numbering, the rendezvous, the failure
+//! handling and the timeout, and a round where some members issued an exchange and
+//! others a collective is a disagreement like any other.
 //!
 //! Invariants: a round completes exactly once, with one result per member, and every
 //! member that arrived is released with its result: on success, on a disagreement, on a
@@ -25,8 +30,38 @@ use super::lock;
 use crate::math::round_bf16;
 use crate::{CommId, OpsError};
 
+/// What a member calls on a communicator: the collective `desc`, or the copy-transport
+/// exchange of `desc` (the moving half of the reduction, without arithmetic).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(super) enum Call {
+    /// [`crate::Kernel::Collective`].
+    Collective,
+    /// [`crate::Kernel::Exchange`].
+    Exchange,
+}
+
+impl Call {
+    /// The kernel name, for errors: the collective's kind (`reduce_scatter`, ...) or
+    /// `exchange`.
+    pub(super) fn kernel(self, desc: &Collective) -> &'static str {
+        match self {
+            Call::Collective => desc.kind.name(),
+            Call::Exchange => "exchange",
+        }
+    }
+
+    fn describe(self) -> &'static str {
+        match self {
+            Call::Collective => "a collective",
+            Call::Exchange => "a copy-transport exchange",
+        }
+    }
+}
+
 /// One member's call as it arrives at the rendezvous.
 pub(super) struct Arrival {
+    /// Whether the member issued the collective or its exchange.
+    pub(super) call: Call,
     /// What the member issued.
     pub(super) desc: Collective,
     /// Its input.
@@ -85,28 +120,39 @@ impl Comm {
         self.members.iter().position(|&r| r == rank)
     }
 
-    /// Checks one member's call against the communicator and the buffers its role needs;
-    /// returns the bytes the member contributes (the dtype's size times `n·count` for
-    /// reduce-scatter, `count` otherwise).
+    /// Checks one member's call against the communicator and the buffers its role needs
+    /// ([`crate::collective_roles`], or [`crate::exchange_roles`] for an exchange);
+    /// returns the bytes the member moves: for a collective, what it contributes (the
+    /// dtype's size times `n·count` for reduce-scatter, `count` otherwise); for an
+    /// exchange, what it receives (its f32 receive buffer, `(n − 1)·count` elements or
+    /// nothing).
     pub(super) fn check(
         &self,
         stream: Stream,
         index: usize,
+        call: Call,
         desc: &Collective,
         send: Option<&CpuBuffer>,
         recv: Option<&CpuBuffer>,
     ) -> Result<u64, OpsError> {
-        let kernel = desc.kind.name();
+        let kernel = call.kernel(desc);
         let shape = |reason: String| OpsError::Shape { kernel, reason };
         if desc.group != self.id.group || stream != self.id.stream {
             return Err(shape(format!(
-                "a collective on {} issued from the {stream} stream cannot use communicator {}",
-                desc.group, self.id
+                "{} on {} issued from the {stream} stream cannot use communicator {}",
+                call.describe(),
+                desc.group,
+                self.id
             )));
         }
         let n = self.members.len();
         let rank = self.members[index];
-        let roles = crate::collective_roles(desc, n as u32, index as u32).map_err(shape)?;
+        let roles = match call {
+            Call::Collective => crate::collective_roles(desc, n as u32, index as u32),
+            Call::Exchange => crate::exchange_roles(desc, n as u32, index as u32)
+                .map_err(|e| format!("{} on {}: {e}", desc.kind.name(), desc.group)),
+        }
+        .map_err(shape)?;
         let (want_send, want_recv) = (roles.send, roles.recv);
         for (what, buf, want) in [("send", send, want_send), ("recv", recv, want_recv)] {
             match (buf, want) {
@@ -124,7 +170,11 @@ impl Comm {
                 }
             }
         }
-        Ok(want_send.unwrap_or(desc.count as usize) as u64 * desc.dtype.size())
+        Ok(match call {
+            Call::Collective => want_send.unwrap_or(desc.count as usize) as u64 * desc.dtype.size(),
+            // The exchange moves the f32 buffers as they are (no bf16 wire format).
+            Call::Exchange => want_recv.unwrap_or(0) as u64 * 4,
+        })
     }
 
     /// Takes part in the member's next call: deposits the arrival and waits until the
@@ -253,19 +303,34 @@ impl Comm {
             };
             return vec![Err(err); arrivals.len()];
         }
-        execute(arrivals);
+        match arrivals[0].call {
+            Call::Collective => execute(arrivals),
+            Call::Exchange => exchange(arrivals),
+        }
         vec![Ok(()); arrivals.len()]
     }
 
-    /// How the first member whose collective differs from member 0's differs.
+    /// How the first member whose call differs from member 0's differs (an exchange
+    /// where member 0 issued the collective of the same `desc`, or the reverse, is a
+    /// difference).
     fn mismatch(&self, arrivals: &[Arrival]) -> Option<String> {
-        let first = &arrivals.first()?.desc;
+        let head = arrivals.first()?;
+        let (first, call) = (&head.desc, head.call);
         let (other, rank) = arrivals
             .iter()
             .zip(&self.members)
-            .find(|(a, _)| a.desc != *first)?;
+            .find(|(a, _)| a.desc != *first || a.call != call)?;
         let d = &other.desc;
         let fields = [
+            (other.call != call).then(|| {
+                format!(
+                    "{} vs {} (of {} on {})",
+                    call.describe(),
+                    other.call.describe(),
+                    first.kind.name(),
+                    first.group
+                )
+            }),
             (d.kind != first.kind)
                 .then(|| format!("kind {} vs {}", first.kind.name(), d.kind.name())),
             (d.group != first.group).then(|| format!("group {} vs {}", first.group, d.group)),
@@ -280,6 +345,48 @@ impl Comm {
             self.members[0],
             diff.join(", ")
         ))
+    }
+}
+
+/// Moves every member's chunks of a validated, agreed exchange ([`crate::Kernel::Exchange`]):
+/// member `i`'s receive buffer gets, at slot [`crate::exchange_slot`]`(i, j)`, member
+/// `j`'s chunk `i` (reduce-scatter) or whole send buffer (all-reduce, reduce), copied
+/// as is (no bf16 rounding: that is the combine's).
+///
+/// Every send buffer is read, each lock held alone, before any receive buffer is
+/// written, so a member's send buffer may be its receive buffer.
+fn exchange(arrivals: &[Arrival]) {
+    let Some(desc) = arrivals.first().map(|a| a.desc) else {
+        return;
+    };
+    // The count was checked against memory when each member validated its call.
+    let c = desc.count as usize;
+    // Appending the senders in member order, skipping the receiver itself, fills the
+    // receive buffer slot by slot.
+    let mut incoming: Vec<Option<Vec<f32>>> = arrivals
+        .iter()
+        .map(|a| a.recv.as_ref().map(|r| Vec::with_capacity(r.len())))
+        .collect();
+    for (j, a) in arrivals.iter().enumerate() {
+        let Some(send) = &a.send else { continue };
+        let s = send.lock();
+        for (i, into) in incoming.iter_mut().enumerate() {
+            let Some(into) = into.as_mut().filter(|_| i != j) else {
+                continue;
+            };
+            let chunk = if desc.kind == CollectiveKind::ReduceScatter {
+                s.get(i * c..(i + 1) * c)
+            } else {
+                s.get(..c)
+            };
+            into.extend_from_slice(chunk.unwrap_or_default());
+        }
+    }
+    for (a, data) in arrivals.iter().zip(incoming) {
+        let (Some(recv), Some(data)) = (&a.recv, data) else {
+            continue;
+        };
+        recv.lock().iter_mut().zip(data).for_each(|(r, x)| *r = x);
     }
 }
 

@@ -1,4 +1,5 @@
-//! The rank-local kernels (everything but collectives): validate, then compute.
+//! The rank-local kernels (everything but collectives and exchanges): validate, then
+//! compute.
 //!
 //! Invariant: a kernel checks every length, offset, rank and aliasing rule before it
 //! writes anything, so a kernel that fails validation leaves its buffers untouched; the
@@ -6,15 +7,15 @@
 
 use std::ops::Range;
 
-use overlap_graph::CopySeg;
+use overlap_graph::{Collective, CopySeg, DType, ReduceOp};
 
 use super::buffer::{lock_distinct, CpuBuffer};
 use crate::{math, AdamwParams, Kernel, MuonParams, OpsError};
 
 /// Runs a rank-local kernel launched on `rank`.
 ///
-/// Collectives need their communicator and are run by the stream worker; passed here one
-/// is reported as a backend error.
+/// Collectives and exchanges need their communicator and are run by the stream worker;
+/// passed here one is reported as a backend error.
 pub(super) fn run(rank: u32, kernel: &Kernel<CpuBuffer>) -> Result<(), OpsError> {
     match kernel {
         Kernel::Marker => Ok(()),
@@ -54,9 +55,30 @@ pub(super) fn run(rank: u32, kernel: &Kernel<CpuBuffer>) -> Result<(), OpsError>
             cols,
             hp,
         } => muon(rank, param, grad, momentum, *rows, *cols, hp),
-        Kernel::Collective { .. } => Err(OpsError::Backend(
-            "a collective needs its communicator".into(),
-        )),
+        Kernel::Combine {
+            desc,
+            size,
+            index,
+            own,
+            own_offset,
+            recv,
+            dst,
+        } => combine(
+            rank,
+            desc,
+            Member {
+                size: *size,
+                index: *index,
+            },
+            own,
+            *own_offset,
+            recv,
+            dst,
+        ),
+        Kernel::Collective { .. } | Kernel::Exchange { .. } => Err(OpsError::Backend(format!(
+            "the {} kernel needs its communicator",
+            kernel.name()
+        ))),
     }
 }
 
@@ -234,6 +256,135 @@ fn muon(
     expect(K, rank, "momentum (rows × cols)", momentum, n)?;
     let [mut p, g, mut buf] = lock_distinct(K, [param, grad, momentum])?;
     math::muon(&mut p, &g, &mut buf, rows, cols, hp);
+    Ok(())
+}
+
+/// A member of a group: its index and the group's size.
+#[derive(Debug, Clone, Copy)]
+struct Member {
+    size: u32,
+    index: u32,
+}
+
+/// The arithmetic half of a copy-transport stage ([`Kernel::Combine`]):
+/// `dst = Σ_j x_j` over members `j = 0..size` in group order, `x_index` the rank's own
+/// chunk `own[own_offset..own_offset + c]`, the others' chunks at their
+/// [`crate::exchange_slot`] of `recv`.
+///
+/// The order of operations is the CPU collective's (`comm::execute`), so that
+/// `Combine ∘ Exchange` gives the same bits as the collective: the sum starts from
+/// member 0's value (not from zero, which would turn a `-0.0` into `+0.0`), adds the
+/// members one by one in f32 (every value rounded to bfloat16 first for `bf16`), and
+/// `avg` then divides by `size`.
+///
+/// `own` and `recv` may be longer than needed (the rest is ignored). `dst` may be the
+/// same buffer as `own` (the lengths then force `own_offset` 0) or as `recv` (then a
+/// group of two): the result is computed before it is written, and the aliasing is
+/// element for element, which a device kernel can do in place too.
+fn combine(
+    rank: u32,
+    desc: &Collective,
+    member: Member,
+    own: &CpuBuffer,
+    own_offset: usize,
+    recv: &CpuBuffer,
+    dst: &CpuBuffer,
+) -> Result<(), OpsError> {
+    const K: &str = "combine";
+    let shape = |reason: String| OpsError::Shape { kernel: K, reason };
+    let Member { size, index } = member;
+    if index >= size {
+        return Err(shape(format!(
+            "member index {index} is not a member of a group of {size}"
+        )));
+    }
+    let roles = crate::exchange_roles(desc, size, index)
+        .map_err(|e| shape(format!("{} on {}: {e}", desc.kind.name(), desc.group)))?;
+    let Some(peers_len) = roles.recv else {
+        return Err(shape(format!(
+            "member {index} is not the root ({:?}) of the {} on {}: it receives nothing to combine",
+            desc.root,
+            desc.kind.name(),
+            desc.group
+        )));
+    };
+    // `exchange_roles` checked that `size · count` fits in memory.
+    let c = desc.count as usize;
+    for (what, buf) in [("own", own), ("recv", recv), ("dst", dst)] {
+        expect(K, rank, what, buf, buf.len())?;
+    }
+    let own_range = match own_offset.checked_add(c) {
+        Some(end) if end <= own.len() => own_offset..end,
+        _ => {
+            return Err(shape(format!(
+                "own is too short: own_offset {own_offset} + count {c} exceeds {own:?}"
+            )))
+        }
+    };
+    if recv.len() < peers_len {
+        return Err(shape(format!(
+            "recv is too short: the {} other members' chunks need (size − 1)·count = {peers_len} elements, got {recv:?}",
+            size - 1
+        )));
+    }
+    if dst.len() != c {
+        return Err(shape(format!(
+            "dst must hold count = {c} elements, got {dst:?}"
+        )));
+    }
+
+    // Lock the distinct buffers at once (in id order); `roles` maps own, recv and dst to
+    // their guard.
+    let mut distinct: Vec<&CpuBuffer> = Vec::with_capacity(3);
+    let roles = [own, recv, dst].map(|buf| match distinct.iter().position(|d| d.same(buf)) {
+        Some(i) => i,
+        None => {
+            distinct.push(buf);
+            distinct.len() - 1
+        }
+    });
+    let mut guards: Vec<_> = match distinct[..] {
+        [a] => lock_distinct(K, [a])?.into_iter().collect(),
+        [a, b] => lock_distinct(K, [a, b])?.into_iter().collect(),
+        [a, b, c] => lock_distinct(K, [a, b, c])?.into_iter().collect(),
+        _ => {
+            return Err(OpsError::Backend(format!(
+                "combine: {} distinct buffers among three",
+                distinct.len()
+            )))
+        }
+    };
+    let sum = {
+        let (mine, peers) = (&guards[roles[0]][own_range], &guards[roles[1]][..]);
+        let x = |j: u32| {
+            if j == index {
+                mine
+            } else {
+                let s = crate::exchange_slot(index, j) * c;
+                &peers[s..s + c]
+            }
+        };
+        let wire = |v: f32| {
+            if desc.dtype == DType::Bf16 {
+                math::round_bf16(v)
+            } else {
+                v
+            }
+        };
+        let mut sum: Vec<f32> = x(0).iter().map(|&v| wire(v)).collect();
+        for j in 1..size {
+            sum.iter_mut().zip(x(j)).for_each(|(a, &v)| *a += wire(v));
+        }
+        if desc.op == ReduceOp::Avg {
+            let n = size as f32;
+            sum.iter_mut().for_each(|a| *a /= n);
+        }
+        sum
+    };
+    guards[roles[2]]
+        .iter_mut()
+        .zip(&sum)
+        .for_each(|(d, &v)| *d = v);
     Ok(())
 }
 

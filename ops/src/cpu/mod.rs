@@ -11,8 +11,8 @@
 //! - a stream runs its commands in issue order; after a kernel fails the stream is
 //!   *poisoned*: later kernels are skipped, later records fail, and a stream waiting on
 //!   a failed record is poisoned with the same cause; `reset` clears it;
-//! - a poisoned stream still takes part in collectives (marked as unable), so its peers
-//!   fail instead of hanging; every collective wait is bounded by a timeout;
+//! - a poisoned stream still takes part in collectives and exchanges (marked as unable),
+//!   so its peers fail instead of hanging; every such wait is bounded by a timeout;
 //! - root causes (never cancellations) are kept in the order they happened, one per
 //!   stream at most between resets, for [`Backend::errors`];
 //! - nothing panics on bad input: kernels return [`OpsError::Shape`] and misuse of the
@@ -35,7 +35,7 @@ use crossbeam::channel::{self, Receiver, SendError, Sender};
 use overlap_graph::{Collective, Group, Mesh, Stream};
 
 pub use buffer::CpuBuffer;
-use comm::{Arrival, Comm};
+use comm::{Arrival, Call, Comm};
 pub use event::CpuEvent;
 use event::{HostWait, Slot};
 pub use kernels::{gemm, gemm_operand, GEMM_CPU_MAX_MACS};
@@ -397,7 +397,9 @@ impl Worker {
 
     fn launch(&self, tag: Tag, kernel: Kernel<CpuBuffer>) {
         let poison = self.poison();
-        if poison.is_some() && !matches!(kernel, Kernel::Collective { .. }) {
+        if poison.is_some()
+            && !matches!(kernel, Kernel::Collective { .. } | Kernel::Exchange { .. })
+        {
             return;
         }
         let fault = match poison {
@@ -411,7 +413,13 @@ impl Worker {
                 comm,
                 send,
                 recv,
-            } => self.collective(&desc, comm, send, recv, poison, fault),
+            } => self.collective(Call::Collective, &desc, comm, send, recv, poison, fault),
+            Kernel::Exchange {
+                desc,
+                comm,
+                send,
+                recv,
+            } => self.collective(Call::Exchange, &desc, comm, send, recv, poison, fault),
             local => fault
                 .and_then(|()| kernels::run(self.rank, &local))
                 .map(|()| 0),
@@ -442,10 +450,12 @@ impl Worker {
         }
     }
 
-    /// Takes part in a collective, even when poisoned or invalid (then as unable, so the
-    /// peers fail rather than wait); returns the bytes moved.
+    /// Takes part in a collective or an exchange, even when poisoned or invalid (then as
+    /// unable, so the peers fail rather than wait); returns the bytes moved.
+    #[allow(clippy::too_many_arguments)]
     fn collective(
         &self,
+        call: Call,
         desc: &Collective,
         id: CommId,
         send: Option<CpuBuffer>,
@@ -460,20 +470,22 @@ impl Worker {
             .and_then(|c| Some((c, c.index_of(self.rank)?)))
         else {
             return Err(poison.unwrap_or_else(|| OpsError::Shape {
-                kernel: desc.kind.name(),
+                kernel: call.kernel(desc),
                 reason: format!(
                     "rank {} is not a member of a communicator {id} of mesh {}",
                     self.rank, self.shared.mesh
                 ),
             }));
         };
-        let own =
-            fault.and_then(|()| comm.check(self.stream, index, desc, send.as_ref(), recv.as_ref()));
+        let own = fault.and_then(|()| {
+            comm.check(self.stream, index, call, desc, send.as_ref(), recv.as_ref())
+        });
         let failed = poison.clone().or_else(|| own.as_ref().err().cloned());
         let timeout = Duration::from_nanos(self.shared.timeout_ns.load(Ordering::Relaxed));
         let result = comm.call(
             index,
             Arrival {
+                call,
                 desc: *desc,
                 send,
                 recv,

@@ -1156,3 +1156,735 @@ fn gemm_kernel_runs_on_its_stream_and_a_huge_one_poisons_it() {
     assert_eq!(errors.len(), 1);
     assert_eq!(errors[0].2.node, 1);
 }
+
+// Copy transport: Exchange (the moving half of a reduction) and Combine (its arithmetic).
+
+/// The element bits of each member's output, so comparisons tell `-0.0` from `0.0`.
+fn bits(outs: &[Option<Vec<f32>>]) -> Vec<Option<Vec<u32>>> {
+    outs.iter()
+        .map(|o| o.as_ref().map(|v| v.iter().map(|x| x.to_bits()).collect()))
+        .collect()
+}
+
+/// Member `m`'s send data of `len` elements: magnitudes from 1e-3 to 1e3 so the sum's
+/// rounding depends on the order of the additions, values that bf16 rounds, and the
+/// first element of every `c`-element chunk `-0.0` on every member (a sum started from
+/// `+0.0` would give `+0.0`).
+fn copy_input(m: usize, len: usize, c: usize) -> Vec<f32> {
+    (0..len)
+        .map(|k| {
+            if k % c == 0 {
+                return -0.0;
+            }
+            let scale = [1.0, 1e3, 1e-3][k % 3];
+            ((k * 7 + m * 13 + 1) as f32 * 0.731).sin() * scale
+        })
+        .collect()
+}
+
+/// The exchange of `desc` on every member of its group (on the reduce stream) and the
+/// combine on every member that receives the result (on the compute stream, after the
+/// exchange through an event), each member `i` sending `inputs[i]`; returns each member's
+/// combined output (`None` where it receives nothing). Receive and output buffers start
+/// as NaN, so an element nobody wrote shows.
+fn exchange_and_combine(
+    b: &CpuBackend,
+    desc: Collective,
+    inputs: &[Vec<f32>],
+) -> Vec<Option<Vec<f32>>> {
+    let members = b.shared.mesh.members(desc.group);
+    let n = members.len() as u32;
+    let c = desc.count as usize;
+    let comm = CommId {
+        group: desc.group,
+        stream: Stream::Reduce,
+    };
+    let mut dsts = Vec::new();
+    for (i, (&rank, input)) in (0u32..).zip(members.iter().zip(inputs)) {
+        let roles = crate::exchange_roles(&desc, n, i).unwrap();
+        let send = buffer(b, rank, input);
+        let recv = roles.recv.map(|len| b.alloc_uninit(rank, len).unwrap());
+        b.launch(
+            rank,
+            Stream::Reduce,
+            tag(1, "exchange"),
+            Kernel::Exchange {
+                desc,
+                comm,
+                send: Some(send.clone()),
+                recv: recv.clone(),
+            },
+        );
+        let Some(recv) = recv else {
+            dsts.push(None);
+            continue;
+        };
+        let exchanged = record(b, rank, Stream::Reduce);
+        b.wait(rank, Stream::Compute, &exchanged);
+        let dst = b.alloc_uninit(rank, c).unwrap();
+        let own_offset = if desc.kind == CollectiveKind::ReduceScatter {
+            i as usize * c
+        } else {
+            0
+        };
+        b.launch(
+            rank,
+            Stream::Compute,
+            tag(2, "combine"),
+            Kernel::Combine {
+                desc,
+                size: n,
+                index: i,
+                own: send,
+                own_offset,
+                recv,
+                dst: dst.clone(),
+            },
+        );
+        dsts.push(Some(dst));
+    }
+    sync(b);
+    assert_eq!(b.errors(), vec![]);
+    dsts.iter()
+        .map(|d| d.as_ref().map(|d| b.download(d).unwrap()))
+        .collect()
+}
+
+#[test]
+fn combine_of_exchange_equals_the_collective_bit_for_bit() {
+    let c = 7;
+    // Groups of 2, 3 (non-adjacent ranks 1, 3, 5) and 4 members.
+    let groups = [
+        (mesh(2, 1), Group::Shard { replicate: 0 }),
+        (mesh(2, 3), Group::Replicate { shard: 1 }),
+        (mesh(4, 1), Group::Shard { replicate: 0 }),
+    ];
+    let kinds = [
+        (CollectiveKind::ReduceScatter, None),
+        (CollectiveKind::AllReduce, None),
+        (CollectiveKind::Reduce, Some(0)),
+        (CollectiveKind::Reduce, Some(1)),
+    ];
+    let mut cases = 0;
+    for (m, group) in groups {
+        let b = CpuBackend::new(m);
+        let members = m.members(group);
+        let n = members.len();
+        for (kind, root) in kinds {
+            for dtype in [DType::F32, DType::Bf16] {
+                for op in [ReduceOp::Sum, ReduceOp::Avg] {
+                    let d = desc(kind, group, c as u64, op, dtype, root);
+                    let what = format!("{n} members, {kind:?} root {root:?}, {dtype:?}, {op:?}");
+                    let len = if kind == CollectiveKind::ReduceScatter {
+                        n * c
+                    } else {
+                        c
+                    };
+                    let inputs: Vec<Vec<f32>> = (0..n).map(|i| copy_input(i, len, c)).collect();
+                    let outputs: Vec<Option<usize>> = (0..n as u32)
+                        .map(|i| crate::collective_roles(&d, n as u32, i).unwrap().recv)
+                        .collect();
+                    let want = collective(&b, d, Stream::Reduce, &all(&inputs), &outputs);
+                    b.take_timings();
+                    let got = exchange_and_combine(&b, d, &inputs);
+                    assert_eq!(bits(&got), bits(&want), "{what}");
+                    assert!(
+                        got.iter().flatten().flatten().all(|x| !x.is_nan()),
+                        "{what}: {got:?}"
+                    );
+                    if kind == CollectiveKind::AllReduce {
+                        let replicas = bits(&got);
+                        assert!(replicas.iter().all(|r| *r == replicas[0]), "{what}");
+                    }
+                    // Element 0 is -0.0 everywhere; its sum keeps the sign.
+                    assert!(got
+                        .iter()
+                        .flatten()
+                        .all(|v| v[0].to_bits() == (-0.0f32).to_bits()));
+                    // An exchange moves, per member, the f32 chunks it receives.
+                    let mut moved: Vec<(u32, u64)> = b
+                        .take_timings()
+                        .iter()
+                        .filter(|t| t.tag.op == "exchange")
+                        .map(|t| (t.rank, t.bytes))
+                        .collect();
+                    moved.sort_unstable();
+                    let expected: Vec<(u32, u64)> = members
+                        .iter()
+                        .zip(&got)
+                        .map(|(&r, g)| (r, g.as_ref().map_or(0, |_| ((n - 1) * c * 4) as u64)))
+                        .collect();
+                    assert_eq!(moved, expected, "{what}");
+                    cases += 1;
+                }
+            }
+        }
+    }
+    assert_eq!(cases, 3 * 4 * 2 * 2);
+}
+
+#[test]
+fn exchange_places_each_members_chunk_at_its_slot() {
+    let b = CpuBackend::new(mesh(3, 1));
+    let g = Group::Shard { replicate: 0 };
+    let d = desc(
+        CollectiveKind::ReduceScatter,
+        g,
+        2,
+        ReduceOp::Sum,
+        DType::Bf16,
+        None,
+    );
+    let comm = CommId {
+        group: g,
+        stream: Stream::Reduce,
+    };
+    // Member m's chunk i is [100m + 10i, 100m + 10i + 1], plus a value bf16 would round:
+    // the exchange moves it as is.
+    let odd = 1.0 + 2f32.powi(-10);
+    let recvs: Vec<CpuBuffer> = (0..3)
+        .map(|m| {
+            let data: Vec<f32> = (0..6)
+                .map(|k| (100 * m + 10 * (k / 2) + k % 2) as f32 + odd)
+                .collect();
+            let send = buffer(&b, m, &data);
+            let recv = b.alloc(m, 4).unwrap();
+            b.launch(
+                m,
+                Stream::Reduce,
+                tag(1, "exchange"),
+                Kernel::Exchange {
+                    desc: d,
+                    comm,
+                    send: Some(send),
+                    recv: Some(recv.clone()),
+                },
+            );
+            recv
+        })
+        .collect();
+    sync(&b);
+    assert_eq!(b.errors(), vec![]);
+    let got: Vec<Vec<f32>> = recvs.iter().map(|r| b.download(r).unwrap()).collect();
+    let chunk = |m: u32, i: u32| {
+        let x = (100 * m + 10 * i) as f32 + odd;
+        [x, x + 1.0]
+    };
+    assert_eq!(got[0], [chunk(1, 0), chunk(2, 0)].concat());
+    assert_eq!(got[1], [chunk(0, 1), chunk(2, 1)].concat());
+    assert_eq!(got[2], [chunk(0, 2), chunk(1, 2)].concat());
+}
+
+#[test]
+fn combine_in_place_reads_before_it_writes() {
+    let b = CpuBackend::new(mesh(2, 1));
+    let d = desc(
+        CollectiveKind::AllReduce,
+        Group::Shard { replicate: 0 },
+        3,
+        ReduceOp::Avg,
+        DType::F32,
+        None,
+    );
+    let combine = |own: &CpuBuffer, recv: &CpuBuffer, dst: &CpuBuffer| Kernel::Combine {
+        desc: d,
+        size: 2,
+        index: 1,
+        own: own.clone(),
+        own_offset: 0,
+        recv: recv.clone(),
+        dst: dst.clone(),
+    };
+    // dst is own; then dst is recv (a group of two: recv holds one chunk).
+    let (own, recv) = (
+        buffer(&b, 0, &[1.0, 2.0, 3.0]),
+        buffer(&b, 0, &[3.0, 6.0, 9.0]),
+    );
+    b.launch(
+        0,
+        Stream::Compute,
+        tag(0, "combine"),
+        combine(&own, &recv, &own),
+    );
+    sync(&b);
+    assert_eq!(b.download(&own).unwrap(), vec![2.0, 4.0, 6.0]);
+    let (own, recv) = (
+        buffer(&b, 0, &[1.0, 2.0, 3.0]),
+        buffer(&b, 0, &[3.0, 6.0, 9.0]),
+    );
+    b.launch(
+        0,
+        Stream::Compute,
+        tag(1, "combine"),
+        combine(&own, &recv, &recv),
+    );
+    sync(&b);
+    assert_eq!(b.download(&recv).unwrap(), vec![2.0, 4.0, 6.0]);
+    assert_eq!(b.errors(), vec![]);
+}
+
+#[test]
+fn an_exchange_meeting_a_collective_is_a_mismatch_on_every_member() {
+    let b = CpuBackend::new(mesh(3, 1)).with_collective_timeout(Duration::from_secs(30));
+    let g = Group::Shard { replicate: 0 };
+    let d = desc(
+        CollectiveKind::AllReduce,
+        g,
+        2,
+        ReduceOp::Sum,
+        DType::F32,
+        None,
+    );
+    let comm = CommId {
+        group: g,
+        stream: Stream::Reduce,
+    };
+    let started = Instant::now();
+    // Ranks 0 and 1 issue the exchange, rank 2 the collective of the same desc.
+    let mut recvs = Vec::new();
+    for rank in 0..3 {
+        let send = Some(buffer(&b, rank, &[1.0, 2.0]));
+        let kernel = if rank < 2 {
+            let recv = buffer(&b, rank, &[7.0; 4]);
+            recvs.push((recv.clone(), vec![7.0; 4]));
+            Kernel::Exchange {
+                desc: d,
+                comm,
+                send,
+                recv: Some(recv),
+            }
+        } else {
+            let recv = buffer(&b, rank, &[7.0; 2]);
+            recvs.push((recv.clone(), vec![7.0; 2]));
+            Kernel::Collective {
+                desc: d,
+                comm,
+                send,
+                recv: Some(recv),
+            }
+        };
+        b.launch(rank, Stream::Reduce, tag(4, "stage1"), kernel);
+    }
+    let after: Vec<CpuEvent> = (0..3).map(|r| record(&b, r, Stream::Reduce)).collect();
+    sync(&b);
+    assert!(started.elapsed() < Duration::from_secs(10));
+    let mut errors = b.errors();
+    errors.sort_by_key(|e| e.0);
+    assert_eq!(errors.len(), 3, "{errors:?}");
+    for (rank, (r, stream, _, e)) in errors.iter().enumerate() {
+        assert_eq!((*r, *stream), (rank as u32, Stream::Reduce));
+        let OpsError::Collective { comm, reason } = e else {
+            panic!("{e:?}")
+        };
+        assert_eq!(comm, "shard-group(r=0)@reduce");
+        assert!(
+            reason.contains("rank 0 and rank 2 issued different collectives")
+                && reason.contains("a copy-transport exchange vs a collective"),
+            "{reason}"
+        );
+    }
+    for ev in &after {
+        assert!(matches!(
+            b.status(ev),
+            EventStatus::Failed(OpsError::Cancelled(_))
+        ));
+    }
+    for (recv, data) in recvs {
+        assert_eq!(b.download(&recv).unwrap(), data, "nothing was written");
+    }
+
+    // The reverse (member 0 issues the collective) is reported from member 0's side, and
+    // a kind that differs as well is named too.
+    b.reset();
+    let exchange = Kernel::Exchange {
+        desc: desc(
+            CollectiveKind::ReduceScatter,
+            g,
+            1,
+            ReduceOp::Sum,
+            DType::F32,
+            None,
+        ),
+        comm,
+        send: Some(b.alloc(1, 3).unwrap()),
+        recv: Some(b.alloc(1, 2).unwrap()),
+    };
+    let coll = |rank| Kernel::Collective {
+        desc: d,
+        comm,
+        send: Some(b.alloc(rank, 2).unwrap()),
+        recv: Some(b.alloc(rank, 2).unwrap()),
+    };
+    b.launch(0, Stream::Reduce, tag(5, "stage1"), coll(0));
+    b.launch(1, Stream::Reduce, tag(5, "stage1"), exchange);
+    b.launch(2, Stream::Reduce, tag(5, "stage1"), coll(2));
+    sync(&b);
+    let errors = b.errors();
+    assert_eq!(errors.len(), 3, "{errors:?}");
+    for (_, _, _, e) in &errors {
+        let reason = e.to_string();
+        assert!(
+            reason.contains("rank 0 and rank 1 issued different collectives")
+                && reason.contains("a collective vs a copy-transport exchange")
+                && reason.contains("kind all_reduce vs reduce_scatter"),
+            "{reason}"
+        );
+    }
+}
+
+#[test]
+fn exchange_buffers_are_checked_against_exchange_roles() {
+    let b = CpuBackend::new(mesh(2, 1)).with_collective_timeout(Duration::from_secs(30));
+    let g = Group::Shard { replicate: 0 };
+    let comm = CommId {
+        group: g,
+        stream: Stream::Reduce,
+    };
+    let rs = desc(
+        CollectiveKind::ReduceScatter,
+        g,
+        2,
+        ReduceOp::Sum,
+        DType::F32,
+        None,
+    );
+    let reduce = desc(
+        CollectiveKind::Reduce,
+        g,
+        2,
+        ReduceOp::Sum,
+        DType::F32,
+        Some(1),
+    );
+    let broadcast = desc(
+        CollectiveKind::Broadcast,
+        g,
+        2,
+        ReduceOp::Sum,
+        DType::F32,
+        Some(0),
+    );
+    let buf = |rank, len| Some(b.alloc(rank, len).unwrap());
+    // Rank 0's call is wrong in each case; rank 1's is right (where one can be).
+    // Per member, its send and recv buffers.
+    type Bufs = [(Option<CpuBuffer>, Option<CpuBuffer>); 2];
+    let cases: Vec<(Collective, Bufs, &str)> = vec![
+        (
+            rs,
+            [(buf(0, 4), buf(0, 4)), (buf(1, 4), buf(1, 2))],
+            "exchange: recv must be a buffer of 2 elements on rank 0",
+        ),
+        (
+            rs,
+            [(buf(0, 2), buf(0, 2)), (buf(1, 4), buf(1, 2))],
+            "exchange: send must be a buffer of 4 elements on rank 0",
+        ),
+        (
+            rs,
+            [(buf(1, 4), buf(0, 2)), (buf(1, 4), buf(1, 2))],
+            "exchange: send must be a buffer of 4 elements on rank 0",
+        ),
+        (
+            rs,
+            [(buf(0, 4), None), (buf(1, 4), buf(1, 2))],
+            "exchange: member 0 (rank 0) needs a recv buffer of 2 elements",
+        ),
+        (
+            reduce,
+            [(buf(0, 2), buf(0, 2)), (buf(1, 2), buf(1, 2))],
+            "exchange: member 0 (rank 0) takes no recv buffer",
+        ),
+        (
+            broadcast,
+            [(buf(0, 2), None), (None, buf(1, 2))],
+            "exchange: broadcast on shard-group(r=0): broadcast reduces nothing and has no copy-transport exchange",
+        ),
+    ];
+    for (case, (d, bufs, msg)) in cases.into_iter().enumerate() {
+        for (rank, (send, recv)) in (0u32..).zip(bufs) {
+            b.launch(
+                rank,
+                Stream::Reduce,
+                tag(case as u32, "exchange"),
+                Kernel::Exchange {
+                    desc: d,
+                    comm,
+                    send,
+                    recv,
+                },
+            );
+        }
+        let peer = record(&b, 1, Stream::Reduce);
+        sync(&b);
+        let mut errors = b.errors();
+        errors.sort_by_key(|e| e.0);
+        let broadcast = d.kind == CollectiveKind::Broadcast;
+        // Rank 1 is refused too for a broadcast; otherwise its call is cancelled.
+        assert_eq!(
+            errors.len(),
+            1 + broadcast as usize,
+            "case {case}: {errors:?}"
+        );
+        let (rank, _, t, e) = &errors[0];
+        assert_eq!((*rank, t.node), (0, case as u32));
+        assert!(
+            matches!(e, OpsError::Shape { .. }) && e.to_string().contains(msg),
+            "case {case}: {e} does not say {msg}"
+        );
+        let EventStatus::Failed(OpsError::Cancelled(cause)) = b.status(&peer) else {
+            panic!("case {case}: {:?}", b.status(&peer))
+        };
+        assert!(
+            broadcast || cause.contains("rank 0 could not take part"),
+            "case {case}: {cause}"
+        );
+        b.reset();
+    }
+}
+
+#[test]
+fn bad_combines_report_shape_errors_and_write_nothing() {
+    let b = CpuBackend::new(mesh(2, 1));
+    let g = Group::Shard { replicate: 0 };
+    let d = |kind, root| desc(kind, g, 2, ReduceOp::Avg, DType::Bf16, root);
+    let rs = d(CollectiveKind::ReduceScatter, None);
+    let dst = buffer(&b, 0, &[5.0; 2]);
+    let own6 = buffer(&b, 0, &[1.0; 6]);
+    let recv4 = buffer(&b, 0, &[2.0; 4]);
+    let on_rank1 = b.alloc(1, 2).unwrap();
+    let combine =
+        |desc, size, index, own: &CpuBuffer, own_offset, recv: &CpuBuffer| Kernel::Combine {
+            desc,
+            size,
+            index,
+            own: own.clone(),
+            own_offset,
+            recv: recv.clone(),
+            dst: dst.clone(),
+        };
+    let cases: Vec<(Kernel<CpuBuffer>, &str)> = vec![
+        (
+            combine(rs, 3, 2, &own6, 5, &recv4),
+            "own is too short: own_offset 5 + count 2 exceeds CpuBuffer",
+        ),
+        (
+            combine(rs, 3, 1, &own6, usize::MAX, &recv4),
+            "own is too short: own_offset 18446744073709551615",
+        ),
+        (
+            combine(rs, 4, 1, &own6, 2, &recv4),
+            "recv is too short: the 3 other members' chunks need (size − 1)·count = 6 elements",
+        ),
+        (
+            Kernel::Combine {
+                desc: rs,
+                size: 3,
+                index: 1,
+                own: own6.clone(),
+                own_offset: 2,
+                recv: recv4.clone(),
+                dst: own6.clone(),
+            },
+            "dst must hold count = 2 elements, got CpuBuffer",
+        ),
+        (
+            combine(rs, 3, 3, &own6, 2, &recv4),
+            "member index 3 is not a member of a group of 3",
+        ),
+        (
+            combine(rs, 0, 0, &own6, 0, &recv4),
+            "member index 0 is not a member of a group of 0",
+        ),
+        (
+            combine(d(CollectiveKind::Reduce, Some(0)), 3, 1, &own6, 0, &recv4),
+            "member 1 is not the root (Some(0)) of the reduce on shard-group(r=0): it receives nothing to combine",
+        ),
+        (
+            combine(d(CollectiveKind::Reduce, Some(3)), 3, 1, &own6, 0, &recv4),
+            "root Some(3) is not a member index",
+        ),
+        (
+            combine(d(CollectiveKind::AllGather, None), 3, 1, &own6, 0, &recv4),
+            "all_gather reduces nothing",
+        ),
+        (
+            combine(rs, 3, 1, &own6, 2, &on_rank1),
+            "recv must be a buffer of 2 elements on rank 0, got CpuBuffer",
+        ),
+    ];
+    for (node, (kernel, msg)) in cases.into_iter().enumerate() {
+        b.launch(0, Stream::Compute, tag(node as u32, "combine"), kernel);
+        sync(&b);
+        let errors = b.errors();
+        assert_eq!(errors.len(), 1, "{errors:?}");
+        let e = &errors[0].3;
+        assert!(
+            matches!(
+                e,
+                OpsError::Shape {
+                    kernel: "combine",
+                    ..
+                }
+            ) && e.to_string().contains(msg),
+            "{e} does not say {msg}"
+        );
+        b.reset();
+    }
+    for (buf, data) in [
+        (&dst, vec![5.0; 2]),
+        (&own6, vec![1.0; 6]),
+        (&recv4, vec![2.0; 4]),
+    ] {
+        assert_eq!(b.download(buf).unwrap(), data);
+    }
+    // The same kernel with valid arguments runs: member 1 of 3, (2 + 1 + 2) / 3.
+    b.launch(
+        0,
+        Stream::Compute,
+        tag(0, "combine"),
+        combine(rs, 3, 1, &own6, 2, &recv4),
+    );
+    sync(&b);
+    assert_eq!(b.errors(), vec![]);
+    assert_eq!(b.download(&dst).unwrap(), vec![5.0f32 / 3.0; 2]);
+}
+
+#[test]
+fn a_poisoned_or_faulty_member_cancels_the_exchange_on_the_others() {
+    let b = CpuBackend::new(mesh(3, 1)).with_collective_timeout(Duration::from_secs(30));
+    let g = Group::Shard { replicate: 0 };
+    let d = desc(
+        CollectiveKind::AllReduce,
+        g,
+        1,
+        ReduceOp::Sum,
+        DType::F32,
+        None,
+    );
+    let comm = CommId {
+        group: g,
+        stream: Stream::Reduce,
+    };
+    let sends: Vec<CpuBuffer> = (0..3).map(|r| buffer(&b, r, &[r as f32 + 1.0])).collect();
+    let recvs: Vec<CpuBuffer> = (0..3).map(|r| buffer(&b, r, &[-1.0, -1.0])).collect();
+    let exchange = |rank: u32| Kernel::Exchange {
+        desc: d,
+        comm,
+        send: Some(sends[rank as usize].clone()),
+        recv: Some(recvs[rank as usize].clone()),
+    };
+    let untouched = || {
+        recvs
+            .iter()
+            .all(|r| b.download(r).unwrap() == vec![-1.0, -1.0])
+    };
+    let started = Instant::now();
+
+    // Rank 0's stream is poisoned by a failing pack before its exchange.
+    b.inject_fault(0, "pack");
+    b.launch(
+        0,
+        Stream::Reduce,
+        tag(3, "pack"),
+        Kernel::Pack {
+            dst: b.alloc(0, 1).unwrap(),
+            segs: Arc::from(vec![]),
+        },
+    );
+    for rank in 0..3 {
+        b.launch(rank, Stream::Reduce, tag(4, "exchange"), exchange(rank));
+    }
+    let peers = [record(&b, 1, Stream::Reduce), record(&b, 2, Stream::Reduce)];
+    sync(&b);
+    for ev in &peers {
+        let EventStatus::Failed(OpsError::Cancelled(cause)) = b.status(ev) else {
+            panic!("{:?}", b.status(ev))
+        };
+        assert!(
+            cause.contains("rank 0 could not take part") && cause.contains("injected fault"),
+            "{cause}"
+        );
+    }
+    let errors = b.errors();
+    assert_eq!(errors.len(), 1, "only the root cause: {errors:?}");
+    assert_eq!(errors[0].2.op, "pack");
+    assert!(untouched());
+
+    // A fault injected into the exchange itself fails it on its rank and cancels it on
+    // the others.
+    b.reset();
+    b.inject_fault(2, "exchange");
+    for rank in 0..3 {
+        b.launch(rank, Stream::Reduce, tag(4, "exchange"), exchange(rank));
+    }
+    let peers = [record(&b, 0, Stream::Reduce), record(&b, 1, Stream::Reduce)];
+    sync(&b);
+    assert_eq!(
+        b.errors(),
+        vec![(
+            2,
+            Stream::Reduce,
+            tag(4, "exchange"),
+            OpsError::Failed {
+                kernel: "exchange",
+                reason: "injected fault".into()
+            }
+        )]
+    );
+    for ev in &peers {
+        let EventStatus::Failed(OpsError::Cancelled(cause)) = b.status(ev) else {
+            panic!("{:?}", b.status(ev))
+        };
+        assert!(cause.contains("rank 2 could not take part"), "{cause}");
+    }
+    assert!(untouched());
+    assert!(started.elapsed() < Duration::from_secs(10));
+
+    // After a reset the communicator works again.
+    b.reset();
+    for rank in 0..3 {
+        b.launch(rank, Stream::Reduce, tag(4, "exchange"), exchange(rank));
+    }
+    sync(&b);
+    assert_eq!(b.errors(), vec![]);
+    let got: Vec<Vec<f32>> = recvs.iter().map(|r| b.download(r).unwrap()).collect();
+    assert_eq!(got, vec![vec![2.0, 3.0], vec![1.0, 3.0], vec![1.0, 2.0]]);
+}
+
+#[test]
+fn a_missing_exchange_member_times_out() {
+    let b = CpuBackend::new(mesh(2, 1)).with_collective_timeout(Duration::from_millis(100));
+    let g = Group::Shard { replicate: 0 };
+    let d = desc(
+        CollectiveKind::Reduce,
+        g,
+        1,
+        ReduceOp::Sum,
+        DType::F32,
+        Some(0),
+    );
+    b.launch(
+        0,
+        Stream::Reduce,
+        tag(1, "exchange"),
+        Kernel::Exchange {
+            desc: d,
+            comm: CommId {
+                group: g,
+                stream: Stream::Reduce,
+            },
+            send: Some(b.alloc(0, 1).unwrap()),
+            recv: Some(b.alloc(0, 1).unwrap()),
+        },
+    );
+    sync(&b);
+    let errors = b.errors();
+    assert_eq!(errors.len(), 1);
+    let OpsError::Collective { reason, .. } = &errors[0].3 else {
+        panic!("{errors:?}")
+    };
+    assert!(
+        reason.contains("timed out") && reason.contains("[1]"),
+        "{reason}"
+    );
+}
