@@ -695,7 +695,7 @@ fn open_cuda(mesh: Mesh, copy_slot_bytes: Option<usize>) -> Result<crate::cuda::
 #[cfg(feature = "cuda")]
 pub async fn bench_cuda(args: &BenchArgs) -> Result<Option<BenchReport>, Error> {
     args.check()?;
-    let copy = (args.transport == Transport::Copy).then(|| (args.copy_slot_mib as usize) << 20);
+    let copy = (args.transport == Transport::Copy).then_some((args.copy_slot_mib as usize) << 20);
     let world = open_cuda(args.mesh, copy)?;
     let report = run(world.backend.clone(), args).await?;
     Ok((world.env.rank == 0).then_some(report))

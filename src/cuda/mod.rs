@@ -81,7 +81,7 @@ pub fn rank_env(mesh: Mesh) -> Result<RankEnv, Error> {
 pub fn world(config: &Config, env: RankEnv, timings: bool) -> Result<CudaWorld, Error> {
     let mesh = config.plan.mesh;
     let copy = (config.plan.schedule.transport == overlap_graph::Transport::Copy)
-        .then(|| (config.overlap.copy_slot_mib as usize) << 20);
+        .then_some((config.overlap.copy_slot_mib as usize) << 20);
     open(
         env,
         mesh,

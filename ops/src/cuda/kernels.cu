@@ -66,6 +66,29 @@ extern "C" __global__ void ov_from_bf16(float* dst, const u16* src, u64 n) {
     GRID_STRIDE(i, n) { dst[i] = __uint_as_float(((u32)src[i]) << 16); }
 }
 
+// The arithmetic half of a copy-transport stage (Kernel::Combine, the CPU's
+// kernels::combine): dst[e] = sum over members j = 0..size in order of x_j[e], where
+// x_index = own[e] (own is already offset to the member's chunk) and x_j =
+// recv[slot(j) * n + e] for the others (slot: the other members in order, skipping
+// index). The sum starts from member 0's value (not from 0, which would turn -0.0 into
+// +0.0) and adds in float; with bf16 every x_j is first rounded to bfloat16 (ties to
+// even); avg then divides by size (IEEE division: NVRTC's default -prec-div=true).
+// Each element is read completely before it is written, so dst may be own, or recv
+// in a group of two.
+extern "C" __global__ void ov_combine(float* dst, const float* own, const float* recv,
+                                      u64 n, u32 size, u32 index, int bf16, int avg) {
+    GRID_STRIDE(e, n) {
+        float acc = 0.0f;
+        for (u32 j = 0; j < size; ++j) {
+            float x = j == index ? own[e] : recv[(u64)(j < index ? j : j - 1) * n + e];
+            if (bf16) x = __uint_as_float(((u32)ov_f2bf(x)) << 16);
+            acc = j == 0 ? x : acc + x;
+        }
+        if (avg) acc = acc / (float)size;
+        dst[e] = acc;
+    }
+}
+
 // AdamW (ops::math::adamw): decay = 1 - lr*wd, bc1 = 1 - b1^step, bc2 = 1 - b2^step
 // computed on the host in double, exactly as the reference does.
 extern "C" __global__ void ov_adamw(float* p, const float* g, float* m, float* v, u64 n,

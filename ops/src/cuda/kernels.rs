@@ -62,6 +62,7 @@ pub(super) struct Kernels {
     segments: sys::CUfunction,
     to_bf16: sys::CUfunction,
     from_bf16: sys::CUfunction,
+    combine: sys::CUfunction,
     adamw: sys::CUfunction,
     muon_momentum: sys::CUfunction,
     sumsq_partial: sys::CUfunction,
@@ -148,6 +149,7 @@ impl Kernels {
             segments: get("ov_segments")?,
             to_bf16: get("ov_to_bf16")?,
             from_bf16: get("ov_from_bf16")?,
+            combine: get("ov_combine")?,
             adamw: get("ov_adamw")?,
             muon_momentum: get("ov_muon_momentum")?,
             sumsq_partial: get("ov_sumsq_partial")?,
@@ -281,6 +283,36 @@ impl Kernels {
         }
         let args = Args::default().push(dst).push(src).push(n);
         Self::launch("collective", self.from_bf16, (blocks(n), 1), stream, args)
+    }
+
+    /// `dst = Σ_j x_j` over the `size` members of a copy-transport stage (`n` elements
+    /// each): `own` is this member's chunk, `recv` the others' (`(size − 1)·n`, at
+    /// [`crate::exchange_slot`]); `bf16` rounds every `x_j` first, `avg` divides by
+    /// `size`.
+    #[allow(clippy::too_many_arguments)]
+    pub(super) fn combine(
+        &self,
+        stream: sys::CUstream,
+        (dst, own, recv): (sys::CUdeviceptr, sys::CUdeviceptr, sys::CUdeviceptr),
+        n: u64,
+        size: u32,
+        index: u32,
+        bf16: bool,
+        avg: bool,
+    ) -> Result<(), OpsError> {
+        if n == 0 {
+            return Ok(());
+        }
+        let args = Args::default()
+            .push(dst)
+            .push(own)
+            .push(recv)
+            .push(n)
+            .push(size)
+            .push(index)
+            .push(i32::from(bf16))
+            .push(i32::from(avg));
+        Self::launch("combine", self.combine, (blocks(n), 1), stream, args)
     }
 
     /// AdamW on `n` elements; `m` and `v` are the two halves of the state buffer.

@@ -67,6 +67,25 @@ pub(super) const DRIVER: Lib = Lib {
     ],
 };
 
+/// What the copy transport ([`crate::Kernel::Exchange`]) needs of the driver besides
+/// [`DRIVER`]: CUDA IPC and the v2 stream memory operations. Checked when the transport
+/// is set up, not at start, so a backend without it works on drivers that lack them.
+pub(super) const COPY: Lib = Lib {
+    stem: "cuda",
+    what: "the CUDA driver (copy transport)",
+    hint:
+        "the copy transport needs a driver for CUDA 11.7 or newer; use the NCCL transport otherwise",
+    symbols: &[
+        "cuIpcGetMemHandle",
+        "cuIpcOpenMemHandle_v2",
+        "cuIpcCloseMemHandle",
+        "cuStreamWaitValue32_v2",
+        "cuStreamWriteValue32_v2",
+        "cuMemcpyDtoDAsync_v2",
+        "cuMemsetD32Async",
+    ],
+};
+
 /// NVRTC, which compiles the backend's kernels at start.
 pub(super) const NVRTC: Lib = Lib {
     stem: "nvrtc",

@@ -13,7 +13,10 @@
 //! 2. rank 0 calls [`unique_ids`] for every communicator of [`mesh_comms`] and shares
 //!    them;
 //! 3. every rank calls [`CudaBackend::connect`] with the same list, creating its NCCL
-//!    communicators in that global order.
+//!    communicators in that global order;
+//! 4. for the copy transport ([`Kernel::Exchange`]), every rank then calls
+//!    [`CudaBackend::connect_copy`] with the same slot size, which maps each
+//!    communicator's CUDA IPC receive rings between its members (see `exchange.rs`).
 //!
 //! What the backend keeps (the [`crate`] semantics, on real hardware):
 //! - **Streams and events.** `launch`, `record` and `wait` enqueue on the rank's CUDA
@@ -38,6 +41,10 @@
 //!   size, so its peers never hang; unlike the CPU backend the peers cannot learn of the
 //!   failure and finish with undefined data, while the failing rank reports the root
 //!   cause. Errors the GPU reports asynchronously surface when an event is queried.
+//! - **Copy transport.** An exchange runs on its communicator's stream as copy-engine
+//!   copies into the peers' rings and stream memory operations (flag writes and waits);
+//!   like a collective, a poisoned or invalid member still joins it (moving no data) so
+//!   its peers never hang. [`Kernel::Combine`] is an ordinary kernel on any stream.
 //! - **Timings** (when enabled) come from timing-capable events recorded around every
 //!   kernel and `cuEventElapsedTime`; ordering events have timing disabled.
 //!
@@ -46,6 +53,7 @@
 
 mod device;
 mod event;
+mod exchange;
 mod kernels;
 mod loader;
 mod memory;
@@ -57,15 +65,19 @@ use std::time::{Duration, Instant};
 
 use cudarc::driver::result as cu;
 use cudarc::driver::sys;
-use overlap_graph::{Bindings, Collective, CollectiveKind, CopySeg, DType, Group, Mesh, Stream};
+use overlap_graph::{
+    Bindings, Collective, CollectiveKind, CopySeg, DType, Group, Mesh, ReduceOp, Stream,
+};
 
 use crate::{
-    collective_roles, AdamwParams, Backend, BoxFuture, CollectiveRoles, CommId, EventStatus,
-    Kernel, MuonParams, OpsError, Tag, Timing,
+    collective_roles, exchange_roles, AdamwParams, Backend, BoxFuture, CollectiveRoles, CommId,
+    EventStatus, Kernel, MuonParams, OpsError, Tag, Timing,
 };
 use device::Device;
 pub use event::CudaEvent;
 use event::{lock, EventPool, HostWait, Record, Waiter};
+use exchange::CopyRing;
+pub use exchange::{copy_ring_bytes, COPY_RING_DEPTH, DEFAULT_COPY_SLOT_BYTES};
 use kernels::{Kernels, Seg};
 pub use loader::check as check_libraries;
 pub use memory::CudaBuffer;
@@ -191,6 +203,9 @@ struct Issue {
     /// Each stream's poison (a cancellation naming the root cause).
     poison: [Option<OpsError>; 4],
     comms: Vec<Comm>,
+    /// The copy transport's rings, one per communicator of more than one member, once
+    /// [`CudaBackend::connect_copy`] ran.
+    copy: Vec<CopyRing>,
     kernels: Kernels,
     /// One cuBLAS handle per stream, at [`Stream::index`].
     blas: Vec<Blas>,
@@ -290,6 +305,7 @@ impl CudaBackend {
             issue: Mutex::new(Issue {
                 poison: Default::default(),
                 comms: Vec::new(),
+                copy: Vec::new(),
                 kernels,
                 blas,
                 scratch: Default::default(),
@@ -333,6 +349,40 @@ impl CudaBackend {
             let comm = Comm::init(id, uid, mesh.group_size(id.group), index)?;
             issue.comms.push(comm);
         }
+        Ok(())
+    }
+
+    /// Sets up the copy transport of [`Kernel::Exchange`]: for every communicator of
+    /// this rank with more than one member (created by [`CudaBackend::connect`], which
+    /// must come first), a receive ring of [`COPY_RING_DEPTH`] slots of `slot_bytes`
+    /// (rounded up to 256 bytes; [`DEFAULT_COPY_SLOT_BYTES`] is a good size) per peer,
+    /// mapped by the other members through CUDA IPC. Device memory per communicator:
+    /// `COPY_RING_DEPTH · slot_bytes · (n − 1)` plus 4 KiB ([`copy_ring_bytes`]).
+    ///
+    /// Collective: every rank calls it once, after `connect`, with the same `slot_bytes`;
+    /// it blocks until the members of each group have joined. Every member of a group
+    /// must run on one node with peer access between the GPUs; otherwise (or when the
+    /// driver lacks CUDA IPC or stream memory operations) every member of that group
+    /// returns an error naming it.
+    pub fn connect_copy(&mut self, slot_bytes: usize) -> Result<(), OpsError> {
+        self.shared.device.bind()?;
+        let shared = Arc::clone(&self.shared);
+        let issue = self
+            .issue
+            .get_mut()
+            .unwrap_or_else(std::sync::PoisonError::into_inner);
+        if !issue.copy.is_empty() {
+            return Err(OpsError::Backend(
+                "the copy transport was set up twice (connect_copy is called once)".into(),
+            ));
+        }
+        issue.copy = exchange::connect(
+            &issue.comms,
+            &shared.device,
+            &shared.memory,
+            shared.rank,
+            slot_bytes,
+        )?;
         Ok(())
     }
 
@@ -612,7 +662,8 @@ impl Backend for CudaBackend {
 impl Issue {
     fn launch(&mut self, shared: &Shared, stream: Stream, tag: Tag, kernel: Kernel<CudaBuffer>) {
         let poison = self.poison[stream.index()].clone();
-        let collective = matches!(kernel, Kernel::Collective { .. });
+        // Collectives and exchanges run even on a poisoned stream: their peers need them.
+        let collective = matches!(kernel, Kernel::Collective { .. } | Kernel::Exchange { .. });
         if poison.is_some() && !collective {
             return;
         }
@@ -788,6 +839,33 @@ impl Issue {
                 send,
                 recv,
             } => self.collective(shared, stream, raw, &desc, comm, send, recv, poison),
+            Kernel::Exchange {
+                desc,
+                comm,
+                send,
+                recv,
+            } => self.exchange(shared, stream, raw, &desc, comm, send, recv, poison),
+            Kernel::Combine {
+                desc,
+                size,
+                index,
+                own,
+                own_offset,
+                recv,
+                dst,
+            } => {
+                let c = check_combine(rank, &desc, (size, index), (&own, own_offset), &recv, &dst)?;
+                self.kernels.combine(
+                    raw,
+                    (dst.ptr(), own.at(own_offset as u64), recv.ptr()),
+                    c as u64,
+                    size,
+                    index,
+                    desc.dtype == DType::Bf16,
+                    desc.op == ReduceOp::Avg,
+                )?;
+                Ok(0)
+            }
             Kernel::Adamw {
                 param,
                 grad,
@@ -1065,6 +1143,59 @@ impl Issue {
         own.map(|()| (roles.send.unwrap_or(count) * elem) as u64)
     }
 
+    /// Issues a copy-transport exchange on its communicator's ring. Like a collective,
+    /// a member that is poisoned or whose call is invalid still joins (writing and
+    /// waiting for every flag, copying no data), so its peers never hang. Returns the
+    /// bytes this member receives.
+    #[allow(clippy::too_many_arguments)]
+    fn exchange(
+        &mut self,
+        shared: &Shared,
+        stream: Stream,
+        raw: sys::CUstream,
+        desc: &Collective,
+        id: CommId,
+        send: Option<CudaBuffer>,
+        recv: Option<CudaBuffer>,
+        poison: Option<OpsError>,
+    ) -> Result<u64, OpsError> {
+        const K: &str = "exchange";
+        let shape = |reason: String| OpsError::Shape { kernel: K, reason };
+        let Some(comm) = self.comms.iter().find(|c| c.id == id) else {
+            return Err(poison.unwrap_or_else(|| {
+                shape(format!(
+                    "rank {} has no communicator {id} (mesh {}); only the (group, stream) pairs of the plan's bindings are created",
+                    shared.rank, shared.mesh
+                ))
+            }));
+        };
+        let (size, index) = (comm.size, comm.index);
+        let roles = exchange_roles(desc, size, index)
+            .map_err(|e| shape(format!("{} on {}: {e}", desc.kind.name(), desc.group)))?;
+        let own = match poison {
+            Some(p) => Err(p),
+            None => {
+                check_collective(shared.rank, stream, id, desc, &roles, &send, &recv).map_err(shape)
+            }
+        };
+        // What this member receives: f32 chunks as they are (the combine rounds).
+        let bytes = (roles.recv.unwrap_or(0) * 4) as u64;
+        if size > 1 {
+            let plan = exchange::Plan::new(desc, size, index).map_err(shape)?;
+            let Some(ring) = self.copy.iter_mut().find(|r| r.id == id) else {
+                return Err(OpsError::Collective {
+                    comm: id.to_string(),
+                    reason: "the copy transport was not set up on this communicator: call CudaBackend::connect_copy after connect (the run's transport must be `copy` on every rank)".into(),
+                });
+            };
+            let valid = own.is_ok();
+            let s = send.as_ref().filter(|_| valid).map(CudaBuffer::ptr);
+            let r = recv.as_ref().filter(|_| valid).map(CudaBuffer::ptr);
+            ring.exchange(raw, &plan, s, r)?;
+        }
+        own.map(|()| bytes)
+    }
+
     fn take_timings(&mut self, shared: &Shared) -> Vec<Timing> {
         let pending = std::mem::take(&mut self.timings.pending);
         let mut ready = Vec::new();
@@ -1119,7 +1250,20 @@ impl Drop for CudaBackend {
         if shared.device.bind().is_err() {
             return;
         }
+        // Every peer's last acknowledgement must land in our rings before they go.
+        for ring in &st.copy {
+            let _ = ring.await_acks(shared.device.stream(ring.comm().stream));
+        }
         let idle = wait_idle(&shared, DRAIN_ON_DROP);
+        // The rings go once nothing in flight copies to or from them or waits on their
+        // flags; a device that did not drain keeps them (leaked, as the process ends).
+        for ring in st.copy.drain(..) {
+            if idle {
+                ring.close();
+            } else {
+                std::mem::forget(ring);
+            }
+        }
         for c in st.comms.drain(..) {
             c.close();
         }
@@ -1209,6 +1353,61 @@ fn check_collective(
         }
     }
     Ok(())
+}
+
+/// Checks a [`Kernel::Combine`] (as the CPU backend does); returns the count `c`.
+fn check_combine(
+    rank: u32,
+    desc: &Collective,
+    (size, index): (u32, u32),
+    (own, own_offset): (&CudaBuffer, usize),
+    recv: &CudaBuffer,
+    dst: &CudaBuffer,
+) -> Result<usize, OpsError> {
+    const K: &str = "combine";
+    let shape = |reason: String| OpsError::Shape { kernel: K, reason };
+    if index >= size {
+        return Err(shape(format!(
+            "member index {index} is not a member of a group of {size}"
+        )));
+    }
+    let roles = exchange_roles(desc, size, index)
+        .map_err(|e| shape(format!("{} on {}: {e}", desc.kind.name(), desc.group)))?;
+    let Some(peers_len) = roles.recv else {
+        return Err(shape(format!(
+            "member {index} is not the root ({:?}) of the {} on {}: it receives nothing to combine",
+            desc.root,
+            desc.kind.name(),
+            desc.group
+        )));
+    };
+    // `exchange_roles` checked that `size · count` fits in memory.
+    let c = desc.count as usize;
+    for (what, buf) in [("own", own), ("recv", recv), ("dst", dst)] {
+        expect(K, rank, what, buf, buf.len)?;
+    }
+    if !matches!(own_offset.checked_add(c), Some(end) if end <= own.len) {
+        return Err(shape(format!(
+            "own is too short: own_offset {own_offset} + count {c} exceeds {own:?}"
+        )));
+    }
+    if recv.len < peers_len {
+        return Err(shape(format!(
+            "recv is too short: the {} other members' chunks need (size − 1)·count = {peers_len} elements, got {recv:?}",
+            size - 1
+        )));
+    }
+    if dst.len != c {
+        return Err(shape(format!(
+            "dst must hold count = {c} elements, got {dst:?}"
+        )));
+    }
+    if dst.same(own) && own_offset != 0 {
+        return Err(shape(format!(
+            "dst is own at own_offset {own_offset}: an in-place combine must write the chunk it reads (own_offset 0)"
+        )));
+    }
+    Ok(c)
 }
 
 /// Checks that `buf` lives on `rank` and holds `len` elements.

@@ -172,6 +172,32 @@ impl Comm {
         result.map(|_| ()).map_err(|e| self.err(e, kind.name()))
     }
 
+    /// All-gathers `bytes` bytes from every member into `recv` (`size · bytes`, member
+    /// order) on `stream`: setup traffic of the copy transport. The caller has the
+    /// context bound and passes device buffers of those sizes.
+    pub(super) fn all_gather_bytes(
+        &self,
+        stream: cudarc::driver::sys::CUstream,
+        send: u64,
+        recv: u64,
+        bytes: usize,
+    ) -> Result<(), OpsError> {
+        // SAFETY: as in `issue`: device buffers of the sizes the all-gather needs, a live
+        // stream of the communicator's device, no concurrent call on this communicator.
+        unsafe {
+            nccl::all_gather(
+                send as *const c_void,
+                recv as *mut c_void,
+                bytes,
+                sys::ncclDataType_t::ncclUint8,
+                self.raw,
+                stream as sys::cudaStream_t,
+            )
+        }
+        .map(|_| ())
+        .map_err(|e| self.err(e, "all-gather (copy transport setup)"))
+    }
+
     /// The communicator's asynchronous error, if NCCL reported one.
     pub(super) fn async_error(&self) -> Option<OpsError> {
         let mut code = sys::ncclResult_t::ncclSuccess;

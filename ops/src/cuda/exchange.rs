@@ -1,0 +1,1417 @@
+//! The copy transport of [`crate::Kernel::Exchange`]: CUDA IPC receive rings written by
+//! the copy engines, synchronised with stream memory operations. No SM runs a kernel.
+//!
+//! # Rings
+//!
+//! Every communicator of more than one member gets, on each member, one [`CopyRing`]: a
+//! plain `cuMemAlloc` allocation (CUDA IPC cannot export pool memory) that every other
+//! member of the group maps with `cuIpcOpenMemHandle`. For a group of `n` members, with
+//! the peers of member `i` numbered by [`crate::exchange_slot`]`(i, j)` (`k` below):
+//!
+//! ```text
+//! flags: ready[k] (u32, written by peer k), then ack[k] (u32, written by peer k),
+//!        each on its own 64-byte line; the data area starts at the next 4 KiB
+//! data:  for k in 0..n-1, for r in 0..depth: a slot of slot_bytes that peer k fills
+//! ```
+//!
+//! A ring costs `depth · slot_bytes · (n − 1)` bytes of device memory (plus 4 KiB of
+//! flags) on every member: with [`DEFAULT_COPY_SLOT_BYTES`] and [`COPY_RING_DEPTH`],
+//! 64 MiB per peer of each communicator ([`copy_ring_bytes`]).
+//!
+//! # Setup ([`connect`])
+//!
+//! Collective over every communicator in the backend's (global) order, like NCCL's own
+//! creation: each member allocates and zeroes its ring (synchronously: the zeroes are
+//! in memory before any peer can map it), and all members all-gather a 128-byte record
+//! (IPC handle, slot size, depth, node id) over the communicator's NCCL communicator.
+//! Each member checks that the records agree and that the members share a node, opens
+//! every peer's handle with `CU_IPC_MEM_LAZY_ENABLE_PEER_ACCESS`, and a second
+//! all-gather tells every member whether all others could: either every member of a
+//! group has a working ring or every member reports an error. A member that failed
+//! still takes part in every later all-gather, so no peer is left waiting in setup.
+//!
+//! # One exchange ([`schedule`], [`CopyRing::exchange`])
+//!
+//! A message of more than `slot_bytes` (per peer) is split into pieces of at most
+//! `slot_bytes`. Every ordered pair of members `(from → to)` that moves data has its
+//! own piece counter `t` (1, 2, ...), kept by both ends: `from` counts the pieces it
+//! sent to `to`, `to` those it received from `from`; both advance them identically
+//! because every member issues the same exchanges in the same order and derives from
+//! the kind and root alone which pairs move data. Piece `t` of a pair uses ring slot
+//! `t mod depth`. For each piece, on the exchange's stream, in this order:
+//!
+//! 1. for each peer `j` I send to (group order): if `t > depth`, wait until my `ack[j]`
+//!    ≥ `t − depth` (`j` drained the slot I am about to overwrite); copy my chunk for
+//!    `j` into `j`'s ring (a copy-engine copy into peer memory over NVLink); write
+//!    `t` to `j`'s `ready[me]` (the write's default memory barrier makes the copied
+//!    data visible before the flag);
+//! 2. for each peer `j` I receive from (group order): wait until my `ready[j]` ≥ `t`;
+//!    copy the slot into my receive buffer (a local copy-engine copy); write `t` to
+//!    `j`'s `ack[me]`.
+//!
+//! Reduce-scatter and all-reduce move data between every pair. A reduce moves data from
+//! every non-root to the root only: the root issues no step 1, a non-root no step 2,
+//! and the counters of pairs that move nothing do not advance, so no member ever waits
+//! for a flag nobody writes. (A single counter per ring, advanced for every piece, would
+//! not do: once reduces with different roots are interleaved with other exchanges, a
+//! pair's `t − depth` would name a piece that pair never moved, and the wait would never
+//! end.)
+//!
+//! Progress: step 1 of a piece waits only for acks of earlier pieces, and step 2 only
+//! for step 1 of the same piece on the peers, so by induction over the pieces (numbered
+//! alike on every member) every member completes every piece, provided that the
+//! streams' other work is ordered alike on every member, as for NCCL collectives.
+//!
+//! Flags are compared with `CU_STREAM_WAIT_VALUE_GEQ`, which CUDA defines as the cyclic
+//! `(int32_t)(*addr − value) ≥ 0`: a counter may wrap past `u32::MAX` (values never run
+//! more than `depth` apart, far below 2³¹).
+//!
+//! Invariant: a slot is overwritten only after its previous piece was copied out, and
+//! copied out only after it was completely written.
+
+use std::ffi::c_uint;
+use std::sync::Arc;
+
+use cudarc::driver::result as cu;
+use cudarc::driver::sys;
+use overlap_graph::{Collective, CollectiveKind};
+
+use super::device::{describe, Device};
+use super::loader;
+use super::memory::Memory;
+use super::nccl::Comm;
+use crate::{exchange_slot, CommId, OpsError};
+
+/// The default size of one ring slot: the largest piece of one message to one peer.
+pub const DEFAULT_COPY_SLOT_BYTES: usize = 32 << 20;
+
+/// Slots per peer in a ring: while a member copies piece `t` out of its ring, the peer
+/// may already write piece `t + 1`.
+pub const COPY_RING_DEPTH: usize = 2;
+
+/// Distance between two flags (each on its own cache line).
+const FLAG_STRIDE: usize = 64;
+/// Alignment of the data area and of the ring's total size.
+const PAGE: usize = 4096;
+/// Slot sizes are rounded up to this, so every piece starts aligned.
+const SLOT_ALIGN: usize = 256;
+/// Bytes of one element: exchanges move the f32 buffers as they are.
+const ELEM: usize = 4;
+
+/// The device memory one ring takes on every member of a group of `size` members with
+/// slots of `slot_bytes` (rounded up to 256 bytes): `COPY_RING_DEPTH · slot · (size −
+/// 1)` plus one page of flags; 0 for a group of one (which has no ring). `None` if it
+/// does not fit in memory or `slot_bytes` is 0.
+pub fn copy_ring_bytes(size: u32, slot_bytes: usize) -> Option<usize> {
+    if size <= 1 {
+        return Some(0);
+    }
+    Layout::new(size, slot_bytes, COPY_RING_DEPTH)
+        .ok()
+        .map(|l| l.bytes)
+}
+
+/// Where things are in a ring (identical on every member of a group).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(super) struct Layout {
+    /// Members other than the owner.
+    peers: usize,
+    /// Slots per peer.
+    depth: usize,
+    /// Bytes per slot (a multiple of [`SLOT_ALIGN`]).
+    slot_bytes: usize,
+    /// Bytes of the flags area (a multiple of [`PAGE`]).
+    flags_bytes: usize,
+    /// Bytes of the whole ring.
+    bytes: usize,
+}
+
+impl Layout {
+    fn new(size: u32, slot_bytes: usize, depth: usize) -> Result<Layout, String> {
+        if size < 2 {
+            return Err(format!("a group of {size} member(s) has no copy ring"));
+        }
+        if slot_bytes == 0 || depth == 0 {
+            return Err(format!(
+                "a copy ring needs slots of at least one byte and a depth of at least one (got {slot_bytes} bytes × {depth})"
+            ));
+        }
+        let peers = size as usize - 1;
+        let too_big = || {
+            format!("a copy ring of {depth} × {slot_bytes} bytes × {peers} peers does not fit in memory")
+        };
+        let slot_bytes = slot_bytes
+            .checked_next_multiple_of(SLOT_ALIGN)
+            .ok_or_else(too_big)?;
+        let flags_bytes = (2 * peers * FLAG_STRIDE).next_multiple_of(PAGE);
+        let bytes = peers
+            .checked_mul(depth)
+            .and_then(|s| s.checked_mul(slot_bytes))
+            .and_then(|d| d.checked_add(flags_bytes))
+            .ok_or_else(too_big)?;
+        Ok(Layout {
+            peers,
+            depth,
+            slot_bytes,
+            flags_bytes,
+            bytes,
+        })
+    }
+
+    /// Offset of `ready[k]`.
+    fn ready(&self, k: usize) -> usize {
+        debug_assert!(k < self.peers);
+        k * FLAG_STRIDE
+    }
+
+    /// Offset of `ack[k]`.
+    fn ack(&self, k: usize) -> usize {
+        debug_assert!(k < self.peers);
+        (self.peers + k) * FLAG_STRIDE
+    }
+
+    /// Offset of slot `slot` of peer `k`'s data.
+    fn data(&self, k: usize, slot: usize) -> usize {
+        debug_assert!(k < self.peers && slot < self.depth);
+        self.flags_bytes + (k * self.depth + slot) * self.slot_bytes
+    }
+}
+
+/// What one member moves in one exchange: who sends to whom, and which chunk.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(super) struct Plan {
+    kind: Moves,
+    size: u32,
+    index: u32,
+    /// Elements per chunk (the collective's count).
+    count: usize,
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Moves {
+    /// Reduce-scatter: member `j` gets chunk `j` of every other member's send buffer.
+    Chunks,
+    /// All-reduce: every member gets every other member's whole send buffer.
+    Whole,
+    /// Reduce: the root gets every other member's whole send buffer.
+    ToRoot(u32),
+}
+
+impl Plan {
+    /// Member `index`'s part of an exchange of `desc` over `size` members.
+    pub(super) fn new(desc: &Collective, size: u32, index: u32) -> Result<Plan, String> {
+        let kind = match (desc.kind, desc.root) {
+            (CollectiveKind::ReduceScatter, _) => Moves::Chunks,
+            (CollectiveKind::AllReduce, _) => Moves::Whole,
+            (CollectiveKind::Reduce, Some(root)) if root < size => Moves::ToRoot(root),
+            (CollectiveKind::Reduce, root) => {
+                return Err(format!(
+                    "root {root:?} is not a member index of {} ({size} members)",
+                    desc.group
+                ))
+            }
+            (kind, _) => {
+                return Err(format!(
+                    "{} reduces nothing and has no copy-transport exchange",
+                    kind.name()
+                ))
+            }
+        };
+        if index >= size {
+            return Err(format!(
+                "member {index} is not a member of a group of {size}"
+            ));
+        }
+        let count = usize::try_from(desc.count)
+            .ok()
+            .filter(|&c| c.checked_mul(size as usize * ELEM).is_some())
+            .ok_or_else(|| format!("count {} is too large", desc.count))?;
+        Ok(Plan {
+            kind,
+            size,
+            index,
+            count,
+        })
+    }
+
+    /// Whether member `from` sends to member `to` (`from ≠ to`).
+    fn moves(&self, from: u32, to: u32) -> bool {
+        from != to
+            && match self.kind {
+                Moves::Chunks | Moves::Whole => true,
+                Moves::ToRoot(root) => to == root,
+            }
+    }
+
+    /// Where the chunk for member `to` starts in a send buffer, in bytes.
+    fn send_offset(&self, to: u32) -> usize {
+        match self.kind {
+            Moves::Chunks => to as usize * self.count * ELEM,
+            Moves::Whole | Moves::ToRoot(_) => 0,
+        }
+    }
+
+    /// Where member `from`'s chunk starts in this member's receive buffer, in bytes.
+    fn recv_offset(&self, from: u32) -> usize {
+        exchange_slot(self.index, from) * self.count * ELEM
+    }
+}
+
+/// The piece counters of one member's ring, per peer slot: pieces sent to the peer and
+/// pieces received from it. 64-bit on the host (they never wrap); the flags carry them
+/// modulo 2³².
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub(super) struct Counters {
+    sent: Vec<u64>,
+    received: Vec<u64>,
+}
+
+impl Counters {
+    fn new(peers: usize) -> Counters {
+        Counters::starting_at(peers, 0)
+    }
+
+    /// Counters as if `start` pieces had moved between every pair (tests of wrap-around;
+    /// the flags must then hold `start` too).
+    fn starting_at(peers: usize, start: u64) -> Counters {
+        Counters {
+            sent: vec![start; peers],
+            received: vec![start; peers],
+        }
+    }
+}
+
+/// One stream operation of an exchange, from the issuing member's point of view.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(super) enum Op {
+    /// Wait until my `ack[slot of peer]` ≥ `value` (cyclic).
+    WaitAck { peer: u32, value: u32 },
+    /// Copy `bytes` from my send buffer at byte `src` into `peer`'s ring, my slot
+    /// `ring` there.
+    Send {
+        peer: u32,
+        ring: usize,
+        src: usize,
+        bytes: usize,
+    },
+    /// Write `value` to `peer`'s `ready[slot of me]`.
+    Ready { peer: u32, value: u32 },
+    /// Wait until my `ready[slot of peer]` ≥ `value` (cyclic).
+    WaitReady { peer: u32, value: u32 },
+    /// Copy `bytes` from my ring, `peer`'s slot `ring`, into my receive buffer at byte
+    /// `dst`.
+    Take {
+        peer: u32,
+        ring: usize,
+        dst: usize,
+        bytes: usize,
+    },
+    /// Write `value` to `peer`'s `ack[slot of me]`.
+    Ack { peer: u32, value: u32 },
+}
+
+/// The stream operations of one exchange on one member, advancing its counters (the
+/// protocol of the module documentation).
+pub(super) fn schedule(plan: &Plan, layout: &Layout, counters: &mut Counters) -> Vec<Op> {
+    let me = plan.index;
+    let message = plan.count * ELEM;
+    let pieces = message.div_ceil(layout.slot_bytes);
+    let depth = layout.depth as u64;
+    let mut ops = Vec::new();
+    for p in 0..pieces {
+        let offset = p * layout.slot_bytes;
+        let bytes = layout.slot_bytes.min(message - offset);
+        for j in (0..plan.size).filter(|&j| plan.moves(me, j)) {
+            let k = exchange_slot(me, j);
+            counters.sent[k] += 1;
+            let t = counters.sent[k];
+            if t > depth {
+                ops.push(Op::WaitAck {
+                    peer: j,
+                    value: (t - depth) as u32,
+                });
+            }
+            ops.push(Op::Send {
+                peer: j,
+                ring: (t % depth) as usize,
+                src: plan.send_offset(j) + offset,
+                bytes,
+            });
+            ops.push(Op::Ready {
+                peer: j,
+                value: t as u32,
+            });
+        }
+        for j in (0..plan.size).filter(|&j| plan.moves(j, me)) {
+            let k = exchange_slot(me, j);
+            counters.received[k] += 1;
+            let t = counters.received[k];
+            ops.push(Op::WaitReady {
+                peer: j,
+                value: t as u32,
+            });
+            ops.push(Op::Take {
+                peer: j,
+                ring: (t % depth) as usize,
+                dst: plan.recv_offset(j) + offset,
+                bytes,
+            });
+            ops.push(Op::Ack {
+                peer: j,
+                value: t as u32,
+            });
+        }
+    }
+    ops
+}
+
+/// `CU_STREAM_WAIT_VALUE_GEQ` as CUDA defines it: `(int32_t)(flag − value) ≥ 0`.
+#[cfg(test)]
+fn reached(flag: u32, value: u32) -> bool {
+    (flag.wrapping_sub(value) as i32) >= 0
+}
+
+/// One member's ring of one communicator.
+pub(super) struct CopyRing {
+    /// The communicator.
+    pub(super) id: CommId,
+    size: u32,
+    index: u32,
+    layout: Layout,
+    /// This member's ring.
+    local: sys::CUdeviceptr,
+    /// The peers' rings as mapped here, by peer slot; 0 where not (yet) opened.
+    remote: Vec<sys::CUdeviceptr>,
+    counters: Counters,
+    /// Set when issuing failed half-way: the counters no longer match the peers'.
+    broken: Option<String>,
+}
+
+// SAFETY: device addresses only, used with the context bound under the backend's issue
+// lock.
+unsafe impl Send for CopyRing {}
+
+impl CopyRing {
+    fn err(&self, reason: String) -> OpsError {
+        OpsError::Collective {
+            comm: self.id.to_string(),
+            reason,
+        }
+    }
+
+    /// Enqueues one exchange on `stream` (the communicator's stream). `send` and `recv`
+    /// are the member's buffers, or `None` for a member that cannot take part (poisoned
+    /// or invalid): it still writes and waits for every flag, so its peers finish (with
+    /// undefined data from it), but copies nothing.
+    pub(super) fn exchange(
+        &mut self,
+        stream: sys::CUstream,
+        plan: &Plan,
+        send: Option<sys::CUdeviceptr>,
+        recv: Option<sys::CUdeviceptr>,
+    ) -> Result<(), OpsError> {
+        if let Some(cause) = &self.broken {
+            return Err(self.err(format!(
+                "the copy ring is unusable after an earlier failure ({cause})"
+            )));
+        }
+        if (plan.size, plan.index) != (self.size, self.index) {
+            return Err(self.err(format!(
+                "an exchange for member {} of {} on the ring of member {} of {}",
+                plan.index, plan.size, self.index, self.size
+            )));
+        }
+        let ops = schedule(plan, &self.layout, &mut self.counters);
+        for op in ops {
+            if let Err(reason) = self.issue(stream, op, send, recv) {
+                self.broken = Some(reason.clone());
+                return Err(self.err(reason));
+            }
+        }
+        Ok(())
+    }
+
+    /// Enqueues one operation.
+    fn issue(
+        &self,
+        stream: sys::CUstream,
+        op: Op,
+        send: Option<sys::CUdeviceptr>,
+        recv: Option<sys::CUdeviceptr>,
+    ) -> Result<(), String> {
+        let me = self.index;
+        let l = &self.layout;
+        let at = |base: sys::CUdeviceptr, offset: usize| base + offset as u64;
+        let peer = |j: u32| self.remote[exchange_slot(me, j)];
+        match op {
+            Op::WaitAck { peer: j, value } => {
+                wait(stream, at(self.local, l.ack(exchange_slot(me, j))), value)
+            }
+            Op::Send {
+                peer: j,
+                ring,
+                src,
+                bytes,
+            } => match send {
+                Some(s) => copy(
+                    stream,
+                    at(peer(j), l.data(exchange_slot(j, me), ring)),
+                    at(s, src),
+                    bytes,
+                ),
+                None => Ok(()),
+            },
+            Op::Ready { peer: j, value } => {
+                write(stream, at(peer(j), l.ready(exchange_slot(j, me))), value)
+            }
+            Op::WaitReady { peer: j, value } => {
+                wait(stream, at(self.local, l.ready(exchange_slot(me, j))), value)
+            }
+            Op::Take {
+                peer: j,
+                ring,
+                dst,
+                bytes,
+            } => match recv {
+                Some(r) => copy(
+                    stream,
+                    at(r, dst),
+                    at(self.local, l.data(exchange_slot(me, j), ring)),
+                    bytes,
+                ),
+                None => Ok(()),
+            },
+            Op::Ack { peer: j, value } => {
+                write(stream, at(peer(j), l.ack(exchange_slot(j, me))), value)
+            }
+        }
+    }
+
+    /// Enqueues on `stream` (the communicator's) a wait for every peer's acknowledgement
+    /// of the last piece this member sent it: the peers' final writes into this
+    /// member's ring (their acks) land before the ring may be freed. Call before
+    /// draining the device at shutdown; a peer that never acknowledges keeps the
+    /// device from draining, and the ring is then leaked rather than freed.
+    pub(super) fn await_acks(&self, stream: sys::CUstream) -> Result<(), String> {
+        if self.broken.is_some() {
+            return Ok(());
+        }
+        for (slot, &sent) in self.counters.sent.iter().enumerate() {
+            if sent > 0 {
+                wait(
+                    stream,
+                    self.local + self.layout.ack(slot) as u64,
+                    sent as u32,
+                )?;
+            }
+        }
+        Ok(())
+    }
+
+    /// The communicator the ring belongs to.
+    pub(super) fn comm(&self) -> CommId {
+        self.id
+    }
+
+    /// Unmaps the peers' rings and frees this member's. The caller has the context
+    /// bound and the device idle (no copy or flag operation of this ring in flight).
+    pub(super) fn close(self) {
+        for &p in self.remote.iter().filter(|&&p| p != 0) {
+            // SAFETY: `p` was returned by cuIpcOpenMemHandle and is closed once.
+            let _ = unsafe { sys::cuIpcCloseMemHandle(p) };
+        }
+        // SAFETY: `local` was allocated by `connect` and is freed once, unused.
+        let _ = unsafe { cu::free_sync(self.local) };
+    }
+}
+
+/// Waits on `stream` until the flag at `addr` is at least `value` (cyclic).
+fn wait(stream: sys::CUstream, addr: sys::CUdeviceptr, value: u32) -> Result<(), String> {
+    let flags = sys::CUstreamWaitValue_flags::CU_STREAM_WAIT_VALUE_GEQ as c_uint;
+    // SAFETY: `addr` is a 4-byte aligned flag of this member's live ring; `stream` is a
+    // live stream of the bound context.
+    unsafe { sys::cuStreamWaitValue32_v2(stream, addr, value, flags) }
+        .result()
+        .map_err(|e| format!("cuStreamWaitValue32: {}", describe(e)))
+}
+
+/// Writes `value` to the flag at `addr` on `stream`, after a memory barrier that makes
+/// every earlier write of the stream visible first (the default flags).
+fn write(stream: sys::CUstream, addr: sys::CUdeviceptr, value: u32) -> Result<(), String> {
+    let flags = sys::CUstreamWriteValue_flags::CU_STREAM_WRITE_VALUE_DEFAULT as c_uint;
+    // SAFETY: `addr` is a 4-byte aligned flag of a live ring (this member's, or a peer's
+    // mapped by cuIpcOpenMemHandle); `stream` is a live stream of the bound context.
+    unsafe { sys::cuStreamWriteValue32_v2(stream, addr, value, flags) }
+        .result()
+        .map_err(|e| format!("cuStreamWriteValue32: {}", describe(e)))
+}
+
+/// Copies `bytes` from `src` to `dst` on `stream` (a copy-engine copy).
+fn copy(
+    stream: sys::CUstream,
+    dst: sys::CUdeviceptr,
+    src: sys::CUdeviceptr,
+    bytes: usize,
+) -> Result<(), String> {
+    if bytes == 0 {
+        return Ok(());
+    }
+    // SAFETY: the caller checked the buffers' lengths against the plan, and ring
+    // offsets stay inside the ring (`Layout`); both are live device memory of this
+    // member or mapped peer memory; `stream` is live.
+    unsafe { sys::cuMemcpyDtoDAsync_v2(dst, src, bytes, stream) }
+        .result()
+        .map_err(|e| format!("cuMemcpyDtoDAsync: {}", describe(e)))
+}
+
+/// The 128-byte record each member contributes to the setup all-gather.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+struct Record {
+    /// Whether the member has a ring to share (`handle` is valid).
+    ok: bool,
+    /// The member's global rank, for messages.
+    rank: u32,
+    slot_bytes: u64,
+    depth: u32,
+    /// The node's boot id (all zeros when unknown).
+    node: [u8; 16],
+    /// The ring's CUDA IPC handle.
+    handle: [u8; 64],
+}
+
+const RECORD_BYTES: usize = 128;
+const RECORD_MAGIC: u32 = 0x5243_564f; // "OVCR" in little endian
+
+impl Record {
+    fn encode(&self) -> [u8; RECORD_BYTES] {
+        let mut b = [0u8; RECORD_BYTES];
+        b[0..4].copy_from_slice(&RECORD_MAGIC.to_le_bytes());
+        b[4..8].copy_from_slice(&u32::from(self.ok).to_le_bytes());
+        b[8..12].copy_from_slice(&self.rank.to_le_bytes());
+        b[12..16].copy_from_slice(&self.depth.to_le_bytes());
+        b[16..24].copy_from_slice(&self.slot_bytes.to_le_bytes());
+        b[24..40].copy_from_slice(&self.node);
+        b[64..128].copy_from_slice(&self.handle);
+        b
+    }
+
+    fn decode(b: &[u8]) -> Option<Record> {
+        let u32_at = |i: usize| u32::from_le_bytes(b[i..i + 4].try_into().unwrap_or_default());
+        if b.len() != RECORD_BYTES || u32_at(0) != RECORD_MAGIC {
+            return None;
+        }
+        Some(Record {
+            ok: u32_at(4) == 1,
+            rank: u32_at(8),
+            depth: u32_at(12),
+            slot_bytes: u64::from_le_bytes(b[16..24].try_into().ok()?),
+            node: b[24..40].try_into().ok()?,
+            handle: b[64..128].try_into().ok()?,
+        })
+    }
+}
+
+/// This machine's boot id (`/proc/sys/kernel/random/boot_id`) as 16 bytes, or zeros when
+/// it cannot be read: processes with the same id run on the same node.
+fn node_id() -> [u8; 16] {
+    let text = std::fs::read_to_string("/proc/sys/kernel/random/boot_id").unwrap_or_default();
+    parse_node_id(&text)
+}
+
+fn parse_node_id(text: &str) -> [u8; 16] {
+    let hex: Vec<u8> = text
+        .bytes()
+        .filter_map(|c| (c as char).to_digit(16).map(|d| d as u8))
+        .collect();
+    let mut id = [0u8; 16];
+    if hex.len() == 32 {
+        for (i, pair) in hex.chunks(2).enumerate() {
+            id[i] = pair[0] << 4 | pair[1];
+        }
+    }
+    id
+}
+
+/// Whether the driver has what the copy transport uses: CUDA IPC and the (v2) stream
+/// memory operations, which CUDA 11.7 and later provide on every platform without the
+/// `NVreg_EnableStreamMemOPs` module parameter (the legacy v1 operations, which
+/// `CU_DEVICE_ATTRIBUTE_CAN_USE_STREAM_MEM_OPS_V1` reports on, are not used).
+fn check_support() -> Result<(), String> {
+    loader::COPY.check().map_err(|e| e.to_string())?;
+    let mut version = 0;
+    // SAFETY: a plain out-parameter.
+    unsafe { sys::cuDriverGetVersion(&mut version) }
+        .result()
+        .map_err(|e| format!("cuDriverGetVersion: {}", describe(e)))?;
+    if version < 11070 {
+        return Err(format!(
+            "the copy transport needs the stream memory operations of CUDA 11.7 or newer; the driver supports CUDA {}.{}",
+            version / 1000,
+            (version % 1000) / 10
+        ));
+    }
+    Ok(())
+}
+
+/// All-gathers `mine` (the same length on every member) over `comm`, in member order.
+/// Synchronous. The caller has the context bound.
+fn gather(
+    comm: &Comm,
+    device: &Device,
+    memory: &Arc<Memory>,
+    mine: &[u8],
+) -> Result<Vec<u8>, OpsError> {
+    let n = comm.size as usize;
+    let b = mine.len();
+    let mem = memory.alloc_raw(b * (n + 1))?;
+    let (send, recv) = (mem.ptr(), mem.ptr() + b as u64);
+    let host = device.host_stream();
+    let fail = |what: &str, e| OpsError::Collective {
+        comm: comm.id.to_string(),
+        reason: format!("setting up the copy transport: {what}: {}", describe(e)),
+    };
+    // SAFETY: `mem` holds `(n + 1)·b` bytes and nothing else uses it; `mine` outlives
+    // the synchronised copy.
+    unsafe { sys::cuMemcpyHtoDAsync_v2(send, mine.as_ptr().cast(), b, host) }
+        .result()
+        .map_err(|e| fail("cuMemcpyHtoDAsync", e))?;
+    device.sync_host_stream("setting up the copy transport")?;
+    let stream = device.stream(comm.id.stream);
+    comm.all_gather_bytes(stream, send, recv, b)?;
+    // SAFETY: a live stream of the bound context.
+    unsafe { cu::stream::synchronize(stream) }.map_err(|e| fail("cuStreamSynchronize", e))?;
+    let mut out = vec![0u8; n * b];
+    // SAFETY: `out` holds `n·b` bytes and outlives the synchronised copy.
+    unsafe { sys::cuMemcpyDtoHAsync_v2(out.as_mut_ptr().cast(), recv, n * b, host) }
+        .result()
+        .map_err(|e| fail("cuMemcpyDtoHAsync", e))?;
+    device.sync_host_stream("setting up the copy transport")?;
+    Ok(out)
+}
+
+/// Allocates, zeroes and exports this member's ring.
+fn allocate(device: &Device, layout: &Layout) -> Result<(sys::CUdeviceptr, [u8; 64]), String> {
+    // SAFETY: a plain allocation of the bound context (not pooled: IPC exports whole
+    // cuMemAlloc allocations).
+    let local = unsafe { cu::malloc_sync(layout.bytes) }.map_err(|e| {
+        format!(
+            "cannot allocate its copy ring of {} bytes on GPU {}: {}",
+            layout.bytes,
+            device.ordinal,
+            describe(e)
+        )
+    })?;
+    let free = |reason: String| {
+        // SAFETY: allocated above, unused and not exported to anyone yet.
+        let _ = unsafe { cu::free_sync(local) };
+        reason
+    };
+    // Zero the flags (and the data) and wait for it: no peer can map the ring before
+    // the all-gather that follows, so no flag write can precede the zeroes.
+    let host = device.host_stream();
+    // SAFETY: the ring holds `bytes` (a multiple of 4) bytes and nothing uses it.
+    if let Err(e) = unsafe { sys::cuMemsetD32Async(local, 0, layout.bytes / 4, host) }.result() {
+        return Err(free(format!("zeroing its copy ring: {}", describe(e))));
+    }
+    if let Err(e) = device.sync_host_stream("zeroing the copy ring") {
+        return Err(free(e.to_string()));
+    }
+    let mut handle = sys::CUipcMemHandle_st { reserved: [0; 64] };
+    // SAFETY: `handle` is an out-parameter; `local` is a live cuMemAlloc allocation.
+    if let Err(e) = unsafe { sys::cuIpcGetMemHandle(&mut handle, local) }.result() {
+        return Err(free(format!("cuIpcGetMemHandle: {}", describe(e))));
+    }
+    Ok((local, handle.reserved.map(|c| c as u8)))
+}
+
+/// Creates this member's ring of every communicator of more than one member, in the
+/// order of `comms` (the same global order on every rank: a collective call, see the
+/// module documentation). On error every ring made so far is closed and the first
+/// error is returned; every member of a group whose setup failed reports an error.
+pub(super) fn connect(
+    comms: &[Comm],
+    device: &Device,
+    memory: &Arc<Memory>,
+    rank: u32,
+    slot_bytes: usize,
+) -> Result<Vec<CopyRing>, OpsError> {
+    // A local problem does not skip the all-gathers: the peers must not hang in them.
+    let support = check_support();
+    let node = node_id();
+    let mut rings = Vec::new();
+    let mut first: Option<OpsError> = None;
+    for comm in comms.iter().filter(|c| c.size > 1) {
+        match connect_one(comm, device, memory, rank, slot_bytes, &support, node) {
+            Ok(ring) => rings.push(ring),
+            Err(e) => {
+                let fatal = matches!(&e, Failure::Fatal(_));
+                let e = e.into_error();
+                first.get_or_insert(e);
+                if fatal {
+                    break;
+                }
+            }
+        }
+    }
+    match first {
+        None => Ok(rings),
+        Some(e) => {
+            rings.into_iter().for_each(CopyRing::close);
+            Err(e)
+        }
+    }
+}
+
+/// Why one ring could not be set up.
+enum Failure {
+    /// The group agreed that setup failed: the next communicator can still be set up.
+    Agreed(OpsError),
+    /// An all-gather failed: the members may disagree; stop.
+    Fatal(OpsError),
+}
+
+impl Failure {
+    fn into_error(self) -> OpsError {
+        match self {
+            Failure::Agreed(e) | Failure::Fatal(e) => e,
+        }
+    }
+}
+
+fn connect_one(
+    comm: &Comm,
+    device: &Device,
+    memory: &Arc<Memory>,
+    rank: u32,
+    slot_bytes: usize,
+    support: &Result<(), String>,
+    node: [u8; 16],
+) -> Result<CopyRing, Failure> {
+    let id = comm.id;
+    let error = |reason: String| OpsError::Collective {
+        comm: id.to_string(),
+        reason,
+    };
+    let layout = Layout::new(comm.size, slot_bytes, COPY_RING_DEPTH);
+    let prepared = support
+        .clone()
+        .and_then(|()| layout.clone())
+        .and_then(|l| allocate(device, &l).map(|(local, handle)| (l, local, handle)));
+    let mut ring = None;
+    let mut mine = Record {
+        ok: false,
+        rank,
+        slot_bytes: slot_bytes as u64,
+        depth: COPY_RING_DEPTH as u32,
+        node,
+        handle: [0; 64],
+    };
+    let mut problem = None;
+    match prepared {
+        Ok((layout, local, handle)) => {
+            mine.ok = true;
+            mine.handle = handle;
+            ring = Some(CopyRing {
+                id,
+                size: comm.size,
+                index: comm.index,
+                layout,
+                local,
+                remote: vec![0; comm.size as usize - 1],
+                counters: Counters::new(comm.size as usize - 1),
+                broken: None,
+            });
+        }
+        Err(reason) => problem = Some(format!("rank {rank} could not set up its ring: {reason}")),
+    }
+    let close = |ring: Option<CopyRing>| ring.into_iter().for_each(CopyRing::close);
+    let records = match gather(comm, device, memory, &mine.encode()) {
+        Ok(r) => r,
+        Err(e) => {
+            close(ring);
+            return Err(Failure::Fatal(e));
+        }
+    };
+    let records: Vec<Option<Record>> = records.chunks(RECORD_BYTES).map(Record::decode).collect();
+    // What every member can tell from the records alone (the same verdict everywhere).
+    if problem.is_none() {
+        problem = agree(&records, comm, &mine);
+    }
+    // Open the peers' rings.
+    if let (None, Some(r)) = (&problem, ring.as_mut()) {
+        for (j, rec) in records.iter().enumerate() {
+            let j = j as u32;
+            let Some(rec) = rec.filter(|_| j != comm.index) else {
+                continue;
+            };
+            let handle = sys::CUipcMemHandle_st {
+                reserved: rec.handle.map(|b| b as std::ffi::c_char),
+            };
+            let mut ptr: sys::CUdeviceptr = 0;
+            let flags = sys::CUipcMem_flags::CU_IPC_MEM_LAZY_ENABLE_PEER_ACCESS as c_uint;
+            // SAFETY: `ptr` is an out-parameter; the handle came from a live peer that
+            // keeps its ring until it closes the backend.
+            match unsafe { sys::cuIpcOpenMemHandle_v2(&mut ptr, handle, flags) }.result() {
+                Ok(()) => r.remote[exchange_slot(comm.index, j)] = ptr,
+                Err(e) => {
+                    problem = Some(format!(
+                        "the copy transport needs every member of {} on one node with peer access between their GPUs: \
+                         rank {rank} (GPU {}) cannot map the ring of member {j} (rank {}): {}",
+                        id.group,
+                        device.ordinal,
+                        rec.rank,
+                        describe(e)
+                    ));
+                    break;
+                }
+            }
+        }
+    }
+    // Tell each other whether every member could open every ring.
+    let status = [u8::from(problem.is_none()), 0, 0, 0];
+    let statuses = match gather(comm, device, memory, &status) {
+        Ok(s) => s,
+        Err(e) => {
+            close(ring);
+            return Err(Failure::Fatal(e));
+        }
+    };
+    if problem.is_none() {
+        if let Some(j) = statuses.chunks(4).position(|s| s[0] != 1) {
+            let other = records[j].map_or_else(|| "?".into(), |r| r.rank.to_string());
+            problem = Some(format!(
+                "member {j} (rank {other}) could not set up the copy transport (see that rank's error)"
+            ));
+        }
+    }
+    match (problem, ring) {
+        (None, Some(ring)) => Ok(ring),
+        (problem, ring) => {
+            close(ring);
+            Err(Failure::Agreed(error(
+                problem.unwrap_or_else(|| "no ring was allocated".into()),
+            )))
+        }
+    }
+}
+
+/// The first disagreement among the setup records, or `None`.
+fn agree(records: &[Option<Record>], comm: &Comm, mine: &Record) -> Option<String> {
+    if records.len() != comm.size as usize {
+        return Some(format!(
+            "the setup all-gather returned {} records for {} members",
+            records.len(),
+            comm.size
+        ));
+    }
+    for (j, rec) in records.iter().enumerate() {
+        let Some(rec) = rec else {
+            return Some(format!("member {j} sent a malformed setup record"));
+        };
+        if !rec.ok {
+            return Some(format!(
+                "member {j} (rank {}) could not set up its copy ring (see that rank's error)",
+                rec.rank
+            ));
+        }
+        if (rec.slot_bytes, rec.depth) != (mine.slot_bytes, mine.depth) {
+            return Some(format!(
+                "members disagree on the copy ring: rank {} has {} × {} bytes, rank {} has {} × {} bytes",
+                mine.rank, mine.depth, mine.slot_bytes, rec.rank, rec.depth, rec.slot_bytes
+            ));
+        }
+        if rec.node != mine.node && rec.node != [0; 16] && mine.node != [0; 16] {
+            return Some(format!(
+                "the copy transport needs every member of {} on one node (CUDA IPC over NVLink), \
+                 but rank {} and rank {} run on different nodes",
+                comm.id.group, mine.rank, rec.rank
+            ));
+        }
+    }
+    None
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use overlap_graph::{DType, Group, ReduceOp};
+
+    fn desc(kind: CollectiveKind, count: u64, root: Option<u32>) -> Collective {
+        Collective {
+            kind,
+            group: Group::Shard { replicate: 0 },
+            count,
+            dtype: DType::F32,
+            op: ReduceOp::Avg,
+            root,
+        }
+    }
+
+    #[test]
+    fn the_ring_layout_keeps_flags_apart_and_slots_aligned() {
+        let l = Layout::new(4, 1000, 2).unwrap();
+        assert_eq!(l.slot_bytes, 1024);
+        assert_eq!(l.flags_bytes, PAGE);
+        assert_eq!(
+            (l.ready(0), l.ready(2), l.ack(0), l.ack(2)),
+            (0, 128, 192, 320)
+        );
+        assert_eq!(l.data(0, 0), PAGE);
+        assert_eq!(l.data(0, 1), PAGE + 1024);
+        assert_eq!(l.data(1, 0), PAGE + 2048);
+        assert_eq!(l.bytes, PAGE + 3 * 2 * 1024);
+        assert_eq!(l.data(2, 1) + l.slot_bytes, l.bytes);
+        assert_eq!(
+            copy_ring_bytes(2, DEFAULT_COPY_SLOT_BYTES),
+            Some(PAGE + 2 * DEFAULT_COPY_SLOT_BYTES)
+        );
+        assert_eq!(copy_ring_bytes(1, DEFAULT_COPY_SLOT_BYTES), Some(0));
+        assert_eq!(copy_ring_bytes(2, 0), None);
+        assert_eq!(copy_ring_bytes(3, usize::MAX / 2), None);
+    }
+
+    #[test]
+    fn who_sends_to_whom_follows_the_kernel_contract() {
+        let rs = Plan::new(&desc(CollectiveKind::ReduceScatter, 5, None), 3, 1).unwrap();
+        assert!(rs.moves(1, 0) && rs.moves(0, 1) && rs.moves(2, 1) && !rs.moves(1, 1));
+        assert_eq!((rs.send_offset(0), rs.send_offset(2)), (0, 40));
+        assert_eq!((rs.recv_offset(0), rs.recv_offset(2)), (0, 20));
+        let ar = Plan::new(&desc(CollectiveKind::AllReduce, 5, None), 3, 2).unwrap();
+        assert!(ar.moves(2, 0) && ar.moves(0, 2));
+        assert_eq!((ar.send_offset(0), ar.send_offset(1)), (0, 0));
+        let red = Plan::new(&desc(CollectiveKind::Reduce, 5, Some(1)), 3, 0).unwrap();
+        assert!(red.moves(0, 1) && red.moves(2, 1));
+        assert!(!red.moves(1, 0) && !red.moves(0, 2) && !red.moves(2, 0));
+        assert!(Plan::new(&desc(CollectiveKind::Reduce, 5, Some(3)), 3, 0).is_err());
+        assert!(Plan::new(&desc(CollectiveKind::Reduce, 5, None), 3, 0).is_err());
+        assert!(Plan::new(&desc(CollectiveKind::AllGather, 5, None), 3, 0).is_err());
+        assert!(Plan::new(&desc(CollectiveKind::AllReduce, 5, None), 3, 3).is_err());
+        assert!(Plan::new(&desc(CollectiveKind::AllReduce, u64::MAX / 4, None), 3, 0).is_err());
+    }
+
+    #[test]
+    fn messages_are_split_into_pieces_and_slots_alternate() {
+        // 2 members, all-reduce of 1000 floats (4000 bytes) in slots of 1024 bytes.
+        let l = Layout::new(2, 1024, 2).unwrap();
+        let plan = Plan::new(&desc(CollectiveKind::AllReduce, 1000, None), 2, 0).unwrap();
+        let mut c = Counters::new(1);
+        let ops = schedule(&plan, &l, &mut c);
+        let sends: Vec<(usize, usize, usize)> = ops
+            .iter()
+            .filter_map(|op| match *op {
+                Op::Send {
+                    ring, src, bytes, ..
+                } => Some((ring, src, bytes)),
+                _ => None,
+            })
+            .collect();
+        assert_eq!(
+            sends,
+            vec![
+                (1, 0, 1024),
+                (0, 1024, 1024),
+                (1, 2048, 1024),
+                (0, 3072, 928)
+            ]
+        );
+        // The first `depth` pieces need no ack; piece t waits for ack t − 2.
+        let acks: Vec<u32> = ops
+            .iter()
+            .filter_map(|op| match *op {
+                Op::WaitAck { value, .. } => Some(value),
+                _ => None,
+            })
+            .collect();
+        assert_eq!(acks, vec![1, 2]);
+        assert_eq!(
+            c,
+            Counters {
+                sent: vec![4],
+                received: vec![4]
+            }
+        );
+        // The first piece in full (send half, then receive half), then piece 2's send.
+        assert_eq!(
+            ops[..6],
+            [
+                Op::Send {
+                    peer: 1,
+                    ring: 1,
+                    src: 0,
+                    bytes: 1024
+                },
+                Op::Ready { peer: 1, value: 1 },
+                Op::WaitReady { peer: 1, value: 1 },
+                Op::Take {
+                    peer: 1,
+                    ring: 1,
+                    dst: 0,
+                    bytes: 1024
+                },
+                Op::Ack { peer: 1, value: 1 },
+                Op::Send {
+                    peer: 1,
+                    ring: 0,
+                    src: 1024,
+                    bytes: 1024,
+                },
+            ]
+        );
+        // An empty message moves nothing and leaves the counters alone.
+        let empty = Plan::new(&desc(CollectiveKind::AllReduce, 0, None), 2, 0).unwrap();
+        assert!(schedule(&empty, &l, &mut c).is_empty());
+        assert_eq!(c.sent, vec![4]);
+    }
+
+    #[test]
+    fn a_reduce_advances_only_the_pairs_that_move_data() {
+        let l = Layout::new(3, 64, 2).unwrap();
+        let d = desc(CollectiveKind::Reduce, 16, Some(1)); // 64 bytes: one piece
+        let mut root = Counters::new(2);
+        let ops = schedule(&Plan::new(&d, 3, 1).unwrap(), &l, &mut root);
+        assert!(ops
+            .iter()
+            .all(|op| !matches!(op, Op::Send { .. } | Op::WaitAck { .. })));
+        assert_eq!(
+            root,
+            Counters {
+                sent: vec![0, 0],
+                received: vec![1, 1]
+            }
+        );
+        let mut leaf = Counters::new(2);
+        let ops = schedule(&Plan::new(&d, 3, 2).unwrap(), &l, &mut leaf);
+        assert_eq!(
+            ops,
+            vec![
+                Op::Send {
+                    peer: 1,
+                    ring: 1,
+                    src: 0,
+                    bytes: 64
+                },
+                Op::Ready { peer: 1, value: 1 },
+            ]
+        );
+        assert_eq!(
+            leaf,
+            Counters {
+                sent: vec![0, 1],
+                received: vec![0, 0]
+            }
+        );
+    }
+
+    #[test]
+    fn cyclic_comparison_survives_wrap_around() {
+        assert!(reached(5, 5) && reached(6, 5) && !reached(4, 5));
+        assert!(reached(0, u32::MAX) && reached(1, u32::MAX - 1));
+        assert!(!reached(u32::MAX, 0));
+    }
+
+    #[test]
+    fn setup_records_round_trip() {
+        let r = Record {
+            ok: true,
+            rank: 7,
+            slot_bytes: 32 << 20,
+            depth: 2,
+            node: [3; 16],
+            handle: std::array::from_fn(|i| i as u8),
+        };
+        assert_eq!(Record::decode(&r.encode()), Some(r));
+        assert_eq!(Record::decode(&[0; RECORD_BYTES]), None);
+        let id = parse_node_id("6f1c1d0e-2b4a-4c47-9d8e-0a1b2c3d4e5f\n");
+        assert_eq!(id[0], 0x6f);
+        assert_eq!(id[15], 0x5f);
+        assert_eq!(parse_node_id(""), [0; 16]);
+    }
+
+    /// A model of `n` members running their schedules: rings, flags and buffers in host
+    /// memory, every operation atomic, the members interleaved by `pick`.
+    struct Sim {
+        layout: Layout,
+        rings: Vec<Vec<u8>>,
+        /// Per exchange, per member: send and receive buffers.
+        sends: Vec<Vec<Vec<u8>>>,
+        recvs: Vec<Vec<Vec<u8>>>,
+        queues: Vec<std::collections::VecDeque<(usize, Op)>>,
+        /// Per exchange, per member: the plan (for the expected result).
+        plans: Vec<Vec<Plan>>,
+    }
+
+    impl Sim {
+        fn flag(&self, member: usize, at: usize) -> u32 {
+            u32::from_le_bytes(self.rings[member][at..at + 4].try_into().unwrap())
+        }
+
+        fn set_flag(&mut self, member: usize, at: usize, v: u32) {
+            self.rings[member][at..at + 4].copy_from_slice(&v.to_le_bytes());
+        }
+
+        /// Runs member `m`'s next operation if it can; whether it did.
+        fn step(&mut self, m: usize) -> bool {
+            if !self.can_step(m) {
+                return false;
+            }
+            let Some(&(e, op)) = self.queues[m].front() else {
+                return false;
+            };
+            let me = m as u32;
+            let l = self.layout;
+            match op {
+                Op::WaitAck { .. } | Op::WaitReady { .. } => {}
+                Op::Send {
+                    peer,
+                    ring,
+                    src,
+                    bytes,
+                } => {
+                    let at = l.data(exchange_slot(peer, me), ring);
+                    let data = self.sends[e][m][src..src + bytes].to_vec();
+                    self.rings[peer as usize][at..at + bytes].copy_from_slice(&data);
+                }
+                Op::Take {
+                    peer,
+                    ring,
+                    dst,
+                    bytes,
+                } => {
+                    let at = l.data(exchange_slot(me, peer), ring);
+                    let data = self.rings[m][at..at + bytes].to_vec();
+                    self.recvs[e][m][dst..dst + bytes].copy_from_slice(&data);
+                }
+                Op::Ready { peer, value } => {
+                    self.set_flag(peer as usize, l.ready(exchange_slot(peer, me)), value)
+                }
+                Op::Ack { peer, value } => {
+                    self.set_flag(peer as usize, l.ack(exchange_slot(peer, me)), value)
+                }
+            }
+            self.queues[m].pop_front();
+            true
+        }
+
+        /// Runs to completion, choosing among runnable members with `pick`; panics on a
+        /// deadlock.
+        fn run(&mut self, mut pick: impl FnMut(&[usize]) -> usize) {
+            loop {
+                let runnable: Vec<usize> = (0..self.queues.len())
+                    .filter(|&m| self.can_step(m))
+                    .collect();
+                if runnable.is_empty() {
+                    let left: Vec<_> = self.queues.iter().map(|q| q.front().copied()).collect();
+                    assert!(
+                        self.queues.iter().all(|q| q.is_empty()),
+                        "deadlock: next operations {left:?}"
+                    );
+                    return;
+                }
+                let m = runnable[pick(&runnable)];
+                assert!(self.step(m));
+            }
+        }
+
+        fn can_step(&self, m: usize) -> bool {
+            let me = m as u32;
+            let l = self.layout;
+            match self.queues[m].front() {
+                None => false,
+                Some((_, Op::WaitAck { peer, value })) => {
+                    reached(self.flag(m, l.ack(exchange_slot(me, *peer))), *value)
+                }
+                Some((_, Op::WaitReady { peer, value })) => {
+                    reached(self.flag(m, l.ready(exchange_slot(me, *peer))), *value)
+                }
+                Some(_) => true,
+            }
+        }
+
+        /// The receive-buffer chunks that differ from what the contract of
+        /// `Kernel::Exchange` says they hold.
+        fn mismatches(&self) -> Vec<String> {
+            let mut wrong = Vec::new();
+            for (e, plans) in self.plans.iter().enumerate() {
+                for (i, plan) in plans.iter().enumerate() {
+                    let c = plan.count * ELEM;
+                    for j in (0..plan.size).filter(|&j| plan.moves(j, i as u32)) {
+                        let src = plans[j as usize].send_offset(i as u32);
+                        let want = &self.sends[e][j as usize][src..src + c];
+                        let at = plan.recv_offset(j);
+                        if &self.recvs[e][i][at..at + c] != want {
+                            wrong.push(format!("exchange {e}: member {i}'s chunk from member {j}"));
+                        }
+                    }
+                }
+            }
+            wrong
+        }
+
+        fn check(&self) {
+            let wrong = self.mismatches();
+            assert!(wrong.is_empty(), "wrong data: {wrong:?}");
+        }
+    }
+
+    /// Builds the simulation of a sequence of exchanges (every member issues all of
+    /// them, in order), with counters and flags starting at `start`.
+    fn simulate(
+        n: u32,
+        slot: usize,
+        depth: usize,
+        start: u64,
+        descs: &[Collective],
+        strip_acks: bool,
+    ) -> Sim {
+        let layout = Layout::new(n, slot, depth).unwrap();
+        let mut rings = vec![vec![0u8; layout.bytes]; n as usize];
+        for ring in &mut rings {
+            for k in 0..layout.peers {
+                for at in [layout.ready(k), layout.ack(k)] {
+                    ring[at..at + 4].copy_from_slice(&(start as u32).to_le_bytes());
+                }
+            }
+        }
+        let mut counters = vec![Counters::starting_at(layout.peers, start); n as usize];
+        let mut queues = vec![std::collections::VecDeque::new(); n as usize];
+        let (mut sends, mut recvs, mut plans) = (Vec::new(), Vec::new(), Vec::new());
+        for (e, d) in descs.iter().enumerate() {
+            let mut s = Vec::new();
+            let mut r = Vec::new();
+            let mut p = Vec::new();
+            for i in 0..n {
+                let roles = crate::exchange_roles(d, n, i).unwrap();
+                let plan = Plan::new(d, n, i).unwrap();
+                let send_len = roles.send.unwrap_or(0) * ELEM;
+                s.push(
+                    (0..send_len)
+                        .map(|b| {
+                            // A different byte almost everywhere, with no period.
+                            let x = b as u64 ^ u64::from(i) << 32 ^ (e as u64) << 48;
+                            (x.wrapping_mul(0x9e37_79b9_7f4a_7c15) >> 56) as u8
+                        })
+                        .collect(),
+                );
+                r.push(vec![0xee; roles.recv.unwrap_or(0) * ELEM]);
+                for op in schedule(&plan, &layout, &mut counters[i as usize]) {
+                    if !(strip_acks && matches!(op, Op::WaitAck { .. })) {
+                        queues[i as usize].push_back((e, op));
+                    }
+                }
+                p.push(plan);
+            }
+            sends.push(s);
+            recvs.push(r);
+            plans.push(p);
+        }
+        Sim {
+            layout,
+            rings,
+            sends,
+            recvs,
+            queues,
+            plans,
+        }
+    }
+
+    /// xorshift, for reproducible interleavings.
+    fn rng(seed: u64) -> impl FnMut(&[usize]) -> usize {
+        let mut s = seed.max(1);
+        move |choices: &[usize]| {
+            s ^= s << 13;
+            s ^= s >> 7;
+            s ^= s << 17;
+            (s % choices.len() as u64) as usize
+        }
+    }
+
+    fn mixed(n: u32, seed: u64) -> Vec<Collective> {
+        let mut s = seed;
+        (0..12)
+            .map(|_| {
+                s = s
+                    .wrapping_mul(6364136223846793005)
+                    .wrapping_add(1442695040888963407);
+                let count = (s >> 33) % 300;
+                match (s >> 20) % 4 {
+                    0 => desc(CollectiveKind::ReduceScatter, count, None),
+                    1 => desc(CollectiveKind::AllReduce, count, None),
+                    _ => desc(
+                        CollectiveKind::Reduce,
+                        count,
+                        Some(((s >> 40) % u64::from(n)) as u32),
+                    ),
+                }
+            })
+            .collect()
+    }
+
+    #[test]
+    fn every_interleaving_delivers_every_chunk_without_deadlock() {
+        for n in 2..=4 {
+            for depth in 1..=3 {
+                for seed in 1..=25u64 {
+                    let descs = mixed(n, seed * 7919 + u64::from(n));
+                    // Slots of 256 bytes: messages of up to 299 floats take up to 5 pieces.
+                    let mut sim = simulate(n, 256, depth, 0, &descs, false);
+                    sim.run(rng(seed));
+                    sim.check();
+                    // Greedy schedules: one member runs ahead as far as it can.
+                    let mut sim = simulate(n, 256, depth, 0, &descs, false);
+                    sim.run(|r| r.len() - 1);
+                    sim.check();
+                    let mut sim = simulate(n, 256, depth, 0, &descs, false);
+                    sim.run(|_| 0);
+                    sim.check();
+                }
+            }
+        }
+    }
+
+    #[test]
+    fn reduces_with_changing_roots_between_other_exchanges_do_not_deadlock() {
+        // Slots of 256 bytes (64 floats): 1 to 4 pieces per message.
+        let descs = [
+            desc(CollectiveKind::AllReduce, 16, None),
+            desc(CollectiveKind::Reduce, 256, Some(0)),
+            desc(CollectiveKind::Reduce, 192, Some(1)),
+            desc(CollectiveKind::Reduce, 130, Some(2)),
+            desc(CollectiveKind::ReduceScatter, 70, None),
+            desc(CollectiveKind::AllReduce, 256, None),
+        ];
+        for seed in 1..=50 {
+            let mut sim = simulate(3, 256, 2, 0, &descs, false);
+            sim.run(rng(seed));
+            sim.check();
+        }
+    }
+
+    #[test]
+    fn counters_may_wrap_past_u32_max() {
+        let descs = mixed(3, 99);
+        for seed in 1..=20 {
+            let mut sim = simulate(3, 256, 2, u64::from(u32::MAX) - 3, &descs, false);
+            sim.run(rng(seed));
+            sim.check();
+        }
+    }
+
+    #[test]
+    fn the_model_catches_a_slot_overwritten_before_it_was_drained() {
+        // Without the ack waits, a sender that runs ahead overwrites a slot its peer has
+        // not copied out yet: the model must notice (it is not vacuous). Member 0 runs
+        // whenever it can: it posts piece 1, member 1 posts its piece 1, and member 0
+        // takes it and posts piece 2 over the piece 1 member 1 has not taken yet.
+        let descs = [desc(CollectiveKind::AllReduce, 256, None)]; // 4 pieces of 256 bytes
+        let mut sim = simulate(2, 256, 1, 0, &descs, true);
+        sim.run(|_| 0);
+        assert!(
+            !sim.mismatches().is_empty(),
+            "an overwritten slot went unnoticed"
+        );
+        // With them, the same schedule is correct.
+        let mut sim = simulate(2, 256, 1, 0, &descs, false);
+        sim.run(|_| 0);
+        sim.check();
+    }
+}
