@@ -39,11 +39,12 @@ step bench_rs_mm1 90 $B 29623 -- bench --mesh 2x1 --gemms 1 $W
 step bench_rs_mm1_copy 90 $B 29633 -- bench --mesh 2x1 --gemms 1 --transport copy $W
 # Levers of the copy transport: where the combine runs and when.
 step copy_rs_lag0_reduce 90 $B 29634 -- bench --mesh 2x1 --gemms 3 --transport copy --combine-lag 0 --combine-stream reduce $W
-step copy_rs_lag0_compute 90 $B 29635 -- bench --mesh 2x1 --gemms 3 --transport copy --combine-lag 0 $W
 step copy_rs_lag2 90 $B 29636 -- bench --mesh 2x1 --gemms 3 --transport copy --combine-lag 2 $W
-step copy_rs_mm1_lag0_reduce 90 $B 29637 -- bench --mesh 2x1 --gemms 1 --transport copy --combine-lag 0 --combine-stream reduce $W
-step copy_rs_slot8 90 $B 29638 -- bench --mesh 2x1 --gemms 3 --transport copy --copy-slot-mib 8 $W
-step copy_ar_slot64 90 $B 29639 -- bench --mesh 1x2 --gemms 3 --transport copy --copy-slot-mib 64 $W
+# NCCL CTA limits (ncclConfig_t maxCTAs): fewer SMs for NCCL beside the GEMMs.
+step nccl_rs_cta8 90 $B 29641 -- bench --mesh 2x1 --gemms 3 --nccl-max-ctas 8 $W
+step nccl_rs_cta16 90 $B 29642 -- bench --mesh 2x1 --gemms 3 --nccl-max-ctas 16 $W
+step nccl_ar_cta16 90 $B 29643 -- bench --mesh 1x2 --gemms 3 --nccl-max-ctas 16 $W
+step nccl_rs_mm1_cta8 90 $B 29644 -- bench --mesh 2x1 --gemms 1 --nccl-max-ctas 8 $W
 # Raw collective efficiency: the executor's collective nodes against NCCL alone.
 step coll_rs 90 $B 29624 -- bench-collectives --mesh 2x1 --iters 20 --warmup 3
 step coll_ar 90 $B 29625 -- bench-collectives --mesh 1x2 --iters 20 --warmup 3

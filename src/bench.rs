@@ -70,6 +70,8 @@ pub struct BenchArgs {
     pub combine_stream: Stream,
     /// Copy transport: receive-ring slot, MiB (`[overlap] copy_slot_mib`).
     pub copy_slot_mib: u32,
+    /// At most this many CTAs per NCCL collective (`[overlap] nccl_max_ctas`).
+    pub nccl_max_ctas: Option<u32>,
 }
 
 fn transport_str<S: serde::Serializer>(t: &Transport, s: S) -> Result<S::Ok, S::Error> {
@@ -212,6 +214,9 @@ pub struct BenchReport {
     pub host_us_per_node: f64,
     /// The same with kernel timings off (`Backend::set_timings`), µs per node.
     pub host_us_per_node_untimed: f64,
+    /// Host time per node of the `comm_only` variant, whose `grad_ready` nodes launch
+    /// markers instead of the trainer's GEMMs: what issuing costs `overlap` itself.
+    pub host_us_per_node_comm_only: f64,
     /// Nodes per step on this rank (overlap variant).
     pub nodes_per_step: usize,
     /// Mean kernel time of the plan's collective nodes in `comm_only`, ms per layer.
@@ -308,6 +313,7 @@ pub async fn run<B: Backend>(backend: Arc<B>, args: &BenchArgs) -> Result<BenchR
     }
     let mut comm_kernels = (0.0, 0.0, 0usize);
     let mut host = (0.0, 0usize);
+    let mut comm_host = (0.0, 0usize);
     for (variant, plan, backward) in [
         ("comm_only", &overlap_plan, Backward::None),
         ("serial", &serial_plan, gemms),
@@ -323,6 +329,8 @@ pub async fn run<B: Backend>(backend: Arc<B>, args: &BenchArgs) -> Result<BenchR
             match variant {
                 "comm_only" => {
                     steps.comm_only.push(ms);
+                    comm_host.0 += stats.issue_seconds;
+                    comm_host.1 += stats.nodes;
                     for t in stats.timings.iter().filter(|t| t.rank == me) {
                         let d = t.end - t.start;
                         if t.bytes > 0 && is_wide(plan, t) {
@@ -384,6 +392,11 @@ pub async fn run<B: Backend>(backend: Arc<B>, args: &BenchArgs) -> Result<BenchR
         },
         host_us_per_node_untimed: if untimed.1 > 0 {
             untimed.0 * 1e6 / untimed.1 as f64
+        } else {
+            0.0
+        },
+        host_us_per_node_comm_only: if comm_host.1 > 0 {
+            comm_host.0 * 1e6 / comm_host.1 as f64
         } else {
             0.0
         },
@@ -539,6 +552,7 @@ pub async fn collectives<B: Backend>(
             combine_lag: 0,
             combine_stream: Stream::Compute,
             copy_slot_mib: 32,
+            nccl_max_ctas: None,
         };
         args.check()?;
         let plan = Arc::new(bench_plan(&args, Bindings::default())?);
@@ -680,14 +694,14 @@ pub async fn collectives<B: Backend>(
 /// Opens this rank's GPU for `mesh` under a launcher (`overlap launch`), with the
 /// communicators of both the default and the serial bindings and kernel timings on.
 #[cfg(feature = "cuda")]
-fn open_cuda(mesh: Mesh, copy_slot_bytes: Option<usize>) -> Result<crate::cuda::CudaWorld, Error> {
+fn open_cuda(mesh: Mesh, links: crate::cuda::Links) -> Result<crate::cuda::CudaWorld, Error> {
     use overlap_ops::cuda::mesh_comms;
     let env = crate::cuda::rank_env(mesh)?;
     let mut comms = mesh_comms(mesh, &Bindings::default());
     comms.extend(mesh_comms(mesh, &serial_bindings()));
     comms.sort();
     comms.dedup();
-    crate::cuda::open(env, mesh, comms, true, copy_slot_bytes)
+    crate::cuda::open(env, mesh, comms, true, links)
 }
 
 /// `overlap bench` on this process's GPU: every rank runs the variants; rank 0 returns
@@ -695,8 +709,12 @@ fn open_cuda(mesh: Mesh, copy_slot_bytes: Option<usize>) -> Result<crate::cuda::
 #[cfg(feature = "cuda")]
 pub async fn bench_cuda(args: &BenchArgs) -> Result<Option<BenchReport>, Error> {
     args.check()?;
-    let copy = (args.transport == Transport::Copy).then_some((args.copy_slot_mib as usize) << 20);
-    let world = open_cuda(args.mesh, copy)?;
+    let links = crate::cuda::Links {
+        copy_slot_bytes: (args.transport == Transport::Copy)
+            .then_some((args.copy_slot_mib as usize) << 20),
+        nccl_max_ctas: args.nccl_max_ctas,
+    };
+    let world = open_cuda(args.mesh, links)?;
     let report = run(world.backend.clone(), args).await?;
     Ok((world.env.rank == 0).then_some(report))
 }
@@ -709,7 +727,7 @@ pub async fn collectives_cuda(
     iters: u32,
     warmup: u32,
 ) -> Result<Option<Vec<CollectiveRow>>, Error> {
-    let world = open_cuda(mesh, None)?;
+    let world = open_cuda(mesh, Default::default())?;
     let rows = collectives(world.backend.clone(), mesh, sizes_mib, iters, warmup).await?;
     Ok((world.env.rank == 0).then_some(rows))
 }
@@ -789,6 +807,7 @@ mod tests {
             combine_lag: 0,
             combine_stream: Stream::Compute,
             copy_slot_mib: 32,
+            nccl_max_ctas: None,
         }
     }
 

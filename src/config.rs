@@ -97,6 +97,9 @@ pub struct OverlapConfig {
     /// MiB (default 32); a larger message moves in pieces of this size. Each
     /// communicator of `n` members holds `2 × (n − 1)` slots per rank.
     pub copy_slot_mib: u32,
+    /// At most this many CTAs (SMs) per NCCL collective, through `ncclConfig_t`
+    /// (`None`, the default: NCCL's own choice).
+    pub nccl_max_ctas: Option<u32>,
 }
 
 impl Default for OverlapConfig {
@@ -104,6 +107,7 @@ impl Default for OverlapConfig {
         OverlapConfig {
             stage1_window: 8,
             copy_slot_mib: 32,
+            nccl_max_ctas: None,
         }
     }
 }
@@ -425,6 +429,17 @@ impl Doc<'_> {
                         ))
                     }
                     Some(v) => *v.get_ref(),
+                },
+                nccl_max_ctas: match &raw.overlap.nccl_max_ctas {
+                    None => None,
+                    Some(v) if *v.get_ref() == 0 || *v.get_ref() > 1024 => {
+                        return Err(self.err(
+                            "overlap.nccl_max_ctas",
+                            Some(v.span()),
+                            format!("must be between 1 and 1024, got {}", v.get_ref()),
+                        ))
+                    }
+                    Some(v) => Some(*v.get_ref()),
                 },
             },
             adamw: self.adamw(&raw.optimizer.adamw)?,
@@ -1078,6 +1093,7 @@ mod raw {
         pub transport: Option<Spanned<String>>,
         pub combine_lag: Option<Spanned<u32>>,
         pub copy_slot_mib: Option<Spanned<u32>>,
+        pub nccl_max_ctas: Option<Spanned<u32>>,
     }
 
     #[derive(Deserialize, Default)]

@@ -161,6 +161,9 @@ enum Command {
         /// Copy transport: receive-ring slot size, MiB.
         #[arg(long, default_value_t = 32)]
         copy_slot_mib: u32,
+        /// At most this many CTAs (SMs) per NCCL collective (default: NCCL's choice).
+        #[arg(long)]
+        nccl_max_ctas: Option<u32>,
         /// Print one JSON line (rank 0).
         #[arg(long)]
         json: bool,
@@ -386,6 +389,7 @@ async fn dispatch(cmd: Command) -> Result<ExitCode, Error> {
             combine_lag,
             combine_stream,
             copy_slot_mib,
+            nccl_max_ctas,
             json,
         } => {
             let transport = transport.into();
@@ -410,6 +414,7 @@ async fn dispatch(cmd: Command) -> Result<ExitCode, Error> {
                 combine_lag,
                 combine_stream,
                 copy_slot_mib,
+                nccl_max_ctas,
             };
             args.check()?;
             if let Some(r) = overlap::bench::bench_cuda(&args).await? {
@@ -766,7 +771,7 @@ async fn cuda_smoke(mib: &str, iters: u32) -> Result<ExitCode, Error> {
         replicate: env.world_size,
     };
     let comms = overlap::ops::cuda::mesh_comms(mesh, &overlap::graph::Bindings::default());
-    let mut world = overlap::cuda::open(env, mesh, comms, false, None)?;
+    let mut world = overlap::cuda::open(env, mesh, comms, false, Default::default())?;
     let report = overlap::cuda::smoke(&mut world, &sizes, iters).await?;
     println!(
         "{}",

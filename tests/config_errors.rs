@@ -424,6 +424,18 @@ fn copy_slot_out_of_range() {
 }
 
 #[test]
+fn nccl_ctas_out_of_range() {
+    for bad in ["0", "1025"] {
+        expect(
+            &with_base(&format!("[overlap]\nnccl_max_ctas = {bad}\n")),
+            "overlap.nccl_max_ctas",
+            Some(9),
+            "between 1 and 1024",
+        );
+    }
+}
+
+#[test]
 fn negative_combine_lag() {
     expect(
         &with_base("[overlap]\ncombine_lag = -1\n"),
@@ -653,6 +665,7 @@ stage1_window = 4
 transport = "copy"
 combine_lag = 2
 copy_slot_mib = 8
+nccl_max_ctas = 16
 
 [streams]
 fold = "compute"
@@ -724,6 +737,7 @@ listen = "127.0.0.1:9464"
         overlap: OverlapConfig {
             stage1_window: 4,
             copy_slot_mib: 8,
+            nccl_max_ctas: Some(16),
         },
         adamw: AdamwParams {
             lr: 0.5,

@@ -80,26 +80,38 @@ pub fn rank_env(mesh: Mesh) -> Result<RankEnv, Error> {
 /// (group, stream) its bindings use.
 pub fn world(config: &Config, env: RankEnv, timings: bool) -> Result<CudaWorld, Error> {
     let mesh = config.plan.mesh;
-    let copy = (config.plan.schedule.transport == overlap_graph::Transport::Copy)
-        .then_some((config.overlap.copy_slot_mib as usize) << 20);
+    let links = Links {
+        copy_slot_bytes: (config.plan.schedule.transport == overlap_graph::Transport::Copy)
+            .then_some((config.overlap.copy_slot_mib as usize) << 20),
+        nccl_max_ctas: config.overlap.nccl_max_ctas,
+    };
     open(
         env,
         mesh,
         ops_cuda::mesh_comms(mesh, &config.plan.bindings),
         timings,
-        copy,
+        links,
     )
 }
 
+/// How the ranks are linked besides the NCCL communicators' defaults.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct Links {
+    /// Copy transport: give every communicator of two or more members a receive ring
+    /// with slots of this many bytes (`[overlap] copy_slot_mib`).
+    pub copy_slot_bytes: Option<usize>,
+    /// At most this many CTAs per NCCL collective (`[overlap] nccl_max_ctas`).
+    pub nccl_max_ctas: Option<u32>,
+}
+
 /// Opens this rank's GPU and connects the job: `comms` is the global list of
-/// communicators (the same on every rank); with `copy_slot_bytes`, every communicator
-/// of more than one member also gets a copy-transport receive ring of that slot size.
+/// communicators (the same on every rank), linked as `links` says.
 pub fn open(
     env: RankEnv,
     mesh: Mesh,
     comms: Vec<CommId>,
     timings: bool,
-    copy_slot_bytes: Option<usize>,
+    links: Links,
 ) -> Result<CudaWorld, Error> {
     if env.world_size != mesh.world() {
         return Err(DistError::Inconsistent(format!(
@@ -133,9 +145,9 @@ pub fn open(
     let mut backend = opened.map_err(|e| Error::Backend(e.to_string()))?;
     let list: Vec<(CommId, NcclUniqueId)> = comms.into_iter().zip(ids).collect();
     backend
-        .connect(&list)
+        .connect(&list, links.nccl_max_ctas)
         .map_err(|e| Error::Backend(e.to_string()))?;
-    if let Some(slot) = copy_slot_bytes {
+    if let Some(slot) = links.copy_slot_bytes {
         backend
             .connect_copy(slot)
             .map_err(|e| Error::Backend(e.to_string()))?;

@@ -471,6 +471,70 @@ async fn kernels(b: &CudaBackend, checks: &mut Vec<Check>) -> Result<(), Error> 
         );
     }
 
+    // combine (copy transport): member 1 of 3, vector (n % 4 == 0) and scalar paths,
+    // against the order of operations of the CPU backend, bit for bit.
+    for n in [1000usize, 1003] {
+        for (dtype, op) in [
+            (DType::F32, ReduceOp::Avg),
+            (DType::F32, ReduceOp::Sum),
+            (DType::Bf16, ReduceOp::Avg),
+        ] {
+            let own_v = random(n, 40 + n as u64);
+            let recv_v = random(2 * n, 41 + n as u64);
+            let (own, recv, dst) = (buffer(b, &own_v)?, buffer(b, &recv_v)?, alloc(b, n)?);
+            let desc = Collective {
+                kind: CollectiveKind::AllReduce,
+                group: Group::Shard { replicate: 0 },
+                count: n as u64,
+                dtype,
+                op,
+                root: None,
+            };
+            let r = run(
+                b,
+                Stream::Compute,
+                Kernel::Combine {
+                    desc,
+                    size: 3,
+                    index: 1,
+                    own,
+                    own_offset: 0,
+                    recv,
+                    dst: dst.clone(),
+                },
+            )
+            .await;
+            let round = |x: f32| {
+                if dtype == DType::Bf16 {
+                    math::round_bf16(x)
+                } else {
+                    x
+                }
+            };
+            let want: Vec<f32> = (0..n)
+                .map(|e| {
+                    let x = [recv_v[e], own_v[e], recv_v[n + e]].map(round);
+                    let sum = x[0] + x[1] + x[2];
+                    if op == ReduceOp::Avg {
+                        sum / 3.0
+                    } else {
+                        sum
+                    }
+                })
+                .collect();
+            let got = download(b, &dst)?;
+            let exact = got
+                .iter()
+                .zip(&want)
+                .all(|(a, w)| a.to_bits() == w.to_bits());
+            push(
+                &format!("combine {n} {dtype:?} {op:?} (member 1 of 3)"),
+                r.is_ok() && exact,
+                format!("{r:?}, bit-exact: {exact}"),
+            );
+        }
+    }
+
     // Spin: the stream stays busy for the time asked.
     let t0 = Instant::now();
     let r = run(b, Stream::Compute, Kernel::Spin { micros: 20_000 }).await;

@@ -325,7 +325,14 @@ impl CudaBackend {
     /// member of it when this rank belongs to its group. Every rank must pass the same
     /// list (rank 0's ids for [`mesh_comms`]), so all create them in one global order;
     /// each creation blocks until the group's members have joined.
-    pub fn connect(&mut self, comms: &[(CommId, NcclUniqueId)]) -> Result<(), OpsError> {
+    ///
+    /// `max_ctas` limits every communicator's collectives to that many CTAs (SMs) through
+    /// `ncclConfig_t` (`None`: NCCL's own choice).
+    pub fn connect(
+        &mut self,
+        comms: &[(CommId, NcclUniqueId)],
+        max_ctas: Option<u32>,
+    ) -> Result<(), OpsError> {
         let (rank, mesh) = (self.shared.rank, self.shared.mesh);
         self.shared.device.bind()?;
         let issue = self
@@ -346,7 +353,7 @@ impl CudaBackend {
                     "communicator {id} was created twice"
                 )));
             }
-            let comm = Comm::init(id, uid, mesh.group_size(id.group), index)?;
+            let comm = Comm::init(id, uid, mesh.group_size(id.group), index, max_ctas)?;
             issue.comms.push(comm);
         }
         Ok(())

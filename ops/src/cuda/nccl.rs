@@ -80,6 +80,46 @@ pub(super) fn version() -> String {
     }
 }
 
+/// `NCCL_CONFIG_UNDEF_INT`: a config field NCCL should choose itself.
+const UNDEF_INT: i32 = i32::MIN;
+/// `NCCL_CONFIG_INITIALIZER`'s magic.
+const CONFIG_MAGIC: u32 = 0xcafe_beef;
+/// The config version we fill in: NCCL 2.28.0's, the layout of the system NCCL (2.28.3)
+/// on the GPU machine. The bindings' struct is NCCL 2.30's, which appends fields; `size`
+/// says where the 2.28 layout ends, so no NCCL reads past what it knows.
+const CONFIG_VERSION: u32 = 22800;
+
+/// An `ncclConfig_t` as `NCCL_CONFIG_INITIALIZER` makes it, with 1 to `max` CTAs per
+/// collective: NCCL's kernels then occupy at most `max` SMs beside the compute stream's.
+fn config_with_max_ctas(max: u32) -> sys::ncclConfig_t {
+    let max = max.clamp(1, i32::MAX as u32) as i32;
+    // The 2.28 layout ends after `nvlinkCentricSched`, padded to the struct's alignment.
+    let end = std::mem::offset_of!(sys::ncclConfig_t, graphUsageMode);
+    let align = std::mem::align_of::<sys::ncclConfig_t>();
+    sys::ncclConfig_t {
+        size: end.div_ceil(align) * align,
+        magic: CONFIG_MAGIC,
+        version: CONFIG_VERSION,
+        blocking: UNDEF_INT,
+        cgaClusterSize: UNDEF_INT,
+        minCTAs: 1,
+        maxCTAs: max,
+        netName: std::ptr::null(),
+        splitShare: UNDEF_INT,
+        trafficClass: UNDEF_INT,
+        commName: std::ptr::null(),
+        collnetEnable: UNDEF_INT,
+        CTAPolicy: UNDEF_INT,
+        shrinkShare: UNDEF_INT,
+        nvlsCTAs: UNDEF_INT,
+        nChannelsPerNetPeer: UNDEF_INT,
+        nvlinkCentricSched: UNDEF_INT,
+        graphUsageMode: UNDEF_INT,
+        numRmaCtx: UNDEF_INT,
+        maxP2pPeers: UNDEF_INT,
+    }
+}
+
 /// One communicator of this rank.
 pub(super) struct Comm {
     pub(super) id: CommId,
@@ -102,17 +142,36 @@ impl Comm {
         uid: NcclUniqueId,
         size: u32,
         index: u32,
+        max_ctas: Option<u32>,
     ) -> Result<Comm, OpsError> {
         let mut raw: sys::ncclComm_t = std::ptr::null_mut();
-        // SAFETY: `raw` is an out-parameter; size and index were checked by the caller.
-        unsafe { nccl::comm_init_rank(&mut raw, size as i32, uid.to_sys(), index as i32) }
-            .map_err(|e| OpsError::Collective {
-                comm: id.to_string(),
-                reason: format!(
-                    "ncclCommInitRank (member {index} of {size}) failed: {}",
-                    describe(&e, None)
-                ),
-            })?;
+        let result = match max_ctas {
+            // SAFETY: `raw` is an out-parameter; size and index were checked by the caller.
+            None => unsafe {
+                nccl::comm_init_rank(&mut raw, size as i32, uid.to_sys(), index as i32)
+            },
+            Some(max) => {
+                let mut config = config_with_max_ctas(max);
+                // SAFETY: as above; `config` is a fully initialised ncclConfig_t (every
+                // field NCCL's "undefined" but the CTA limits) that outlives the call.
+                unsafe {
+                    nccl::comm_init_rank_config(
+                        &mut raw,
+                        size as i32,
+                        uid.to_sys(),
+                        index as i32,
+                        &mut config,
+                    )
+                }
+            }
+        };
+        result.map_err(|e| OpsError::Collective {
+            comm: id.to_string(),
+            reason: format!(
+                "ncclCommInitRank (member {index} of {size}) failed: {}",
+                describe(&e, None)
+            ),
+        })?;
         Ok(Comm {
             id,
             raw,
