@@ -11,7 +11,7 @@ mkdir -p "$OUT"
 export LD_LIBRARY_PATH=/usr/local/cuda/lib64:${LD_LIBRARY_PATH:-}
 export NCCL_NVLS_ENABLE=0
 BIN=./target/release/overlap
-ITERS=${ITERS:-10}
+ITERS=${ITERS:-20}
 step() { # name, timeout, command...
   local name=$1 t=$2; shift 2
   if [ "$SECONDS" -gt "${BUDGET_S:-520}" ]; then echo "== $name: skipped (budget)" | tee -a "$OUT/log.txt"; return; fi
@@ -25,26 +25,25 @@ step() { # name, timeout, command...
 nvidia-smi --query-gpu=name,driver_version,clocks.max.sm --format=csv >> "$OUT/log.txt" 2>&1
 B="$BIN launch --nproc-per-node 2 --master-port"
 W="--layers 16 --grad-mib 64 --d 4096 --iters $ITERS --warmup 3 --json"
-# The three workloads: the anchor, then overlap with NCCL collectives, then overlap
-# with the copy transport (exchange on copy engines, combine on the compute stream one
-# layer behind: the defaults of --combine-lag and --combine-stream).
-step anchor_rs 110 python3 scratch/anchors/torch_reduce_overlap.py rs "$OUT/anchor_rs.json"
-step bench_rs 90 $B 29621 -- bench --mesh 2x1 --gemms 3 $W
-step bench_rs_copy 90 $B 29631 -- bench --mesh 2x1 --gemms 3 --transport copy $W
-step anchor_ar 110 python3 scratch/anchors/torch_reduce_overlap.py ar "$OUT/anchor_ar.json"
-step bench_ar 90 $B 29622 -- bench --mesh 1x2 --gemms 3 $W
-step bench_ar_copy 90 $B 29632 -- bench --mesh 1x2 --gemms 3 --transport copy $W
-step anchor_rs_mm1 110 env MM=1 python3 scratch/anchors/torch_reduce_overlap.py rs "$OUT/anchor_rs_mm1.json"
-step bench_rs_mm1 90 $B 29623 -- bench --mesh 2x1 --gemms 1 $W
-step bench_rs_mm1_copy 90 $B 29633 -- bench --mesh 2x1 --gemms 1 --transport copy $W
-# Levers of the copy transport: where the combine runs and when.
-step copy_rs_lag0_reduce 90 $B 29634 -- bench --mesh 2x1 --gemms 3 --transport copy --combine-lag 0 --combine-stream reduce $W
-step copy_rs_lag2 90 $B 29636 -- bench --mesh 2x1 --gemms 3 --transport copy --combine-lag 2 $W
-# NCCL CTA limits (ncclConfig_t maxCTAs): fewer SMs for NCCL beside the GEMMs.
-step nccl_rs_cta8 90 $B 29641 -- bench --mesh 2x1 --gemms 3 --nccl-max-ctas 8 $W
-step nccl_rs_cta16 90 $B 29642 -- bench --mesh 2x1 --gemms 3 --nccl-max-ctas 16 $W
-step nccl_ar_cta16 90 $B 29643 -- bench --mesh 1x2 --gemms 3 --nccl-max-ctas 16 $W
-step nccl_rs_mm1_cta8 90 $B 29644 -- bench --mesh 2x1 --gemms 1 --nccl-max-ctas 8 $W
+# Two rounds of the three workloads, each: the anchor, then overlap with NCCL
+# collectives, then the copy transport (exchange on copy engines) with its combine on
+# the compute stream one layer behind (--combine-lag 1, the default), right after its
+# exchange on the high-priority reduce stream (--combine-lag 0 --combine-stream reduce),
+# and one layer behind on the reduce stream.
+for round in 1 2; do
+  p=$((29600 + round * 20))
+  for wl in "rs 2x1 3" "ar 1x2 3" "rs_mm1 2x1 1"; do
+    set -- $wl
+    name=$1 mesh=$2 mm=$3
+    mode=${name%_mm1}
+    step "anchor_${name}_r$round" 110 env MM=$mm python3 scratch/anchors/torch_reduce_overlap.py "$mode" "$OUT/anchor_${name}_r$round.json"
+    step "nccl_${name}_r$round" 90 $B $((p + 1)) -- bench --mesh "$mesh" --gemms "$mm" $W
+    step "copy_${name}_r$round" 90 $B $((p + 2)) -- bench --mesh "$mesh" --gemms "$mm" --transport copy $W
+    step "copy_${name}_lag0_reduce_r$round" 90 $B $((p + 3)) -- bench --mesh "$mesh" --gemms "$mm" --transport copy --combine-lag 0 --combine-stream reduce $W
+    step "copy_${name}_lag1_reduce_r$round" 90 $B $((p + 4)) -- bench --mesh "$mesh" --gemms "$mm" --transport copy --combine-stream reduce $W
+    p=$((p + 5))
+  done
+done
 # Raw collective efficiency: the executor's collective nodes against NCCL alone.
-step coll_rs 90 $B 29624 -- bench-collectives --mesh 2x1 --iters 20 --warmup 3
-step coll_ar 90 $B 29625 -- bench-collectives --mesh 1x2 --iters 20 --warmup 3
+step coll_rs 90 $B 29691 -- bench-collectives --mesh 2x1 --iters 20 --warmup 3
+step coll_ar 90 $B 29692 -- bench-collectives --mesh 1x2 --iters 20 --warmup 3

@@ -11,7 +11,10 @@
 //! anchor measures the backward and the reduction only.
 //!
 //! Four variants, each timed over `iters` steps after `warmup` steps, by the device span
-//! of a step (first kernel start to last kernel end, from the backend's timing events):
+//! of a step (first kernel start to last kernel end, from the backend's timing events);
+//! the variants take turns step by step, so a drift of the GPU's clocks over the run
+//! (sustained GEMMs heat it: 8.3 to 9.5 ms for the same step within one run) weighs on
+//! each alike:
 //!
 //! - `compute_only`: the GEMMs alone, launched on the compute stream;
 //! - `comm_only`: the plan with no backward (markers): pack, collectives, unpack;
@@ -304,29 +307,34 @@ pub async fn run<B: Backend>(backend: Arc<B>, args: &BenchArgs) -> Result<BenchR
     let total = (args.warmup + args.iters) as usize;
     let mut steps = VariantSteps::default();
 
-    // compute_only: the backward's kernels alone.
-    for i in 0..total {
-        let t = gemms_only(&*backend, &ranks, args, gemms).await?;
-        if i >= args.warmup as usize {
-            steps.compute_only.push(span_of(&t, me) * 1e3);
-        }
-    }
     let mut comm_kernels = (0.0, 0.0, 0usize);
     let mut host = (0.0, 0usize);
     let mut comm_host = (0.0, 0usize);
-    for (variant, plan, backward) in [
+    // The variants take turns, one step each, so that a drift of the GPU's clocks over
+    // the run (sustained GEMMs heat it) weighs on every variant alike.
+    let variants = [
         ("comm_only", &overlap_plan, Backward::None),
         ("serial", &serial_plan, gemms),
         ("overlap", &overlap_plan, gemms),
-    ] {
-        let mut ex = Executor::new(backend.clone(), exec(backward));
-        for i in 0..total {
-            let stats = plan_step(&mut ex, plan, &grads).await?;
-            if i < args.warmup as usize {
+    ];
+    let mut executors: Vec<Executor<B>> = variants
+        .iter()
+        .map(|&(_, _, backward)| Executor::new(backend.clone(), exec(backward)))
+        .collect();
+    for i in 0..total {
+        let timed = i >= args.warmup as usize;
+        // compute_only: the backward's kernels alone.
+        let t = gemms_only(&*backend, &ranks, args, gemms).await?;
+        if timed {
+            steps.compute_only.push(span_of(&t, me) * 1e3);
+        }
+        for ((variant, plan, _), ex) in variants.iter().zip(&mut executors) {
+            let stats = plan_step(ex, plan, &grads).await?;
+            if !timed {
                 continue;
             }
             let ms = span_of(&stats.timings, me) * 1e3;
-            match variant {
+            match *variant {
                 "comm_only" => {
                     steps.comm_only.push(ms);
                     comm_host.0 += stats.issue_seconds;
@@ -350,6 +358,7 @@ pub async fn run<B: Backend>(backend: Arc<B>, args: &BenchArgs) -> Result<BenchR
             }
         }
     }
+    drop(executors);
     // The host cost without timing events (two event records per kernel on the CUDA
     // backend): the overlap plan again, `iters` steps, timings off.
     backend.set_timings(false);

@@ -100,6 +100,22 @@ pub struct OverlapConfig {
     /// At most this many CTAs (SMs) per NCCL collective, through `ncclConfig_t`
     /// (`None`, the default: NCCL's own choice).
     pub nccl_max_ctas: Option<u32>,
+    /// What `transport` said; `auto` is settled by [`Config::settle_transport`] once the
+    /// job's placement is known (the plan spec holds NCCL until then).
+    pub transport: TransportChoice,
+}
+
+/// `[overlap] transport`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum TransportChoice {
+    /// The copy transport on GPUs when every rank of the job is on one node; NCCL
+    /// collectives otherwise, and on the CPU backend its collectives.
+    #[default]
+    Auto,
+    /// Always NCCL collectives (the CPU backend's collectives on the CPU).
+    Nccl,
+    /// Always the copy transport (every group's members must share a node on GPUs).
+    Copy,
 }
 
 impl Default for OverlapConfig {
@@ -108,6 +124,7 @@ impl Default for OverlapConfig {
             stage1_window: 8,
             copy_slot_mib: 32,
             nccl_max_ctas: None,
+            transport: TransportChoice::Auto,
         }
     }
 }
@@ -230,6 +247,19 @@ impl Config {
     }
 
     /// Parses and checks config text; `source` names it in errors (a file name, or
+    /// Settles `[overlap] transport = "auto"` for a GPU job: the copy transport when
+    /// every rank runs on one node (`one_node`), NCCL collectives otherwise. `nccl` and
+    /// `copy` are left as they are.
+    pub fn settle_transport(&mut self, one_node: bool) {
+        if self.overlap.transport == TransportChoice::Auto {
+            self.plan.schedule.transport = if one_node {
+                Transport::Copy
+            } else {
+                Transport::Nccl
+            };
+        }
+    }
+
     /// `"<inline>"`).
     pub fn from_toml(text: &str, source: &str) -> Result<Config, ConfigError> {
         let doc = Doc { text, file: source };
@@ -392,6 +422,7 @@ impl Doc<'_> {
         };
         let bindings = self.bindings(&raw.streams)?;
         let schedule = self.schedule(&raw.overlap)?;
+        let transport = self.transport(&raw.overlap)?;
         let plan = PlanSpec {
             mesh,
             params,
@@ -430,6 +461,7 @@ impl Doc<'_> {
                     }
                     Some(v) => *v.get_ref(),
                 },
+                transport,
                 nccl_max_ctas: match &raw.overlap.nccl_max_ctas {
                     None => None,
                     Some(v) if *v.get_ref() == 0 || *v.get_ref() > 1024 => {
@@ -682,20 +714,28 @@ impl Doc<'_> {
             .collect())
     }
 
-    fn schedule(&self, raw: &raw::Overlap) -> Result<Schedule, ConfigError> {
-        let mut s = Schedule::default();
-        if let Some(t) = &raw.transport {
-            s.transport = match t.get_ref().as_str() {
-                "nccl" => Transport::Nccl,
-                "copy" => Transport::Copy,
+    fn transport(&self, raw: &raw::Overlap) -> Result<TransportChoice, ConfigError> {
+        Ok(match &raw.transport {
+            None => TransportChoice::default(),
+            Some(t) => match t.get_ref().as_str() {
+                "auto" => TransportChoice::Auto,
+                "nccl" => TransportChoice::Nccl,
+                "copy" => TransportChoice::Copy,
                 other => {
                     return Err(self.err(
                         "overlap.transport",
                         Some(t.span()),
-                        format!("unknown transport `{other}`; expected nccl or copy"),
+                        format!("unknown transport `{other}`; expected auto, nccl or copy"),
                     ))
                 }
-            };
+            },
+        })
+    }
+
+    fn schedule(&self, raw: &raw::Overlap) -> Result<Schedule, ConfigError> {
+        let mut s = Schedule::default();
+        if self.transport(raw)? == TransportChoice::Copy {
+            s.transport = Transport::Copy;
         }
         if let Some(lag) = &raw.combine_lag {
             s.combine_lag = *lag.get_ref();

@@ -132,6 +132,12 @@ impl RankEnv {
         Ok(Some(env))
     }
 
+    /// Whether every rank of the job runs on this node: a single process, or a
+    /// launcher that says this node holds all of them. Unknown counts as no.
+    pub fn one_node(&self) -> bool {
+        self.world_size == 1 || self.local_world_size == Some(self.world_size)
+    }
+
     /// A job of one process (rank 0 of 1, rendezvous on 127.0.0.1).
     pub fn single() -> RankEnv {
         RankEnv {
@@ -416,6 +422,21 @@ mod tests {
         vars[2] = ("LOCAL_RANK", "0");
         vars[5] = ("MASTER_PORT", "70000");
         assert!(env(&vars).unwrap_err().to_string().contains("TCP port"));
+    }
+
+    #[test]
+    fn one_node_needs_the_launcher_to_say_so() {
+        assert!(RankEnv::single().one_node());
+        let mut e = RankEnv {
+            world_size: 4,
+            local_world_size: Some(4),
+            ..RankEnv::single()
+        };
+        assert!(e.one_node());
+        e.local_world_size = Some(2);
+        assert!(!e.one_node());
+        e.local_world_size = None;
+        assert!(!e.one_node());
     }
 
     #[test]

@@ -330,6 +330,10 @@ async fn dispatch(cmd: Command) -> Result<ExitCode, Error> {
             let mut cfg = load(&config)?;
             if let Some(t) = transport {
                 cfg.plan.schedule.transport = t.into();
+                cfg.overlap.transport = match t {
+                    TransportArg::Nccl => overlap::config::TransportChoice::Nccl,
+                    TransportArg::Copy => overlap::config::TransportChoice::Copy,
+                };
             }
             if let Some(g) = gates {
                 cfg.gates = parse_gates(&g)?;
@@ -567,6 +571,9 @@ async fn run(cfg: &Config, steps: u32, observe: &ObserveArgs) -> Result<ExitCode
     #[cfg(feature = "cuda")]
     if cuda {
         let env = overlap::cuda::rank_env(cfg.plan.mesh)?;
+        let mut cfg = cfg.clone();
+        cfg.settle_transport(env.one_node());
+        let cfg = &cfg;
         let world = overlap::cuda::world(cfg, env, true)?;
         let session = Session::cuda(cfg, world.backend.clone())?;
         return run_steps(session, cfg, steps, observe, recording, backend).await;
@@ -710,6 +717,9 @@ fn auto_cuda() -> bool {
 #[cfg(feature = "cuda")]
 async fn verify_cuda(cfg: &Config, steps: u64, seed: u64, json: bool) -> Result<ExitCode, Error> {
     let env = overlap::cuda::rank_env(cfg.plan.mesh)?;
+    let mut cfg = cfg.clone();
+    cfg.settle_transport(env.one_node());
+    let cfg = &cfg;
     let mut world = overlap::cuda::world(cfg, env, false)?;
     let report = overlap::cuda::verify(cfg, steps, seed, &mut world, |s| {
         if !json {

@@ -4,7 +4,7 @@
 use std::path::Path;
 
 use overlap::config::{
-    BackendChoice, Config, ConfigError, MetricsConfig, OverlapConfig, RunConfig,
+    BackendChoice, Config, ConfigError, MetricsConfig, OverlapConfig, RunConfig, TransportChoice,
     DEFAULT_BUCKET_CAP_BYTES,
 };
 use overlap_graph::{
@@ -408,7 +408,31 @@ fn unknown_transport() {
         Some(9),
         "unknown transport `nvlink`",
     );
-    assert!(e.reason.contains("nccl or copy"), "{e}");
+    assert!(e.reason.contains("auto, nccl or copy"), "{e}");
+}
+
+#[test]
+fn auto_transport_is_settled_by_the_jobs_placement() {
+    let mut c = Config::from_toml(BASE, FILE).unwrap();
+    assert_eq!(c.overlap.transport, TransportChoice::Auto);
+    // Until settled (and on the CPU backend): NCCL-style collectives.
+    assert_eq!(c.plan.schedule.transport, Transport::Nccl);
+    c.settle_transport(true);
+    assert_eq!(c.plan.schedule.transport, Transport::Copy);
+    c.settle_transport(false);
+    assert_eq!(c.plan.schedule.transport, Transport::Nccl);
+    // An explicit choice is kept whatever the placement.
+    for (text, want) in [("nccl", Transport::Nccl), ("copy", Transport::Copy)] {
+        let mut c = Config::from_toml(
+            &with_base(&format!("[overlap]\ntransport = \"{text}\"\n")),
+            FILE,
+        )
+        .unwrap();
+        c.settle_transport(true);
+        assert_eq!(c.plan.schedule.transport, want, "{text}");
+        c.settle_transport(false);
+        assert_eq!(c.plan.schedule.transport, want, "{text}");
+    }
 }
 
 #[test]
@@ -738,6 +762,7 @@ listen = "127.0.0.1:9464"
             stage1_window: 4,
             copy_slot_mib: 8,
             nccl_max_ctas: Some(16),
+            transport: TransportChoice::Copy,
         },
         adamw: AdamwParams {
             lr: 0.5,

@@ -1,0 +1,30 @@
+#!/usr/bin/env python3
+"""Summarises a scripts/bench-gpu.sh log: one line per workload and variant with
+compute, comm, serial, overlapped, ideal (ms), eta and host us per node, the anchor's
+eta computed with the same formula. Usage: scripts/bench-summary.py OUT/log.txt"""
+import json
+import re
+import sys
+
+name = None
+for line in open(sys.argv[1]):
+    m = re.match(r"== (\S+):", line)
+    if m:
+        name = m.group(1)
+        continue
+    if line.startswith("[rank 0] {") and '"eta"' in line:
+        d = json.loads(line[len("[rank 0] "):])
+        host = f"host {d['host_us_per_node']:.1f} (untimed {d['host_us_per_node_untimed']:.1f}"
+        if "host_us_per_node_comm_only" in d:
+            host += f", comm_only {d['host_us_per_node_comm_only']:.1f}"
+        host += ")"
+        eta = d["eta"] if d["eta"] is not None else float("nan")
+        print(f"{name:24s} compute {d['compute_only_ms']:.2f} comm {d['comm_only_ms']:.2f} "
+              f"serial {d['serial_ms']:.2f} overlap {d['overlap_ms']:.2f} ideal {d['ideal_ms']:.2f} "
+              f"eta {eta:.2f} {host}")
+    elif line.startswith("{") and "overlap_fsdp2" in line:
+        d = json.loads(line)
+        c, m_, s, o = d["compute_only"], d["comm_only"], d["serial"], d["overlap_fsdp2"]
+        ideal = max(c, m_) + m_ / d["layers"]
+        print(f"{name:24s} compute {c:.2f} comm {m_:.2f} serial {s:.2f} overlap {o:.2f} "
+              f"ideal {ideal:.2f} eta {(s - o) / (s - ideal):.2f} host {d['host_us_per_collective']:.1f} per collective")
