@@ -71,6 +71,8 @@ pub struct BenchArgs {
     pub combine_lag: u32,
     /// Copy transport: the stream combines run on (`[streams] combine`).
     pub combine_stream: Stream,
+    /// Copy transport: the stream exchanges run on (`[streams] exchange`).
+    pub exchange_stream: Stream,
     /// Copy transport: receive-ring slot, MiB (`[overlap] copy_slot_mib`).
     pub copy_slot_mib: u32,
     /// At most this many CTAs per NCCL collective (`[overlap] nccl_max_ctas`).
@@ -136,13 +138,14 @@ impl BenchArgs {
                 .collect(),
             reduce: ReduceSpec::default(),
             bucket_cap_bytes: self.grad_elems() * 4,
-            bindings: Bindings {
-                combine: if bindings == serial_bindings() {
-                    Stream::Compute
-                } else {
-                    self.combine_stream
-                },
-                ..bindings
+            bindings: if bindings == serial_bindings() {
+                bindings
+            } else {
+                Bindings {
+                    combine: self.combine_stream,
+                    exchange: self.exchange_stream,
+                    ..bindings
+                }
             },
             schedule: Schedule {
                 transport: self.transport,
@@ -164,6 +167,7 @@ pub fn serial_bindings() -> Bindings {
         unpack: Stream::Compute,
         optimizer: Stream::Compute,
         publish: Stream::Compute,
+        exchange: Stream::Compute,
         combine: Stream::Compute,
     }
 }
@@ -560,6 +564,7 @@ pub async fn collectives<B: Backend>(
             transport: Transport::Nccl,
             combine_lag: 0,
             combine_stream: Stream::Compute,
+            exchange_stream: Stream::Copy,
             copy_slot_mib: 32,
             nccl_max_ctas: None,
         };
@@ -703,11 +708,16 @@ pub async fn collectives<B: Backend>(
 /// Opens this rank's GPU for `mesh` under a launcher (`overlap launch`), with the
 /// communicators of both the default and the serial bindings and kernel timings on.
 #[cfg(feature = "cuda")]
-fn open_cuda(mesh: Mesh, links: crate::cuda::Links) -> Result<crate::cuda::CudaWorld, Error> {
+fn open_cuda(
+    mesh: Mesh,
+    bindings: Bindings,
+    links: crate::cuda::Links,
+) -> Result<crate::cuda::CudaWorld, Error> {
     use overlap_ops::cuda::mesh_comms;
     let env = crate::cuda::rank_env(mesh)?;
-    let mut comms = mesh_comms(mesh, &Bindings::default());
-    comms.extend(mesh_comms(mesh, &serial_bindings()));
+    let copy = links.copy.is_some();
+    let mut comms = mesh_comms(mesh, &bindings, copy);
+    comms.extend(mesh_comms(mesh, &serial_bindings(), copy));
     comms.sort();
     comms.dedup();
     crate::cuda::open(env, mesh, comms, true, links)
@@ -719,11 +729,14 @@ fn open_cuda(mesh: Mesh, links: crate::cuda::Links) -> Result<crate::cuda::CudaW
 pub async fn bench_cuda(args: &BenchArgs) -> Result<Option<BenchReport>, Error> {
     args.check()?;
     let links = crate::cuda::Links {
-        copy_slot_bytes: (args.transport == Transport::Copy)
-            .then_some((args.copy_slot_mib as usize) << 20),
+        copy: (args.transport == Transport::Copy).then(|| crate::cuda::CopyLinks {
+            slot_bytes: (args.copy_slot_mib as usize) << 20,
+            streams: vec![args.exchange_stream, Stream::Compute],
+        }),
         nccl_max_ctas: args.nccl_max_ctas,
     };
-    let world = open_cuda(args.mesh, links)?;
+    let bindings = args.spec(Bindings::default()).bindings;
+    let world = open_cuda(args.mesh, bindings, links)?;
     let report = run(world.backend.clone(), args).await?;
     Ok((world.env.rank == 0).then_some(report))
 }
@@ -736,7 +749,7 @@ pub async fn collectives_cuda(
     iters: u32,
     warmup: u32,
 ) -> Result<Option<Vec<CollectiveRow>>, Error> {
-    let world = open_cuda(mesh, Default::default())?;
+    let world = open_cuda(mesh, Bindings::default(), Default::default())?;
     let rows = collectives(world.backend.clone(), mesh, sizes_mib, iters, warmup).await?;
     Ok((world.env.rank == 0).then_some(rows))
 }
@@ -815,6 +828,7 @@ mod tests {
             transport: Transport::Nccl,
             combine_lag: 0,
             combine_stream: Stream::Compute,
+            exchange_stream: Stream::Copy,
             copy_slot_mib: 32,
             nccl_max_ctas: None,
         }

@@ -745,7 +745,7 @@ impl Doc<'_> {
 
     fn bindings(&self, raw: &raw::Streams) -> Result<Bindings, ConfigError> {
         let mut b = Bindings::default();
-        let slots: [(&str, &Option<Spanned<String>>, &mut Stream); 9] = [
+        let slots: [(&str, &Option<Spanned<String>>, &mut Stream); 10] = [
             ("accumulate", &raw.accumulate, &mut b.accumulate),
             ("pack", &raw.pack, &mut b.pack),
             ("stage1", &raw.stage1, &mut b.stage1),
@@ -755,6 +755,7 @@ impl Doc<'_> {
             ("optimizer", &raw.optimizer, &mut b.optimizer),
             ("publish", &raw.publish, &mut b.publish),
             ("combine", &raw.combine, &mut b.combine),
+            ("exchange", &raw.exchange, &mut b.exchange),
         ];
         for (name, value, slot) in slots {
             if let Some(v) = value {
@@ -1148,6 +1149,7 @@ mod raw {
         pub optimizer: Option<Spanned<String>>,
         pub publish: Option<Spanned<String>>,
         pub combine: Option<Spanned<String>>,
+        pub exchange: Option<Spanned<String>>,
     }
 
     #[derive(Deserialize, Default)]

@@ -158,6 +158,9 @@ enum Command {
         /// Copy transport: the stream combines run on.
         #[arg(long, default_value = "compute")]
         combine_stream: String,
+        /// Copy transport: the stream exchanges run on.
+        #[arg(long, default_value = "copy")]
+        exchange_stream: String,
         /// Copy transport: receive-ring slot size, MiB.
         #[arg(long, default_value_t = 32)]
         copy_slot_mib: u32,
@@ -392,6 +395,7 @@ async fn dispatch(cmd: Command) -> Result<ExitCode, Error> {
             transport,
             combine_lag,
             combine_stream,
+            exchange_stream,
             copy_slot_mib,
             nccl_max_ctas,
             json,
@@ -399,6 +403,8 @@ async fn dispatch(cmd: Command) -> Result<ExitCode, Error> {
             let transport = transport.into();
             let combine_stream = overlap::graph::Stream::parse(&combine_stream)
                 .map_err(|e| Error::Usage(format!("--combine-stream: {e}")))?;
+            let exchange_stream = overlap::graph::Stream::parse(&exchange_stream)
+                .map_err(|e| Error::Usage(format!("--exchange-stream: {e}")))?;
             if copy_slot_mib == 0 || copy_slot_mib > 4096 {
                 return Err(Error::Usage(format!(
                     "--copy-slot-mib {copy_slot_mib}: between 1 and 4096"
@@ -417,6 +423,7 @@ async fn dispatch(cmd: Command) -> Result<ExitCode, Error> {
                 transport,
                 combine_lag,
                 combine_stream,
+                exchange_stream,
                 copy_slot_mib,
                 nccl_max_ctas,
             };
@@ -780,7 +787,7 @@ async fn cuda_smoke(mib: &str, iters: u32) -> Result<ExitCode, Error> {
         shard: 1,
         replicate: env.world_size,
     };
-    let comms = overlap::ops::cuda::mesh_comms(mesh, &overlap::graph::Bindings::default());
+    let comms = overlap::ops::cuda::mesh_comms(mesh, &overlap::graph::Bindings::default(), false);
     let mut world = overlap::cuda::open(env, mesh, comms, false, Default::default())?;
     let report = overlap::cuda::smoke(&mut world, &sizes, iters).await?;
     println!(

@@ -492,13 +492,14 @@ fn zero_bucket_cap() {
 #[test]
 fn unknown_stream_name() {
     let e = expect(
-        &with_base("[streams]\nfold = \"copy\"\n"),
+        &with_base("[streams]\nfold = \"nvlink\"\n"),
         "streams.fold",
         Some(9),
-        "unknown stream `copy`",
+        "unknown stream `nvlink`",
     );
     assert!(
-        e.reason.contains("compute, reduce, replicate or publish"),
+        e.reason
+            .contains("compute, reduce, replicate, publish or copy"),
         "{e}"
     );
 }

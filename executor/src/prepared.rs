@@ -113,15 +113,15 @@ struct Order {
     /// Per node: its stream index and 1-based position on that stream.
     pos: Vec<(usize, u32)>,
     /// Per node: the stream positions known complete when it starts (itself included).
-    clock: Vec<[u32; 4]>,
+    clock: Vec<[u32; Stream::COUNT]>,
 }
 
 impl Order {
     fn new(n: usize, events: usize, issue: &[(Stream, Instr)]) -> Order {
-        let mut cur = [[0u32; 4]; 4];
-        let mut ev = vec![[0u32; 4]; events];
+        let mut cur = [[0u32; Stream::COUNT]; Stream::COUNT];
+        let mut ev = vec![[0u32; Stream::COUNT]; events];
         let mut pos = vec![(0, 0); n];
-        let mut clock = vec![[0u32; 4]; n];
+        let mut clock = vec![[0u32; Stream::COUNT]; n];
         for &(s, ins) in issue {
             let si = s.index();
             match ins {
@@ -139,7 +139,7 @@ impl Order {
                 }
                 Instr::Wait(e) => {
                     if let Some(c) = ev.get(e as usize) {
-                        for k in 0..4 {
+                        for k in 0..Stream::COUNT {
                             cur[si][k] = cur[si][k].max(c[k]);
                         }
                     }

@@ -349,7 +349,7 @@ impl Planner {
             return;
         }
         chain.push((
-            stream,
+            b.exchange,
             Op::Exchange {
                 bucket,
                 micro_batch: m,

@@ -88,10 +88,10 @@ pub fn dependencies(plan: &Plan, rank: u32, nodes: &[Node]) -> DiGraph<NodeId, D
     g
 }
 
-type Clock = [u32; 4];
+type Clock = [u32; Stream::COUNT];
 
 fn join(a: &mut Clock, b: &Clock) {
-    for i in 0..4 {
+    for i in 0..Stream::COUNT {
         a[i] = a[i].max(b[i]);
     }
 }
@@ -111,14 +111,14 @@ pub fn lower_rank(plan: &Plan, rank: u32, nodes: Vec<Node>, segments: &[Segment]
         events += 1;
         events - 1
     };
-    let mut instrs: [Vec<Instr>; 4] = Default::default();
+    let mut instrs: [Vec<Instr>; Stream::COUNT] = Default::default();
     // The end event of the latest earlier segment with work on each stream.
-    let mut last_end: [Option<EventId>; 4] = [None; 4];
+    let mut last_end: [Option<EventId>; Stream::COUNT] = [None; Stream::COUNT];
     for (k, seg) in segments.iter().enumerate() {
         let seg_nodes = &nodes[seg.start..seg.end];
-        let mut entry = [[false; 4]; 4];
-        let mut pos = [0u32; 4];
-        let mut known: [Clock; 4] = [[0; 4]; 4];
+        let mut entry = [[false; Stream::COUNT]; Stream::COUNT];
+        let mut pos = [0u32; Stream::COUNT];
+        let mut known: [Clock; Stream::COUNT] = [[0; Stream::COUNT]; Stream::COUNT];
         let mut clock_of: HashMap<NodeId, (u32, Clock)> = HashMap::new();
         let mut record_after: HashMap<NodeId, EventId> = HashMap::new();
         let mut waits_before: HashMap<NodeId, Vec<EventId>> = HashMap::new();
@@ -150,11 +150,11 @@ pub fn lower_rank(plan: &Plan, rank: u32, nodes: Vec<Node>, segments: &[Segment]
             known[x][x] = pos[x];
             clock_of.insert(n.id, (pos[x], known[x]));
         }
-        let mut started = [false; 4];
+        let mut started = [false; Stream::COUNT];
         for n in seg_nodes {
             let x = n.stream.index();
             if !std::mem::replace(&mut started[x], true) {
-                for y in 0..4 {
+                for y in 0..Stream::COUNT {
                     if let (true, Some(e)) = (entry[x][y], last_end[y]) {
                         instrs[x].push(Instr::Wait(e));
                     }

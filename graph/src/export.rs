@@ -80,6 +80,7 @@ fn color(stream: Stream) -> &'static str {
         Stream::Reduce => "#e15759",
         Stream::Replicate => "#f28e2b",
         Stream::Publish => "#59a14f",
+        Stream::Copy => "#b07aa1",
     }
 }
 

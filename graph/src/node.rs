@@ -16,7 +16,7 @@ pub type NodeId = u32;
 /// Index of an event within one rank's program.
 pub type EventId = u32;
 
-/// The four streams of a rank. The priorities are FSDP2's: reduce high, the rest default.
+/// The streams of a rank. The priorities are FSDP2's: reduce high, the rest default.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord, Serialize, Deserialize)]
 #[serde(rename_all = "snake_case")]
 pub enum Stream {
@@ -28,18 +28,25 @@ pub enum Stream {
     Replicate,
     /// The post-step broadcast.
     Publish,
+    /// Copy-transport exchanges: copy-engine transfers and the stream-memory waits
+    /// that order them, kept off the streams that run kernels.
+    Copy,
 }
 
 impl Stream {
+    /// How many streams a rank has.
+    pub const COUNT: usize = 5;
+
     /// Every stream, in index order.
-    pub const ALL: [Stream; 4] = [
+    pub const ALL: [Stream; Stream::COUNT] = [
         Stream::Compute,
         Stream::Reduce,
         Stream::Replicate,
         Stream::Publish,
+        Stream::Copy,
     ];
 
-    /// Dense index `0..4`.
+    /// Dense index `0..Stream::COUNT`.
     pub fn index(self) -> usize {
         self as usize
     }
@@ -51,6 +58,7 @@ impl Stream {
             Stream::Reduce => "reduce",
             Stream::Replicate => "replicate",
             Stream::Publish => "publish",
+            Stream::Copy => "copy",
         }
     }
 
@@ -60,7 +68,9 @@ impl Stream {
             .into_iter()
             .find(|x| x.name() == s)
             .ok_or_else(|| {
-                format!("unknown stream `{s}`; expected compute, reduce, replicate or publish")
+                format!(
+                    "unknown stream `{s}`; expected compute, reduce, replicate, publish or copy"
+                )
             })
     }
 

@@ -51,9 +51,16 @@ pub struct Bindings {
     pub optimizer: Stream,
     /// Post-step broadcasts.
     pub publish: Stream,
+    /// The moving half of a copy-transport stage ([`Op::Exchange`]), both stages.
+    #[serde(default = "exchange_default")]
+    pub exchange: Stream,
     /// The arithmetic half of a copy-transport stage ([`Op::Combine`]).
     #[serde(default = "combine_default")]
     pub combine: Stream,
+}
+
+fn exchange_default() -> Stream {
+    Stream::Copy
 }
 
 fn combine_default() -> Stream {
@@ -116,6 +123,7 @@ impl Default for Bindings {
             unpack: Stream::Replicate,
             optimizer: Stream::Compute,
             publish: Stream::Publish,
+            exchange: Stream::Copy,
             combine: Stream::Compute,
         }
     }
@@ -1001,7 +1009,7 @@ impl Plan {
                 }
             }
             let mut seen = vec![false; rp.nodes.len()];
-            let mut streams_seen = [false; 4];
+            let mut streams_seen = [false; Stream::COUNT];
             for (si, sp) in rp.streams.iter().enumerate() {
                 if std::mem::replace(&mut streams_seen[sp.stream.index()], true) {
                     return mal(

@@ -333,10 +333,10 @@ fn exchange_combined_once(plan: &Plan, rank: u32, nodes: &[Node], out: &mut Vec<
     }
 }
 
-type Clock = [u32; 4];
+type Clock = [u32; Stream::COUNT];
 
 fn join(a: &mut Clock, b: &Clock) {
-    for i in 0..4 {
+    for i in 0..Stream::COUNT {
         a[i] = a[i].max(b[i]);
     }
 }
@@ -385,9 +385,9 @@ fn schedule(rp: &crate::plan::RankProgram, out: &mut Vec<Violation>) -> Schedule
     let n = rp.nodes.len();
     let mut s = Schedule {
         pos: vec![0; n],
-        clock: vec![[0; 4]; n],
+        clock: vec![[0; Stream::COUNT]; n],
     };
-    let mut cur: [Clock; 4] = [[0; 4]; 4];
+    let mut cur: [Clock; Stream::COUNT] = [[0; Stream::COUNT]; Stream::COUNT];
     let mut recorded: HashMap<EventId, Clock> = HashMap::new();
     for (stream, ins) in issue_order(rp) {
         let x = stream.index();

@@ -72,7 +72,7 @@ fn stream() -> impl Strategy<Value = Stream> {
 fn bindings() -> impl Strategy<Value = Bindings> {
     prop_oneof![
         1 => Just(Bindings::default()),
-        3 => [stream(), stream(), stream(), stream(), stream(), stream(), stream(), stream(), stream()].prop_map(|s| Bindings {
+        3 => [stream(), stream(), stream(), stream(), stream(), stream(), stream(), stream(), stream(), stream()].prop_map(|s| Bindings {
             accumulate: s[0],
             pack: s[1],
             stage1: s[2],
@@ -82,6 +82,7 @@ fn bindings() -> impl Strategy<Value = Bindings> {
             optimizer: s[6],
             publish: s[7],
             combine: s[8],
+            exchange: s[9],
         }),
     ]
 }

@@ -663,7 +663,7 @@ fn schema_and_loader_reject_the_same_malformed_shapes() {
             v["ranks"][0].as_object_mut().unwrap().remove("events");
         }),
         ("unknown stream", |v| {
-            v["ranks"][0]["nodes"][0]["stream"] = json!("copy")
+            v["ranks"][0]["nodes"][0]["stream"] = json!("nvlink")
         }),
         ("unknown gate", |v| v["gates"][0] = json!("replicate_off")),
         ("negative node id in an instruction", |v| {

@@ -20,7 +20,7 @@ mod verify;
 use std::sync::Arc;
 use std::time::Duration;
 
-use overlap_graph::Mesh;
+use overlap_graph::{Mesh, Stream};
 use overlap_ops::cuda::{self as ops_cuda, CudaBackend, CudaOptions, NcclUniqueId};
 use overlap_ops::CommId;
 
@@ -80,28 +80,41 @@ pub fn rank_env(mesh: Mesh) -> Result<RankEnv, Error> {
 /// (group, stream) its bindings use.
 pub fn world(config: &Config, env: RankEnv, timings: bool) -> Result<CudaWorld, Error> {
     let mesh = config.plan.mesh;
+    let copy = config.plan.schedule.transport == overlap_graph::Transport::Copy;
     let links = Links {
-        copy_slot_bytes: (config.plan.schedule.transport == overlap_graph::Transport::Copy)
-            .then_some((config.overlap.copy_slot_mib as usize) << 20),
+        copy: copy.then(|| CopyLinks {
+            slot_bytes: (config.overlap.copy_slot_mib as usize) << 20,
+            streams: vec![config.plan.bindings.exchange],
+        }),
         nccl_max_ctas: config.overlap.nccl_max_ctas,
     };
     open(
         env,
         mesh,
-        ops_cuda::mesh_comms(mesh, &config.plan.bindings),
+        ops_cuda::mesh_comms(mesh, &config.plan.bindings, copy),
         timings,
         links,
     )
 }
 
 /// How the ranks are linked besides the NCCL communicators' defaults.
-#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
 pub struct Links {
-    /// Copy transport: give every communicator of two or more members a receive ring
-    /// with slots of this many bytes (`[overlap] copy_slot_mib`).
-    pub copy_slot_bytes: Option<usize>,
+    /// Copy transport: receive rings for the communicators of two or more members on
+    /// the exchange streams.
+    pub copy: Option<CopyLinks>,
     /// At most this many CTAs per NCCL collective (`[overlap] nccl_max_ctas`).
     pub nccl_max_ctas: Option<u32>,
+}
+
+/// The copy transport's receive rings.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct CopyLinks {
+    /// Bytes of one ring slot (`[overlap] copy_slot_mib`).
+    pub slot_bytes: usize,
+    /// The streams exchanges are bound to (`[streams] exchange`): a ring for every
+    /// communicator of two or more members on one of them.
+    pub streams: Vec<Stream>,
 }
 
 /// Opens this rank's GPU and connects the job: `comms` is the global list of
@@ -147,9 +160,9 @@ pub fn open(
     backend
         .connect(&list, links.nccl_max_ctas)
         .map_err(|e| Error::Backend(e.to_string()))?;
-    if let Some(slot) = links.copy_slot_bytes {
+    if let Some(copy) = &links.copy {
         backend
-            .connect_copy(slot)
+            .connect_copy(copy.slot_bytes, &copy.streams)
             .map_err(|e| Error::Backend(e.to_string()))?;
     }
     Ok(CudaWorld {

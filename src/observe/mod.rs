@@ -117,7 +117,7 @@ pub struct RankAnalysis {
     /// Last kernel end.
     pub end: f64,
     /// Busy intervals of each stream, indexed by [`Stream::index`].
-    pub busy: [Vec<Interval>; 4],
+    pub busy: [Vec<Interval>; Stream::COUNT],
     /// Busy intervals of the communication streams together.
     pub communication: Vec<Interval>,
     /// Communication intervals during which the compute stream was idle.
@@ -322,7 +322,7 @@ impl StepAnalysis {
 }
 
 fn analyse_rank<'a>(rank: u32, timings: impl Iterator<Item = &'a Timing>) -> RankAnalysis {
-    let mut per_stream: [Vec<Interval>; 4] = Default::default();
+    let mut per_stream: [Vec<Interval>; Stream::COUNT] = Default::default();
     let (mut start, mut end) = (f64::INFINITY, f64::NEG_INFINITY);
     for t in timings {
         per_stream[t.stream.index()].push((t.start, t.end));
@@ -560,7 +560,7 @@ mod tests {
     }
 
     fn rank(compute: Vec<Interval>, reduce: Vec<Interval>) -> RankAnalysis {
-        let mut busy: [Vec<Interval>; 4] = Default::default();
+        let mut busy: [Vec<Interval>; Stream::COUNT] = Default::default();
         busy[Stream::Compute.index()] = union(compute);
         busy[Stream::Reduce.index()] = union(reduce);
         let all: Vec<Interval> = busy.iter().flatten().copied().collect();

@@ -27,7 +27,7 @@ const RANK_HEADER: f64 = 18.0;
 const EXPOSED: &str = "#d62728";
 
 /// Node kinds in legend order, with their colour and legend name.
-const KINDS: [(&str, &str, &str); 10] = [
+const KINDS: [(&str, &str, &str); 12] = [
     ("grad_ready", "#4e79a7", "backward (grad_ready)"),
     ("accumulate", "#76b7b2", "accumulate (no_sync)"),
     ("pack", "#edc948", "pack"),
@@ -35,6 +35,8 @@ const KINDS: [(&str, &str, &str); 10] = [
     ("fold", "#b07aa1", "fold"),
     ("fold_partial", "#ff9da7", "fold partial"),
     ("stage2", "#59a14f", "stage 2"),
+    ("exchange", "#e15759", "exchange (copy engines)"),
+    ("combine", "#ffbe7d", "combine"),
     ("unpack", "#9c755f", "unpack"),
     ("optimizer", "#a0cbe8", "optimizer"),
     ("publish", "#79706e", "publish"),

@@ -63,7 +63,7 @@ pub(super) struct Device {
     ctx: sys::CUcontext,
     dev: sys::CUdevice,
     /// The rank's streams, at [`Stream::index`].
-    streams: [sys::CUstream; 4],
+    streams: [sys::CUstream; Stream::COUNT],
     /// The private stream of synchronous host operations.
     host: sys::CUstream,
 }
@@ -108,7 +108,7 @@ impl Device {
             capability,
             ctx,
             dev,
-            streams: [std::ptr::null_mut(); 4],
+            streams: [std::ptr::null_mut(); Stream::COUNT],
             host: std::ptr::null_mut(),
         };
         device.bind()?;

@@ -734,13 +734,17 @@ pub(super) fn connect(
     memory: &Arc<Memory>,
     rank: u32,
     slot_bytes: usize,
+    streams: &[overlap_graph::Stream],
 ) -> Result<Vec<CopyRing>, OpsError> {
     // A local problem does not skip the all-gathers: the peers must not hang in them.
     let support = check_support();
     let node = node_id();
     let mut rings = Vec::new();
     let mut first: Option<OpsError> = None;
-    for comm in comms.iter().filter(|c| c.size > 1) {
+    for comm in comms
+        .iter()
+        .filter(|c| c.size > 1 && streams.contains(&c.id.stream))
+    {
         match connect_one(comm, device, memory, rank, slot_bytes, &support, node) {
             Ok(ring) => rings.push(ring),
             Err(e) => {

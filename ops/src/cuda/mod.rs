@@ -133,27 +133,41 @@ pub struct DeviceInfo {
 
 /// Every communicator a mesh needs with these stream bindings, in the one global order
 /// in which every rank creates its members: each shard group on the Stage-1 stream,
-/// each replicate group on the Stage-2 stream and on the publish stream.
+/// each replicate group on the Stage-2 stream and on the publish stream, and with the
+/// copy transport (`copy`) every group on the exchange stream too.
 ///
 /// ```
 /// use overlap_ops::cuda::mesh_comms;
 /// use overlap_ops::graph::{Bindings, Mesh};
 ///
-/// let comms = mesh_comms(Mesh { shard: 2, replicate: 1 }, &Bindings::default());
+/// let comms = mesh_comms(Mesh { shard: 2, replicate: 1 }, &Bindings::default(), false);
 /// // shard(r=0)@reduce, replicate(s=0)@replicate, replicate(s=0)@publish, ...
 /// assert_eq!(comms.len(), 1 + 2 * 2);
+/// let copy = mesh_comms(Mesh { shard: 2, replicate: 1 }, &Bindings::default(), true);
+/// assert_eq!(copy.len(), 2 + 2 * 3);
 /// ```
-pub fn mesh_comms(mesh: Mesh, bindings: &Bindings) -> Vec<CommId> {
+pub fn mesh_comms(mesh: Mesh, bindings: &Bindings, copy: bool) -> Vec<CommId> {
     let mut comms: Vec<CommId> = (0..mesh.replicate)
-        .map(|replicate| CommId {
-            group: Group::Shard { replicate },
-            stream: bindings.stage1,
+        .flat_map(|replicate| {
+            let group = Group::Shard { replicate };
+            std::iter::once(CommId {
+                group,
+                stream: bindings.stage1,
+            })
+            .chain(copy.then_some(CommId {
+                group,
+                stream: bindings.exchange,
+            }))
         })
         .chain((0..mesh.shard).flat_map(|shard| {
-            [bindings.stage2, bindings.publish].map(|stream| CommId {
-                group: Group::Replicate { shard },
-                stream,
-            })
+            let group = Group::Replicate { shard };
+            [bindings.stage2, bindings.publish]
+                .map(|stream| CommId { group, stream })
+                .into_iter()
+                .chain(copy.then_some(CommId {
+                    group,
+                    stream: bindings.exchange,
+                }))
         }))
         .collect();
     comms.sort();
@@ -201,7 +215,7 @@ impl Shared {
 /// cuBLAS handles and scratch are never used concurrently.
 struct Issue {
     /// Each stream's poison (a cancellation naming the root cause).
-    poison: [Option<OpsError>; 4],
+    poison: [Option<OpsError>; Stream::COUNT],
     comms: Vec<Comm>,
     /// The copy transport's rings, one per communicator of more than one member, once
     /// [`CudaBackend::connect_copy`] ran.
@@ -210,7 +224,7 @@ struct Issue {
     /// One cuBLAS handle per stream, at [`Stream::index`].
     blas: Vec<Blas>,
     /// Scratch per stream, at [`Stream::index`].
-    scratch: [Option<Arc<DevMem>>; 4],
+    scratch: [Option<Arc<DevMem>>; Stream::COUNT],
     /// The read-only bf16 operands `A` then `B` of [`Kernel::Gemm`], filled once with
     /// pseudo-random values, with their `(m, n, k)`.
     gemm: Option<((u32, u32, u32), Arc<DevMem>)>,
@@ -371,7 +385,7 @@ impl CudaBackend {
     /// must run on one node with peer access between the GPUs; otherwise (or when the
     /// driver lacks CUDA IPC or stream memory operations) every member of that group
     /// returns an error naming it.
-    pub fn connect_copy(&mut self, slot_bytes: usize) -> Result<(), OpsError> {
+    pub fn connect_copy(&mut self, slot_bytes: usize, streams: &[Stream]) -> Result<(), OpsError> {
         self.shared.device.bind()?;
         let shared = Arc::clone(&self.shared);
         let issue = self
@@ -389,6 +403,7 @@ impl CudaBackend {
             &shared.memory,
             shared.rank,
             slot_bytes,
+            streams,
         )?;
         Ok(())
     }
@@ -1515,9 +1530,16 @@ mod tests {
             shard: 2,
             replicate: 3,
         };
-        let comms = mesh_comms(mesh, &Bindings::default());
+        let comms = mesh_comms(mesh, &Bindings::default(), false);
         // 3 shard groups on the reduce stream; 2 replicate groups on replicate + publish.
         assert_eq!(comms.len(), 3 + 2 * 2);
+        // The copy transport adds every group on the exchange stream.
+        let copy = mesh_comms(mesh, &Bindings::default(), true);
+        assert_eq!(copy.len(), 3 + 2 * 2 + 3 + 2);
+        assert!(copy.contains(&CommId {
+            group: Group::Shard { replicate: 2 },
+            stream: Stream::Copy
+        }));
         let mut sorted = comms.clone();
         sorted.sort();
         assert_eq!(comms, sorted);
@@ -1526,7 +1548,7 @@ mod tests {
             publish: Stream::Replicate,
             ..Bindings::default()
         };
-        assert_eq!(mesh_comms(mesh, &shared).len(), 3 + 2);
+        assert_eq!(mesh_comms(mesh, &shared, false).len(), 3 + 2);
     }
 
     #[test]
