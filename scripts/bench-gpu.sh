@@ -26,9 +26,10 @@ nvidia-smi --query-gpu=name,driver_version,clocks.max.sm --format=csv >> "$OUT/l
 B="$BIN launch --nproc-per-node 2 --master-port"
 W="--layers 16 --grad-mib 64 --d 4096 --iters $ITERS --warmup 3 --json"
 # The three workloads, each: the anchor, then overlap with NCCL collectives, then the
-# copy transport (exchanges on the copy stream) with its combine on the compute stream
-# one layer behind (the default), on the high-priority reduce stream one layer behind,
-# and on the reduce stream right after its exchange. ROUNDS=2 repeats everything.
+# copy transport (exchanges on the copy stream) with its defaults (combine on the
+# high-priority reduce stream one layer behind), with the combine on the compute stream
+# one layer behind, and with it on the reduce stream right after its exchange.
+# ROUNDS=2 repeats everything.
 for round in $(seq 1 "${ROUNDS:-1}"); do
   p=$((29600 + round * 20))
   for wl in "rs 2x1 3" "ar 1x2 3" "rs_mm1 2x1 1"; do
@@ -38,8 +39,8 @@ for round in $(seq 1 "${ROUNDS:-1}"); do
     step "anchor_${name}_r$round" 110 env MM=$mm python3 scratch/anchors/torch_reduce_overlap.py "$mode" "$OUT/anchor_${name}_r$round.json"
     step "nccl_${name}_r$round" 90 $B $((p + 1)) -- bench --mesh "$mesh" --gemms "$mm" $W
     step "copy_${name}_r$round" 90 $B $((p + 2)) -- bench --mesh "$mesh" --gemms "$mm" --transport copy $W
-    step "copy_${name}_reduce_r$round" 90 $B $((p + 3)) -- bench --mesh "$mesh" --gemms "$mm" --transport copy --combine-stream reduce $W
-    step "copy_${name}_lag0_reduce_r$round" 90 $B $((p + 4)) -- bench --mesh "$mesh" --gemms "$mm" --transport copy --combine-lag 0 --combine-stream reduce $W
+    step "copy_${name}_compute_r$round" 90 $B $((p + 3)) -- bench --mesh "$mesh" --gemms "$mm" --transport copy --combine-stream compute $W
+    step "copy_${name}_lag0_r$round" 90 $B $((p + 4)) -- bench --mesh "$mesh" --gemms "$mm" --transport copy --combine-lag 0 $W
     p=$((p + 5))
   done
 done

@@ -510,8 +510,8 @@ pub struct CollectiveRow {
     pub nccl_ms: f64,
     /// Mean kernel time of the executor's node, ms.
     pub node_ms: f64,
-    /// Mean device span of the executor's whole path for this bucket (pack, the
-    /// collectives, unpack), ms.
+    /// The executor's whole path per bucket (pack, the collectives, unpack), ms: the
+    /// span of the step of back-to-back buckets over their number.
     pub path_ms: f64,
     /// Bus bandwidth of the direct call, GB/s.
     pub nccl_busbw_gbs: f64,
@@ -535,9 +535,11 @@ pub fn bus_factor(kind: overlap_graph::CollectiveKind, n: u32) -> f64 {
     }
 }
 
-/// `overlap bench-collectives` on this backend's rank: for each size (MiB), a one-layer
-/// plan of one `fsdp` gradient (its wide collective: reduce-scatter on `S×1`, all-reduce
-/// on `1×R`) run `warmup + iters` steps, and the same collective launched directly.
+/// `overlap bench-collectives` on this backend's rank: for each size (MiB), a plan of
+/// `warmup + iters` layers of one `fsdp` gradient each (its wide collective:
+/// reduce-scatter on `S×1`, all-reduce on `1×R`) run as one step, so its collectives are
+/// issued back to back, and the same collective launched directly `warmup + iters`
+/// times; the first `warmup` of each are not counted.
 pub async fn collectives<B: Backend>(
     backend: Arc<B>,
     mesh: Mesh,
@@ -588,31 +590,42 @@ pub async fn collectives<B: Backend>(
         let n = mesh.group_size(desc.group);
         let elems = args.grad_elems() as usize;
         let bytes = args.grad_elems() * 4;
-        // The executor's node.
+        // The executor's node: one step of `warmup + iters` layers, one bucket each, so
+        // that the executor issues its collectives back to back as the direct loop
+        // below does (a step per call would time each call with the ranks' skew at its
+        // start, which back-to-back calls absorb). The first `warmup` are not counted.
+        let layered = BenchArgs {
+            layers: warmup + iters,
+            ..args
+        };
+        let plan = Arc::new(bench_plan(&layered, Bindings::default())?);
         let mut grads = Vec::new();
         for &r in &ranks {
-            grads.push((r, vec![backend.alloc(r, elems).map_err(ops)?]));
+            let mut row = Vec::new();
+            for _ in 0..layered.layers {
+                row.push(backend.alloc(r, elems).map_err(ops)?);
+            }
+            grads.push((r, row));
         }
         let mut ex = Executor::new(backend.clone(), ExecConfig::default());
-        let (mut node, mut path) = (Vec::new(), Vec::new());
-        for i in 0..warmup + iters {
-            let stats = plan_step(&mut ex, &plan, &grads).await?;
-            if i < warmup {
-                continue;
-            }
-            let mine: Vec<Timing> = stats
-                .timings
-                .iter()
-                .filter(|t| t.rank == me)
-                .copied()
-                .collect();
-            path.push(span(&mine));
-            node.extend(
-                mine.iter()
-                    .filter(|t| t.bytes > 0 && is_wide(&plan, t))
-                    .map(|t| t.end - t.start),
-            );
-        }
+        // An untimed step first: pools, communicators and kernels warm.
+        plan_step(&mut ex, &plan, &grads).await?;
+        let stats = plan_step(&mut ex, &plan, &grads).await?;
+        let mine: Vec<Timing> = stats
+            .timings
+            .iter()
+            .filter(|t| t.rank == me)
+            .copied()
+            .collect();
+        let mut calls: Vec<(f64, f64)> = mine
+            .iter()
+            .filter(|t| t.bytes > 0 && is_wide(&plan, t))
+            .map(|t| (t.start, t.end - t.start))
+            .collect();
+        calls.sort_by(|a, b| a.0.total_cmp(&b.0));
+        let node: Vec<f64> = calls.iter().skip(warmup as usize).map(|c| c.1).collect();
+        let path = vec![span(&mine) / f64::from(layered.layers)];
+        drop(grads);
         drop(ex);
         // The same call, direct, on every local rank.
         let recv_len = match desc.kind {

@@ -156,7 +156,7 @@ enum Command {
         #[arg(long, default_value_t = 1)]
         combine_lag: u32,
         /// Copy transport: the stream combines run on.
-        #[arg(long, default_value = "compute")]
+        #[arg(long, default_value = "reduce")]
         combine_stream: String,
         /// Copy transport: the stream exchanges run on.
         #[arg(long, default_value = "copy")]

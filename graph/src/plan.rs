@@ -64,7 +64,7 @@ fn exchange_default() -> Stream {
 }
 
 fn combine_default() -> Stream {
-    Stream::Compute
+    Stream::Reduce
 }
 
 /// How a stage whose group has more than one member moves its bytes.
@@ -124,7 +124,7 @@ impl Default for Bindings {
             optimizer: Stream::Compute,
             publish: Stream::Publish,
             exchange: Stream::Copy,
-            combine: Stream::Compute,
+            combine: Stream::Reduce,
         }
     }
 }

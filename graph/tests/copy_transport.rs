@@ -17,6 +17,7 @@ use overlap_graph::{
 
 fn copy_plan(gates: &[Gate]) -> Plan {
     let mut s = spec(2, 2, four_routes(), 1 << 20);
+    s.bindings.combine = Stream::Compute;
     s.schedule = Schedule {
         transport: Transport::Copy,
         combine_lag: 1,
