@@ -7,9 +7,10 @@
 # Runs, each under `overlap launch --nproc-per-node 2` (one process per GPU):
 #   1. cuda-smoke: libraries, every collective in f32/bf16 with sum/avg, the kernels
 #      against the reference math, all-reduce bandwidth;
-#   2. verify on meshes 2x1 and 1x2, four gate patterns, f32 and bf16, 3 steps; then
-#      the copy transport (`--transport copy`) on both meshes, f32 and bf16;
-#   3. one `overlap run` for the per-step figures.
+#   2. verify on meshes 2x1 and 1x2, four gate patterns, f32 and bf16, 3 steps, with
+#      NCCL collectives; then the copy transport on both meshes, f32 and bf16, two gate
+#      patterns;
+#   3. one `overlap run` for the per-step figures (transport `auto`: copy on one node).
 # Everything it prints also goes to OUTDIR/log.txt. Stops starting new runs after
 # BUDGET_SECONDS (default 420).
 set -u
@@ -40,7 +41,7 @@ step() {
   for mesh in 2x1 1x2; do
     for dtype in f32 bf16; do
       for gates in off,on off,off,on on,on no_sync,off,on; do
-        step verify --config "examples/gpu/gpu_$mesh.toml" --backend cuda --gates "$gates" --dtype "$dtype" --steps 3 --json
+        step verify --config "examples/gpu/gpu_$mesh.toml" --backend cuda --transport nccl --gates "$gates" --dtype "$dtype" --steps 3 --json
       done
     done
   done
@@ -48,7 +49,9 @@ step() {
   # reduce-scatter, reduce and all-reduce through CUDA IPC.
   for mesh in 2x1 1x2; do
     for dtype in f32 bf16; do
-      step verify --config "examples/gpu/gpu_$mesh.toml" --backend cuda --transport copy --gates off,on --dtype "$dtype" --steps 3 --json
+      for gates in off,on no_sync,off,on; do
+        step verify --config "examples/gpu/gpu_$mesh.toml" --backend cuda --transport copy --gates "$gates" --dtype "$dtype" --steps 3 --json
+      done
     done
   done
   step run --config examples/gpu/gpu_2x1.toml --backend cuda --steps 4 --trace "$OUT/trace-2x1.json"
