@@ -1,7 +1,8 @@
 #!/usr/bin/env python3
 """Summarises a scripts/bench-gpu.sh log: one line per workload and variant with
 compute, comm, serial, overlapped, ideal (ms), eta and host us per node, the anchor's
-eta computed with the same formula. Usage: scripts/bench-summary.py OUT/log.txt"""
+eta computed with the same formula; with a second argument (`kinds`), host us per node
+by node kind too. Usage: scripts/bench-summary.py OUT/log.txt [kinds]"""
 import json
 import re
 import sys
@@ -22,6 +23,10 @@ for line in open(sys.argv[1]):
         print(f"{name:24s} compute {d['compute_only_ms']:.2f} comm {d['comm_only_ms']:.2f} "
               f"serial {d['serial_ms']:.2f} overlap {d['overlap_ms']:.2f} ideal {d['ideal_ms']:.2f} "
               f"eta {eta:.2f} {host}")
+        if len(sys.argv) > 2 and "host_us_by_kind" in d:
+            for key in ("host_us_by_kind", "host_us_by_kind_comm_only"):
+                kinds = " ".join(f"{k} {v:.1f}" for k, v in sorted(d[key].items()))
+                print(f"{'':24s} {key}: {kinds}")
     elif line.startswith("{") and "overlap_fsdp2" in line:
         d = json.loads(line)
         c, m_, s, o = d["compute_only"], d["comm_only"], d["serial"], d["overlap_fsdp2"]

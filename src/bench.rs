@@ -224,6 +224,11 @@ pub struct BenchReport {
     /// Host time per node of the `comm_only` variant, whose `grad_ready` nodes launch
     /// markers instead of the trainer's GEMMs: what issuing costs `overlap` itself.
     pub host_us_per_node_comm_only: f64,
+    /// Host µs per node by node kind in the `overlap` variant (`grad_ready` includes
+    /// launching the trainer's GEMMs).
+    pub host_us_by_kind: std::collections::BTreeMap<String, f64>,
+    /// The same in the `comm_only` variant.
+    pub host_us_by_kind_comm_only: std::collections::BTreeMap<String, f64>,
     /// Nodes per step on this rank (overlap variant).
     pub nodes_per_step: usize,
     /// Mean kernel time of the plan's collective nodes in `comm_only`, ms per layer.
@@ -314,6 +319,14 @@ pub async fn run<B: Backend>(backend: Arc<B>, args: &BenchArgs) -> Result<BenchR
     let mut comm_kernels = (0.0, 0.0, 0usize);
     let mut host = (0.0, 0usize);
     let mut comm_host = (0.0, 0usize);
+    let mut by_kind: [std::collections::BTreeMap<String, (f64, usize)>; 2] = Default::default();
+    let mut add_kinds = |i: usize, stats: &StepStats| {
+        for &(kind, secs, n) in &stats.issue_by_kind {
+            let e = by_kind[i].entry(kind.to_string()).or_insert((0.0, 0));
+            e.0 += secs;
+            e.1 += n;
+        }
+    };
     // The variants take turns, one step each, so that a drift of the GPU's clocks over
     // the run (sustained GEMMs heat it) weighs on every variant alike.
     let variants = [
@@ -343,6 +356,7 @@ pub async fn run<B: Backend>(backend: Arc<B>, args: &BenchArgs) -> Result<BenchR
                     steps.comm_only.push(ms);
                     comm_host.0 += stats.issue_seconds;
                     comm_host.1 += stats.nodes;
+                    add_kinds(1, &stats);
                     for t in stats.timings.iter().filter(|t| t.rank == me) {
                         let d = t.end - t.start;
                         if t.bytes > 0 && is_wide(plan, t) {
@@ -358,6 +372,7 @@ pub async fn run<B: Backend>(backend: Arc<B>, args: &BenchArgs) -> Result<BenchR
                     steps.overlap.push(ms);
                     host.0 += stats.issue_seconds;
                     host.1 += stats.nodes;
+                    add_kinds(0, &stats);
                 }
             }
         }
@@ -408,6 +423,8 @@ pub async fn run<B: Backend>(backend: Arc<B>, args: &BenchArgs) -> Result<BenchR
         } else {
             0.0
         },
+        host_us_by_kind: per_node(&by_kind[0]),
+        host_us_by_kind_comm_only: per_node(&by_kind[1]),
         host_us_per_node_comm_only: if comm_host.1 > 0 {
             comm_host.0 * 1e6 / comm_host.1 as f64
         } else {
@@ -431,6 +448,15 @@ fn is_wide(plan: &Plan, t: &Timing) -> bool {
         "exchange" => true,
         _ => false,
     }
+}
+
+/// Seconds and nodes by kind, as µs per node.
+fn per_node(
+    m: &std::collections::BTreeMap<String, (f64, usize)>,
+) -> std::collections::BTreeMap<String, f64> {
+    m.iter()
+        .map(|(k, &(secs, n))| (k.clone(), secs * 1e6 / n.max(1) as f64))
+        .collect()
 }
 
 fn span_of(timings: &[Timing], rank: u32) -> f64 {

@@ -183,6 +183,9 @@ pub struct StepStats {
     /// waits, buffer bookkeeping; not gradient uploads nor backpressure waits), in
     /// seconds, summed over local ranks.
     pub issue_seconds: f64,
+    /// `issue_seconds` by node kind (`Op::kind`): `(kind, seconds, nodes)`, summed over
+    /// local ranks (plan adoption is in `issue_seconds` only).
+    pub issue_by_kind: Vec<(&'static str, f64, usize)>,
     /// Wall time from the first issue to the end of the step, in seconds.
     pub wall_seconds: f64,
     /// Kernel timings of the step.
@@ -509,10 +512,21 @@ impl<B: Backend> Executor<B> {
             .max()
             .unwrap_or(0);
         let aliased_nodes = self.ranks.iter().map(|r| r.aliased).sum();
+        let mut issue_by_kind: Vec<(&'static str, f64, usize)> = Vec::new();
+        for (kind, secs, n) in self.ranks.iter().flat_map(|r| r.issue_by_kind.iter()) {
+            match issue_by_kind.iter_mut().find(|k| k.0 == *kind) {
+                Some(k) => {
+                    k.1 += secs;
+                    k.2 += n;
+                }
+                None => issue_by_kind.push((kind, *secs, *n)),
+            }
+        }
         Ok(StepStats {
             nodes,
             aliased_nodes,
             issue_seconds,
+            issue_by_kind,
             stage1_in_flight_peak,
             wall_seconds: wall,
             timings,

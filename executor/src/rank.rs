@@ -53,6 +53,8 @@ pub(crate) struct RankState<B: Backend> {
     pub peak_in_flight: usize,
     /// Host time spent issuing them (excluding backpressure waits).
     pub issue_time: std::time::Duration,
+    /// The same by node kind (`Op::kind`): seconds and nodes.
+    pub issue_by_kind: Vec<(&'static str, f64, usize)>,
     /// Partials and no_sync accumulations written and not yet flushed, as issued.
     pub live_partials: HashSet<Buffer>,
     /// Gradient buffers the caller owns (`grad_ready_bound`): dropped after their last
@@ -87,6 +89,7 @@ impl<B: Backend> RankState<B> {
             issued: 0,
             aliased: 0,
             issue_time: std::time::Duration::ZERO,
+            issue_by_kind: Vec::new(),
             peak_in_flight: 0,
             live_partials: HashSet::default(),
             borrowed: HashSet::default(),
@@ -197,7 +200,16 @@ impl<B: Backend> RankState<B> {
                 }
             }
         }
-        self.issue_time += t0.elapsed();
+        let took = t0.elapsed();
+        self.issue_time += took;
+        let kind = node.op.kind();
+        match self.issue_by_kind.iter_mut().find(|k| k.0 == kind) {
+            Some(k) => {
+                k.1 += took.as_secs_f64();
+                k.2 += 1;
+            }
+            None => self.issue_by_kind.push((kind, took.as_secs_f64(), 1)),
+        }
         Ok(())
     }
 
@@ -608,6 +620,7 @@ impl<B: Backend> RankState<B> {
         self.issued = 0;
         self.aliased = 0;
         self.issue_time = std::time::Duration::ZERO;
+        self.issue_by_kind.clear();
         self.peak_in_flight = 0;
         self.issue_errors.clear();
     }
