@@ -73,6 +73,8 @@ pub struct BenchArgs {
     pub combine_stream: Stream,
     /// Copy transport: the stream exchanges run on (`[streams] exchange`).
     pub exchange_stream: Stream,
+    /// The stream packs run on (`[streams] pack`; FSDP2's: reduce).
+    pub pack_stream: Stream,
     /// Copy transport: receive-ring slot, MiB (`[overlap] copy_slot_mib`).
     pub copy_slot_mib: u32,
     /// At most this many CTAs per NCCL collective (`[overlap] nccl_max_ctas`).
@@ -144,6 +146,7 @@ impl BenchArgs {
                 Bindings {
                     combine: self.combine_stream,
                     exchange: self.exchange_stream,
+                    pack: self.pack_stream,
                     ..bindings
                 }
             },
@@ -593,6 +596,7 @@ pub async fn collectives<B: Backend>(
             combine_lag: 0,
             combine_stream: Stream::Compute,
             exchange_stream: Stream::Copy,
+            pack_stream: Stream::Reduce,
             copy_slot_mib: 32,
             nccl_max_ctas: None,
         };
@@ -868,6 +872,7 @@ mod tests {
             combine_lag: 0,
             combine_stream: Stream::Compute,
             exchange_stream: Stream::Copy,
+            pack_stream: Stream::Reduce,
             copy_slot_mib: 32,
             nccl_max_ctas: None,
         }

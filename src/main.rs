@@ -161,6 +161,9 @@ enum Command {
         /// Copy transport: the stream exchanges run on.
         #[arg(long, default_value = "copy")]
         exchange_stream: String,
+        /// The stream packs run on.
+        #[arg(long, default_value = "reduce")]
+        pack_stream: String,
         /// Copy transport: receive-ring slot size, MiB.
         #[arg(long, default_value_t = 32)]
         copy_slot_mib: u32,
@@ -396,6 +399,7 @@ async fn dispatch(cmd: Command) -> Result<ExitCode, Error> {
             combine_lag,
             combine_stream,
             exchange_stream,
+            pack_stream,
             copy_slot_mib,
             nccl_max_ctas,
             json,
@@ -405,6 +409,8 @@ async fn dispatch(cmd: Command) -> Result<ExitCode, Error> {
                 .map_err(|e| Error::Usage(format!("--combine-stream: {e}")))?;
             let exchange_stream = overlap::graph::Stream::parse(&exchange_stream)
                 .map_err(|e| Error::Usage(format!("--exchange-stream: {e}")))?;
+            let pack_stream = overlap::graph::Stream::parse(&pack_stream)
+                .map_err(|e| Error::Usage(format!("--pack-stream: {e}")))?;
             if copy_slot_mib == 0 || copy_slot_mib > 4096 {
                 return Err(Error::Usage(format!(
                     "--copy-slot-mib {copy_slot_mib}: between 1 and 4096"
@@ -424,6 +430,7 @@ async fn dispatch(cmd: Command) -> Result<ExitCode, Error> {
                 combine_lag,
                 combine_stream,
                 exchange_stream,
+                pack_stream,
                 copy_slot_mib,
                 nccl_max_ctas,
             };
