@@ -156,14 +156,14 @@ enum Command {
         #[arg(long, default_value_t = 1)]
         combine_lag: u32,
         /// Copy transport: the stream combines run on.
-        #[arg(long, default_value = "reduce")]
-        combine_stream: String,
+        #[arg(long, default_value = "reduce", value_parser = overlap::graph::Stream::parse)]
+        combine_stream: overlap::graph::Stream,
         /// Copy transport: the stream exchanges run on.
-        #[arg(long, default_value = "copy")]
-        exchange_stream: String,
+        #[arg(long, default_value = "copy", value_parser = overlap::graph::Stream::parse)]
+        exchange_stream: overlap::graph::Stream,
         /// The stream packs run on.
-        #[arg(long, default_value = "reduce")]
-        pack_stream: String,
+        #[arg(long, default_value = "reduce", value_parser = overlap::graph::Stream::parse)]
+        pack_stream: overlap::graph::Stream,
         /// Copy transport: receive-ring slot size, MiB.
         #[arg(long, default_value_t = 32)]
         copy_slot_mib: u32,
@@ -405,12 +405,6 @@ async fn dispatch(cmd: Command) -> Result<ExitCode, Error> {
             json,
         } => {
             let transport = transport.into();
-            let combine_stream = overlap::graph::Stream::parse(&combine_stream)
-                .map_err(|e| Error::Usage(format!("--combine-stream: {e}")))?;
-            let exchange_stream = overlap::graph::Stream::parse(&exchange_stream)
-                .map_err(|e| Error::Usage(format!("--exchange-stream: {e}")))?;
-            let pack_stream = overlap::graph::Stream::parse(&pack_stream)
-                .map_err(|e| Error::Usage(format!("--pack-stream: {e}")))?;
             if copy_slot_mib == 0 || copy_slot_mib > 4096 {
                 return Err(Error::Usage(format!(
                     "--copy-slot-mib {copy_slot_mib}: between 1 and 4096"

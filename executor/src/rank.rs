@@ -456,17 +456,7 @@ impl<B: Backend> RankState<B> {
                 } else {
                     0
                 };
-                let dst = if stage == 1 {
-                    Buffer::Stage1Out {
-                        bucket,
-                        micro_batch,
-                    }
-                } else {
-                    Buffer::Stage2Out {
-                        bucket,
-                        micro_batch,
-                    }
-                };
+                let dst = overlap_graph::Plan::stage_output(bucket, micro_batch, stage);
                 launch(Kernel::Combine {
                     desc: collective,
                     size,

@@ -591,17 +591,8 @@ impl Plan {
                     micro_batch,
                     stage,
                 });
-                a.writes.push(if stage == 1 {
-                    Buffer::Stage1Out {
-                        bucket,
-                        micro_batch,
-                    }
-                } else {
-                    Buffer::Stage2Out {
-                        bucket,
-                        micro_batch,
-                    }
-                });
+                a.writes
+                    .push(Plan::stage_output(bucket, micro_batch, stage));
             }
             Op::Unpack {
                 bucket,
@@ -665,6 +656,21 @@ impl Plan {
                 },
                 self.holds_stage2(b, rank),
             )
+        }
+    }
+
+    /// The output of a bucket's stage: its Stage-1 or Stage-2 output buffer.
+    pub fn stage_output(b: BucketId, micro_batch: u32, stage: u8) -> Buffer {
+        if stage == 1 {
+            Buffer::Stage1Out {
+                bucket: b,
+                micro_batch,
+            }
+        } else {
+            Buffer::Stage2Out {
+                bucket: b,
+                micro_batch,
+            }
         }
     }
 

@@ -835,19 +835,9 @@ fn accounting(plan: &Plan, rank: u32, nodes: &[Node], mode: Mode, out: &mut Vec<
                     micro_batch,
                     stage,
                 };
-                let dst = if stage == 1 {
-                    Buffer::Stage1Out {
-                        bucket,
-                        micro_batch,
-                    }
-                } else {
-                    Buffer::Stage2Out {
-                        bucket,
-                        micro_batch,
-                    }
-                };
                 if let Some(t) = val.0.remove(&recv) {
-                    val.0.insert(dst, t);
+                    val.0
+                        .insert(Plan::stage_output(bucket, micro_batch, stage), t);
                 }
             }
             Op::Unpack {

@@ -156,6 +156,51 @@ pub fn exchange_roles(desc: &Collective, size: u32, index: u32) -> Result<Collec
     })
 }
 
+/// Checks the buffer lengths of a [`Kernel::Combine`] (both backends run it before
+/// anything else): `index` is a member, the member receives the stage's result, `own`
+/// holds `count` elements from `own_offset`, `recv` the others' `(size − 1)·count`, `dst`
+/// exactly `count`. Returns `count`; the error names what does not fit.
+pub fn combine_lengths(
+    desc: &Collective,
+    (size, index): (u32, u32),
+    (own_len, own_offset): (usize, usize),
+    recv_len: usize,
+    dst_len: usize,
+) -> Result<usize, String> {
+    if index >= size {
+        return Err(format!(
+            "member index {index} is not a member of a group of {size}"
+        ));
+    }
+    let roles = exchange_roles(desc, size, index)
+        .map_err(|e| format!("{} on {}: {e}", desc.kind.name(), desc.group))?;
+    let Some(peers_len) = roles.recv else {
+        return Err(format!(
+            "member {index} is not the root ({:?}) of the {} on {}: it receives nothing to combine",
+            desc.root,
+            desc.kind.name(),
+            desc.group
+        ));
+    };
+    // `exchange_roles` checked that `size · count` fits in memory.
+    let c = desc.count as usize;
+    if !matches!(own_offset.checked_add(c), Some(end) if end <= own_len) {
+        return Err(format!(
+            "own is too short: own_offset {own_offset} + count {c} exceeds its {own_len} elements"
+        ));
+    }
+    if recv_len < peers_len {
+        return Err(format!(
+            "recv is too short: the {} other members' chunks need (size − 1)·count = {peers_len} elements, got {recv_len}",
+            size - 1
+        ));
+    }
+    if dst_len != c {
+        return Err(format!("dst must hold count = {c} elements, got {dst_len}"));
+    }
+    Ok(c)
+}
+
 /// The receive-buffer slot of member `from` at member `index`: the other members in
 /// group order, skipping `index` itself.
 pub fn exchange_slot(index: u32, from: u32) -> usize {

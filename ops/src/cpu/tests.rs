@@ -1665,7 +1665,7 @@ fn bad_combines_report_shape_errors_and_write_nothing() {
     let cases: Vec<(Kernel<CpuBuffer>, &str)> = vec![
         (
             combine(rs, 3, 2, &own6, 5, &recv4),
-            "own is too short: own_offset 5 + count 2 exceeds CpuBuffer",
+            "own is too short: own_offset 5 + count 2 exceeds its 6 elements",
         ),
         (
             combine(rs, 3, 1, &own6, usize::MAX, &recv4),
@@ -1685,7 +1685,7 @@ fn bad_combines_report_shape_errors_and_write_nothing() {
                 recv: recv4.clone(),
                 dst: own6.clone(),
             },
-            "dst must hold count = 2 elements, got CpuBuffer",
+            "dst must hold count = 2 elements, got 6",
         ),
         (
             combine(rs, 3, 3, &own6, 2, &recv4),

@@ -1388,42 +1388,17 @@ fn check_combine(
 ) -> Result<usize, OpsError> {
     const K: &str = "combine";
     let shape = |reason: String| OpsError::Shape { kernel: K, reason };
-    if index >= size {
-        return Err(shape(format!(
-            "member index {index} is not a member of a group of {size}"
-        )));
-    }
-    let roles = exchange_roles(desc, size, index)
-        .map_err(|e| shape(format!("{} on {}: {e}", desc.kind.name(), desc.group)))?;
-    let Some(peers_len) = roles.recv else {
-        return Err(shape(format!(
-            "member {index} is not the root ({:?}) of the {} on {}: it receives nothing to combine",
-            desc.root,
-            desc.kind.name(),
-            desc.group
-        )));
-    };
-    // `exchange_roles` checked that `size · count` fits in memory.
-    let c = desc.count as usize;
     for (what, buf) in [("own", own), ("recv", recv), ("dst", dst)] {
         expect(K, rank, what, buf, buf.len)?;
     }
-    if !matches!(own_offset.checked_add(c), Some(end) if end <= own.len) {
-        return Err(shape(format!(
-            "own is too short: own_offset {own_offset} + count {c} exceeds {own:?}"
-        )));
-    }
-    if recv.len < peers_len {
-        return Err(shape(format!(
-            "recv is too short: the {} other members' chunks need (size − 1)·count = {peers_len} elements, got {recv:?}",
-            size - 1
-        )));
-    }
-    if dst.len != c {
-        return Err(shape(format!(
-            "dst must hold count = {c} elements, got {dst:?}"
-        )));
-    }
+    let c = crate::combine_lengths(
+        desc,
+        (size, index),
+        (own.len, own_offset),
+        recv.len,
+        dst.len,
+    )
+    .map_err(shape)?;
     if dst.same(own) && own_offset != 0 {
         return Err(shape(format!(
             "dst is own at own_offset {own_offset}: an in-place combine must write the chunk it reads (own_offset 0)"
