@@ -56,7 +56,12 @@ pub mod trace;
 pub const MIN_HIDEABLE_SECONDS: f64 = 1e-9;
 
 /// The streams whose work counts as communication.
-pub const COMMUNICATION_STREAMS: [Stream; 3] = [Stream::Reduce, Stream::Replicate, Stream::Publish];
+pub const COMMUNICATION_STREAMS: [Stream; 4] = [
+    Stream::Reduce,
+    Stream::Replicate,
+    Stream::Publish,
+    Stream::Copy,
+];
 
 /// Bytes per element of the buffers the executor allocates (partials, accumulations).
 const BUFFER_ELEM_BYTES: u64 = 4;

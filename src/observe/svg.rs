@@ -119,7 +119,7 @@ pub fn render(report: &StepReport, plan: &Plan, a: &StepAnalysis) -> String {
     let span = if t1 > t0 { t1 - t0 } else { 1e-6 };
     let plot_w = WIDTH - LABEL_W - RIGHT;
     let x = |t: f64| LABEL_W + (t - t0) / span * plot_w;
-    let rank_h = RANK_HEADER + 4.0 * (LANE_H + LANE_GAP) + STRIP_H + RANK_GAP;
+    let rank_h = RANK_HEADER + Stream::COUNT as f64 * (LANE_H + LANE_GAP) + STRIP_H + RANK_GAP;
     let height = TOP + rank_h * a.ranks.len().max(1) as f64 + 10.0;
 
     let mut s = String::new();
@@ -228,8 +228,9 @@ pub fn render(report: &StepReport, plan: &Plan, a: &StepAnalysis) -> String {
         }
         // Exposed communication: shaded over the communication lanes, solid on the strip.
         let comm_top = lane_y(COMMUNICATION_STREAMS[0]);
-        let comm_h = lane_y(Stream::Publish) + LANE_H - comm_top;
-        let strip_y = lane_y(Stream::Publish) + LANE_H + LANE_GAP;
+        let last = Stream::ALL[Stream::COUNT - 1];
+        let comm_h = lane_y(last) + LANE_H - comm_top;
+        let strip_y = lane_y(last) + LANE_H + LANE_GAP;
         for &(es, ee) in &r.exposed {
             let (ex, ew) = (x(es), ((ee - es) / span * plot_w).max(0.8));
             let _ = writeln!(
