@@ -1,12 +1,13 @@
-//! Buffer aliasing in the executor (`ExecConfig::aliasing`): a step gives bit-identical
-//! parameters and reduced gradients with and without it, on every mesh shape and gate
-//! sequence tried here, aliasing does happen where the layout allows it, and pooled
-//! buffers stay bounded.
+//! Executor choices that must not change a result, bit for bit: buffer aliasing
+//! (`ExecConfig::aliasing`: a step gives the same parameters and reduced gradients with
+//! and without it, aliasing does happen where the layout allows it, and pooled buffers
+//! stay bounded), and the copy transport (exchange + combine on the CPU backend equal
+//! its collectives, wherever the combine runs and however late).
 
 use std::sync::Arc;
 
 use overlap::executor::ExecConfig;
-use overlap::graph::{Bindings, Buffer, ReduceSpec};
+use overlap::graph::{Bindings, Buffer, ReduceSpec, Schedule, Stream, Transport};
 use overlap::ops::cpu::CpuBackend;
 use overlap::{Gate, Mesh, ParamSpec, PlanSpec, Route, Session};
 
@@ -37,25 +38,35 @@ fn spec(shard: u32, replicate: u32) -> PlanSpec {
     }
 }
 
-/// Runs `steps` steps of `gates` and returns every parameter and reduced gradient of
-/// every rank, the aliased nodes of the last step and the most pooled buffers.
+/// Runs 12 steps of `gates` and returns every parameter and reduced gradient of every
+/// rank, the aliased nodes of the last step and the most pooled buffers.
 async fn run(
     shard: u32,
     replicate: u32,
     gates: &[Gate],
     aliasing: bool,
 ) -> (Vec<Option<Vec<f32>>>, usize, usize) {
-    let mesh = Mesh::new(shard, replicate).unwrap();
+    let (out, aliased, pooled) = run_with(spec(shard, replicate), gates, aliasing).await;
+    (out, aliased, pooled.into_iter().max().unwrap_or(0))
+}
+
+/// As [`run`], with the most pooled buffers of one size after each step.
+async fn run_with(
+    spec: PlanSpec,
+    gates: &[Gate],
+    aliasing: bool,
+) -> (Vec<Option<Vec<f32>>>, usize, Vec<usize>) {
+    let mesh = spec.mesh;
     let backend = Arc::new(CpuBackend::new(mesh));
     let exec = ExecConfig {
         aliasing,
         stage1_window: 2,
         ..ExecConfig::default()
     };
-    let mut s = Session::new(spec(shard, replicate), backend, exec).unwrap();
+    let mut s = Session::new(spec, backend, exec).unwrap();
     let mut aliased = 0;
-    let mut pooled = 0;
-    for step in 0..3u32 {
+    let mut pooled = Vec::new();
+    for step in 0..12u32 {
         for (m, &gate) in gates.iter().enumerate() {
             s.begin_micro_batch(gate).await.unwrap();
             for layer in s.layers() {
@@ -72,7 +83,7 @@ async fn run(
         }
         let r = s.step().await.unwrap();
         aliased = r.stats.aliased_nodes;
-        pooled = pooled.max(
+        pooled.push(
             s.executor()
                 .pooled_buffers()
                 .iter()
@@ -108,20 +119,73 @@ async fn aliasing_is_bit_identical_and_keeps_the_pool_bounded() {
             assert_eq!(none, 0, "{what}");
             assert!(aliased > 0, "{what}: nothing was aliased");
             assert_eq!(off.len(), on.len());
-            for (i, (a, b)) in off.iter().zip(&on).enumerate() {
-                let bits = |v: &Option<Vec<f32>>| {
-                    v.as_ref()
-                        .map(|v| v.iter().map(|x| x.to_bits()).collect::<Vec<_>>())
-                };
-                assert_eq!(bits(a), bits(b), "{what}: buffer {i} differs");
-                if let Some(v) = b {
-                    assert!(v.iter().all(|x| x.is_finite()), "{what}: buffer {i}");
-                }
-            }
+            assert_same_bits(&off, &on, &what);
             assert!(
                 pooled_on <= pooled_off,
                 "{what}: {pooled_on} pooled buffers with aliasing, {pooled_off} without"
             );
+        }
+    }
+}
+
+/// Every buffer equal bit for bit, and finite.
+fn assert_same_bits(a: &[Option<Vec<f32>>], b: &[Option<Vec<f32>>], what: &str) {
+    assert_eq!(a.len(), b.len(), "{what}");
+    let bits = |v: &Option<Vec<f32>>| {
+        v.as_ref()
+            .map(|v| v.iter().map(|x| x.to_bits()).collect::<Vec<_>>())
+    };
+    for (i, (x, y)) in a.iter().zip(b).enumerate() {
+        assert_eq!(bits(x), bits(y), "{what}: buffer {i} differs");
+        if let Some(v) = y {
+            assert!(v.iter().all(|x| x.is_finite()), "{what}: buffer {i}");
+        }
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_copy_transport_is_bit_identical_to_the_collectives_and_keeps_the_pool_bounded() {
+    let sequences: [&[Gate]; 3] = [
+        &[Gate::On],
+        &[Gate::NoSync, Gate::On],
+        &[Gate::ReplicateOff, Gate::On],
+    ];
+    for (shard, replicate) in [(2, 1), (1, 2), (2, 2), (3, 2)] {
+        for gates in sequences {
+            let (nccl, _, _) = run(shard, replicate, gates, true).await;
+            for (lag, combine) in [
+                (0, Stream::Reduce),
+                (1, Stream::Reduce),
+                (1, Stream::Compute),
+                (3, Stream::Publish),
+            ] {
+                let copy = PlanSpec {
+                    bindings: Bindings {
+                        combine,
+                        ..Bindings::default()
+                    },
+                    schedule: Schedule {
+                        transport: Transport::Copy,
+                        combine_lag: lag,
+                    },
+                    ..spec(shard, replicate)
+                };
+                let (got, aliased, pooled) = run_with(copy, gates, true).await;
+                let what = format!(
+                    "mesh {shard}x{replicate}, gates {gates:?}, combine on {combine} {lag} behind"
+                );
+                assert!(aliased > 0, "{what}: nothing was aliased");
+                assert_same_bits(&nccl, &got, &what);
+                // Receive buffers join the pool, and a later combine holds its buffers
+                // longer; but every step returns what it took: after warm-up the pool
+                // may wobble by a buffer or two with the threads' timing, never grow by
+                // one a step (over ten steps, that would be +10).
+                let (warm, last) = (pooled[1], pooled[pooled.len() - 1]);
+                assert!(
+                    last <= warm + 3,
+                    "{what}: pooled buffers per step {pooled:?}"
+                );
+            }
         }
     }
 }
