@@ -185,7 +185,7 @@ impl RankAnalysis {
 /// The collectives of one kind issued by one kind of node in a step, over local ranks.
 #[derive(Debug, Clone, PartialEq)]
 pub struct CollectiveStats {
-    /// The node kind: `stage1`, `stage2` or `publish`.
+    /// The node kind: `stage1`, `stage2`, `exchange` or `publish`.
     pub op: &'static str,
     /// The collective kind.
     pub kind: CollectiveKind,
@@ -366,7 +366,11 @@ fn collectives(plan: &Plan, timings: &[Timing]) -> Vec<CollectiveStats> {
             continue;
         };
         let op = node.op.kind();
-        let bytes = collective_bytes(plan, c);
+        // An exchange moves the f32 buffers as they are, whatever the reduce dtype.
+        let bytes = match node.op {
+            Op::Exchange { .. } => collective_bytes(plan, c) / c.dtype.size() * 4,
+            _ => collective_bytes(plan, c),
+        };
         let factor = bus_factor(c.kind, plan.mesh.group_size(c.group));
         let i = match out.iter().position(|s| s.op == op && s.kind == c.kind) {
             Some(i) => i,
