@@ -367,12 +367,13 @@ impl<B: Backend> Session<B> {
         for rank in self.executor.local_ranks() {
             for n in &plan.rank(rank).nodes {
                 match n.op {
-                    Op::Stage2 { collective, .. }
-                    | Op::Exchange {
+                    Op::Stage2 { collective, .. } => b.moved += collective.count * dtype,
+                    // The copy transport moves the f32 buffers as they are.
+                    Op::Exchange {
                         stage: 2,
                         collective,
                         ..
-                    } => b.moved += collective.count * dtype,
+                    } => b.moved += collective.count * 4,
                     Op::Fold { bucket, .. } => b.saved += plan.stage1_elems(bucket) * dtype,
                     _ => {}
                 }

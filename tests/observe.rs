@@ -88,6 +88,49 @@ fn analysis_of_a_real_step_sees_the_synthetic_backward_and_the_collectives() {
 }
 
 #[test]
+fn analysis_of_a_copy_transport_step_counts_its_exchanges_as_communication() {
+    let mut cfg = example();
+    cfg.plan.schedule.transport = overlap::graph::Transport::Copy;
+    cfg.plan.reduce.dtype = overlap::graph::DType::Bf16;
+    runtime().block_on(async {
+        let mut s = Session::cpu(&cfg).unwrap();
+        let r = drive::synthetic_step(&mut s, cfg.run.seed, 0, &cfg.gates)
+            .await
+            .unwrap();
+        let plan = s.step_plan(&r.gates).unwrap();
+        let a = StepAnalysis::new(&r, &plan);
+        for rank in &a.ranks {
+            // Exchanges run on the copy stream, which counts as communication.
+            assert!(rank.busy_seconds(Stream::Copy) > 0.0, "{rank:?}");
+            assert!(rank.communication_seconds() >= rank.busy_seconds(Stream::Copy));
+        }
+        assert!(!a.collectives.iter().any(|c| c.op == "stage1"));
+        let ex = a
+            .collectives
+            .iter()
+            .find(|c| c.op == "exchange" && c.kind == CollectiveKind::ReduceScatter)
+            .expect("sharded routes exchange reduce-scatter chunks");
+        assert!(ex.calls > 0 && ex.bytes > 0 && ex.bus_bandwidth().is_some());
+        // Stage 2's exchanges move f32 whatever the reduce dtype, in both counts.
+        let stage2: u64 = plan
+            .ranks
+            .iter()
+            .flat_map(|rp| &rp.nodes)
+            .filter_map(|n| match n.op {
+                overlap::graph::Op::Exchange {
+                    stage: 2,
+                    collective,
+                    ..
+                } => Some(collective.count * 4),
+                _ => None,
+            })
+            .sum();
+        assert!(stage2 > 0);
+        assert_eq!(stage2, r.stage2_bytes);
+    });
+}
+
+#[test]
 fn a_session_records_every_metric_once_enabled() {
     let recorder = metrics_exporter_prometheus::PrometheusBuilder::new().build_recorder();
     let handle = recorder.handle();
