@@ -72,16 +72,18 @@ pub const REJECTIONS: &str = "overlap_validator_rejections_total";
 pub const NODES: &str = "overlap_nodes_total";
 /// Host time spent issuing a step's nodes (histogram).
 pub const HOST_ISSUE: &str = "overlap_step_host_issue_seconds";
+/// Host time per node by node kind in the last step (gauge).
+pub const OP_HOST_ISSUE: &str = "overlap_op_host_issue_seconds";
 
 /// Every metric: name, labels, and what it means. The README's table and the
 /// descriptions served on `/metrics` come from here.
-pub const METRICS: [(&str, &str, &str); 18] = [
+pub const METRICS: [(&str, &str, &str); 19] = [
     (OP_DURATION, "op, stream", "histogram of kernel durations by node kind (`grad_ready`, `pack`, `stage1`, `fold`, `fold_partial`, `stage2`, `unpack`, `optimizer`, `publish`, ...) and stream, as the backend timed them (CUDA events on GPUs)"),
     (STEPS, "", "steps completed"),
     (STEP_DURATION, "", "histogram of the host wall time of a step: first issue to the device finishing"),
     (STEP_DEVICE, "", "histogram of the device span of a step (first kernel start to last kernel end), mean over local ranks: η's `actual`"),
     (STREAM_BUSY, "stream", "histogram of each stream's busy time in a step (union of its kernel intervals), mean over local ranks"),
-    (EXPOSED, "", "histogram of a step's exposed communication: time a communication stream (reduce, replicate, publish) is busy while compute is not, mean over local ranks"),
+    (EXPOSED, "", "histogram of a step's exposed communication: time a communication stream (reduce, replicate, publish, copy) is busy while compute is not, mean over local ranks"),
     (EFFICIENCY, "", "overlap efficiency η = (serial − actual) / (serial − ideal) of the last step; NaN when undefined (nothing to hide)"),
     (COLLECTIVE_BYTES, "op, collective", "collective data bytes per member (nccl-tests' size), summed over calls and local ranks"),
     (BUS_BANDWIDTH, "op, collective", "achieved bus bandwidth of the last step: bytes × NCCL's bus factor / kernel time, over the step's calls"),
@@ -93,6 +95,7 @@ pub const METRICS: [(&str, &str, &str); 18] = [
     (REJECTIONS, "invariant", "plans the validator rejected, by broken invariant"),
     (NODES, "", "plan nodes issued, summed over local ranks"),
     (HOST_ISSUE, "", "histogram of the host time spent issuing a step's nodes (launches, records, waits), summed over local ranks; divided by the nodes, the host cost per node"),
+    (OP_HOST_ISSUE, "op", "host time per node of each node kind in the last step (`exchange`, `stage1`, `combine`, ...): where the host cost per node goes"),
     ("overlap_build_info", "version", "always 1; the overlap version"),
 ];
 
@@ -157,7 +160,8 @@ fn describe() {
     describe_counter!(REJECTIONS, Unit::Count, METRICS[14].2);
     describe_counter!(NODES, Unit::Count, METRICS[15].2);
     describe_histogram!(HOST_ISSUE, Unit::Seconds, METRICS[16].2);
-    describe_gauge!("overlap_build_info", Unit::Count, METRICS[17].2);
+    describe_gauge!(OP_HOST_ISSUE, Unit::Seconds, METRICS[17].2);
+    describe_gauge!("overlap_build_info", Unit::Count, METRICS[18].2);
 }
 
 /// Records a finished step when recording is on ([`Session::step`](crate::Session::step)
@@ -213,6 +217,11 @@ pub fn record_analysis(report: &StepReport, a: &StepAnalysis) {
     }
     counter!(NODES).increment(report.stats.nodes as u64);
     histogram!(HOST_ISSUE).record(report.stats.issue_seconds.max(0.0));
+    for &(op, seconds, nodes) in &report.stats.issue_by_kind {
+        if nodes > 0 {
+            gauge!(OP_HOST_ISSUE, "op" => op).set(seconds.max(0.0) / nodes as f64);
+        }
+    }
 }
 
 /// The value of [`MICRO_BATCH_GATE`] for a gate: 0 no_sync, 1 off, 2 on.
