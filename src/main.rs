@@ -589,6 +589,16 @@ async fn run(cfg: &Config, steps: u32, observe: &ObserveArgs) -> Result<ExitCode
     run_steps(Session::cpu(cfg)?, cfg, steps, observe, recording, backend).await
 }
 
+/// The transport a run uses, and whether `auto` chose it: `copy (auto)`.
+fn transport_label(cfg: &Config) -> String {
+    let name = cfg.plan.schedule.transport.name();
+    if cfg.overlap.transport == overlap::config::TransportChoice::Auto {
+        format!("{name} (auto)")
+    } else {
+        name.to_string()
+    }
+}
+
 /// Runs the steps of `overlap run` on a session and prints a line per step.
 async fn run_steps<B: overlap::ops::Backend>(
     mut session: Session<B>,
@@ -600,13 +610,14 @@ async fn run_steps<B: overlap::ops::Backend>(
 ) -> Result<ExitCode, Error> {
     let planner = session.planner();
     println!(
-        "overlap run {}: mesh {} ({} ranks), {} params, {} buckets, gates {}, backend {backend}, {steps} steps",
+        "overlap run {}: mesh {} ({} ranks), {} params, {} buckets, gates {}, backend {backend}, transport {}, {steps} steps",
         cfg.source,
         cfg.plan.mesh,
         cfg.plan.mesh.world(),
         planner.params().len(),
         planner.buckets().len(),
         Gate::pattern_label(&cfg.gates),
+        transport_label(cfg),
     );
     for step in 0..u64::from(steps) {
         let r = drive::synthetic_step(&mut session, cfg.run.seed, step, &cfg.gates).await?;

@@ -48,6 +48,8 @@ fn run_prints_a_line_per_step_and_honours_steps() {
         "{out}"
     );
     assert!(out.contains("partials left 0"), "{out}");
+    // `transport = "auto"` on the CPU backend: its collectives.
+    assert!(out.contains("transport nccl (auto)"), "{out}");
 }
 
 #[test]
