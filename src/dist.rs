@@ -303,11 +303,19 @@ fn slurm(get: Get) -> Result<RankEnv, DistError> {
             })?
         }
     };
+    // Tasks on this node: all of them in a one-node allocation, else a uniform
+    // `SLURM_NTASKS_PER_NODE` (a plain number; `4(x2)` and lists stay unknown).
+    let nodes = get("SLURM_JOB_NUM_NODES").or_else(|| get("SLURM_NNODES"));
+    let local_world_size = if nodes.as_deref().map(str::trim) == Some("1") {
+        Some(world_size)
+    } else {
+        get("SLURM_NTASKS_PER_NODE").and_then(|v| v.trim().parse::<u32>().ok())
+    };
     Ok(RankEnv {
         rank,
         world_size,
         local_rank,
-        local_world_size: None,
+        local_world_size,
         master_addr,
         master_port: master_port(get)?,
         launcher: Launcher::Slurm,
@@ -480,6 +488,27 @@ mod tests {
         assert_eq!(e.launcher, Launcher::Slurm);
         assert_eq!((e.rank, e.world_size, e.local_rank), (5, 8, 1));
         assert_eq!((e.master_addr.as_str(), e.master_port), ("gpu03", 12345));
+        // Nothing says how many tasks share a node: unknown, so not one node.
+        assert_eq!(e.local_world_size, None);
+        assert!(!e.one_node());
+        let base = [
+            ("SLURM_PROCID", "1"),
+            ("SLURM_NTASKS", "4"),
+            ("SLURM_LOCALID", "1"),
+            ("SLURM_JOB_NODELIST", "gpu03"),
+        ];
+        let with = |extra: (&'static str, &'static str)| {
+            let mut v = base.to_vec();
+            v.push(extra);
+            env(&v).unwrap().unwrap()
+        };
+        assert!(with(("SLURM_JOB_NUM_NODES", "1")).one_node());
+        assert!(with(("SLURM_NTASKS_PER_NODE", "4")).one_node());
+        assert!(!with(("SLURM_NTASKS_PER_NODE", "2")).one_node());
+        assert_eq!(
+            with(("SLURM_NTASKS_PER_NODE", "2(x2)")).local_world_size,
+            None
+        );
         let err = env(&[("SLURM_PROCID", "0"), ("SLURM_NTASKS", "2")])
             .unwrap_err()
             .to_string();
