@@ -103,6 +103,30 @@ pub fn parse_mesh(s: &str) -> Result<Mesh, Error> {
 }
 
 impl BenchArgs {
+    /// The workload of design §6 on `mesh` with `overlap bench`'s defaults: 16 layers of
+    /// 64 MiB behind 3 GEMMs of 4096³, 10 steps after 3, NCCL collectives (the copy
+    /// transport's knobs at the config's defaults).
+    pub fn new(mesh: Mesh) -> BenchArgs {
+        BenchArgs {
+            mesh,
+            layers: 16,
+            grad_mib: 64,
+            gemms: 3,
+            d: 4096,
+            iters: 10,
+            warmup: 3,
+            window: 8,
+            no_alias: false,
+            transport: Transport::Nccl,
+            combine_lag: 1,
+            combine_stream: Stream::Reduce,
+            exchange_stream: Stream::Copy,
+            pack_stream: Stream::Reduce,
+            copy_slot_mib: 32,
+            nccl_max_ctas: None,
+        }
+    }
+
     /// Checks the sizes: at least one layer, a gradient that splits evenly over the
     /// shard group, at least one timed step.
     pub fn check(&self) -> Result<(), Error> {
@@ -552,18 +576,6 @@ pub struct CollectiveRow {
     pub ratio: f64,
 }
 
-/// NCCL's bus-bandwidth factor for a collective over `n` ranks: all-reduce
-/// `2(n−1)/n`, reduce-scatter and all-gather `(n−1)/n`, others 1.
-pub fn bus_factor(kind: overlap_graph::CollectiveKind, n: u32) -> f64 {
-    use overlap_graph::CollectiveKind as K;
-    let n = f64::from(n.max(1));
-    match kind {
-        K::AllReduce => 2.0 * (n - 1.0) / n,
-        K::ReduceScatter | K::AllGather => (n - 1.0) / n,
-        _ => 1.0,
-    }
-}
-
 /// `overlap bench-collectives` on this backend's rank: for each size (MiB), a plan of
 /// `warmup + iters` layers of one `fsdp` gradient each (its wide collective:
 /// reduce-scatter on `S×1`, all-reduce on `1×R`) run as one step, so its collectives are
@@ -590,15 +602,7 @@ pub async fn collectives<B: Backend>(
             d: 0,
             iters,
             warmup,
-            window: 8,
-            no_alias: false,
-            transport: Transport::Nccl,
-            combine_lag: 0,
-            combine_stream: Stream::Compute,
-            exchange_stream: Stream::Copy,
-            pack_stream: Stream::Reduce,
-            copy_slot_mib: 32,
-            nccl_max_ctas: None,
+            ..BenchArgs::new(mesh)
         };
         args.check()?;
         let plan = Arc::new(bench_plan(&args, Bindings::default())?);
@@ -720,7 +724,7 @@ pub async fn collectives<B: Backend>(
                 );
             }
         }
-        let factor = bus_factor(desc.kind, n);
+        let factor = crate::observe::bus_factor(desc.kind, n);
         let bw = |sec: f64| {
             if sec > 0.0 {
                 bytes as f64 / sec / 1e9 * factor
@@ -866,15 +870,7 @@ mod tests {
             d: 16,
             iters: 2,
             warmup: 1,
-            window: 8,
-            no_alias: false,
-            transport: Transport::Nccl,
-            combine_lag: 0,
-            combine_stream: Stream::Compute,
-            exchange_stream: Stream::Copy,
-            pack_stream: Stream::Reduce,
-            copy_slot_mib: 32,
-            nccl_max_ctas: None,
+            ..BenchArgs::new(mesh)
         }
     }
 
@@ -898,8 +894,14 @@ mod tests {
         assert_eq!(eta(5.0, 4.0, 5.0), None);
         assert_eq!(eta(10.0, 8.0, 8.0), Some(1.0));
         assert_eq!(ideal_ms(1.0, 4.0, 4), 5.0);
-        assert_eq!(bus_factor(CollectiveKind::AllReduce, 2), 1.0);
-        assert_eq!(bus_factor(CollectiveKind::ReduceScatter, 2), 0.5);
+        assert_eq!(
+            crate::observe::bus_factor(CollectiveKind::AllReduce, 2),
+            1.0
+        );
+        assert_eq!(
+            crate::observe::bus_factor(CollectiveKind::ReduceScatter, 2),
+            0.5
+        );
     }
 
     #[test]
