@@ -141,6 +141,22 @@ impl BenchArgs {
                 self.grad_mib
             )));
         }
+        // The config's bounds on the same knobs.
+        use crate::config::{MAX_COPY_SLOT_MIB, MAX_NCCL_CTAS};
+        if !(1..=MAX_COPY_SLOT_MIB).contains(&self.copy_slot_mib) {
+            return Err(Error::Usage(format!(
+                "--copy-slot-mib {}: between 1 and {MAX_COPY_SLOT_MIB}",
+                self.copy_slot_mib
+            )));
+        }
+        if let Some(c) = self
+            .nccl_max_ctas
+            .filter(|c| !(1..=MAX_NCCL_CTAS).contains(c))
+        {
+            return Err(Error::Usage(format!(
+                "--nccl-max-ctas {c}: between 1 and {MAX_NCCL_CTAS}"
+            )));
+        }
         Ok(())
     }
 
@@ -486,6 +502,21 @@ fn per_node(
         .collect()
 }
 
+/// Waits for `ends` (one event per local rank), then fails with the first error any
+/// stream reported (`what` names the work).
+async fn drain<B: Backend>(backend: &B, ends: &[B::Event], what: &str) -> Result<(), Error> {
+    for ev in ends {
+        backend
+            .host_wait(ev)
+            .await
+            .map_err(|e| Error::Backend(e.to_string()))?;
+    }
+    match backend.errors().first() {
+        Some((_, _, _, e)) => Err(Error::Backend(format!("{what}: {e}"))),
+        None => Ok(()),
+    }
+}
+
 fn span_of(timings: &[Timing], rank: u32) -> f64 {
     let mine: Vec<Timing> = timings.iter().filter(|t| t.rank == rank).copied().collect();
     span(&mine)
@@ -539,15 +570,7 @@ async fn gemms_only<B: Backend>(
         backend.record(r, Stream::Compute, &ev);
         ends.push(ev);
     }
-    for ev in &ends {
-        backend
-            .host_wait(ev)
-            .await
-            .map_err(|e| Error::Backend(e.to_string()))?;
-    }
-    if let Some((_, _, _, e)) = backend.errors().first() {
-        return Err(Error::Backend(format!("compute_only: {e}")));
-    }
+    drain(backend, &ends, "compute_only").await?;
     Ok(backend.take_timings())
 }
 
@@ -706,15 +729,7 @@ pub async fn collectives<B: Backend>(
                 backend.record(*r, stream, &ev);
                 ends.push(ev);
             }
-            for ev in &ends {
-                backend
-                    .host_wait(ev)
-                    .await
-                    .map_err(|e| Error::Backend(e.to_string()))?;
-            }
-            if let Some((_, _, _, e)) = backend.errors().first() {
-                return Err(Error::Backend(format!("direct {}: {e}", desc.kind.name())));
-            }
+            drain(&*backend, &ends, &format!("direct {}", desc.kind.name())).await?;
             let t = backend.take_timings();
             if phase == iters {
                 direct.extend(
@@ -871,6 +886,29 @@ mod tests {
             iters: 2,
             warmup: 1,
             ..BenchArgs::new(mesh)
+        }
+    }
+
+    #[test]
+    fn copy_and_nccl_knobs_keep_the_configs_bounds() {
+        let mesh = Mesh::new(2, 1).unwrap();
+        assert!(BenchArgs::new(mesh).check().is_ok());
+        for bad in [
+            BenchArgs {
+                copy_slot_mib: 0,
+                ..BenchArgs::new(mesh)
+            },
+            BenchArgs {
+                copy_slot_mib: crate::config::MAX_COPY_SLOT_MIB + 1,
+                ..BenchArgs::new(mesh)
+            },
+            BenchArgs {
+                nccl_max_ctas: Some(0),
+                ..BenchArgs::new(mesh)
+            },
+        ] {
+            let e = bad.check().unwrap_err().to_string();
+            assert!(e.contains("between 1 and"), "{e}");
         }
     }
 

@@ -132,6 +132,9 @@ impl Default for OverlapConfig {
 /// The largest `overlap.copy_slot_mib` (4 GiB slots).
 pub const MAX_COPY_SLOT_MIB: u32 = 4096;
 
+/// The largest `overlap.nccl_max_ctas`.
+pub const MAX_NCCL_CTAS: u32 = 1024;
+
 /// `[metrics]`: the Prometheus exporter.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
 pub struct MetricsConfig {
@@ -421,8 +424,20 @@ impl Doc<'_> {
             Some(c) => c.into_inner(),
         };
         let bindings = self.bindings(&raw.streams)?;
-        let schedule = self.schedule(&raw.overlap)?;
         let transport = self.transport(&raw.overlap)?;
+        let schedule = Schedule {
+            transport: if transport == TransportChoice::Copy {
+                Transport::Copy
+            } else {
+                // `auto` is settled by `settle_transport` once the placement is known.
+                Transport::Nccl
+            },
+            combine_lag: raw
+                .overlap
+                .combine_lag
+                .as_ref()
+                .map_or(Schedule::default().combine_lag, |v| *v.get_ref()),
+        };
         let plan = PlanSpec {
             mesh,
             params,
@@ -447,32 +462,21 @@ impl Doc<'_> {
                     raw.overlap.stage1_window,
                     OverlapConfig::default().stage1_window,
                 )?,
-                copy_slot_mib: match &raw.overlap.copy_slot_mib {
-                    None => OverlapConfig::default().copy_slot_mib,
-                    Some(v) if *v.get_ref() == 0 || *v.get_ref() > MAX_COPY_SLOT_MIB => {
-                        return Err(self.err(
-                            "overlap.copy_slot_mib",
-                            Some(v.span()),
-                            format!(
-                                "must be between 1 and {MAX_COPY_SLOT_MIB} MiB, got {}",
-                                v.get_ref()
-                            ),
-                        ))
-                    }
-                    Some(v) => *v.get_ref(),
-                },
+                copy_slot_mib: self
+                    .between(
+                        "overlap.copy_slot_mib",
+                        &raw.overlap.copy_slot_mib,
+                        MAX_COPY_SLOT_MIB,
+                        " MiB",
+                    )?
+                    .unwrap_or(OverlapConfig::default().copy_slot_mib),
                 transport,
-                nccl_max_ctas: match &raw.overlap.nccl_max_ctas {
-                    None => None,
-                    Some(v) if *v.get_ref() == 0 || *v.get_ref() > 1024 => {
-                        return Err(self.err(
-                            "overlap.nccl_max_ctas",
-                            Some(v.span()),
-                            format!("must be between 1 and 1024, got {}", v.get_ref()),
-                        ))
-                    }
-                    Some(v) => Some(*v.get_ref()),
-                },
+                nccl_max_ctas: self.between(
+                    "overlap.nccl_max_ctas",
+                    &raw.overlap.nccl_max_ctas,
+                    MAX_NCCL_CTAS,
+                    "",
+                )?,
             },
             adamw: self.adamw(&raw.optimizer.adamw)?,
             muon: self.muon(&raw.optimizer.muon)?,
@@ -732,17 +736,6 @@ impl Doc<'_> {
         })
     }
 
-    fn schedule(&self, raw: &raw::Overlap) -> Result<Schedule, ConfigError> {
-        let mut s = Schedule::default();
-        if self.transport(raw)? == TransportChoice::Copy {
-            s.transport = Transport::Copy;
-        }
-        if let Some(lag) = &raw.combine_lag {
-            s.combine_lag = *lag.get_ref();
-        }
-        Ok(s)
-    }
-
     fn bindings(&self, raw: &raw::Streams) -> Result<Bindings, ConfigError> {
         let mut b = Bindings::default();
         let slots: [(&str, &Option<Spanned<String>>, &mut Stream); 10] = [
@@ -795,6 +788,24 @@ impl Doc<'_> {
                 Some(v) => v.into_inner(),
             },
         })
+    }
+
+    /// An optional integer between 1 and `max` (`unit` follows `max` in the error).
+    fn between(
+        &self,
+        key: &str,
+        v: &Option<Spanned<u32>>,
+        max: u32,
+        unit: &str,
+    ) -> Result<Option<u32>, ConfigError> {
+        match v {
+            Some(v) if *v.get_ref() == 0 || *v.get_ref() > max => Err(self.err(
+                key,
+                Some(v.span()),
+                format!("must be between 1 and {max}{unit}, got {}", v.get_ref()),
+            )),
+            v => Ok(v.as_ref().map(|v| *v.get_ref())),
+        }
     }
 
     fn at_least_one(

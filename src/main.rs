@@ -405,11 +405,6 @@ async fn dispatch(cmd: Command) -> Result<ExitCode, Error> {
             json,
         } => {
             let transport = transport.into();
-            if copy_slot_mib == 0 || copy_slot_mib > 4096 {
-                return Err(Error::Usage(format!(
-                    "--copy-slot-mib {copy_slot_mib}: between 1 and 4096"
-                )));
-            }
             let args = overlap::bench::BenchArgs {
                 mesh: overlap::bench::parse_mesh(&mesh)?,
                 layers,

@@ -499,12 +499,7 @@ impl<B: Backend> Executor<B> {
         for r in &mut self.ranks {
             r.end_step(true);
         }
-        let issue_seconds = self.adopt_time.as_secs_f64()
-            + self
-                .ranks
-                .iter()
-                .map(|r| r.issue_time.as_secs_f64())
-                .sum::<f64>();
+
         let stage1_in_flight_peak = self
             .ranks
             .iter()
@@ -512,16 +507,19 @@ impl<B: Backend> Executor<B> {
             .max()
             .unwrap_or(0);
         let aliased_nodes = self.ranks.iter().map(|r| r.aliased).sum();
-        let mut issue_by_kind: Vec<(&'static str, f64, usize)> = Vec::new();
-        for (kind, secs, n) in self.ranks.iter().flat_map(|r| r.issue_by_kind.iter()) {
-            match issue_by_kind.iter_mut().find(|k| k.0 == *kind) {
-                Some(k) => {
-                    k.1 += secs;
-                    k.2 += n;
-                }
-                None => issue_by_kind.push((kind, *secs, *n)),
-            }
-        }
+        let issue_by_kind = Op::KINDS
+            .iter()
+            .enumerate()
+            .map(|(i, &kind)| {
+                let (secs, n) = self.ranks.iter().fold((0.0, 0), |(s, n), r| {
+                    (s + r.issue_by_kind[i].0, n + r.issue_by_kind[i].1)
+                });
+                (kind, secs, n)
+            })
+            .filter(|k| k.2 > 0)
+            .collect::<Vec<_>>();
+        let issue_seconds =
+            self.adopt_time.as_secs_f64() + issue_by_kind.iter().map(|k| k.1).sum::<f64>();
         Ok(StepStats {
             nodes,
             aliased_nodes,

@@ -88,13 +88,12 @@ pub(crate) struct Prepared {
 
 /// Whether `segs` copy one parameter's `len` elements to the same offsets, each once.
 fn identity(segs: &[CopySeg], param: u32, len: u64) -> bool {
-    let mut spans: Vec<(u64, u64)> = Vec::with_capacity(segs.len());
-    for s in segs {
-        if s.param != param || s.src != s.dst {
-            return false;
-        }
-        spans.push((s.dst, s.dst + s.len));
-    }
+    segs.iter().all(|s| s.param == param && s.src == s.dst) && covers(segs.iter(), len)
+}
+
+/// Whether the destinations of `segs` tile `0..len` exactly: each element once.
+fn covers<'a>(segs: impl Iterator<Item = &'a CopySeg>, len: u64) -> bool {
+    let mut spans: Vec<(u64, u64)> = segs.map(|s| (s.dst, s.dst + s.len)).collect();
     spans.sort_unstable();
     let mut at = 0;
     for (a, b) in spans {
@@ -468,20 +467,8 @@ fn overwrites(op: Op, w: &Buffer, unpack: &HashMap<BucketId, Arc<[CopySeg]>>, le
             },
             Buffer::Reduced { param },
         ) => {
-            let segs: Vec<CopySeg> = unpack
-                .get(&bucket)
-                .map(|s| s.iter().filter(|s| s.param == *param).copied().collect())
-                .unwrap_or_default();
-            let mut spans: Vec<(u64, u64)> = segs.iter().map(|s| (s.dst, s.dst + s.len)).collect();
-            spans.sort_unstable();
-            let mut at = 0;
-            for (a, b) in spans {
-                if a != at {
-                    return false;
-                }
-                at = b;
-            }
-            at == len
+            let segs = unpack.get(&bucket).map(|s| &s[..]).unwrap_or_default();
+            covers(segs.iter().filter(|s| s.param == *param), len)
         }
         _ => false,
     }

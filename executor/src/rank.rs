@@ -9,7 +9,7 @@ use rustc_hash::{FxHashMap as HashMap, FxHashSet as HashSet};
 use std::sync::Arc;
 
 use overlap_graph::{
-    BucketId, Buffer, CollectiveKind, CopySeg, Instr, Op, OptimizerKind, ParamId, Stream,
+    BucketId, Buffer, CollectiveKind, CopySeg, Instr, Op, OptimizerKind, ParamId, Plan, Stream,
 };
 use overlap_ops::{AdamwParams, Backend, CommId, EventStatus, Kernel, MuonParams, OpsError, Tag};
 
@@ -51,10 +51,9 @@ pub(crate) struct RankState<B: Backend> {
     pub aliased: usize,
     /// Most Stage-1 buffers in flight at once since the last step began.
     pub peak_in_flight: usize,
-    /// Host time spent issuing them (excluding backpressure waits).
-    pub issue_time: std::time::Duration,
-    /// The same by node kind (`Op::kind`): seconds and nodes.
-    pub issue_by_kind: Vec<(&'static str, f64, usize)>,
+    /// Host time spent issuing them (excluding backpressure waits) by node kind, at
+    /// `Op::kind_index`: seconds and nodes.
+    pub issue_by_kind: [(f64, usize); Op::KINDS.len()],
     /// Partials and no_sync accumulations written and not yet flushed, as issued.
     pub live_partials: HashSet<Buffer>,
     /// Gradient buffers the caller owns (`grad_ready_bound`): dropped after their last
@@ -88,8 +87,7 @@ impl<B: Backend> RankState<B> {
             issue_errors: Vec::new(),
             issued: 0,
             aliased: 0,
-            issue_time: std::time::Duration::ZERO,
-            issue_by_kind: Vec::new(),
+            issue_by_kind: Default::default(),
             peak_in_flight: 0,
             live_partials: HashSet::default(),
             borrowed: HashSet::default(),
@@ -201,15 +199,9 @@ impl<B: Backend> RankState<B> {
             }
         }
         let took = t0.elapsed();
-        self.issue_time += took;
-        let kind = node.op.kind();
-        match self.issue_by_kind.iter_mut().find(|k| k.0 == kind) {
-            Some(k) => {
-                k.1 += took.as_secs_f64();
-                k.2 += 1;
-            }
-            None => self.issue_by_kind.push((kind, took.as_secs_f64(), 1)),
-        }
+        let k = &mut self.issue_by_kind[node.op.kind_index()];
+        k.0 += took.as_secs_f64();
+        k.1 += 1;
         Ok(())
     }
 
@@ -331,30 +323,32 @@ impl<B: Backend> RankState<B> {
                     segs: bound.into(),
                 });
             }
+            // A collective of either stage: its input to the stage's output, where this
+            // rank receives one.
             Op::Stage1 {
                 bucket,
                 micro_batch,
                 collective,
+            }
+            | Op::Stage2 {
+                bucket,
+                micro_batch,
+                collective,
             } => {
-                let send = Some(self.buf(&Buffer::Send {
-                    bucket,
-                    micro_batch,
-                })?);
-                let recv = self
-                    .buffers
-                    .get(&Buffer::Stage1Out {
-                        bucket,
-                        micro_batch,
-                    })
-                    .cloned()
-                    .filter(|_| plan.holds_stage1(bucket, self.rank));
+                let stage = node.op.stage().unwrap_or(1);
+                let (src, holds) = plan.stage_input(bucket, micro_batch, stage, self.rank);
+                let recv = if holds {
+                    Some(self.buf(&Plan::stage_output(bucket, micro_batch, stage))?)
+                } else {
+                    None
+                };
                 launch(Kernel::Collective {
                     desc: collective,
                     comm: CommId {
                         group: collective.group,
                         stream,
                     },
-                    send,
+                    send: Some(self.buf(&src)?),
                     recv,
                 });
             }
@@ -385,33 +379,6 @@ impl<B: Backend> RankState<B> {
                     })?,
                     src,
                     accumulate: true,
-                });
-            }
-            Op::Stage2 {
-                bucket,
-                micro_batch,
-                collective,
-            } => {
-                let send = Some(self.buf(&Buffer::Stage1Out {
-                    bucket,
-                    micro_batch,
-                })?);
-                let recv = if plan.holds_stage2(bucket, self.rank) {
-                    Some(self.buf(&Buffer::Stage2Out {
-                        bucket,
-                        micro_batch,
-                    })?)
-                } else {
-                    None
-                };
-                launch(Kernel::Collective {
-                    desc: collective,
-                    comm: CommId {
-                        group: collective.group,
-                        stream,
-                    },
-                    send,
-                    recv,
                 });
             }
             Op::Exchange {
@@ -456,7 +423,7 @@ impl<B: Backend> RankState<B> {
                 } else {
                     0
                 };
-                let dst = overlap_graph::Plan::stage_output(bucket, micro_batch, stage);
+                let dst = Plan::stage_output(bucket, micro_batch, stage);
                 launch(Kernel::Combine {
                     desc: collective,
                     size,
@@ -609,8 +576,7 @@ impl<B: Backend> RankState<B> {
         self.buffers.retain(|b, _| b.is_persistent());
         self.issued = 0;
         self.aliased = 0;
-        self.issue_time = std::time::Duration::ZERO;
-        self.issue_by_kind.clear();
+        self.issue_by_kind = Default::default();
         self.peak_in_flight = 0;
         self.issue_errors.clear();
     }

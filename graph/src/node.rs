@@ -368,19 +368,40 @@ pub enum Op {
 impl Op {
     /// Short kind name: `grad_ready`, `stage1`, `fold`, ...; the `op` label of metrics.
     pub fn kind(&self) -> &'static str {
+        Op::KINDS[self.kind_index()]
+    }
+
+    /// Every kind name, at [`Op::kind_index`].
+    pub const KINDS: [&'static str; 12] = [
+        "grad_ready",
+        "accumulate",
+        "pack",
+        "stage1",
+        "fold",
+        "fold_partial",
+        "stage2",
+        "exchange",
+        "combine",
+        "unpack",
+        "optimizer",
+        "publish",
+    ];
+
+    /// Dense index of the kind in [`Op::KINDS`], for per-kind tables.
+    pub fn kind_index(&self) -> usize {
         match self {
-            Op::GradReady { .. } => "grad_ready",
-            Op::Accumulate { .. } => "accumulate",
-            Op::Pack { .. } => "pack",
-            Op::Stage1 { .. } => "stage1",
-            Op::Fold { .. } => "fold",
-            Op::FoldPartial { .. } => "fold_partial",
-            Op::Stage2 { .. } => "stage2",
-            Op::Exchange { .. } => "exchange",
-            Op::Combine { .. } => "combine",
-            Op::Unpack { .. } => "unpack",
-            Op::Optimizer { .. } => "optimizer",
-            Op::Publish { .. } => "publish",
+            Op::GradReady { .. } => 0,
+            Op::Accumulate { .. } => 1,
+            Op::Pack { .. } => 2,
+            Op::Stage1 { .. } => 3,
+            Op::Fold { .. } => 4,
+            Op::FoldPartial { .. } => 5,
+            Op::Stage2 { .. } => 6,
+            Op::Exchange { .. } => 7,
+            Op::Combine { .. } => 8,
+            Op::Unpack { .. } => 9,
+            Op::Optimizer { .. } => 10,
+            Op::Publish { .. } => 11,
         }
     }
 

@@ -506,16 +506,18 @@ impl Plan {
                 bucket,
                 micro_batch,
                 ..
+            }
+            | Op::Stage2 {
+                bucket,
+                micro_batch,
+                ..
             } => {
-                a.reads.push(Buffer::Send {
-                    bucket,
-                    micro_batch,
-                });
-                if self.holds_stage1(bucket, rank) {
-                    a.writes.push(Buffer::Stage1Out {
-                        bucket,
-                        micro_batch,
-                    });
+                let stage = node.op.stage().unwrap_or(1);
+                let (src, holds) = self.stage_input(bucket, micro_batch, stage, rank);
+                a.reads.push(src);
+                if holds {
+                    a.writes
+                        .push(Plan::stage_output(bucket, micro_batch, stage));
                 }
             }
             Op::Fold {
@@ -545,22 +547,6 @@ impl Plan {
                     bucket,
                     micro_batch,
                 });
-            }
-            Op::Stage2 {
-                bucket,
-                micro_batch,
-                ..
-            } => {
-                a.reads.push(Buffer::Stage1Out {
-                    bucket,
-                    micro_batch,
-                });
-                if self.holds_stage2(bucket, rank) {
-                    a.writes.push(Buffer::Stage2Out {
-                        bucket,
-                        micro_batch,
-                    });
-                }
             }
             Op::Exchange {
                 bucket,
@@ -735,10 +721,11 @@ impl Plan {
     /// The collective a node must issue on a rank, if its operation issues one.
     pub fn expected_collective(&self, rank: u32, node: &Node) -> Option<Collective> {
         match node.op {
-            Op::Stage1 { bucket, .. } => Some(self.stage_collective(bucket, rank, 1)),
-            Op::Stage2 { bucket, .. } => Some(self.stage_collective(bucket, rank, 2)),
-            Op::Exchange { bucket, stage, .. } | Op::Combine { bucket, stage, .. } => {
-                Some(self.stage_collective(bucket, rank, stage))
+            Op::Stage1 { bucket, .. }
+            | Op::Stage2 { bucket, .. }
+            | Op::Exchange { bucket, .. }
+            | Op::Combine { bucket, .. } => {
+                Some(self.stage_collective(bucket, rank, node.op.stage()?))
             }
             Op::Publish { param, .. } => self.publish_collective(param),
             _ => None,

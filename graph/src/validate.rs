@@ -709,30 +709,6 @@ fn accounting(plan: &Plan, rank: u32, nodes: &[Node], mode: Mode, out: &mut Vec<
                     );
                 }
             }
-            Op::Stage1 {
-                bucket,
-                micro_batch,
-                ..
-            } => {
-                let dst = plan
-                    .holds_stage1(bucket, rank)
-                    .then_some(Buffer::Stage1Out {
-                        bucket,
-                        micro_batch,
-                    });
-                errors.extend(
-                    val.reduce(
-                        &Buffer::Send {
-                            bucket,
-                            micro_batch,
-                        },
-                        dst,
-                        Level::Local,
-                        Level::Shard,
-                    )
-                    .err(),
-                );
-            }
             Op::Fold {
                 bucket,
                 micro_batch,
@@ -767,42 +743,24 @@ fn accounting(plan: &Plan, rank: u32, nodes: &[Node], mode: Mode, out: &mut Vec<
                     );
                 }
             }
-            Op::Stage2 {
+            // A stage's collective, or with the copy transport its exchange (whose
+            // result waits in the receive buffer for the combine).
+            Op::Stage1 {
                 bucket,
                 micro_batch,
                 ..
-            } => {
-                if let Some(p) = val.live(&Buffer::Partial { bucket }) {
-                    errors.push(format!(
-                        "runs Stage 2 while the partial {} is still unfolded",
-                        p.describe()
-                    ));
-                }
-                let dst = plan
-                    .holds_stage2(bucket, rank)
-                    .then_some(Buffer::Stage2Out {
-                        bucket,
-                        micro_batch,
-                    });
-                errors.extend(
-                    val.reduce(
-                        &Buffer::Stage1Out {
-                            bucket,
-                            micro_batch,
-                        },
-                        dst,
-                        Level::Shard,
-                        Level::Full,
-                    )
-                    .err(),
-                );
             }
-            Op::Exchange {
+            | Op::Stage2 {
                 bucket,
                 micro_batch,
-                stage,
+                ..
+            }
+            | Op::Exchange {
+                bucket,
+                micro_batch,
                 ..
             } => {
+                let stage = n.op.stage().unwrap_or(1);
                 if stage == 2 {
                     if let Some(p) = val.live(&Buffer::Partial { bucket }) {
                         errors.push(format!(
@@ -817,12 +775,15 @@ fn accounting(plan: &Plan, rank: u32, nodes: &[Node], mode: Mode, out: &mut Vec<
                 } else {
                     (Level::Shard, Level::Full)
                 };
-                let recv = Buffer::Recv {
-                    bucket,
-                    micro_batch,
-                    stage,
+                let dst = match n.op {
+                    Op::Exchange { .. } => Buffer::Recv {
+                        bucket,
+                        micro_batch,
+                        stage,
+                    },
+                    _ => Plan::stage_output(bucket, micro_batch, stage),
                 };
-                errors.extend(val.reduce(&src, holds.then_some(recv), from, to).err());
+                errors.extend(val.reduce(&src, holds.then_some(dst), from, to).err());
             }
             Op::Combine {
                 bucket,

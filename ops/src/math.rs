@@ -225,22 +225,25 @@ fn matmul(a: &[f64], x: &[f64], m: usize, n: usize, out: &mut [f64]) {
     }
 }
 
+/// `len` deterministic values in `[-1, 1)` from `seed` (xorshift): inputs for checks
+/// that compare a backend with this module's reference math.
+pub fn pseudo_random(len: usize, seed: u64) -> Vec<f32> {
+    let mut s = seed.wrapping_mul(0x9e37_79b9_7f4a_7c15) | 1;
+    (0..len)
+        .map(|_| {
+            s ^= s << 13;
+            s ^= s >> 7;
+            s ^= s << 17;
+            (s >> 40) as f32 / (1u64 << 23) as f32 - 1.0
+        })
+        .collect()
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
 
-    /// A deterministic matrix with entries in `[-1, 1)` (xorshift).
-    fn random(len: usize, seed: u64) -> Vec<f32> {
-        let mut s = seed.wrapping_mul(0x9e37_79b9_7f4a_7c15) | 1;
-        (0..len)
-            .map(|_| {
-                s ^= s << 13;
-                s ^= s >> 7;
-                s ^= s << 17;
-                (s >> 40) as f32 / (1u64 << 23) as f32 - 1.0
-            })
-            .collect()
-    }
+    use super::pseudo_random as random;
 
     /// Eigenvalues of a symmetric matrix (cyclic Jacobi), for checking singular values.
     fn symmetric_eigenvalues(mut a: Vec<f64>, n: usize) -> Vec<f64> {

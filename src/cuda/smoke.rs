@@ -15,6 +15,7 @@ use std::time::Instant;
 
 use overlap_graph::{Collective, CollectiveKind, CopySeg, DType, Group, ReduceOp, Stream};
 use overlap_ops::cuda::CudaBackend;
+use overlap_ops::math::pseudo_random as random;
 use overlap_ops::{math, AdamwParams, Backend, CommId, Kernel, MuonParams, Tag};
 use serde::Serialize;
 
@@ -117,19 +118,6 @@ fn buffer(b: &CudaBackend, data: &[f32]) -> Result<<CudaBackend as Backend>::Buf
     let buf = alloc(b, data.len())?;
     b.upload(&buf, data).map_err(ops)?;
     Ok(buf)
-}
-
-/// A deterministic value in `[-1, 1)` (xorshift), for kernel inputs.
-fn random(len: usize, seed: u64) -> Vec<f32> {
-    let mut s = seed.wrapping_mul(0x9e37_79b9_7f4a_7c15) | 1;
-    (0..len)
-        .map(|_| {
-            s ^= s << 13;
-            s ^= s >> 7;
-            s ^= s << 17;
-            (s >> 40) as f32 / (1u64 << 23) as f32 - 1.0
-        })
-        .collect()
 }
 
 /// `max |a - b| / max |b|`.
