@@ -79,6 +79,11 @@ pub struct BenchArgs {
     pub copy_slot_mib: u32,
     /// At most this many CTAs per NCCL collective (`[overlap] nccl_max_ctas`).
     pub nccl_max_ctas: Option<u32>,
+    /// Copy transport: at most this many CTAs per combine kernel (`[overlap]
+    /// combine_ctas`).
+    pub combine_ctas: Option<u32>,
+    /// Every stream at one priority (the reduce stream is high priority otherwise).
+    pub uniform_priority: bool,
 }
 
 fn transport_str<S: serde::Serializer>(t: &Transport, s: S) -> Result<S::Ok, S::Error> {
@@ -124,6 +129,8 @@ impl BenchArgs {
             pack_stream: Stream::Reduce,
             copy_slot_mib: 32,
             nccl_max_ctas: None,
+            combine_ctas: None,
+            uniform_priority: false,
         }
     }
 
@@ -142,7 +149,7 @@ impl BenchArgs {
             )));
         }
         // The config's bounds on the same knobs.
-        use crate::config::{MAX_COPY_SLOT_MIB, MAX_NCCL_CTAS};
+        use crate::config::{MAX_COMBINE_CTAS, MAX_COPY_SLOT_MIB, MAX_NCCL_CTAS};
         if !(1..=MAX_COPY_SLOT_MIB).contains(&self.copy_slot_mib) {
             return Err(Error::Usage(format!(
                 "--copy-slot-mib {}: between 1 and {MAX_COPY_SLOT_MIB}",
@@ -155,6 +162,14 @@ impl BenchArgs {
         {
             return Err(Error::Usage(format!(
                 "--nccl-max-ctas {c}: between 1 and {MAX_NCCL_CTAS}"
+            )));
+        }
+        if let Some(c) = self
+            .combine_ctas
+            .filter(|c| !(1..=MAX_COMBINE_CTAS).contains(c))
+        {
+            return Err(Error::Usage(format!(
+                "--combine-ctas {c}: between 1 and {MAX_COMBINE_CTAS}"
             )));
         }
         Ok(())
@@ -796,6 +811,8 @@ pub async fn bench_cuda(args: &BenchArgs) -> Result<Option<BenchReport>, Error> 
             streams: vec![args.exchange_stream, Stream::Compute],
         }),
         nccl_max_ctas: args.nccl_max_ctas,
+        combine_ctas: args.combine_ctas,
+        uniform_priority: args.uniform_priority,
     };
     let bindings = args.spec(Bindings::default()).bindings;
     let world = open_cuda(args.mesh, bindings, links)?;
@@ -904,6 +921,10 @@ mod tests {
             },
             BenchArgs {
                 nccl_max_ctas: Some(0),
+                ..BenchArgs::new(mesh)
+            },
+            BenchArgs {
+                combine_ctas: Some(crate::config::MAX_COMBINE_CTAS + 1),
                 ..BenchArgs::new(mesh)
             },
         ] {

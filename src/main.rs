@@ -170,6 +170,13 @@ enum Command {
         /// At most this many CTAs (SMs) per NCCL collective (default: NCCL's choice).
         #[arg(long)]
         nccl_max_ctas: Option<u32>,
+        /// Copy transport: at most this many CTAs per combine kernel (default: the
+        /// whole GPU).
+        #[arg(long)]
+        combine_ctas: Option<u32>,
+        /// Every stream at the same priority (by default the reduce stream is high).
+        #[arg(long)]
+        uniform_priority: bool,
         /// Print one JSON line (rank 0).
         #[arg(long)]
         json: bool,
@@ -402,6 +409,8 @@ async fn dispatch(cmd: Command) -> Result<ExitCode, Error> {
             pack_stream,
             copy_slot_mib,
             nccl_max_ctas,
+            combine_ctas,
+            uniform_priority,
             json,
         } => {
             let transport = transport.into();
@@ -422,6 +431,8 @@ async fn dispatch(cmd: Command) -> Result<ExitCode, Error> {
                 pack_stream,
                 copy_slot_mib,
                 nccl_max_ctas,
+                combine_ctas,
+                uniform_priority,
             };
             args.check()?;
             if let Some(r) = overlap::bench::bench_cuda(&args).await? {

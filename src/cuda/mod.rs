@@ -87,6 +87,8 @@ pub fn world(config: &Config, env: RankEnv, timings: bool) -> Result<CudaWorld, 
             streams: vec![config.plan.bindings.exchange],
         }),
         nccl_max_ctas: config.overlap.nccl_max_ctas,
+        combine_ctas: config.overlap.combine_ctas,
+        uniform_priority: false,
     };
     open(
         env,
@@ -105,6 +107,11 @@ pub struct Links {
     pub copy: Option<CopyLinks>,
     /// At most this many CTAs per NCCL collective (`[overlap] nccl_max_ctas`).
     pub nccl_max_ctas: Option<u32>,
+    /// At most this many CTAs per combine kernel (`[overlap] combine_ctas`).
+    pub combine_ctas: Option<u32>,
+    /// Every stream at one priority (measurement only: by default the reduce stream
+    /// is the device's highest).
+    pub uniform_priority: bool,
 }
 
 /// The copy transport's receive rings.
@@ -141,6 +148,7 @@ pub fn open(
         rank: env.rank,
         device: env.local_rank,
         timings,
+        uniform_priority: links.uniform_priority,
     });
     // Phase 1: everyone says whether its GPU opened.
     let status = match &opened {
@@ -160,6 +168,7 @@ pub fn open(
     backend
         .connect(&list, links.nccl_max_ctas)
         .map_err(|e| Error::Backend(e.to_string()))?;
+    backend.set_combine_ctas(links.combine_ctas);
     if let Some(copy) = &links.copy {
         backend
             .connect_copy(copy.slot_bytes, &copy.streams)

@@ -77,8 +77,9 @@ unsafe impl Sync for Device {}
 
 impl Device {
     /// Opens device `ordinal`: initialises the driver, retains the primary context and
-    /// creates the streams.
-    pub(super) fn open(ordinal: u32) -> Result<Arc<Device>, OpsError> {
+    /// creates the streams (the reduce stream at the greatest priority unless
+    /// `uniform_priority`, which gives every stream the same).
+    pub(super) fn open(ordinal: u32, uniform_priority: bool) -> Result<Arc<Device>, OpsError> {
         cu::init().map_err(|e| backend("cannot initialise the CUDA driver (cuInit)", e))?;
         let count = cu::device::get_count().map_err(|e| backend("cuDeviceGetCount", e))?;
         if i64::from(ordinal) >= i64::from(count) {
@@ -117,7 +118,7 @@ impl Device {
         for stream in Stream::ALL {
             // The reduce stream is the high-priority one (design.md section 3): Stage 1
             // and folds should not queue behind backward's GEMMs.
-            let priority = if stream.high_priority() {
+            let priority = if stream.high_priority() && !uniform_priority {
                 greatest
             } else {
                 least

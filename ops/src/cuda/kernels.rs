@@ -290,11 +290,13 @@ impl Kernels {
     /// `dst = Σ_j x_j` over the `size` members of a copy-transport stage (`n` elements
     /// each): `own` is this member's chunk, `recv` the others' (`(size − 1)·n`, at
     /// [`crate::exchange_slot`]); `bf16` rounds every `x_j` first, `avg` divides by
-    /// `size`.
+    /// `size`. `max_ctas` caps the grid (the grid-stride loop covers any length), so
+    /// the combine can run on a few SMs beside a GEMM instead of all of them.
     #[allow(clippy::too_many_arguments)]
     pub(super) fn combine(
         &self,
         stream: sys::CUstream,
+        max_ctas: Option<u32>,
         (dst, own, recv): (sys::CUdeviceptr, sys::CUdeviceptr, sys::CUdeviceptr),
         n: u64,
         size: u32,
@@ -322,7 +324,8 @@ impl Kernels {
             .push(index)
             .push(i32::from(bf16))
             .push(i32::from(avg));
-        Self::launch("combine", f, (blocks(len), 1), stream, args)
+        let grid = max_ctas.map_or(blocks(len), |m| blocks(len).min(m.max(1)));
+        Self::launch("combine", f, (grid, 1), stream, args)
     }
 
     /// AdamW on `n` elements; `m` and `v` are the two halves of the state buffer.

@@ -112,6 +112,9 @@ pub struct CudaOptions {
     pub device: u32,
     /// Record kernel timings with timing events (two event records per kernel).
     pub timings: bool,
+    /// Create every stream at the same priority (for measurement: by default the
+    /// reduce stream gets the device's greatest).
+    pub uniform_priority: bool,
 }
 
 /// What the backend found at start, for logs and `overlap` diagnostics.
@@ -221,6 +224,9 @@ struct Issue {
     /// [`CudaBackend::connect_copy`] ran.
     copy: Vec<CopyRing>,
     kernels: Kernels,
+    /// At most this many CTAs per [`Kernel::Combine`] (`None`: enough for one element
+    /// per thread, up to the launch cap).
+    combine_ctas: Option<u32>,
     /// One cuBLAS handle per stream, at [`Stream::index`].
     blas: Vec<Blas>,
     /// Scratch per stream, at [`Stream::index`].
@@ -279,7 +285,7 @@ impl CudaBackend {
             )));
         }
         let libraries = loader::check()?;
-        let device = Device::open(opts.device)?;
+        let device = Device::open(opts.device, opts.uniform_priority)?;
         device.bind()?;
         let events = EventPool::new(Arc::clone(&device));
         let memory = Memory::new(Arc::clone(&device), Arc::clone(&events));
@@ -321,6 +327,7 @@ impl CudaBackend {
                 comms: Vec::new(),
                 copy: Vec::new(),
                 kernels,
+                combine_ctas: None,
                 blas,
                 scratch: Default::default(),
                 gemm: None,
@@ -371,6 +378,17 @@ impl CudaBackend {
             issue.comms.push(comm);
         }
         Ok(())
+    }
+
+    /// Caps every [`Kernel::Combine`] at `ctas` CTAs of 256 threads (`None`: one element
+    /// per thread up to the launch cap, i.e. the whole GPU for the combines of
+    /// `overlap bench`). A narrow combine takes longer alone but leaves the other SMs to
+    /// a GEMM it runs beside (`[overlap] combine_ctas`).
+    pub fn set_combine_ctas(&mut self, ctas: Option<u32>) {
+        self.issue
+            .get_mut()
+            .unwrap_or_else(std::sync::PoisonError::into_inner)
+            .combine_ctas = ctas;
     }
 
     /// Sets up the copy transport of [`Kernel::Exchange`]: for every communicator of
@@ -879,6 +897,7 @@ impl Issue {
                 let c = check_combine(rank, &desc, (size, index), (&own, own_offset), &recv, &dst)?;
                 self.kernels.combine(
                     raw,
+                    self.combine_ctas,
                     (dst.ptr(), own.at(own_offset as u64), recv.ptr()),
                     c as u64,
                     size,
@@ -1545,6 +1564,7 @@ mod tests {
             rank: 0,
             device: 0,
             timings: false,
+            uniform_priority: false,
         };
         if check_libraries().is_ok() {
             eprintln!("CUDA libraries present: the error path is not exercised here");

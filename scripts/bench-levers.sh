@@ -1,0 +1,54 @@
+#!/usr/bin/env bash
+# A sweep of `overlap bench` variants on design §6's three workloads, in one device
+# call (2 GPUs). Each variant is one line of VARIANTS: a name, then the bench flags
+# that make it (on top of the workload's). Results go to ${OUT:-out}/log.txt, one JSON
+# line per run; `python3 scripts/bench-summary.py $OUT/log.txt` tabulates them.
+#
+#   VARIANTS=$'nccl|\ncopy|--transport copy\nctas16|--transport copy --combine-ctas 16' \
+#     OUT=$OUT/levers BUDGET_S=400 bash scripts/bench-levers.sh
+#
+# WORKLOADS picks among rs (2x1, 3 GEMMs), ar (1x2, 3 GEMMs), rs_mm1 (2x1, 1 GEMM);
+# ROUNDS repeats the whole sweep. Needs target/release/overlap (--features cuda).
+set -u
+OUT=${OUT:-out}
+mkdir -p "$OUT"
+export LD_LIBRARY_PATH=/usr/local/cuda/lib64:${LD_LIBRARY_PATH:-}
+export NCCL_NVLS_ENABLE=0
+BIN=./target/release/overlap
+ITERS=${ITERS:-20}
+VARIANTS=${VARIANTS:-$'nccl|\ncopy|--transport copy'}
+WORKLOADS=${WORKLOADS:-"rs ar rs_mm1"}
+port=29700
+step() { # name, command...
+  local name=$1; shift
+  port=$((port + 1))
+  if [ "$SECONDS" -gt "${BUDGET_S:-520}" ]; then echo "== $name: skipped (budget)" | tee -a "$OUT/log.txt"; return; fi
+  echo "== $name: $*" | tee -a "$OUT/log.txt"
+  local s=$SECONDS
+  timeout 90 "$@" > "$OUT/$name.out" 2>> "$OUT/stderr.txt"
+  local rc=$?
+  echo "   exit $rc ($((SECONDS - s)) s)" | tee -a "$OUT/log.txt"
+  cat "$OUT/$name.out" >> "$OUT/log.txt"; rm -f "$OUT/$name.out"
+}
+nvidia-smi --query-gpu=name,driver_version,clocks.max.sm --format=csv >> "$OUT/log.txt" 2>&1
+W="--layers 16 --grad-mib 64 --d 4096 --iters $ITERS --warmup 3 --json"
+total=$(( $(printf '%s\n' "$VARIANTS" | grep -c .) * $(echo $WORKLOADS | wc -w) * ${ROUNDS:-1} ))
+n=0
+for round in $(seq 1 "${ROUNDS:-1}"); do
+  for wl in $WORKLOADS; do
+    case $wl in
+      rs) mesh=2x1 mm=3 ;;
+      ar) mesh=1x2 mm=3 ;;
+      rs_mm1) mesh=2x1 mm=1 ;;
+      *) echo "unknown workload $wl" >&2; exit 2 ;;
+    esac
+    while IFS='|' read -r vname flags; do
+      [ -n "$vname" ] || continue
+      n=$((n + 1))
+      echo "[$n/$total] ${vname}_${wl}_r$round" >&2
+      # shellcheck disable=SC2086
+      step "${vname}_${wl}_r$round" "$BIN" launch --nproc-per-node 2 --master-port "$port" -- \
+        bench --mesh "$mesh" --gemms "$mm" $flags $W
+    done <<< "$VARIANTS"
+  done
+done
