@@ -79,8 +79,8 @@ pub struct BenchArgs {
     pub copy_slot_mib: u32,
     /// At most this many CTAs per NCCL collective (`[overlap] nccl_max_ctas`).
     pub nccl_max_ctas: Option<u32>,
-    /// Copy transport: at most this many CTAs per combine kernel (`[overlap]
-    /// combine_ctas`).
+    /// Copy transport: at most this many CTAs per combine kernel (measured, not kept:
+    /// no config key).
     pub combine_ctas: Option<u32>,
     /// Every stream at one priority (the reduce stream is high priority otherwise).
     pub uniform_priority: bool,
@@ -149,7 +149,8 @@ impl BenchArgs {
             )));
         }
         // The config's bounds on the same knobs.
-        use crate::config::{MAX_COMBINE_CTAS, MAX_COPY_SLOT_MIB, MAX_NCCL_CTAS};
+        use crate::config::{MAX_COPY_SLOT_MIB, MAX_NCCL_CTAS};
+        const MAX_COMBINE_CTAS: u32 = 4096;
         if !(1..=MAX_COPY_SLOT_MIB).contains(&self.copy_slot_mib) {
             return Err(Error::Usage(format!(
                 "--copy-slot-mib {}: between 1 and {MAX_COPY_SLOT_MIB}",
@@ -924,7 +925,7 @@ mod tests {
                 ..BenchArgs::new(mesh)
             },
             BenchArgs {
-                combine_ctas: Some(crate::config::MAX_COMBINE_CTAS + 1),
+                combine_ctas: Some(4097),
                 ..BenchArgs::new(mesh)
             },
         ] {

@@ -100,10 +100,6 @@ pub struct OverlapConfig {
     /// At most this many CTAs (SMs) per NCCL collective, through `ncclConfig_t`
     /// (`None`, the default: NCCL's own choice).
     pub nccl_max_ctas: Option<u32>,
-    /// Copy transport on GPUs: at most this many CTAs (of 256 threads) per combine
-    /// kernel (`None`, the default: as many as the combine has elements for, i.e. the
-    /// whole GPU at these sizes).
-    pub combine_ctas: Option<u32>,
     /// What `transport` said; `auto` is settled by [`Config::settle_transport`] once the
     /// job's placement is known (the plan spec holds NCCL until then).
     pub transport: TransportChoice,
@@ -128,7 +124,6 @@ impl Default for OverlapConfig {
             stage1_window: 8,
             copy_slot_mib: 32,
             nccl_max_ctas: None,
-            combine_ctas: None,
             transport: TransportChoice::Auto,
         }
     }
@@ -139,9 +134,6 @@ pub const MAX_COPY_SLOT_MIB: u32 = 4096;
 
 /// The largest `overlap.nccl_max_ctas`.
 pub const MAX_NCCL_CTAS: u32 = 1024;
-
-/// The largest `overlap.combine_ctas` (the launch cap of the backend's kernels).
-pub const MAX_COMBINE_CTAS: u32 = 4096;
 
 /// `[metrics]`: the Prometheus exporter.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
@@ -483,12 +475,6 @@ impl Doc<'_> {
                     "overlap.nccl_max_ctas",
                     &raw.overlap.nccl_max_ctas,
                     MAX_NCCL_CTAS,
-                    "",
-                )?,
-                combine_ctas: self.between(
-                    "overlap.combine_ctas",
-                    &raw.overlap.combine_ctas,
-                    MAX_COMBINE_CTAS,
                     "",
                 )?,
             },
@@ -1160,7 +1146,6 @@ mod raw {
         pub combine_lag: Option<Spanned<u32>>,
         pub copy_slot_mib: Option<Spanned<u32>>,
         pub nccl_max_ctas: Option<Spanned<u32>>,
-        pub combine_ctas: Option<Spanned<u32>>,
     }
 
     #[derive(Deserialize, Default)]

@@ -460,18 +460,6 @@ fn nccl_ctas_out_of_range() {
 }
 
 #[test]
-fn combine_ctas_out_of_range() {
-    for bad in ["0", "4097"] {
-        expect(
-            &with_base(&format!("[overlap]\ncombine_ctas = {bad}\n")),
-            "overlap.combine_ctas",
-            Some(9),
-            "between 1 and 4096",
-        );
-    }
-}
-
-#[test]
 fn negative_combine_lag() {
     expect(
         &with_base("[overlap]\ncombine_lag = -1\n"),
@@ -703,7 +691,6 @@ transport = "copy"
 combine_lag = 2
 copy_slot_mib = 8
 nccl_max_ctas = 16
-combine_ctas = 24
 
 [streams]
 fold = "compute"
@@ -776,7 +763,6 @@ listen = "127.0.0.1:9464"
             stage1_window: 4,
             copy_slot_mib: 8,
             nccl_max_ctas: Some(16),
-            combine_ctas: Some(24),
             transport: TransportChoice::Copy,
         },
         adamw: AdamwParams {

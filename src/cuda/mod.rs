@@ -87,7 +87,7 @@ pub fn world(config: &Config, env: RankEnv, timings: bool) -> Result<CudaWorld, 
             streams: vec![config.plan.bindings.exchange],
         }),
         nccl_max_ctas: config.overlap.nccl_max_ctas,
-        combine_ctas: config.overlap.combine_ctas,
+        combine_ctas: None,
         uniform_priority: false,
     };
     open(
@@ -107,7 +107,8 @@ pub struct Links {
     pub copy: Option<CopyLinks>,
     /// At most this many CTAs per NCCL collective (`[overlap] nccl_max_ctas`).
     pub nccl_max_ctas: Option<u32>,
-    /// At most this many CTAs per combine kernel (`[overlap] combine_ctas`).
+    /// At most this many CTAs per combine kernel (`overlap bench --combine-ctas`; a
+    /// lever measured and not kept, docs/performance.md).
     pub combine_ctas: Option<u32>,
     /// Every stream at one priority (measurement only: by default the reduce stream
     /// is the device's highest).

@@ -460,8 +460,17 @@ async fn kernels(b: &CudaBackend, checks: &mut Vec<Check>) -> Result<(), Error> 
     }
 
     // combine (copy transport): member 1 of 3, vector (n % 4 == 0) and scalar paths,
-    // against the order of operations of the CPU backend, bit for bit.
-    for n in [1000usize, 1003] {
+    // full grid and capped at 3 CTAs (`combine_ctas`: the wide, unrolled kernel, which
+    // loops over 70,000 elements several times), against the order of operations of the
+    // CPU backend, bit for bit.
+    for (n, ctas) in [
+        (1000usize, None),
+        (1003, None),
+        (1000, Some(3)),
+        (1003, Some(3)),
+        (70_000, Some(3)),
+    ] {
+        b.set_combine_ctas(ctas);
         for (dtype, op) in [
             (DType::F32, ReduceOp::Avg),
             (DType::F32, ReduceOp::Sum),
@@ -516,12 +525,17 @@ async fn kernels(b: &CudaBackend, checks: &mut Vec<Check>) -> Result<(), Error> 
                 .zip(&want)
                 .all(|(a, w)| a.to_bits() == w.to_bits());
             push(
-                &format!("combine {n} {dtype:?} {op:?} (member 1 of 3)"),
+                &format!(
+                    "combine {n} {dtype:?} {op:?} (member 1 of 3, {})",
+                    ctas.map_or("full grid".to_string(), |c| format!("{c} CTAs"))
+                ),
                 r.is_ok() && exact,
                 format!("{r:?}, bit-exact: {exact}"),
             );
         }
     }
+
+    b.set_combine_ctas(None);
 
     // Spin: the stream stays busy for the time asked.
     let t0 = Instant::now();

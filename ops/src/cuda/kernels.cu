@@ -125,6 +125,59 @@ extern "C" __global__ void ov_combine4(float4* dst, const float4* own, const flo
     }
 }
 
+// ov_combine4 for a capped grid (`[overlap] combine_ctas`): the same operations in the
+// same order, but each thread keeps OV_COMBINE_UNROLL vectors of one operand in flight
+// (loads issued before any is used), so a few CTAs of OV_COMBINE_WIDE threads pull
+// close to an SM's share of memory bandwidth instead of one 16-byte load per thread.
+#define OV_COMBINE_UNROLL 8
+#define OV_COMBINE_WIDE 512
+extern "C" __global__ void __launch_bounds__(OV_COMBINE_WIDE)
+ov_combine4n(float4* dst, const float4* own, const float4* recv, u64 n4, u32 size,
+             u32 index, int bf16, int avg) {
+    const u64 stride = (u64)gridDim.x * blockDim.x;
+    for (u64 base = (u64)blockIdx.x * blockDim.x + threadIdx.x; base < n4;
+         base += stride * OV_COMBINE_UNROLL) {
+        float4 acc[OV_COMBINE_UNROLL];
+        for (u32 j = 0; j < size; ++j) {
+            const float4* src = j == index ? own : recv + (u64)(j < index ? j : j - 1) * n4;
+            float4 x[OV_COMBINE_UNROLL];
+#pragma unroll
+            for (int u = 0; u < OV_COMBINE_UNROLL; ++u) {
+                const u64 e = base + (u64)u * stride;
+                if (e < n4) x[u] = src[e];
+            }
+#pragma unroll
+            for (int u = 0; u < OV_COMBINE_UNROLL; ++u) {
+                x[u].x = ov_combine_round(x[u].x, bf16);
+                x[u].y = ov_combine_round(x[u].y, bf16);
+                x[u].z = ov_combine_round(x[u].z, bf16);
+                x[u].w = ov_combine_round(x[u].w, bf16);
+                if (j == 0) {
+                    acc[u] = x[u];
+                } else {
+                    acc[u].x = acc[u].x + x[u].x;
+                    acc[u].y = acc[u].y + x[u].y;
+                    acc[u].z = acc[u].z + x[u].z;
+                    acc[u].w = acc[u].w + x[u].w;
+                }
+            }
+        }
+#pragma unroll
+        for (int u = 0; u < OV_COMBINE_UNROLL; ++u) {
+            const u64 e = base + (u64)u * stride;
+            if (e >= n4) continue;
+            float4 a = acc[u];
+            if (avg) {
+                a.x = a.x / (float)size;
+                a.y = a.y / (float)size;
+                a.z = a.z / (float)size;
+                a.w = a.w / (float)size;
+            }
+            dst[e] = a;
+        }
+    }
+}
+
 // AdamW (ops::math::adamw): decay = 1 - lr*wd, bc1 = 1 - b1^step, bc2 = 1 - b2^step
 // computed on the host in double, exactly as the reference does.
 extern "C" __global__ void ov_adamw(float* p, const float* g, float* m, float* v, u64 n,

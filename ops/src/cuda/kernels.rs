@@ -28,6 +28,8 @@ const THREADS: u32 = 256;
 pub(super) const SUMSQ_BLOCKS: u32 = 256;
 /// Most blocks a grid-stride kernel is launched with.
 const MAX_BLOCKS: u64 = 4096;
+/// Threads per block of the capped-grid combine (`OV_COMBINE_WIDE` in the source).
+const WIDE_THREADS: u32 = 512;
 /// Copies per `ov_segments` launch (`OV_MAX_SEGS` in the source).
 pub(super) const MAX_SEGS: usize = 32;
 
@@ -64,6 +66,7 @@ pub(super) struct Kernels {
     from_bf16: sys::CUfunction,
     combine: sys::CUfunction,
     combine4: sys::CUfunction,
+    combine4n: sys::CUfunction,
     adamw: sys::CUfunction,
     muon_momentum: sys::CUfunction,
     sumsq_partial: sys::CUfunction,
@@ -152,6 +155,7 @@ impl Kernels {
             from_bf16: get("ov_from_bf16")?,
             combine: get("ov_combine")?,
             combine4: get("ov_combine4")?,
+            combine4n: get("ov_combine4n")?,
             adamw: get("ov_adamw")?,
             muon_momentum: get("ov_muon_momentum")?,
             sumsq_partial: get("ov_sumsq_partial")?,
@@ -173,6 +177,18 @@ impl Kernels {
         f: sys::CUfunction,
         grid: (u32, u32),
         stream: sys::CUstream,
+        args: Args,
+    ) -> Result<(), OpsError> {
+        Self::launch_with(kernel, f, grid, THREADS, stream, args)
+    }
+
+    /// [`Kernels::launch`] with `threads` per block.
+    fn launch_with(
+        kernel: &'static str,
+        f: sys::CUfunction,
+        grid: (u32, u32),
+        threads: u32,
+        stream: sys::CUstream,
         mut args: Args,
     ) -> Result<(), OpsError> {
         let mut ptrs = args.pointers();
@@ -183,7 +199,7 @@ impl Kernels {
             cu::launch_kernel(
                 f,
                 (grid.0, grid.1, 1),
-                (THREADS, 1, 1),
+                (threads, 1, 1),
                 0,
                 stream,
                 &mut ptrs,
@@ -324,8 +340,20 @@ impl Kernels {
             .push(index)
             .push(i32::from(bf16))
             .push(i32::from(avg));
-        let grid = max_ctas.map_or(blocks(len), |m| blocks(len).min(m.max(1)));
-        Self::launch("combine", f, (grid, 1), stream, args)
+        match (vector, max_ctas) {
+            // A capped grid on vectors: fewer, wider blocks that keep more loads in flight.
+            (true, Some(cap)) => {
+                let grid = len
+                    .div_ceil(u64::from(WIDE_THREADS))
+                    .clamp(1, u64::from(cap.max(1))) as u32;
+                let f = self.combine4n;
+                Self::launch_with("combine", f, (grid, 1), WIDE_THREADS, stream, args)
+            }
+            (false, Some(cap)) => {
+                Self::launch("combine", f, (blocks(len).min(cap.max(1)), 1), stream, args)
+            }
+            (_, None) => Self::launch("combine", f, (blocks(len), 1), stream, args),
+        }
     }
 
     /// AdamW on `n` elements; `m` and `v` are the two halves of the state buffer.
@@ -464,6 +492,7 @@ mod tests {
         assert_eq!(std::mem::size_of::<Segs>(), 32 * MAX_SEGS + 16);
         assert!(SOURCE.contains(&format!("#define OV_MAX_SEGS {MAX_SEGS}")));
         assert!(SOURCE.contains(&format!("#define OV_REDUCE_THREADS {THREADS}")));
+        assert!(SOURCE.contains(&format!("#define OV_COMBINE_WIDE {WIDE_THREADS}")));
     }
 
     #[test]

@@ -383,12 +383,10 @@ impl CudaBackend {
     /// Caps every [`Kernel::Combine`] at `ctas` CTAs of 256 threads (`None`: one element
     /// per thread up to the launch cap, i.e. the whole GPU for the combines of
     /// `overlap bench`). A narrow combine takes longer alone but leaves the other SMs to
-    /// a GEMM it runs beside (`[overlap] combine_ctas`).
-    pub fn set_combine_ctas(&mut self, ctas: Option<u32>) {
-        self.issue
-            .get_mut()
-            .unwrap_or_else(std::sync::PoisonError::into_inner)
-            .combine_ctas = ctas;
+    /// a GEMM it runs beside (`overlap bench --combine-ctas`; measured slower on H200s,
+    /// docs/performance.md).
+    pub fn set_combine_ctas(&self, ctas: Option<u32>) {
+        lock(&self.issue).combine_ctas = ctas;
     }
 
     /// Sets up the copy transport of [`Kernel::Exchange`]: for every communicator of
