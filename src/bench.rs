@@ -496,15 +496,14 @@ pub async fn run<B: Backend>(backend: Arc<B>, args: &BenchArgs) -> Result<BenchR
     })
 }
 
-/// Whether a collective timing is of a group larger than one (a real collective, not a
-/// group-of-one copy): Stage 1 on a mesh with shard > 1, Stage 2 with replicate > 1.
-/// Whether a timing is the transfer of a stage over a group of two or more: its
-/// collective, or with the copy transport its exchange.
+/// Whether a timing is the transfer of a stage over a group of two or more (not a
+/// group-of-one copy): its collective (Stage 1 on a mesh with shard > 1, Stage 2 with
+/// replicate > 1), or with the copy transport its exchange and an all-reduce's gather.
 fn is_wide(plan: &Plan, t: &Timing) -> bool {
     match t.tag.op {
         "stage1" => plan.mesh.shard > 1,
         "stage2" => plan.mesh.replicate > 1,
-        "exchange" => true,
+        "exchange" | "gather" => true,
         _ => false,
     }
 }

@@ -43,7 +43,7 @@ use std::sync::Arc;
 
 use overlap_executor::{ExecConfig, Executor, StepStats};
 use overlap_graph::{
-    validate, Buffer, Gate, Mode, Op, ParamId, PlacedParam, Plan, PlanSpec, Planner,
+    validate, Buffer, Collective, Gate, Mode, Op, ParamId, PlacedParam, Plan, PlanSpec, Planner,
 };
 use overlap_ops::cpu::CpuBackend;
 use overlap_ops::Backend;
@@ -368,12 +368,18 @@ impl<B: Backend> Session<B> {
             for n in &plan.rank(rank).nodes {
                 match n.op {
                     Op::Stage2 { collective, .. } => b.moved += collective.count * dtype,
-                    // The copy transport moves the f32 buffers as they are.
+                    // The copy transport moves the f32 buffers as they are: what this
+                    // rank receives (its chunk from every peer, then every peer's chunk).
                     Op::Exchange {
                         stage: 2,
                         collective,
                         ..
-                    } => b.moved += collective.count * 4,
+                    }
+                    | Op::Gather {
+                        stage: 2,
+                        collective,
+                        ..
+                    } => b.moved += copy_received(plan, rank, &n.op, &collective) * 4,
                     Op::Fold { bucket, .. } => b.saved += plan.stage1_elems(bucket) * dtype,
                     _ => {}
                 }
@@ -385,6 +391,18 @@ impl<B: Backend> Session<B> {
 
 /// The parameters a step with these gates would leave unflushed, if any: every
 /// micro-batch after the last gate-on one leaves a partial or an accumulation.
+/// Elements a rank receives in one copy-transport exchange or gather of `c`: its chunk
+/// from every other member, or every other member's chunk.
+fn copy_received(plan: &Plan, rank: u32, op: &Op, c: &Collective) -> u64 {
+    let size = plan.mesh.group_size(c.group);
+    let index = plan.mesh.index_in(c.group, rank).unwrap_or(0);
+    let own = c.member_chunk(size, index).1;
+    match op {
+        Op::Gather { .. } => c.count - own,
+        _ => u64::from(size.saturating_sub(1)) * own,
+    }
+}
+
 pub fn unflushed(planner: &Planner, gates: &[Gate]) -> Option<Vec<String>> {
     if gates.last() == Some(&Gate::On) {
         return None;

@@ -453,7 +453,10 @@ fn overwrites(op: Op, w: &Buffer, unpack: &HashMap<BucketId, Arc<[CopySeg]>>, le
         // A collective writes its whole output where the rank holds one.
         (Op::Stage1 { .. }, Buffer::Stage1Out { .. }) => true,
         (Op::Stage2 { .. }, Buffer::Stage2Out { .. }) => true,
-        // An exchange fills its receive buffer; a combine writes its whole output.
+        // An exchange fills its receive buffer; a combine writes its whole output, but
+        // for an all-reduce only its own chunk, and its gather (which the validator's
+        // `exchange-combined-once` requires, and which writes the output, so it runs
+        // before any reader) writes the others'.
         (Op::Exchange { .. }, Buffer::Recv { .. }) => true,
         (Op::Combine { stage: 1, .. }, Buffer::Stage1Out { .. }) => true,
         (Op::Combine { stage: 2, .. }, Buffer::Stage2Out { .. }) => true,

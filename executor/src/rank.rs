@@ -8,9 +8,7 @@ use std::collections::VecDeque;
 use rustc_hash::{FxHashMap as HashMap, FxHashSet as HashSet};
 use std::sync::Arc;
 
-use overlap_graph::{
-    BucketId, Buffer, CollectiveKind, CopySeg, Instr, Op, OptimizerKind, ParamId, Plan, Stream,
-};
+use overlap_graph::{BucketId, Buffer, CopySeg, Instr, Op, OptimizerKind, ParamId, Plan, Stream};
 use overlap_ops::{AdamwParams, Backend, CommId, EventStatus, Kernel, MuonParams, OpsError, Tag};
 
 use crate::prepared::Prepared;
@@ -416,13 +414,8 @@ impl<B: Backend> RankState<B> {
                 let (src, _) = plan.stage_input(bucket, micro_batch, stage, self.rank);
                 let size = plan.mesh.group_size(collective.group);
                 let index = plan.mesh.index_in(collective.group, self.rank).unwrap_or(0);
-                let own_offset = if collective.kind == CollectiveKind::ReduceScatter {
-                    usize::try_from(collective.count)
-                        .unwrap_or(usize::MAX)
-                        .saturating_mul(index as usize)
-                } else {
-                    0
-                };
+                let own_offset =
+                    usize::try_from(collective.member_chunk(size, index).0).unwrap_or(usize::MAX);
                 let dst = Plan::stage_output(bucket, micro_batch, stage);
                 launch(Kernel::Combine {
                     desc: collective,
@@ -436,6 +429,21 @@ impl<B: Backend> RankState<B> {
                         stage,
                     })?,
                     dst: self.buf(&dst)?,
+                });
+            }
+            Op::Gather {
+                bucket,
+                micro_batch,
+                stage,
+                collective,
+            } => {
+                launch(Kernel::Gather {
+                    desc: collective,
+                    comm: CommId {
+                        group: collective.group,
+                        stream,
+                    },
+                    buf: Some(self.buf(&Plan::stage_output(bucket, micro_batch, stage))?),
                 });
             }
             Op::Unpack {

@@ -9,7 +9,7 @@
 use crate::dag::{lower_rank, Segment};
 use crate::gate::Gate;
 use crate::mesh::{Coord, Mesh};
-use crate::node::{BucketId, Node, Op, Stream};
+use crate::node::{BucketId, CollectiveKind, Node, Op, Stream};
 use crate::param::{ParamId, Route};
 use crate::plan::{
     Bucket, PlacedParam, Plan, PlanSpec, RankProgram, Transport, PLAN_FORMAT, PLAN_VERSION,
@@ -314,7 +314,7 @@ impl Planner {
 impl Planner {
     /// Appends the nodes of one stage of a bucket: one collective, or with the copy
     /// transport over a group of more than one member, an exchange and (on the ranks
-    /// that receive the result) a combine.
+    /// that receive the result) a combine, and for an all-reduce a gather after it.
     fn stage(
         &self,
         plan: &Plan,
@@ -367,6 +367,20 @@ impl Planner {
                     collective,
                 },
             ));
+            // An all-reduce moves like reduce-scatter then all-gather: each member
+            // combines its own chunk only, then hands it to the others (on the
+            // exchange's communicator).
+            if collective.kind == CollectiveKind::AllReduce {
+                chain.push((
+                    b.exchange,
+                    Op::Gather {
+                        bucket,
+                        micro_batch: m,
+                        stage,
+                        collective,
+                    },
+                ));
+            }
         }
     }
 }

@@ -253,6 +253,34 @@ pub struct Collective {
     pub root: Option<u32>,
 }
 
+/// Chunk boundaries are multiples of this many elements (256 bytes of f32), so every
+/// member's chunk of a copy-transport all-reduce starts aligned for vector loads.
+pub const CHUNK_ALIGN: u64 = 64;
+
+impl Collective {
+    /// The part of the reduced buffer member `index` of a group of `size` reduces and
+    /// then hands to the others in a copy-transport stage, as `(offset, len)` in
+    /// elements of a stage's input and output: its own chunk for reduce-scatter
+    /// (`index·count`, `count`: `count` is the chunk there); for all-reduce, chunk
+    /// `index` of `⌈count / size⌉` rounded up to [`CHUNK_ALIGN`] (the last chunks may be
+    /// shorter or empty); the whole buffer for reduce (only the root reduces).
+    pub fn member_chunk(&self, size: u32, index: u32) -> (u64, u64) {
+        match self.kind {
+            CollectiveKind::ReduceScatter => {
+                (self.count.saturating_mul(u64::from(index)), self.count)
+            }
+            CollectiveKind::AllReduce => {
+                let size = u64::from(size.max(1));
+                let c = self.count.div_ceil(size).div_ceil(CHUNK_ALIGN) * CHUNK_ALIGN;
+                let start = c.saturating_mul(u64::from(index)).min(self.count);
+                let end = start.saturating_add(c).min(self.count);
+                (start, end - start)
+            }
+            _ => (0, self.count),
+        }
+    }
+}
+
 impl std::fmt::Display for Collective {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         let dtype = match self.dtype {
@@ -339,9 +367,20 @@ pub enum Op {
     },
     /// Copy transport, the arithmetic half of a stage: the rank's own contribution plus
     /// its [`Buffer::Recv`], reduced by `collective`'s operator into the stage's output
-    /// (Stage-1 or Stage-2 output). Local: it may be bound to any stream and issued
+    /// (Stage-1 or Stage-2 output; for an all-reduce, only the rank's own chunk of it,
+    /// [`Collective::member_chunk`]). Local: it may be bound to any stream and issued
     /// later than its exchange (`[overlap] combine_lag`).
     Combine {
+        bucket: BucketId,
+        micro_batch: u32,
+        stage: u8,
+        collective: Collective,
+    },
+    /// Copy transport, the last third of an all-reduce stage: after its combine, every
+    /// member copies its reduced chunk of the stage's output into the others' (on GPUs:
+    /// copy engines, no SMs), so every replica ends with the whole result. Cross-rank,
+    /// on the exchange's stream (its communicator), in the same order on every member.
+    Gather {
         bucket: BucketId,
         micro_batch: u32,
         stage: u8,
@@ -372,7 +411,7 @@ impl Op {
     }
 
     /// Every kind name, at [`Op::kind_index`].
-    pub const KINDS: [&'static str; 12] = [
+    pub const KINDS: [&'static str; 13] = [
         "grad_ready",
         "accumulate",
         "pack",
@@ -382,6 +421,7 @@ impl Op {
         "stage2",
         "exchange",
         "combine",
+        "gather",
         "unpack",
         "optimizer",
         "publish",
@@ -399,20 +439,22 @@ impl Op {
             Op::Stage2 { .. } => 6,
             Op::Exchange { .. } => 7,
             Op::Combine { .. } => 8,
-            Op::Unpack { .. } => 9,
-            Op::Optimizer { .. } => 10,
-            Op::Publish { .. } => 11,
+            Op::Gather { .. } => 9,
+            Op::Unpack { .. } => 10,
+            Op::Optimizer { .. } => 11,
+            Op::Publish { .. } => 12,
         }
     }
 
     /// The collective this node issues, if any: the call every member of its group
-    /// must make in the same order (an [`Op::Exchange`] is one; an [`Op::Combine`],
-    /// which is local, is not).
+    /// must make in the same order (an [`Op::Exchange`] or [`Op::Gather`] is one; an
+    /// [`Op::Combine`], which is local, is not).
     pub fn collective(&self) -> Option<&Collective> {
         match self {
             Op::Stage1 { collective, .. }
             | Op::Stage2 { collective, .. }
             | Op::Exchange { collective, .. }
+            | Op::Gather { collective, .. }
             | Op::Publish { collective, .. } => Some(collective),
             _ => None,
         }
@@ -432,7 +474,9 @@ impl Op {
         match *self {
             Op::Stage1 { .. } => Some(1),
             Op::Stage2 { .. } => Some(2),
-            Op::Exchange { stage, .. } | Op::Combine { stage, .. } => Some(stage),
+            Op::Exchange { stage, .. } | Op::Combine { stage, .. } | Op::Gather { stage, .. } => {
+                Some(stage)
+            }
             _ => None,
         }
     }
@@ -448,6 +492,7 @@ impl Op {
             | Op::Stage2 { micro_batch, .. }
             | Op::Exchange { micro_batch, .. }
             | Op::Combine { micro_batch, .. }
+            | Op::Gather { micro_batch, .. }
             | Op::Unpack { micro_batch, .. } => Some(micro_batch),
             _ => None,
         }
@@ -464,6 +509,7 @@ impl Op {
             | Op::Stage2 { bucket, .. }
             | Op::Exchange { bucket, .. }
             | Op::Combine { bucket, .. }
+            | Op::Gather { bucket, .. }
             | Op::Unpack { bucket, .. } => Some(bucket),
             _ => None,
         }

@@ -352,8 +352,12 @@ impl Plan {
             | Buffer::Partial { bucket }
             | Buffer::Stage2Out { bucket, .. } => self.stage1_elems(bucket),
             Buffer::Recv { bucket, stage, .. } => {
+                // The others' chunks of what this rank reduces (all-reduce: its own
+                // chunk of the buffer, reduce-scatter and reduce: the whole count).
                 let c = self.stage_collective(bucket, rank, stage);
-                u64::from(self.mesh.group_size(c.group).saturating_sub(1)) * c.count
+                let size = self.mesh.group_size(c.group);
+                let index = self.mesh.index_in(c.group, rank).unwrap_or(0);
+                u64::from(size.saturating_sub(1)) * c.member_chunk(size, index).1
             }
             Buffer::Reduced { param } | Buffer::Param { param } => self.local_elems(param, rank),
             Buffer::OptState { param } => match self.optimizer_kind(param) {
@@ -580,6 +584,17 @@ impl Plan {
                 a.writes
                     .push(Plan::stage_output(bucket, micro_batch, stage));
             }
+            // Reads its own chunk of the stage's output, writes the others' chunks.
+            Op::Gather {
+                bucket,
+                micro_batch,
+                stage,
+                ..
+            } => {
+                let out = Plan::stage_output(bucket, micro_batch, stage);
+                a.reads.push(out);
+                a.writes.push(out);
+            }
             Op::Unpack {
                 bucket,
                 micro_batch,
@@ -724,7 +739,8 @@ impl Plan {
             Op::Stage1 { bucket, .. }
             | Op::Stage2 { bucket, .. }
             | Op::Exchange { bucket, .. }
-            | Op::Combine { bucket, .. } => {
+            | Op::Combine { bucket, .. }
+            | Op::Gather { bucket, .. } => {
                 Some(self.stage_collective(bucket, rank, node.op.stage()?))
             }
             Op::Publish { param, .. } => self.publish_collective(param),
@@ -950,7 +966,10 @@ impl Plan {
                             .into(),
                     );
                 }
-                if let Op::Exchange { stage, .. } | Op::Combine { stage, .. } = n.op {
+                if let Op::Exchange { stage, .. }
+                | Op::Combine { stage, .. }
+                | Op::Gather { stage, .. } = n.op
+                {
                     if stage != 1 && stage != 2 {
                         return mal(
                             Some(n.stream),

@@ -11,7 +11,8 @@
 //!   by Stage 2 (zero times is seed bug 1 or 4, twice is bug 2).
 //! - `exchange-combined-once` (copy transport): every exchange a rank receives is
 //!   combined exactly once, after it, and only ranks that receive a stage's result
-//!   combine it.
+//!   combine it; every all-reduce combine is gathered exactly once, after it, and only
+//!   all-reduces are gathered.
 //! - `event-order`: every wait follows, in host issue order, a record of its event.
 //! - `ordered-access`: every pair of accesses to one buffer, one of them a write, runs in
 //!   serial order: same stream, or ordered by an event chain (bug 3); nothing reads a
@@ -33,7 +34,7 @@ use std::collections::{BTreeMap, HashMap};
 
 use crate::gate::Gate;
 use crate::mesh::Group;
-use crate::node::{Buffer, Collective, EventId, Instr, Node, NodeId, Op, Stream};
+use crate::node::{Buffer, Collective, CollectiveKind, EventId, Instr, Node, NodeId, Op, Stream};
 use crate::param::ParamId;
 use crate::plan::Plan;
 use crate::{PlanError, Violation};
@@ -164,7 +165,8 @@ fn gate_conformance(plan: &Plan, rank: u32, nodes: &[Node], out: &mut Vec<Violat
                 | Op::Unpack { .. }
                 | Op::FoldPartial { .. }
                 | Op::Exchange { stage: 2, .. }
-                | Op::Combine { stage: 2, .. },
+                | Op::Combine { stage: 2, .. }
+                | Op::Gather { stage: 2, .. },
             ) => false,
             (Gate::On, Op::Fold { .. }) => false,
             _ => true,
@@ -257,8 +259,42 @@ fn stage1_consumed_once(plan: &Plan, rank: u32, nodes: &[Node], out: &mut Vec<Vi
 fn exchange_combined_once(plan: &Plan, rank: u32, nodes: &[Node], out: &mut Vec<Violation>) {
     // (bucket, micro-batch, stage) -> the exchange seen so far, and how often combined.
     let mut open: BTreeMap<(u32, u32, u8), (&Node, u32)> = BTreeMap::new();
+    // The same for all-reduce combines, and how often gathered.
+    let mut reduced: BTreeMap<(u32, u32, u8), (&Node, u32)> = BTreeMap::new();
     for n in nodes {
         match n.op {
+            Op::Gather {
+                bucket,
+                micro_batch,
+                stage,
+                collective,
+            } => {
+                if collective.kind != CollectiveKind::AllReduce {
+                    out.push(violation(
+                        "exchange-combined-once",
+                        rank,
+                        Some(n),
+                        format!(
+                            "{} gathers the result of a {}; only an all-reduce's chunks are gathered",
+                            plan.label(n),
+                            collective.kind.name()
+                        ),
+                    ));
+                    continue;
+                }
+                match reduced.get_mut(&(bucket, micro_batch, stage)) {
+                    Some((_, k)) => *k += 1,
+                    None => out.push(violation(
+                        "exchange-combined-once",
+                        rank,
+                        Some(n),
+                        format!(
+                            "{} hands out a chunk no earlier combine reduced",
+                            plan.label(n)
+                        ),
+                    )),
+                }
+            }
             Op::Exchange {
                 bucket,
                 micro_batch,
@@ -312,6 +348,11 @@ fn exchange_combined_once(plan: &Plan, rank: u32, nodes: &[Node], out: &mut Vec<
                         ),
                     )),
                 }
+                if let Op::Combine { collective, .. } = n.op {
+                    if collective.kind == CollectiveKind::AllReduce {
+                        reduced.insert((bucket, micro_batch, stage), (n, 0));
+                    }
+                }
             }
             _ => {}
         }
@@ -328,6 +369,21 @@ fn exchange_combined_once(plan: &Plan, rank: u32, nodes: &[Node], out: &mut Vec<
                 rank,
                 Some(x),
                 format!("{} {what}", plan.label(x)),
+            ));
+        }
+    }
+    for (c, k) in reduced.into_values() {
+        if k != 1 {
+            let what = if k == 0 {
+                "is never gathered: the other replicas would miss the chunk it reduced".to_string()
+            } else {
+                format!("is gathered {k} times")
+            };
+            out.push(violation(
+                "exchange-combined-once",
+                rank,
+                Some(c),
+                format!("{} {what}", plan.label(c)),
             ));
         }
     }
@@ -801,6 +857,9 @@ fn accounting(plan: &Plan, rank: u32, nodes: &[Node], mode: Mode, out: &mut Vec<
                         .insert(Plan::stage_output(bucket, micro_batch, stage), t);
                 }
             }
+            // Completes the replicas of an all-reduce's output; what it holds is already
+            // counted (`exchange-combined-once` checks that every chunk is gathered).
+            Op::Gather { .. } => {}
             Op::Unpack {
                 bucket,
                 micro_batch,

@@ -237,3 +237,111 @@ fn a_stage2_exchange_with_the_replicate_gate_off_is_rejected() {
         "{vs:#?}"
     );
 }
+
+/// An all-reduce (Stage 2 of fsdp b0 on mesh 2x2) moves as exchange, combine of the
+/// rank's chunk, then gather of the chunks, on every replica.
+#[test]
+fn an_all_reduce_is_exchanged_combined_then_gathered() {
+    let plan = copy_plan(&[Gate::On]);
+    for rank in 0..4u32 {
+        let kinds: Vec<(&str, Stream)> = plan.ranks[rank as usize]
+            .nodes
+            .iter()
+            .filter(|n| n.op.bucket() == Some(0) && n.op.stage() == Some(2))
+            .map(|n| (n.op.kind(), n.stream))
+            .collect();
+        assert_eq!(
+            kinds,
+            vec![
+                ("exchange", Stream::Copy),
+                ("combine", Stream::Compute),
+                ("gather", Stream::Copy)
+            ],
+            "rank {rank}"
+        );
+    }
+    // Reduce-scatters and reduces have no gather.
+    assert!(plan.ranks.iter().all(|rp| rp
+        .nodes
+        .iter()
+        .filter(|n| n.op.kind() == "gather")
+        .all(|n| n.op.bucket() == Some(0) || n.op.bucket() == Some(3))));
+}
+
+#[test]
+fn a_dropped_gather_leaves_the_other_replicas_without_the_chunk() {
+    let plan = copy_plan(&[Gate::On]);
+    let mut v = to_value(&plan);
+    let gather = |op: &serde_json::Value| {
+        op_matches(op, "gather", &serde_json::json!({"bucket": 0, "stage": 2}))
+    };
+    assert_eq!(remove_nodes(&mut v, 0, gather), 1);
+    let plan = from_value(&v);
+    let vs = violations(&plan);
+    let combine = node_id(&plan, 0, |op| {
+        matches!(
+            op,
+            Op::Combine {
+                bucket: 0,
+                stage: 2,
+                ..
+            }
+        )
+    });
+    assert!(has(&vs, "exchange-combined-once", 0, combine), "{vs:#?}");
+    assert!(vs.iter().any(|x| x.detail.contains("never gathered")));
+    // Its peer still gathers: on hardware it would wait for copies that never come.
+    assert!(vs.iter().any(|x| x.invariant == "collective-match"));
+}
+
+#[test]
+fn a_gather_without_its_combine_hands_out_an_unreduced_chunk() {
+    let plan = copy_plan(&[Gate::On]);
+    let mut v = to_value(&plan);
+    let combine = |op: &serde_json::Value| {
+        op_matches(op, "combine", &serde_json::json!({"bucket": 0, "stage": 2}))
+    };
+    assert_eq!(remove_nodes(&mut v, 2, combine), 1);
+    let plan = from_value(&v);
+    let vs = violations(&plan);
+    let gather = node_id(&plan, 2, |op| {
+        matches!(
+            op,
+            Op::Gather {
+                bucket: 0,
+                stage: 2,
+                ..
+            }
+        )
+    });
+    assert!(has(&vs, "exchange-combined-once", 2, gather), "{vs:#?}");
+    assert!(vs
+        .iter()
+        .any(|x| x.detail.contains("no earlier combine reduced")));
+}
+
+#[test]
+fn only_an_all_reduce_is_gathered() {
+    // Rank 0 gathers after b1's (muon, reduce to its owner) Stage-1 combine.
+    let plan = copy_plan(&[Gate::On]);
+    let mut v = to_value(&plan);
+    let id = find_node(
+        &v,
+        0,
+        "gather",
+        serde_json::json!({"bucket": 0, "stage": 2}),
+    );
+    let want = serde_json::to_value(plan.stage_collective(1, 0, 1)).unwrap();
+    let op = &mut v["ranks"][0]["nodes"][id as usize]["op"];
+    op["bucket"] = serde_json::json!(1);
+    op["stage"] = serde_json::json!(1);
+    op["collective"] = want;
+    let plan = from_value(&v);
+    let vs = violations(&plan);
+    assert!(
+        vs.iter().any(|x| x.invariant == "exchange-combined-once"
+            && x.node == Some(id as u32)
+            && x.detail.contains("only an all-reduce")),
+        "{vs:#?}"
+    );
+}

@@ -421,6 +421,12 @@ fn one_op_of_each_kind() -> Vec<Op> {
             stage: 2,
             collective,
         },
+        Op::Gather {
+            bucket: 0,
+            micro_batch: 0,
+            stage: 2,
+            collective,
+        },
         Op::Unpack {
             bucket: 0,
             micro_batch: 0,
@@ -446,6 +452,7 @@ fn one_op_of_each_kind() -> Vec<Op> {
             | Op::Stage2 { .. }
             | Op::Exchange { .. }
             | Op::Combine { .. }
+            | Op::Gather { .. }
             | Op::Unpack { .. }
             | Op::Optimizer { .. }
             | Op::Publish { .. } => {}

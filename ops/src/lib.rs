@@ -133,15 +133,18 @@ pub fn collective_roles(
 
 /// What each member of a copy-transport exchange of `desc` passes ([`Kernel::Exchange`]):
 /// a send buffer as the collective's (reduce-scatter `n·c`, all-reduce and reduce `c`),
-/// and where the member receives the stage's result, a receive buffer of `(n − 1)·c`.
+/// and where the member receives the stage's result, a receive buffer of `(n − 1)·k`,
+/// `k` the length of what it reduces ([`Collective::member_chunk`]: `c` for
+/// reduce-scatter and reduce, its chunk of the buffer for all-reduce).
 /// Broadcast and all-gather move no reduction and have no exchange.
 pub fn exchange_roles(desc: &Collective, size: u32, index: u32) -> Result<CollectiveRoles, String> {
     let roles = collective_roles(desc, size, index)?;
-    let c = roles.recv.unwrap_or(0);
+    // `collective_roles` checked that `size · count` fits in memory.
+    let k = desc.member_chunk(size, index).1 as usize;
     let peers = size.saturating_sub(1) as usize;
     let recv = match desc.kind {
         CollectiveKind::ReduceScatter | CollectiveKind::AllReduce | CollectiveKind::Reduce => {
-            roles.recv.map(|_| c * peers)
+            roles.recv.map(|_| k * peers)
         }
         CollectiveKind::Broadcast | CollectiveKind::AllGather => {
             return Err(format!(
@@ -158,15 +161,18 @@ pub fn exchange_roles(desc: &Collective, size: u32, index: u32) -> Result<Collec
 
 /// Checks the buffer lengths of a [`Kernel::Combine`] (both backends run it before
 /// anything else): `index` is a member, the member receives the stage's result, `own`
-/// holds `count` elements from `own_offset`, `recv` the others' `(size − 1)·count`, `dst`
-/// exactly `count`. Returns `count`; the error names what does not fit.
+/// holds the member's chunk ([`Collective::member_chunk`], `k` elements) from
+/// `own_offset` (for all-reduce, `own_offset` must be the chunk's offset), `recv` the
+/// others' `(size − 1)·k`, and `dst` the stage's output: exactly `k` elements, or for
+/// all-reduce the whole `count`, of which the combine writes the chunk. Returns `k` and
+/// where in `dst` the combine writes; the error names what does not fit.
 pub fn combine_lengths(
     desc: &Collective,
     (size, index): (u32, u32),
     (own_len, own_offset): (usize, usize),
     recv_len: usize,
     dst_len: usize,
-) -> Result<usize, String> {
+) -> Result<(usize, usize), String> {
     if index >= size {
         return Err(format!(
             "member index {index} is not a member of a group of {size}"
@@ -183,22 +189,66 @@ pub fn combine_lengths(
         ));
     };
     // `exchange_roles` checked that `size · count` fits in memory.
-    let c = desc.count as usize;
-    if !matches!(own_offset.checked_add(c), Some(end) if end <= own_len) {
+    let (chunk_offset, k) = desc.member_chunk(size, index);
+    let (chunk_offset, k, count) = (chunk_offset as usize, k as usize, desc.count as usize);
+    let all_reduce = desc.kind == CollectiveKind::AllReduce;
+    if all_reduce && own_offset != chunk_offset {
         return Err(format!(
-            "own is too short: own_offset {own_offset} + count {c} exceeds its {own_len} elements"
+            "own_offset {own_offset} is not member {index}'s chunk of the all-reduce, which starts at {chunk_offset}"
+        ));
+    }
+    if !matches!(own_offset.checked_add(k), Some(end) if end <= own_len) {
+        return Err(format!(
+            "own is too short: own_offset {own_offset} + {k} elements exceeds its {own_len} elements"
         ));
     }
     if recv_len < peers_len {
         return Err(format!(
-            "recv is too short: the {} other members' chunks need (size − 1)·count = {peers_len} elements, got {recv_len}",
+            "recv is too short: the {} other members' chunks need {peers_len} elements, got {recv_len}",
             size - 1
         ));
     }
-    if dst_len != c {
-        return Err(format!("dst must hold count = {c} elements, got {dst_len}"));
+    if all_reduce {
+        if dst_len != count {
+            return Err(format!(
+                "dst must hold the all-reduce's count = {count} elements, got {dst_len}"
+            ));
+        }
+        return Ok((k, chunk_offset));
     }
-    Ok(c)
+    if dst_len != k {
+        return Err(format!("dst must hold count = {k} elements, got {dst_len}"));
+    }
+    Ok((k, 0))
+}
+
+/// Checks the buffer of a [`Kernel::Gather`]: `desc` is an all-reduce, `index` a member,
+/// and `buf` holds its whole `count`. Returns `count`.
+pub fn gather_lengths(
+    desc: &Collective,
+    size: u32,
+    index: u32,
+    buf_len: usize,
+) -> Result<usize, String> {
+    if desc.kind != CollectiveKind::AllReduce {
+        return Err(format!(
+            "only an all-reduce's chunks are gathered, not a {}'s",
+            desc.kind.name()
+        ));
+    }
+    let roles = collective_roles(desc, size, index)?;
+    if index >= size {
+        return Err(format!(
+            "member index {index} is not a member of a group of {size}"
+        ));
+    }
+    let count = roles.recv.unwrap_or(0);
+    if buf_len != count {
+        return Err(format!(
+            "buf must hold count = {count} elements, got {buf_len}"
+        ));
+    }
+    Ok(count)
 }
 
 /// The receive-buffer slot of member `from` at member `index`: the other members in
@@ -334,8 +384,9 @@ pub enum Kernel<B> {
     /// Copy transport, the moving half of `desc` (reduce-scatter, all-reduce or
     /// reduce over `comm`'s group of `n` members, count `c`), without arithmetic: member
     /// `i` receives into `recv`, at slot [`exchange_slot`]`(i, j)`, member `j`'s chunk
-    /// `i` of its send buffer (reduce-scatter) or member `j`'s whole send buffer
-    /// (all-reduce; reduce, on the root only). Buffers as [`exchange_roles`]. Every
+    /// `i` of its send buffer (reduce-scatter: `c` elements at `i·c`; all-reduce: the
+    /// [`Collective::member_chunk`] `i`) or member `j`'s whole send buffer (reduce, on
+    /// the root only). Buffers as [`exchange_roles`]. Every
     /// member issues the same exchanges in the same order; the exchange ends on a
     /// member's stream once its own receive buffer is complete and the others have
     /// taken what they need from it. CUDA: copy engines over NVLink (CUDA IPC), no SMs.
@@ -349,11 +400,13 @@ pub enum Kernel<B> {
         /// The other members' chunks, `(n − 1)·c`.
         recv: Option<B>,
     },
-    /// Copy transport, the arithmetic half of `desc`: `dst[c] = Σ_j x_j` over members
-    /// `j = 0..size` in order, where `x_index = own[own_offset..own_offset + c]` and
-    /// `x_j = recv[slot(j)·c..]` for the others; `bf16` rounds every `x_j` to bfloat16
-    /// first, `avg` divides by `size`. Every member sums in the same order, so all-reduce
-    /// replicas agree bit for bit.
+    /// Copy transport, the arithmetic half of `desc`: over the member's chunk of `k`
+    /// elements ([`combine_lengths`]), `dst[at + e] = Σ_j x_j[e]` over members `j =
+    /// 0..size` in order, where `x_index = own[own_offset + e]` and `x_j =
+    /// recv[slot(j)·k + e]` for the others, and `at` is 0, or the chunk's offset for an
+    /// all-reduce (whose other chunks [`Kernel::Gather`] fills); `bf16` rounds every
+    /// `x_j` to bfloat16 first, `avg` divides by `size`. Every element is summed in
+    /// member order, so the result equals the collective's bit for bit.
     Combine {
         /// The reduction.
         desc: Collective,
@@ -367,8 +420,22 @@ pub enum Kernel<B> {
         own_offset: usize,
         /// What [`Kernel::Exchange`] received.
         recv: B,
-        /// The stage's output, `c` elements.
+        /// The stage's output: `k` elements, or an all-reduce's whole `count`.
         dst: B,
+    },
+    /// Copy transport, the last third of an all-reduce `desc` over `comm`'s group: each
+    /// member `i` copies chunk `i` of `buf` ([`Collective::member_chunk`], reduced by its
+    /// combine) into chunk `i` of every other member's `buf`, without arithmetic, so every
+    /// `buf` ends whole. Cross-rank like [`Kernel::Exchange`], on the same communicator;
+    /// `buf` holds `count` elements ([`gather_lengths`]); `None` for a member that cannot
+    /// take part (it still meets the others). CUDA: copy engines, no SMs.
+    Gather {
+        /// The all-reduce.
+        desc: Collective,
+        /// The communicator (the exchange's).
+        comm: CommId,
+        /// The stage's output.
+        buf: Option<B>,
     },
     /// AdamW on one piece: `state` holds `m` then `v` (2·len).
     Adamw {
@@ -413,6 +480,7 @@ impl<B> Kernel<B> {
             Kernel::Collective { .. } => "collective",
             Kernel::Exchange { .. } => "exchange",
             Kernel::Combine { .. } => "combine",
+            Kernel::Gather { .. } => "gather",
             Kernel::Adamw { .. } => "adamw",
             Kernel::Muon { .. } => "muon",
         }

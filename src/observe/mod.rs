@@ -366,12 +366,20 @@ fn collectives(plan: &Plan, timings: &[Timing]) -> Vec<CollectiveStats> {
             continue;
         };
         let op = node.op.kind();
-        // An exchange moves the f32 buffers as they are, whatever the reduce dtype.
-        let bytes = match node.op {
-            Op::Exchange { .. } => collective_bytes(plan, c) / c.dtype.size() * 4,
-            _ => collective_bytes(plan, c),
+        // An exchange or gather moves the f32 buffers as they are, whatever the reduce
+        // dtype; an all-reduce's exchange and gather each move what a reduce-scatter
+        // (or all-gather) of the buffer does.
+        let (bytes, kind) = match node.op {
+            Op::Exchange { .. } | Op::Gather { .. } => (
+                collective_bytes(plan, c) / c.dtype.size() * 4,
+                match c.kind {
+                    CollectiveKind::AllReduce => CollectiveKind::ReduceScatter,
+                    k => k,
+                },
+            ),
+            _ => (collective_bytes(plan, c), c.kind),
         };
-        let factor = bus_factor(c.kind, plan.mesh.group_size(c.group));
+        let factor = bus_factor(kind, plan.mesh.group_size(c.group));
         let i = match out.iter().position(|s| s.op == op && s.kind == c.kind) {
             Some(i) => i,
             None => {

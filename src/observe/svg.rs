@@ -27,7 +27,7 @@ const RANK_HEADER: f64 = 18.0;
 const EXPOSED: &str = "#d62728";
 
 /// Node kinds in legend order, with their colour and legend name.
-const KINDS: [(&str, &str, &str); 12] = [
+const KINDS: [(&str, &str, &str); 13] = [
     ("grad_ready", "#4e79a7", "backward (grad_ready)"),
     ("accumulate", "#76b7b2", "accumulate (no_sync)"),
     ("pack", "#edc948", "pack"),
@@ -37,6 +37,7 @@ const KINDS: [(&str, &str, &str); 12] = [
     ("stage2", "#59a14f", "stage 2"),
     ("exchange", "#e15759", "exchange (copy engines)"),
     ("combine", "#ffbe7d", "combine"),
+    ("gather", "#d37295", "gather (copy engines)"),
     ("unpack", "#9c755f", "unpack"),
     ("optimizer", "#a0cbe8", "optimizer"),
     ("publish", "#79706e", "publish"),

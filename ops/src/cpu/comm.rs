@@ -7,9 +7,10 @@
 //! send buffer may be its recv buffer); the others wait, with a timeout.
 //!
 //! A call is a collective ([`crate::Kernel::Collective`]) or a copy-transport exchange
-//! ([`crate::Kernel::Exchange`]): both share the numbering, the rendezvous, the failure
-//! handling and the timeout, and a round where some members issued an exchange and
-//! others a collective is a disagreement like any other.
+//! or gather ([`crate::Kernel::Exchange`], [`crate::Kernel::Gather`]): all share the
+//! numbering, the rendezvous, the failure handling and the timeout, and a round where
+//! some members issued an exchange and others a collective is a disagreement like any
+//! other.
 //!
 //! Invariants: a round completes exactly once, with one result per member, and every
 //! member that arrived is released with its result: on success, on a disagreement, on a
@@ -38,6 +39,8 @@ pub(super) enum Call {
     Collective,
     /// [`crate::Kernel::Exchange`].
     Exchange,
+    /// [`crate::Kernel::Gather`] (its buffer is the arrival's `send`).
+    Gather,
 }
 
 impl Call {
@@ -47,6 +50,7 @@ impl Call {
         match self {
             Call::Collective => desc.kind.name(),
             Call::Exchange => "exchange",
+            Call::Gather => "gather",
         }
     }
 
@@ -54,6 +58,7 @@ impl Call {
         match self {
             Call::Collective => "a collective",
             Call::Exchange => "a copy-transport exchange",
+            Call::Gather => "a copy-transport gather",
         }
     }
 }
@@ -151,6 +156,14 @@ impl Comm {
             Call::Collective => crate::collective_roles(desc, n as u32, index as u32),
             Call::Exchange => crate::exchange_roles(desc, n as u32, index as u32)
                 .map_err(|e| format!("{} on {}: {e}", desc.kind.name(), desc.group)),
+            Call::Gather => {
+                crate::gather_lengths(desc, n as u32, index as u32, desc.count as usize)
+                    .map(|count| crate::CollectiveRoles {
+                        send: Some(count),
+                        recv: None,
+                    })
+                    .map_err(|e| format!("{} on {}: {e}", desc.kind.name(), desc.group))
+            }
         }
         .map_err(shape)?;
         let (want_send, want_recv) = (roles.send, roles.recv);
@@ -174,6 +187,11 @@ impl Comm {
             Call::Collective => want_send.unwrap_or(desc.count as usize) as u64 * desc.dtype.size(),
             // The exchange moves the f32 buffers as they are (no bf16 wire format).
             Call::Exchange => want_recv.unwrap_or(0) as u64 * 4,
+            // What the member receives: every other member's chunk.
+            Call::Gather => {
+                let (_, own) = desc.member_chunk(n as u32, index as u32);
+                (desc.count - own) * 4
+            }
         })
     }
 
@@ -306,6 +324,7 @@ impl Comm {
         match arrivals[0].call {
             Call::Collective => execute(arrivals),
             Call::Exchange => exchange(arrivals),
+            Call::Gather => gather(arrivals),
         }
         vec![Ok(()); arrivals.len()]
     }
@@ -350,8 +369,8 @@ impl Comm {
 
 /// Moves every member's chunks of a validated, agreed exchange ([`crate::Kernel::Exchange`]):
 /// member `i`'s receive buffer gets, at slot [`crate::exchange_slot`]`(i, j)`, member
-/// `j`'s chunk `i` (reduce-scatter) or whole send buffer (all-reduce, reduce), copied
-/// as is (no bf16 rounding: that is the combine's).
+/// `j`'s chunk `i` ([`Collective::member_chunk`]: reduce-scatter, all-reduce) or whole
+/// send buffer (reduce), copied as is (no bf16 rounding: that is the combine's).
 ///
 /// Every send buffer is read, each lock held alone, before any receive buffer is
 /// written, so a member's send buffer may be its receive buffer.
@@ -363,6 +382,7 @@ fn exchange(arrivals: &[Arrival]) {
     let c = desc.count as usize;
     // Appending the senders in member order, skipping the receiver itself, fills the
     // receive buffer slot by slot.
+    let n = arrivals.len() as u32;
     let mut incoming: Vec<Option<Vec<f32>>> = arrivals
         .iter()
         .map(|a| a.recv.as_ref().map(|r| Vec::with_capacity(r.len())))
@@ -374,10 +394,12 @@ fn exchange(arrivals: &[Arrival]) {
             let Some(into) = into.as_mut().filter(|_| i != j) else {
                 continue;
             };
-            let chunk = if desc.kind == CollectiveKind::ReduceScatter {
-                s.get(i * c..(i + 1) * c)
-            } else {
-                s.get(..c)
+            let chunk = match desc.kind {
+                CollectiveKind::ReduceScatter | CollectiveKind::AllReduce => {
+                    let (at, len) = desc.member_chunk(n, i as u32);
+                    s.get(at as usize..(at + len) as usize)
+                }
+                _ => s.get(..c),
             };
             into.extend_from_slice(chunk.unwrap_or_default());
         }
@@ -387,6 +409,39 @@ fn exchange(arrivals: &[Arrival]) {
             continue;
         };
         recv.lock().iter_mut().zip(data).for_each(|(r, x)| *r = x);
+    }
+}
+
+/// Completes every member's buffer of a validated, agreed gather ([`crate::Kernel::Gather`]):
+/// chunk `j` ([`Collective::member_chunk`]) of member `j`'s buffer is copied into chunk
+/// `j` of every other member's. Every chunk is read, each lock held alone, before any
+/// buffer is written.
+fn gather(arrivals: &[Arrival]) {
+    let Some(desc) = arrivals.first().map(|a| a.desc) else {
+        return;
+    };
+    let n = arrivals.len() as u32;
+    let chunks: Vec<Option<Vec<f32>>> = arrivals
+        .iter()
+        .enumerate()
+        .map(|(j, a)| {
+            let (at, len) = desc.member_chunk(n, j as u32);
+            let buf = a.send.as_ref()?.lock();
+            buf.get(at as usize..(at + len) as usize)
+                .map(<[f32]>::to_vec)
+        })
+        .collect();
+    for (i, a) in arrivals.iter().enumerate() {
+        let Some(buf) = &a.send else { continue };
+        let mut b = buf.lock();
+        for (j, chunk) in chunks.iter().enumerate().filter(|&(j, _)| j != i) {
+            let (Some(chunk), (at, _)) = (chunk, desc.member_chunk(n, j as u32)) else {
+                continue;
+            };
+            if let Some(dst) = b.get_mut(at as usize..at as usize + chunk.len()) {
+                dst.copy_from_slice(chunk);
+            }
+        }
     }
 }
 

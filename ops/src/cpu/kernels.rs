@@ -75,10 +75,12 @@ pub(super) fn run(rank: u32, kernel: &Kernel<CpuBuffer>) -> Result<(), OpsError>
             recv,
             dst,
         ),
-        Kernel::Collective { .. } | Kernel::Exchange { .. } => Err(OpsError::Backend(format!(
-            "the {} kernel needs its communicator",
-            kernel.name()
-        ))),
+        Kernel::Collective { .. } | Kernel::Exchange { .. } | Kernel::Gather { .. } => {
+            Err(OpsError::Backend(format!(
+                "the {} kernel needs its communicator",
+                kernel.name()
+            )))
+        }
     }
 }
 
@@ -269,7 +271,8 @@ struct Member {
 /// The arithmetic half of a copy-transport stage ([`Kernel::Combine`]):
 /// `dst = Σ_j x_j` over members `j = 0..size` in group order, `x_index` the rank's own
 /// chunk `own[own_offset..own_offset + c]`, the others' chunks at their
-/// [`crate::exchange_slot`] of `recv`.
+/// [`crate::exchange_slot`] of `recv`; for an all-reduce `dst` is the whole output and
+/// only the member's chunk of it is written.
 ///
 /// The order of operations is the CPU collective's (`comm::execute`), so that
 /// `Combine ∘ Exchange` gives the same bits as the collective: the sum starts from
@@ -296,7 +299,7 @@ fn combine(
     for (what, buf) in [("own", own), ("recv", recv), ("dst", dst)] {
         expect(K, rank, what, buf, buf.len())?;
     }
-    let c = crate::combine_lengths(
+    let (c, at) = crate::combine_lengths(
         desc,
         (size, index),
         (own.len(), own_offset),
@@ -354,7 +357,7 @@ fn combine(
         }
         sum
     };
-    guards[roles[2]]
+    guards[roles[2]][at..at + c]
         .iter_mut()
         .zip(&sum)
         .for_each(|(d, &v)| *d = v);

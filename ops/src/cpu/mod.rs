@@ -398,7 +398,10 @@ impl Worker {
     fn launch(&self, tag: Tag, kernel: Kernel<CpuBuffer>) {
         let poison = self.poison();
         if poison.is_some()
-            && !matches!(kernel, Kernel::Collective { .. } | Kernel::Exchange { .. })
+            && !matches!(
+                kernel,
+                Kernel::Collective { .. } | Kernel::Exchange { .. } | Kernel::Gather { .. }
+            )
         {
             return;
         }
@@ -420,6 +423,11 @@ impl Worker {
                 send,
                 recv,
             } => self.collective(Call::Exchange, &desc, comm, send, recv, poison, fault),
+            // The gather's one buffer travels as the send side: read (its chunk) and
+            // written (the others') by the rendezvous.
+            Kernel::Gather { desc, comm, buf } => {
+                self.collective(Call::Gather, &desc, comm, buf, None, poison, fault)
+            }
             local => fault
                 .and_then(|()| kernels::run(self.rank, &local))
                 .map(|()| 0),

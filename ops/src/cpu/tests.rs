@@ -1184,8 +1184,9 @@ fn copy_input(m: usize, len: usize, c: usize) -> Vec<f32> {
 
 /// The exchange of `desc` on every member of its group (on the reduce stream) and the
 /// combine on every member that receives the result (on the compute stream, after the
-/// exchange through an event), each member `i` sending `inputs[i]`; returns each member's
-/// combined output (`None` where it receives nothing). Receive and output buffers start
+/// exchange through an event), and for an all-reduce the gather (back on the reduce
+/// stream, after the combine), each member `i` sending `inputs[i]`; returns each
+/// member's output (`None` where it receives nothing). Receive and output buffers start
 /// as NaN, so an element nobody wrote shows.
 fn exchange_and_combine(
     b: &CpuBackend,
@@ -1221,12 +1222,12 @@ fn exchange_and_combine(
         };
         let exchanged = record(b, rank, Stream::Reduce);
         b.wait(rank, Stream::Compute, &exchanged);
-        let dst = b.alloc_uninit(rank, c).unwrap();
-        let own_offset = if desc.kind == CollectiveKind::ReduceScatter {
-            i as usize * c
-        } else {
-            0
-        };
+        let all_reduce = desc.kind == CollectiveKind::AllReduce;
+        let (at, k) = desc.member_chunk(n, i);
+        let dst = b
+            .alloc_uninit(rank, if all_reduce { c } else { k as usize })
+            .unwrap();
+        let own_offset = at as usize;
         b.launch(
             rank,
             Stream::Compute,
@@ -1241,6 +1242,20 @@ fn exchange_and_combine(
                 dst: dst.clone(),
             },
         );
+        if all_reduce {
+            let combined = record(b, rank, Stream::Compute);
+            b.wait(rank, Stream::Reduce, &combined);
+            b.launch(
+                rank,
+                Stream::Reduce,
+                tag(3, "gather"),
+                Kernel::Gather {
+                    desc,
+                    comm,
+                    buf: Some(dst.clone()),
+                },
+            );
+        }
         dsts.push(Some(dst));
     }
     sync(b);
@@ -1252,75 +1267,91 @@ fn exchange_and_combine(
 
 #[test]
 fn combine_of_exchange_equals_the_collective_bit_for_bit() {
-    let c = 7;
-    // Groups of 2, 3 (non-adjacent ranks 1, 3, 5) and 4 members.
-    let groups = [
-        (mesh(2, 1), Group::Shard { replicate: 0 }),
-        (mesh(2, 3), Group::Replicate { shard: 1 }),
-        (mesh(4, 1), Group::Shard { replicate: 0 }),
-    ];
-    let kinds = [
-        (CollectiveKind::ReduceScatter, None),
-        (CollectiveKind::AllReduce, None),
-        (CollectiveKind::Reduce, Some(0)),
-        (CollectiveKind::Reduce, Some(1)),
-    ];
+    // 7: every all-reduce chunk but the first is empty; 200: chunks of 128 and 72
+    // (2 members), 128, 72 and 0 (3), 64, 64, 64 and 8 (4).
     let mut cases = 0;
-    for (m, group) in groups {
-        let b = CpuBackend::new(m);
-        let members = m.members(group);
-        let n = members.len();
-        for (kind, root) in kinds {
-            for dtype in [DType::F32, DType::Bf16] {
-                for op in [ReduceOp::Sum, ReduceOp::Avg] {
-                    let d = desc(kind, group, c as u64, op, dtype, root);
-                    let what = format!("{n} members, {kind:?} root {root:?}, {dtype:?}, {op:?}");
-                    let len = if kind == CollectiveKind::ReduceScatter {
-                        n * c
-                    } else {
-                        c
-                    };
-                    let inputs: Vec<Vec<f32>> = (0..n).map(|i| copy_input(i, len, c)).collect();
-                    let outputs: Vec<Option<usize>> = (0..n as u32)
-                        .map(|i| crate::collective_roles(&d, n as u32, i).unwrap().recv)
-                        .collect();
-                    let want = collective(&b, d, Stream::Reduce, &all(&inputs), &outputs);
-                    b.take_timings();
-                    let got = exchange_and_combine(&b, d, &inputs);
-                    assert_eq!(bits(&got), bits(&want), "{what}");
-                    assert!(
-                        got.iter().flatten().flatten().all(|x| !x.is_nan()),
-                        "{what}: {got:?}"
-                    );
-                    if kind == CollectiveKind::AllReduce {
-                        let replicas = bits(&got);
-                        assert!(replicas.iter().all(|r| *r == replicas[0]), "{what}");
+    for c in [7usize, 200] {
+        // Groups of 2, 3 (non-adjacent ranks 1, 3, 5) and 4 members.
+        let groups = [
+            (mesh(2, 1), Group::Shard { replicate: 0 }),
+            (mesh(2, 3), Group::Replicate { shard: 1 }),
+            (mesh(4, 1), Group::Shard { replicate: 0 }),
+        ];
+        let kinds = [
+            (CollectiveKind::ReduceScatter, None),
+            (CollectiveKind::AllReduce, None),
+            (CollectiveKind::Reduce, Some(0)),
+            (CollectiveKind::Reduce, Some(1)),
+        ];
+        for (m, group) in groups {
+            let b = CpuBackend::new(m);
+            let members = m.members(group);
+            let n = members.len();
+            for (kind, root) in kinds {
+                for dtype in [DType::F32, DType::Bf16] {
+                    for op in [ReduceOp::Sum, ReduceOp::Avg] {
+                        let d = desc(kind, group, c as u64, op, dtype, root);
+                        let what =
+                            format!("{n} members, {kind:?} root {root:?}, {dtype:?}, {op:?}");
+                        let len = if kind == CollectiveKind::ReduceScatter {
+                            n * c
+                        } else {
+                            c
+                        };
+                        let inputs: Vec<Vec<f32>> = (0..n).map(|i| copy_input(i, len, c)).collect();
+                        let outputs: Vec<Option<usize>> = (0..n as u32)
+                            .map(|i| crate::collective_roles(&d, n as u32, i).unwrap().recv)
+                            .collect();
+                        let want = collective(&b, d, Stream::Reduce, &all(&inputs), &outputs);
+                        b.take_timings();
+                        let got = exchange_and_combine(&b, d, &inputs);
+                        assert_eq!(bits(&got), bits(&want), "{what}");
+                        assert!(
+                            got.iter().flatten().flatten().all(|x| !x.is_nan()),
+                            "{what}: {got:?}"
+                        );
+                        if kind == CollectiveKind::AllReduce {
+                            let replicas = bits(&got);
+                            assert!(replicas.iter().all(|r| *r == replicas[0]), "{what}");
+                        }
+                        // Element 0 is -0.0 everywhere; its sum keeps the sign.
+                        assert!(got
+                            .iter()
+                            .flatten()
+                            .all(|v| v[0].to_bits() == (-0.0f32).to_bits()));
+                        // An exchange moves, per member, the f32 chunks it receives; an
+                        // all-reduce's gather every other member's chunk.
+                        let timings = b.take_timings();
+                        let moved = |op: &str| {
+                            let mut m: Vec<(u32, u64)> = timings
+                                .iter()
+                                .filter(|t| t.tag.op == op)
+                                .map(|t| (t.rank, t.bytes))
+                                .collect();
+                            m.sort_unstable();
+                            m
+                        };
+                        let expected: Vec<(u32, u64)> = (0u32..)
+                            .zip(&members)
+                            .map(|(i, &r)| {
+                                let recv = crate::exchange_roles(&d, n as u32, i).unwrap().recv;
+                                (r, recv.unwrap_or(0) as u64 * 4)
+                            })
+                            .collect();
+                        assert_eq!(moved("exchange"), expected, "{what}");
+                        let gathered: Vec<(u32, u64)> = (0u32..)
+                            .zip(&members)
+                            .filter(|_| kind == CollectiveKind::AllReduce)
+                            .map(|(i, &r)| (r, (c as u64 - d.member_chunk(n as u32, i).1) * 4))
+                            .collect();
+                        assert_eq!(moved("gather"), gathered, "{what}");
+                        cases += 1;
                     }
-                    // Element 0 is -0.0 everywhere; its sum keeps the sign.
-                    assert!(got
-                        .iter()
-                        .flatten()
-                        .all(|v| v[0].to_bits() == (-0.0f32).to_bits()));
-                    // An exchange moves, per member, the f32 chunks it receives.
-                    let mut moved: Vec<(u32, u64)> = b
-                        .take_timings()
-                        .iter()
-                        .filter(|t| t.tag.op == "exchange")
-                        .map(|t| (t.rank, t.bytes))
-                        .collect();
-                    moved.sort_unstable();
-                    let expected: Vec<(u32, u64)> = members
-                        .iter()
-                        .zip(&got)
-                        .map(|(&r, g)| (r, g.as_ref().map_or(0, |_| ((n - 1) * c * 4) as u64)))
-                        .collect();
-                    assert_eq!(moved, expected, "{what}");
-                    cases += 1;
                 }
             }
         }
     }
-    assert_eq!(cases, 3 * 4 * 2 * 2);
+    assert_eq!(cases, 2 * 3 * 4 * 2 * 2);
 }
 
 #[test]
@@ -1378,13 +1409,14 @@ fn exchange_places_each_members_chunk_at_its_slot() {
 #[test]
 fn combine_in_place_reads_before_it_writes() {
     let b = CpuBackend::new(mesh(2, 1));
+    // A reduce to member 1, which combines the whole count.
     let d = desc(
-        CollectiveKind::AllReduce,
+        CollectiveKind::Reduce,
         Group::Shard { replicate: 0 },
         3,
         ReduceOp::Avg,
         DType::F32,
-        None,
+        Some(1),
     );
     let combine = |own: &CpuBuffer, recv: &CpuBuffer, dst: &CpuBuffer| Kernel::Combine {
         desc: d,
@@ -1428,7 +1460,7 @@ fn an_exchange_meeting_a_collective_is_a_mismatch_on_every_member() {
     let b = CpuBackend::new(mesh(3, 1)).with_collective_timeout(Duration::from_secs(30));
     let g = Group::Shard { replicate: 0 };
     let d = desc(
-        CollectiveKind::AllReduce,
+        CollectiveKind::ReduceScatter,
         g,
         2,
         ReduceOp::Sum,
@@ -1443,7 +1475,7 @@ fn an_exchange_meeting_a_collective_is_a_mismatch_on_every_member() {
     // Ranks 0 and 1 issue the exchange, rank 2 the collective of the same desc.
     let mut recvs = Vec::new();
     for rank in 0..3 {
-        let send = Some(buffer(&b, rank, &[1.0, 2.0]));
+        let send = Some(buffer(&b, rank, &[1.0, 2.0, 3.0, 4.0, 5.0, 6.0]));
         let kernel = if rank < 2 {
             let recv = buffer(&b, rank, &[7.0; 4]);
             recvs.push((recv.clone(), vec![7.0; 4]));
@@ -1496,23 +1528,24 @@ fn an_exchange_meeting_a_collective_is_a_mismatch_on_every_member() {
     // The reverse (member 0 issues the collective) is reported from member 0's side, and
     // a kind that differs as well is named too.
     b.reset();
+    // An all-reduce of 192: chunks of 64, so member 1 receives 2 × 64.
     let exchange = Kernel::Exchange {
         desc: desc(
-            CollectiveKind::ReduceScatter,
+            CollectiveKind::AllReduce,
             g,
-            1,
+            192,
             ReduceOp::Sum,
             DType::F32,
             None,
         ),
         comm,
-        send: Some(b.alloc(1, 3).unwrap()),
-        recv: Some(b.alloc(1, 2).unwrap()),
+        send: Some(b.alloc(1, 192).unwrap()),
+        recv: Some(b.alloc(1, 128).unwrap()),
     };
     let coll = |rank| Kernel::Collective {
         desc: d,
         comm,
-        send: Some(b.alloc(rank, 2).unwrap()),
+        send: Some(b.alloc(rank, 6).unwrap()),
         recv: Some(b.alloc(rank, 2).unwrap()),
     };
     b.launch(0, Stream::Reduce, tag(5, "stage1"), coll(0));
@@ -1526,7 +1559,7 @@ fn an_exchange_meeting_a_collective_is_a_mismatch_on_every_member() {
         assert!(
             reason.contains("rank 0 and rank 1 issued different collectives")
                 && reason.contains("a collective vs a copy-transport exchange")
-                && reason.contains("kind all_reduce vs reduce_scatter"),
+                && reason.contains("kind reduce_scatter vs all_reduce"),
             "{reason}"
         );
     }
@@ -1665,7 +1698,7 @@ fn bad_combines_report_shape_errors_and_write_nothing() {
     let cases: Vec<(Kernel<CpuBuffer>, &str)> = vec![
         (
             combine(rs, 3, 2, &own6, 5, &recv4),
-            "own is too short: own_offset 5 + count 2 exceeds its 6 elements",
+            "own is too short: own_offset 5 + 2 elements exceeds its 6 elements",
         ),
         (
             combine(rs, 3, 1, &own6, usize::MAX, &recv4),
@@ -1673,7 +1706,7 @@ fn bad_combines_report_shape_errors_and_write_nothing() {
         ),
         (
             combine(rs, 4, 1, &own6, 2, &recv4),
-            "recv is too short: the 3 other members' chunks need (size − 1)·count = 6 elements",
+            "recv is too short: the 3 other members' chunks need 6 elements",
         ),
         (
             Kernel::Combine {
@@ -1753,8 +1786,9 @@ fn bad_combines_report_shape_errors_and_write_nothing() {
 fn a_poisoned_or_faulty_member_cancels_the_exchange_on_the_others() {
     let b = CpuBackend::new(mesh(3, 1)).with_collective_timeout(Duration::from_secs(30));
     let g = Group::Shard { replicate: 0 };
+    // A reduce-scatter of one element per member: send 3, receive 2 on every member.
     let d = desc(
-        CollectiveKind::AllReduce,
+        CollectiveKind::ReduceScatter,
         g,
         1,
         ReduceOp::Sum,
@@ -1765,7 +1799,9 @@ fn a_poisoned_or_faulty_member_cancels_the_exchange_on_the_others() {
         group: g,
         stream: Stream::Reduce,
     };
-    let sends: Vec<CpuBuffer> = (0..3).map(|r| buffer(&b, r, &[r as f32 + 1.0])).collect();
+    let sends: Vec<CpuBuffer> = (0..3)
+        .map(|r| buffer(&b, r, &[r as f32 + 1.0; 3]))
+        .collect();
     let recvs: Vec<CpuBuffer> = (0..3).map(|r| buffer(&b, r, &[-1.0, -1.0])).collect();
     let exchange = |rank: u32| Kernel::Exchange {
         desc: d,
@@ -1887,4 +1923,76 @@ fn a_missing_exchange_member_times_out() {
         reason.contains("timed out") && reason.contains("[1]"),
         "{reason}"
     );
+}
+
+#[test]
+fn a_gather_checks_its_collective_and_buffer() {
+    let b = CpuBackend::new(mesh(2, 1));
+    let g = Group::Shard { replicate: 0 };
+    let comm = CommId {
+        group: g,
+        stream: Stream::Reduce,
+    };
+    let d = |kind| desc(kind, g, 130, ReduceOp::Sum, DType::F32, None);
+    let cases = [
+        (
+            d(CollectiveKind::ReduceScatter),
+            130,
+            "only an all-reduce's chunks are gathered, not a reduce_scatter's",
+        ),
+        (
+            d(CollectiveKind::AllReduce),
+            129,
+            "send must be a buffer of 130 elements",
+        ),
+    ];
+    for (node, (desc, len, msg)) in cases.into_iter().enumerate() {
+        for rank in 0..2 {
+            b.launch(
+                rank,
+                Stream::Reduce,
+                tag(node as u32, "gather"),
+                Kernel::Gather {
+                    desc,
+                    comm,
+                    buf: Some(b.alloc(rank, len).unwrap()),
+                },
+            );
+        }
+        sync(&b);
+        let errors = b.errors();
+        assert!(
+            errors.iter().any(|(_, _, _, e)| matches!(
+                e,
+                OpsError::Shape {
+                    kernel: "gather",
+                    ..
+                }
+            ) && e.to_string().contains(msg)),
+            "{errors:?}"
+        );
+        b.reset();
+    }
+    // Valid: chunks of 128 and 2 elements; each member ends with both.
+    let bufs: Vec<CpuBuffer> = (0..2)
+        .map(|r| buffer(&b, r, &vec![r as f32 + 1.0; 130]))
+        .collect();
+    for rank in 0..2 {
+        b.launch(
+            rank,
+            Stream::Reduce,
+            tag(9, "gather"),
+            Kernel::Gather {
+                desc: d(CollectiveKind::AllReduce),
+                comm,
+                buf: Some(bufs[rank as usize].clone()),
+            },
+        );
+    }
+    sync(&b);
+    assert_eq!(b.errors(), vec![]);
+    let want: Vec<f32> = (0..130).map(|e| if e < 128 { 1.0 } else { 2.0 }).collect();
+    for buf in &bufs {
+        assert_eq!(b.download(buf).unwrap(), want);
+    }
 }

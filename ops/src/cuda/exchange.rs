@@ -177,32 +177,33 @@ impl Layout {
     }
 }
 
-/// What one member moves in one exchange: who sends to whom, and which chunk.
+/// What one member moves in one exchange or gather: who sends to whom, and which chunk.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub(super) struct Plan {
     kind: Moves,
     size: u32,
     index: u32,
-    /// Elements per chunk (the collective's count).
-    count: usize,
+    /// The stage's collective (its count and kind give the chunks).
+    desc: Collective,
 }
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 enum Moves {
-    /// Reduce-scatter: member `j` gets chunk `j` of every other member's send buffer.
+    /// Reduce-scatter and all-reduce: member `j` gets chunk `j`
+    /// ([`Collective::member_chunk`]) of every other member's send buffer.
     Chunks,
-    /// All-reduce: every member gets every other member's whole send buffer.
-    Whole,
     /// Reduce: the root gets every other member's whole send buffer.
     ToRoot(u32),
+    /// All-reduce, after the combine: every member gets chunk `j` of member `j`'s
+    /// buffer, in place in its own buffer (send and receive buffer are one).
+    Gather,
 }
 
 impl Plan {
     /// Member `index`'s part of an exchange of `desc` over `size` members.
     pub(super) fn new(desc: &Collective, size: u32, index: u32) -> Result<Plan, String> {
         let kind = match (desc.kind, desc.root) {
-            (CollectiveKind::ReduceScatter, _) => Moves::Chunks,
-            (CollectiveKind::AllReduce, _) => Moves::Whole,
+            (CollectiveKind::ReduceScatter | CollectiveKind::AllReduce, _) => Moves::Chunks,
             (CollectiveKind::Reduce, Some(root)) if root < size => Moves::ToRoot(root),
             (CollectiveKind::Reduce, root) => {
                 return Err(format!(
@@ -217,12 +218,27 @@ impl Plan {
                 ))
             }
         };
+        Plan::checked(kind, desc, size, index)
+    }
+
+    /// Member `index`'s part of the gather that completes an all-reduce `desc`.
+    pub(super) fn gather(desc: &Collective, size: u32, index: u32) -> Result<Plan, String> {
+        if desc.kind != CollectiveKind::AllReduce {
+            return Err(format!(
+                "only an all-reduce's chunks are gathered, not a {}'s",
+                desc.kind.name()
+            ));
+        }
+        Plan::checked(Moves::Gather, desc, size, index)
+    }
+
+    fn checked(kind: Moves, desc: &Collective, size: u32, index: u32) -> Result<Plan, String> {
         if index >= size {
             return Err(format!(
                 "member {index} is not a member of a group of {size}"
             ));
         }
-        let count = usize::try_from(desc.count)
+        usize::try_from(desc.count)
             .ok()
             .filter(|&c| c.checked_mul(size as usize * ELEM).is_some())
             .ok_or_else(|| format!("count {} is too large", desc.count))?;
@@ -230,30 +246,54 @@ impl Plan {
             kind,
             size,
             index,
-            count,
+            desc: *desc,
         })
+    }
+
+    /// Chunk `j` as `(offset, len)` in bytes.
+    fn chunk(&self, j: u32) -> (usize, usize) {
+        let (at, len) = self.desc.member_chunk(self.size, j);
+        // `checked` bounded `size · count · ELEM`.
+        (at as usize * ELEM, len as usize * ELEM)
     }
 
     /// Whether member `from` sends to member `to` (`from ≠ to`).
     fn moves(&self, from: u32, to: u32) -> bool {
         from != to
             && match self.kind {
-                Moves::Chunks | Moves::Whole => true,
+                Moves::Chunks | Moves::Gather => true,
                 Moves::ToRoot(root) => to == root,
             }
     }
 
-    /// Where the chunk for member `to` starts in a send buffer, in bytes.
-    fn send_offset(&self, to: u32) -> usize {
+    /// Bytes member `from` sends to member `to` (the same on both ends).
+    fn bytes(&self, from: u32, to: u32) -> usize {
         match self.kind {
-            Moves::Chunks => to as usize * self.count * ELEM,
-            Moves::Whole | Moves::ToRoot(_) => 0,
+            Moves::Chunks => self.chunk(to).1,
+            Moves::Gather => self.chunk(from).1,
+            Moves::ToRoot(_) => self.desc.count as usize * ELEM,
         }
     }
 
-    /// Where member `from`'s chunk starts in this member's receive buffer, in bytes.
+    /// Where what goes to member `to` starts in this member's send buffer, in bytes.
+    fn send_offset(&self, to: u32) -> usize {
+        match self.kind {
+            Moves::Chunks => self.chunk(to).0,
+            Moves::Gather => self.chunk(self.index).0,
+            Moves::ToRoot(_) => 0,
+        }
+    }
+
+    /// Where member `from`'s data goes in this member's receive buffer, in bytes: its
+    /// slot (the others in group order) of this member's chunk length, or for a gather
+    /// its own chunk's place.
     fn recv_offset(&self, from: u32) -> usize {
-        exchange_slot(self.index, from) * self.count * ELEM
+        match self.kind {
+            Moves::Gather => self.chunk(from).0,
+            Moves::Chunks | Moves::ToRoot(_) => {
+                exchange_slot(self.index, from) * self.bytes(from, self.index)
+            }
+        }
     }
 }
 
@@ -314,14 +354,24 @@ pub(super) enum Op {
 /// protocol of the module documentation).
 pub(super) fn schedule(plan: &Plan, layout: &Layout, counters: &mut Counters) -> Vec<Op> {
     let me = plan.index;
-    let message = plan.count * ELEM;
-    let pieces = message.div_ceil(layout.slot_bytes);
     let depth = layout.depth as u64;
+    // Piece `p` of the message `from → to`, as (offset, bytes), if it has one.
+    let piece = |from: u32, to: u32, p: usize| {
+        let message = plan.bytes(from, to);
+        let offset = p * layout.slot_bytes;
+        (offset < message).then(|| (offset, layout.slot_bytes.min(message - offset)))
+    };
+    let pieces = (0..plan.size)
+        .flat_map(|j| [plan.bytes(me, j), plan.bytes(j, me)])
+        .map(|b| b.div_ceil(layout.slot_bytes))
+        .max()
+        .unwrap_or(0);
     let mut ops = Vec::new();
     for p in 0..pieces {
-        let offset = p * layout.slot_bytes;
-        let bytes = layout.slot_bytes.min(message - offset);
         for j in (0..plan.size).filter(|&j| plan.moves(me, j)) {
+            let Some((offset, bytes)) = piece(me, j, p) else {
+                continue;
+            };
             let k = exchange_slot(me, j);
             counters.sent[k] += 1;
             let t = counters.sent[k];
@@ -343,6 +393,9 @@ pub(super) fn schedule(plan: &Plan, layout: &Layout, counters: &mut Counters) ->
             });
         }
         for j in (0..plan.size).filter(|&j| plan.moves(j, me)) {
+            let Some((offset, bytes)) = piece(j, me, p) else {
+                continue;
+            };
             let k = exchange_slot(me, j);
             counters.received[k] += 1;
             let t = counters.received[k];
@@ -980,9 +1033,26 @@ mod tests {
         assert!(rs.moves(1, 0) && rs.moves(0, 1) && rs.moves(2, 1) && !rs.moves(1, 1));
         assert_eq!((rs.send_offset(0), rs.send_offset(2)), (0, 40));
         assert_eq!((rs.recv_offset(0), rs.recv_offset(2)), (0, 20));
-        let ar = Plan::new(&desc(CollectiveKind::AllReduce, 5, None), 3, 2).unwrap();
+        // All-reduce: chunks of ⌈count / n⌉ rounded up to 64 elements; the last ones may
+        // be short or empty.
+        let ar = Plan::new(&desc(CollectiveKind::AllReduce, 300, None), 3, 2).unwrap();
         assert!(ar.moves(2, 0) && ar.moves(0, 2));
-        assert_eq!((ar.send_offset(0), ar.send_offset(1)), (0, 0));
+        // Chunks of 128, 128 and 44 floats.
+        assert_eq!((ar.send_offset(0), ar.send_offset(1)), (0, 512));
+        assert_eq!(
+            (ar.bytes(2, 0), ar.bytes(2, 1), ar.bytes(0, 2)),
+            (512, 512, 176)
+        );
+        assert_eq!((ar.recv_offset(0), ar.recv_offset(1)), (0, 176));
+        let g = Plan::gather(&desc(CollectiveKind::AllReduce, 300, None), 3, 1).unwrap();
+        assert!(g.moves(1, 0) && g.moves(0, 1) && g.moves(2, 1));
+        assert_eq!((g.send_offset(0), g.send_offset(2)), (512, 512));
+        assert_eq!(
+            (g.bytes(1, 0), g.bytes(2, 1), g.bytes(0, 1)),
+            (512, 176, 512)
+        );
+        assert_eq!((g.recv_offset(0), g.recv_offset(2)), (0, 1024));
+        assert!(Plan::gather(&desc(CollectiveKind::ReduceScatter, 5, None), 3, 1).is_err());
         let red = Plan::new(&desc(CollectiveKind::Reduce, 5, Some(1)), 3, 0).unwrap();
         assert!(red.moves(0, 1) && red.moves(2, 1));
         assert!(!red.moves(1, 0) && !red.moves(0, 2) && !red.moves(2, 0));
@@ -995,9 +1065,10 @@ mod tests {
 
     #[test]
     fn messages_are_split_into_pieces_and_slots_alternate() {
-        // 2 members, all-reduce of 1000 floats (4000 bytes) in slots of 1024 bytes.
+        // 2 members, reduce-scatter of 1000 floats per member (4000 bytes, chunk 1 at
+        // byte 4000) in slots of 1024 bytes.
         let l = Layout::new(2, 1024, 2).unwrap();
-        let plan = Plan::new(&desc(CollectiveKind::AllReduce, 1000, None), 2, 0).unwrap();
+        let plan = Plan::new(&desc(CollectiveKind::ReduceScatter, 1000, None), 2, 0).unwrap();
         let mut c = Counters::new(1);
         let ops = schedule(&plan, &l, &mut c);
         let sends: Vec<(usize, usize, usize)> = ops
@@ -1012,10 +1083,10 @@ mod tests {
         assert_eq!(
             sends,
             vec![
-                (1, 0, 1024),
-                (0, 1024, 1024),
-                (1, 2048, 1024),
-                (0, 3072, 928)
+                (1, 4000, 1024),
+                (0, 5024, 1024),
+                (1, 6048, 1024),
+                (0, 7072, 928)
             ]
         );
         // The first `depth` pieces need no ack; piece t waits for ack t − 2.
@@ -1041,7 +1112,7 @@ mod tests {
                 Op::Send {
                     peer: 1,
                     ring: 1,
-                    src: 0,
+                    src: 4000,
                     bytes: 1024
                 },
                 Op::Ready { peer: 1, value: 1 },
@@ -1056,7 +1127,7 @@ mod tests {
                 Op::Send {
                     peer: 1,
                     ring: 0,
-                    src: 1024,
+                    src: 5024,
                     bytes: 1024,
                 },
             ]
@@ -1065,6 +1136,29 @@ mod tests {
         let empty = Plan::new(&desc(CollectiveKind::AllReduce, 0, None), 2, 0).unwrap();
         assert!(schedule(&empty, &l, &mut c).is_empty());
         assert_eq!(c.sent, vec![4]);
+    }
+
+    #[test]
+    fn uneven_chunks_move_as_many_pieces_as_each_pair_needs() {
+        // All-reduce of 1000 floats over 2: chunk 0 is 512 floats (2048 bytes, 2
+        // pieces), chunk 1 is 488 (1952 bytes, 2 pieces); over 3, 384 / 384 / 232
+        // floats. Both ends of a pair count the same pieces.
+        let l = Layout::new(3, 1024, 2).unwrap();
+        let d = desc(CollectiveKind::AllReduce, 1000, None);
+        let mut c: Vec<Counters> = (0..3).map(|_| Counters::new(2)).collect();
+        for i in 0..3 {
+            schedule(&Plan::new(&d, 3, i).unwrap(), &l, &mut c[i as usize]);
+        }
+        // Member 2 receives 928 bytes per peer (1 piece) and sends 1536 (2 pieces).
+        assert_eq!(c[2].received, vec![1, 1]);
+        assert_eq!(c[2].sent, vec![2, 2]);
+        assert_eq!((c[0].sent[1], c[2].received[0]), (1, 1));
+        for i in 0..3 {
+            schedule(&Plan::gather(&d, 3, i).unwrap(), &l, &mut c[i as usize]);
+        }
+        // The gather sends each member's own chunk: member 2's 928 bytes are 1 piece.
+        assert_eq!(c[2].sent, vec![3, 3]);
+        assert_eq!(c[0].received, vec![4, 3]);
     }
 
     #[test]
@@ -1237,8 +1331,8 @@ mod tests {
             let mut wrong = Vec::new();
             for (e, plans) in self.plans.iter().enumerate() {
                 for (i, plan) in plans.iter().enumerate() {
-                    let c = plan.count * ELEM;
                     for j in (0..plan.size).filter(|&j| plan.moves(j, i as u32)) {
+                        let c = plan.bytes(j, i as u32);
                         let src = plans[j as usize].send_offset(i as u32);
                         let want = &self.sends[e][j as usize][src..src + c];
                         let at = plan.recv_offset(j);
@@ -1257,14 +1351,17 @@ mod tests {
         }
     }
 
-    /// Builds the simulation of a sequence of exchanges (every member issues all of
-    /// them, in order), with counters and flags starting at `start`.
+    /// Builds the simulation of a sequence of exchanges, and gathers where the flag is
+    /// set (every member issues all of them, in order), with counters and flags
+    /// starting at `start`. A gather's buffer is both its send and its receive buffer:
+    /// the model starts both with the same bytes (a gather never writes the chunk it
+    /// sends).
     fn simulate(
         n: u32,
         slot: usize,
         depth: usize,
         start: u64,
-        descs: &[Collective],
+        descs: &[(Collective, bool)],
         strip_acks: bool,
     ) -> Sim {
         let layout = Layout::new(n, slot, depth).unwrap();
@@ -1279,24 +1376,37 @@ mod tests {
         let mut counters = vec![Counters::starting_at(layout.peers, start); n as usize];
         let mut queues = vec![std::collections::VecDeque::new(); n as usize];
         let (mut sends, mut recvs, mut plans) = (Vec::new(), Vec::new(), Vec::new());
-        for (e, d) in descs.iter().enumerate() {
+        for (e, &(d, gather)) in descs.iter().enumerate() {
+            let d = &d;
             let mut s = Vec::new();
             let mut r = Vec::new();
             let mut p = Vec::new();
             for i in 0..n {
-                let roles = crate::exchange_roles(d, n, i).unwrap();
-                let plan = Plan::new(d, n, i).unwrap();
-                let send_len = roles.send.unwrap_or(0) * ELEM;
-                s.push(
-                    (0..send_len)
-                        .map(|b| {
-                            // A different byte almost everywhere, with no period.
-                            let x = b as u64 ^ u64::from(i) << 32 ^ (e as u64) << 48;
-                            (x.wrapping_mul(0x9e37_79b9_7f4a_7c15) >> 56) as u8
-                        })
-                        .collect(),
-                );
-                r.push(vec![0xee; roles.recv.unwrap_or(0) * ELEM]);
+                let (plan, send_len, recv_len) = if gather {
+                    let len = crate::gather_lengths(d, n, i, d.count as usize).unwrap();
+                    (Plan::gather(d, n, i).unwrap(), len * ELEM, len * ELEM)
+                } else {
+                    let roles = crate::exchange_roles(d, n, i).unwrap();
+                    let plan = Plan::new(d, n, i).unwrap();
+                    (
+                        plan,
+                        roles.send.unwrap_or(0) * ELEM,
+                        roles.recv.unwrap_or(0) * ELEM,
+                    )
+                };
+                let bytes: Vec<u8> = (0..send_len)
+                    .map(|b| {
+                        // A different byte almost everywhere, with no period.
+                        let x = b as u64 ^ u64::from(i) << 32 ^ (e as u64) << 48;
+                        (x.wrapping_mul(0x9e37_79b9_7f4a_7c15) >> 56) as u8
+                    })
+                    .collect();
+                r.push(if gather {
+                    bytes.clone()
+                } else {
+                    vec![0xee; recv_len]
+                });
+                s.push(bytes);
                 for op in schedule(&plan, &layout, &mut counters[i as usize]) {
                     if !(strip_acks && matches!(op, Op::WaitAck { .. })) {
                         queues[i as usize].push_back((e, op));
@@ -1329,25 +1439,44 @@ mod tests {
         }
     }
 
-    fn mixed(n: u32, seed: u64) -> Vec<Collective> {
+    /// Twelve random exchanges; each all-reduce's gather follows it, at once or after
+    /// the next exchange (as a combine lag places it).
+    fn mixed(n: u32, seed: u64) -> Vec<(Collective, bool)> {
         let mut s = seed;
-        (0..12)
-            .map(|_| {
-                s = s
-                    .wrapping_mul(6364136223846793005)
-                    .wrapping_add(1442695040888963407);
-                let count = (s >> 33) % 300;
-                match (s >> 20) % 4 {
-                    0 => desc(CollectiveKind::ReduceScatter, count, None),
-                    1 => desc(CollectiveKind::AllReduce, count, None),
-                    _ => desc(
-                        CollectiveKind::Reduce,
-                        count,
-                        Some(((s >> 40) % u64::from(n)) as u32),
-                    ),
+        let mut out = Vec::new();
+        let mut pending: Option<Collective> = None;
+        for _ in 0..12 {
+            s = s
+                .wrapping_mul(6364136223846793005)
+                .wrapping_add(1442695040888963407);
+            let count = (s >> 33) % 600;
+            let d = match (s >> 20) % 4 {
+                0 => desc(CollectiveKind::ReduceScatter, count, None),
+                1 => desc(CollectiveKind::AllReduce, count, None),
+                _ => desc(
+                    CollectiveKind::Reduce,
+                    count,
+                    Some(((s >> 40) % u64::from(n)) as u32),
+                ),
+            };
+            out.push((d, false));
+            if let Some(g) = pending.take() {
+                out.push((g, true));
+            }
+            if d.kind == CollectiveKind::AllReduce {
+                if (s >> 50) % 2 == 0 {
+                    out.push((d, true));
+                } else {
+                    pending = Some(d);
                 }
-            })
-            .collect()
+            }
+        }
+        out.extend(pending.map(|g| (g, true)));
+        out
+    }
+
+    fn exchanges(descs: &[Collective]) -> Vec<(Collective, bool)> {
+        descs.iter().map(|&d| (d, false)).collect()
     }
 
     #[test]
@@ -1384,7 +1513,7 @@ mod tests {
             desc(CollectiveKind::AllReduce, 256, None),
         ];
         for seed in 1..=50 {
-            let mut sim = simulate(3, 256, 2, 0, &descs, false);
+            let mut sim = simulate(3, 256, 2, 0, &exchanges(&descs), false);
             sim.run(rng(seed));
             sim.check();
         }
@@ -1406,7 +1535,9 @@ mod tests {
         // not copied out yet: the model must notice (it is not vacuous). Member 0 runs
         // whenever it can: it posts piece 1, member 1 posts its piece 1, and member 0
         // takes it and posts piece 2 over the piece 1 member 1 has not taken yet.
-        let descs = [desc(CollectiveKind::AllReduce, 256, None)]; // 4 pieces of 256 bytes
+        // An all-reduce of 512 floats: each member's chunk of 256 floats moves in 4
+        // pieces of 256 bytes.
+        let descs = exchanges(&[desc(CollectiveKind::AllReduce, 512, None)]);
         let mut sim = simulate(2, 256, 1, 0, &descs, true);
         sim.run(|_| 0);
         assert!(

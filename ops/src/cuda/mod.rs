@@ -701,7 +701,10 @@ impl Issue {
     fn launch(&mut self, shared: &Shared, stream: Stream, tag: Tag, kernel: Kernel<CudaBuffer>) {
         let poison = self.poison[stream.index()].clone();
         // Collectives and exchanges run even on a poisoned stream: their peers need them.
-        let collective = matches!(kernel, Kernel::Collective { .. } | Kernel::Exchange { .. });
+        let collective = matches!(
+            kernel,
+            Kernel::Collective { .. } | Kernel::Exchange { .. } | Kernel::Gather { .. }
+        );
         if poison.is_some() && !collective {
             return;
         }
@@ -882,7 +885,28 @@ impl Issue {
                 comm,
                 send,
                 recv,
-            } => self.exchange(shared, stream, raw, &desc, comm, send, recv, poison),
+            } => self.exchange(
+                shared,
+                stream,
+                raw,
+                &desc,
+                comm,
+                (send, recv),
+                false,
+                poison,
+            ),
+            // The gather's one buffer is both what it sends (its chunk) and where it
+            // receives (the others').
+            Kernel::Gather { desc, comm, buf } => self.exchange(
+                shared,
+                stream,
+                raw,
+                &desc,
+                comm,
+                (buf.clone(), buf),
+                true,
+                poison,
+            ),
             Kernel::Combine {
                 desc,
                 size,
@@ -892,11 +916,12 @@ impl Issue {
                 recv,
                 dst,
             } => {
-                let c = check_combine(rank, &desc, (size, index), (&own, own_offset), &recv, &dst)?;
+                let (c, at) =
+                    check_combine(rank, &desc, (size, index), (&own, own_offset), &recv, &dst)?;
                 self.kernels.combine(
                     raw,
                     self.combine_ctas,
-                    (dst.ptr(), own.at(own_offset as u64), recv.ptr()),
+                    (dst.at(at as u64), own.at(own_offset as u64), recv.ptr()),
                     c as u64,
                     size,
                     index,
@@ -1194,12 +1219,12 @@ impl Issue {
         raw: sys::CUstream,
         desc: &Collective,
         id: CommId,
-        send: Option<CudaBuffer>,
-        recv: Option<CudaBuffer>,
+        (send, recv): (Option<CudaBuffer>, Option<CudaBuffer>),
+        gather: bool,
         poison: Option<OpsError>,
     ) -> Result<u64, OpsError> {
-        const K: &str = "exchange";
-        let shape = |reason: String| OpsError::Shape { kernel: K, reason };
+        let kernel = if gather { "gather" } else { "exchange" };
+        let shape = |reason: String| OpsError::Shape { kernel, reason };
         let Some(comm) = self.comms.iter().find(|c| c.id == id) else {
             return Err(poison.unwrap_or_else(|| {
                 shape(format!(
@@ -1209,18 +1234,37 @@ impl Issue {
             }));
         };
         let (size, index) = (comm.size, comm.index);
-        let roles = exchange_roles(desc, size, index)
-            .map_err(|e| shape(format!("{} on {}: {e}", desc.kind.name(), desc.group)))?;
+        let in_group = |e: String| shape(format!("{} on {}: {e}", desc.kind.name(), desc.group));
+        // A gather's buffer is checked as a send buffer of `count` (its receive side is
+        // the same memory).
+        let (roles, received) = if gather {
+            let count =
+                crate::gather_lengths(desc, size, index, desc.count as usize).map_err(in_group)?;
+            let own = desc.member_chunk(size, index).1 as usize;
+            let roles = CollectiveRoles {
+                send: Some(count),
+                recv: None,
+            };
+            (roles, count - own)
+        } else {
+            let roles = exchange_roles(desc, size, index).map_err(in_group)?;
+            (roles, roles.recv.unwrap_or(0))
+        };
+        let recv_checked = if gather { None } else { recv.clone() };
         let own = match poison {
             Some(p) => Err(p),
-            None => {
-                check_collective(shared.rank, stream, id, desc, &roles, &send, &recv).map_err(shape)
-            }
+            None => check_collective(shared.rank, stream, id, desc, &roles, &send, &recv_checked)
+                .map_err(shape),
         };
         // What this member receives: f32 chunks as they are (the combine rounds).
-        let bytes = (roles.recv.unwrap_or(0) * 4) as u64;
+        let bytes = (received * 4) as u64;
         if size > 1 {
-            let plan = exchange::Plan::new(desc, size, index).map_err(shape)?;
+            let plan = if gather {
+                exchange::Plan::gather(desc, size, index)
+            } else {
+                exchange::Plan::new(desc, size, index)
+            }
+            .map_err(shape)?;
             let Some(ring) = self.copy.iter_mut().find(|r| r.id == id) else {
                 return Err(OpsError::Collective {
                     comm: id.to_string(),
@@ -1394,7 +1438,8 @@ fn check_collective(
     Ok(())
 }
 
-/// Checks a [`Kernel::Combine`] (as the CPU backend does); returns the count `c`.
+/// Checks a [`Kernel::Combine`] (as the CPU backend does); returns the length of the
+/// member's chunk and where in `dst` the combine writes it.
 fn check_combine(
     rank: u32,
     desc: &Collective,
@@ -1402,13 +1447,13 @@ fn check_combine(
     (own, own_offset): (&CudaBuffer, usize),
     recv: &CudaBuffer,
     dst: &CudaBuffer,
-) -> Result<usize, OpsError> {
+) -> Result<(usize, usize), OpsError> {
     const K: &str = "combine";
     let shape = |reason: String| OpsError::Shape { kernel: K, reason };
     for (what, buf) in [("own", own), ("recv", recv), ("dst", dst)] {
         expect(K, rank, what, buf, buf.len)?;
     }
-    let c = crate::combine_lengths(
+    let (c, at) = crate::combine_lengths(
         desc,
         (size, index),
         (own.len, own_offset),
@@ -1416,12 +1461,12 @@ fn check_combine(
         dst.len,
     )
     .map_err(shape)?;
-    if dst.same(own) && own_offset != 0 {
+    if dst.same(own) && own_offset != at {
         return Err(shape(format!(
-            "dst is own at own_offset {own_offset}: an in-place combine must write the chunk it reads (own_offset 0)"
+            "dst is own at own_offset {own_offset}: an in-place combine must write the chunk it reads (at {at})"
         )));
     }
-    Ok(c)
+    Ok((c, at))
 }
 
 /// Checks that `buf` lives on `rank` and holds `len` elements.
