@@ -4,7 +4,8 @@
 # transport's levers, then the collective sweep.
 # Needs target/release/overlap (--features cuda) and the anchor script copied to
 # scratch/anchors/ (git-ignored; `cp ../shared/anchors/torch_reduce_overlap.py scratch/anchors/`).
-# Writes everything under ${OUT:-out}.
+# Writes everything under ${OUT:-out}: log.txt, and for the copy transport's default
+# runs a timeline of the last timed step (timeline_copy_<workload>_r<round>.svg, .jsonl).
 set -u
 OUT=${OUT:-out}
 mkdir -p "$OUT"
@@ -38,7 +39,7 @@ for round in $(seq 1 "${ROUNDS:-1}"); do
     mode=${name%_mm1}
     step "anchor_${name}_r$round" 110 env MM=$mm python3 scratch/anchors/torch_reduce_overlap.py "$mode" "$OUT/anchor_${name}_r$round.json"
     step "nccl_${name}_r$round" 90 $B $((p + 1)) -- bench --mesh "$mesh" --gemms "$mm" $W
-    step "copy_${name}_r$round" 90 $B $((p + 2)) -- bench --mesh "$mesh" --gemms "$mm" --transport copy $W
+    step "copy_${name}_r$round" 90 $B $((p + 2)) -- bench --mesh "$mesh" --gemms "$mm" --transport copy --timeline "$OUT/timeline_copy_${name}_r$round.svg" $W
     step "copy_${name}_compute_r$round" 90 $B $((p + 3)) -- bench --mesh "$mesh" --gemms "$mm" --transport copy --combine-stream compute $W
     step "copy_${name}_lag0_r$round" 90 $B $((p + 4)) -- bench --mesh "$mesh" --gemms "$mm" --transport copy --combine-lag 0 $W
     p=$((p + 5))

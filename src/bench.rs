@@ -84,6 +84,8 @@ pub struct BenchArgs {
     pub combine_ctas: Option<u32>,
     /// Every stream at one priority (the reduce stream is high priority otherwise).
     pub uniform_priority: bool,
+    /// Keep the last timed `overlap` step's timeline ([`BenchReport::timeline_svg`]).
+    pub timeline: bool,
 }
 
 fn transport_str<S: serde::Serializer>(t: &Transport, s: S) -> Result<S::Ok, S::Error> {
@@ -131,6 +133,7 @@ impl BenchArgs {
             nccl_max_ctas: None,
             combine_ctas: None,
             uniform_priority: false,
+            timeline: false,
         }
     }
 
@@ -297,6 +300,14 @@ pub struct BenchReport {
     pub copies_ms_per_layer: f64,
     /// Every variant's per-step spans, ms, in order (for spread).
     pub steps_ms: VariantSteps,
+    /// With [`BenchArgs::timeline`]: the last timed `overlap` step of this rank as an
+    /// SVG timeline (one lane per stream), and its kernels as JSON lines.
+    #[serde(skip)]
+    pub timeline_svg: Option<String>,
+    /// The same step's kernels, one JSON object per line: stream, op, node, start and
+    /// end in µs from the step's first kernel.
+    #[serde(skip)]
+    pub timeline_json: Option<String>,
 }
 
 /// Per-step device spans of each variant, ms.
@@ -397,6 +408,7 @@ pub async fn run<B: Backend>(backend: Arc<B>, args: &BenchArgs) -> Result<BenchR
         .iter()
         .map(|&(_, _, backward)| Executor::new(backend.clone(), exec(backward)))
         .collect();
+    let mut last_overlap: Option<StepStats> = None;
     for i in 0..total {
         let timed = i >= args.warmup as usize;
         // compute_only: the backward's kernels alone.
@@ -432,6 +444,9 @@ pub async fn run<B: Backend>(backend: Arc<B>, args: &BenchArgs) -> Result<BenchR
                     host.0 += stats.issue_seconds;
                     host.1 += stats.nodes;
                     add_kinds(0, &stats);
+                    if args.timeline {
+                        last_overlap = Some(stats);
+                    }
                 }
             }
         }
@@ -493,7 +508,56 @@ pub async fn run<B: Backend>(backend: Arc<B>, args: &BenchArgs) -> Result<BenchR
         collective_ms_per_layer: per_layer(comm_kernels.0),
         copies_ms_per_layer: per_layer(comm_kernels.1),
         steps_ms: steps,
+        timeline_svg: last_overlap
+            .as_ref()
+            .map(|st| timeline_svg(&overlap_plan, me, st)),
+        timeline_json: last_overlap
+            .as_ref()
+            .map(|st| timeline_json(&overlap_plan, me, st)),
     })
+}
+
+/// One bench step as the observe module draws a step of `overlap run` (rank `me`'s
+/// lanes).
+fn timeline_svg(plan: &Plan, me: u32, stats: &StepStats) -> String {
+    let mut stats = stats.clone();
+    stats.timings.retain(|t| t.rank == me);
+    let report = crate::session::StepReport {
+        step: 1,
+        gates: plan.gates.clone(),
+        stats,
+        stage2_bytes_saved: 0,
+        stage2_bytes: 0,
+    };
+    let analysis = crate::observe::StepAnalysis::new(&report, plan);
+    crate::observe::svg::render(&report, plan, &analysis)
+}
+
+/// Rank `me`'s kernels of one step, one JSON object per line, times in µs from the
+/// step's first kernel.
+fn timeline_json(plan: &Plan, me: u32, stats: &StepStats) -> String {
+    let mine: Vec<&Timing> = stats.timings.iter().filter(|t| t.rank == me).collect();
+    let t0 = mine.iter().map(|t| t.start).fold(f64::INFINITY, f64::min);
+    let mut out = String::new();
+    for t in mine {
+        let label = plan
+            .ranks
+            .get(me as usize)
+            .and_then(|rp| rp.nodes.get(t.tag.node as usize))
+            .map(|n| plan.label(n))
+            .unwrap_or_default();
+        let line = serde_json::json!({
+            "stream": t.stream.name(),
+            "op": t.tag.op,
+            "node": t.tag.node,
+            "label": label,
+            "start_us": (t.start - t0) * 1e6,
+            "end_us": (t.end - t0) * 1e6,
+        });
+        out.push_str(&line.to_string());
+        out.push('\n');
+    }
+    out
 }
 
 /// Whether a timing is the transfer of a stage over a group of two or more (not a
@@ -1023,6 +1087,35 @@ mod tests {
             assert!(json.contains(key), "{key}: {json}");
         }
         assert!(render(&r).contains("reduce-scatter"));
+        assert!(r.timeline_svg.is_none() && r.timeline_json.is_none());
+    }
+
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn the_timeline_is_the_last_overlap_step_as_svg_and_json_lines() {
+        // The copy transport on 1x2: exchanges, combines and gathers on their lanes.
+        let a = BenchArgs {
+            timeline: true,
+            transport: Transport::Copy,
+            ..args(Mesh::new(1, 2).unwrap())
+        };
+        let backend = Arc::new(CpuBackend::new(a.mesh));
+        let r = run(backend, &a).await.unwrap();
+        let svg = r.timeline_svg.expect("an svg");
+        assert!(svg.starts_with("<svg") && svg.contains("gather"), "{svg}");
+        let lines: Vec<serde_json::Value> = r
+            .timeline_json
+            .expect("json lines")
+            .lines()
+            .map(|l| serde_json::from_str(l).unwrap())
+            .collect();
+        // One grad_ready, exchange, combine, gather per layer at least, on rank 0.
+        let count = |op: &str| lines.iter().filter(|l| l["op"] == op).count();
+        for op in ["grad_ready", "exchange", "combine", "gather"] {
+            assert_eq!(count(op), a.layers as usize, "{op}: {lines:?}");
+        }
+        assert!(lines
+            .iter()
+            .all(|l| l["end_us"].as_f64().unwrap() >= l["start_us"].as_f64().unwrap()));
     }
 
     #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

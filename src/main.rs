@@ -177,6 +177,10 @@ enum Command {
         /// Every stream at the same priority (by default the reduce stream is high).
         #[arg(long)]
         uniform_priority: bool,
+        /// Write rank 0's last timed overlap step as an SVG timeline to this path (and
+        /// its kernels, one JSON object per line, next to it with `.jsonl`).
+        #[arg(long)]
+        timeline: Option<std::path::PathBuf>,
         /// Print one JSON line (rank 0).
         #[arg(long)]
         json: bool,
@@ -411,6 +415,7 @@ async fn dispatch(cmd: Command) -> Result<ExitCode, Error> {
             nccl_max_ctas,
             combine_ctas,
             uniform_priority,
+            timeline,
             json,
         } => {
             let transport = transport.into();
@@ -433,9 +438,21 @@ async fn dispatch(cmd: Command) -> Result<ExitCode, Error> {
                 nccl_max_ctas,
                 combine_ctas,
                 uniform_priority,
+                timeline: timeline.is_some(),
             };
             args.check()?;
             if let Some(r) = overlap::bench::bench_cuda(&args).await? {
+                if let (Some(path), Some(svg), Some(lines)) =
+                    (&timeline, &r.timeline_svg, &r.timeline_json)
+                {
+                    let write = |p: &std::path::Path, text: &str| {
+                        std::fs::write(p, text).map_err(|e| {
+                            Error::Usage(format!("--timeline: cannot write {}: {e}", p.display()))
+                        })
+                    };
+                    write(path, svg)?;
+                    write(&path.with_extension("jsonl"), lines)?;
+                }
                 if json {
                     println!(
                         "{}",
