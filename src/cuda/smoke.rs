@@ -479,13 +479,15 @@ async fn kernels(b: &CudaBackend, checks: &mut Vec<Check>) -> Result<(), Error> 
             let own_v = random(n, 40 + n as u64);
             let recv_v = random(2 * n, 41 + n as u64);
             let (own, recv, dst) = (buffer(b, &own_v)?, buffer(b, &recv_v)?, alloc(b, n)?);
+            // A reduce to member 1, which combines the whole count (an all-reduce's
+            // member combines only its chunk: `verify --transport copy` covers that).
             let desc = Collective {
-                kind: CollectiveKind::AllReduce,
+                kind: CollectiveKind::Reduce,
                 group: Group::Shard { replicate: 0 },
                 count: n as u64,
                 dtype,
                 op,
-                root: None,
+                root: Some(1),
             };
             let r = run(
                 b,
@@ -536,6 +538,60 @@ async fn kernels(b: &CudaBackend, checks: &mut Vec<Check>) -> Result<(), Error> 
     }
 
     b.set_combine_ctas(None);
+
+    // An all-reduce's combine writes its member's chunk only, in place in the whole
+    // output: member 1 of 3 of 1000 elements owns [384, 768) (chunks of 384); the rest
+    // of dst keeps its values.
+    {
+        let n = 1000usize;
+        let own_v = random(n, 77);
+        let recv_v = random(2 * 384, 78);
+        let sentinel = vec![-7.5f32; n];
+        let (own, recv, dst) = (
+            buffer(b, &own_v)?,
+            buffer(b, &recv_v)?,
+            buffer(b, &sentinel)?,
+        );
+        let desc = Collective {
+            kind: CollectiveKind::AllReduce,
+            group: Group::Shard { replicate: 0 },
+            count: n as u64,
+            dtype: DType::F32,
+            op: ReduceOp::Sum,
+            root: None,
+        };
+        let (at, k) = desc.member_chunk(3, 1);
+        let (at, k) = (at as usize, k as usize);
+        let r = run(
+            b,
+            Stream::Compute,
+            Kernel::Combine {
+                desc,
+                size: 3,
+                index: 1,
+                own,
+                own_offset: at,
+                recv,
+                dst: dst.clone(),
+            },
+        )
+        .await;
+        let got = download(b, &dst)?;
+        let exact = (0..n).all(|e| {
+            let want = if (at..at + k).contains(&e) {
+                let i = e - at;
+                recv_v[i] + own_v[e] + recv_v[k + i]
+            } else {
+                -7.5
+            };
+            got[e].to_bits() == want.to_bits()
+        });
+        push(
+            "combine all_reduce chunk (member 1 of 3, elements 384..768 of 1000)",
+            r.is_ok() && exact,
+            format!("{r:?}, bit-exact and rest untouched: {exact}"),
+        );
+    }
 
     // Spin: the stream stays busy for the time asked.
     let t0 = Instant::now();
