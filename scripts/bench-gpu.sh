@@ -28,8 +28,10 @@ B="$BIN launch --nproc-per-node 2 --master-port"
 W="--layers 16 --grad-mib 64 --d 4096 --iters $ITERS --warmup 3 --json"
 # The three workloads, each: the anchor, then overlap with NCCL collectives, then the
 # copy transport (exchanges on the copy stream) with its defaults (combine on the
-# high-priority reduce stream one layer behind), with the combine on the compute stream
-# one layer behind, and with it on the reduce stream right after its exchange.
+# high-priority reduce stream one layer behind, reading shard groups' exchanges in
+# place), with the combine on the compute stream one layer behind, with it on the
+# reduce stream right after its exchange, and with every exchange copying out of the
+# ring (--no-in-place).
 # ROUNDS=2 repeats everything.
 for round in $(seq 1 "${ROUNDS:-1}"); do
   p=$((29600 + round * 20))
@@ -42,7 +44,8 @@ for round in $(seq 1 "${ROUNDS:-1}"); do
     step "copy_${name}_r$round" 90 $B $((p + 2)) -- bench --mesh "$mesh" --gemms "$mm" --transport copy --timeline "$OUT/timeline_copy_${name}_r$round.svg" $W
     step "copy_${name}_compute_r$round" 90 $B $((p + 3)) -- bench --mesh "$mesh" --gemms "$mm" --transport copy --combine-stream compute $W
     step "copy_${name}_lag0_r$round" 90 $B $((p + 4)) -- bench --mesh "$mesh" --gemms "$mm" --transport copy --combine-lag 0 $W
-    p=$((p + 5))
+    step "copy_${name}_copyout_r$round" 90 $B $((p + 5)) -- bench --mesh "$mesh" --gemms "$mm" --transport copy --no-in-place $W
+    p=$((p + 6))
   done
 done
 # Raw collective efficiency: the executor's collective nodes against NCCL alone.

@@ -86,6 +86,9 @@ pub struct BenchArgs {
     pub uniform_priority: bool,
     /// Keep the last timed `overlap` step's timeline ([`BenchReport::timeline_svg`]).
     pub timeline: bool,
+    /// Copy transport: every exchange copies what it received out of the ring, even
+    /// where the combine could read it in place (for comparison).
+    pub no_in_place: bool,
 }
 
 fn transport_str<S: serde::Serializer>(t: &Transport, s: S) -> Result<S::Ok, S::Error> {
@@ -134,6 +137,7 @@ impl BenchArgs {
             combine_ctas: None,
             uniform_priority: false,
             timeline: false,
+            no_in_place: false,
         }
     }
 
@@ -869,10 +873,13 @@ fn open_cuda(
 #[cfg(feature = "cuda")]
 pub async fn bench_cuda(args: &BenchArgs) -> Result<Option<BenchReport>, Error> {
     args.check()?;
+    let slot_bytes = (args.copy_slot_mib as usize) << 20;
     let links = crate::cuda::Links {
         copy: (args.transport == Transport::Copy).then(|| crate::cuda::CopyLinks {
-            slot_bytes: (args.copy_slot_mib as usize) << 20,
+            slot_bytes,
             streams: vec![args.exchange_stream, Stream::Compute],
+            in_place: !args.no_in_place
+                && crate::cuda::in_place(&args.spec(Bindings::default()), slot_bytes),
         }),
         nccl_max_ctas: args.nccl_max_ctas,
         combine_ctas: args.combine_ctas,

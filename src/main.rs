@@ -181,6 +181,10 @@ enum Command {
         /// its kernels, one JSON object per line, next to it with `.jsonl`).
         #[arg(long)]
         timeline: Option<std::path::PathBuf>,
+        /// Copy transport: exchanges copy what they receive out of the ring even where
+        /// the combine could read it in place (for comparison).
+        #[arg(long)]
+        no_in_place: bool,
         /// Print one JSON line (rank 0).
         #[arg(long)]
         json: bool,
@@ -416,6 +420,7 @@ async fn dispatch(cmd: Command) -> Result<ExitCode, Error> {
             combine_ctas,
             uniform_priority,
             timeline,
+            no_in_place,
             json,
         } => {
             let transport = transport.into();
@@ -439,6 +444,7 @@ async fn dispatch(cmd: Command) -> Result<ExitCode, Error> {
                 combine_ctas,
                 uniform_priority,
                 timeline: timeline.is_some(),
+                no_in_place,
             };
             args.check()?;
             if let Some(r) = overlap::bench::bench_cuda(&args).await? {

@@ -81,10 +81,12 @@ pub fn rank_env(mesh: Mesh) -> Result<RankEnv, Error> {
 pub fn world(config: &Config, env: RankEnv, timings: bool) -> Result<CudaWorld, Error> {
     let mesh = config.plan.mesh;
     let copy = config.plan.schedule.transport == overlap_graph::Transport::Copy;
+    let slot_bytes = (config.overlap.copy_slot_mib as usize) << 20;
     let links = Links {
         copy: copy.then(|| CopyLinks {
-            slot_bytes: (config.overlap.copy_slot_mib as usize) << 20,
+            slot_bytes,
             streams: vec![config.plan.bindings.exchange],
+            in_place: in_place(&config.plan, slot_bytes),
         }),
         nccl_max_ctas: config.overlap.nccl_max_ctas,
         combine_ctas: None,
@@ -115,11 +117,33 @@ pub struct Links {
     pub uniform_priority: bool,
 }
 
+/// Whether the copy transport may leave what shard groups' exchanges receive in the
+/// ring for their combines to read in place ([`ops_cuda::CudaBackend::connect_copy`]):
+/// combines fewer than [`ops_cuda::COPY_RING_DEPTH`] layers behind their exchanges, and
+/// every Stage-1 message per peer within one ring slot of `slot_bytes`. Otherwise the
+/// exchanges copy out of the ring (as the all-reduces of replicate groups always do).
+pub fn in_place(spec: &overlap_graph::PlanSpec, slot_bytes: usize) -> bool {
+    if (spec.schedule.combine_lag as usize) >= ops_cuda::COPY_RING_DEPTH || spec.mesh.shard < 2 {
+        return false;
+    }
+    let Ok(plan) =
+        overlap_graph::Planner::new(spec.clone()).and_then(|p| p.plan(&[overlap_graph::Gate::On]))
+    else {
+        return false;
+    };
+    // A reduce-scatter sends each peer its chunk, a reduce the whole count: both are
+    // the Stage-1 count.
+    (0..plan.buckets.len() as overlap_graph::BucketId)
+        .all(|b| plan.stage1_elems(b).saturating_mul(4) <= slot_bytes as u64)
+}
+
 /// The copy transport's receive rings.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct CopyLinks {
     /// Bytes of one ring slot (`[overlap] copy_slot_mib`).
     pub slot_bytes: usize,
+    /// Shard groups' combines read their exchanges' data in the ring ([`in_place`]).
+    pub in_place: bool,
     /// The streams exchanges are bound to (`[streams] exchange`): a ring for every
     /// communicator of two or more members on one of them.
     pub streams: Vec<Stream>,
@@ -172,7 +196,7 @@ pub fn open(
     backend.set_combine_ctas(links.combine_ctas);
     if let Some(copy) = &links.copy {
         backend
-            .connect_copy(copy.slot_bytes, &copy.streams)
+            .connect_copy(copy.slot_bytes, &copy.streams, copy.in_place)
             .map_err(|e| Error::Backend(e.to_string()))?;
     }
     Ok(CudaWorld {

@@ -69,18 +69,20 @@ extern "C" __global__ void ov_from_bf16(float* dst, const u16* src, u64 n) {
 // The arithmetic half of a copy-transport stage (Kernel::Combine, the CPU's
 // kernels::combine): dst[e] = sum over members j = 0..size in order of x_j[e], where
 // x_index = own[e] (own is already offset to the member's chunk) and x_j =
-// recv[slot(j) * n + e] for the others (slot: the other members in order, skipping
-// index). The sum starts from member 0's value (not from 0, which would turn -0.0 into
+// recv[slot(j) * stride + e] for the others (slot: the other members in order, skipping
+// index; stride is n for a receive buffer, the distance between the peers' slots when
+// the combine reads a copy ring in place). The sum starts from member 0's value (not from 0, which would turn -0.0 into
 // +0.0) and adds in float; with bf16 every x_j is first rounded to bfloat16 (ties to
 // even); avg then divides by size (IEEE division: NVRTC's default -prec-div=true).
 // Each element is read completely before it is written, so dst may be own, or recv
 // in a group of two.
 extern "C" __global__ void ov_combine(float* dst, const float* own, const float* recv,
-                                      u64 n, u32 size, u32 index, int bf16, int avg) {
+                                      u64 n, u64 stride, u32 size, u32 index, int bf16,
+                                      int avg) {
     GRID_STRIDE(e, n) {
         float acc = 0.0f;
         for (u32 j = 0; j < size; ++j) {
-            float x = j == index ? own[e] : recv[(u64)(j < index ? j : j - 1) * n + e];
+            float x = j == index ? own[e] : recv[(u64)(j < index ? j : j - 1) * stride + e];
             if (bf16) x = __uint_as_float(((u32)ov_f2bf(x)) << 16);
             acc = j == 0 ? x : acc + x;
         }
@@ -90,18 +92,19 @@ extern "C" __global__ void ov_combine(float* dst, const float* own, const float*
 }
 
 // ov_combine on float4s: the same operations, element by element, in the same order;
-// n4 = n / 4, and every pointer and the slot stride n are multiples of 4 elements
-// (checked by the host). Used for the copy transport's combines, which are memory-bound:
+// n4 = n / 4, stride4 = stride / 4, and every pointer and the stride are multiples of 4
+// elements (checked by the host). Used for the copy transport's combines, which are memory-bound:
 // one 16-byte load per operand per thread instead of four 4-byte ones.
 __device__ __forceinline__ float ov_combine_round(float x, int bf16) {
     return bf16 ? __uint_as_float(((u32)ov_f2bf(x)) << 16) : x;
 }
 extern "C" __global__ void ov_combine4(float4* dst, const float4* own, const float4* recv,
-                                       u64 n4, u32 size, u32 index, int bf16, int avg) {
+                                       u64 n4, u64 stride4, u32 size, u32 index, int bf16,
+                                       int avg) {
     GRID_STRIDE(e, n4) {
         float4 acc;
         for (u32 j = 0; j < size; ++j) {
-            float4 x = j == index ? own[e] : recv[(u64)(j < index ? j : j - 1) * n4 + e];
+            float4 x = j == index ? own[e] : recv[(u64)(j < index ? j : j - 1) * stride4 + e];
             x.x = ov_combine_round(x.x, bf16);
             x.y = ov_combine_round(x.y, bf16);
             x.z = ov_combine_round(x.z, bf16);
@@ -132,14 +135,15 @@ extern "C" __global__ void ov_combine4(float4* dst, const float4* own, const flo
 #define OV_COMBINE_UNROLL 8
 #define OV_COMBINE_WIDE 512
 extern "C" __global__ void __launch_bounds__(OV_COMBINE_WIDE)
-ov_combine4n(float4* dst, const float4* own, const float4* recv, u64 n4, u32 size,
-             u32 index, int bf16, int avg) {
+ov_combine4n(float4* dst, const float4* own, const float4* recv, u64 n4, u64 stride4,
+             u32 size, u32 index, int bf16, int avg) {
     const u64 stride = (u64)gridDim.x * blockDim.x;
     for (u64 base = (u64)blockIdx.x * blockDim.x + threadIdx.x; base < n4;
          base += stride * OV_COMBINE_UNROLL) {
         float4 acc[OV_COMBINE_UNROLL];
         for (u32 j = 0; j < size; ++j) {
-            const float4* src = j == index ? own : recv + (u64)(j < index ? j : j - 1) * n4;
+            const float4* src =
+                j == index ? own : recv + (u64)(j < index ? j : j - 1) * stride4;
             float4 x[OV_COMBINE_UNROLL];
 #pragma unroll
             for (int u = 0; u < OV_COMBINE_UNROLL; ++u) {

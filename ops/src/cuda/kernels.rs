@@ -304,17 +304,19 @@ impl Kernels {
     }
 
     /// `dst = Σ_j x_j` over the `size` members of a copy-transport stage (`n` elements
-    /// each): `own` is this member's chunk, `recv` the others' (`(size − 1)·n`, at
-    /// [`crate::exchange_slot`]); `bf16` rounds every `x_j` first, `avg` divides by
-    /// `size`. `max_ctas` caps the grid (the grid-stride loop covers any length), so
-    /// the combine can run on a few SMs beside a GEMM instead of all of them.
+    /// each): `own` is this member's chunk, `recv` the others', member `j`'s at
+    /// [`crate::exchange_slot`]`(index, j) · stride` (`stride = n` for a receive buffer;
+    /// the distance between peers' slots when reading a copy ring in place); `bf16`
+    /// rounds every `x_j` first, `avg` divides by `size`. `max_ctas` caps the grid (the
+    /// grid-stride loop covers any length), so the combine can run on a few SMs beside
+    /// a GEMM instead of all of them.
     #[allow(clippy::too_many_arguments)]
     pub(super) fn combine(
         &self,
         stream: sys::CUstream,
         max_ctas: Option<u32>,
         (dst, own, recv): (sys::CUdeviceptr, sys::CUdeviceptr, sys::CUdeviceptr),
-        n: u64,
+        (n, stride): (u64, u64),
         size: u32,
         index: u32,
         bf16: bool,
@@ -325,17 +327,18 @@ impl Kernels {
         }
         // 16-byte vectors where every operand allows: each pointer 16-byte aligned and
         // the slot stride a whole number of vectors.
-        let vector = n % 4 == 0 && [dst, own, recv].iter().all(|p| p % 16 == 0);
-        let (f, len) = if vector {
-            (self.combine4, n / 4)
+        let vector = n % 4 == 0 && stride % 4 == 0 && [dst, own, recv].iter().all(|p| p % 16 == 0);
+        let (f, len, step) = if vector {
+            (self.combine4, n / 4, stride / 4)
         } else {
-            (self.combine, n)
+            (self.combine, n, stride)
         };
         let args = Args::default()
             .push(dst)
             .push(own)
             .push(recv)
             .push(len)
+            .push(step)
             .push(size)
             .push(index)
             .push(i32::from(bf16))

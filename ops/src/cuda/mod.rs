@@ -60,6 +60,7 @@ mod memory;
 mod muon;
 mod nccl;
 
+use std::collections::HashMap;
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
@@ -76,8 +77,8 @@ use crate::{
 use device::Device;
 pub use event::CudaEvent;
 use event::{lock, EventPool, HostWait, Record, Waiter};
-use exchange::CopyRing;
 pub use exchange::{copy_ring_bytes, COPY_RING_DEPTH, DEFAULT_COPY_SLOT_BYTES};
+use exchange::{CopyRing, InPlace};
 use kernels::{Kernels, Seg};
 pub use loader::check as check_libraries;
 pub use memory::CudaBuffer;
@@ -224,6 +225,9 @@ struct Issue {
     /// [`CudaBackend::connect_copy`] ran.
     copy: Vec<CopyRing>,
     kernels: Kernels,
+    /// Exchanges received in place and not yet combined, by their receive buffer's
+    /// address: the combine reads the ring there and acknowledges the pieces.
+    in_place: HashMap<sys::CUdeviceptr, (CommId, InPlace)>,
     /// At most this many CTAs per [`Kernel::Combine`] (`None`: enough for one element
     /// per thread, up to the launch cap).
     combine_ctas: Option<u32>,
@@ -327,6 +331,7 @@ impl CudaBackend {
                 comms: Vec::new(),
                 copy: Vec::new(),
                 kernels,
+                in_place: HashMap::new(),
                 combine_ctas: None,
                 blas,
                 scratch: Default::default(),
@@ -401,7 +406,21 @@ impl CudaBackend {
     /// must run on one node with peer access between the GPUs; otherwise (or when the
     /// driver lacks CUDA IPC or stream memory operations) every member of that group
     /// returns an error naming it.
-    pub fn connect_copy(&mut self, slot_bytes: usize, streams: &[Stream]) -> Result<(), OpsError> {
+    ///
+    /// `in_place`: the exchanges of shard groups (reduce-scatters and reduces, never a
+    /// gather) leave what they receive in the ring and their combines read it there,
+    /// then acknowledge it: no copy out of the ring on the exchange's stream. The caller
+    /// promises what makes that safe: every message per peer fits one slot, and each
+    /// combine runs on another stream than its exchange, fewer than
+    /// [`COPY_RING_DEPTH`] exchanges of its communicator after it (otherwise an
+    /// exchange would wait for an acknowledgement only a combine queued behind it
+    /// writes). A message too large for a slot is an error, not a hang.
+    pub fn connect_copy(
+        &mut self,
+        slot_bytes: usize,
+        streams: &[Stream],
+        in_place: bool,
+    ) -> Result<(), OpsError> {
         self.shared.device.bind()?;
         let shared = Arc::clone(&self.shared);
         let issue = self
@@ -421,6 +440,11 @@ impl CudaBackend {
             slot_bytes,
             streams,
         )?;
+        for ring in &mut issue.copy {
+            ring.set_in_place(
+                in_place && matches!(ring.id.group, overlap_graph::Group::Shard { .. }),
+            );
+        }
         Ok(())
     }
 
@@ -706,6 +730,12 @@ impl Issue {
             Kernel::Collective { .. } | Kernel::Exchange { .. } | Kernel::Gather { .. }
         );
         if poison.is_some() && !collective {
+            // A combine that read a ring in place still acknowledges its pieces.
+            if let Kernel::Combine { recv, .. } = &kernel {
+                if let Some((id, k)) = self.in_place.remove(&recv.ptr()) {
+                    let _ = self.ack_in_place(shared.device.stream(stream), id, &k);
+                }
+            }
             return;
         }
         let raw = shared.device.stream(stream);
@@ -916,19 +946,31 @@ impl Issue {
                 recv,
                 dst,
             } => {
-                let (c, at) =
-                    check_combine(rank, &desc, (size, index), (&own, own_offset), &recv, &dst)?;
-                self.kernels.combine(
-                    raw,
-                    self.combine_ctas,
-                    (dst.at(at as u64), own.at(own_offset as u64), recv.ptr()),
-                    c as u64,
-                    size,
-                    index,
-                    desc.dtype == DType::Bf16,
-                    desc.op == ReduceOp::Avg,
-                )?;
-                Ok(0)
+                // Received in place: read the ring, then acknowledge (also when the
+                // combine cannot run: the peers must not wait for it).
+                let kept = self.in_place.remove(&recv.ptr());
+                let ran =
+                    check_combine(rank, &desc, (size, index), (&own, own_offset), &recv, &dst)
+                        .and_then(|(c, at)| {
+                            let (from, stride) = match &kept {
+                                Some((_, k)) => (k.base, (k.stride / 4) as u64),
+                                None => (recv.ptr(), c as u64),
+                            };
+                            self.kernels.combine(
+                                raw,
+                                self.combine_ctas,
+                                (dst.at(at as u64), own.at(own_offset as u64), from),
+                                (c as u64, stride),
+                                size,
+                                index,
+                                desc.dtype == DType::Bf16,
+                                desc.op == ReduceOp::Avg,
+                            )
+                        });
+                if let Some((id, k)) = kept {
+                    self.ack_in_place(raw, id, &k)?;
+                }
+                ran.map(|()| 0)
             }
             Kernel::Adamw {
                 param,
@@ -1274,9 +1316,27 @@ impl Issue {
             let valid = own.is_ok();
             let s = send.as_ref().filter(|_| valid).map(CudaBuffer::ptr);
             let r = recv.as_ref().filter(|_| valid).map(CudaBuffer::ptr);
-            ring.exchange(raw, &plan, s, r)?;
+            if let (Some(kept), Some(r)) = (ring.exchange(raw, &plan, s, r)?, r) {
+                self.in_place.insert(r, (id, kept));
+            }
         }
         own.map(|()| bytes)
+    }
+
+    /// Acknowledges the pieces an in-place exchange kept, on `raw` (the combine's stream).
+    fn ack_in_place(
+        &mut self,
+        raw: sys::CUstream,
+        id: CommId,
+        kept: &InPlace,
+    ) -> Result<(), OpsError> {
+        match self.copy.iter_mut().find(|r| r.id == id) {
+            Some(ring) => ring.ack(raw, &kept.acks),
+            None => Err(OpsError::Collective {
+                comm: id.to_string(),
+                reason: "an in-place receive outlived its copy ring".into(),
+            }),
+        }
     }
 
     fn take_timings(&mut self, shared: &Shared) -> Vec<Timing> {
