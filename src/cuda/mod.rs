@@ -118,12 +118,17 @@ pub struct Links {
 }
 
 /// Whether the copy transport may leave what shard groups' exchanges receive in the
-/// ring for their combines to read in place ([`ops_cuda::CudaBackend::connect_copy`]):
-/// combines fewer than [`ops_cuda::COPY_RING_DEPTH`] layers behind their exchanges, and
-/// every Stage-1 message per peer within one ring slot of `slot_bytes`. Otherwise the
-/// exchanges copy out of the ring (as the all-reduces of replicate groups always do).
+/// ring for their combines to read in place ([`ops_cuda::CudaBackend::connect_copy`]).
+/// Safe when every exchange's wait for a free ring slot names a piece whose combine was
+/// issued before it, on every rank: each Stage-1 message per peer fits one slot of
+/// `slot_bytes`, and between a shard group's exchange and its combine at most
+/// [`ops_cuda::COPY_RING_DEPTH`]` − 1` other exchanges of that communicator are issued
+/// (one bucket per layer with `combine_lag = 1` qualifies; several buckets per layer
+/// usually do not). Otherwise exchanges copy out of the ring, as the all-reduces of
+/// replicate groups always do.
 pub fn in_place(spec: &overlap_graph::PlanSpec, slot_bytes: usize) -> bool {
-    if (spec.schedule.combine_lag as usize) >= ops_cuda::COPY_RING_DEPTH || spec.mesh.shard < 2 {
+    use overlap_graph::{Group, Op};
+    if spec.mesh.shard < 2 {
         return false;
     }
     let Ok(plan) =
@@ -133,8 +138,40 @@ pub fn in_place(spec: &overlap_graph::PlanSpec, slot_bytes: usize) -> bool {
     };
     // A reduce-scatter sends each peer its chunk, a reduce the whole count: both are
     // the Stage-1 count.
-    (0..plan.buckets.len() as overlap_graph::BucketId)
-        .all(|b| plan.stage1_elems(b).saturating_mul(4) <= slot_bytes as u64)
+    let fits = (0..plan.buckets.len() as overlap_graph::BucketId)
+        .all(|b| plan.stage1_elems(b).saturating_mul(4) <= slot_bytes as u64);
+    let most = ops_cuda::COPY_RING_DEPTH - 1;
+    fits && plan.ranks.iter().all(|rp| {
+        // Per communicator: exchanges issued so far, and when each open one was issued.
+        let mut issued: std::collections::HashMap<_, usize> = Default::default();
+        let mut open: std::collections::HashMap<_, usize> = Default::default();
+        rp.nodes.iter().all(|n| match n.op {
+            Op::Exchange {
+                bucket,
+                micro_batch,
+                stage,
+                collective,
+            } if matches!(collective.group, Group::Shard { .. }) => {
+                let k = issued.entry((collective.group, n.stream)).or_insert(0);
+                open.insert((bucket, micro_batch, stage), *k);
+                *k += 1;
+                true
+            }
+            Op::Combine {
+                bucket,
+                micro_batch,
+                stage,
+                collective,
+            } if matches!(collective.group, Group::Shard { .. }) => {
+                let comm = (collective.group, spec.bindings.exchange);
+                match open.remove(&(bucket, micro_batch, stage)) {
+                    Some(at) => issued.get(&comm).copied().unwrap_or(0) - at - 1 <= most,
+                    None => false,
+                }
+            }
+            _ => true,
+        })
+    })
 }
 
 /// The copy transport's receive rings.
@@ -275,6 +312,45 @@ impl Session<CudaBackend> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn combines_read_in_place_only_where_no_exchange_can_wait_for_a_later_combine() {
+        use crate::bench::BenchArgs;
+        use overlap_graph::{Bindings, Transport};
+        let slot = 32 << 20;
+        let bench = |f: &dyn Fn(&mut BenchArgs)| {
+            let mut a = BenchArgs {
+                transport: Transport::Copy,
+                ..BenchArgs::new(Mesh::new(2, 1).unwrap())
+            };
+            f(&mut a);
+            a.spec(Bindings::default())
+        };
+        // design §6: one 64 MiB bucket per layer, combines one layer behind: the next
+        // exchange is the only one between an exchange and its combine.
+        assert!(in_place(&bench(&|_| {}), slot));
+        assert!(in_place(&bench(&|a| a.combine_lag = 0), slot));
+        // Two layers behind: the exchange two later waits for a combine not yet issued.
+        assert!(!in_place(&bench(&|a| a.combine_lag = 2), slot));
+        // A 64 MiB chunk per peer does not fit a 32 MiB slot.
+        assert!(!in_place(&bench(&|a| a.grad_mib = 128), slot));
+        // No shard group of two: nothing to read in place.
+        assert!(!in_place(
+            &bench(&|a| a.mesh = Mesh::new(1, 2).unwrap()),
+            slot
+        ));
+        // Several buckets per layer (the GPU validation config): not in place.
+        let path =
+            std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("examples/gpu/gpu_2x1.toml");
+        let mut config = Config::from_file(&path).unwrap();
+        config.plan.schedule.transport = Transport::Copy;
+        assert!(!in_place(&config.plan, slot));
+        // One parameter per layer: in place (the GPU validation of in-place receives).
+        let path = path.with_file_name("gpu_2x1_in_place.toml");
+        let mut config = Config::from_file(&path).unwrap();
+        config.plan.schedule.transport = Transport::Copy;
+        assert!(in_place(&config.plan, slot));
+    }
 
     #[test]
     fn start_up_decisions_round_trip() {
