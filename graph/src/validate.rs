@@ -256,6 +256,14 @@ fn stage1_consumed_once(plan: &Plan, rank: u32, nodes: &[Node], out: &mut Vec<Vi
     }
 }
 
+/// Counts one more use of what `key` opened, or calls `missing` when nothing did.
+fn tally<K: Ord, V>(open: &mut BTreeMap<K, (V, u32)>, key: K, missing: impl FnOnce()) {
+    match open.get_mut(&key) {
+        Some((_, k)) => *k += 1,
+        None => missing(),
+    }
+}
+
 fn exchange_combined_once(plan: &Plan, rank: u32, nodes: &[Node], out: &mut Vec<Violation>) {
     // (bucket, micro-batch, stage) -> the exchange seen so far, and how often combined.
     let mut open: BTreeMap<(u32, u32, u8), (&Node, u32)> = BTreeMap::new();
@@ -282,9 +290,8 @@ fn exchange_combined_once(plan: &Plan, rank: u32, nodes: &[Node], out: &mut Vec<
                     ));
                     continue;
                 }
-                match reduced.get_mut(&(bucket, micro_batch, stage)) {
-                    Some((_, k)) => *k += 1,
-                    None => out.push(violation(
+                tally(&mut reduced, (bucket, micro_batch, stage), || {
+                    out.push(violation(
                         "exchange-combined-once",
                         rank,
                         Some(n),
@@ -292,8 +299,8 @@ fn exchange_combined_once(plan: &Plan, rank: u32, nodes: &[Node], out: &mut Vec<
                             "{} hands out a chunk no earlier combine reduced",
                             plan.label(n)
                         ),
-                    )),
-                }
+                    ))
+                });
             }
             Op::Exchange {
                 bucket,
@@ -336,9 +343,8 @@ fn exchange_combined_once(plan: &Plan, rank: u32, nodes: &[Node], out: &mut Vec<
                     ));
                     continue;
                 }
-                match open.get_mut(&(bucket, micro_batch, stage)) {
-                    Some((_, k)) => *k += 1,
-                    None => out.push(violation(
+                tally(&mut open, (bucket, micro_batch, stage), || {
+                    out.push(violation(
                         "exchange-combined-once",
                         rank,
                         Some(n),
@@ -346,8 +352,8 @@ fn exchange_combined_once(plan: &Plan, rank: u32, nodes: &[Node], out: &mut Vec<
                             "{} combines chunks no earlier exchange received",
                             plan.label(n)
                         ),
-                    )),
-                }
+                    ))
+                });
                 if let Op::Combine { collective, .. } = n.op {
                     if collective.kind == CollectiveKind::AllReduce {
                         reduced.insert((bucket, micro_batch, stage), (n, 0));

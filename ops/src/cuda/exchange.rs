@@ -1389,11 +1389,13 @@ mod tests {
                     ring,
                     src,
                     bytes,
-                } => {
-                    let at = l.data(exchange_slot(peer, me), ring);
-                    let data = self.sends[e][m][src..src + bytes].to_vec();
-                    self.rings[peer as usize][at..at + bytes].copy_from_slice(&data);
-                }
+                } => deliver(
+                    &mut self.rings,
+                    &l,
+                    me,
+                    (peer, ring),
+                    &self.sends[e][m][src..src + bytes],
+                ),
                 Op::Take {
                     peer,
                     ring,
@@ -1474,6 +1476,18 @@ mod tests {
             let wrong = self.mismatches();
             assert!(wrong.is_empty(), "wrong data: {wrong:?}");
         }
+    }
+
+    /// A model `Send`: `data` from member `me` lands in `peer`'s ring, `me`'s slot `ring`.
+    fn deliver(
+        rings: &mut [Vec<u8>],
+        l: &Layout,
+        me: u32,
+        (peer, ring): (u32, usize),
+        data: &[u8],
+    ) {
+        let at = l.data(exchange_slot(peer, me), ring);
+        rings[peer as usize][at..at + data.len()].copy_from_slice(data);
     }
 
     /// Builds the simulation of a sequence of exchanges, and gathers where the flag is
@@ -1813,11 +1827,13 @@ mod tests {
                             ring,
                             src,
                             bytes,
-                        } => {
-                            let at = l.data(exchange_slot(peer, me), ring);
-                            let data = self.sends[e][m][src..src + bytes].to_vec();
-                            self.rings[peer as usize][at..at + bytes].copy_from_slice(&data);
-                        }
+                        } => deliver(
+                            &mut self.rings,
+                            &l,
+                            me,
+                            (peer, ring),
+                            &self.sends[e][m][src..src + bytes],
+                        ),
                         Op::Ready { peer, value } => set(
                             &mut self.rings,
                             peer,
