@@ -399,6 +399,8 @@ fn copy_received(plan: &Plan, rank: u32, op: &Op, c: &Collective) -> u64 {
     let own = c.member_chunk(size, index).1;
     match op {
         Op::Gather { .. } => c.count - own,
+        // A reduce's members other than the root receive nothing.
+        _ if c.kind.rooted() && c.root != Some(index) => 0,
         _ => u64::from(size.saturating_sub(1)) * own,
     }
 }

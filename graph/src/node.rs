@@ -271,7 +271,11 @@ impl Collective {
             }
             CollectiveKind::AllReduce => {
                 let size = u64::from(size.max(1));
-                let c = self.count.div_ceil(size).div_ceil(CHUNK_ALIGN) * CHUNK_ALIGN;
+                let c = self
+                    .count
+                    .div_ceil(size)
+                    .div_ceil(CHUNK_ALIGN)
+                    .saturating_mul(CHUNK_ALIGN);
                 let start = c.saturating_mul(u64::from(index)).min(self.count);
                 let end = start.saturating_add(c).min(self.count);
                 (start, end - start)

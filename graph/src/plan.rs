@@ -357,7 +357,7 @@ impl Plan {
                 let c = self.stage_collective(bucket, rank, stage);
                 let size = self.mesh.group_size(c.group);
                 let index = self.mesh.index_in(c.group, rank).unwrap_or(0);
-                u64::from(size.saturating_sub(1)) * c.member_chunk(size, index).1
+                u64::from(size.saturating_sub(1)).saturating_mul(c.member_chunk(size, index).1)
             }
             Buffer::Reduced { param } | Buffer::Param { param } => self.local_elems(param, rank),
             Buffer::OptState { param } => match self.optimizer_kind(param) {
@@ -999,7 +999,7 @@ impl Plan {
                         );
                     }
                 }
-                if let Some(c) = n.op.collective() {
+                if let Some(c) = n.op.named_collective() {
                     if !self.mesh.has_group(c.group) {
                         return mal(
                             Some(n.stream),

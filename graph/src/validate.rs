@@ -11,8 +11,9 @@
 //!   by Stage 2 (zero times is seed bug 1 or 4, twice is bug 2).
 //! - `exchange-combined-once` (copy transport): every exchange a rank receives is
 //!   combined exactly once, after it, and only ranks that receive a stage's result
-//!   combine it; every all-reduce combine is gathered exactly once, after it, and only
-//!   all-reduces are gathered.
+//!   combine it; every all-reduce combine is gathered exactly once, after it, on its
+//!   exchange's stream, nothing reads the output in between, and only all-reduces are
+//!   gathered.
 //! - `event-order`: every wait follows, in host issue order, a record of its event.
 //! - `ordered-access`: every pair of accesses to one buffer, one of them a write, runs in
 //!   serial order: same stream, or ordered by an event chain (bug 3); nothing reads a
@@ -269,7 +270,26 @@ fn exchange_combined_once(plan: &Plan, rank: u32, nodes: &[Node], out: &mut Vec<
     let mut open: BTreeMap<(u32, u32, u8), (&Node, u32)> = BTreeMap::new();
     // The same for all-reduce combines, and how often gathered.
     let mut reduced: BTreeMap<(u32, u32, u8), (&Node, u32)> = BTreeMap::new();
+    // All-reduce outputs combined but not yet gathered: only this rank's chunk is there.
+    let mut partial: BTreeMap<Buffer, &Node> = BTreeMap::new();
     for n in nodes {
+        if !partial.is_empty() && !matches!(n.op, Op::Gather { .. }) {
+            for b in plan.access(rank, n).reads {
+                if let Some(c) = partial.get(&b) {
+                    out.push(violation(
+                        "exchange-combined-once",
+                        rank,
+                        Some(n),
+                        format!(
+                            "{} reads {} between {} and its gather: only this rank's chunk is reduced there yet",
+                            plan.label(n),
+                            b,
+                            plan.label(c)
+                        ),
+                    ));
+                }
+            }
+        }
         match n.op {
             Op::Gather {
                 bucket,
@@ -277,6 +297,24 @@ fn exchange_combined_once(plan: &Plan, rank: u32, nodes: &[Node], out: &mut Vec<
                 stage,
                 collective,
             } => {
+                partial.remove(&Plan::stage_output(bucket, micro_batch, stage));
+                // A gather moves on its exchange's communicator (the copy rings are there).
+                if let Some((x, _)) = open.get(&(bucket, micro_batch, stage)) {
+                    if x.stream != n.stream {
+                        out.push(violation(
+                            "exchange-combined-once",
+                            rank,
+                            Some(n),
+                            format!(
+                                "{} runs on the {} stream, but its exchange {} on {}: a gather moves on its exchange's communicator",
+                                plan.label(n),
+                                n.stream,
+                                plan.label(x),
+                                x.stream
+                            ),
+                        ));
+                    }
+                }
                 if collective.kind != CollectiveKind::AllReduce {
                     out.push(violation(
                         "exchange-combined-once",
@@ -357,6 +395,7 @@ fn exchange_combined_once(plan: &Plan, rank: u32, nodes: &[Node], out: &mut Vec<
                 if let Op::Combine { collective, .. } = n.op {
                     if collective.kind == CollectiveKind::AllReduce {
                         reduced.insert((bucket, micro_batch, stage), (n, 0));
+                        partial.insert(Plan::stage_output(bucket, micro_batch, stage), n);
                     }
                 }
             }

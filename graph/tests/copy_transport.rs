@@ -11,6 +11,7 @@
 mod common;
 
 use common::*;
+use overlap_graph::dag::{lower_rank, Segment};
 use overlap_graph::{
     validate, Gate, Instr, Mode, Op, Plan, Planner, Schedule, Stream, Transport, Violation,
 };
@@ -342,6 +343,75 @@ fn only_an_all_reduce_is_gathered() {
         vs.iter().any(|x| x.invariant == "exchange-combined-once"
             && x.node == Some(id as u32)
             && x.detail.contains("only an all-reduce")),
+        "{vs:#?}"
+    );
+}
+
+/// Lowers rank `r`'s nodes again after an edit of their operations or streams (a
+/// one-micro-batch plan: the micro-batch, then the tail), as a planner that made the
+/// edited choice would have.
+fn relower(plan: &mut Plan, r: u32, edit: impl FnOnce(&mut Vec<overlap_graph::Node>)) {
+    let mut nodes = plan.ranks[r as usize].nodes.clone();
+    edit(&mut nodes);
+    let tail = nodes
+        .iter()
+        .position(|n| n.micro_batch.is_none())
+        .unwrap_or(nodes.len());
+    let segments = [
+        Segment {
+            start: 0,
+            end: tail,
+            tail: false,
+        },
+        Segment {
+            start: tail,
+            end: nodes.len(),
+            tail: true,
+        },
+    ];
+    plan.ranks[r as usize] = lower_rank(plan, r, nodes, &segments);
+}
+
+#[test]
+fn reading_an_all_reduce_output_before_its_gather_sees_unreduced_chunks() {
+    // Rank 0 unpacks b0's Stage-2 output right after its combine, before the gather
+    // (the two operations trade places): only its own chunk is reduced there yet.
+    let mut plan = copy_plan(&[Gate::On]);
+    let at = |plan: &Plan, kind: &str| {
+        node_id(plan, 0, |op| {
+            op.kind() == kind && op.bucket() == Some(0) && op.stage() != Some(1)
+        }) as usize
+    };
+    let (gather, unpack) = (at(&plan, "gather"), at(&plan, "unpack"));
+    relower(&mut plan, 0, |nodes| {
+        let (g, u) = (nodes[gather].clone(), nodes[unpack].clone());
+        (nodes[gather].op, nodes[gather].stream) = (u.op, u.stream);
+        (nodes[unpack].op, nodes[unpack].stream) = (g.op, g.stream);
+    });
+    let vs = violations(&plan);
+    assert!(
+        vs.iter().any(|x| x.invariant == "exchange-combined-once"
+            && x.rank == 0
+            && x.node == Some(gather as u32)
+            && x.detail.contains("its gather")),
+        "{vs:#?}"
+    );
+}
+
+#[test]
+fn a_gather_off_its_exchanges_communicator_is_rejected() {
+    let mut plan = copy_plan(&[Gate::On]);
+    let gather = node_id(&plan, 1, |op| {
+        op.kind() == "gather" && op.bucket() == Some(0)
+    });
+    relower(&mut plan, 1, |nodes| {
+        nodes[gather as usize].stream = Stream::Replicate
+    });
+    let vs = violations(&plan);
+    assert!(
+        vs.iter().any(|x| x.invariant == "exchange-combined-once"
+            && x.node == Some(gather)
+            && x.detail.contains("exchange's communicator")),
         "{vs:#?}"
     );
 }

@@ -509,11 +509,27 @@ impl CopyRing {
                 plan.index, plan.size, self.index, self.size
             )));
         }
-        // In place only for a reduction's exchange whose every received message is one
-        // piece, all in the same ring slot index (true on shard groups, whose
-        // exchanges all move between the same pairs).
-        let before = self.counters.clone();
+        // In place only for a reduction's exchange whose every message is one piece,
+        // all received in the same ring slot index (true on shard groups, whose
+        // exchanges all move between the same pairs). Every member checks the largest
+        // message of any pair, so all of them refuse the same exchange, before issuing
+        // anything: no member waits for a piece another will not send.
         let in_place = self.in_place && !plan.is_gather();
+        if in_place {
+            let largest = (0..plan.size)
+                .flat_map(|i| (0..plan.size).map(move |j| (i, j)))
+                .filter(|&(i, j)| plan.moves(i, j))
+                .map(|(i, j)| plan.bytes(i, j))
+                .max()
+                .unwrap_or(0);
+            if largest > self.layout.slot_bytes {
+                return Err(self.err(format!(
+                    "a combine reads this ring in place, but a message of {largest} bytes per peer does not fit one slot of {} bytes (raise [overlap] copy_slot_mib)",
+                    self.layout.slot_bytes
+                )));
+            }
+        }
+        let before = self.counters.clone();
         let ops = schedule(plan, &self.layout, &mut self.counters, in_place);
         let kept = if in_place {
             match self.kept(plan, &ops) {
@@ -532,15 +548,10 @@ impl CopyRing {
                 return Err(self.err(reason));
             }
         }
-        // A member that cannot take part has no combine to acknowledge for it: it
-        // acknowledges at once (its peers' data is dropped, as with a poisoned NCCL rank).
-        match kept {
-            Some(k) if recv.is_none() => {
-                self.ack(stream, &k.acks)?;
-                Ok(None)
-            }
-            kept => Ok(kept),
-        }
+        // Also for a member that cannot take part (it copied nothing): its combine, run
+        // or skipped, acknowledges in combine order, so an acknowledgement never
+        // overtakes an earlier exchange's deferred one.
+        Ok(kept)
     }
 
     /// Where the pieces an in-place exchange kept are, or why they cannot be read in
@@ -560,13 +571,8 @@ impl CopyRing {
             .filter(|&j| plan.moves(j, plan.index) && plan.bytes(j, plan.index) > 0)
             .count();
         if keeps.len() != senders || keeps.iter().any(|k| k.1 != ring) {
-            let largest = (0..plan.size)
-                .map(|j| plan.bytes(j, plan.index))
-                .max()
-                .unwrap_or(0);
             return Err(format!(
-                "a combine reads this ring in place, but a message of {largest} bytes per peer does not fit one slot of {} bytes (raise [overlap] copy_slot_mib)",
-                self.layout.slot_bytes
+                "the pieces this exchange keeps in place are not one per peer in one slot index ({keeps:?}); only shard groups' exchanges, all between the same pairs, are read in place"
             ));
         }
         Ok(Some(InPlace {
@@ -1361,6 +1367,9 @@ mod tests {
         queues: Vec<std::collections::VecDeque<(usize, Op)>>,
         /// Per exchange, per member: the plan (for the expected result).
         plans: Vec<Vec<Plan>>,
+        /// Per exchange: the gather of this all-reduce, if it is one (its send buffer is
+        /// its receive buffer: the model reads and writes `recvs`).
+        gathers: Vec<Option<Collective>>,
     }
 
     impl Sim {
@@ -1389,13 +1398,21 @@ mod tests {
                     ring,
                     src,
                     bytes,
-                } => deliver(
-                    &mut self.rings,
-                    &l,
-                    me,
-                    (peer, ring),
-                    &self.sends[e][m][src..src + bytes],
-                ),
+                } => {
+                    // A gather sends from the buffer it also receives into.
+                    let from = if self.gathers[e].is_some() {
+                        &self.recvs[e][m]
+                    } else {
+                        &self.sends[e][m]
+                    };
+                    deliver(
+                        &mut self.rings,
+                        &l,
+                        me,
+                        (peer, ring),
+                        &from[src..src + bytes],
+                    )
+                }
                 Op::Take {
                     peer,
                     ring,
@@ -1457,6 +1474,21 @@ mod tests {
         fn mismatches(&self) -> Vec<String> {
             let mut wrong = Vec::new();
             for (e, plans) in self.plans.iter().enumerate() {
+                if let Some(d) = &self.gathers[e] {
+                    // Independently of `Plan`: every member's buffer ends with chunk j
+                    // of member j's starting bytes, for every j (its own unchanged).
+                    let n = plans.len() as u32;
+                    for i in 0..plans.len() {
+                        for j in 0..n {
+                            let (at, len) = d.member_chunk(n, j);
+                            let r = at as usize * ELEM..(at + len) as usize * ELEM;
+                            if self.recvs[e][i][r.clone()] != self.sends[e][j as usize][r] {
+                                wrong.push(format!("gather {e}: member {i}'s chunk {j}"));
+                            }
+                        }
+                    }
+                    continue;
+                }
                 for (i, plan) in plans.iter().enumerate() {
                     for j in (0..plan.size).filter(|&j| plan.moves(j, i as u32)) {
                         let c = plan.bytes(j, i as u32);
@@ -1564,6 +1596,7 @@ mod tests {
             recvs,
             queues,
             plans,
+            gathers: descs.iter().map(|&(d, g)| g.then_some(d)).collect(),
         }
     }
 
@@ -1960,11 +1993,27 @@ mod tests {
         assert_eq!(kept.base, 0x10_0000 + layout.data(0, 1) as u64);
         assert_eq!(kept.stride, 2 * 256);
         assert_eq!(kept.acks, vec![(0, 1), (2, 1)]);
-        // 65 floats do not fit a slot of 256 bytes: an error before anything is issued.
+        // 65 floats do not fit a slot of 256 bytes: every member refuses the exchange
+        // before issuing anything (no device call is reached), the counters unchanged;
+        // a reduce's non-root refuses it too.
         let big = Plan::new(&desc(CollectiveKind::ReduceScatter, 65, None), 3, 1).unwrap();
+        let e = ring
+            .exchange(std::ptr::null_mut(), &big, None, None)
+            .unwrap_err();
+        assert!(
+            e.to_string().contains("does not fit one slot of 256 bytes"),
+            "{e}"
+        );
+        assert_eq!(ring.counters, Counters::new(2));
+        let leaf = Plan::new(&desc(CollectiveKind::Reduce, 65, Some(0)), 3, 1).unwrap();
+        let e = ring
+            .exchange(std::ptr::null_mut(), &leaf, None, None)
+            .unwrap_err();
+        assert!(e.to_string().contains("does not fit one slot"), "{e}");
+        // Two pieces per peer as kept() would see them (a ring that is not a shard
+        // group's would produce them): refused.
         let ops = schedule(&big, &layout, &mut ring.counters.clone(), true);
-        let e = ring.kept(&big, &ops).unwrap_err();
-        assert!(e.contains("does not fit one slot of 256 bytes"), "{e}");
+        assert!(ring.kept(&big, &ops).is_err());
         // A member that sends only (a reduce's non-root) keeps nothing.
         let red = Plan::new(&desc(CollectiveKind::Reduce, 64, Some(0)), 3, 1).unwrap();
         let ops = schedule(&red, &layout, &mut ring.counters.clone(), true);

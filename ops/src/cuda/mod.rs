@@ -410,11 +410,14 @@ impl CudaBackend {
     /// `in_place`: the exchanges of shard groups (reduce-scatters and reduces, never a
     /// gather) leave what they receive in the ring and their combines read it there,
     /// then acknowledge it: no copy out of the ring on the exchange's stream. The caller
-    /// promises what makes that safe: every message per peer fits one slot, and each
-    /// combine runs on another stream than its exchange, fewer than
-    /// [`COPY_RING_DEPTH`] exchanges of its communicator after it (otherwise an
-    /// exchange would wait for an acknowledgement only a combine queued behind it
-    /// writes). A message too large for a slot is an error, not a hang.
+    /// promises what makes that safe: every message per peer fits one slot, and at most
+    /// [`COPY_RING_DEPTH`]` − 1` exchanges of a communicator are issued between an
+    /// exchange and its combine, on any stream (otherwise an exchange could wait for
+    /// an acknowledgement only a combine not yet issued writes). A message too large
+    /// for a slot is refused by every member before anything is issued: an error, not
+    /// a hang. Combines read peers' copies after a `cuStreamWaitValue32` on the
+    /// peer's ready flag, which the peer writes after its copy with the default
+    /// (fencing) flags.
     pub fn connect_copy(
         &mut self,
         slot_bytes: usize,
@@ -1316,8 +1319,24 @@ impl Issue {
             let valid = own.is_ok();
             let s = send.as_ref().filter(|_| valid).map(CudaBuffer::ptr);
             let r = recv.as_ref().filter(|_| valid).map(CudaBuffer::ptr);
-            if let (Some(kept), Some(r)) = (ring.exchange(raw, &plan, s, r)?, r) {
-                self.in_place.insert(r, (id, kept));
+            if let Some(kept) = ring.exchange(raw, &plan, s, r)? {
+                // Keyed by the receive buffer the combine will name, also when this
+                // member could not take part: its combine (run or skipped) acknowledges
+                // in order. Without a receive buffer there is no combine: acknowledge now.
+                match recv.as_ref().map(CudaBuffer::ptr) {
+                    Some(key) => {
+                        if let Some((old_id, old)) = self.in_place.insert(key, (id, kept)) {
+                            // A receive buffer reused before its combine ran: release
+                            // the older pieces first, in order.
+                            let fresh = self.in_place.remove(&key);
+                            self.ack_in_place(raw, old_id, &old)?;
+                            if let Some(fresh) = fresh {
+                                self.in_place.insert(key, fresh);
+                            }
+                        }
+                    }
+                    None => self.ack_in_place(raw, id, &kept)?,
+                }
             }
         }
         own.map(|()| bytes)
