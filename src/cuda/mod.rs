@@ -126,6 +126,16 @@ pub struct Links {
 /// (one bucket per layer with `combine_lag = 1` qualifies; several buckets per layer
 /// usually do not). Otherwise exchanges copy out of the ring, as the all-reduces of
 /// replicate groups always do.
+///
+/// Why that suffices: the only wait in-place receives add is an exchange's wait for a
+/// slot, i.e. for the peer's combine of the exchange `depth` pieces earlier, which the
+/// peer issued before its own copy of this exchange. Every other device-side wait
+/// (stream order, the plan's events, the pool's fences on recycled memory) points at
+/// work its rank issued earlier, and a wait across ranks points at a strictly earlier
+/// exchange of the communicator; so no chain of waits closes a cycle. With a combine
+/// further behind, an exchange waits for a combine its rank has not issued, which may
+/// sit behind a pooled-buffer fence on that very exchange: the hang of call P in
+/// `docs/performance.md`.
 pub fn in_place(spec: &overlap_graph::PlanSpec, slot_bytes: usize) -> bool {
     use overlap_graph::{Group, Op};
     if spec.mesh.shard < 2 {
