@@ -134,8 +134,8 @@ pub struct Links {
 /// work its rank issued earlier, and a wait across ranks points at a strictly earlier
 /// exchange of the communicator; so no chain of waits closes a cycle. With a combine
 /// further behind, an exchange waits for a combine its rank has not issued, which may
-/// sit behind a pooled-buffer fence on that very exchange: the hang of call P in
-/// `docs/performance.md`.
+/// sit behind a pooled-buffer fence or a host wait on that very exchange (the likely
+/// cause of call P's hang in `docs/performance.md`, not traced on the GPU).
 pub fn in_place(spec: &overlap_graph::PlanSpec, slot_bytes: usize) -> bool {
     use overlap_graph::{Group, Op};
     if spec.mesh.shard < 2 {
