@@ -7,25 +7,8 @@
 # Writes everything under ${OUT:-out}: log.txt, and for the copy transport's default
 # runs a timeline of the last timed step (timeline_copy_<workload>_r<round>.svg, .jsonl).
 set -u
-OUT=${OUT:-out}
-mkdir -p "$OUT"
-export LD_LIBRARY_PATH=/usr/local/cuda/lib64:${LD_LIBRARY_PATH:-}
-export NCCL_NVLS_ENABLE=0
-BIN=./target/release/overlap
-ITERS=${ITERS:-20}
-step() { # name, timeout, command...
-  local name=$1 t=$2; shift 2
-  if [ "$SECONDS" -gt "${BUDGET_S:-520}" ]; then echo "== $name: skipped (budget)" | tee -a "$OUT/log.txt"; return; fi
-  echo "== $name: $*" | tee -a "$OUT/log.txt"
-  local s=$SECONDS
-  timeout "$t" "$@" > "$OUT/$name.out" 2>> "$OUT/stderr.txt"
-  local rc=$?
-  echo "   exit $rc ($((SECONDS - s)) s)" | tee -a "$OUT/log.txt"
-  cat "$OUT/$name.out" >> "$OUT/log.txt"; tail -n 1 "$OUT/$name.out"; rm -f "$OUT/$name.out"
-}
-nvidia-smi --query-gpu=name,driver_version,clocks.max.sm --format=csv >> "$OUT/log.txt" 2>&1
+source "$(dirname "$0")/bench-common.sh"
 B="$BIN launch --nproc-per-node 2 --master-port"
-W="--layers 16 --grad-mib 64 --d 4096 --iters $ITERS --warmup 3 --json"
 # The three workloads, each: the anchor, then overlap with NCCL collectives, then the
 # copy transport (exchanges on the copy stream) with its defaults (combine on the
 # high-priority reduce stream one layer behind, reading shard groups' exchanges in

@@ -10,28 +10,10 @@
 # WORKLOADS picks among rs (2x1, 3 GEMMs), ar (1x2, 3 GEMMs), rs_mm1 (2x1, 1 GEMM);
 # ROUNDS repeats the whole sweep. Needs target/release/overlap (--features cuda).
 set -u
-OUT=${OUT:-out}
-mkdir -p "$OUT"
-export LD_LIBRARY_PATH=/usr/local/cuda/lib64:${LD_LIBRARY_PATH:-}
-export NCCL_NVLS_ENABLE=0
-BIN=./target/release/overlap
-ITERS=${ITERS:-20}
+source "$(dirname "$0")/bench-common.sh"
 VARIANTS=${VARIANTS:-$'nccl|\ncopy|--transport copy'}
 WORKLOADS=${WORKLOADS:-"rs ar rs_mm1"}
 port=29700
-step() { # name, command...
-  local name=$1; shift
-  port=$((port + 1))
-  if [ "$SECONDS" -gt "${BUDGET_S:-520}" ]; then echo "== $name: skipped (budget)" | tee -a "$OUT/log.txt"; return; fi
-  echo "== $name: $*" | tee -a "$OUT/log.txt"
-  local s=$SECONDS
-  timeout 90 "$@" > "$OUT/$name.out" 2>> "$OUT/stderr.txt"
-  local rc=$?
-  echo "   exit $rc ($((SECONDS - s)) s)" | tee -a "$OUT/log.txt"
-  cat "$OUT/$name.out" >> "$OUT/log.txt"; rm -f "$OUT/$name.out"
-}
-nvidia-smi --query-gpu=name,driver_version,clocks.max.sm --format=csv >> "$OUT/log.txt" 2>&1
-W="--layers 16 --grad-mib 64 --d 4096 --iters $ITERS --warmup 3 --json"
 total=$(( $(printf '%s\n' "$VARIANTS" | grep -c .) * $(echo $WORKLOADS | wc -w) * ${ROUNDS:-1} ))
 n=0
 for round in $(seq 1 "${ROUNDS:-1}"); do
@@ -46,8 +28,9 @@ for round in $(seq 1 "${ROUNDS:-1}"); do
       [ -n "$vname" ] || continue
       n=$((n + 1))
       echo "[$n/$total] ${vname}_${wl}_r$round" >&2
+      port=$((port + 1))
       # shellcheck disable=SC2086
-      step "${vname}_${wl}_r$round" "$BIN" launch --nproc-per-node 2 --master-port "$port" -- \
+      step "${vname}_${wl}_r$round" 90 "$BIN" launch --nproc-per-node 2 --master-port "$port" -- \
         bench --mesh "$mesh" --gemms "$mm" $flags $W
     done <<< "$VARIANTS"
   done

@@ -878,8 +878,16 @@ pub async fn bench_cuda(args: &BenchArgs) -> Result<Option<BenchReport>, Error> 
         copy: (args.transport == Transport::Copy).then(|| crate::cuda::CopyLinks {
             slot_bytes,
             streams: vec![args.exchange_stream, Stream::Compute],
-            in_place: !args.no_in_place
-                && crate::cuda::in_place(&args.spec(Bindings::default()), slot_bytes),
+            // Both plans the bench runs (the serial one's exchanges are on the compute
+            // stream, so on rings of their own).
+            in_place: if args.no_in_place {
+                Vec::new()
+            } else {
+                [args.spec(Bindings::default()), args.spec(serial_bindings())]
+                    .iter()
+                    .flat_map(|spec| crate::cuda::in_place_comms(spec, slot_bytes))
+                    .collect()
+            },
         }),
         nccl_max_ctas: args.nccl_max_ctas,
         combine_ctas: args.combine_ctas,

@@ -391,18 +391,13 @@ impl<B: Backend> Session<B> {
 
 /// The parameters a step with these gates would leave unflushed, if any: every
 /// micro-batch after the last gate-on one leaves a partial or an accumulation.
-/// Elements a rank receives in one copy-transport exchange or gather of `c`: its chunk
-/// from every other member, or every other member's chunk.
+/// Elements a rank receives in one copy-transport exchange or gather of `c`, as the
+/// backends count them ([`overlap_ops::copy_roles`]).
 fn copy_received(plan: &Plan, rank: u32, op: &Op, c: &Collective) -> u64 {
     let size = plan.mesh.group_size(c.group);
     let index = plan.mesh.index_in(c.group, rank).unwrap_or(0);
-    let own = c.member_chunk(size, index).1;
-    match op {
-        Op::Gather { .. } => c.count - own,
-        // A reduce's members other than the root receive nothing.
-        _ if c.kind.rooted() && c.root != Some(index) => 0,
-        _ => u64::from(size.saturating_sub(1)) * own,
-    }
+    let gather = matches!(op, Op::Gather { .. });
+    overlap_ops::copy_roles(c, size, index, gather).map_or(0, |(_, received)| received as u64)
 }
 
 pub fn unflushed(planner: &Planner, gates: &[Gate]) -> Option<Vec<String>> {

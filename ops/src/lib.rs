@@ -222,33 +222,44 @@ pub fn combine_lengths(
     Ok((k, 0))
 }
 
-/// Checks the buffer of a [`Kernel::Gather`]: `desc` is an all-reduce, `index` a member,
-/// and `buf` holds its whole `count`. Returns `count`.
-pub fn gather_lengths(
+/// What a member of a copy-transport call passes, and how many elements it receives
+/// (both backends report `4 ×` that as the call's bytes: the copy transport moves f32 as
+/// is). An exchange ([`Kernel::Exchange`]) passes [`exchange_roles`] and receives its
+/// receive buffer; a gather ([`Kernel::Gather`], all-reduces only) passes its one buffer
+/// of `count` as the send side and receives every other member's chunk. Errors name the
+/// collective and its group.
+pub fn copy_roles(
     desc: &Collective,
     size: u32,
     index: u32,
-    buf_len: usize,
-) -> Result<usize, String> {
+    gather: bool,
+) -> Result<(CollectiveRoles, usize), String> {
+    let in_group = |e: String| format!("{} on {}: {e}", desc.kind.name(), desc.group);
+    if !gather {
+        let roles = exchange_roles(desc, size, index).map_err(in_group)?;
+        return Ok((roles, roles.recv.unwrap_or(0)));
+    }
     if desc.kind != CollectiveKind::AllReduce {
-        return Err(format!(
+        return Err(in_group(format!(
             "only an all-reduce's chunks are gathered, not a {}'s",
             desc.kind.name()
-        ));
+        )));
     }
-    let roles = collective_roles(desc, size, index)?;
     if index >= size {
-        return Err(format!(
+        return Err(in_group(format!(
             "member index {index} is not a member of a group of {size}"
-        ));
+        )));
     }
-    let count = roles.recv.unwrap_or(0);
-    if buf_len != count {
-        return Err(format!(
-            "buf must hold count = {count} elements, got {buf_len}"
-        ));
-    }
-    Ok(count)
+    let count = collective_roles(desc, size, index)
+        .map_err(in_group)?
+        .recv
+        .unwrap_or(0);
+    let own = desc.member_chunk(size, index).1 as usize;
+    let roles = CollectiveRoles {
+        send: Some(count),
+        recv: None,
+    };
+    Ok((roles, count - own))
 }
 
 /// The receive-buffer slot of member `from` at member `index`: the other members in
@@ -427,7 +438,7 @@ pub enum Kernel<B> {
     /// member `i` copies chunk `i` of `buf` ([`Collective::member_chunk`], reduced by its
     /// combine) into chunk `i` of every other member's `buf`, without arithmetic, so every
     /// `buf` ends whole. Cross-rank like [`Kernel::Exchange`], on the same communicator;
-    /// `buf` holds `count` elements ([`gather_lengths`]); `None` for a member that cannot
+    /// `buf` holds `count` elements ([`copy_roles`]); `None` for a member that cannot
     /// take part (it still meets the others). CUDA: copy engines, no SMs.
     Gather {
         /// The all-reduce.
@@ -581,11 +592,12 @@ pub trait Backend: Send + Sync + 'static {
 }
 
 #[cfg(test)]
-mod tests {
+pub(crate) mod tests {
     use super::*;
     use overlap_graph::{DType, ReduceOp};
 
-    fn coll(kind: CollectiveKind, count: u64, root: Option<u32>) -> Collective {
+    /// An f32 `avg` collective on shard group 0 (for tests across the crate).
+    pub(crate) fn coll(kind: CollectiveKind, count: u64, root: Option<u32>) -> Collective {
         Collective {
             kind,
             group: Group::Shard { replicate: 0 },

@@ -86,7 +86,7 @@ pub fn world(config: &Config, env: RankEnv, timings: bool) -> Result<CudaWorld, 
         copy: copy.then(|| CopyLinks {
             slot_bytes,
             streams: vec![config.plan.bindings.exchange],
-            in_place: in_place(&config.plan, slot_bytes),
+            in_place: in_place_comms(&config.plan, slot_bytes),
         }),
         nccl_max_ctas: config.overlap.nccl_max_ctas,
         combine_ctas: None,
@@ -117,15 +117,16 @@ pub struct Links {
     pub uniform_priority: bool,
 }
 
-/// Whether the copy transport may leave what shard groups' exchanges receive in the
-/// ring for their combines to read in place ([`ops_cuda::CudaBackend::connect_copy`]).
-/// Safe when every exchange's wait for a free ring slot names a piece whose combine was
-/// issued before it, on every rank: each Stage-1 message per peer fits one slot of
-/// `slot_bytes`, and between a shard group's exchange and its combine at most
-/// [`ops_cuda::COPY_RING_DEPTH`]` − 1` other exchanges of that communicator are issued
-/// (one bucket per layer with `combine_lag = 1` qualifies; several buckets per layer
-/// usually do not). Otherwise exchanges copy out of the ring, as the all-reduces of
-/// replicate groups always do.
+/// The communicators whose combines may read what their exchanges received in place in
+/// the copy ring ([`ops_cuda::CudaBackend::connect_copy`]), decided from the plan alike on
+/// every rank. A communicator qualifies when every exchange's wait for a free ring slot
+/// names a piece whose combine was issued before it, on every rank: it carries no
+/// gather (a gather's acknowledgements are immediate and must not overtake deferred
+/// ones), each message per peer fits one slot of `slot_bytes`, and between an exchange
+/// and its combine at most [`ops_cuda::COPY_RING_DEPTH`]` − 1` other exchanges of that
+/// communicator are issued (one bucket per layer with `combine_lag = 1` qualifies;
+/// several buckets per layer usually do not). Everywhere else exchanges copy out of the
+/// ring.
 ///
 /// Why that suffices: the only wait in-place receives add is an exchange's wait for a
 /// slot, i.e. for the peer's combine of the exchange `depth` pieces earlier, which the
@@ -136,52 +137,72 @@ pub struct Links {
 /// further behind, an exchange waits for a combine its rank has not issued, which may
 /// sit behind a pooled-buffer fence or a host wait on that very exchange (the likely
 /// cause of call P's hang in `docs/performance.md`, not traced on the GPU).
-pub fn in_place(spec: &overlap_graph::PlanSpec, slot_bytes: usize) -> bool {
-    use overlap_graph::{Group, Op};
-    if spec.mesh.shard < 2 {
-        return false;
-    }
+pub fn in_place_comms(spec: &overlap_graph::PlanSpec, slot_bytes: usize) -> Vec<CommId> {
+    use overlap_graph::Op;
+    use std::collections::{BTreeMap, HashMap};
     let Ok(plan) =
         overlap_graph::Planner::new(spec.clone()).and_then(|p| p.plan(&[overlap_graph::Gate::On]))
     else {
-        return false;
+        return Vec::new();
     };
-    // A reduce-scatter sends each peer its chunk, a reduce the whole count: both are
-    // the Stage-1 count.
-    let fits = (0..plan.buckets.len() as overlap_graph::BucketId)
-        .all(|b| plan.stage1_elems(b).saturating_mul(4) <= slot_bytes as u64);
     let most = ops_cuda::COPY_RING_DEPTH - 1;
-    fits && plan.ranks.iter().all(|rp| {
-        // Per communicator: exchanges issued so far, and when each open one was issued.
-        let mut issued: std::collections::HashMap<_, usize> = Default::default();
-        let mut open: std::collections::HashMap<_, usize> = Default::default();
-        rp.nodes.iter().all(|n| match n.op {
-            Op::Exchange {
-                bucket,
-                micro_batch,
-                stage,
-                collective,
-            } if matches!(collective.group, Group::Shard { .. }) => {
-                let k = issued.entry((collective.group, n.stream)).or_insert(0);
-                open.insert((bucket, micro_batch, stage), *k);
-                *k += 1;
-                true
-            }
-            Op::Combine {
-                bucket,
-                micro_batch,
-                stage,
-                collective,
-            } if matches!(collective.group, Group::Shard { .. }) => {
-                let comm = (collective.group, spec.bindings.exchange);
-                match open.remove(&(bucket, micro_batch, stage)) {
-                    Some(at) => issued.get(&comm).copied().unwrap_or(0) - at - 1 <= most,
-                    None => false,
+    let mut ok: BTreeMap<CommId, bool> = BTreeMap::new();
+    for rp in &plan.ranks {
+        // Per communicator: exchanges issued so far; per open exchange: where.
+        let mut issued: HashMap<CommId, usize> = HashMap::new();
+        let mut open: HashMap<_, (CommId, usize)> = HashMap::new();
+        for n in &rp.nodes {
+            match n.op {
+                Op::Exchange {
+                    bucket,
+                    micro_batch,
+                    stage,
+                    collective,
+                } => {
+                    let id = CommId {
+                        group: collective.group,
+                        stream: n.stream,
+                    };
+                    let size = plan.mesh.group_size(collective.group);
+                    let fits = (0..size).all(|j| {
+                        collective.member_chunk(size, j).1.saturating_mul(4) <= slot_bytes as u64
+                    });
+                    *ok.entry(id).or_insert(true) &= fits;
+                    let k = issued.entry(id).or_insert(0);
+                    open.insert((bucket, micro_batch, stage), (id, *k));
+                    *k += 1;
                 }
+                Op::Combine {
+                    bucket,
+                    micro_batch,
+                    stage,
+                    ..
+                } => {
+                    if let Some((id, at)) = open.remove(&(bucket, micro_batch, stage)) {
+                        let between = issued.get(&id).copied().unwrap_or(0) - at - 1;
+                        *ok.entry(id).or_insert(true) &= between <= most;
+                    }
+                }
+                Op::Gather { collective, .. } => {
+                    let id = CommId {
+                        group: collective.group,
+                        stream: n.stream,
+                    };
+                    ok.insert(id, false);
+                }
+                _ => {}
             }
-            _ => true,
-        })
-    })
+        }
+    }
+    ok.into_iter()
+        .filter(|&(_, y)| y)
+        .map(|(id, _)| id)
+        .collect()
+}
+
+/// Whether any communicator of the plan reads in place ([`in_place_comms`]).
+pub fn in_place(spec: &overlap_graph::PlanSpec, slot_bytes: usize) -> bool {
+    !in_place_comms(spec, slot_bytes).is_empty()
 }
 
 /// The copy transport's receive rings.
@@ -189,8 +210,9 @@ pub fn in_place(spec: &overlap_graph::PlanSpec, slot_bytes: usize) -> bool {
 pub struct CopyLinks {
     /// Bytes of one ring slot (`[overlap] copy_slot_mib`).
     pub slot_bytes: usize,
-    /// Shard groups' combines read their exchanges' data in the ring ([`in_place`]).
-    pub in_place: bool,
+    /// The communicators whose combines read their exchanges' data in the ring
+    /// ([`in_place_comms`]).
+    pub in_place: Vec<CommId>,
     /// The streams exchanges are bound to (`[streams] exchange`): a ring for every
     /// communicator of two or more members on one of them.
     pub streams: Vec<Stream>,
@@ -243,7 +265,7 @@ pub fn open(
     backend.set_combine_ctas(links.combine_ctas);
     if let Some(copy) = &links.copy {
         backend
-            .connect_copy(copy.slot_bytes, &copy.streams, copy.in_place)
+            .connect_copy(copy.slot_bytes, &copy.streams, &copy.in_place)
             .map_err(|e| Error::Backend(e.to_string()))?;
     }
     Ok(CudaWorld {
@@ -360,6 +382,15 @@ mod tests {
         let mut config = Config::from_file(&path).unwrap();
         config.plan.schedule.transport = Transport::Copy;
         assert!(in_place(&config.plan, slot));
+        // Which ones: the shard group's ring on the exchange stream. On a 2x2 mesh the
+        // replicate groups' rings carry gathers and copy out.
+        let shard = |replicate| CommId {
+            group: overlap_graph::Group::Shard { replicate },
+            stream: Stream::Copy,
+        };
+        assert_eq!(in_place_comms(&bench(&|_| {}), slot), vec![shard(0)]);
+        let hsdp = in_place_comms(&bench(&|a| a.mesh = Mesh::new(2, 2).unwrap()), slot);
+        assert_eq!(hsdp, vec![shard(0), shard(1)]);
     }
 
     #[test]

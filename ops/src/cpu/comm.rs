@@ -152,17 +152,12 @@ impl Comm {
         }
         let n = self.members.len();
         let rank = self.members[index];
-        let roles = match call {
-            Call::Collective => crate::collective_roles(desc, n as u32, index as u32),
-            Call::Exchange => crate::exchange_roles(desc, n as u32, index as u32)
-                .map_err(|e| format!("{} on {}: {e}", desc.kind.name(), desc.group)),
-            Call::Gather => {
-                crate::gather_lengths(desc, n as u32, index as u32, desc.count as usize)
-                    .map(|count| crate::CollectiveRoles {
-                        send: Some(count),
-                        recv: None,
-                    })
-                    .map_err(|e| format!("{} on {}: {e}", desc.kind.name(), desc.group))
+        let (roles, received) = match call {
+            Call::Collective => {
+                crate::collective_roles(desc, n as u32, index as u32).map(|r| (r, 0))
+            }
+            Call::Exchange | Call::Gather => {
+                crate::copy_roles(desc, n as u32, index as u32, call == Call::Gather)
             }
         }
         .map_err(shape)?;
@@ -185,13 +180,8 @@ impl Comm {
         }
         Ok(match call {
             Call::Collective => want_send.unwrap_or(desc.count as usize) as u64 * desc.dtype.size(),
-            // The exchange moves the f32 buffers as they are (no bf16 wire format).
-            Call::Exchange => want_recv.unwrap_or(0) as u64 * 4,
-            // What the member receives: every other member's chunk.
-            Call::Gather => {
-                let (_, own) = desc.member_chunk(n as u32, index as u32);
-                (desc.count - own) * 4
-            }
+            // The copy transport moves the f32 buffers as they are (no bf16 wire format).
+            Call::Exchange | Call::Gather => received as u64 * 4,
         })
     }
 

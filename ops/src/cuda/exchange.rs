@@ -514,7 +514,12 @@ impl CopyRing {
         // exchanges all move between the same pairs). Every member checks the largest
         // message of any pair, so all of them refuse the same exchange, before issuing
         // anything: no member waits for a piece another will not send.
-        let in_place = self.in_place && !plan.is_gather();
+        if self.in_place && plan.is_gather() {
+            return Err(self.err(
+                "a gather on a ring whose receives are read in place: its immediate acknowledgements could overtake the combines' (connect_copy names rings without gathers)".into(),
+            ));
+        }
+        let in_place = self.in_place;
         if in_place {
             let largest = (0..plan.size)
                 .flat_map(|i| (0..plan.size).map(move |j| (i, j)))
@@ -601,9 +606,9 @@ impl CopyRing {
 
     /// Makes exchanges receive in place ([`InPlace`]): each combine then reads the ring
     /// and acknowledges the pieces itself, so no copy out of the ring runs on the
-    /// exchange's stream. Only for a ring that carries no gather (shard groups), whose
-    /// combines run on another stream than its exchanges, fewer than
-    /// [`COPY_RING_DEPTH`] exchanges behind them, with every message in one slot.
+    /// exchange's stream. Only for a ring that carries no gather, whose combines come
+    /// at most [`COPY_RING_DEPTH`]` − 1` exchanges after theirs, with every message in
+    /// one slot (see [`super::CudaBackend::connect_copy`]).
     pub(super) fn set_in_place(&mut self, on: bool) {
         self.in_place = on;
     }
@@ -1117,18 +1122,7 @@ fn agree(records: &[Option<Record>], comm: &Comm, mine: &Record) -> Option<Strin
 #[cfg(test)]
 mod tests {
     use super::*;
-    use overlap_graph::{DType, Group, ReduceOp};
-
-    fn desc(kind: CollectiveKind, count: u64, root: Option<u32>) -> Collective {
-        Collective {
-            kind,
-            group: Group::Shard { replicate: 0 },
-            count,
-            dtype: DType::F32,
-            op: ReduceOp::Avg,
-            root,
-        }
-    }
+    use crate::tests::coll as desc;
 
     #[test]
     fn the_ring_layout_keeps_flags_apart_and_slots_aligned() {
@@ -1553,17 +1547,18 @@ mod tests {
             let mut r = Vec::new();
             let mut p = Vec::new();
             for i in 0..n {
-                let (plan, send_len, recv_len) = if gather {
-                    let len = crate::gather_lengths(d, n, i, d.count as usize).unwrap();
-                    (Plan::gather(d, n, i).unwrap(), len * ELEM, len * ELEM)
+                // A gather's one buffer is its send side, and also where it receives.
+                let (roles, _) = crate::copy_roles(d, n, i, gather).unwrap();
+                let plan = if gather {
+                    Plan::gather(d, n, i).unwrap()
                 } else {
-                    let roles = crate::exchange_roles(d, n, i).unwrap();
-                    let plan = Plan::new(d, n, i).unwrap();
-                    (
-                        plan,
-                        roles.send.unwrap_or(0) * ELEM,
-                        roles.recv.unwrap_or(0) * ELEM,
-                    )
+                    Plan::new(d, n, i).unwrap()
+                };
+                let send_len = roles.send.unwrap_or(0) * ELEM;
+                let recv_len = if gather {
+                    send_len
+                } else {
+                    roles.recv.unwrap_or(0) * ELEM
                 };
                 let bytes: Vec<u8> = (0..send_len)
                     .map(|b| {

@@ -71,8 +71,8 @@ use overlap_graph::{
 };
 
 use crate::{
-    collective_roles, exchange_roles, AdamwParams, Backend, BoxFuture, CollectiveRoles, CommId,
-    EventStatus, Kernel, MuonParams, OpsError, Tag, Timing,
+    collective_roles, AdamwParams, Backend, BoxFuture, CollectiveRoles, CommId, EventStatus,
+    Kernel, MuonParams, OpsError, Tag, Timing,
 };
 use device::Device;
 pub use event::CudaEvent;
@@ -407,10 +407,11 @@ impl CudaBackend {
     /// driver lacks CUDA IPC or stream memory operations) every member of that group
     /// returns an error naming it.
     ///
-    /// `in_place`: the exchanges of shard groups (reduce-scatters and reduces, never a
-    /// gather) leave what they receive in the ring and their combines read it there,
-    /// then acknowledge it: no copy out of the ring on the exchange's stream. The caller
-    /// promises what makes that safe: every message per peer fits one slot, and at most
+    /// `in_place`: the communicators whose exchanges leave what they receive in the ring
+    /// for their combines to read there and then acknowledge: no copy out of the ring on
+    /// the exchange's stream. The caller promises what makes that safe (and names the
+    /// same communicators on every member): they carry no gather (a gather on such a
+    /// ring is an error), every message per peer fits one slot, and at most
     /// [`COPY_RING_DEPTH`]` − 1` exchanges of a communicator are issued between an
     /// exchange and its combine, on any stream (otherwise an exchange could wait for
     /// an acknowledgement only a combine not yet issued writes). A message too large
@@ -422,7 +423,7 @@ impl CudaBackend {
         &mut self,
         slot_bytes: usize,
         streams: &[Stream],
-        in_place: bool,
+        in_place: &[CommId],
     ) -> Result<(), OpsError> {
         self.shared.device.bind()?;
         let shared = Arc::clone(&self.shared);
@@ -444,9 +445,7 @@ impl CudaBackend {
             streams,
         )?;
         for ring in &mut issue.copy {
-            ring.set_in_place(
-                in_place && matches!(ring.id.group, overlap_graph::Group::Shard { .. }),
-            );
+            ring.set_in_place(in_place.contains(&ring.id));
         }
         Ok(())
     }
@@ -1167,6 +1166,26 @@ impl Issue {
         Ok(ptr)
     }
 
+    /// Where this rank's communicator `id` is, or the error `kernel` reports (the
+    /// poison, when the stream has one).
+    fn comm_index(
+        &self,
+        shared: &Shared,
+        id: CommId,
+        kernel: &'static str,
+        poison: &Option<OpsError>,
+    ) -> Result<usize, OpsError> {
+        self.comms.iter().position(|c| c.id == id).ok_or_else(|| {
+            poison.clone().unwrap_or_else(|| OpsError::Shape {
+                kernel,
+                reason: format!(
+                    "rank {} has no communicator {id} (mesh {}); only the (group, stream) pairs of the plan's bindings are created",
+                    shared.rank, shared.mesh
+                ),
+            })
+        })
+    }
+
     /// Issues a collective. A member that is poisoned or whose call is invalid still
     /// joins, on scratch buffers of the size its role needs, so its peers never hang.
     #[allow(clippy::too_many_arguments)]
@@ -1183,14 +1202,7 @@ impl Issue {
     ) -> Result<u64, OpsError> {
         let kernel = desc.kind.name();
         let shape = |reason: String| OpsError::Shape { kernel, reason };
-        let Some(ci) = self.comms.iter().position(|c| c.id == id) else {
-            return Err(poison.unwrap_or_else(|| {
-                shape(format!(
-                    "rank {} has no communicator {id} (mesh {}); only the (group, stream) pairs of the plan's bindings are created",
-                    shared.rank, shared.mesh
-                ))
-            }));
-        };
+        let ci = self.comm_index(shared, id, kernel, &poison)?;
         let (size, index) = (self.comms[ci].size, self.comms[ci].index);
         let roles = collective_roles(desc, size, index).map_err(shape)?;
         let own = match poison.clone() {
@@ -1270,31 +1282,9 @@ impl Issue {
     ) -> Result<u64, OpsError> {
         let kernel = if gather { "gather" } else { "exchange" };
         let shape = |reason: String| OpsError::Shape { kernel, reason };
-        let Some(comm) = self.comms.iter().find(|c| c.id == id) else {
-            return Err(poison.unwrap_or_else(|| {
-                shape(format!(
-                    "rank {} has no communicator {id} (mesh {}); only the (group, stream) pairs of the plan's bindings are created",
-                    shared.rank, shared.mesh
-                ))
-            }));
-        };
-        let (size, index) = (comm.size, comm.index);
-        let in_group = |e: String| shape(format!("{} on {}: {e}", desc.kind.name(), desc.group));
-        // A gather's buffer is checked as a send buffer of `count` (its receive side is
-        // the same memory).
-        let (roles, received) = if gather {
-            let count =
-                crate::gather_lengths(desc, size, index, desc.count as usize).map_err(in_group)?;
-            let own = desc.member_chunk(size, index).1 as usize;
-            let roles = CollectiveRoles {
-                send: Some(count),
-                recv: None,
-            };
-            (roles, count - own)
-        } else {
-            let roles = exchange_roles(desc, size, index).map_err(in_group)?;
-            (roles, roles.recv.unwrap_or(0))
-        };
+        let ci = self.comm_index(shared, id, kernel, &poison)?;
+        let (size, index) = (self.comms[ci].size, self.comms[ci].index);
+        let (roles, received) = crate::copy_roles(desc, size, index, gather).map_err(shape)?;
         let recv_checked = if gather { None } else { recv.clone() };
         let own = match poison {
             Some(p) => Err(p),
@@ -1325,15 +1315,12 @@ impl Issue {
                 // in order. Without a receive buffer there is no combine: acknowledge now.
                 match recv.as_ref().map(CudaBuffer::ptr) {
                     Some(key) => {
-                        if let Some((old_id, old)) = self.in_place.insert(key, (id, kept)) {
-                            // A receive buffer reused before its combine ran: release
-                            // the older pieces first, in order.
-                            let fresh = self.in_place.remove(&key);
+                        // A receive buffer reused before its combine ran: release the
+                        // older pieces first, in order.
+                        if let Some((old_id, old)) = self.in_place.remove(&key) {
                             self.ack_in_place(raw, old_id, &old)?;
-                            if let Some(fresh) = fresh {
-                                self.in_place.insert(key, fresh);
-                            }
                         }
+                        self.in_place.insert(key, (id, kept));
                     }
                     None => self.ack_in_place(raw, id, &kept)?,
                 }
