@@ -40,55 +40,90 @@ use serde::Serialize;
 
 use crate::{Error, Mesh};
 
-/// What `overlap bench` runs.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize)]
+/// What `overlap bench` runs; also its command-line flags (`--layers`, `--grad-mib`, ...,
+/// each with the default [`BenchArgs::new`] takes).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, clap::Args)]
 pub struct BenchArgs {
     /// `2x1` (reduce-scatter) or `1x2` (all-reduce), or any mesh for tests.
     #[serde(serialize_with = "mesh_str")]
+    #[arg(long, default_value = "2x1", value_parser = mesh_arg)]
     pub mesh: Mesh,
     /// Layers `L`.
+    #[arg(long, default_value_t = 16)]
     pub layers: u32,
     /// Gradient per layer, MiB of f32.
+    #[arg(long, default_value_t = 64)]
     pub grad_mib: u32,
-    /// GEMMs per layer.
+    /// bf16 GEMMs of `d³` per layer (the synthetic backward).
+    #[arg(long, default_value_t = 3)]
     pub gemms: u32,
     /// GEMM size `d` (each is `d × d · d × d`).
+    #[arg(long, default_value_t = 4096)]
     pub d: u32,
     /// Timed steps per variant.
+    #[arg(long, default_value_t = 10)]
     pub iters: u32,
     /// Untimed steps per variant before them.
+    #[arg(long, default_value_t = 3)]
     pub warmup: u32,
-    /// Stage-1 buffers in flight per rank (`[overlap] stage1_window`; default 8).
+    /// Stage-1 buffers in flight per rank (backpressure, `[overlap] stage1_window`).
+    #[arg(long, default_value_t = 8)]
     pub window: u32,
-    /// No buffer aliasing (`ExecConfig::aliasing` off): every pack, group-of-one and
-    /// unpack copy runs.
+    /// Run every copy: no buffer aliasing in the executor (for comparison).
+    #[arg(long)]
     pub no_alias: bool,
-    /// How the stage over the group of two moves its bytes (`[overlap] transport`).
+    /// How a stage over the group of two moves its bytes: `nccl` (one collective) or
+    /// `copy` (copy engines over NVLink, then a combine kernel).
     #[serde(serialize_with = "transport_str")]
+    #[arg(long, default_value = "nccl", value_parser = transport_arg)]
     pub transport: Transport,
-    /// Copy transport: layers a combine waits behind its exchange (`[overlap]
+    /// Copy transport: layers each combine is issued behind its exchange (`[overlap]
     /// combine_lag`).
+    #[arg(long, default_value_t = 1)]
     pub combine_lag: u32,
     /// Copy transport: the stream combines run on (`[streams] combine`).
+    #[arg(long, default_value = "reduce", value_parser = Stream::parse)]
     pub combine_stream: Stream,
     /// Copy transport: the stream exchanges run on (`[streams] exchange`).
+    #[arg(long, default_value = "copy", value_parser = Stream::parse)]
     pub exchange_stream: Stream,
     /// The stream packs run on (`[streams] pack`; FSDP2's: reduce).
+    #[arg(long, default_value = "reduce", value_parser = Stream::parse)]
     pub pack_stream: Stream,
-    /// Copy transport: receive-ring slot, MiB (`[overlap] copy_slot_mib`).
+    /// Copy transport: receive-ring slot size, MiB (`[overlap] copy_slot_mib`).
+    #[arg(long, default_value_t = 32)]
     pub copy_slot_mib: u32,
-    /// At most this many CTAs per NCCL collective (`[overlap] nccl_max_ctas`).
+    /// At most this many CTAs (SMs) per NCCL collective (default: NCCL's choice).
+    #[arg(long)]
     pub nccl_max_ctas: Option<u32>,
-    /// Copy transport: at most this many CTAs per combine kernel (measured, not kept:
-    /// no config key).
+    /// Copy transport: at most this many CTAs per combine kernel (default: the whole
+    /// GPU; measured, not kept: no config key).
+    #[arg(long)]
     pub combine_ctas: Option<u32>,
-    /// Every stream at one priority (the reduce stream is high priority otherwise).
+    /// Every stream at the same priority (by default the reduce stream is high).
+    #[arg(long)]
     pub uniform_priority: bool,
-    /// Keep the last timed `overlap` step's timeline ([`BenchReport::timeline_svg`]).
+    /// Keep the last timed `overlap` step's timeline (set by `overlap bench
+    /// --timeline FILE`).
+    #[arg(skip)]
     pub timeline: bool,
-    /// Copy transport: every exchange copies what it received out of the ring, even
-    /// where the combine could read it in place (for comparison).
+    /// Copy transport: exchanges copy what they receive out of the ring even where the
+    /// combine could read it in place (for comparison).
+    #[arg(long)]
     pub no_in_place: bool,
+}
+
+/// `--mesh`, for clap.
+fn mesh_arg(s: &str) -> Result<Mesh, String> {
+    parse_mesh(s).map_err(|e| e.to_string())
+}
+
+/// `--transport`, for clap.
+fn transport_arg(s: &str) -> Result<Transport, String> {
+    [Transport::Nccl, Transport::Copy]
+        .into_iter()
+        .find(|t| t.name() == s)
+        .ok_or_else(|| format!("`{s}` is not a transport: nccl or copy"))
 }
 
 fn transport_str<S: serde::Serializer>(t: &Transport, s: S) -> Result<S::Ok, S::Error> {
@@ -113,32 +148,15 @@ pub fn parse_mesh(s: &str) -> Result<Mesh, Error> {
 }
 
 impl BenchArgs {
-    /// The workload of design §6 on `mesh` with `overlap bench`'s defaults: 16 layers of
-    /// 64 MiB behind 3 GEMMs of 4096³, 10 steps after 3, NCCL collectives (the copy
-    /// transport's knobs at the config's defaults).
+    /// The workload of design §6 on `mesh` with `overlap bench`'s defaults (the flags'):
+    /// 16 layers of 64 MiB behind 3 GEMMs of 4096³, 10 steps after 3, NCCL collectives
+    /// (the copy transport's knobs at the config's defaults).
     pub fn new(mesh: Mesh) -> BenchArgs {
-        BenchArgs {
-            mesh,
-            layers: 16,
-            grad_mib: 64,
-            gemms: 3,
-            d: 4096,
-            iters: 10,
-            warmup: 3,
-            window: 8,
-            no_alias: false,
-            transport: Transport::Nccl,
-            combine_lag: 1,
-            combine_stream: Stream::Reduce,
-            exchange_stream: Stream::Copy,
-            pack_stream: Stream::Reduce,
-            copy_slot_mib: 32,
-            nccl_max_ctas: None,
-            combine_ctas: None,
-            uniform_priority: false,
-            timeline: false,
-            no_in_place: false,
-        }
+        use clap::{Args, FromArgMatches};
+        let cmd = BenchArgs::augment_args(clap::Command::new("bench"));
+        let defaults = BenchArgs::from_arg_matches(&cmd.get_matches_from(["bench"]))
+            .expect("every flag of BenchArgs has a default");
+        BenchArgs { mesh, ..defaults }
     }
 
     /// Checks the sizes: at least one layer, a gradient that splits evenly over the
@@ -983,6 +1001,39 @@ mod tests {
             warmup: 1,
             ..BenchArgs::new(mesh)
         }
+    }
+
+    #[test]
+    fn the_defaults_are_the_flags_defaults_and_design_section_6() {
+        let mesh = Mesh::new(1, 2).unwrap();
+        let a = BenchArgs::new(mesh);
+        let want = BenchArgs {
+            mesh,
+            layers: 16,
+            grad_mib: 64,
+            gemms: 3,
+            d: 4096,
+            iters: 10,
+            warmup: 3,
+            window: 8,
+            no_alias: false,
+            transport: Transport::Nccl,
+            combine_lag: 1,
+            combine_stream: Stream::Reduce,
+            exchange_stream: Stream::Copy,
+            pack_stream: Stream::Reduce,
+            copy_slot_mib: 32,
+            nccl_max_ctas: None,
+            combine_ctas: None,
+            uniform_priority: false,
+            timeline: false,
+            no_in_place: false,
+        };
+        assert_eq!(a, want);
+        assert_eq!(
+            crate::config::OverlapConfig::default().copy_slot_mib,
+            a.copy_slot_mib
+        );
     }
 
     #[test]

@@ -121,70 +121,12 @@ enum Command {
     /// (reduce-scatter) or 1x2 (all-reduce); compute_only, comm_only, serial, overlap,
     /// ideal, eta and host µs per node. Needs the `cuda` feature.
     Bench {
-        /// `2x1` (reduce-scatter) or `1x2` (all-reduce).
-        #[arg(long, default_value = "2x1")]
-        mesh: String,
-        /// Layers.
-        #[arg(long, default_value_t = 16)]
-        layers: u32,
-        /// Gradient per layer, MiB of f32.
-        #[arg(long, default_value_t = 64)]
-        grad_mib: u32,
-        /// bf16 GEMMs of D^3 per layer (the synthetic backward).
-        #[arg(long, default_value_t = 3)]
-        gemms: u32,
-        /// GEMM size D.
-        #[arg(long, default_value_t = 4096)]
-        d: u32,
-        /// Timed steps per variant.
-        #[arg(long, default_value_t = 10)]
-        iters: u32,
-        /// Untimed steps per variant before them.
-        #[arg(long, default_value_t = 3)]
-        warmup: u32,
-        /// Stage-1 buffers in flight per rank (backpressure).
-        #[arg(long, default_value_t = 8)]
-        window: u32,
-        /// Run every copy: no buffer aliasing in the executor (for comparison).
-        #[arg(long)]
-        no_alias: bool,
-        /// How the stage over the group of two moves its bytes: `nccl` (one collective)
-        /// or `copy` (copy engines over NVLink, then a combine kernel).
-        #[arg(long, value_enum, default_value_t = TransportArg::Nccl)]
-        transport: TransportArg,
-        /// Copy transport: layers each combine is issued behind its exchange.
-        #[arg(long, default_value_t = 1)]
-        combine_lag: u32,
-        /// Copy transport: the stream combines run on.
-        #[arg(long, default_value = "reduce", value_parser = overlap::graph::Stream::parse)]
-        combine_stream: overlap::graph::Stream,
-        /// Copy transport: the stream exchanges run on.
-        #[arg(long, default_value = "copy", value_parser = overlap::graph::Stream::parse)]
-        exchange_stream: overlap::graph::Stream,
-        /// The stream packs run on.
-        #[arg(long, default_value = "reduce", value_parser = overlap::graph::Stream::parse)]
-        pack_stream: overlap::graph::Stream,
-        /// Copy transport: receive-ring slot size, MiB.
-        #[arg(long, default_value_t = 32)]
-        copy_slot_mib: u32,
-        /// At most this many CTAs (SMs) per NCCL collective (default: NCCL's choice).
-        #[arg(long)]
-        nccl_max_ctas: Option<u32>,
-        /// Copy transport: at most this many CTAs per combine kernel (default: the
-        /// whole GPU).
-        #[arg(long)]
-        combine_ctas: Option<u32>,
-        /// Every stream at the same priority (by default the reduce stream is high).
-        #[arg(long)]
-        uniform_priority: bool,
+        #[command(flatten)]
+        args: overlap::bench::BenchArgs,
         /// Write rank 0's last timed overlap step as an SVG timeline to this path (and
         /// its kernels, one JSON object per line, next to it with `.jsonl`).
         #[arg(long)]
         timeline: Option<std::path::PathBuf>,
-        /// Copy transport: exchanges copy what they receive out of the ring even where
-        /// the combine could read it in place (for comparison).
-        #[arg(long)]
-        no_in_place: bool,
         /// Print one JSON line (rank 0).
         #[arg(long)]
         json: bool,
@@ -401,51 +343,11 @@ async fn dispatch(cmd: Command) -> Result<ExitCode, Error> {
         }
         Command::Env { rendezvous } => env(rendezvous),
         Command::Bench {
-            mesh,
-            layers,
-            grad_mib,
-            gemms,
-            d,
-            iters,
-            warmup,
-            window,
-            no_alias,
-            transport,
-            combine_lag,
-            combine_stream,
-            exchange_stream,
-            pack_stream,
-            copy_slot_mib,
-            nccl_max_ctas,
-            combine_ctas,
-            uniform_priority,
+            mut args,
             timeline,
-            no_in_place,
             json,
         } => {
-            let transport = transport.into();
-            let args = overlap::bench::BenchArgs {
-                mesh: overlap::bench::parse_mesh(&mesh)?,
-                layers,
-                grad_mib,
-                gemms,
-                d,
-                iters,
-                warmup,
-                window,
-                no_alias,
-                transport,
-                combine_lag,
-                combine_stream,
-                exchange_stream,
-                pack_stream,
-                copy_slot_mib,
-                nccl_max_ctas,
-                combine_ctas,
-                uniform_priority,
-                timeline: timeline.is_some(),
-                no_in_place,
-            };
+            args.timeline = timeline.is_some();
             args.check()?;
             if let Some(r) = overlap::bench::bench_cuda(&args).await? {
                 if let (Some(path), Some(svg), Some(lines)) =
