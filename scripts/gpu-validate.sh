@@ -8,8 +8,9 @@
 #   1. cuda-smoke: libraries, every collective in f32/bf16 with sum/avg, the kernels
 #      against the reference math, all-reduce bandwidth;
 #   2. verify on meshes 2x1 and 1x2, four gate patterns, f32 and bf16, 3 steps, with
-#      NCCL collectives; then the copy transport on both meshes and on a 2x1 config
-#      whose combines read the copy rings in place, f32 and bf16, two gate patterns;
+#      NCCL collectives; then the copy transport on both meshes and on three configs
+#      whose combines read the copy rings in place (2x1, 1x2, 2x1 with rings of three
+#      slots), f32 and bf16, two gate patterns;
 #   3. one `overlap run` for the per-step figures (transport `auto`: copy on one node).
 # Everything it prints also goes to OUTDIR/log.txt. Stops starting new runs after
 # BUDGET_SECONDS (default 420).
@@ -47,9 +48,11 @@ step() {
   done
   # The copy transport (exchange on copy engines, combine kernel): every route's
   # reduce-scatter, reduce and all-reduce through CUDA IPC.
-  # gpu_2x1_in_place has one bucket per layer, so its combines read the exchanged chunks
-  # in place in the copy rings.
-  for mesh in 2x1 1x2 2x1_in_place; do
+  # gpu_2x1_in_place and gpu_1x2_in_place have one bucket per layer, so their combines
+  # read the exchanged chunks in place in the copy rings (the all-reduce's gathers on
+  # the rings' second lane); gpu_2x1_depth3 does so two layers behind, with rings of
+  # three slots per peer.
+  for mesh in 2x1 1x2 2x1_in_place 1x2_in_place 2x1_depth3; do
     for dtype in f32 bf16; do
       for gates in off,on no_sync,off,on; do
         step verify --config "examples/gpu/gpu_$mesh.toml" --backend cuda --transport copy --gates "$gates" --dtype "$dtype" --steps 3 --json

@@ -93,6 +93,9 @@ pub struct BenchArgs {
     /// Copy transport: receive-ring slot size, MiB (`[overlap] copy_slot_mib`).
     #[arg(long, default_value_t = 32)]
     pub copy_slot_mib: u32,
+    /// Copy transport: receive-ring slots per peer (`[overlap] copy_ring_depth`).
+    #[arg(long, default_value_t = 2)]
+    pub copy_ring_depth: u32,
     /// At most this many CTAs (SMs) per NCCL collective (default: NCCL's choice).
     #[arg(long)]
     pub nccl_max_ctas: Option<u32>,
@@ -174,12 +177,18 @@ impl BenchArgs {
             )));
         }
         // The config's bounds on the same knobs.
-        use crate::config::{MAX_COPY_SLOT_MIB, MAX_NCCL_CTAS};
+        use crate::config::{MAX_COPY_RING_DEPTH, MAX_COPY_SLOT_MIB, MAX_NCCL_CTAS};
         const MAX_COMBINE_CTAS: u32 = 4096;
         if !(1..=MAX_COPY_SLOT_MIB).contains(&self.copy_slot_mib) {
             return Err(Error::Usage(format!(
                 "--copy-slot-mib {}: between 1 and {MAX_COPY_SLOT_MIB}",
                 self.copy_slot_mib
+            )));
+        }
+        if !(1..=MAX_COPY_RING_DEPTH).contains(&self.copy_ring_depth) {
+            return Err(Error::Usage(format!(
+                "--copy-ring-depth {}: between 1 and {MAX_COPY_RING_DEPTH}",
+                self.copy_ring_depth
             )));
         }
         if let Some(c) = self
@@ -891,21 +900,17 @@ fn open_cuda(
 #[cfg(feature = "cuda")]
 pub async fn bench_cuda(args: &BenchArgs) -> Result<Option<BenchReport>, Error> {
     args.check()?;
-    let slot_bytes = (args.copy_slot_mib as usize) << 20;
+    // Both plans the bench runs (the serial one's exchanges are on the compute stream,
+    // so on rings of their own).
+    let specs = [args.spec(Bindings::default()), args.spec(serial_bindings())];
     let links = crate::cuda::Links {
-        copy: (args.transport == Transport::Copy).then(|| crate::cuda::CopyLinks {
-            slot_bytes,
-            streams: vec![args.exchange_stream, Stream::Compute],
-            // Both plans the bench runs (the serial one's exchanges are on the compute
-            // stream, so on rings of their own).
-            in_place: if args.no_in_place {
-                Vec::new()
-            } else {
-                [args.spec(Bindings::default()), args.spec(serial_bindings())]
-                    .iter()
-                    .flat_map(|spec| crate::cuda::in_place_comms(spec, slot_bytes))
-                    .collect()
-            },
+        copy: (args.transport == Transport::Copy).then(|| {
+            crate::cuda::copy_setup(
+                &[&specs[0], &specs[1]],
+                (args.copy_slot_mib as usize) << 20,
+                args.copy_ring_depth as usize,
+                !args.no_in_place,
+            )
         }),
         nccl_max_ctas: args.nccl_max_ctas,
         combine_ctas: args.combine_ctas,
@@ -1023,6 +1028,7 @@ mod tests {
             exchange_stream: Stream::Copy,
             pack_stream: Stream::Reduce,
             copy_slot_mib: 32,
+            copy_ring_depth: 2,
             nccl_max_ctas: None,
             combine_ctas: None,
             uniform_priority: false,
@@ -1030,10 +1036,9 @@ mod tests {
             no_in_place: false,
         };
         assert_eq!(a, want);
-        assert_eq!(
-            crate::config::OverlapConfig::default().copy_slot_mib,
-            a.copy_slot_mib
-        );
+        let config = crate::config::OverlapConfig::default();
+        assert_eq!(config.copy_slot_mib, a.copy_slot_mib);
+        assert_eq!(config.copy_ring_depth, a.copy_ring_depth);
     }
 
     #[test]
@@ -1051,6 +1056,14 @@ mod tests {
             },
             BenchArgs {
                 nccl_max_ctas: Some(0),
+                ..BenchArgs::new(mesh)
+            },
+            BenchArgs {
+                copy_ring_depth: 0,
+                ..BenchArgs::new(mesh)
+            },
+            BenchArgs {
+                copy_ring_depth: crate::config::MAX_COPY_RING_DEPTH + 1,
                 ..BenchArgs::new(mesh)
             },
             BenchArgs {

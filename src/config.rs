@@ -95,8 +95,12 @@ pub struct OverlapConfig {
     pub stage1_window: u32,
     /// Copy transport on GPUs: bytes of one slot of a communicator's receive ring, in
     /// MiB (default 32); a larger message moves in pieces of this size. Each
-    /// communicator of `n` members holds `2 × (n − 1)` slots per rank.
+    /// communicator of `n` members holds `copy_ring_depth × (n − 1)` slots per rank
+    /// (twice that where it also gathers).
     pub copy_slot_mib: u32,
+    /// Copy transport on GPUs: slots per peer in a receive ring (default 2): how many
+    /// pieces a member may send a peer before the peer has drained the oldest.
+    pub copy_ring_depth: u32,
     /// At most this many CTAs (SMs) per NCCL collective, through `ncclConfig_t`
     /// (`None`, the default: NCCL's own choice).
     pub nccl_max_ctas: Option<u32>,
@@ -123,6 +127,7 @@ impl Default for OverlapConfig {
         OverlapConfig {
             stage1_window: 8,
             copy_slot_mib: 32,
+            copy_ring_depth: 2,
             nccl_max_ctas: None,
             transport: TransportChoice::Auto,
         }
@@ -131,6 +136,9 @@ impl Default for OverlapConfig {
 
 /// The largest `overlap.copy_slot_mib` (4 GiB slots).
 pub const MAX_COPY_SLOT_MIB: u32 = 4096;
+
+/// The largest `overlap.copy_ring_depth` (the CUDA backend's `MAX_COPY_RING_DEPTH`).
+pub const MAX_COPY_RING_DEPTH: u32 = 16;
 
 /// The largest `overlap.nccl_max_ctas`.
 pub const MAX_NCCL_CTAS: u32 = 1024;
@@ -470,6 +478,14 @@ impl Doc<'_> {
                         " MiB",
                     )?
                     .unwrap_or(OverlapConfig::default().copy_slot_mib),
+                copy_ring_depth: self
+                    .between(
+                        "overlap.copy_ring_depth",
+                        &raw.overlap.copy_ring_depth,
+                        MAX_COPY_RING_DEPTH,
+                        " slots",
+                    )?
+                    .unwrap_or(OverlapConfig::default().copy_ring_depth),
                 transport,
                 nccl_max_ctas: self.between(
                     "overlap.nccl_max_ctas",
@@ -1145,6 +1161,7 @@ mod raw {
         pub transport: Option<Spanned<String>>,
         pub combine_lag: Option<Spanned<u32>>,
         pub copy_slot_mib: Option<Spanned<u32>>,
+        pub copy_ring_depth: Option<Spanned<u32>>,
         pub nccl_max_ctas: Option<Spanned<u32>>,
     }
 

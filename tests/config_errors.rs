@@ -436,6 +436,18 @@ fn auto_transport_is_settled_by_the_jobs_placement() {
 }
 
 #[test]
+fn copy_ring_depth_out_of_range() {
+    for bad in ["0", "17"] {
+        expect(
+            &with_base(&format!("[overlap]\ncopy_ring_depth = {bad}\n")),
+            "overlap.copy_ring_depth",
+            Some(9),
+            "between 1 and 16 slots",
+        );
+    }
+}
+
+#[test]
 fn copy_slot_out_of_range() {
     for bad in ["0", "4097"] {
         expect(
@@ -690,6 +702,7 @@ stage1_window = 4
 transport = "copy"
 combine_lag = 2
 copy_slot_mib = 8
+copy_ring_depth = 3
 nccl_max_ctas = 16
 
 [streams]
@@ -762,6 +775,7 @@ listen = "127.0.0.1:9464"
         overlap: OverlapConfig {
             stage1_window: 4,
             copy_slot_mib: 8,
+            copy_ring_depth: 3,
             nccl_max_ctas: Some(16),
             transport: TransportChoice::Copy,
         },
@@ -813,6 +827,7 @@ fn minimal_config_takes_the_defaults() {
     );
     assert_eq!(c.overlap, OverlapConfig::default());
     assert_eq!(c.overlap.copy_slot_mib, 32);
+    assert_eq!(c.overlap.copy_ring_depth, 2);
     assert_eq!(c.plan.schedule, Schedule::default());
     assert_eq!(c.plan.schedule.transport, Transport::Nccl);
     assert_eq!(c.adamw, AdamwParams::default());

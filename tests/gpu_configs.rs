@@ -26,7 +26,13 @@ fn check(file: &str, gates: &[Gate], dtype: DType) {
 #[test]
 fn gpu_validation_configs_verify_on_the_cpu_backend() {
     use Gate::{NoSync, On, ReplicateOff as Off};
-    for file in ["gpu_2x1.toml", "gpu_1x2.toml"] {
+    for file in [
+        "gpu_2x1.toml",
+        "gpu_1x2.toml",
+        "gpu_2x1_in_place.toml",
+        "gpu_1x2_in_place.toml",
+        "gpu_2x1_depth3.toml",
+    ] {
         check(file, &[NoSync, Off, On], DType::F32);
         check(file, &[Off, Off, On], DType::Bf16);
     }

@@ -20,7 +20,7 @@ mod verify;
 use std::sync::Arc;
 use std::time::Duration;
 
-use overlap_graph::{Mesh, Stream};
+use overlap_graph::Mesh;
 use overlap_ops::cuda::{self as ops_cuda, CudaBackend, CudaOptions, NcclUniqueId};
 use overlap_ops::CommId;
 
@@ -81,12 +81,14 @@ pub fn rank_env(mesh: Mesh) -> Result<RankEnv, Error> {
 pub fn world(config: &Config, env: RankEnv, timings: bool) -> Result<CudaWorld, Error> {
     let mesh = config.plan.mesh;
     let copy = config.plan.schedule.transport == overlap_graph::Transport::Copy;
-    let slot_bytes = (config.overlap.copy_slot_mib as usize) << 20;
     let links = Links {
-        copy: copy.then(|| CopyLinks {
-            slot_bytes,
-            streams: vec![config.plan.bindings.exchange],
-            in_place: in_place_comms(&config.plan, slot_bytes),
+        copy: copy.then(|| {
+            copy_setup(
+                &[&config.plan],
+                (config.overlap.copy_slot_mib as usize) << 20,
+                config.overlap.copy_ring_depth as usize,
+                true,
+            )
         }),
         nccl_max_ctas: config.overlap.nccl_max_ctas,
         combine_ctas: None,
@@ -105,8 +107,8 @@ pub fn world(config: &Config, env: RankEnv, timings: bool) -> Result<CudaWorld, 
 #[derive(Debug, Clone, Default, PartialEq, Eq)]
 pub struct Links {
     /// Copy transport: receive rings for the communicators of two or more members on
-    /// the exchange streams.
-    pub copy: Option<CopyLinks>,
+    /// the exchange streams ([`copy_setup`]).
+    pub copy: Option<ops_cuda::CopySetup>,
     /// At most this many CTAs per NCCL collective (`[overlap] nccl_max_ctas`).
     pub nccl_max_ctas: Option<u32>,
     /// At most this many CTAs per combine kernel (`overlap bench --combine-ctas`; a
@@ -117,35 +119,107 @@ pub struct Links {
     pub uniform_priority: bool,
 }
 
+/// The copy transport's rings for the plans a job runs (`[overlap] copy_slot_mib` and
+/// `copy_ring_depth`): a ring on each plan's exchange stream for every communicator of
+/// two or more members, a gather lane where a plan gathers ([`gathering_comms`]), and,
+/// with `in_place`, in-place receives where every plan allows them
+/// ([`in_place_comms`]). The same on every rank (it depends on the plans only).
+pub fn copy_setup(
+    specs: &[&overlap_graph::PlanSpec],
+    slot_bytes: usize,
+    depth: usize,
+    in_place: bool,
+) -> ops_cuda::CopySetup {
+    let mut setup = ops_cuda::CopySetup {
+        slot_bytes,
+        depth,
+        streams: Vec::new(),
+        in_place: Vec::new(),
+        gather_lane: Vec::new(),
+    };
+    for spec in specs {
+        setup.streams.push(spec.bindings.exchange);
+        setup.gather_lane.extend(gathering_comms(spec));
+        if in_place {
+            setup
+                .in_place
+                .extend(in_place_comms(spec, slot_bytes, depth));
+        }
+    }
+    setup.streams.sort();
+    setup.streams.dedup();
+    for list in [&mut setup.in_place, &mut setup.gather_lane] {
+        list.sort();
+        list.dedup();
+    }
+    setup
+}
+
+/// The gate-`on` plan of `spec`, or `None` when it does not plan (then the job fails
+/// elsewhere, with the planner's error).
+fn gate_on_plan(spec: &overlap_graph::PlanSpec) -> Option<overlap_graph::Plan> {
+    overlap_graph::Planner::new(spec.clone())
+        .and_then(|p| p.plan(&[overlap_graph::Gate::On]))
+        .ok()
+}
+
+/// The communicators the plan gathers on (all-reduces over the copy transport): their
+/// rings get a gather lane ([`ops_cuda::CopySetup::gather_lane`]).
+pub fn gathering_comms(spec: &overlap_graph::PlanSpec) -> Vec<CommId> {
+    let Some(plan) = gate_on_plan(spec) else {
+        return Vec::new();
+    };
+    let mut ids: Vec<CommId> = plan
+        .ranks
+        .iter()
+        .flat_map(|rp| &rp.nodes)
+        .filter_map(|n| match n.op {
+            overlap_graph::Op::Gather { collective, .. } => Some(CommId {
+                group: collective.group,
+                stream: n.stream,
+            }),
+            _ => None,
+        })
+        .collect();
+    ids.sort();
+    ids.dedup();
+    ids
+}
+
 /// The communicators whose combines may read what their exchanges received in place in
 /// the copy ring ([`ops_cuda::CudaBackend::connect_copy`]), decided from the plan alike on
-/// every rank. A communicator qualifies when every exchange's wait for a free ring slot
-/// names a piece whose combine was issued before it, on every rank: it carries no
-/// gather (a gather's acknowledgements are immediate and must not overtake deferred
-/// ones), each message per peer fits one slot of `slot_bytes`, and between an exchange
-/// and its combine at most [`ops_cuda::COPY_RING_DEPTH`]` − 1` other exchanges of that
-/// communicator are issued (one bucket per layer with `combine_lag = 1` qualifies;
-/// several buckets per layer usually do not). Everywhere else exchanges copy out of the
-/// ring.
+/// every rank, for rings of `depth` slots of `slot_bytes` per peer. A communicator
+/// qualifies when every exchange's wait for a free ring slot names a piece whose
+/// combine was issued before it, on every rank: each exchange's message per peer fits
+/// one slot, and between an exchange and its combine at most `depth − 1` other
+/// exchanges of that communicator are issued (with the default depth 2: one bucket per
+/// layer with `combine_lag = 1` qualifies; several buckets per layer usually do not).
+/// Gathers do not count: they have a lane of their own ([`gathering_comms`]).
+/// Everywhere else exchanges copy out of the ring.
 ///
 /// Why that suffices: the only wait in-place receives add is an exchange's wait for a
 /// slot, i.e. for the peer's combine of the exchange `depth` pieces earlier, which the
 /// peer issued before its own copy of this exchange. Every other device-side wait
 /// (stream order, the plan's events, the pool's fences on recycled memory) points at
-/// work its rank issued earlier, and a wait across ranks points at a strictly earlier
-/// exchange of the communicator; so no chain of waits closes a cycle. With a combine
-/// further behind, an exchange waits for a combine its rank has not issued, which may
-/// sit behind a pooled-buffer fence or a host wait on that very exchange (the likely
-/// cause of call P's hang in `docs/performance.md`, not traced on the GPU).
-pub fn in_place_comms(spec: &overlap_graph::PlanSpec, slot_bytes: usize) -> Vec<CommId> {
+/// work its rank issued earlier, and a wait across ranks points at the same or an
+/// earlier exchange or gather of the communicator, in the order every member issues
+/// them; so no chain of waits closes a cycle. With a combine further behind, an
+/// exchange waits for a combine its rank has not issued, which may sit behind a
+/// pooled-buffer fence or a host wait on that very exchange (the likely cause of call
+/// P's hang in `docs/performance.md`, not traced on the GPU).
+pub fn in_place_comms(
+    spec: &overlap_graph::PlanSpec,
+    slot_bytes: usize,
+    depth: usize,
+) -> Vec<CommId> {
     use overlap_graph::Op;
     use std::collections::{BTreeMap, HashMap};
-    let Ok(plan) =
-        overlap_graph::Planner::new(spec.clone()).and_then(|p| p.plan(&[overlap_graph::Gate::On]))
-    else {
+    let Some(plan) = gate_on_plan(spec) else {
         return Vec::new();
     };
-    let most = ops_cuda::COPY_RING_DEPTH - 1;
+    let Some(most) = depth.checked_sub(1) else {
+        return Vec::new();
+    };
     let mut ok: BTreeMap<CommId, bool> = BTreeMap::new();
     for rp in &plan.ranks {
         // Per communicator: exchanges issued so far; per open exchange: where.
@@ -183,13 +257,6 @@ pub fn in_place_comms(spec: &overlap_graph::PlanSpec, slot_bytes: usize) -> Vec<
                         *ok.entry(id).or_insert(true) &= between <= most;
                     }
                 }
-                Op::Gather { collective, .. } => {
-                    let id = CommId {
-                        group: collective.group,
-                        stream: n.stream,
-                    };
-                    ok.insert(id, false);
-                }
                 _ => {}
             }
         }
@@ -200,22 +267,10 @@ pub fn in_place_comms(spec: &overlap_graph::PlanSpec, slot_bytes: usize) -> Vec<
         .collect()
 }
 
-/// Whether any communicator of the plan reads in place ([`in_place_comms`]).
-pub fn in_place(spec: &overlap_graph::PlanSpec, slot_bytes: usize) -> bool {
-    !in_place_comms(spec, slot_bytes).is_empty()
-}
-
-/// The copy transport's receive rings.
-#[derive(Debug, Clone, PartialEq, Eq)]
-pub struct CopyLinks {
-    /// Bytes of one ring slot (`[overlap] copy_slot_mib`).
-    pub slot_bytes: usize,
-    /// The communicators whose combines read their exchanges' data in the ring
-    /// ([`in_place_comms`]).
-    pub in_place: Vec<CommId>,
-    /// The streams exchanges are bound to (`[streams] exchange`): a ring for every
-    /// communicator of two or more members on one of them.
-    pub streams: Vec<Stream>,
+/// Whether any communicator of the plan reads in place ([`in_place_comms`]) with rings
+/// of `depth` slots of `slot_bytes`.
+pub fn in_place(spec: &overlap_graph::PlanSpec, slot_bytes: usize, depth: usize) -> bool {
+    !in_place_comms(spec, slot_bytes, depth).is_empty()
 }
 
 /// Opens this rank's GPU and connects the job: `comms` is the global list of
@@ -265,7 +320,7 @@ pub fn open(
     backend.set_combine_ctas(links.combine_ctas);
     if let Some(copy) = &links.copy {
         backend
-            .connect_copy(copy.slot_bytes, &copy.streams, &copy.in_place)
+            .connect_copy(copy)
             .map_err(|e| Error::Backend(e.to_string()))?;
     }
     Ok(CudaWorld {
@@ -358,39 +413,89 @@ mod tests {
             f(&mut a);
             a.spec(Bindings::default())
         };
+        let two = ops_cuda::DEFAULT_COPY_RING_DEPTH;
         // design §6: one 64 MiB bucket per layer, combines one layer behind: the next
         // exchange is the only one between an exchange and its combine.
-        assert!(in_place(&bench(&|_| {}), slot));
-        assert!(in_place(&bench(&|a| a.combine_lag = 0), slot));
-        // Two layers behind: the exchange two later waits for a combine not yet issued.
-        assert!(!in_place(&bench(&|a| a.combine_lag = 2), slot));
+        assert!(in_place(&bench(&|_| {}), slot, two));
+        assert!(in_place(&bench(&|a| a.combine_lag = 0), slot, two));
+        // Two layers behind: the exchange two later waits for a combine not yet issued,
+        // unless the ring has a third slot per peer.
+        assert!(!in_place(&bench(&|a| a.combine_lag = 2), slot, two));
+        assert!(in_place(&bench(&|a| a.combine_lag = 2), slot, 3));
+        assert!(!in_place(&bench(&|a| a.combine_lag = 3), slot, 3));
+        // One slot: only a combine issued before the next exchange.
+        assert!(in_place(&bench(&|a| a.combine_lag = 0), slot, 1));
+        assert!(!in_place(&bench(&|_| {}), slot, 1));
         // A 64 MiB chunk per peer does not fit a 32 MiB slot.
-        assert!(!in_place(&bench(&|a| a.grad_mib = 128), slot));
-        // No shard group of two: nothing to read in place.
-        assert!(!in_place(
-            &bench(&|a| a.mesh = Mesh::new(1, 2).unwrap()),
-            slot
-        ));
+        assert!(!in_place(&bench(&|a| a.grad_mib = 128), slot, two));
         // Several buckets per layer (the GPU validation config): not in place.
         let path =
             std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("examples/gpu/gpu_2x1.toml");
         let mut config = Config::from_file(&path).unwrap();
         config.plan.schedule.transport = Transport::Copy;
-        assert!(!in_place(&config.plan, slot));
+        assert!(!in_place(&config.plan, slot, two));
         // One parameter per layer: in place (the GPU validation of in-place receives).
         let path = path.with_file_name("gpu_2x1_in_place.toml");
         let mut config = Config::from_file(&path).unwrap();
         config.plan.schedule.transport = Transport::Copy;
-        assert!(in_place(&config.plan, slot));
-        // Which ones: the shard group's ring on the exchange stream. On a 2x2 mesh the
-        // replicate groups' rings carry gathers and copy out.
-        let shard = |replicate| CommId {
-            group: overlap_graph::Group::Shard { replicate },
-            stream: Stream::Copy,
+        assert!(in_place(&config.plan, slot, two));
+        // The all-reduce one, and the one that needs three slots.
+        let config = |name: &str| {
+            let mut c = Config::from_file(&path.with_file_name(name)).unwrap();
+            c.plan.schedule.transport = Transport::Copy;
+            c
         };
-        assert_eq!(in_place_comms(&bench(&|_| {}), slot), vec![shard(0)]);
-        let hsdp = in_place_comms(&bench(&|a| a.mesh = Mesh::new(2, 2).unwrap()), slot);
-        assert_eq!(hsdp, vec![shard(0), shard(1)]);
+        let ar = config("gpu_1x2_in_place.toml");
+        assert!(in_place(&ar.plan, slot, two) && !gathering_comms(&ar.plan).is_empty());
+        let deep = config("gpu_2x1_depth3.toml");
+        assert_eq!(deep.overlap.copy_ring_depth, 3);
+        assert!(!in_place(&deep.plan, slot, two) && in_place(&deep.plan, slot, 3));
+        // Which ones: the shard group's ring on the exchange stream, and an all-reduce's
+        // (the replicate group's), whose gathers get a lane of their own.
+        let comm = |group| CommId {
+            group,
+            stream: overlap_graph::Stream::Copy,
+        };
+        let shard = |replicate| comm(overlap_graph::Group::Shard { replicate });
+        let replicate = |shard| comm(overlap_graph::Group::Replicate { shard });
+        assert_eq!(in_place_comms(&bench(&|_| {}), slot, two), vec![shard(0)]);
+        let ar = bench(&|a| a.mesh = Mesh::new(1, 2).unwrap());
+        assert_eq!(in_place_comms(&ar, slot, two), vec![replicate(0)]);
+        assert_eq!(gathering_comms(&ar), vec![replicate(0)]);
+        assert!(gathering_comms(&bench(&|_| {})).is_empty());
+        let hsdp = bench(&|a| a.mesh = Mesh::new(2, 2).unwrap());
+        assert_eq!(
+            in_place_comms(&hsdp, slot, two),
+            vec![shard(0), shard(1), replicate(0), replicate(1)]
+        );
+        assert_eq!(gathering_comms(&hsdp), vec![replicate(0), replicate(1)]);
+        // What a job connects: both lists, its exchange stream, sorted; none in place
+        // when asked not to.
+        let setup = copy_setup(&[&hsdp, &hsdp], slot, 3, true);
+        assert_eq!(
+            (setup.slot_bytes, setup.depth, &setup.streams),
+            (slot, 3, &vec![overlap_graph::Stream::Copy])
+        );
+        assert_eq!(setup.in_place, in_place_comms(&hsdp, slot, 3));
+        assert_eq!(setup.gather_lane, gathering_comms(&hsdp));
+        assert!(copy_setup(&[&hsdp], slot, 3, false).in_place.is_empty());
+    }
+
+    #[test]
+    fn the_configs_ring_bounds_are_the_backends() {
+        let c = crate::config::OverlapConfig::default();
+        assert_eq!(
+            c.copy_ring_depth as usize,
+            ops_cuda::DEFAULT_COPY_RING_DEPTH
+        );
+        assert_eq!(
+            (c.copy_slot_mib as usize) << 20,
+            ops_cuda::DEFAULT_COPY_SLOT_BYTES
+        );
+        assert_eq!(
+            crate::config::MAX_COPY_RING_DEPTH as usize,
+            ops_cuda::MAX_COPY_RING_DEPTH
+        );
     }
 
     #[test]

@@ -9,21 +9,27 @@
 //! the peers of member `i` numbered by [`crate::exchange_slot`]`(i, j)` (`k` below):
 //!
 //! ```text
-//! flags: ready[k] (u32, written by peer k), then ack[k] (u32, written by peer k),
-//!        each on its own 64-byte line; the data area starts at the next 4 KiB
-//! data:  for k in 0..n-1, for r in 0..depth: a slot of slot_bytes that peer k fills
+//! flags: for each lane: ready[k] (u32, written by peer k), then ack[k] (u32, written
+//!        by peer k), each on its own 64-byte line; the data area starts at the next
+//!        4 KiB
+//! data:  for each lane, for k in 0..n-1, for r in 0..depth: a slot of slot_bytes that
+//!        peer k fills
 //! ```
 //!
-//! A ring costs `depth · slot_bytes · (n − 1)` bytes of device memory (plus 4 KiB of
-//! flags) on every member: with [`DEFAULT_COPY_SLOT_BYTES`] and [`COPY_RING_DEPTH`],
-//! 64 MiB per peer of each communicator ([`copy_ring_bytes`]).
+//! A ring has one lane, or two when its communicator gathers ([`CopySetup::gather_lane`]):
+//! then gathers use lane 1, with counters of their own, and exchanges lane 0, so an
+//! exchange read in place (acknowledged by its combine, later) and a gather
+//! (acknowledged at once) never share a slot counter. A ring costs `lanes · depth ·
+//! slot_bytes · (n − 1)` bytes of device memory (plus 4 KiB of flags) on every member:
+//! with [`DEFAULT_COPY_SLOT_BYTES`] and [`DEFAULT_COPY_RING_DEPTH`], 64 MiB per peer and
+//! lane ([`copy_ring_bytes`]).
 //!
 //! # Setup ([`connect`])
 //!
 //! Collective over every communicator in the backend's (global) order, like NCCL's own
 //! creation: each member allocates and zeroes its ring (synchronously: the zeroes are
 //! in memory before any peer can map it), and all members all-gather a 128-byte record
-//! (IPC handle, slot size, depth, node id) over the communicator's NCCL communicator.
+//! (IPC handle, slot size, depth, lanes, node id) over the communicator's NCCL communicator.
 //! Each member checks that the records agree and that the members share a node, opens
 //! every peer's handle with `CU_IPC_MEM_LAZY_ENABLE_PEER_ACCESS`, and a second
 //! all-gather tells every member whether all others could: either every member of a
@@ -85,9 +91,34 @@ use crate::{exchange_slot, CommId, OpsError};
 /// The default size of one ring slot: the largest piece of one message to one peer.
 pub const DEFAULT_COPY_SLOT_BYTES: usize = 32 << 20;
 
-/// Slots per peer in a ring: while a member copies piece `t` out of its ring, the peer
+/// The default number of slots per peer in a ring (`[overlap] copy_ring_depth`): while a
+/// member copies piece `t` out of its ring (or its combine reads it there), the peer
 /// may already write piece `t + 1`.
-pub const COPY_RING_DEPTH: usize = 2;
+pub const DEFAULT_COPY_RING_DEPTH: usize = 2;
+
+/// The most slots per peer a ring may have.
+pub const MAX_COPY_RING_DEPTH: usize = 16;
+
+/// How the copy transport's rings are set up ([`super::CudaBackend::connect_copy`]): the
+/// same on every member.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct CopySetup {
+    /// Bytes of one ring slot (`[overlap] copy_slot_mib`), rounded up to 256.
+    pub slot_bytes: usize,
+    /// Slots per peer and lane (`[overlap] copy_ring_depth`, 1 to
+    /// [`MAX_COPY_RING_DEPTH`]).
+    pub depth: usize,
+    /// The streams exchanges are bound to (`[streams] exchange`): a ring for every
+    /// communicator of two or more members on one of them.
+    pub streams: Vec<overlap_graph::Stream>,
+    /// The communicators whose exchanges leave what they receive in the ring for their
+    /// combines to read there ([`InPlace`]).
+    pub in_place: Vec<CommId>,
+    /// The communicators whose rings get a second lane, with its own slots, flags and
+    /// counters, for gathers: their immediate acknowledgements then never share a
+    /// counter with an in-place exchange's deferred ones.
+    pub gather_lane: Vec<CommId>,
+}
 
 /// Distance between two flags (each on its own cache line).
 const FLAG_STRIDE: usize = 64;
@@ -99,14 +130,15 @@ const SLOT_ALIGN: usize = 256;
 const ELEM: usize = 4;
 
 /// The device memory one ring takes on every member of a group of `size` members with
-/// slots of `slot_bytes` (rounded up to 256 bytes): `COPY_RING_DEPTH · slot · (size −
-/// 1)` plus one page of flags; 0 for a group of one (which has no ring). `None` if it
-/// does not fit in memory or `slot_bytes` is 0.
-pub fn copy_ring_bytes(size: u32, slot_bytes: usize) -> Option<usize> {
+/// `depth` slots of `slot_bytes` (rounded up to 256 bytes) per peer and lane: `lanes ·
+/// depth · slot · (size − 1)` plus one page of flags; 0 for a group of one (which has
+/// no ring). `None` if it does not fit in memory, or `slot_bytes`, `depth` or `lanes`
+/// is 0.
+pub fn copy_ring_bytes(size: u32, slot_bytes: usize, depth: usize, lanes: usize) -> Option<usize> {
     if size <= 1 {
         return Some(0);
     }
-    Layout::new(size, slot_bytes, COPY_RING_DEPTH)
+    Layout::new(size, slot_bytes, depth, lanes)
         .ok()
         .map(|l| l.bytes)
 }
@@ -124,28 +156,37 @@ pub(super) struct Layout {
     flags_bytes: usize,
     /// Bytes of the whole ring.
     bytes: usize,
+    /// Lanes of the ring: independent sets of flags and slots (1, or 2 with a gather
+    /// lane).
+    lanes: usize,
+    /// The lane this view addresses ([`Layout::lane`]; 0 for the ring's own layout).
+    lane: usize,
 }
 
 impl Layout {
-    fn new(size: u32, slot_bytes: usize, depth: usize) -> Result<Layout, String> {
+    fn new(size: u32, slot_bytes: usize, depth: usize, lanes: usize) -> Result<Layout, String> {
         if size < 2 {
             return Err(format!("a group of {size} member(s) has no copy ring"));
         }
-        if slot_bytes == 0 || depth == 0 {
+        if slot_bytes == 0 || depth == 0 || lanes == 0 {
             return Err(format!(
-                "a copy ring needs slots of at least one byte and a depth of at least one (got {slot_bytes} bytes × {depth})"
+                "a copy ring needs slots of at least one byte, a depth and a lane count of at least one (got {slot_bytes} bytes × {depth} × {lanes} lanes)"
             ));
         }
         let peers = size as usize - 1;
         let too_big = || {
-            format!("a copy ring of {depth} × {slot_bytes} bytes × {peers} peers does not fit in memory")
+            format!("a copy ring of {lanes} lanes × {depth} × {slot_bytes} bytes × {peers} peers does not fit in memory")
         };
         let slot_bytes = slot_bytes
             .checked_next_multiple_of(SLOT_ALIGN)
             .ok_or_else(too_big)?;
-        let flags_bytes = (2 * peers * FLAG_STRIDE).next_multiple_of(PAGE);
+        let flags_bytes = lanes
+            .checked_mul(2 * peers * FLAG_STRIDE)
+            .and_then(|f| f.checked_next_multiple_of(PAGE))
+            .ok_or_else(too_big)?;
         let bytes = peers
             .checked_mul(depth)
+            .and_then(|s| s.checked_mul(lanes))
             .and_then(|s| s.checked_mul(slot_bytes))
             .and_then(|d| d.checked_add(flags_bytes))
             .ok_or_else(too_big)?;
@@ -155,25 +196,33 @@ impl Layout {
             slot_bytes,
             flags_bytes,
             bytes,
+            lanes,
+            lane: 0,
         })
     }
 
-    /// Offset of `ready[k]`.
+    /// The same ring, addressing lane `lane`'s flags and slots.
+    fn lane(&self, lane: usize) -> Layout {
+        debug_assert!(lane < self.lanes);
+        Layout { lane, ..*self }
+    }
+
+    /// Offset of `ready[k]` (of this view's lane).
     fn ready(&self, k: usize) -> usize {
         debug_assert!(k < self.peers);
-        k * FLAG_STRIDE
+        (self.lane * 2 * self.peers + k) * FLAG_STRIDE
     }
 
     /// Offset of `ack[k]`.
     fn ack(&self, k: usize) -> usize {
         debug_assert!(k < self.peers);
-        (self.peers + k) * FLAG_STRIDE
+        (self.lane * 2 * self.peers + self.peers + k) * FLAG_STRIDE
     }
 
     /// Offset of slot `slot` of peer `k`'s data.
     fn data(&self, k: usize, slot: usize) -> usize {
         debug_assert!(k < self.peers && slot < self.depth);
-        self.flags_bytes + (k * self.depth + slot) * self.slot_bytes
+        self.flags_bytes + ((self.lane * self.peers + k) * self.depth + slot) * self.slot_bytes
     }
 }
 
@@ -457,11 +506,13 @@ pub(super) struct CopyRing {
     local: sys::CUdeviceptr,
     /// The peers' rings as mapped here, by peer slot; 0 where not (yet) opened.
     remote: Vec<sys::CUdeviceptr>,
-    counters: Counters,
+    /// Per lane: lane 0 carries exchanges (and gathers when there is no second lane),
+    /// lane 1 gathers.
+    counters: Vec<Counters>,
     /// Set when issuing failed half-way: the counters no longer match the peers'.
     broken: Option<String>,
     /// Exchanges leave what they receive in the ring for the combine to read in place
-    /// ([`InPlace`]); see [`CopyRing::set_in_place`].
+    /// ([`InPlace`], [`CopySetup::in_place`]).
     in_place: bool,
 }
 
@@ -514,12 +565,14 @@ impl CopyRing {
         // exchanges all move between the same pairs). Every member checks the largest
         // message of any pair, so all of them refuse the same exchange, before issuing
         // anything: no member waits for a piece another will not send.
-        if self.in_place && plan.is_gather() {
+        // A gather has its own lane where the ring has one.
+        let lane = usize::from(plan.is_gather() && self.layout.lanes > 1);
+        if self.in_place && plan.is_gather() && lane == 0 {
             return Err(self.err(
-                "a gather on a ring whose receives are read in place: its immediate acknowledgements could overtake the combines' (connect_copy names rings without gathers)".into(),
+                "a gather on a ring whose receives are read in place and that has no gather lane: its immediate acknowledgements could overtake the combines' (CopySetup::gather_lane names the communicators that gather)".into(),
             ));
         }
-        let in_place = self.in_place;
+        let in_place = self.in_place && lane == 0;
         if in_place {
             let largest = (0..plan.size)
                 .flat_map(|i| (0..plan.size).map(move |j| (i, j)))
@@ -534,13 +587,14 @@ impl CopyRing {
                 )));
             }
         }
-        let before = self.counters.clone();
-        let ops = schedule(plan, &self.layout, &mut self.counters, in_place);
+        let layout = self.layout.lane(lane);
+        let before = self.counters[lane].clone();
+        let ops = schedule(plan, &layout, &mut self.counters[lane], in_place);
         let kept = if in_place {
             match self.kept(plan, &ops) {
                 Ok(kept) => kept,
                 Err(reason) => {
-                    self.counters = before;
+                    self.counters[lane] = before;
                     return Err(self.err(reason));
                 }
             }
@@ -548,7 +602,7 @@ impl CopyRing {
             None
         };
         for op in ops {
-            if let Err(reason) = self.issue(stream, op, send, recv) {
+            if let Err(reason) = self.issue(stream, &layout, op, send, recv) {
                 self.broken = Some(reason.clone());
                 return Err(self.err(reason));
             }
@@ -604,25 +658,16 @@ impl CopyRing {
         Ok(())
     }
 
-    /// Makes exchanges receive in place ([`InPlace`]): each combine then reads the ring
-    /// and acknowledges the pieces itself, so no copy out of the ring runs on the
-    /// exchange's stream. Only for a ring that carries no gather, whose combines come
-    /// at most [`COPY_RING_DEPTH`]` − 1` exchanges after theirs, with every message in
-    /// one slot (see [`super::CudaBackend::connect_copy`]).
-    pub(super) fn set_in_place(&mut self, on: bool) {
-        self.in_place = on;
-    }
-
-    /// Enqueues one operation.
+    /// Enqueues one operation of lane `l`.
     fn issue(
         &self,
         stream: sys::CUstream,
+        l: &Layout,
         op: Op,
         send: Option<sys::CUdeviceptr>,
         recv: Option<sys::CUdeviceptr>,
     ) -> Result<(), String> {
         let me = self.index;
-        let l = &self.layout;
         let at = |base: sys::CUdeviceptr, offset: usize| base + offset as u64;
         let peer = |j: u32| self.remote[exchange_slot(me, j)];
         match op {
@@ -679,13 +724,12 @@ impl CopyRing {
         if self.broken.is_some() {
             return Ok(());
         }
-        for (slot, &sent) in self.counters.sent.iter().enumerate() {
-            if sent > 0 {
-                wait(
-                    stream,
-                    self.local + self.layout.ack(slot) as u64,
-                    sent as u32,
-                )?;
+        for (lane, counters) in self.counters.iter().enumerate() {
+            let layout = self.layout.lane(lane);
+            for (slot, &sent) in counters.sent.iter().enumerate() {
+                if sent > 0 {
+                    wait(stream, self.local + layout.ack(slot) as u64, sent as u32)?;
+                }
             }
         }
         Ok(())
@@ -756,6 +800,7 @@ struct Record {
     rank: u32,
     slot_bytes: u64,
     depth: u32,
+    lanes: u32,
     /// The node's boot id (all zeros when unknown).
     node: [u8; 16],
     /// The ring's CUDA IPC handle.
@@ -774,6 +819,7 @@ impl Record {
         b[12..16].copy_from_slice(&self.depth.to_le_bytes());
         b[16..24].copy_from_slice(&self.slot_bytes.to_le_bytes());
         b[24..40].copy_from_slice(&self.node);
+        b[40..44].copy_from_slice(&self.lanes.to_le_bytes());
         b[64..128].copy_from_slice(&self.handle);
         b
     }
@@ -789,6 +835,7 @@ impl Record {
             depth: u32_at(12),
             slot_bytes: u64::from_le_bytes(b[16..24].try_into().ok()?),
             node: b[24..40].try_into().ok()?,
+            lanes: u32_at(40),
             handle: b[64..128].try_into().ok()?,
         })
     }
@@ -916,8 +963,7 @@ pub(super) fn connect(
     device: &Device,
     memory: &Arc<Memory>,
     rank: u32,
-    slot_bytes: usize,
-    streams: &[overlap_graph::Stream],
+    setup: &CopySetup,
 ) -> Result<Vec<CopyRing>, OpsError> {
     // A local problem does not skip the all-gathers: the peers must not hang in them.
     let support = check_support();
@@ -926,9 +972,9 @@ pub(super) fn connect(
     let mut first: Option<OpsError> = None;
     for comm in comms
         .iter()
-        .filter(|c| c.size > 1 && streams.contains(&c.id.stream))
+        .filter(|c| c.size > 1 && setup.streams.contains(&c.id.stream))
     {
-        match connect_one(comm, device, memory, rank, slot_bytes, &support, node) {
+        match connect_one(comm, device, memory, rank, setup, &support, node) {
             Ok(ring) => rings.push(ring),
             Err(e) => {
                 let fatal = matches!(&e, Failure::Fatal(_));
@@ -970,7 +1016,7 @@ fn connect_one(
     device: &Device,
     memory: &Arc<Memory>,
     rank: u32,
-    slot_bytes: usize,
+    setup: &CopySetup,
     support: &Result<(), String>,
     node: [u8; 16],
 ) -> Result<CopyRing, Failure> {
@@ -979,7 +1025,19 @@ fn connect_one(
         comm: id.to_string(),
         reason,
     };
-    let layout = Layout::new(comm.size, slot_bytes, COPY_RING_DEPTH);
+    let lanes = if setup.gather_lane.contains(&id) {
+        2
+    } else {
+        1
+    };
+    let (slot_bytes, depth) = (setup.slot_bytes, setup.depth);
+    let layout = if depth > MAX_COPY_RING_DEPTH {
+        Err(format!(
+            "a copy ring of depth {depth}: at most {MAX_COPY_RING_DEPTH} slots per peer"
+        ))
+    } else {
+        Layout::new(comm.size, slot_bytes, depth, lanes)
+    };
     let prepared = support
         .clone()
         .and_then(|()| layout.clone())
@@ -989,7 +1047,8 @@ fn connect_one(
         ok: false,
         rank,
         slot_bytes: slot_bytes as u64,
-        depth: COPY_RING_DEPTH as u32,
+        depth: depth as u32,
+        lanes: lanes as u32,
         node,
         handle: [0; 64],
     };
@@ -1005,9 +1064,9 @@ fn connect_one(
                 layout,
                 local,
                 remote: vec![0; comm.size as usize - 1],
-                counters: Counters::new(comm.size as usize - 1),
+                counters: vec![Counters::new(comm.size as usize - 1); lanes],
                 broken: None,
-                in_place: false,
+                in_place: setup.in_place.contains(&id),
             });
         }
         Err(reason) => problem = Some(format!("rank {rank} could not set up its ring: {reason}")),
@@ -1102,10 +1161,10 @@ fn agree(records: &[Option<Record>], comm: &Comm, mine: &Record) -> Option<Strin
                 rec.rank
             ));
         }
-        if (rec.slot_bytes, rec.depth) != (mine.slot_bytes, mine.depth) {
+        if (rec.slot_bytes, rec.depth, rec.lanes) != (mine.slot_bytes, mine.depth, mine.lanes) {
             return Some(format!(
-                "members disagree on the copy ring: rank {} has {} × {} bytes, rank {} has {} × {} bytes",
-                mine.rank, mine.depth, mine.slot_bytes, rec.rank, rec.depth, rec.slot_bytes
+                "members disagree on the copy ring: rank {} has {} lane(s) of {} × {} bytes, rank {} has {} lane(s) of {} × {} bytes",
+                mine.rank, mine.lanes, mine.depth, mine.slot_bytes, rec.rank, rec.lanes, rec.depth, rec.slot_bytes
             ));
         }
         if rec.node != mine.node && rec.node != [0; 16] && mine.node != [0; 16] {
@@ -1126,7 +1185,7 @@ mod tests {
 
     #[test]
     fn the_ring_layout_keeps_flags_apart_and_slots_aligned() {
-        let l = Layout::new(4, 1000, 2).unwrap();
+        let l = Layout::new(4, 1000, 2, 1).unwrap();
         assert_eq!(l.slot_bytes, 1024);
         assert_eq!(l.flags_bytes, PAGE);
         assert_eq!(
@@ -1138,13 +1197,49 @@ mod tests {
         assert_eq!(l.data(1, 0), PAGE + 2048);
         assert_eq!(l.bytes, PAGE + 3 * 2 * 1024);
         assert_eq!(l.data(2, 1) + l.slot_bytes, l.bytes);
+        let d = DEFAULT_COPY_RING_DEPTH;
         assert_eq!(
-            copy_ring_bytes(2, DEFAULT_COPY_SLOT_BYTES),
+            copy_ring_bytes(2, DEFAULT_COPY_SLOT_BYTES, d, 1),
             Some(PAGE + 2 * DEFAULT_COPY_SLOT_BYTES)
         );
-        assert_eq!(copy_ring_bytes(1, DEFAULT_COPY_SLOT_BYTES), Some(0));
-        assert_eq!(copy_ring_bytes(2, 0), None);
-        assert_eq!(copy_ring_bytes(3, usize::MAX / 2), None);
+        assert_eq!(
+            copy_ring_bytes(2, DEFAULT_COPY_SLOT_BYTES, 3, 2),
+            Some(PAGE + 6 * DEFAULT_COPY_SLOT_BYTES)
+        );
+        assert_eq!(copy_ring_bytes(1, DEFAULT_COPY_SLOT_BYTES, d, 1), Some(0));
+        assert_eq!(copy_ring_bytes(2, 0, d, 1), None);
+        assert_eq!(copy_ring_bytes(2, 256, 0, 1), None);
+        assert_eq!(copy_ring_bytes(2, 256, d, 0), None);
+        assert_eq!(copy_ring_bytes(3, usize::MAX / 2, d, 1), None);
+    }
+
+    #[test]
+    fn a_gather_lane_has_flags_and_slots_of_its_own() {
+        let l = Layout::new(3, 1000, 2, 2).unwrap();
+        let (a, b) = (l.lane(0), l.lane(1));
+        assert_eq!(a, l);
+        // Lane 1's flags follow lane 0's, on lines of their own, in the same page.
+        assert_eq!((a.ready(0), a.ack(1)), (0, 192));
+        assert_eq!(
+            (b.ready(0), b.ready(1), b.ack(0), b.ack(1)),
+            (256, 320, 384, 448)
+        );
+        assert_eq!(l.flags_bytes, PAGE);
+        // Lane 1's slots follow lane 0's; together they fill the ring.
+        assert_eq!(a.data(1, 1) + l.slot_bytes, b.data(0, 0));
+        assert_eq!(b.data(1, 1) + l.slot_bytes, l.bytes);
+        assert_eq!(l.bytes, PAGE + 2 * 2 * 2 * 1024);
+        // Every flag and slot of one lane is distinct from every one of the other.
+        let places = |x: &Layout| {
+            let mut v = vec![x.ready(0), x.ready(1), x.ack(0), x.ack(1)];
+            v.extend(
+                (0..2)
+                    .flat_map(|k| (0..2).map(move |r| (k, r)))
+                    .map(|(k, r)| x.data(k, r)),
+            );
+            v
+        };
+        assert!(places(&a).iter().all(|p| !places(&b).contains(p)));
     }
 
     #[test]
@@ -1187,7 +1282,7 @@ mod tests {
     fn messages_are_split_into_pieces_and_slots_alternate() {
         // 2 members, reduce-scatter of 1000 floats per member (4000 bytes, chunk 1 at
         // byte 4000) in slots of 1024 bytes.
-        let l = Layout::new(2, 1024, 2).unwrap();
+        let l = Layout::new(2, 1024, 2, 1).unwrap();
         let plan = Plan::new(&desc(CollectiveKind::ReduceScatter, 1000, None), 2, 0).unwrap();
         let mut c = Counters::new(1);
         let ops = schedule(&plan, &l, &mut c, false);
@@ -1263,7 +1358,7 @@ mod tests {
         // All-reduce of 1000 floats over 2: chunk 0 is 512 floats (2048 bytes, 2
         // pieces), chunk 1 is 488 (1952 bytes, 2 pieces); over 3, 384 / 384 / 232
         // floats. Both ends of a pair count the same pieces.
-        let l = Layout::new(3, 1024, 2).unwrap();
+        let l = Layout::new(3, 1024, 2, 1).unwrap();
         let d = desc(CollectiveKind::AllReduce, 1000, None);
         let mut c: Vec<Counters> = (0..3).map(|_| Counters::new(2)).collect();
         for i in 0..3 {
@@ -1288,7 +1383,7 @@ mod tests {
 
     #[test]
     fn a_reduce_advances_only_the_pairs_that_move_data() {
-        let l = Layout::new(3, 64, 2).unwrap();
+        let l = Layout::new(3, 64, 2, 1).unwrap();
         let d = desc(CollectiveKind::Reduce, 16, Some(1)); // 64 bytes: one piece
         let mut root = Counters::new(2);
         let ops = schedule(&Plan::new(&d, 3, 1).unwrap(), &l, &mut root, false);
@@ -1339,6 +1434,7 @@ mod tests {
             rank: 7,
             slot_bytes: 32 << 20,
             depth: 2,
+            lanes: 2,
             node: [3; 16],
             handle: std::array::from_fn(|i| i as u8),
         };
@@ -1529,7 +1625,7 @@ mod tests {
         descs: &[(Collective, bool)],
         strip_acks: bool,
     ) -> Sim {
-        let layout = Layout::new(n, slot, depth).unwrap();
+        let layout = Layout::new(n, slot, depth, 1).unwrap();
         let mut rings = vec![vec![0u8; layout.bytes]; n as usize];
         for ring in &mut rings {
             for k in 0..layout.peers {
@@ -1717,27 +1813,63 @@ mod tests {
         sim.check();
     }
 
+    /// What a stream of [`InPlaceSim`] runs next, for one exchange.
+    #[derive(Debug, Clone, Copy)]
+    enum Item {
+        /// An operation of the exchange (lane 0, in place).
+        Exchange(Op),
+        /// The exchange's combine: reads the kept pieces, acknowledges them and writes
+        /// the member's reduced chunk into its gather buffer.
+        Combine,
+        /// An operation of the all-reduce's gather (lane 1, copying out), after the
+        /// combine.
+        Gather(Op),
+    }
+
     /// One stream of a member in [`InPlaceSim`].
-    type Lane = std::collections::VecDeque<(usize, Option<Op>)>;
+    type Lane = std::collections::VecDeque<(usize, Item)>;
+
+    /// Where [`InPlaceSim`] puts the combines.
+    #[derive(Debug, Clone, Copy)]
+    struct Placement {
+        /// Exchanges issued between an exchange and its combine.
+        lag: usize,
+        /// On a stream of their own (else on the exchange's, in issue order).
+        own_stream: bool,
+    }
 
     /// In-place receives: exchanges leave their pieces in the rings, and a combine per
-    /// exchange (on its own stream, or on the exchange's stream `lag` exchanges later)
-    /// reads them there once its exchange is done, then acknowledges them. Every member
-    /// runs its two streams; any interleaving.
+    /// exchange (on its own stream or on the exchange's, issued `lag` exchanges later)
+    /// reads them there once its exchange is done, then acknowledges them. With
+    /// `gathers` (all-reduces), each combine is followed, on the exchange's stream, by
+    /// the gather of its chunk on the ring's second lane (copying out, acknowledging
+    /// at once), as the executor issues them. Every member runs its two streams; any
+    /// interleaving.
     struct InPlaceSim {
         layout: Layout,
         rings: Vec<Vec<u8>>,
         /// Per exchange, per member: send buffer and plan.
         sends: Vec<Vec<Vec<u8>>>,
         plans: Vec<Vec<Plan>>,
-        /// Per member, per stream: (exchange, operation); `None` is the combine of the
-        /// exchange.
+        /// Per exchange, per member: the gather's buffer and plan.
+        outs: Vec<Vec<Vec<u8>>>,
+        gathers: Vec<Vec<Plan>>,
+        /// Per member, per stream: (exchange, item).
         queues: Vec<[Lane; 2]>,
         /// Per member, per exchange: operations not yet run.
         left: Vec<Vec<usize>>,
+        /// Per member, per exchange: whether its combine ran.
+        combined: Vec<Vec<bool>>,
         /// Per member, per exchange: what the exchange kept in place.
         kept: Vec<Vec<Vec<(u32, usize, u32)>>>,
         wrong: Vec<String>,
+    }
+
+    /// The bytes member `i` sends in exchange `e` (or, reduced, gathers), as a pattern.
+    fn pattern(e: usize, i: u32, len: usize) -> Vec<u8> {
+        (0..len)
+            .map(|b| (b as u64 * 31 + u64::from(i) * 7 + e as u64 * 131) as u8)
+            .collect()
     }
 
     impl InPlaceSim {
@@ -1746,32 +1878,59 @@ mod tests {
             slot: usize,
             depth: usize,
             descs: &[Collective],
-            lag: Option<usize>,
+            at: Placement,
+            gathers: bool,
         ) -> Self {
-            let layout = Layout::new(n, slot, depth).unwrap();
+            let layout = Layout::new(n, slot, depth, 1 + usize::from(gathers)).unwrap();
             let mut counters = vec![Counters::new(layout.peers); n as usize];
+            let mut gather_counters = counters.clone();
+            let m_all = n as usize;
             let mut sim = InPlaceSim {
                 layout,
-                rings: vec![vec![0u8; layout.bytes]; n as usize],
+                rings: vec![vec![0u8; layout.bytes]; m_all],
                 sends: Vec::new(),
                 plans: Vec::new(),
+                outs: Vec::new(),
+                gathers: Vec::new(),
                 queues: (0..n).map(|_| Default::default()).collect(),
-                left: vec![Vec::new(); n as usize],
-                kept: vec![Vec::new(); n as usize],
+                left: vec![Vec::new(); m_all],
+                combined: vec![vec![false; descs.len()]; m_all],
+                kept: vec![Vec::new(); m_all],
                 wrong: Vec::new(),
+            };
+            let combine_stream = usize::from(at.own_stream);
+            // The combine of exchange `c` and, for all-reduces, its gather.
+            let finish = |sim: &mut InPlaceSim, gc: &mut [Counters], m: usize, c: usize| {
+                sim.queues[m][combine_stream].push_back((c, Item::Combine));
+                if gathers {
+                    let plan = sim.gathers[c][m];
+                    let ops = schedule(&plan, &layout.lane(1), &mut gc[m], false);
+                    sim.queues[m][0].extend(ops.into_iter().map(|op| (c, Item::Gather(op))));
+                }
             };
             for (e, d) in descs.iter().enumerate() {
                 let (mut sends, mut plans) = (Vec::new(), Vec::new());
                 for i in 0..n {
                     let plan = Plan::new(d, n, i).unwrap();
                     let len = crate::exchange_roles(d, n, i).unwrap().send.unwrap_or(0) * ELEM;
-                    sends.push(
-                        (0..len)
-                            .map(|b| (b as u64 * 31 + u64::from(i) * 7 + e as u64 * 131) as u8)
-                            .collect(),
-                    );
-                    let ops = schedule(&plan, &layout, &mut counters[i as usize], true);
-                    let m = i as usize;
+                    sends.push(pattern(e, i, len));
+                    plans.push(plan);
+                }
+                sim.sends.push(sends);
+                sim.plans.push(plans);
+                sim.outs
+                    .push(vec![vec![0u8; d.count as usize * ELEM]; m_all]);
+                sim.gathers.push(
+                    (0..n)
+                        .map(|i| match gathers {
+                            true => Plan::gather(d, n, i).unwrap(),
+                            false => Plan::new(d, n, i).unwrap(),
+                        })
+                        .collect(),
+                );
+                for (m, counters) in counters.iter_mut().enumerate() {
+                    let plan = sim.plans[e][m];
+                    let ops = schedule(&plan, &layout, counters, true);
                     sim.kept[m].push(
                         ops.iter()
                             .filter_map(|op| match *op {
@@ -1781,24 +1940,16 @@ mod tests {
                             .collect(),
                     );
                     sim.left[m].push(ops.len());
-                    sim.queues[m][0].extend(ops.into_iter().map(|op| (e, Some(op))));
-                    match lag {
-                        // On the exchange's stream, after exchange e + lag.
-                        Some(l) if e >= l => sim.queues[m][0].push_back((e - l, None)),
-                        Some(_) => {}
-                        None => sim.queues[m][1].push_back((e, None)),
+                    sim.queues[m][0].extend(ops.into_iter().map(|op| (e, Item::Exchange(op))));
+                    if e >= at.lag {
+                        finish(&mut sim, &mut gather_counters, m, e - at.lag);
                     }
-                    plans.push(plan);
                 }
-                sim.sends.push(sends);
-                sim.plans.push(plans);
             }
-            if let Some(l) = lag {
-                // The last `lag` combines come after the last exchange.
-                for m in 0..n as usize {
-                    for e in descs.len().saturating_sub(l)..descs.len() {
-                        sim.queues[m][0].push_back((e, None));
-                    }
+            // The last `lag` combines come after the last exchange.
+            for m in 0..m_all {
+                for c in descs.len().saturating_sub(at.lag)..descs.len() {
+                    finish(&mut sim, &mut gather_counters, m, c);
                 }
             }
             sim
@@ -1810,30 +1961,37 @@ mod tests {
 
         fn can_step(&self, m: usize, s: usize) -> bool {
             let me = m as u32;
-            let l = self.layout;
+            let waits = |l: Layout, op: &Op| match *op {
+                Op::WaitAck { peer, value } => {
+                    reached(self.flag(m, l.ack(exchange_slot(me, peer))), value)
+                }
+                Op::WaitReady { peer, value } => {
+                    reached(self.flag(m, l.ready(exchange_slot(me, peer))), value)
+                }
+                _ => true,
+            };
             match self.queues[m][s].front() {
                 None => false,
-                Some((e, None)) => self.left[m][*e] == 0,
-                Some((_, Some(Op::WaitAck { peer, value }))) => {
-                    reached(self.flag(m, l.ack(exchange_slot(me, *peer))), *value)
+                Some((e, Item::Combine)) => self.left[m][*e] == 0,
+                Some((_, Item::Exchange(op))) => waits(self.layout, op),
+                // The gather waits for its combine (the executor's event).
+                Some((e, Item::Gather(op))) => {
+                    self.combined[m][*e] && waits(self.layout.lane(1), op)
                 }
-                Some((_, Some(Op::WaitReady { peer, value }))) => {
-                    reached(self.flag(m, l.ready(exchange_slot(me, *peer))), *value)
-                }
-                Some(_) => true,
             }
         }
 
         fn step(&mut self, m: usize, s: usize) {
             let me = m as u32;
-            let l = self.layout;
-            let (e, op) = self.queues[m][s].pop_front().unwrap();
+            let (e, item) = self.queues[m][s].pop_front().unwrap();
             let set = |rings: &mut Vec<Vec<u8>>, peer: u32, at: usize, v: u32| {
                 rings[peer as usize][at..at + 4].copy_from_slice(&v.to_le_bytes())
             };
-            match op {
-                None => {
-                    // The combine: check what the ring holds, then acknowledge.
+            match item {
+                Item::Combine => {
+                    // Check what the ring holds, acknowledge, then write the member's
+                    // chunk of the result (what its gather sends).
+                    let l = self.layout;
                     for &(j, ring, value) in &self.kept[m][e] {
                         let plan = &self.plans[e][m];
                         let bytes = plan.bytes(j, me);
@@ -1847,8 +2005,15 @@ mod tests {
                         }
                         set(&mut self.rings, j, l.ack(exchange_slot(j, me)), value);
                     }
+                    if l.lanes > 1 {
+                        let (at, len) = self.gathers[e][m].chunk(me);
+                        let mine = pattern(e, me, at + len);
+                        self.outs[e][m][at..at + len].copy_from_slice(&mine[at..]);
+                    }
+                    self.combined[m][e] = true;
                 }
-                Some(op) => {
+                Item::Exchange(op) => {
+                    let l = self.layout;
                     match op {
                         Op::Send {
                             peer,
@@ -1875,6 +2040,41 @@ mod tests {
                     }
                     self.left[m][e] -= 1;
                 }
+                Item::Gather(op) => {
+                    let l = self.layout.lane(1);
+                    match op {
+                        Op::Send {
+                            peer,
+                            ring,
+                            src,
+                            bytes,
+                        } => {
+                            let data = self.outs[e][m][src..src + bytes].to_vec();
+                            deliver(&mut self.rings, &l, me, (peer, ring), &data);
+                        }
+                        Op::Ready { peer, value } => set(
+                            &mut self.rings,
+                            peer,
+                            l.ready(exchange_slot(peer, me)),
+                            value,
+                        ),
+                        Op::Take {
+                            peer,
+                            ring,
+                            dst,
+                            bytes,
+                        } => {
+                            let at = l.data(exchange_slot(me, peer), ring);
+                            let data = self.rings[m][at..at + bytes].to_vec();
+                            self.outs[e][m][dst..dst + bytes].copy_from_slice(&data);
+                        }
+                        Op::Ack { peer, value } => {
+                            set(&mut self.rings, peer, l.ack(exchange_slot(peer, me)), value)
+                        }
+                        Op::Keep { .. } => panic!("a gather kept its pieces in place"),
+                        _ => {}
+                    }
+                }
             }
         }
 
@@ -1895,12 +2095,66 @@ mod tests {
                             .all(|q| q[0].is_empty() && q[1].is_empty()),
                         "deadlock: {stuck:?}"
                     );
-                    return;
+                    break;
                 }
                 let x = runnable[pick(&runnable)];
                 self.step(x / 2, x % 2);
             }
+            if self.layout.lanes > 1 {
+                // Every member holds every member's reduced chunk.
+                for (e, outs) in self.outs.iter().enumerate() {
+                    for (m, out) in outs.iter().enumerate() {
+                        for j in 0..outs.len() as u32 {
+                            let (at, len) = self.gathers[e][m].chunk(j);
+                            if out[at..at + len] != pattern(e, j, at + len)[at..] {
+                                self.wrong
+                                    .push(format!("gather {e}: member {m}'s chunk of {j}"));
+                            }
+                        }
+                    }
+                }
+            }
         }
+    }
+
+    /// Every placement of the combines the in-place rule allows with `depth`: on their
+    /// own stream or the exchange's, up to `depth − 1` exchanges behind.
+    fn placements(depth: usize) -> impl Iterator<Item = Placement> {
+        (0..depth).flat_map(|lag| [true, false].map(|own_stream| Placement { lag, own_stream }))
+    }
+
+    /// Runs `descs` in place under every allowed placement and three schedules.
+    fn check_in_place(n: u32, seed: u64, descs: &[Collective], gathers: bool) {
+        for depth in 1..=3 {
+            for at in placements(depth) {
+                for pick in 0..3 {
+                    let mut sim = InPlaceSim::new(n, 256, depth, descs, at, gathers);
+                    match pick {
+                        0 => sim.run(rng(seed)),
+                        1 => sim.run(|r| r.len() - 1),
+                        _ => sim.run(|_| 0),
+                    }
+                    assert!(
+                        sim.wrong.is_empty(),
+                        "n {n} depth {depth} {at:?} gathers {gathers}: {:?}",
+                        sim.wrong
+                    );
+                }
+            }
+        }
+    }
+
+    /// `len` counts from `seed`, each in `1..=most`.
+    fn counts(seed: u64, len: usize, most: u64) -> Vec<u64> {
+        let mut s = seed;
+        (0..len)
+            .map(|_| {
+                s = s
+                    .wrapping_mul(6364136223846793005)
+                    .wrapping_add(1442695040888963407);
+                1 + (s >> 33) % most
+            })
+            .collect()
     }
 
     #[test]
@@ -1908,45 +2162,37 @@ mod tests {
         for n in 2..=4u32 {
             for seed in 1..=30u64 {
                 // Shard-group exchanges whose messages fit one slot of 256 bytes (64
-                // floats per peer): reduce-scatters of up to 64 and reduces of up to 64.
-                let mut s = seed * 977 + u64::from(n);
-                let descs: Vec<Collective> = (0..10)
-                    .map(|_| {
-                        s = s
-                            .wrapping_mul(6364136223846793005)
-                            .wrapping_add(1442695040888963407);
-                        let count = 1 + (s >> 33) % 64;
-                        if (s >> 20) % 3 == 0 {
-                            desc(
-                                CollectiveKind::Reduce,
-                                count,
-                                Some(((s >> 40) % u64::from(n)) as u32),
-                            )
-                        } else {
-                            desc(CollectiveKind::ReduceScatter, count, None)
-                        }
+                // floats per peer): reduce-scatters of up to 64 and reduces of up to 64,
+                // with roots that change.
+                let descs: Vec<Collective> = counts(seed * 977 + u64::from(n), 10, 64)
+                    .into_iter()
+                    .enumerate()
+                    .map(|(k, count)| match (count * 7 + k as u64) % 3 {
+                        0 => desc(
+                            CollectiveKind::Reduce,
+                            count,
+                            Some(((count + k as u64) % u64::from(n)) as u32),
+                        ),
+                        _ => desc(CollectiveKind::ReduceScatter, count, None),
                     })
                     .collect();
-                for depth in 2..=3 {
-                    // Combines on their own stream, and on the exchange's stream up to
-                    // depth − 1 exchanges behind.
-                    let lags = std::iter::once(None).chain((0..depth).map(Some));
-                    for lag in lags {
-                        for pick in 0..3 {
-                            let mut sim = InPlaceSim::new(n, 256, depth, &descs, lag);
-                            match pick {
-                                0 => sim.run(rng(seed)),
-                                1 => sim.run(|r| r.len() - 1),
-                                _ => sim.run(|_| 0),
-                            }
-                            assert!(
-                                sim.wrong.is_empty(),
-                                "n {n} depth {depth} lag {lag:?}: {:?}",
-                                sim.wrong
-                            );
-                        }
-                    }
-                }
+                check_in_place(n, seed, &descs, false);
+            }
+        }
+    }
+
+    #[test]
+    fn all_reduces_read_in_place_with_gathers_on_their_own_lane() {
+        for n in 2..=4u32 {
+            for seed in 1..=30u64 {
+                // All-reduces whose chunks fit one slot of 256 bytes: up to 64 floats
+                // per member (some members' chunks empty when the count is small).
+                let descs: Vec<Collective> =
+                    counts(seed * 613 + u64::from(n), 10, 64 * u64::from(n))
+                        .into_iter()
+                        .map(|count| desc(CollectiveKind::AllReduce, count, None))
+                        .collect();
+                check_in_place(n, seed, &descs, true);
             }
         }
     }
@@ -1960,13 +2206,35 @@ mod tests {
         let descs: Vec<Collective> = (0..6)
             .map(|_| desc(CollectiveKind::ReduceScatter, 64, None))
             .collect();
-        let mut sim = InPlaceSim::new(2, 256, 2, &descs, Some(2));
+        let at = Placement {
+            lag: 2,
+            own_stream: false,
+        };
+        let mut sim = InPlaceSim::new(2, 256, 2, &descs, at, false);
+        sim.run(|_| 0);
+    }
+
+    #[test]
+    #[should_panic(expected = "deadlock")]
+    fn a_gather_behind_a_combine_too_far_behind_deadlocks_too() {
+        // The same with all-reduces and their gathers: the gather lane does not lift
+        // the rule. (On a stream of their own the model's combines can always run once
+        // their exchange is done: it has no host that issues them late, which is what
+        // the rule guards against on GPUs.)
+        let descs: Vec<Collective> = (0..6)
+            .map(|_| desc(CollectiveKind::AllReduce, 128, None))
+            .collect();
+        let at = Placement {
+            lag: 2,
+            own_stream: false,
+        };
+        let mut sim = InPlaceSim::new(2, 256, 2, &descs, at, true);
         sim.run(|_| 0);
     }
 
     #[test]
     fn an_in_place_exchange_names_where_its_pieces_are_or_why_they_do_not_fit() {
-        let layout = Layout::new(3, 256, 2).unwrap();
+        let layout = Layout::new(3, 256, 2, 1).unwrap();
         let mut ring = CopyRing {
             id: CommId {
                 group: overlap_graph::Group::Shard { replicate: 0 },
@@ -1977,13 +2245,13 @@ mod tests {
             layout,
             local: 0x10_0000,
             remote: vec![0x20_0000, 0x30_0000],
-            counters: Counters::new(2),
+            counters: vec![Counters::new(2)],
             broken: None,
             in_place: true,
         };
         // 64 floats per peer: one piece each, slot index 1 for piece 1.
         let plan = Plan::new(&desc(CollectiveKind::ReduceScatter, 64, None), 3, 1).unwrap();
-        let ops = schedule(&plan, &layout, &mut ring.counters.clone(), true);
+        let ops = schedule(&plan, &layout, &mut ring.counters[0].clone(), true);
         let kept = ring.kept(&plan, &ops).unwrap().unwrap();
         assert_eq!(kept.base, 0x10_0000 + layout.data(0, 1) as u64);
         assert_eq!(kept.stride, 2 * 256);
@@ -1999,7 +2267,7 @@ mod tests {
             e.to_string().contains("does not fit one slot of 256 bytes"),
             "{e}"
         );
-        assert_eq!(ring.counters, Counters::new(2));
+        assert_eq!(ring.counters, vec![Counters::new(2)]);
         let leaf = Plan::new(&desc(CollectiveKind::Reduce, 65, Some(0)), 3, 1).unwrap();
         let e = ring
             .exchange(std::ptr::null_mut(), &leaf, None, None)
@@ -2007,11 +2275,11 @@ mod tests {
         assert!(e.to_string().contains("does not fit one slot"), "{e}");
         // Two pieces per peer as kept() would see them (a ring that is not a shard
         // group's would produce them): refused.
-        let ops = schedule(&big, &layout, &mut ring.counters.clone(), true);
+        let ops = schedule(&big, &layout, &mut ring.counters[0].clone(), true);
         assert!(ring.kept(&big, &ops).is_err());
         // A member that sends only (a reduce's non-root) keeps nothing.
         let red = Plan::new(&desc(CollectiveKind::Reduce, 64, Some(0)), 3, 1).unwrap();
-        let ops = schedule(&red, &layout, &mut ring.counters.clone(), true);
+        let ops = schedule(&red, &layout, &mut ring.counters[0].clone(), true);
         assert_eq!(ring.kept(&red, &ops).unwrap(), None);
         ring.in_place = false;
     }

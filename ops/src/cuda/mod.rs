@@ -77,7 +77,10 @@ use crate::{
 use device::Device;
 pub use event::CudaEvent;
 use event::{lock, EventPool, HostWait, Record, Waiter};
-pub use exchange::{copy_ring_bytes, COPY_RING_DEPTH, DEFAULT_COPY_SLOT_BYTES};
+pub use exchange::{
+    copy_ring_bytes, CopySetup, DEFAULT_COPY_RING_DEPTH, DEFAULT_COPY_SLOT_BYTES,
+    MAX_COPY_RING_DEPTH,
+};
 use exchange::{CopyRing, InPlace};
 use kernels::{Kernels, Seg};
 pub use loader::check as check_libraries;
@@ -395,36 +398,34 @@ impl CudaBackend {
     }
 
     /// Sets up the copy transport of [`Kernel::Exchange`]: for every communicator of
-    /// this rank with more than one member (created by [`CudaBackend::connect`], which
-    /// must come first), a receive ring of [`COPY_RING_DEPTH`] slots of `slot_bytes`
-    /// (rounded up to 256 bytes; [`DEFAULT_COPY_SLOT_BYTES`] is a good size) per peer,
-    /// mapped by the other members through CUDA IPC. Device memory per communicator:
-    /// `COPY_RING_DEPTH · slot_bytes · (n − 1)` plus 4 KiB ([`copy_ring_bytes`]).
+    /// this rank with more than one member on one of `setup.streams` (created by
+    /// [`CudaBackend::connect`], which must come first), a receive ring of `setup.depth`
+    /// slots of `setup.slot_bytes` (rounded up to 256 bytes; [`DEFAULT_COPY_SLOT_BYTES`]
+    /// and [`DEFAULT_COPY_RING_DEPTH`] are good sizes) per peer and lane, mapped by the
+    /// other members through CUDA IPC; communicators in `setup.gather_lane` get a
+    /// second lane for their gathers. Device memory per communicator: `lanes · depth ·
+    /// slot_bytes · (n − 1)` plus 4 KiB ([`copy_ring_bytes`]).
     ///
-    /// Collective: every rank calls it once, after `connect`, with the same `slot_bytes`;
+    /// Collective: every rank calls it once, after `connect`, with the same `setup`;
     /// it blocks until the members of each group have joined. Every member of a group
     /// must run on one node with peer access between the GPUs; otherwise (or when the
     /// driver lacks CUDA IPC or stream memory operations) every member of that group
     /// returns an error naming it.
     ///
-    /// `in_place`: the communicators whose exchanges leave what they receive in the ring
-    /// for their combines to read there and then acknowledge: no copy out of the ring on
-    /// the exchange's stream. The caller promises what makes that safe (and names the
-    /// same communicators on every member): they carry no gather (a gather on such a
-    /// ring is an error), every message per peer fits one slot, and at most
-    /// [`COPY_RING_DEPTH`]` − 1` exchanges of a communicator are issued between an
-    /// exchange and its combine, on any stream (otherwise an exchange could wait for
-    /// an acknowledgement only a combine not yet issued writes). A message too large
+    /// `setup.in_place`: the communicators whose exchanges leave what they receive in
+    /// the ring for their combines to read there and then acknowledge: no copy out of
+    /// the ring on the exchange's stream. The caller promises what makes that safe (and
+    /// names the same communicators on every member): their gathers, if any, have a
+    /// lane of their own (a gather on an in-place ring without one is an error), every
+    /// exchange's message per peer fits one slot, and at most `depth − 1` exchanges of
+    /// a communicator are issued between an exchange and its combine, on any stream
+    /// (otherwise an exchange could wait for an acknowledgement only a combine not yet
+    /// issued writes). A message too large
     /// for a slot is refused by every member before anything is issued: an error, not
     /// a hang. Combines read peers' copies after a `cuStreamWaitValue32` on the
     /// peer's ready flag, which the peer writes after its copy with the default
     /// (fencing) flags.
-    pub fn connect_copy(
-        &mut self,
-        slot_bytes: usize,
-        streams: &[Stream],
-        in_place: &[CommId],
-    ) -> Result<(), OpsError> {
+    pub fn connect_copy(&mut self, setup: &CopySetup) -> Result<(), OpsError> {
         self.shared.device.bind()?;
         let shared = Arc::clone(&self.shared);
         let issue = self
@@ -441,12 +442,8 @@ impl CudaBackend {
             &shared.device,
             &shared.memory,
             shared.rank,
-            slot_bytes,
-            streams,
+            setup,
         )?;
-        for ring in &mut issue.copy {
-            ring.set_in_place(in_place.contains(&ring.id));
-        }
         Ok(())
     }
 
