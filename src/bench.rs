@@ -103,6 +103,10 @@ pub struct BenchArgs {
     /// GPU; measured, not kept: no config key).
     #[arg(long)]
     pub combine_ctas: Option<u32>,
+    /// Copy transport: `streaming` (default) combines load and store with
+    /// cache-streaming hints, sparing the GEMMs' L2; `normal` without (for comparison).
+    #[arg(long, value_enum, default_value_t = CombineCache::Streaming)]
+    pub combine_cache: CombineCache,
     /// Every stream at the same priority (by default the reduce stream is high).
     #[arg(long)]
     pub uniform_priority: bool,
@@ -114,6 +118,16 @@ pub struct BenchArgs {
     /// combine could read it in place (for comparison).
     #[arg(long)]
     pub no_in_place: bool,
+}
+
+/// `overlap bench --combine-cache`: how the copy transport's combines use L2.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, clap::ValueEnum)]
+#[serde(rename_all = "lowercase")]
+pub enum CombineCache {
+    /// Cache-streaming (evict-first) loads and stores: the default.
+    Streaming,
+    /// Plain loads and stores (for comparison).
+    Normal,
 }
 
 /// `--mesh`, for clap.
@@ -914,6 +928,7 @@ pub async fn bench_cuda(args: &BenchArgs) -> Result<Option<BenchReport>, Error> 
         }),
         nccl_max_ctas: args.nccl_max_ctas,
         combine_ctas: args.combine_ctas,
+        combine_cached: args.combine_cache == CombineCache::Normal,
         uniform_priority: args.uniform_priority,
     };
     let bindings = args.spec(Bindings::default()).bindings;
@@ -1031,6 +1046,7 @@ mod tests {
             copy_ring_depth: 2,
             nccl_max_ctas: None,
             combine_ctas: None,
+            combine_cache: CombineCache::Streaming,
             uniform_priority: false,
             timeline: false,
             no_in_place: false,

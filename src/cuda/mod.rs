@@ -92,6 +92,7 @@ pub fn world(config: &Config, env: RankEnv, timings: bool) -> Result<CudaWorld, 
         }),
         nccl_max_ctas: config.overlap.nccl_max_ctas,
         combine_ctas: None,
+        combine_cached: false,
         uniform_priority: false,
     };
     open(
@@ -114,6 +115,9 @@ pub struct Links {
     /// At most this many CTAs per combine kernel (`overlap bench --combine-ctas`; a
     /// lever measured and not kept, docs/performance.md).
     pub combine_ctas: Option<u32>,
+    /// Combines without cache-streaming hints (`overlap bench --combine-cache normal`,
+    /// for comparison; [`ops_cuda::CudaBackend::set_combine_streaming`]).
+    pub combine_cached: bool,
     /// Every stream at one priority (measurement only: by default the reduce stream
     /// is the device's highest).
     pub uniform_priority: bool,
@@ -318,6 +322,7 @@ pub fn open(
         .connect(&list, links.nccl_max_ctas)
         .map_err(|e| Error::Backend(e.to_string()))?;
     backend.set_combine_ctas(links.combine_ctas);
+    backend.set_combine_streaming(!links.combine_cached);
     if let Some(copy) = &links.copy {
         backend
             .connect_copy(copy)

@@ -4,8 +4,8 @@
 //! then checks every collective kind in f32 and bf16 with `sum` and `avg` on the
 //! replicate group of a `1 × world` mesh against values computed on the host, checks
 //! the rank-local kernels (add, pack, unpack, AdamW, Muon, spin) against the reference
-//! math of [`overlap_ops::math`], and measures the all-reduce bandwidth with timing
-//! events.
+//! math of [`overlap_ops::math`], measures the all-reduce bandwidth with timing
+//! events, and what each driver call the backend issues costs the host.
 //!
 //! Invariant: every check compares with values computed on the host from the same
 //! inputs; nothing here trusts the device to check itself.
@@ -41,6 +41,9 @@ pub struct SmokeReport {
     pub checks: Vec<Check>,
     /// All-reduce bandwidth per size.
     pub bandwidth: Vec<Bandwidth>,
+    /// What each driver call the backend issues costs the host
+    /// (`CudaBackend::host_costs`, 500 calls each).
+    pub host_costs: Vec<HostCost>,
     /// Every check passed.
     pub ok: bool,
 }
@@ -54,6 +57,15 @@ pub struct Check {
     pub ok: bool,
     /// The figure behind the verdict.
     pub detail: String,
+}
+
+/// The host cost of one kind of call.
+#[derive(Debug, Clone, Serialize)]
+pub struct HostCost {
+    /// The call.
+    pub call: String,
+    /// Microseconds per call, issued back to back.
+    pub us: f64,
 }
 
 /// One bandwidth measurement.
@@ -144,6 +156,15 @@ pub async fn smoke(world: &mut CudaWorld, sizes: &[u64], iters: u32) -> Result<S
     collectives(&b, world.env.world_size, &mut checks).await?;
     kernels(&b, &mut checks).await?;
     let bandwidth = bandwidth(&b, world.env.world_size, sizes, iters).await?;
+    let host_costs = b
+        .host_costs(500)
+        .map_err(ops)?
+        .into_iter()
+        .map(|(call, us)| HostCost {
+            call: call.to_string(),
+            us,
+        })
+        .collect();
     let ok = checks.iter().all(|c| c.ok);
     Ok(SmokeReport {
         rank: world.env.rank,
@@ -157,6 +178,7 @@ pub async fn smoke(world: &mut CudaWorld, sizes: &[u64], iters: u32) -> Result<S
         libraries: info.libraries,
         checks,
         bandwidth,
+        host_costs,
         ok,
     })
 }
@@ -459,43 +481,52 @@ async fn kernels(b: &CudaBackend, checks: &mut Vec<Check>) -> Result<(), Error> 
         );
     }
 
-    // combine (copy transport): member 1 of 3, vector (n % 4 == 0) and scalar paths,
-    // full grid and capped at 3 CTAs (`combine_ctas`: the wide, unrolled kernel, which
-    // loops over 70,000 elements several times), against the order of operations of the
-    // CPU backend, bit for bit.
-    for (n, ctas) in [
-        (1000usize, None),
-        (1003, None),
-        (1000, Some(3)),
-        (1003, Some(3)),
-        (70_000, Some(3)),
+    // combine (copy transport): members of groups of 3 and 2, vector (n % 4 == 0) and
+    // scalar paths, full grid with and without cache-streaming hints (the streaming
+    // kernel's group-of-two path loads both operands first), and capped at 3 CTAs
+    // (`combine_ctas`: the wide, unrolled kernel, which loops over 70,000 elements
+    // several times), against the order of operations of the CPU backend, bit for bit.
+    for (n, ctas, streaming, size, index) in [
+        (1000usize, None, true, 3u32, 1u32),
+        (1003, None, true, 3, 1),
+        (1000, None, false, 3, 1),
+        (1000, None, true, 2, 0),
+        (1000, None, true, 2, 1),
+        (1000, None, false, 2, 1),
+        (1003, None, true, 2, 1),
+        (1000, Some(3), true, 3, 1),
+        (1003, Some(3), true, 3, 1),
+        (70_000, Some(3), true, 3, 1),
     ] {
         b.set_combine_ctas(ctas);
+        b.set_combine_streaming(streaming);
         for (dtype, op) in [
             (DType::F32, ReduceOp::Avg),
             (DType::F32, ReduceOp::Sum),
             (DType::Bf16, ReduceOp::Avg),
         ] {
+            let others = size as usize - 1;
             let own_v = random(n, 40 + n as u64);
-            let recv_v = random(2 * n, 41 + n as u64);
+            let recv_v = random(others * n, 41 + n as u64);
             let (own, recv, dst) = (buffer(b, &own_v)?, buffer(b, &recv_v)?, alloc(b, n)?);
-            // A reduce to member 1, which combines the whole count (an all-reduce's
-            // member combines only its chunk: `verify --transport copy` covers that).
+            // A reduce to member `index`, which combines the whole count (an
+            // all-reduce's member combines only its chunk: checked below, and by
+            // `verify --transport copy`).
             let desc = Collective {
                 kind: CollectiveKind::Reduce,
                 group: Group::Shard { replicate: 0 },
                 count: n as u64,
                 dtype,
                 op,
-                root: Some(1),
+                root: Some(index),
             };
             let r = run(
                 b,
                 Stream::Compute,
                 Kernel::Combine {
                     desc,
-                    size: 3,
-                    index: 1,
+                    size,
+                    index,
                     own,
                     own_offset: 0,
                     recv,
@@ -512,10 +543,15 @@ async fn kernels(b: &CudaBackend, checks: &mut Vec<Check>) -> Result<(), Error> 
             };
             let want: Vec<f32> = (0..n)
                 .map(|e| {
-                    let x = [recv_v[e], own_v[e], recv_v[n + e]].map(round);
-                    let sum = x[0] + x[1] + x[2];
+                    // Members in order, from member 0's value.
+                    let x = |j: u32| match j.cmp(&index) {
+                        std::cmp::Ordering::Equal => own_v[e],
+                        std::cmp::Ordering::Less => recv_v[j as usize * n + e],
+                        std::cmp::Ordering::Greater => recv_v[(j as usize - 1) * n + e],
+                    };
+                    let sum = (1..size).fold(round(x(0)), |acc, j| acc + round(x(j)));
                     if op == ReduceOp::Avg {
-                        sum / 3.0
+                        sum / size as f32
                     } else {
                         sum
                     }
@@ -528,8 +564,9 @@ async fn kernels(b: &CudaBackend, checks: &mut Vec<Check>) -> Result<(), Error> 
                 .all(|(a, w)| a.to_bits() == w.to_bits());
             push(
                 &format!(
-                    "combine {n} {dtype:?} {op:?} (member 1 of 3, {})",
-                    ctas.map_or("full grid".to_string(), |c| format!("{c} CTAs"))
+                    "combine {n} {dtype:?} {op:?} (member {index} of {size}, {}{})",
+                    ctas.map_or("full grid".to_string(), |c| format!("{c} CTAs")),
+                    if streaming { ", streaming" } else { "" }
                 ),
                 r.is_ok() && exact,
                 format!("{r:?}, bit-exact: {exact}"),
@@ -538,6 +575,7 @@ async fn kernels(b: &CudaBackend, checks: &mut Vec<Check>) -> Result<(), Error> 
     }
 
     b.set_combine_ctas(None);
+    b.set_combine_streaming(true);
 
     // An all-reduce's combine writes its member's chunk only, in place in the whole
     // output: member 1 of 3 of 1000 elements owns [384, 768) (chunks of 384); the rest

@@ -601,11 +601,9 @@ impl CopyRing {
         } else {
             None
         };
-        for op in ops {
-            if let Err(reason) = self.issue(stream, &layout, op, send, recv) {
-                self.broken = Some(reason.clone());
-                return Err(self.err(reason));
-            }
+        if let Err(reason) = self.issue_all(stream, &layout, &ops, send, recv) {
+            self.broken = Some(reason.clone());
+            return Err(self.err(reason));
         }
         // Also for a member that cannot take part (it copied nothing): its combine, run
         // or skipped, acknowledges in combine order, so an acknowledgement never
@@ -647,18 +645,70 @@ impl CopyRing {
         stream: sys::CUstream,
         acks: &[(u32, u32)],
     ) -> Result<(), OpsError> {
-        for &(j, value) in acks {
-            let at = self.remote[exchange_slot(self.index, j)]
-                + self.layout.ack(exchange_slot(j, self.index)) as u64;
-            if let Err(reason) = write(stream, at, value) {
-                self.broken = Some(reason.clone());
-                return Err(self.err(reason));
-            }
-        }
-        Ok(())
+        let writes: Vec<Flag> = acks
+            .iter()
+            .map(|&(j, value)| {
+                let at = self.remote[exchange_slot(self.index, j)]
+                    + self.layout.ack(exchange_slot(j, self.index)) as u64;
+                Flag::Write(at, value)
+            })
+            .collect();
+        flags(stream, &writes).map_err(|reason| {
+            self.broken = Some(reason.clone());
+            self.err(reason)
+        })
     }
 
-    /// Enqueues one operation of lane `l`.
+    /// Enqueues the operations of lane `l` in order, each run of flag operations
+    /// between two copies in one driver call ([`flags`]).
+    fn issue_all(
+        &self,
+        stream: sys::CUstream,
+        l: &Layout,
+        ops: &[Op],
+        send: Option<sys::CUdeviceptr>,
+        recv: Option<sys::CUdeviceptr>,
+    ) -> Result<(), String> {
+        let mut run: Vec<Flag> = Vec::new();
+        for &op in ops {
+            match self.flag(l, op) {
+                Some(f) => run.push(f),
+                None => {
+                    flags(stream, &run)?;
+                    run.clear();
+                    self.issue(stream, l, op, send, recv)?;
+                }
+            }
+        }
+        flags(stream, &run)
+    }
+
+    /// The flag operation `op` of lane `l` is, or `None` for a copy or a kept piece.
+    fn flag(&self, l: &Layout, op: Op) -> Option<Flag> {
+        let me = self.index;
+        let at = |base: sys::CUdeviceptr, offset: usize| base + offset as u64;
+        let peer = |j: u32| self.remote[exchange_slot(me, j)];
+        match op {
+            Op::WaitAck { peer: j, value } => Some(Flag::Wait(
+                at(self.local, l.ack(exchange_slot(me, j))),
+                value,
+            )),
+            Op::Ready { peer: j, value } => Some(Flag::Write(
+                at(peer(j), l.ready(exchange_slot(j, me))),
+                value,
+            )),
+            Op::WaitReady { peer: j, value } => Some(Flag::Wait(
+                at(self.local, l.ready(exchange_slot(me, j))),
+                value,
+            )),
+            Op::Ack { peer: j, value } => {
+                Some(Flag::Write(at(peer(j), l.ack(exchange_slot(j, me))), value))
+            }
+            Op::Send { .. } | Op::Take { .. } | Op::Keep { .. } => None,
+        }
+    }
+
+    /// Enqueues one copy of lane `l` (flag operations go through [`CopyRing::flag`]).
     fn issue(
         &self,
         stream: sys::CUstream,
@@ -671,9 +721,6 @@ impl CopyRing {
         let at = |base: sys::CUdeviceptr, offset: usize| base + offset as u64;
         let peer = |j: u32| self.remote[exchange_slot(me, j)];
         match op {
-            Op::WaitAck { peer: j, value } => {
-                wait(stream, at(self.local, l.ack(exchange_slot(me, j))), value)
-            }
             Op::Send {
                 peer: j,
                 ring,
@@ -688,12 +735,6 @@ impl CopyRing {
                 ),
                 None => Ok(()),
             },
-            Op::Ready { peer: j, value } => {
-                write(stream, at(peer(j), l.ready(exchange_slot(j, me))), value)
-            }
-            Op::WaitReady { peer: j, value } => {
-                wait(stream, at(self.local, l.ready(exchange_slot(me, j))), value)
-            }
             Op::Take {
                 peer: j,
                 ring,
@@ -708,10 +749,10 @@ impl CopyRing {
                 ),
                 None => Ok(()),
             },
-            Op::Ack { peer: j, value } => {
-                write(stream, at(peer(j), l.ack(exchange_slot(j, me))), value)
-            }
-            Op::Keep { .. } => Ok(()),
+            op => match self.flag(l, op) {
+                Some(f) => flags(stream, &[f]),
+                None => Ok(()),
+            },
         }
     }
 
@@ -750,6 +791,64 @@ impl CopyRing {
         // SAFETY: `local` was allocated by `connect` and is freed once, unused.
         let _ = unsafe { cu::free_sync(self.local) };
     }
+}
+
+/// One stream memory operation on a flag.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(super) enum Flag {
+    /// Wait until the flag at the address is at least the value (cyclic), as [`wait`].
+    Wait(sys::CUdeviceptr, u32),
+    /// Write the value to the flag at the address after a memory barrier, as [`write`].
+    Write(sys::CUdeviceptr, u32),
+}
+
+/// Enqueues `flags` on `stream` in order, in one driver call (`cuStreamBatchMemOp`: the
+/// operations run in array order, exactly as the same calls one by one would); one
+/// operation goes through its own call.
+pub(super) fn flags(stream: sys::CUstream, flags: &[Flag]) -> Result<(), String> {
+    match flags {
+        [] => return Ok(()),
+        [Flag::Wait(addr, value)] => return wait(stream, *addr, *value),
+        [Flag::Write(addr, value)] => return write(stream, *addr, *value),
+        _ => {}
+    }
+    use sys::CUstreamBatchMemOpType::{
+        CU_STREAM_MEM_OP_WAIT_VALUE_32 as WAIT, CU_STREAM_MEM_OP_WRITE_VALUE_32 as WRITE,
+    };
+    let mut params: Vec<sys::CUstreamBatchMemOpParams> = flags
+        .iter()
+        .map(|f| {
+            // SAFETY: the parameter union is plain old data; all zeros is a valid value
+            // (every unused field, `alias` included, must be zero).
+            let mut p: sys::CUstreamBatchMemOpParams = unsafe { std::mem::zeroed() };
+            match *f {
+                Flag::Wait(address, value) => {
+                    // SAFETY: writes into the zeroed union's wait variant.
+                    let w = unsafe { &mut p.waitValue };
+                    w.operation = WAIT;
+                    w.address = address;
+                    w.__bindgen_anon_1.value = value;
+                    w.flags = sys::CUstreamWaitValue_flags::CU_STREAM_WAIT_VALUE_GEQ as c_uint;
+                }
+                Flag::Write(address, value) => {
+                    // SAFETY: writes into the zeroed union's write variant.
+                    let w = unsafe { &mut p.writeValue };
+                    w.operation = WRITE;
+                    w.address = address;
+                    w.__bindgen_anon_1.value = value;
+                    w.flags =
+                        sys::CUstreamWriteValue_flags::CU_STREAM_WRITE_VALUE_DEFAULT as c_uint;
+                }
+            }
+            p
+        })
+        .collect();
+    // SAFETY: `params` holds `len` initialised operations on 4-byte aligned flags of live
+    // rings (this member's, or peers' mapped by cuIpcOpenMemHandle); the driver copies
+    // them before returning; `stream` is a live stream of the bound context.
+    unsafe { sys::cuStreamBatchMemOp_v2(stream, params.len() as c_uint, params.as_mut_ptr(), 0) }
+        .result()
+        .map_err(|e| format!("cuStreamBatchMemOp: {}", describe(e)))
 }
 
 /// Waits on `stream` until the flag at `addr` is at least `value` (cyclic).

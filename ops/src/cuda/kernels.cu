@@ -128,6 +128,71 @@ extern "C" __global__ void ov_combine4(float4* dst, const float4* own, const flo
     }
 }
 
+// Cache-streaming (evict-first) 16-byte loads and stores: what a combine reads and
+// writes is touched once, so it should not push out of L2 the tiles the backward's GEMMs
+// running beside it reuse.
+__device__ __forceinline__ float4 ov_ld_cs(const float4* p) {
+    float4 v;
+    asm("ld.global.cs.v4.f32 {%0, %1, %2, %3}, [%4];"
+        : "=f"(v.x), "=f"(v.y), "=f"(v.z), "=f"(v.w)
+        : "l"(p));
+    return v;
+}
+__device__ __forceinline__ void ov_st_cs(float4* p, float4 v) {
+    asm volatile("st.global.cs.v4.f32 [%0], {%1, %2, %3, %4};" ::"l"(p), "f"(v.x), "f"(v.y),
+                 "f"(v.z), "f"(v.w)
+                 : "memory");
+}
+__device__ __forceinline__ float4 ov_round4(float4 x, int bf16) {
+    x.x = ov_combine_round(x.x, bf16);
+    x.y = ov_combine_round(x.y, bf16);
+    x.z = ov_combine_round(x.z, bf16);
+    x.w = ov_combine_round(x.w, bf16);
+    return x;
+}
+
+// ov_combine4 with cache-streaming loads and stores, and for a group of two both
+// operands loaded before either is used (two loads in flight per thread): the same
+// operations in the same order, so the same bits.
+extern "C" __global__ void ov_combine4s(float4* dst, const float4* own, const float4* recv,
+                                        u64 n4, u64 stride4, u32 size, u32 index, int bf16,
+                                        int avg) {
+    GRID_STRIDE(e, n4) {
+        float4 acc;
+        if (size == 2) {
+            // Member 0 and member 1; the other member's data is the first slot of recv.
+            const float4 a = ov_round4(ov_ld_cs(index == 0 ? own + e : recv + e), bf16);
+            const float4 b = ov_round4(ov_ld_cs(index == 1 ? own + e : recv + e), bf16);
+            acc.x = a.x + b.x;
+            acc.y = a.y + b.y;
+            acc.z = a.z + b.z;
+            acc.w = a.w + b.w;
+        } else {
+            for (u32 j = 0; j < size; ++j) {
+                const float4 x = ov_round4(
+                    ov_ld_cs(j == index ? own + e
+                                        : recv + (u64)(j < index ? j : j - 1) * stride4 + e),
+                    bf16);
+                if (j == 0) {
+                    acc = x;
+                } else {
+                    acc.x = acc.x + x.x;
+                    acc.y = acc.y + x.y;
+                    acc.z = acc.z + x.z;
+                    acc.w = acc.w + x.w;
+                }
+            }
+        }
+        if (avg) {
+            acc.x = acc.x / (float)size;
+            acc.y = acc.y / (float)size;
+            acc.z = acc.z / (float)size;
+            acc.w = acc.w / (float)size;
+        }
+        ov_st_cs(dst + e, acc);
+    }
+}
+
 // ov_combine4 for a capped grid (`[overlap] combine_ctas`): the same operations in the
 // same order, but each thread keeps OV_COMBINE_UNROLL vectors of one operand in flight
 // (loads issued before any is used), so a few CTAs of OV_COMBINE_WIDE threads pull

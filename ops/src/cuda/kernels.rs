@@ -66,6 +66,7 @@ pub(super) struct Kernels {
     from_bf16: sys::CUfunction,
     combine: sys::CUfunction,
     combine4: sys::CUfunction,
+    combine4s: sys::CUfunction,
     combine4n: sys::CUfunction,
     adamw: sys::CUfunction,
     muon_momentum: sys::CUfunction,
@@ -155,6 +156,7 @@ impl Kernels {
             from_bf16: get("ov_from_bf16")?,
             combine: get("ov_combine")?,
             combine4: get("ov_combine4")?,
+            combine4s: get("ov_combine4s")?,
             combine4n: get("ov_combine4n")?,
             adamw: get("ov_adamw")?,
             muon_momentum: get("ov_muon_momentum")?,
@@ -309,12 +311,14 @@ impl Kernels {
     /// the distance between peers' slots when reading a copy ring in place); `bf16`
     /// rounds every `x_j` first, `avg` divides by `size`. `max_ctas` caps the grid (the
     /// grid-stride loop covers any length), so the combine can run on a few SMs beside
-    /// a GEMM instead of all of them.
+    /// a GEMM instead of all of them. `streaming`: on 16-byte vectors with an uncapped
+    /// grid, cache-streaming (evict-first) loads and stores, so the combine does not
+    /// push the GEMMs' tiles out of L2 (the same bits).
     #[allow(clippy::too_many_arguments)]
     pub(super) fn combine(
         &self,
         stream: sys::CUstream,
-        max_ctas: Option<u32>,
+        (max_ctas, streaming): (Option<u32>, bool),
         (dst, own, recv): (sys::CUdeviceptr, sys::CUdeviceptr, sys::CUdeviceptr),
         (n, stride): (u64, u64),
         size: u32,
@@ -329,7 +333,12 @@ impl Kernels {
         // the slot stride a whole number of vectors.
         let vector = n % 4 == 0 && stride % 4 == 0 && [dst, own, recv].iter().all(|p| p % 16 == 0);
         let (f, len, step) = if vector {
-            (self.combine4, n / 4, stride / 4)
+            let f = if streaming && max_ctas.is_none() {
+                self.combine4s
+            } else {
+                self.combine4
+            };
+            (f, n / 4, stride / 4)
         } else {
             (self.combine, n, stride)
         };

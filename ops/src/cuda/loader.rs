@@ -81,6 +81,7 @@ pub(super) const COPY: Lib = Lib {
         "cuIpcCloseMemHandle",
         "cuStreamWaitValue32_v2",
         "cuStreamWriteValue32_v2",
+        "cuStreamBatchMemOp_v2",
         "cuMemcpyDtoDAsync_v2",
         "cuMemsetD32Async",
     ],

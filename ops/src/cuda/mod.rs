@@ -234,6 +234,8 @@ struct Issue {
     /// At most this many CTAs per [`Kernel::Combine`] (`None`: enough for one element
     /// per thread, up to the launch cap).
     combine_ctas: Option<u32>,
+    /// Combines load and store with cache-streaming hints ([`CudaBackend::set_combine_streaming`]).
+    combine_streaming: bool,
     /// One cuBLAS handle per stream, at [`Stream::index`].
     blas: Vec<Blas>,
     /// Scratch per stream, at [`Stream::index`].
@@ -336,6 +338,7 @@ impl CudaBackend {
                 kernels,
                 in_place: HashMap::new(),
                 combine_ctas: None,
+                combine_streaming: true,
                 blas,
                 scratch: Default::default(),
                 gemm: None,
@@ -395,6 +398,14 @@ impl CudaBackend {
     /// docs/performance.md).
     pub fn set_combine_ctas(&self, ctas: Option<u32>) {
         lock(&self.issue).combine_ctas = ctas;
+    }
+
+    /// Whether [`Kernel::Combine`] loads and stores with cache-streaming (evict-first)
+    /// hints, so the bytes it moves once do not evict from L2 what a GEMM beside it
+    /// reuses (default on; the results are the same bits either way; `overlap bench
+    /// --combine-cache normal` turns it off for comparison).
+    pub fn set_combine_streaming(&self, on: bool) {
+        lock(&self.issue).combine_streaming = on;
     }
 
     /// Sets up the copy transport of [`Kernel::Exchange`]: for every communicator of
@@ -465,6 +476,108 @@ impl CudaBackend {
     /// Device memory obtained from the driver (in use, or pooled for reuse), in bytes.
     pub fn memory_held(&self) -> usize {
         self.shared.memory.held_bytes()
+    }
+
+    /// What issuing costs the host, in microseconds per call: each driver call the
+    /// backend's nodes are made of (and the backend's own record-and-wait edge and
+    /// marker), issued `iters` times back to back on an idle stream, then the streams
+    /// drained before the next. `overlap cuda-smoke` reports it: with the per-kind
+    /// figures of `overlap bench` it says where a node's host time goes.
+    pub fn host_costs(&self, iters: u32) -> Result<Vec<(&'static str, f64)>, OpsError> {
+        let iters = iters.max(1);
+        let shared = &self.shared;
+        let device = &shared.device;
+        device.bind()?;
+        let (raw, other) = (device.stream(Stream::Copy), device.stream(Stream::Reduce));
+        let drain = || -> Result<(), OpsError> {
+            for s in [raw, other] {
+                // SAFETY: live streams of the bound context.
+                unsafe { cu::stream::synchronize(s) }
+                    .map_err(|e| device::backend("cuStreamSynchronize", e))?;
+            }
+            Ok(())
+        };
+        let mut out = Vec::new();
+        let mut time = |name: &'static str,
+                        f: &mut dyn FnMut(u32) -> Result<(), OpsError>|
+         -> Result<(), OpsError> {
+            drain()?;
+            let t0 = Instant::now();
+            for i in 0..iters {
+                f(i)?;
+            }
+            out.push((name, t0.elapsed().as_secs_f64() * 1e6 / f64::from(iters)));
+            drain()
+        };
+        let mem = shared.memory.alloc_raw(1 << 12)?;
+        let flag = mem.ptr();
+        let flagged = |r: Result<(), String>| r.map_err(OpsError::Backend);
+        let ev = shared.events.take_plain()?;
+        let measured = (|| -> Result<(), OpsError> {
+            let st = lock(&self.issue);
+            time("cuCtxSetCurrent", &mut |_| device.bind())?;
+            time("cuEventRecord", &mut |_| {
+                // SAFETY: live handles of the bound context.
+                unsafe { cu::event::record(ev, raw) }
+                    .map_err(|e| device::backend("cuEventRecord", e))
+            })?;
+            time("cuStreamWaitEvent", &mut |_| {
+                // SAFETY: live handles of the bound context.
+                unsafe {
+                    cu::stream::wait_event(
+                        other,
+                        ev,
+                        sys::CUevent_wait_flags::CU_EVENT_WAIT_DEFAULT,
+                    )
+                }
+                .map_err(|e| device::backend("cuStreamWaitEvent", e))
+            })?;
+            use exchange::Flag;
+            time("cuStreamWriteValue32", &mut |i| {
+                flagged(exchange::flags(raw, &[Flag::Write(flag, i)]))
+            })?;
+            time("cuStreamWaitValue32 (already reached)", &mut |_| {
+                flagged(exchange::flags(raw, &[Flag::Wait(flag, 0)]))
+            })?;
+            time("cuStreamBatchMemOp (a write and a wait)", &mut |i| {
+                flagged(exchange::flags(
+                    raw,
+                    &[Flag::Write(flag, i), Flag::Wait(flag, i)],
+                ))
+            })?;
+            time("cuMemcpyDtoDAsync (2 KiB)", &mut |_| {
+                // SAFETY: both halves of the 4 KiB `mem`, ordered on `raw`.
+                unsafe { sys::cuMemcpyDtoDAsync_v2(flag + 2048, flag, 2048, raw) }
+                    .result()
+                    .map_err(|e| device::backend("cuMemcpyDtoDAsync", e))
+            })?;
+            time("cuLaunchKernel (add, 1 element)", &mut |_| {
+                st.kernels.add(raw, flag + 64, flag + 128, 1, false)
+            })?;
+            Ok(())
+        })();
+        shared.events.put_plain(ev);
+        measured?;
+        // The backend's own: what the executor issues per cross-stream edge and per
+        // aliased node (the issue lock, a pooled event, the driver call).
+        let rank = shared.rank;
+        let edge = CudaEvent::new(rank);
+        time("Backend::record + Backend::wait (one edge)", &mut |_| {
+            self.record(rank, Stream::Copy, &edge);
+            self.wait(rank, Stream::Reduce, &edge);
+            Ok(())
+        })?;
+        time("Backend::launch (marker)", &mut |i| {
+            let tag = Tag {
+                node: i,
+                op: "marker",
+                micro_batch: 0,
+            };
+            self.launch(rank, Stream::Copy, tag, Kernel::Marker);
+            Ok(())
+        })?;
+        drop(mem);
+        Ok(out)
     }
 
     /// Reports misuse of the backend by the host.
@@ -957,7 +1070,7 @@ impl Issue {
                             };
                             self.kernels.combine(
                                 raw,
-                                self.combine_ctas,
+                                (self.combine_ctas, self.combine_streaming),
                                 (dst.at(at as u64), own.at(own_offset as u64), from),
                                 (c as u64, stride),
                                 size,
