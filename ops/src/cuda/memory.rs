@@ -18,7 +18,7 @@
 //! Invariant: a block is handed out again only after every stream of the rank executed
 //! past the point where its previous owner was dropped.
 
-use std::collections::HashMap;
+use std::collections::{HashMap, VecDeque};
 use std::fmt;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
@@ -114,8 +114,9 @@ type Fenced = (Vec<(sys::CUdeviceptr, usize)>, Vec<sys::CUevent>);
 struct State {
     /// Dropped blocks not fenced yet.
     retired: Vec<(sys::CUdeviceptr, usize)>,
-    /// Fenced blocks with their fence events (one per stream).
-    fenced: Vec<Fenced>,
+    /// Fenced blocks with their fence events (one per stream), oldest first: they
+    /// complete in this order (each stream runs its events in the order recorded).
+    fenced: VecDeque<Fenced>,
     /// Reusable blocks by size class.
     free: HashMap<usize, Vec<sys::CUdeviceptr>>,
     /// Bytes obtained from the driver and not returned.
@@ -153,8 +154,12 @@ impl Memory {
         let class = bytes.max(1).div_ceil(GRANULE).saturating_mul(GRANULE);
         let mut st = lock(&self.state);
         self.fence(&mut st)?;
-        self.sweep(&mut st)?;
-        let reused = st.free.get_mut(&class).and_then(Vec::pop);
+        // Sweep only when no block of the class is free (a sweep queries events).
+        let mut reused = st.free.get_mut(&class).and_then(Vec::pop);
+        if reused.is_none() {
+            self.sweep(&mut st)?;
+            reused = st.free.get_mut(&class).and_then(Vec::pop);
+        }
         let ptr = match reused {
             Some(p) => p,
             // SAFETY: a plain allocation of the bound context.
@@ -262,38 +267,51 @@ impl Memory {
             events.push(ev);
         }
         let blocks = std::mem::take(&mut st.retired);
-        st.fenced.push((blocks, events));
+        st.fenced.push_back((blocks, events));
         Ok(())
     }
 
     /// Moves fenced blocks whose fences completed to the free lists.
     fn sweep(&self, st: &mut State) -> Result<(), OpsError> {
-        let mut i = 0;
-        while i < st.fenced.len() {
-            let mut done = true;
-            for &ev in &st.fenced[i].1 {
-                // SAFETY: fence events are live until returned to the pool below.
-                match unsafe { cu::event::query(ev) } {
-                    Ok(()) => {}
-                    Err(e) if e.0 == sys::CUresult::CUDA_ERROR_NOT_READY => {
-                        done = false;
-                        break;
-                    }
-                    Err(e) => return Err(backend("a memory fence", e)),
-                }
+        let done = sweep(st, |ev| {
+            // SAFETY: fence events are live until returned to the pool.
+            match unsafe { cu::event::query(ev) } {
+                Ok(()) => Ok(true),
+                Err(e) if e.0 == sys::CUresult::CUDA_ERROR_NOT_READY => Ok(false),
+                Err(e) => Err(backend("a memory fence", e)),
             }
-            if done {
-                let (blocks, events) = st.fenced.swap_remove(i);
-                events.into_iter().for_each(|e| self.events.put_plain(e));
-                for (p, c) in blocks {
-                    st.free.entry(c).or_default().push(p);
-                }
-            } else {
-                i += 1;
-            }
-        }
+        })?;
+        done.into_iter().for_each(|e| self.events.put_plain(e));
         Ok(())
     }
+}
+
+/// Moves the oldest fenced blocks whose fences completed to the free lists, and returns
+/// their fence events. Stops at the first fence set not complete: every later one has
+/// an event recorded after one of its events on the same stream, so it is not complete
+/// either. One pending query per call, however far the device is behind the host
+/// (querying every fence set made each allocation cost microseconds per set in flight).
+fn sweep(
+    st: &mut State,
+    mut complete: impl FnMut(sys::CUevent) -> Result<bool, OpsError>,
+) -> Result<Vec<sys::CUevent>, OpsError> {
+    let mut done = Vec::new();
+    while let Some((_, events)) = st.fenced.front_mut() {
+        // Drop the events known complete, so a set is never queried twice for them.
+        while let Some(&ev) = events.last() {
+            if !complete(ev)? {
+                return Ok(done);
+            }
+            done.push(ev);
+            events.pop();
+        }
+        if let Some((blocks, _)) = st.fenced.pop_front() {
+            for (p, c) in blocks {
+                st.free.entry(c).or_default().push(p);
+            }
+        }
+    }
+    Ok(done)
 }
 
 impl Drop for Memory {
@@ -317,5 +335,60 @@ impl Drop for Memory {
             // SAFETY: the device is idle and nothing refers to the block any more.
             let _ = unsafe { cu::free_sync(p) };
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// A stand-in event handle (never passed to the driver).
+    fn ev(i: usize) -> sys::CUevent {
+        i as sys::CUevent
+    }
+
+    #[test]
+    fn a_sweep_frees_completed_fences_oldest_first_and_stops_at_the_first_pending() {
+        let mut st = State::default();
+        // Four fence sets of five events (one per stream): set k holds 10k+1 ..= 10k+5
+        // and one block of 512 bytes at 0x1000·(k+1).
+        for k in 0..4usize {
+            st.fenced.push_back((
+                vec![(0x1000 * (k as u64 + 1), 512)],
+                (1..=5).map(|s| ev(10 * k + s)).collect(),
+            ));
+        }
+        // Sets 0 and 1 are complete; in set 2 the event 23 is not yet.
+        let mut pending = vec![23usize, 31, 32, 33, 34, 35];
+        let mut queried = Vec::new();
+        let mut query = |e: sys::CUevent, pending: &[usize], queried: &mut Vec<usize>| {
+            queried.push(e as usize);
+            Ok(!pending.contains(&(e as usize)))
+        };
+        let done = sweep(&mut st, |e| query(e, &pending, &mut queried)).unwrap();
+        assert_eq!(
+            done.iter().map(|&e| e as usize).collect::<Vec<_>>(),
+            vec![5, 4, 3, 2, 1, 15, 14, 13, 12, 11, 25, 24]
+        );
+        // Set 3 was not queried: set 2 was pending before it.
+        assert_eq!(queried.last(), Some(&23));
+        assert!(queried.iter().all(|&e| e < 30));
+        assert_eq!(st.free[&512], vec![0x1000, 0x2000]);
+        assert_eq!(st.fenced.len(), 2);
+        // Once 23 completes, set 2 frees without querying 24 and 25 again; set 3 waits.
+        pending.retain(|&e| e != 23);
+        queried.clear();
+        let done = sweep(&mut st, |e| query(e, &pending, &mut queried)).unwrap();
+        assert_eq!(
+            done.iter().map(|&e| e as usize).collect::<Vec<_>>(),
+            vec![23, 22, 21]
+        );
+        assert_eq!(queried, vec![23, 22, 21, 35]);
+        assert_eq!(st.free[&512], vec![0x1000, 0x2000, 0x3000]);
+        assert_eq!(st.fenced.len(), 1);
+        // A failed query is an error, and leaves the set in place.
+        let failed = sweep(&mut st, |_| Err(OpsError::Backend("lost".into())));
+        assert!(failed.is_err());
+        assert_eq!(st.fenced.len(), 1);
     }
 }
