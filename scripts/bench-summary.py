@@ -24,7 +24,10 @@ for line in open(sys.argv[1]):
               f"serial {d['serial_ms']:.2f} overlap {d['overlap_ms']:.2f} ideal {d['ideal_ms']:.2f} "
               f"eta {eta:.2f} {host}")
         if len(sys.argv) > 2 and "host_us_by_kind" in d:
-            for key in ("host_us_by_kind", "host_us_by_kind_comm_only"):
+            for key in ("host_us_by_kind", "host_us_by_kind_comm_only",
+                        "host_us_in_backend_by_kind", "host_us_in_backend_by_kind_comm_only"):
+                if key not in d:
+                    continue
                 kinds = " ".join(f"{k} {v:.1f}" for k, v in sorted(d[key].items()))
                 print(f"{'':24s} {key}: {kinds}")
     elif line.startswith("{") and "overlap_fsdp2" in line:

@@ -336,6 +336,11 @@ pub struct BenchReport {
     pub host_us_by_kind: std::collections::BTreeMap<String, f64>,
     /// The same in the `comm_only` variant.
     pub host_us_by_kind_comm_only: std::collections::BTreeMap<String, f64>,
+    /// Of `host_us_by_kind`, the µs per node spent inside the backend's launch (its
+    /// checks and driver calls; StepStats::launch_by_kind); the rest is the executor's.
+    pub host_us_in_backend_by_kind: std::collections::BTreeMap<String, f64>,
+    /// The same in the `comm_only` variant.
+    pub host_us_in_backend_by_kind_comm_only: std::collections::BTreeMap<String, f64>,
     /// Nodes per step on this rank (overlap variant).
     pub nodes_per_step: usize,
     /// Mean kernel time of the plan's collective nodes in `comm_only`, ms per layer.
@@ -434,12 +439,17 @@ pub async fn run<B: Backend>(backend: Arc<B>, args: &BenchArgs) -> Result<BenchR
     let mut comm_kernels = (0.0, 0.0, 0usize);
     let mut host = (0.0, 0usize);
     let mut comm_host = (0.0, 0usize);
-    let mut by_kind: [std::collections::BTreeMap<String, (f64, usize)>; 2] = Default::default();
+    // Per variant (overlap, comm_only): by kind, (seconds, nodes, seconds in the backend).
+    let mut by_kind: [std::collections::BTreeMap<String, (f64, usize, f64)>; 2] =
+        Default::default();
     let mut add_kinds = |i: usize, stats: &StepStats| {
-        for &(kind, secs, n) in &stats.issue_by_kind {
-            let e = by_kind[i].entry(kind.to_string()).or_insert((0.0, 0));
+        for (&(kind, secs, n), &(_, inside)) in
+            stats.issue_by_kind.iter().zip(&stats.launch_by_kind)
+        {
+            let e = by_kind[i].entry(kind.to_string()).or_insert((0.0, 0, 0.0));
             e.0 += secs;
             e.1 += n;
+            e.2 += inside;
         }
     };
     // The variants take turns, one step each, so that a drift of the GPU's clocks over
@@ -542,8 +552,10 @@ pub async fn run<B: Backend>(backend: Arc<B>, args: &BenchArgs) -> Result<BenchR
         } else {
             0.0
         },
-        host_us_by_kind: per_node(&by_kind[0]),
-        host_us_by_kind_comm_only: per_node(&by_kind[1]),
+        host_us_by_kind: per_node(&by_kind[0], |k| k.0),
+        host_us_by_kind_comm_only: per_node(&by_kind[1], |k| k.0),
+        host_us_in_backend_by_kind: per_node(&by_kind[0], |k| k.2),
+        host_us_in_backend_by_kind_comm_only: per_node(&by_kind[1], |k| k.2),
         host_us_per_node_comm_only: if comm_host.1 > 0 {
             comm_host.0 * 1e6 / comm_host.1 as f64
         } else {
@@ -619,10 +631,11 @@ fn is_wide(plan: &Plan, t: &Timing) -> bool {
 
 /// Seconds and nodes by kind, as µs per node.
 fn per_node(
-    m: &std::collections::BTreeMap<String, (f64, usize)>,
+    m: &std::collections::BTreeMap<String, (f64, usize, f64)>,
+    secs: impl Fn(&(f64, usize, f64)) -> f64,
 ) -> std::collections::BTreeMap<String, f64> {
     m.iter()
-        .map(|(k, &(secs, n))| (k.clone(), secs * 1e6 / n.max(1) as f64))
+        .map(|(k, v)| (k.clone(), secs(v) * 1e6 / v.1.max(1) as f64))
         .collect()
 }
 

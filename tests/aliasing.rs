@@ -2,7 +2,8 @@
 //! (`ExecConfig::aliasing`: a step gives the same parameters and reduced gradients with
 //! and without it, aliasing does happen where the layout allows it, and pooled buffers
 //! stay bounded), and the copy transport (exchange + combine on the CPU backend equal
-//! its collectives, wherever the combine runs and however late).
+//! its collectives, wherever the combine runs and however late). Also: the host-time
+//! figures a step reports add up.
 
 use std::sync::Arc;
 
@@ -188,4 +189,34 @@ async fn the_copy_transport_is_bit_identical_to_the_collectives_and_keeps_the_po
             }
         }
     }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn host_time_by_kind_splits_into_the_backends_and_the_executors() {
+    let mesh = Mesh::new(2, 2).unwrap();
+    let backend = Arc::new(CpuBackend::new(mesh));
+    let mut s = Session::new(spec(2, 2), backend, ExecConfig::default()).unwrap();
+    s.begin_micro_batch(Gate::On).await.unwrap();
+    for layer in s.layers() {
+        s.grad_ready(layer, |_, _, out| out.fill(0.5))
+            .await
+            .unwrap();
+    }
+    let stats = s.step().await.unwrap().stats;
+    // The same kinds in the same order; each kind's time in the backend is part of its
+    // issue time; every node is counted once.
+    let kinds: Vec<_> = stats.issue_by_kind.iter().map(|k| k.0).collect();
+    let inside: Vec<_> = stats.launch_by_kind.iter().map(|k| k.0).collect();
+    assert_eq!(kinds, inside);
+    for (&(kind, secs, _), &(_, backend)) in stats.issue_by_kind.iter().zip(&stats.launch_by_kind) {
+        assert!(
+            (0.0..=secs).contains(&backend),
+            "{kind}: {backend} of {secs} s"
+        );
+    }
+    assert_eq!(
+        stats.issue_by_kind.iter().map(|k| k.2).sum::<usize>(),
+        stats.nodes
+    );
+    assert!(stats.launch_by_kind.iter().map(|k| k.1).sum::<f64>() > 0.0);
 }

@@ -186,6 +186,10 @@ pub struct StepStats {
     /// `issue_seconds` by node kind (`Op::kind`): `(kind, seconds, nodes)`, summed over
     /// local ranks (plan adoption is in `issue_seconds` only).
     pub issue_by_kind: Vec<(&'static str, f64, usize)>,
+    /// Of `issue_by_kind`'s seconds, those spent inside [`Backend::launch`] (its checks
+    /// and driver calls), by node kind, summed over local ranks: the rest of a node's
+    /// host time is the executor's (events, buffers, bookkeeping).
+    pub launch_by_kind: Vec<(&'static str, f64)>,
     /// Wall time from the first issue to the end of the step, in seconds.
     pub wall_seconds: f64,
     /// Kernel timings of the step.
@@ -518,6 +522,13 @@ impl<B: Backend> Executor<B> {
             })
             .filter(|k| k.2 > 0)
             .collect::<Vec<_>>();
+        let launch_by_kind = issue_by_kind
+            .iter()
+            .map(|&(kind, _, _)| {
+                let i = Op::KINDS.iter().position(|&k| k == kind).unwrap_or(0);
+                (kind, self.ranks.iter().map(|r| r.launch_by_kind[i]).sum())
+            })
+            .collect();
         let issue_seconds =
             self.adopt_time.as_secs_f64() + issue_by_kind.iter().map(|k| k.1).sum::<f64>();
         Ok(StepStats {
@@ -525,6 +536,7 @@ impl<B: Backend> Executor<B> {
             aliased_nodes,
             issue_seconds,
             issue_by_kind,
+            launch_by_kind,
             stage1_in_flight_peak,
             wall_seconds: wall,
             timings,

@@ -52,6 +52,10 @@ pub(crate) struct RankState<B: Backend> {
     /// Host time spent issuing them (excluding backpressure waits) by node kind, at
     /// `Op::kind_index`: seconds and nodes.
     pub issue_by_kind: [(f64, usize); Op::KINDS.len()],
+    /// Of `issue_by_kind`'s seconds, those spent inside `Backend::launch` (the backend's
+    /// checks and driver calls); the rest is the executor's own (events, allocation,
+    /// bookkeeping).
+    pub launch_by_kind: [f64; Op::KINDS.len()],
     /// Partials and no_sync accumulations written and not yet flushed, as issued.
     pub live_partials: HashSet<Buffer>,
     /// Gradient buffers the caller owns (`grad_ready_bound`): dropped after their last
@@ -86,6 +90,7 @@ impl<B: Backend> RankState<B> {
             issued: 0,
             aliased: 0,
             issue_by_kind: Default::default(),
+            launch_by_kind: Default::default(),
             peak_in_flight: 0,
             live_partials: HashSet::default(),
             borrowed: HashSet::default(),
@@ -272,10 +277,18 @@ impl<B: Backend> RankState<B> {
             micro_batch: node.micro_batch.unwrap_or(u32::MAX),
         };
         let stream = node.stream;
-        let launch = |k: Kernel<B::Buffer>| backend.launch(self.rank, stream, tag, k);
+        // Time inside the backend, for `launch_by_kind`.
+        let spent = std::cell::Cell::new(0.0f64);
+        let launch = |k: Kernel<B::Buffer>| {
+            let t0 = std::time::Instant::now();
+            backend.launch(self.rank, stream, tag, k);
+            spent.set(spent.get() + t0.elapsed().as_secs_f64());
+        };
+        let kind = node.op.kind_index();
         if aliased.is_some() {
             self.aliased += 1;
             launch(Kernel::Marker);
+            self.launch_by_kind[kind] += spent.get();
             self.release_after(backend, p, n, stream);
             return Ok(());
         }
@@ -509,6 +522,7 @@ impl<B: Backend> RankState<B> {
                 });
             }
         }
+        self.launch_by_kind[kind] += spent.get();
         self.release_after(backend, p, n, stream);
         Ok(())
     }
@@ -585,6 +599,7 @@ impl<B: Backend> RankState<B> {
         self.issued = 0;
         self.aliased = 0;
         self.issue_by_kind = Default::default();
+        self.launch_by_kind = Default::default();
         self.peak_in_flight = 0;
         self.issue_errors.clear();
     }

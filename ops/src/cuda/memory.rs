@@ -361,7 +361,7 @@ mod tests {
         // Sets 0 and 1 are complete; in set 2 the event 23 is not yet.
         let mut pending = vec![23usize, 31, 32, 33, 34, 35];
         let mut queried = Vec::new();
-        let mut query = |e: sys::CUevent, pending: &[usize], queried: &mut Vec<usize>| {
+        let query = |e: sys::CUevent, pending: &[usize], queried: &mut Vec<usize>| {
             queried.push(e as usize);
             Ok(!pending.contains(&(e as usize)))
         };
