@@ -15,6 +15,9 @@ use crate::prepared::Prepared;
 use crate::ExecError;
 
 /// A pooled buffer waiting for its release events.
+/// Pooled buffers of one length [`RankState::take`] looks at before allocating.
+const POOL_PROBE: usize = 4;
+
 struct Pooled<B: Backend> {
     buf: B::Buffer,
     release: Vec<B::Event>,
@@ -26,7 +29,8 @@ pub(crate) struct RankState<B: Backend> {
     /// partials, reduced gradients) and transient ones in flight.
     pub buffers: HashMap<Buffer, B::Buffer>,
     /// Free transient buffers by length, each reusable once its release events completed.
-    pool: HashMap<usize, Vec<Pooled<B>>>,
+    /// Released transient buffers by length, oldest release first.
+    pool: HashMap<usize, VecDeque<Pooled<B>>>,
     /// Release events recorded so far for transient buffers not yet returned.
     pending: HashMap<Buffer, Vec<B::Event>>,
     /// Plan event id -> backend event.
@@ -110,17 +114,23 @@ impl<B: Backend> RankState<B> {
     /// Takes a transient buffer of `len` elements: a pooled one whose release completed,
     /// or a new one; `zero`: a new zeroed one (pooled buffers hold old values), otherwise
     /// the caller overwrites every element first and a new one is not zeroed.
+    ///
+    /// Only the [`POOL_PROBE`] oldest releases of the length are looked at: releases
+    /// complete about in the order they were issued, and the host runs up to a step
+    /// ahead of the device, so scanning every pooled buffer would query every pending
+    /// release event on every take.
     pub fn take(&mut self, backend: &B, len: usize, zero: bool) -> Result<B::Buffer, OpsError> {
         if zero {
             return backend.alloc(self.rank, len);
         }
         if let Some(list) = self.pool.get_mut(&len) {
-            if let Some(i) = list.iter().position(|p| {
+            let done = list.iter().take(POOL_PROBE).position(|p| {
                 p.release
                     .iter()
                     .all(|e| backend.status(e) != EventStatus::Pending)
-            }) {
-                return Ok(list.swap_remove(i).buf);
+            });
+            if let Some(p) = done.and_then(|i| list.remove(i)) {
+                return Ok(p.buf);
             }
         }
         backend.alloc_uninit(self.rank, len)
@@ -128,7 +138,7 @@ impl<B: Backend> RankState<B> {
 
     /// Buffers held in the pool (for tests and metrics).
     pub fn pooled(&self) -> usize {
-        self.pool.values().map(Vec::len).sum()
+        self.pool.values().map(VecDeque::len).sum()
     }
 
     fn buf(&self, b: &Buffer) -> Result<B::Buffer, ExecError> {
@@ -573,7 +583,7 @@ impl<B: Backend> RankState<B> {
                 self.pool
                     .entry(backend.len(&buf))
                     .or_default()
-                    .push(Pooled { buf, release });
+                    .push_back(Pooled { buf, release });
             }
         }
     }

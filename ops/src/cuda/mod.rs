@@ -554,6 +554,29 @@ impl CudaBackend {
             time("cuLaunchKernel (add, 1 element)", &mut |_| {
                 st.kernels.add(raw, flag + 64, flag + 128, 1, false)
             })?;
+            let query = |_| {
+                // SAFETY: a live event of the bound context.
+                match unsafe { cu::event::query(ev) } {
+                    Ok(()) => Ok(()),
+                    Err(e) if e.0 == sys::CUresult::CUDA_ERROR_NOT_READY => Ok(()),
+                    Err(e) => Err(device::backend("cuEventQuery", e)),
+                }
+            };
+            // SAFETY: live handles of the bound context; `time` drained the stream.
+            unsafe { cu::event::record(ev, raw) }
+                .map_err(|e| device::backend("cuEventRecord", e))?;
+            time("cuEventQuery (complete)", &mut { query })?;
+            // Pending: behind a kernel that spins longer than the queries take (launched
+            // in the first iteration, whose two calls add ~4 µs to the whole loop).
+            time("cuEventQuery (pending)", &mut |i| {
+                if i == 0 {
+                    st.kernels.spin(raw, (iters / 10).clamp(5, 100) * 1000)?;
+                    // SAFETY: as above.
+                    unsafe { cu::event::record(ev, raw) }
+                        .map_err(|e| device::backend("cuEventRecord", e))?;
+                }
+                query(i)
+            })?;
             Ok(())
         })();
         shared.events.put_plain(ev);
