@@ -660,7 +660,7 @@ impl CopyRing {
     }
 
     /// Enqueues the operations of lane `l` in order, each run of flag operations
-    /// between two copies in one driver call ([`flags`]).
+    /// between two copies in one driver call ([`calls`], [`flags`]).
     fn issue_all(
         &self,
         stream: sys::CUstream,
@@ -669,18 +669,13 @@ impl CopyRing {
         send: Option<sys::CUdeviceptr>,
         recv: Option<sys::CUdeviceptr>,
     ) -> Result<(), String> {
-        let mut run: Vec<Flag> = Vec::new();
-        for &op in ops {
-            match self.flag(l, op) {
-                Some(f) => run.push(f),
-                None => {
-                    flags(stream, &run)?;
-                    run.clear();
-                    self.issue(stream, l, op, send, recv)?;
-                }
+        for call in calls(ops, |op| self.flag(l, op)) {
+            match call {
+                Call::Flags(run) => flags(stream, &run)?,
+                Call::Copy(op) => self.issue(stream, l, op, send, recv)?,
             }
         }
-        flags(stream, &run)
+        Ok(())
     }
 
     /// The flag operation `op` of lane `l` is, or `None` for a copy or a kept piece.
@@ -791,6 +786,37 @@ impl CopyRing {
         // SAFETY: `local` was allocated by `connect` and is freed once, unused.
         let _ = unsafe { cu::free_sync(self.local) };
     }
+}
+
+/// One driver call of an exchange: a run of flag operations, or a copy.
+#[derive(Debug, Clone, PartialEq, Eq)]
+enum Call {
+    Flags(Vec<Flag>),
+    Copy(Op),
+}
+
+/// The driver calls that issue `ops` in order: each maximal run of flag operations
+/// (`flag` maps an operation to its flag, `None` for a copy or a kept piece) is one call,
+/// each copy one; a kept piece issues nothing and does not break a run.
+fn calls(ops: &[Op], flag: impl Fn(Op) -> Option<Flag>) -> Vec<Call> {
+    let mut out = Vec::new();
+    let mut run = Vec::new();
+    for &op in ops {
+        match flag(op) {
+            Some(f) => run.push(f),
+            None if matches!(op, Op::Keep { .. }) => {}
+            None => {
+                if !run.is_empty() {
+                    out.push(Call::Flags(std::mem::take(&mut run)));
+                }
+                out.push(Call::Copy(op));
+            }
+        }
+    }
+    if !run.is_empty() {
+        out.push(Call::Flags(run));
+    }
+    out
 }
 
 /// One stream memory operation on a flag.
@@ -1517,6 +1543,60 @@ mod tests {
                 received: vec![0, 0]
             }
         );
+    }
+
+    #[test]
+    fn runs_of_flag_operations_go_out_in_one_call_each() {
+        // Member 1 of 3, in place, its third piece per pair with depth 2: per peer a
+        // wait for a free slot, the copy, the ready write; then the waits for both
+        // peers' pieces, which it keeps.
+        let l = Layout::new(3, 256, 2, 1).unwrap();
+        let plan = Plan::new(&desc(CollectiveKind::ReduceScatter, 64, None), 3, 1).unwrap();
+        let mut counters = Counters::starting_at(2, 2);
+        let ops = schedule(&plan, &l, &mut counters, true);
+        // Flags at made-up addresses: the op's index in `ops`.
+        let flag = |op: Op| {
+            let at = ops.iter().position(|o| *o == op).unwrap() as u64;
+            match op {
+                Op::WaitAck { value, .. } | Op::WaitReady { value, .. } => {
+                    Some(Flag::Wait(at, value))
+                }
+                Op::Ready { value, .. } | Op::Ack { value, .. } => Some(Flag::Write(at, value)),
+                _ => None,
+            }
+        };
+        let got = calls(&ops, flag);
+        let shape: Vec<String> = got
+            .iter()
+            .map(|c| match c {
+                Call::Flags(f) => format!("flags {}", f.len()),
+                Call::Copy(_) => "copy".into(),
+            })
+            .collect();
+        // wait ack 0 | copy 0 | ready 0, wait ack 2 | copy 2 | ready 2, wait ready 0,
+        // wait ready 2 (the kept pieces do not break the run).
+        assert_eq!(shape, ["flags 1", "copy", "flags 2", "copy", "flags 3"]);
+        // Order is kept: the flags, flattened, are the flag operations in order.
+        let flat: Vec<Flag> = got
+            .into_iter()
+            .flat_map(|c| match c {
+                Call::Flags(f) => f,
+                Call::Copy(_) => Vec::new(),
+            })
+            .collect();
+        let want: Vec<Flag> = ops.iter().filter_map(|&op| flag(op)).collect();
+        assert_eq!(flat, want);
+        // Copying out: every take breaks the run.
+        let mut counters = Counters::new(2);
+        let ops = schedule(&plan, &l, &mut counters, false);
+        let copies = calls(&ops, |op| match op {
+            Op::Send { .. } | Op::Take { .. } | Op::Keep { .. } => None,
+            _ => Some(Flag::Write(0, 0)),
+        })
+        .iter()
+        .filter(|c| matches!(c, Call::Copy(_)))
+        .count();
+        assert_eq!(copies, 4);
     }
 
     #[test]
