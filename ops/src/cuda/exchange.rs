@@ -514,6 +514,8 @@ pub(super) struct CopyRing {
     /// Exchanges leave what they receive in the ring for the combine to read in place
     /// ([`InPlace`], [`CopySetup::in_place`]).
     in_place: bool,
+    /// Exchanges issued on lane 0 so far ([`InPlace::seq`]).
+    exchanges: u64,
 }
 
 /// What an exchange received in place: member `j`'s data starts at `base + slot(j) ·
@@ -524,6 +526,9 @@ pub(super) struct InPlace {
     pub(super) base: sys::CUdeviceptr,
     pub(super) stride: usize,
     pub(super) acks: Vec<(u32, u32)>,
+    /// The exchange's place among this ring's exchanges (acknowledgements must go out
+    /// in this order).
+    pub(super) seq: u64,
 }
 
 // SAFETY: device addresses only, used with the context bound under the backend's issue
@@ -605,6 +610,9 @@ impl CopyRing {
             self.broken = Some(reason.clone());
             return Err(self.err(reason));
         }
+        if lane == 0 {
+            self.exchanges += 1;
+        }
         // Also for a member that cannot take part (it copied nothing): its combine, run
         // or skipped, acknowledges in combine order, so an acknowledgement never
         // overtakes an earlier exchange's deferred one.
@@ -636,6 +644,7 @@ impl CopyRing {
             base: self.local + self.layout.data(0, ring) as u64,
             stride: self.layout.depth * self.layout.slot_bytes,
             acks: keeps.iter().map(|&(j, _, t)| (j, t)).collect(),
+            seq: self.exchanges,
         }))
     }
 
@@ -1192,6 +1201,7 @@ fn connect_one(
                 counters: vec![Counters::new(comm.size as usize - 1); lanes],
                 broken: None,
                 in_place: setup.in_place.contains(&id),
+                exchanges: 0,
             });
         }
         Err(reason) => problem = Some(format!("rank {rank} could not set up its ring: {reason}")),
@@ -2427,6 +2437,7 @@ mod tests {
             counters: vec![Counters::new(2)],
             broken: None,
             in_place: true,
+            exchanges: 0,
         };
         // 64 floats per peer: one piece each, slot index 1 for piece 1.
         let plan = Plan::new(&desc(CollectiveKind::ReduceScatter, 64, None), 3, 1).unwrap();

@@ -839,8 +839,23 @@ impl Backend for CudaBackend {
     /// reported (a sticky CUDA error, an NCCL failure) cannot be cleared: the next
     /// operation reports it again, and the process should exit.
     fn reset(&self) {
-        lock(&self.issue).poison = Default::default();
+        let mut st = lock(&self.issue);
+        st.poison = Default::default();
         lock(&self.shared.errors).clear();
+        // In-place receives whose combine never came (a failed or discarded step):
+        // acknowledge them, oldest first, on their ring's stream, or the peers' next
+        // exchanges would wait for those slots forever.
+        if !st.in_place.is_empty() && self.shared.device.bind().is_ok() {
+            let mut left: Vec<(CommId, InPlace)> = st.in_place.drain().map(|(_, v)| v).collect();
+            left.sort_by_key(|(id, k)| (*id, k.seq));
+            for (id, k) in left {
+                let raw = self.shared.device.stream(id.stream);
+                // A failure breaks the ring: reported now, and its next exchange fails.
+                if let Err(e) = st.ack_in_place(raw, id, &k) {
+                    self.shared.report(id.stream, host_tag("reset"), e);
+                }
+            }
+        }
     }
 
     fn set_timings(&self, on: bool) {
