@@ -14,10 +14,10 @@ use overlap_ops::{AdamwParams, Backend, CommId, EventStatus, Kernel, MuonParams,
 use crate::prepared::Prepared;
 use crate::ExecError;
 
-/// A pooled buffer waiting for its release events.
 /// Pooled buffers of one length [`RankState::take`] looks at before allocating.
 const POOL_PROBE: usize = 4;
 
+/// A pooled buffer waiting for its release events.
 struct Pooled<B: Backend> {
     buf: B::Buffer,
     release: Vec<B::Event>,
@@ -28,8 +28,8 @@ pub(crate) struct RankState<B: Backend> {
     /// Live buffers: persistent (parameters, optimizer state), step (accumulations,
     /// partials, reduced gradients) and transient ones in flight.
     pub buffers: HashMap<Buffer, B::Buffer>,
-    /// Free transient buffers by length, each reusable once its release events completed.
-    /// Released transient buffers by length, oldest release first.
+    /// Released transient buffers by length, oldest release first, each reusable once
+    /// its release events completed.
     pool: HashMap<usize, VecDeque<Pooled<B>>>,
     /// Release events recorded so far for transient buffers not yet returned.
     pending: HashMap<Buffer, Vec<B::Event>>,
@@ -118,7 +118,9 @@ impl<B: Backend> RankState<B> {
     /// Only the [`POOL_PROBE`] oldest releases of the length are looked at: releases
     /// complete about in the order they were issued, and the host runs up to a step
     /// ahead of the device, so scanning every pooled buffer would query every pending
-    /// release event on every take.
+    /// release event on every take. The price: a buffer released behind a slow stream
+    /// can hold up the reuse of newer completed ones, so a length's pool may grow to as
+    /// many buffers as one step takes (every step ends drained, so it stops there).
     pub fn take(&mut self, backend: &B, len: usize, zero: bool) -> Result<B::Buffer, OpsError> {
         if zero {
             return backend.alloc(self.rank, len);

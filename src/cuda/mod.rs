@@ -125,38 +125,45 @@ pub struct Links {
 
 /// The copy transport's rings for the plans a job runs (`[overlap] copy_slot_mib` and
 /// `copy_ring_depth`): a ring on each plan's exchange stream for every communicator of
-/// two or more members, a gather lane where a plan gathers ([`gathering_comms`]), and,
-/// with `in_place`, in-place receives where every plan allows them
-/// ([`in_place_comms`]). The same on every rank (it depends on the plans only).
+/// two or more members; with `in_place`, in-place receives on a communicator when every
+/// plan that exchanges on it allows them ([`in_place_comms`]); and a gather lane where
+/// such a communicator also gathers ([`gathering_comms`]: without in-place receives
+/// its gathers share the one lane, and the ring stays half the size). The same on every
+/// rank (it depends on the plans only).
 pub fn copy_setup(
     specs: &[&overlap_graph::PlanSpec],
     slot_bytes: usize,
     depth: usize,
     in_place: bool,
 ) -> ops_cuda::CopySetup {
-    let mut setup = ops_cuda::CopySetup {
-        slot_bytes,
-        depth,
-        streams: Vec::new(),
-        in_place: Vec::new(),
-        gather_lane: Vec::new(),
-    };
+    use std::collections::BTreeMap;
+    let mut verdicts: BTreeMap<CommId, bool> = BTreeMap::new();
+    let mut gathering = Vec::new();
+    let mut streams = Vec::new();
     for spec in specs {
-        setup.streams.push(spec.bindings.exchange);
-        setup.gather_lane.extend(gathering_comms(spec));
-        if in_place {
-            setup
-                .in_place
-                .extend(in_place_comms(spec, slot_bytes, depth));
+        streams.push(spec.bindings.exchange);
+        gathering.extend(gathering_comms(spec));
+        for (id, ok) in in_place_verdicts(spec, slot_bytes, depth) {
+            *verdicts.entry(id).or_insert(true) &= ok;
         }
     }
-    setup.streams.sort();
-    setup.streams.dedup();
-    for list in [&mut setup.in_place, &mut setup.gather_lane] {
-        list.sort();
-        list.dedup();
+    let in_place: Vec<CommId> = verdicts
+        .into_iter()
+        .filter(|&(_, ok)| ok && in_place)
+        .map(|(id, _)| id)
+        .collect();
+    streams.sort();
+    streams.dedup();
+    gathering.sort();
+    gathering.dedup();
+    gathering.retain(|id| in_place.contains(id));
+    ops_cuda::CopySetup {
+        slot_bytes,
+        depth,
+        streams,
+        in_place,
+        gather_lane: gathering,
     }
-    setup
 }
 
 /// The gate-`on` plan of `spec`, or `None` when it does not plan (then the job fails
@@ -216,14 +223,26 @@ pub fn in_place_comms(
     slot_bytes: usize,
     depth: usize,
 ) -> Vec<CommId> {
+    in_place_verdicts(spec, slot_bytes, depth)
+        .into_iter()
+        .filter(|&(_, ok)| ok)
+        .map(|(id, _)| id)
+        .collect()
+}
+
+/// Every communicator the plan exchanges on, with whether [`in_place_comms`] allows it.
+fn in_place_verdicts(
+    spec: &overlap_graph::PlanSpec,
+    slot_bytes: usize,
+    depth: usize,
+) -> std::collections::BTreeMap<CommId, bool> {
     use overlap_graph::Op;
     use std::collections::{BTreeMap, HashMap};
     let Some(plan) = gate_on_plan(spec) else {
-        return Vec::new();
+        return BTreeMap::new();
     };
-    let Some(most) = depth.checked_sub(1) else {
-        return Vec::new();
-    };
+    let most = depth.saturating_sub(1);
+    let shallow = depth == 0;
     let mut ok: BTreeMap<CommId, bool> = BTreeMap::new();
     for rp in &plan.ranks {
         // Per communicator: exchanges issued so far; per open exchange: where.
@@ -245,7 +264,7 @@ pub fn in_place_comms(
                     let fits = (0..size).all(|j| {
                         collective.member_chunk(size, j).1.saturating_mul(4) <= slot_bytes as u64
                     });
-                    *ok.entry(id).or_insert(true) &= fits;
+                    *ok.entry(id).or_insert(true) &= fits && !shallow;
                     let k = issued.entry(id).or_insert(0);
                     open.insert((bucket, micro_batch, stage), (id, *k));
                     *k += 1;
@@ -265,10 +284,7 @@ pub fn in_place_comms(
             }
         }
     }
-    ok.into_iter()
-        .filter(|&(_, y)| y)
-        .map(|(id, _)| id)
-        .collect()
+    ok
 }
 
 /// Whether any communicator of the plan reads in place ([`in_place_comms`]) with rings
@@ -484,6 +500,45 @@ mod tests {
         assert_eq!(setup.in_place, in_place_comms(&hsdp, slot, 3));
         assert_eq!(setup.gather_lane, gathering_comms(&hsdp));
         assert!(copy_setup(&[&hsdp], slot, 3, false).in_place.is_empty());
+        // Two plans on one communicator: in place only if both allow it.
+        let (lag1, lag2) = (bench(&|_| {}), bench(&|a| a.combine_lag = 2));
+        assert!(copy_setup(&[&lag1, &lag2], slot, two, true)
+            .in_place
+            .is_empty());
+        assert_eq!(
+            copy_setup(&[&lag1, &lag2], slot, 3, true).in_place,
+            vec![shard(0)]
+        );
+        // A gather lane only where the all-reduce is read in place.
+        assert_eq!(
+            copy_setup(&[&ar], slot, two, true).gather_lane,
+            vec![replicate(0)]
+        );
+        assert!(copy_setup(&[&ar], slot, two, false).gather_lane.is_empty());
+        let several = config("gpu_1x2.toml");
+        assert!(copy_setup(&[&several.plan], slot, two, true)
+            .gather_lane
+            .is_empty());
+        // Depth 0 allows nothing (the config refuses it before).
+        assert!(in_place_comms(&lag1, slot, 0).is_empty());
+        // How deep a ring the validation configs, with several buckets per layer, need.
+        let deep = |plan: &overlap_graph::PlanSpec| {
+            (1..=16).find(|&d| !in_place_comms(plan, slot, d).is_empty())
+        };
+        assert_eq!(deep(&config("gpu_2x1.toml").plan), Some(12));
+        // Two buckets per layer: each combine one layer behind has two or three
+        // exchanges after it, so four slots are needed (docs/config.md).
+        let mut two_per_layer = bench(&|a| a.grad_mib = 32);
+        let extra: Vec<_> = two_per_layer
+            .params
+            .iter()
+            .map(|p| overlap_graph::ParamSpec {
+                name: format!("{}.b", p.name),
+                ..p.clone()
+            })
+            .collect();
+        two_per_layer.params.extend(extra);
+        assert_eq!(deep(&two_per_layer), Some(4));
     }
 
     #[test]

@@ -564,9 +564,16 @@ async fn kernels(b: &CudaBackend, checks: &mut Vec<Check>) -> Result<(), Error> 
                 .all(|(a, w)| a.to_bits() == w.to_bits());
             push(
                 &format!(
-                    "combine {n} {dtype:?} {op:?} (member {index} of {size}, {}{})",
-                    ctas.map_or("full grid".to_string(), |c| format!("{c} CTAs")),
-                    if streaming { ", streaming" } else { "" }
+                    "combine {n} {dtype:?} {op:?} (member {index} of {size}, {})",
+                    // The kernel the backend picks: vectors when n is a multiple of 4
+                    // (the buffers are aligned), streaming only with the full grid.
+                    match (ctas, n % 4 == 0, streaming) {
+                        (Some(c), true, _) => format!("{c} CTAs, wide vector kernel"),
+                        (Some(c), false, _) => format!("{c} CTAs, scalar kernel"),
+                        (None, true, true) => "full grid, streaming vector kernel".into(),
+                        (None, true, false) => "full grid, vector kernel".into(),
+                        (None, false, _) => "full grid, scalar kernel".into(),
+                    }
                 ),
                 r.is_ok() && exact,
                 format!("{r:?}, bit-exact: {exact}"),

@@ -273,34 +273,37 @@ impl Memory {
 
     /// Moves fenced blocks whose fences completed to the free lists.
     fn sweep(&self, st: &mut State) -> Result<(), OpsError> {
-        let done = sweep(st, |ev| {
+        let mut done = Vec::new();
+        let swept = sweep(st, &mut done, |ev| {
             // SAFETY: fence events are live until returned to the pool.
             match unsafe { cu::event::query(ev) } {
                 Ok(()) => Ok(true),
                 Err(e) if e.0 == sys::CUresult::CUDA_ERROR_NOT_READY => Ok(false),
                 Err(e) => Err(backend("a memory fence", e)),
             }
-        })?;
+        });
+        // Completed events go back to the pool also when a later query failed.
         done.into_iter().for_each(|e| self.events.put_plain(e));
-        Ok(())
+        swept
     }
 }
 
-/// Moves the oldest fenced blocks whose fences completed to the free lists, and returns
-/// their fence events. Stops at the first fence set not complete: every later one has
-/// an event recorded after one of its events on the same stream, so it is not complete
-/// either. One pending query per call, however far the device is behind the host
-/// (querying every fence set made each allocation cost microseconds per set in flight).
+/// Moves the oldest fenced blocks whose fences completed to the free lists, and puts
+/// their fence events, once complete, in `done`. Stops at the first fence set not
+/// complete: every later one has an event recorded after one of its events on the same
+/// stream, so it is not complete either. So a sweep queries each completed event once
+/// and one pending event, however far the device is behind the host (querying every
+/// fence set made each allocation cost microseconds per set in flight).
 fn sweep(
     st: &mut State,
+    done: &mut Vec<sys::CUevent>,
     mut complete: impl FnMut(sys::CUevent) -> Result<bool, OpsError>,
-) -> Result<Vec<sys::CUevent>, OpsError> {
-    let mut done = Vec::new();
+) -> Result<(), OpsError> {
     while let Some((_, events)) = st.fenced.front_mut() {
         // Drop the events known complete, so a set is never queried twice for them.
         while let Some(&ev) = events.last() {
             if !complete(ev)? {
-                return Ok(done);
+                return Ok(());
             }
             done.push(ev);
             events.pop();
@@ -311,7 +314,7 @@ fn sweep(
             }
         }
     }
-    Ok(done)
+    Ok(())
 }
 
 impl Drop for Memory {
@@ -365,7 +368,8 @@ mod tests {
             queried.push(e as usize);
             Ok(!pending.contains(&(e as usize)))
         };
-        let done = sweep(&mut st, |e| query(e, &pending, &mut queried)).unwrap();
+        let mut done = Vec::new();
+        sweep(&mut st, &mut done, |e| query(e, &pending, &mut queried)).unwrap();
         assert_eq!(
             done.iter().map(|&e| e as usize).collect::<Vec<_>>(),
             vec![5, 4, 3, 2, 1, 15, 14, 13, 12, 11, 25, 24]
@@ -378,7 +382,8 @@ mod tests {
         // Once 23 completes, set 2 frees without querying 24 and 25 again; set 3 waits.
         pending.retain(|&e| e != 23);
         queried.clear();
-        let done = sweep(&mut st, |e| query(e, &pending, &mut queried)).unwrap();
+        let mut done = Vec::new();
+        sweep(&mut st, &mut done, |e| query(e, &pending, &mut queried)).unwrap();
         assert_eq!(
             done.iter().map(|&e| e as usize).collect::<Vec<_>>(),
             vec![23, 22, 21]
@@ -386,9 +391,21 @@ mod tests {
         assert_eq!(queried, vec![23, 22, 21, 35]);
         assert_eq!(st.free[&512], vec![0x1000, 0x2000, 0x3000]);
         assert_eq!(st.fenced.len(), 1);
-        // A failed query is an error, and leaves the set in place.
-        let failed = sweep(&mut st, |_| Err(OpsError::Backend("lost".into())));
+        // A failed query is an error; the events found complete before it are handed
+        // back (not lost), and the set stays.
+        let mut done = Vec::new();
+        let failed = sweep(&mut st, &mut done, |e| {
+            if e as usize == 33 {
+                Err(OpsError::Backend("lost".into()))
+            } else {
+                Ok(true)
+            }
+        });
         assert!(failed.is_err());
+        assert_eq!(
+            done.iter().map(|&e| e as usize).collect::<Vec<_>>(),
+            vec![35, 34]
+        );
         assert_eq!(st.fenced.len(), 1);
     }
 }

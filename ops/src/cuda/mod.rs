@@ -1448,26 +1448,27 @@ impl Issue {
                 exchange::Plan::new(desc, size, index)
             }
             .map_err(shape)?;
-            let Some(ring) = self.copy.iter_mut().find(|r| r.id == id) else {
-                return Err(OpsError::Collective {
-                    comm: id.to_string(),
-                    reason: "the copy transport was not set up on this communicator: call CudaBackend::connect_copy after connect (the run's transport must be `copy` on every rank)".into(),
-                });
-            };
+            if !self.copy.iter().any(|r| r.id == id) {
+                return Err(not_set_up(id));
+            }
             let valid = own.is_ok();
             let s = send.as_ref().filter(|_| valid).map(CudaBuffer::ptr);
             let r = recv.as_ref().filter(|_| valid).map(CudaBuffer::ptr);
+            let key = recv.as_ref().map(CudaBuffer::ptr);
+            // A receive buffer reused before its combine ran (a step cut short): release
+            // the older pieces first, before this exchange waits for free slots.
+            if let Some((old_id, old)) = key.and_then(|k| self.in_place.remove(&k)) {
+                self.ack_in_place(raw, old_id, &old)?;
+            }
+            let Some(ring) = self.copy.iter_mut().find(|r| r.id == id) else {
+                return Err(not_set_up(id));
+            };
             if let Some(kept) = ring.exchange(raw, &plan, s, r)? {
                 // Keyed by the receive buffer the combine will name, also when this
                 // member could not take part: its combine (run or skipped) acknowledges
                 // in order. Without a receive buffer there is no combine: acknowledge now.
-                match recv.as_ref().map(CudaBuffer::ptr) {
+                match key {
                     Some(key) => {
-                        // A receive buffer reused before its combine ran: release the
-                        // older pieces first, in order.
-                        if let Some((old_id, old)) = self.in_place.remove(&key) {
-                            self.ack_in_place(raw, old_id, &old)?;
-                        }
                         self.in_place.insert(key, (id, kept));
                     }
                     None => self.ack_in_place(raw, id, &kept)?,
@@ -1650,6 +1651,14 @@ fn check_collective(
         }
     }
     Ok(())
+}
+
+/// The error of an exchange or gather on a communicator without a copy ring.
+fn not_set_up(id: CommId) -> OpsError {
+    OpsError::Collective {
+        comm: id.to_string(),
+        reason: "the copy transport was not set up on this communicator: call CudaBackend::connect_copy after connect (the run's transport must be `copy` on every rank)".into(),
+    }
 }
 
 /// Checks a [`Kernel::Combine`] (as the CPU backend does); returns the length of the
