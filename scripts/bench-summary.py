@@ -18,6 +18,8 @@ for line in open(sys.argv[1]):
         host = f"host {d['host_us_per_node']:.1f} (untimed {d['host_us_per_node_untimed']:.1f}"
         if "host_us_per_node_comm_only" in d:
             host += f", comm_only {d['host_us_per_node_comm_only']:.1f}"
+        if "host_us_per_node_comm_only_untimed" in d:
+            host += f", comm_only untimed {d['host_us_per_node_comm_only_untimed']:.1f}"
         host += ")"
         eta = d["eta"] if d["eta"] is not None else float("nan")
         print(f"{name:24s} compute {d['compute_only_ms']:.2f} comm {d['comm_only_ms']:.2f} "
@@ -25,7 +27,9 @@ for line in open(sys.argv[1]):
               f"eta {eta:.2f} {host}")
         if len(sys.argv) > 2 and "host_us_by_kind" in d:
             for key in ("host_us_by_kind", "host_us_by_kind_comm_only",
-                        "host_us_in_backend_by_kind", "host_us_in_backend_by_kind_comm_only"):
+                        "host_us_in_backend_by_kind", "host_us_in_backend_by_kind_comm_only",
+                        "host_us_by_kind_comm_only_untimed",
+                        "host_us_in_backend_by_kind_comm_only_untimed"):
                 if key not in d:
                     continue
                 kinds = " ".join(f"{k} {v:.1f}" for k, v in sorted(d[key].items()))

@@ -341,6 +341,13 @@ pub struct BenchReport {
     pub host_us_in_backend_by_kind: std::collections::BTreeMap<String, f64>,
     /// The same in the `comm_only` variant.
     pub host_us_in_backend_by_kind_comm_only: std::collections::BTreeMap<String, f64>,
+    /// `host_us_per_node_comm_only` with kernel timings off: what issuing costs
+    /// `overlap` itself, without the profiling events (issue 5's host figure).
+    pub host_us_per_node_comm_only_untimed: f64,
+    /// The same by node kind.
+    pub host_us_by_kind_comm_only_untimed: std::collections::BTreeMap<String, f64>,
+    /// Of that, inside the backend's launch.
+    pub host_us_in_backend_by_kind_comm_only_untimed: std::collections::BTreeMap<String, f64>,
     /// Nodes per step on this rank (overlap variant).
     pub nodes_per_step: usize,
     /// Mean kernel time of the plan's collective nodes in `comm_only`, ms per layer.
@@ -439,8 +446,9 @@ pub async fn run<B: Backend>(backend: Arc<B>, args: &BenchArgs) -> Result<BenchR
     let mut comm_kernels = (0.0, 0.0, 0usize);
     let mut host = (0.0, 0usize);
     let mut comm_host = (0.0, 0usize);
-    // Per variant (overlap, comm_only): by kind, (seconds, nodes, seconds in the backend).
-    let mut by_kind: [std::collections::BTreeMap<String, (f64, usize, f64)>; 2] =
+    // Per variant (overlap, comm_only, comm_only untimed): by kind, (seconds, nodes,
+    // seconds in the backend).
+    let mut by_kind: [std::collections::BTreeMap<String, (f64, usize, f64)>; 3] =
         Default::default();
     let mut add_kinds = |i: usize, stats: &StepStats| {
         for (&(kind, secs, n), &(_, inside)) in
@@ -508,24 +516,35 @@ pub async fn run<B: Backend>(backend: Arc<B>, args: &BenchArgs) -> Result<BenchR
     }
     drop(executors);
     // The host cost without timing events (two event records per kernel on the CUDA
-    // backend): the overlap plan again, `iters` steps, timings off.
+    // backend): the overlap plan again, then comm_only, `iters` steps each, timings off.
     backend.set_timings(false);
-    let mut untimed = (0.0, 0usize);
-    let mut ex = Executor::new(backend.clone(), exec(gemms));
-    for _ in 0..args.iters {
-        let stats = plan_step(&mut ex, &overlap_plan, &grads).await;
-        let stats = match stats {
-            Ok(s) => s,
-            Err(e) => {
-                backend.set_timings(true);
-                return Err(e);
+    let mut untimed = [(0.0, 0usize); 2];
+    for (v, backward) in [gemms, Backward::None].into_iter().enumerate() {
+        let mut ex = Executor::new(backend.clone(), exec(backward));
+        for _ in 0..args.iters {
+            let stats = plan_step(&mut ex, &overlap_plan, &grads).await;
+            let stats = match stats {
+                Ok(s) => s,
+                Err(e) => {
+                    backend.set_timings(true);
+                    return Err(e);
+                }
+            };
+            untimed[v].0 += stats.issue_seconds;
+            untimed[v].1 += stats.nodes;
+            if v == 1 {
+                add_kinds(2, &stats);
             }
-        };
-        untimed.0 += stats.issue_seconds;
-        untimed.1 += stats.nodes;
+        }
     }
-    drop(ex);
     backend.set_timings(true);
+    let per_node_of = |(secs, n): (f64, usize)| {
+        if n > 0 {
+            secs * 1e6 / n as f64
+        } else {
+            0.0
+        }
+    };
     let compute = mean(&steps.compute_only);
     let comm = mean(&steps.comm_only);
     let serial = mean(&steps.serial);
@@ -547,11 +566,10 @@ pub async fn run<B: Backend>(backend: Arc<B>, args: &BenchArgs) -> Result<BenchR
         } else {
             0.0
         },
-        host_us_per_node_untimed: if untimed.1 > 0 {
-            untimed.0 * 1e6 / untimed.1 as f64
-        } else {
-            0.0
-        },
+        host_us_per_node_untimed: per_node_of(untimed[0]),
+        host_us_per_node_comm_only_untimed: per_node_of(untimed[1]),
+        host_us_by_kind_comm_only_untimed: per_node(&by_kind[2], |k| k.0),
+        host_us_in_backend_by_kind_comm_only_untimed: per_node(&by_kind[2], |k| k.2),
         host_us_by_kind: per_node(&by_kind[0], |k| k.0),
         host_us_by_kind_comm_only: per_node(&by_kind[1], |k| k.0),
         host_us_in_backend_by_kind: per_node(&by_kind[0], |k| k.2),
