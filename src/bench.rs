@@ -1198,6 +1198,33 @@ mod tests {
             assert!(x > 0.0, "{r:?}");
         }
         assert!(r.host_us_per_node > 0.0 && r.nodes_per_step > 0);
+        assert!(r.host_us_per_node_comm_only_untimed > 0.0);
+        // By kind: the same kinds with and without timings, and the backend's share of
+        // each kind's time is part of it.
+        assert_eq!(
+            r.host_us_by_kind_comm_only.keys().collect::<Vec<_>>(),
+            r.host_us_by_kind_comm_only_untimed
+                .keys()
+                .collect::<Vec<_>>()
+        );
+        for (all, inside) in [
+            (&r.host_us_by_kind, &r.host_us_in_backend_by_kind),
+            (
+                &r.host_us_by_kind_comm_only,
+                &r.host_us_in_backend_by_kind_comm_only,
+            ),
+            (
+                &r.host_us_by_kind_comm_only_untimed,
+                &r.host_us_in_backend_by_kind_comm_only_untimed,
+            ),
+        ] {
+            for (kind, us) in all {
+                assert!(
+                    (0.0..=*us).contains(&inside[kind]),
+                    "{kind}: {inside:?} of {all:?}"
+                );
+            }
+        }
         assert!(r.collective_ms_per_layer > 0.0);
         let json = serde_json::to_string(&r).unwrap();
         for key in [
