@@ -98,33 +98,39 @@ extern "C" __global__ void ov_combine(float* dst, const float* own, const float*
 __device__ __forceinline__ float ov_combine_round(float x, int bf16) {
     return bf16 ? __uint_as_float(((u32)ov_f2bf(x)) << 16) : x;
 }
+// The element-wise steps of the vector combines, one float at a time as the scalar one.
+__device__ __forceinline__ float4 ov_round4(float4 x, int bf16) {
+    x.x = ov_combine_round(x.x, bf16);
+    x.y = ov_combine_round(x.y, bf16);
+    x.z = ov_combine_round(x.z, bf16);
+    x.w = ov_combine_round(x.w, bf16);
+    return x;
+}
+__device__ __forceinline__ float4 ov_add4(float4 a, float4 b) {
+    a.x = a.x + b.x;
+    a.y = a.y + b.y;
+    a.z = a.z + b.z;
+    a.w = a.w + b.w;
+    return a;
+}
+__device__ __forceinline__ float4 ov_div4(float4 a, u32 size) {
+    a.x = a.x / (float)size;
+    a.y = a.y / (float)size;
+    a.z = a.z / (float)size;
+    a.w = a.w / (float)size;
+    return a;
+}
 extern "C" __global__ void ov_combine4(float4* dst, const float4* own, const float4* recv,
                                        u64 n4, u64 stride4, u32 size, u32 index, int bf16,
                                        int avg) {
     GRID_STRIDE(e, n4) {
         float4 acc;
         for (u32 j = 0; j < size; ++j) {
-            float4 x = j == index ? own[e] : recv[(u64)(j < index ? j : j - 1) * stride4 + e];
-            x.x = ov_combine_round(x.x, bf16);
-            x.y = ov_combine_round(x.y, bf16);
-            x.z = ov_combine_round(x.z, bf16);
-            x.w = ov_combine_round(x.w, bf16);
-            if (j == 0) {
-                acc = x;
-            } else {
-                acc.x = acc.x + x.x;
-                acc.y = acc.y + x.y;
-                acc.z = acc.z + x.z;
-                acc.w = acc.w + x.w;
-            }
+            const float4 x = ov_round4(
+                j == index ? own[e] : recv[(u64)(j < index ? j : j - 1) * stride4 + e], bf16);
+            acc = j == 0 ? x : ov_add4(acc, x);
         }
-        if (avg) {
-            acc.x = acc.x / (float)size;
-            acc.y = acc.y / (float)size;
-            acc.z = acc.z / (float)size;
-            acc.w = acc.w / (float)size;
-        }
-        dst[e] = acc;
+        dst[e] = avg ? ov_div4(acc, size) : acc;
     }
 }
 
@@ -143,13 +149,6 @@ __device__ __forceinline__ void ov_st_cs(float4* p, float4 v) {
                  "f"(v.z), "f"(v.w)
                  : "memory");
 }
-__device__ __forceinline__ float4 ov_round4(float4 x, int bf16) {
-    x.x = ov_combine_round(x.x, bf16);
-    x.y = ov_combine_round(x.y, bf16);
-    x.z = ov_combine_round(x.z, bf16);
-    x.w = ov_combine_round(x.w, bf16);
-    return x;
-}
 
 // ov_combine4 with cache-streaming loads and stores, and for a group of two both
 // operands loaded before either is used (two loads in flight per thread): the same
@@ -163,33 +162,17 @@ extern "C" __global__ void ov_combine4s(float4* dst, const float4* own, const fl
             // Member 0 and member 1; the other member's data is the first slot of recv.
             const float4 a = ov_round4(ov_ld_cs(index == 0 ? own + e : recv + e), bf16);
             const float4 b = ov_round4(ov_ld_cs(index == 1 ? own + e : recv + e), bf16);
-            acc.x = a.x + b.x;
-            acc.y = a.y + b.y;
-            acc.z = a.z + b.z;
-            acc.w = a.w + b.w;
+            acc = ov_add4(a, b);
         } else {
             for (u32 j = 0; j < size; ++j) {
                 const float4 x = ov_round4(
                     ov_ld_cs(j == index ? own + e
                                         : recv + (u64)(j < index ? j : j - 1) * stride4 + e),
                     bf16);
-                if (j == 0) {
-                    acc = x;
-                } else {
-                    acc.x = acc.x + x.x;
-                    acc.y = acc.y + x.y;
-                    acc.z = acc.z + x.z;
-                    acc.w = acc.w + x.w;
-                }
+                acc = j == 0 ? x : ov_add4(acc, x);
             }
         }
-        if (avg) {
-            acc.x = acc.x / (float)size;
-            acc.y = acc.y / (float)size;
-            acc.z = acc.z / (float)size;
-            acc.w = acc.w / (float)size;
-        }
-        ov_st_cs(dst + e, acc);
+        ov_st_cs(dst + e, avg ? ov_div4(acc, size) : acc);
     }
 }
 
@@ -217,32 +200,14 @@ ov_combine4n(float4* dst, const float4* own, const float4* recv, u64 n4, u64 str
             }
 #pragma unroll
             for (int u = 0; u < OV_COMBINE_UNROLL; ++u) {
-                x[u].x = ov_combine_round(x[u].x, bf16);
-                x[u].y = ov_combine_round(x[u].y, bf16);
-                x[u].z = ov_combine_round(x[u].z, bf16);
-                x[u].w = ov_combine_round(x[u].w, bf16);
-                if (j == 0) {
-                    acc[u] = x[u];
-                } else {
-                    acc[u].x = acc[u].x + x[u].x;
-                    acc[u].y = acc[u].y + x[u].y;
-                    acc[u].z = acc[u].z + x[u].z;
-                    acc[u].w = acc[u].w + x[u].w;
-                }
+                const float4 r = ov_round4(x[u], bf16);
+                acc[u] = j == 0 ? r : ov_add4(acc[u], r);
             }
         }
 #pragma unroll
         for (int u = 0; u < OV_COMBINE_UNROLL; ++u) {
             const u64 e = base + (u64)u * stride;
-            if (e >= n4) continue;
-            float4 a = acc[u];
-            if (avg) {
-                a.x = a.x / (float)size;
-                a.y = a.y / (float)size;
-                a.z = a.z / (float)size;
-                a.w = a.w / (float)size;
-            }
-            dst[e] = a;
+            if (e < n4) dst[e] = avg ? ov_div4(acc[u], size) : acc[u];
         }
     }
 }
