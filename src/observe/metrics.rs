@@ -74,10 +74,12 @@ pub const NODES: &str = "overlap_nodes_total";
 pub const HOST_ISSUE: &str = "overlap_step_host_issue_seconds";
 /// Host time per node by node kind in the last step (gauge).
 pub const OP_HOST_ISSUE: &str = "overlap_op_host_issue_seconds";
+/// Of that, the part spent inside the backend's launch (gauge).
+pub const OP_HOST_LAUNCH: &str = "overlap_op_host_launch_seconds";
 
 /// Every metric: name, labels, and what it means. The README's table and the
 /// descriptions served on `/metrics` come from here.
-pub const METRICS: [(&str, &str, &str); 19] = [
+pub const METRICS: [(&str, &str, &str); 20] = [
     (OP_DURATION, "op, stream", "histogram of kernel durations by node kind (`grad_ready`, `pack`, `stage1`, `fold`, `fold_partial`, `stage2`, `unpack`, `optimizer`, `publish`, ...) and stream, as the backend timed them (CUDA events on GPUs)"),
     (STEPS, "", "steps completed"),
     (STEP_DURATION, "", "histogram of the host wall time of a step: first issue to the device finishing"),
@@ -96,6 +98,7 @@ pub const METRICS: [(&str, &str, &str); 19] = [
     (NODES, "", "plan nodes issued, summed over local ranks"),
     (HOST_ISSUE, "", "histogram of the host time spent issuing a step's nodes (launches, records, waits), summed over local ranks; divided by the nodes, the host cost per node"),
     (OP_HOST_ISSUE, "op", "host time per node of each node kind in the last step (`exchange`, `stage1`, `combine`, ...): where the host cost per node goes"),
+    (OP_HOST_LAUNCH, "op", "of `overlap_op_host_issue_seconds`, the part spent inside the backend's launch (its checks and driver calls: NCCL, copies, kernel launches); the rest is the executor's (events, buffers)"),
     ("overlap_build_info", "version", "always 1; the overlap version"),
 ];
 
@@ -161,7 +164,8 @@ fn describe() {
     describe_counter!(NODES, Unit::Count, METRICS[15].2);
     describe_histogram!(HOST_ISSUE, Unit::Seconds, METRICS[16].2);
     describe_gauge!(OP_HOST_ISSUE, Unit::Seconds, METRICS[17].2);
-    describe_gauge!("overlap_build_info", Unit::Count, METRICS[18].2);
+    describe_gauge!(OP_HOST_LAUNCH, Unit::Seconds, METRICS[18].2);
+    describe_gauge!("overlap_build_info", Unit::Count, METRICS[19].2);
 }
 
 /// Records a finished step when recording is on ([`Session::step`](crate::Session::step)
@@ -217,9 +221,15 @@ pub fn record_analysis(report: &StepReport, a: &StepAnalysis) {
     }
     counter!(NODES).increment(report.stats.nodes as u64);
     histogram!(HOST_ISSUE).record(report.stats.issue_seconds.max(0.0));
-    for &(op, seconds, nodes) in &report.stats.issue_by_kind {
+    for (&(op, seconds, nodes), &(_, inside)) in report
+        .stats
+        .issue_by_kind
+        .iter()
+        .zip(&report.stats.launch_by_kind)
+    {
         if nodes > 0 {
             gauge!(OP_HOST_ISSUE, "op" => op).set(seconds.max(0.0) / nodes as f64);
+            gauge!(OP_HOST_LAUNCH, "op" => op).set(inside.max(0.0) / nodes as f64);
         }
     }
 }
