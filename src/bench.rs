@@ -93,6 +93,12 @@ pub struct BenchArgs {
     /// Copy transport: receive-ring slot size, MiB (`[overlap] copy_slot_mib`).
     #[arg(long, default_value_t = 32)]
     pub copy_slot_mib: u32,
+    /// Each layer's gradient as this many parameters of equal size, one bucket each:
+    /// smaller collectives, interleaved with the backward (the last layer's combine
+    /// then overlaps its later buckets' exchanges). In place on the copy transport
+    /// needs `--copy-ring-depth` of about twice this.
+    #[arg(long, default_value_t = 1)]
+    pub buckets_per_layer: u32,
     /// Copy transport: receive-ring slots per peer (`[overlap] copy_ring_depth`).
     #[arg(long, default_value_t = 2)]
     pub copy_ring_depth: u32,
@@ -190,6 +196,13 @@ impl BenchArgs {
                 self.grad_mib
             )));
         }
+        let k = self.buckets_per_layer;
+        if k == 0 || k > 64 || self.grad_elems() % u64::from(k) != 0 {
+            return Err(Error::Usage(format!(
+                "--buckets-per-layer {k}: between 1 and 64, dividing the gradient's {} elements",
+                self.grad_elems()
+            )));
+        }
         // The config's bounds on the same knobs.
         use crate::config::{MAX_COPY_RING_DEPTH, MAX_COPY_SLOT_MIB, MAX_NCCL_CTAS};
         const MAX_COMBINE_CTAS: u32 = 4096;
@@ -229,21 +242,34 @@ impl BenchArgs {
         u64::from(self.grad_mib) << 18
     }
 
-    /// The plan spec: one `fsdp` parameter per layer (`layer{l}.grad`, a vector of
-    /// `grad_mib` MiB), one bucket per layer, f32 `avg`, with `bindings`.
+    /// Elements of one parameter (`grad_elems / buckets_per_layer`).
+    pub fn param_elems(&self) -> u64 {
+        self.grad_elems() / u64::from(self.buckets_per_layer.max(1))
+    }
+
+    /// The plan spec: `buckets_per_layer` `fsdp` parameters per layer (`layer{l}.grad`,
+    /// or `layer{l}.grad{k}`, vectors of `grad_mib / buckets_per_layer` MiB), one bucket
+    /// each, f32 `avg`, with `bindings`.
     pub fn spec(&self, bindings: Bindings) -> PlanSpec {
+        let k = self.buckets_per_layer.max(1);
         PlanSpec {
             mesh: self.mesh,
             params: (0..self.layers)
-                .map(|l| ParamSpec {
-                    name: format!("layer{l}.grad"),
-                    shape: vec![self.grad_elems()],
-                    route: Route::Fsdp,
-                    layer: l,
+                .flat_map(|l| {
+                    (0..k).map(move |j| ParamSpec {
+                        name: if k == 1 {
+                            format!("layer{l}.grad")
+                        } else {
+                            format!("layer{l}.grad{j}")
+                        },
+                        shape: vec![self.param_elems()],
+                        route: Route::Fsdp,
+                        layer: l,
+                    })
                 })
                 .collect(),
             reduce: ReduceSpec::default(),
-            bucket_cap_bytes: self.grad_elems() * 4,
+            bucket_cap_bytes: self.param_elems() * 4,
             bindings: if bindings == serial_bindings() {
                 bindings
             } else {
@@ -420,12 +446,12 @@ pub async fn run<B: Backend>(backend: Arc<B>, args: &BenchArgs) -> Result<BenchR
         .ok_or_else(|| Error::Backend("the backend drives no rank".into()))?;
     let overlap_plan = Arc::new(bench_plan(args, Bindings::default())?);
     let serial_plan = Arc::new(bench_plan(args, serial_bindings())?);
-    // The gradients: one device buffer per (rank, layer), handed in by reference.
-    let n = args.grad_elems() as usize;
+    // The gradients: one device buffer per (rank, parameter), handed in by reference.
+    let n = args.param_elems() as usize;
     let mut grads = Vec::new();
     for &r in &ranks {
         let mut row = Vec::new();
-        for _ in 0..args.layers {
+        for _ in 0..args.layers * args.buckets_per_layer.max(1) {
             row.push(backend.alloc(r, n).map_err(ops)?);
         }
         grads.push((r, row));
@@ -1074,6 +1100,7 @@ mod tests {
             exchange_stream: Stream::Copy,
             pack_stream: Stream::Reduce,
             copy_slot_mib: 32,
+            buckets_per_layer: 1,
             copy_ring_depth: 2,
             nccl_max_ctas: None,
             combine_ctas: None,
@@ -1107,6 +1134,14 @@ mod tests {
             },
             BenchArgs {
                 copy_ring_depth: 0,
+                ..BenchArgs::new(mesh)
+            },
+            BenchArgs {
+                buckets_per_layer: 0,
+                ..BenchArgs::new(mesh)
+            },
+            BenchArgs {
+                buckets_per_layer: 3,
                 ..BenchArgs::new(mesh)
             },
             BenchArgs {
@@ -1269,6 +1304,35 @@ mod tests {
         assert!(lines
             .iter()
             .all(|l| l["end_us"].as_f64().unwrap() >= l["start_us"].as_f64().unwrap()));
+    }
+
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn several_buckets_per_layer_split_each_gradient() {
+        let a = BenchArgs {
+            buckets_per_layer: 4,
+            timeline: true,
+            transport: Transport::Copy,
+            ..args(Mesh::new(2, 1).unwrap())
+        };
+        let spec = a.spec(Bindings::default());
+        assert_eq!(spec.params.len(), 12);
+        assert!(spec
+            .params
+            .iter()
+            .all(|p| p.shape == vec![a.grad_elems() / 4]));
+        assert_eq!(spec.params[5].name, "layer1.grad1");
+        let backend = Arc::new(CpuBackend::new(a.mesh));
+        let r = run(backend, &a).await.unwrap();
+        let lines: Vec<serde_json::Value> = r
+            .timeline_json
+            .expect("json lines")
+            .lines()
+            .map(|l| serde_json::from_str(l).unwrap())
+            .collect();
+        let count = |op: &str| lines.iter().filter(|l| l["op"] == op).count();
+        assert_eq!(count("grad_ready"), 3);
+        assert_eq!(count("exchange"), 12);
+        assert_eq!(count("combine"), 12);
     }
 
     #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
