@@ -26,6 +26,7 @@ pub mod cuda;
 pub mod dist;
 pub mod drive;
 mod error;
+pub mod interference;
 pub mod launch;
 pub mod observe;
 pub mod rendezvous;

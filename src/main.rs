@@ -147,6 +147,12 @@ enum Command {
         #[arg(long, default_value_t = 3)]
         warmup: u32,
     },
+    /// GPU probe of what a copy-transport combine costs the GEMMs beside it, on one GPU
+    /// without communication (`cuda` feature; docs/performance.md).
+    BenchInterference {
+        #[command(flatten)]
+        args: overlap::interference::InterferenceArgs,
+    },
     /// Print this process's rank environment as JSON (for checking a launcher).
     #[command(hide = true)]
     Env {
@@ -342,6 +348,7 @@ async fn dispatch(cmd: Command) -> Result<ExitCode, Error> {
             Ok(ExitCode::from(overlap::launch::launch(&spec)?))
         }
         Command::Env { rendezvous } => env(rendezvous),
+        Command::BenchInterference { args } => bench_interference(&args).await,
         Command::Bench {
             mut args,
             timeline,
@@ -712,6 +719,27 @@ fn env(rendezvous: bool) -> Result<ExitCode, Error> {
         }
     }
     Ok(ExitCode::SUCCESS)
+}
+
+#[cfg(feature = "cuda")]
+async fn bench_interference(
+    args: &overlap::interference::InterferenceArgs,
+) -> Result<ExitCode, Error> {
+    let r = overlap::interference::run_cuda(args).await?;
+    println!(
+        "{}",
+        serde_json::to_string(&r).map_err(|e| Error::Usage(e.to_string()))?
+    );
+    Ok(ExitCode::SUCCESS)
+}
+
+#[cfg(not(feature = "cuda"))]
+async fn bench_interference(
+    _: &overlap::interference::InterferenceArgs,
+) -> Result<ExitCode, Error> {
+    Err(Error::Usage(
+        "bench-interference runs on a GPU: build with `--features cuda`".into(),
+    ))
 }
 
 #[cfg(feature = "cuda")]

@@ -1,0 +1,280 @@
+//! `overlap bench-interference`: what a copy-transport combine costs the GEMMs it runs
+//! beside, on one GPU, without any communication.
+//!
+//! The combine is what keeps the copy transport's η below 0.9 (docs/performance.md,
+//! *Why not 0.9*): it needs SMs, and beside a GEMM it slows the GEMM. This probe
+//! isolates that effect. Each step runs `layers` layers of `gemms` bf16 GEMMs on the
+//! compute stream. Variants:
+//!
+//! - `gemms`: the GEMMs alone;
+//! - `combines`: one combine per layer alone, back to back on the reduce stream;
+//! - `beside`: both, each combine one layer behind, on the high-priority reduce stream
+//!   (as the copy transport's defaults place it);
+//! - `beside_normal`: the same with the combine's plain loads and stores instead of
+//!   cache-streaming ones (CUDA only; elsewhere equal to `beside`);
+//! - `serial`: each combine on the compute stream after its layer's GEMMs.
+//!
+//! A combine reduces a group of two's chunk of a `grad_mib` gradient: it reads two
+//! chunks of `grad_mib / 2` MiB and writes one. The variants take turns step by step (as
+//! in `overlap bench`, so a drift of the GPU's clocks weighs on all alike); each figure
+//! is the mean device span of the timed steps.
+
+use overlap_graph::{Collective, CollectiveKind, DType, Group, ReduceOp, Stream};
+use overlap_ops::{Backend, Kernel, Tag};
+use serde::Serialize;
+
+use crate::bench::span;
+use crate::Error;
+
+/// The probe's sizes.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, clap::Args)]
+pub struct InterferenceArgs {
+    /// Layers per step.
+    #[arg(long, default_value_t = 16)]
+    pub layers: u32,
+    /// bf16 GEMMs per layer.
+    #[arg(long, default_value_t = 3)]
+    pub gemms: u32,
+    /// GEMM size (each is `d × d · d × d`).
+    #[arg(long, default_value_t = 4096)]
+    pub d: u32,
+    /// The gradient whose group-of-two chunk each combine reduces, MiB.
+    #[arg(long, default_value_t = 64)]
+    pub grad_mib: u32,
+    /// Timed steps per variant.
+    #[arg(long, default_value_t = 10)]
+    pub iters: u32,
+    /// Untimed steps per variant before them.
+    #[arg(long, default_value_t = 2)]
+    pub warmup: u32,
+}
+
+/// The figures, ms per step (means over the timed steps).
+#[derive(Debug, Clone, Serialize)]
+pub struct InterferenceReport {
+    /// The sizes.
+    #[serde(flatten)]
+    pub args: InterferenceArgs,
+    /// The backend.
+    pub backend: String,
+    /// GEMMs alone.
+    pub gemms_ms: f64,
+    /// Combines alone.
+    pub combines_ms: f64,
+    /// Both, each combine one layer behind on the reduce stream.
+    pub beside_ms: f64,
+    /// The same with plain loads and stores.
+    pub beside_normal_ms: f64,
+    /// Each combine on the compute stream after its layer.
+    pub serial_ms: f64,
+    /// What the combines cost the step beside the GEMMs, per layer: `(beside − gemms −
+    /// one combine alone) / layers` (the last combine runs after the last GEMM).
+    pub cost_per_layer_ms: f64,
+    /// The same for `serial`: a combine's time on the compute stream.
+    pub serial_cost_per_layer_ms: f64,
+}
+
+/// Which variant a step runs.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Variant {
+    Gemms,
+    Combines,
+    Beside,
+    BesideNormal,
+    Serial,
+}
+
+const VARIANTS: [Variant; 5] = [
+    Variant::Gemms,
+    Variant::Combines,
+    Variant::Beside,
+    Variant::BesideNormal,
+    Variant::Serial,
+];
+
+fn tag(node: u32, op: &'static str) -> Tag {
+    Tag {
+        node,
+        op,
+        micro_batch: 0,
+    }
+}
+
+/// Runs the probe on `backend`'s first local rank. `streaming` switches the combine's
+/// cache-streaming loads and stores (a no-op where the backend has none).
+pub async fn run<B: Backend>(
+    backend: &B,
+    args: &InterferenceArgs,
+    streaming: impl Fn(bool),
+) -> Result<InterferenceReport, Error> {
+    if args.layers == 0 || args.iters == 0 || args.grad_mib == 0 || args.grad_mib > 4096 {
+        return Err(Error::Usage(
+            "--layers and --iters at least 1, --grad-mib between 1 and 4096".into(),
+        ));
+    }
+    let rank = *backend
+        .local_ranks()
+        .first()
+        .ok_or_else(|| Error::Backend("the backend drives no rank".into()))?;
+    let ops = |e: overlap_ops::OpsError| Error::Backend(e.to_string());
+    // A group of two's chunk: half the gradient.
+    let n = (u64::from(args.grad_mib) << 17) as usize;
+    let own = backend.alloc(rank, n).map_err(ops)?;
+    let recv = backend.alloc(rank, n).map_err(ops)?;
+    let dst = backend.alloc(rank, n).map_err(ops)?;
+    let desc = Collective {
+        kind: CollectiveKind::Reduce,
+        group: Group::Shard { replicate: 0 },
+        count: n as u64,
+        dtype: DType::F32,
+        op: ReduceOp::Avg,
+        root: Some(0),
+    };
+    let combine = |stream: Stream, l: u32| {
+        backend.launch(
+            rank,
+            stream,
+            tag(l, "combine"),
+            Kernel::Combine {
+                desc,
+                size: 2,
+                index: 0,
+                own: own.clone(),
+                own_offset: 0,
+                recv: recv.clone(),
+                dst: dst.clone(),
+            },
+        )
+    };
+    let gemm = |l: u32| {
+        backend.launch(
+            rank,
+            Stream::Compute,
+            tag(l, "grad_ready"),
+            Kernel::Gemm {
+                m: args.d,
+                n: args.d,
+                k: args.d,
+                count: args.gemms,
+            },
+        )
+    };
+    let mut sums = [0.0f64; VARIANTS.len()];
+    backend.set_timings(true);
+    for i in 0..args.warmup + args.iters {
+        for (v, &variant) in VARIANTS.iter().enumerate() {
+            backend.take_timings();
+            streaming(variant != Variant::BesideNormal);
+            let mut ready = Vec::new();
+            for l in 0..args.layers {
+                if variant != Variant::Combines {
+                    gemm(l);
+                }
+                match variant {
+                    Variant::Combines => combine(Stream::Reduce, l),
+                    Variant::Serial => combine(Stream::Compute, l),
+                    Variant::Beside | Variant::BesideNormal => {
+                        let ev = backend.event(rank);
+                        backend.record(rank, Stream::Compute, &ev);
+                        ready.push(ev);
+                        // The previous layer's combine, beside this layer's GEMMs.
+                        if l > 0 {
+                            backend.wait(rank, Stream::Reduce, &ready[l as usize - 1]);
+                            combine(Stream::Reduce, l - 1);
+                        }
+                    }
+                    Variant::Gemms => {}
+                }
+            }
+            if let Some(last) = ready.last() {
+                backend.wait(rank, Stream::Reduce, last);
+                combine(Stream::Reduce, args.layers - 1);
+            }
+            for s in [Stream::Compute, Stream::Reduce] {
+                let end = backend.event(rank);
+                backend.record(rank, s, &end);
+                backend.host_wait(&end).await.map_err(ops)?;
+            }
+            let timings = backend.take_timings();
+            if let Some((_, _, _, e)) = backend.errors().into_iter().next() {
+                backend.reset();
+                streaming(true);
+                return Err(Error::Backend(e.to_string()));
+            }
+            if i >= args.warmup {
+                sums[v] += span(&timings) * 1e3;
+            }
+        }
+    }
+    streaming(true);
+    let mean = |v: Variant| {
+        let i = VARIANTS.iter().position(|&x| x == v).unwrap_or(0);
+        sums[i] / f64::from(args.iters)
+    };
+    let layers = f64::from(args.layers);
+    let (gemms, combines) = (mean(Variant::Gemms), mean(Variant::Combines));
+    let (beside, serial) = (mean(Variant::Beside), mean(Variant::Serial));
+    Ok(InterferenceReport {
+        args: *args,
+        backend: backend.name().into(),
+        gemms_ms: gemms,
+        combines_ms: combines,
+        beside_ms: beside,
+        beside_normal_ms: mean(Variant::BesideNormal),
+        serial_ms: serial,
+        cost_per_layer_ms: (beside - gemms - combines / layers) / layers,
+        serial_cost_per_layer_ms: (serial - gemms) / layers,
+    })
+}
+
+/// The probe on this process's GPU (`LOCAL_RANK`, else device 0), one rank.
+#[cfg(feature = "cuda")]
+pub async fn run_cuda(args: &InterferenceArgs) -> Result<InterferenceReport, Error> {
+    use overlap_ops::cuda::{CudaBackend, CudaOptions};
+    let device = std::env::var("LOCAL_RANK")
+        .ok()
+        .and_then(|v| v.parse().ok())
+        .unwrap_or(0);
+    let backend = CudaBackend::new(CudaOptions {
+        mesh: overlap_graph::Mesh::new(1, 1).map_err(|e| Error::Usage(e.to_string()))?,
+        rank: 0,
+        device,
+        timings: true,
+        uniform_priority: false,
+    })
+    .map_err(|e| Error::Backend(e.to_string()))?;
+    run(&backend, args, |on| backend.set_combine_streaming(on)).await
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use overlap_ops::cpu::CpuBackend;
+
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn every_variant_runs_on_the_cpu_backend() {
+        let backend = CpuBackend::new(overlap_graph::Mesh::new(1, 1).unwrap());
+        let args = InterferenceArgs {
+            layers: 3,
+            gemms: 1,
+            d: 16,
+            grad_mib: 1,
+            iters: 2,
+            warmup: 1,
+        };
+        let r = run(&backend, &args, |_| {}).await.unwrap();
+        for x in [
+            r.gemms_ms,
+            r.combines_ms,
+            r.beside_ms,
+            r.beside_normal_ms,
+            r.serial_ms,
+        ] {
+            assert!(x > 0.0, "{r:?}");
+        }
+        let json = serde_json::to_string(&r).unwrap();
+        assert!(json.contains("\"cost_per_layer_ms\"") && json.contains("\"layers\":3"));
+        let bad = InterferenceArgs { iters: 0, ..args };
+        assert!(run(&backend, &bad, |_| {}).await.is_err());
+    }
+}
