@@ -14,8 +14,10 @@
 //!   cache-streaming ones (CUDA only; elsewhere equal to `beside`);
 //! - `serial`: each combine on the compute stream after its layer's GEMMs.
 //!
-//! A combine reduces a group of two's chunk of a `grad_mib` gradient: it reads two
-//! chunks of `grad_mib / 2` MiB and writes one. The variants take turns step by step (as
+//! A layer's combine reduces a group of two's chunk of a `grad_mib` gradient: it reads
+//! two chunks of `grad_mib / 2` MiB and writes one, in `pieces` launches. Every layer
+//! has buffers of its own (as every layer's gradient does), so no combine finds its
+//! operands in L2 because an earlier one left them there. The variants take turns step by step (as
 //! in `overlap bench`, so a drift of the GPU's clocks weighs on all alike); each figure
 //! is the mean device span of the timed steps.
 
@@ -38,9 +40,13 @@ pub struct InterferenceArgs {
     /// GEMM size (each is `d × d · d × d`).
     #[arg(long, default_value_t = 4096)]
     pub d: u32,
-    /// The gradient whose group-of-two chunk each combine reduces, MiB.
+    /// The gradient whose group-of-two chunk each layer's combine reduces, MiB.
     #[arg(long, default_value_t = 64)]
     pub grad_mib: u32,
+    /// Each layer's combine as this many combines of equal size, one after another (as
+    /// `overlap bench --buckets-per-layer` splits a layer's reduction).
+    #[arg(long, default_value_t = 1)]
+    pub pieces: u32,
     /// Timed steps per variant.
     #[arg(long, default_value_t = 10)]
     pub iters: u32,
@@ -107,9 +113,16 @@ pub async fn run<B: Backend>(
     args: &InterferenceArgs,
     streaming: impl Fn(bool),
 ) -> Result<InterferenceReport, Error> {
-    if args.layers == 0 || args.iters == 0 || args.grad_mib == 0 || args.grad_mib > 4096 {
+    let chunk = u64::from(args.grad_mib) << 17;
+    if args.layers == 0
+        || args.iters == 0
+        || args.grad_mib == 0
+        || args.grad_mib > 4096
+        || args.pieces == 0
+        || chunk % u64::from(args.pieces) != 0
+    {
         return Err(Error::Usage(
-            "--layers and --iters at least 1, --grad-mib between 1 and 4096".into(),
+            "--layers and --iters at least 1, --grad-mib between 1 and 4096, --pieces dividing the chunk".into(),
         ));
     }
     let rank = *backend
@@ -117,11 +130,16 @@ pub async fn run<B: Backend>(
         .first()
         .ok_or_else(|| Error::Backend("the backend drives no rank".into()))?;
     let ops = |e: overlap_ops::OpsError| Error::Backend(e.to_string());
-    // A group of two's chunk: half the gradient.
-    let n = (u64::from(args.grad_mib) << 17) as usize;
-    let own = backend.alloc(rank, n).map_err(ops)?;
-    let recv = backend.alloc(rank, n).map_err(ops)?;
-    let dst = backend.alloc(rank, n).map_err(ops)?;
+    // Per layer and piece: a group of two's chunk (half the gradient) in `pieces`.
+    let n = (chunk / u64::from(args.pieces)) as usize;
+    let mut bufs = Vec::new();
+    for _ in 0..args.layers * args.pieces {
+        let mut three = Vec::new();
+        for _ in 0..3 {
+            three.push(backend.alloc(rank, n).map_err(ops)?);
+        }
+        bufs.push(three);
+    }
     let desc = Collective {
         kind: CollectiveKind::Reduce,
         group: Group::Shard { replicate: 0 },
@@ -131,20 +149,23 @@ pub async fn run<B: Backend>(
         root: Some(0),
     };
     let combine = |stream: Stream, l: u32| {
-        backend.launch(
-            rank,
-            stream,
-            tag(l, "combine"),
-            Kernel::Combine {
-                desc,
-                size: 2,
-                index: 0,
-                own: own.clone(),
-                own_offset: 0,
-                recv: recv.clone(),
-                dst: dst.clone(),
-            },
-        )
+        for p in 0..args.pieces {
+            let b = &bufs[(l * args.pieces + p) as usize];
+            backend.launch(
+                rank,
+                stream,
+                tag(l, "combine"),
+                Kernel::Combine {
+                    desc,
+                    size: 2,
+                    index: 0,
+                    own: b[0].clone(),
+                    own_offset: 0,
+                    recv: b[1].clone(),
+                    dst: b[2].clone(),
+                },
+            );
+        }
     };
     let gemm = |l: u32| {
         backend.launch(
@@ -259,6 +280,7 @@ mod tests {
             gemms: 1,
             d: 16,
             grad_mib: 1,
+            pieces: 2,
             iters: 2,
             warmup: 1,
         };
@@ -274,7 +296,12 @@ mod tests {
         }
         let json = serde_json::to_string(&r).unwrap();
         assert!(json.contains("\"cost_per_layer_ms\"") && json.contains("\"layers\":3"));
-        let bad = InterferenceArgs { iters: 0, ..args };
-        assert!(run(&backend, &bad, |_| {}).await.is_err());
+        for bad in [
+            InterferenceArgs { iters: 0, ..args },
+            InterferenceArgs { pieces: 0, ..args },
+            InterferenceArgs { pieces: 3, ..args },
+        ] {
+            assert!(run(&backend, &bad, |_| {}).await.is_err());
+        }
     }
 }
