@@ -12,6 +12,8 @@
 //!   (as the copy transport's defaults place it);
 //! - `beside_normal`: the same with the combine's plain loads and stores instead of
 //!   cache-streaming ones (CUDA only; elsewhere equal to `beside`);
+//! - `beside_low`: as `beside` on a stream of ordinary priority (`publish`), so the
+//!   combine's blocks do not go ahead of the GEMMs' waiting ones;
 //! - `serial`: each combine on the compute stream after its layer's GEMMs.
 //!
 //! A layer's combine reduces a group of two's chunk of a `grad_mib` gradient: it reads
@@ -71,6 +73,8 @@ pub struct InterferenceReport {
     pub beside_ms: f64,
     /// The same with plain loads and stores.
     pub beside_normal_ms: f64,
+    /// As `beside`, the combines on a stream of ordinary priority.
+    pub beside_low_ms: f64,
     /// Each combine on the compute stream after its layer.
     pub serial_ms: f64,
     /// What the combines cost the step beside the GEMMs, per layer: `(beside − gemms −
@@ -87,14 +91,16 @@ enum Variant {
     Combines,
     Beside,
     BesideNormal,
+    BesideLow,
     Serial,
 }
 
-const VARIANTS: [Variant; 5] = [
+const VARIANTS: [Variant; 6] = [
     Variant::Gemms,
     Variant::Combines,
     Variant::Beside,
     Variant::BesideNormal,
+    Variant::BesideLow,
     Variant::Serial,
 ];
 
@@ -187,6 +193,11 @@ pub async fn run<B: Backend>(
             backend.take_timings();
             streaming(variant != Variant::BesideNormal);
             let mut ready = Vec::new();
+            let beside = if variant == Variant::BesideLow {
+                Stream::Publish
+            } else {
+                Stream::Reduce
+            };
             for l in 0..args.layers {
                 if variant != Variant::Combines {
                     gemm(l);
@@ -194,24 +205,24 @@ pub async fn run<B: Backend>(
                 match variant {
                     Variant::Combines => combine(Stream::Reduce, l),
                     Variant::Serial => combine(Stream::Compute, l),
-                    Variant::Beside | Variant::BesideNormal => {
+                    Variant::Beside | Variant::BesideNormal | Variant::BesideLow => {
                         let ev = backend.event(rank);
                         backend.record(rank, Stream::Compute, &ev);
                         ready.push(ev);
                         // The previous layer's combine, beside this layer's GEMMs.
                         if l > 0 {
-                            backend.wait(rank, Stream::Reduce, &ready[l as usize - 1]);
-                            combine(Stream::Reduce, l - 1);
+                            backend.wait(rank, beside, &ready[l as usize - 1]);
+                            combine(beside, l - 1);
                         }
                     }
                     Variant::Gemms => {}
                 }
             }
             if let Some(last) = ready.last() {
-                backend.wait(rank, Stream::Reduce, last);
-                combine(Stream::Reduce, args.layers - 1);
+                backend.wait(rank, beside, last);
+                combine(beside, args.layers - 1);
             }
-            for s in [Stream::Compute, Stream::Reduce] {
+            for s in [Stream::Compute, Stream::Reduce, Stream::Publish] {
                 let end = backend.event(rank);
                 backend.record(rank, s, &end);
                 backend.host_wait(&end).await.map_err(ops)?;
@@ -242,6 +253,7 @@ pub async fn run<B: Backend>(
         combines_ms: combines,
         beside_ms: beside,
         beside_normal_ms: mean(Variant::BesideNormal),
+        beside_low_ms: mean(Variant::BesideLow),
         serial_ms: serial,
         cost_per_layer_ms: (beside - gemms - combines / layers) / layers,
         serial_cost_per_layer_ms: (serial - gemms) / layers,
@@ -290,6 +302,7 @@ mod tests {
             r.combines_ms,
             r.beside_ms,
             r.beside_normal_ms,
+            r.beside_low_ms,
             r.serial_ms,
         ] {
             assert!(x > 0.0, "{r:?}");
