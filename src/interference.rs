@@ -49,6 +49,10 @@ pub struct InterferenceArgs {
     /// `overlap bench --buckets-per-layer` splits a layer's reduction).
     #[arg(long, default_value_t = 1)]
     pub pieces: u32,
+    /// Cap every combine at this many CTAs of 512 threads (the wide, unrolled kernel
+    /// of `overlap bench --combine-ctas`; default: the full-grid kernels).
+    #[arg(long)]
+    pub combine_ctas: Option<u32>,
     /// Timed steps per variant.
     #[arg(long, default_value_t = 10)]
     pub iters: u32,
@@ -276,6 +280,7 @@ pub async fn run_cuda(args: &InterferenceArgs) -> Result<InterferenceReport, Err
         uniform_priority: false,
     })
     .map_err(|e| Error::Backend(e.to_string()))?;
+    backend.set_combine_ctas(args.combine_ctas);
     run(&backend, args, |on| backend.set_combine_streaming(on)).await
 }
 
@@ -293,6 +298,7 @@ mod tests {
             d: 16,
             grad_mib: 1,
             pieces: 2,
+            combine_ctas: None,
             iters: 2,
             warmup: 1,
         };
