@@ -1454,7 +1454,8 @@ impl Issue {
             let valid = own.is_ok();
             let s = send.as_ref().filter(|_| valid).map(CudaBuffer::ptr);
             let r = recv.as_ref().filter(|_| valid).map(CudaBuffer::ptr);
-            let key = recv.as_ref().map(CudaBuffer::ptr);
+            // A gather's buffer is its output, never a pending in-place receive.
+            let key = recv.as_ref().filter(|_| !gather).map(CudaBuffer::ptr);
             // A receive buffer reused before its combine ran (a step cut short): release
             // the older pieces first, before this exchange waits for free slots.
             if let Some((old_id, old)) = key.and_then(|k| self.in_place.remove(&k)) {
