@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Issue 5's measurement on 2 GPUs, in one device call: the PyTorch anchor and
 # `overlap bench` (NCCL and copy transport) on design §6's three workloads, the copy
-# transport's levers, then the collective sweep.
+# transport's levers, the collective sweep, then `overlap bench-interference`.
 # Needs target/release/overlap (--features cuda) and the anchor script copied to
 # scratch/anchors/ (git-ignored; `cp ../shared/anchors/torch_reduce_overlap.py scratch/anchors/`).
 # Writes everything under ${OUT:-out}: log.txt, and for the copy transport's default
@@ -34,3 +34,6 @@ done
 # Raw collective efficiency: the executor's collective nodes against NCCL alone.
 step coll_rs 90 $B 29691 -- bench-collectives --mesh 2x1 --iters 20 --warmup 3
 step coll_ar 90 $B 29692 -- bench-collectives --mesh 1x2 --iters 20 --warmup 3
+# What a combine costs the GEMMs beside it, on GPU 0 alone (docs/performance.md).
+step interference_mm3 60 "$BIN" bench-interference --gemms 3 --iters 10 --warmup 2
+step interference_mm1 60 "$BIN" bench-interference --gemms 1 --iters 10 --warmup 2
