@@ -2,7 +2,7 @@
 """Summarises a scripts/bench-gpu.sh log: one line per workload and variant with
 compute, comm, serial, overlapped, ideal (ms), eta and host us per node, the anchor's
 eta computed with the same formula; with a second argument (`kinds`), host us per node
-by node kind too. Usage: scripts/bench-summary.py OUT/log.txt [kinds]"""
+by node kind too; `overlap bench-interference` lines as they come. Usage: scripts/bench-summary.py OUT/log.txt [kinds]"""
 import json
 import re
 import sys
@@ -40,3 +40,9 @@ for line in open(sys.argv[1]):
         ideal = max(c, m_) + m_ / d["layers"]
         print(f"{name:24s} compute {c:.2f} comm {m_:.2f} serial {s:.2f} overlap {o:.2f} "
               f"ideal {ideal:.2f} eta {(s - o) / (s - ideal):.2f} host {d['host_us_per_collective']:.1f} per collective")
+    elif line.startswith("{") and "cost_per_layer_ms" in line:
+        d = json.loads(line)
+        print(f"{name or 'interference':24s} gemms {d['gemms_ms']:.2f} combines {d['combines_ms']:.2f} "
+              f"beside {d['beside_ms']:.2f} (plain loads {d['beside_normal_ms']:.2f}, "
+              f"low priority {d['beside_low_ms']:.2f}) serial {d['serial_ms']:.2f} "
+              f"cost per layer {d['cost_per_layer_ms']:.4f}")
