@@ -44,5 +44,5 @@ for line in open(sys.argv[1]):
         d = json.loads(line)
         print(f"{name or 'interference':24s} gemms {d['gemms_ms']:.2f} combines {d['combines_ms']:.2f} "
               f"beside {d['beside_ms']:.2f} (plain loads {d['beside_normal_ms']:.2f}, "
-              f"low priority {d['beside_low_ms']:.2f}) serial {d['serial_ms']:.2f} "
+              f"low priority {d.get('beside_low_ms', float('nan')):.2f}) serial {d['serial_ms']:.2f} "
               f"cost per layer {d['cost_per_layer_ms']:.4f}")
