@@ -112,7 +112,7 @@ pub struct CopySetup {
     /// communicator of two or more members on one of them.
     pub streams: Vec<overlap_graph::Stream>,
     /// The communicators whose exchanges leave what they receive in the ring for their
-    /// combines to read there ([`InPlace`]).
+    /// combines to read there, and acknowledge.
     pub in_place: Vec<CommId>,
     /// The communicators whose rings get a second lane, with its own slots, flags and
     /// counters, for gathers: their immediate acknowledgements then never share a
