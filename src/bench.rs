@@ -1119,39 +1119,20 @@ mod tests {
     fn copy_and_nccl_knobs_keep_the_configs_bounds() {
         let mesh = Mesh::new(2, 1).unwrap();
         assert!(BenchArgs::new(mesh).check().is_ok());
+        let with = |f: &dyn Fn(&mut BenchArgs)| {
+            let mut a = BenchArgs::new(mesh);
+            f(&mut a);
+            a
+        };
         for bad in [
-            BenchArgs {
-                copy_slot_mib: 0,
-                ..BenchArgs::new(mesh)
-            },
-            BenchArgs {
-                copy_slot_mib: crate::config::MAX_COPY_SLOT_MIB + 1,
-                ..BenchArgs::new(mesh)
-            },
-            BenchArgs {
-                nccl_max_ctas: Some(0),
-                ..BenchArgs::new(mesh)
-            },
-            BenchArgs {
-                copy_ring_depth: 0,
-                ..BenchArgs::new(mesh)
-            },
-            BenchArgs {
-                buckets_per_layer: 0,
-                ..BenchArgs::new(mesh)
-            },
-            BenchArgs {
-                buckets_per_layer: 3,
-                ..BenchArgs::new(mesh)
-            },
-            BenchArgs {
-                copy_ring_depth: crate::config::MAX_COPY_RING_DEPTH + 1,
-                ..BenchArgs::new(mesh)
-            },
-            BenchArgs {
-                combine_ctas: Some(4097),
-                ..BenchArgs::new(mesh)
-            },
+            with(&|a| a.copy_slot_mib = 0),
+            with(&|a| a.copy_slot_mib = crate::config::MAX_COPY_SLOT_MIB + 1),
+            with(&|a| a.nccl_max_ctas = Some(0)),
+            with(&|a| a.copy_ring_depth = 0),
+            with(&|a| a.copy_ring_depth = crate::config::MAX_COPY_RING_DEPTH + 1),
+            with(&|a| a.buckets_per_layer = 0),
+            with(&|a| a.buckets_per_layer = 3),
+            with(&|a| a.combine_ctas = Some(4097)),
         ] {
             let e = bad.check().unwrap_err().to_string();
             assert!(e.contains("between 1 and"), "{e}");
