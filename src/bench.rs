@@ -1259,6 +1259,21 @@ mod tests {
         assert!(r.timeline_svg.is_none() && r.timeline_json.is_none());
     }
 
+    /// The kernels of a report's timeline, one JSON object each.
+    fn timeline_lines(r: &BenchReport) -> Vec<serde_json::Value> {
+        r.timeline_json
+            .as_deref()
+            .expect("json lines")
+            .lines()
+            .map(|l| serde_json::from_str(l).unwrap())
+            .collect()
+    }
+
+    /// How many of `lines` are kernels of node kind `op`.
+    fn count_op(lines: &[serde_json::Value], op: &str) -> usize {
+        lines.iter().filter(|l| l["op"] == op).count()
+    }
+
     #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
     async fn the_timeline_is_the_last_overlap_step_as_svg_and_json_lines() {
         // The copy transport on 1x2: exchanges, combines and gathers on their lanes.
@@ -1269,16 +1284,11 @@ mod tests {
         };
         let backend = Arc::new(CpuBackend::new(a.mesh));
         let r = run(backend, &a).await.unwrap();
-        let svg = r.timeline_svg.expect("an svg");
+        let svg = r.timeline_svg.as_deref().expect("an svg");
         assert!(svg.starts_with("<svg") && svg.contains("gather"), "{svg}");
-        let lines: Vec<serde_json::Value> = r
-            .timeline_json
-            .expect("json lines")
-            .lines()
-            .map(|l| serde_json::from_str(l).unwrap())
-            .collect();
+        let lines = timeline_lines(&r);
         // One grad_ready, exchange, combine, gather per layer at least, on rank 0.
-        let count = |op: &str| lines.iter().filter(|l| l["op"] == op).count();
+        let count = |op: &str| count_op(&lines, op);
         for op in ["grad_ready", "exchange", "combine", "gather"] {
             assert_eq!(count(op), a.layers as usize, "{op}: {lines:?}");
         }
@@ -1304,13 +1314,8 @@ mod tests {
         assert_eq!(spec.params[5].name, "layer1.grad1");
         let backend = Arc::new(CpuBackend::new(a.mesh));
         let r = run(backend, &a).await.unwrap();
-        let lines: Vec<serde_json::Value> = r
-            .timeline_json
-            .expect("json lines")
-            .lines()
-            .map(|l| serde_json::from_str(l).unwrap())
-            .collect();
-        let count = |op: &str| lines.iter().filter(|l| l["op"] == op).count();
+        let lines = timeline_lines(&r);
+        let count = |op: &str| count_op(&lines, op);
         assert_eq!(count("grad_ready"), 3);
         assert_eq!(count("exchange"), 12);
         assert_eq!(count("combine"), 12);

@@ -367,10 +367,7 @@ impl<B: Backend> RankState<B> {
                 };
                 launch(Kernel::Collective {
                     desc: collective,
-                    comm: CommId {
-                        group: collective.group,
-                        stream,
-                    },
+                    comm: CommId::of(&collective, stream),
                     send: Some(self.buf(&src)?),
                     recv,
                 });
@@ -422,10 +419,7 @@ impl<B: Backend> RankState<B> {
                 };
                 launch(Kernel::Exchange {
                     desc: collective,
-                    comm: CommId {
-                        group: collective.group,
-                        stream,
-                    },
+                    comm: CommId::of(&collective, stream),
                     send: Some(self.buf(&src)?),
                     recv,
                 });
@@ -464,10 +458,7 @@ impl<B: Backend> RankState<B> {
             } => {
                 launch(Kernel::Gather {
                     desc: collective,
-                    comm: CommId {
-                        group: collective.group,
-                        stream,
-                    },
+                    comm: CommId::of(&collective, stream),
                     buf: Some(self.buf(&Plan::stage_output(bucket, micro_batch, stage))?),
                 });
             }
@@ -525,10 +516,7 @@ impl<B: Backend> RankState<B> {
                 };
                 launch(Kernel::Collective {
                     desc: collective,
-                    comm: CommId {
-                        group: collective.group,
-                        stream,
-                    },
+                    comm: CommId::of(&collective, stream),
                     send,
                     recv,
                 });

@@ -78,6 +78,16 @@ pub struct CommId {
     pub stream: Stream,
 }
 
+impl CommId {
+    /// The communicator a collective of the plan runs on, on `stream`.
+    pub fn of(collective: &overlap_graph::Collective, stream: Stream) -> CommId {
+        CommId {
+            group: collective.group,
+            stream,
+        }
+    }
+}
+
 impl std::fmt::Display for CommId {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         write!(f, "{}@{}", self.group, self.stream)

@@ -142,8 +142,12 @@ pub fn copy_setup(
     let mut streams = Vec::new();
     for spec in specs {
         streams.push(spec.bindings.exchange);
-        gathering.extend(gathering_comms(spec));
-        for (id, ok) in in_place_verdicts(spec, slot_bytes, depth) {
+        // Planned once for both questions (planning a large model takes a while).
+        let Some(plan) = gate_on_plan(spec) else {
+            continue;
+        };
+        gathering.extend(gathering_of(&plan));
+        for (id, ok) in in_place_verdicts(&plan, slot_bytes, depth) {
             *verdicts.entry(id).or_insert(true) &= ok;
         }
     }
@@ -177,18 +181,17 @@ fn gate_on_plan(spec: &overlap_graph::PlanSpec) -> Option<overlap_graph::Plan> {
 /// The communicators the plan gathers on (all-reduces over the copy transport): their
 /// rings get a gather lane ([`ops_cuda::CopySetup::gather_lane`]).
 pub fn gathering_comms(spec: &overlap_graph::PlanSpec) -> Vec<CommId> {
-    let Some(plan) = gate_on_plan(spec) else {
-        return Vec::new();
-    };
+    gate_on_plan(spec).map_or_else(Vec::new, |plan| gathering_of(&plan))
+}
+
+/// [`gathering_comms`] of a planned spec.
+fn gathering_of(plan: &overlap_graph::Plan) -> Vec<CommId> {
     let mut ids: Vec<CommId> = plan
         .ranks
         .iter()
         .flat_map(|rp| &rp.nodes)
         .filter_map(|n| match n.op {
-            overlap_graph::Op::Gather { collective, .. } => Some(CommId {
-                group: collective.group,
-                stream: n.stream,
-            }),
+            overlap_graph::Op::Gather { collective, .. } => Some(CommId::of(&collective, n.stream)),
             _ => None,
         })
         .collect();
@@ -223,24 +226,24 @@ pub fn in_place_comms(
     slot_bytes: usize,
     depth: usize,
 ) -> Vec<CommId> {
-    in_place_verdicts(spec, slot_bytes, depth)
+    gate_on_plan(spec)
+        .map(|plan| in_place_verdicts(&plan, slot_bytes, depth))
+        .unwrap_or_default()
         .into_iter()
         .filter(|&(_, ok)| ok)
         .map(|(id, _)| id)
         .collect()
 }
 
-/// Every communicator the plan exchanges on, with whether [`in_place_comms`] allows it.
+/// Every communicator a planned spec exchanges on, with whether [`in_place_comms`]
+/// allows it.
 fn in_place_verdicts(
-    spec: &overlap_graph::PlanSpec,
+    plan: &overlap_graph::Plan,
     slot_bytes: usize,
     depth: usize,
 ) -> std::collections::BTreeMap<CommId, bool> {
     use overlap_graph::Op;
     use std::collections::{BTreeMap, HashMap};
-    let Some(plan) = gate_on_plan(spec) else {
-        return BTreeMap::new();
-    };
     let most = depth.saturating_sub(1);
     let shallow = depth == 0;
     let mut ok: BTreeMap<CommId, bool> = BTreeMap::new();
@@ -256,10 +259,7 @@ fn in_place_verdicts(
                     stage,
                     collective,
                 } => {
-                    let id = CommId {
-                        group: collective.group,
-                        stream: n.stream,
-                    };
+                    let id = CommId::of(&collective, n.stream);
                     let size = plan.mesh.group_size(collective.group);
                     let fits = (0..size).all(|j| {
                         collective.member_chunk(size, j).1.saturating_mul(4) <= slot_bytes as u64
@@ -285,12 +285,6 @@ fn in_place_verdicts(
         }
     }
     ok
-}
-
-/// Whether any communicator of the plan reads in place ([`in_place_comms`]) with rings
-/// of `depth` slots of `slot_bytes`.
-pub fn in_place(spec: &overlap_graph::PlanSpec, slot_bytes: usize, depth: usize) -> bool {
-    !in_place_comms(spec, slot_bytes, depth).is_empty()
 }
 
 /// Opens this rank's GPU and connects the job: `comms` is the global list of
@@ -420,6 +414,11 @@ impl Session<CudaBackend> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// Whether any communicator of the plan reads in place.
+    fn in_place(spec: &overlap_graph::PlanSpec, slot_bytes: usize, depth: usize) -> bool {
+        !in_place_comms(spec, slot_bytes, depth).is_empty()
+    }
 
     #[test]
     fn combines_read_in_place_only_where_no_exchange_can_wait_for_a_later_combine() {

@@ -1704,11 +1704,13 @@ mod tests {
                     ring,
                     dst,
                     bytes,
-                } => {
-                    let at = l.data(exchange_slot(me, peer), ring);
-                    let data = self.rings[m][at..at + bytes].to_vec();
-                    self.recvs[e][m][dst..dst + bytes].copy_from_slice(&data);
-                }
+                } => take(
+                    &self.rings,
+                    &l,
+                    me,
+                    (peer, ring),
+                    &mut self.recvs[e][m][dst..dst + bytes],
+                ),
                 Op::Ready { peer, value } => {
                     self.set_flag(peer as usize, l.ready(exchange_slot(peer, me)), value)
                 }
@@ -1806,6 +1808,12 @@ mod tests {
     ) {
         let at = l.data(exchange_slot(peer, me), ring);
         rings[peer as usize][at..at + data.len()].copy_from_slice(data);
+    }
+
+    /// A model `Take`: member `me` copies `peer`'s piece in its ring slot `ring` to `out`.
+    fn take(rings: &[Vec<u8>], l: &Layout, me: u32, (peer, ring): (u32, usize), out: &mut [u8]) {
+        let at = l.data(exchange_slot(me, peer), ring);
+        out.copy_from_slice(&rings[me as usize][at..at + out.len()]);
     }
 
     /// Builds the simulation of a sequence of exchanges, and gathers where the flag is
@@ -2290,11 +2298,13 @@ mod tests {
                             ring,
                             dst,
                             bytes,
-                        } => {
-                            let at = l.data(exchange_slot(me, peer), ring);
-                            let data = self.rings[m][at..at + bytes].to_vec();
-                            self.outs[e][m][dst..dst + bytes].copy_from_slice(&data);
-                        }
+                        } => take(
+                            &self.rings,
+                            &l,
+                            me,
+                            (peer, ring),
+                            &mut self.outs[e][m][dst..dst + bytes],
+                        ),
                         Op::Ack { peer, value } => {
                             set(&mut self.rings, peer, l.ack(exchange_slot(peer, me)), value)
                         }

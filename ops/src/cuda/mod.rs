@@ -1448,9 +1448,11 @@ impl Issue {
                 exchange::Plan::new(desc, size, index)
             }
             .map_err(shape)?;
-            if !self.copy.iter().any(|r| r.id == id) {
-                return Err(not_set_up(id));
-            }
+            let ri = self
+                .copy
+                .iter()
+                .position(|r| r.id == id)
+                .ok_or_else(|| not_set_up(id))?;
             let valid = own.is_ok();
             let s = send.as_ref().filter(|_| valid).map(CudaBuffer::ptr);
             let r = recv.as_ref().filter(|_| valid).map(CudaBuffer::ptr);
@@ -1461,10 +1463,7 @@ impl Issue {
             if let Some((old_id, old)) = key.and_then(|k| self.in_place.remove(&k)) {
                 self.ack_in_place(raw, old_id, &old)?;
             }
-            let Some(ring) = self.copy.iter_mut().find(|r| r.id == id) else {
-                return Err(not_set_up(id));
-            };
-            if let Some(kept) = ring.exchange(raw, &plan, s, r)? {
+            if let Some(kept) = self.copy[ri].exchange(raw, &plan, s, r)? {
                 // Keyed by the receive buffer the combine will name, also when this
                 // member could not take part: its combine (run or skipped) acknowledges
                 // in order. Without a receive buffer there is no combine: acknowledge now.
