@@ -81,6 +81,11 @@ pub struct BenchArgs {
     /// combine_lag`).
     #[arg(long, default_value_t = 1)]
     pub combine_lag: u32,
+    /// Copy transport: issue lagging all-reduce chains after the last layer's exchange
+    /// like every other layer's (for comparison; by default they go out before it, so
+    /// their gathers do not wait for the last backward: `Schedule::early_tail_gathers`).
+    #[arg(long)]
+    pub no_early_tail_gathers: bool,
     /// Copy transport: the stream combines run on (`[streams] combine`).
     #[arg(long, default_value = "reduce", value_parser = Stream::parse)]
     pub combine_stream: Stream,
@@ -283,6 +288,7 @@ impl BenchArgs {
             schedule: Schedule {
                 transport: self.transport,
                 combine_lag: self.combine_lag,
+                early_tail_gathers: !self.no_early_tail_gathers,
             },
         }
     }
@@ -991,6 +997,18 @@ pub async fn bench_cuda(args: &BenchArgs) -> Result<Option<BenchReport>, Error> 
     let bindings = args.spec(Bindings::default()).bindings;
     let world = open_cuda(args.mesh, bindings, links)?;
     let report = run(world.backend.clone(), args).await?;
+    if world.env.rank != 0 {
+        // Rank 0 prints the report; the others' own spans go to stderr, so that a
+        // rank whose GPU runs slower (the step waits for it) shows in the log.
+        eprintln!(
+            "bench rank {}: compute_only {:.3} ms, comm_only {:.3} ms, serial {:.3} ms, overlap {:.3} ms",
+            world.env.rank,
+            report.compute_only_ms,
+            report.comm_only_ms,
+            report.serial_ms,
+            report.overlap_ms
+        );
+    }
     Ok((world.env.rank == 0).then_some(report))
 }
 
@@ -1096,6 +1114,7 @@ mod tests {
             no_alias: false,
             transport: Transport::Nccl,
             combine_lag: 1,
+            no_early_tail_gathers: false,
             combine_stream: Stream::Reduce,
             exchange_stream: Stream::Copy,
             pack_stream: Stream::Reduce,

@@ -445,6 +445,7 @@ impl Doc<'_> {
                 .combine_lag
                 .as_ref()
                 .map_or(Schedule::default().combine_lag, |v| *v.get_ref()),
+            ..Schedule::default()
         };
         let plan = PlanSpec {
             mesh,

@@ -168,6 +168,7 @@ async fn the_copy_transport_is_bit_identical_to_the_collectives_and_keeps_the_po
                     schedule: Schedule {
                         transport: Transport::Copy,
                         combine_lag: lag,
+                        ..Schedule::default()
                     },
                     ..spec(shard, replicate)
                 };

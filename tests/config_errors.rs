@@ -762,6 +762,7 @@ listen = "127.0.0.1:9464"
             schedule: Schedule {
                 transport: Transport::Copy,
                 combine_lag: 2,
+                ..Schedule::default()
             },
         },
         // reduce off wins over replicate; then replicate decides.

@@ -165,8 +165,23 @@ impl Planner {
             // Copy transport: the part of each bucket's chain from its first combine on,
             // held back until `combine_lag` more layers have been issued.
             let mut deferred: Vec<(usize, Vec<(Stream, Op)>)> = Vec::new();
+            let last = layers.len().saturating_sub(1);
             for (li, &layer) in layers.iter().enumerate() {
                 push(&mut nodes, mb, Stream::Compute, Op::GradReady { layer });
+                if li == last && sched.early_tail_gathers {
+                    // The micro-batch's tail: a lagging chain that gathers (an
+                    // all-reduce) goes out before the last layer's exchanges, which wait
+                    // for its backward; behind them on the exchange stream, its gather
+                    // would move only after that backward, in the step's exposed tail.
+                    let (early, keep): (Vec<_>, Vec<_>) =
+                        deferred.into_iter().partition(|(_, ops)| {
+                            ops.iter().any(|(_, op)| matches!(op, Op::Gather { .. }))
+                        });
+                    deferred = keep;
+                    for (stream, op) in early.into_iter().flat_map(|(_, ops)| ops) {
+                        push(&mut nodes, mb, stream, op);
+                    }
+                }
                 for bucket in self.buckets.iter().filter(|x| x.layer == layer) {
                     let id = bucket.id;
                     let i = id as usize;

@@ -100,6 +100,11 @@ pub struct Schedule {
     /// after the next layer's backward, so that on the compute stream it sits between
     /// GEMMs instead of beside them. Never past the end of the micro-batch.
     pub combine_lag: u32,
+    /// Copy transport, `combine_lag > 0`: lagging chains that gather (all-reduces) are
+    /// issued before the micro-batch's last layer's own exchanges instead of after
+    /// them, so their gathers do not wait for that layer's backward. On by default;
+    /// off only to measure it (`overlap bench --no-early-tail-gathers`).
+    pub early_tail_gathers: bool,
 }
 
 impl Default for Schedule {
@@ -108,6 +113,7 @@ impl Default for Schedule {
         Schedule {
             transport: Transport::Nccl,
             combine_lag: 1,
+            early_tail_gathers: true,
         }
     }
 }

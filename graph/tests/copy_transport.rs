@@ -22,6 +22,7 @@ fn copy_plan(gates: &[Gate]) -> Plan {
     s.schedule = Schedule {
         transport: Transport::Copy,
         combine_lag: 1,
+        ..Schedule::default()
     };
     Planner::new(s).unwrap().plan(gates).unwrap()
 }

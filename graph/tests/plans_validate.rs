@@ -81,6 +81,7 @@ fn copy_transport_plans_validate_with_every_combine_lag() {
                     schedule: Schedule {
                         transport: Transport::Copy,
                         combine_lag: lag,
+                        ..Schedule::default()
                     },
                     ..spec(s, r)
                 };
@@ -127,6 +128,7 @@ fn a_lagged_combine_follows_the_next_layers_backward() {
         schedule: Schedule {
             transport: Transport::Copy,
             combine_lag: 1,
+            ..Schedule::default()
         },
         ..spec(2, 1)
     };
@@ -155,6 +157,73 @@ fn a_lagged_combine_follows_the_next_layers_backward() {
             None => assert_eq!(last_ready, *layers.last().unwrap()),
         }
     }
+}
+
+/// On mesh 1x2 (all-reduces: exchange, combine, gather), with the combine one layer
+/// behind: the gathers of the layer before the last are issued before the last layer's
+/// exchanges by default, after them when `early_tail_gathers` is off; every other
+/// layer's chain comes after the next layer's exchanges either way, and the plans
+/// validate. Mesh 2x1 (no gathers) plans the same with the rule on or off.
+#[test]
+fn lagging_gathers_go_out_before_the_last_layers_exchanges() {
+    use overlap_graph::{Op, Schedule, Transport};
+    let plan_of = |shard, replicate, early| {
+        let spec = PlanSpec {
+            schedule: Schedule {
+                transport: Transport::Copy,
+                combine_lag: 1,
+                early_tail_gathers: early,
+            },
+            ..spec(shard, replicate)
+        };
+        let plan = Planner::new(spec).unwrap().plan(&[Gate::On]).unwrap();
+        assert!(validate(&plan, Mode::Step).is_empty());
+        plan
+    };
+    for early in [true, false] {
+        let plan = plan_of(1, 2, early);
+        let nodes = &plan.ranks[0].nodes;
+        let layers = plan.layers_desc();
+        let last = *layers.last().unwrap();
+        let layer_of = |b: u32| plan.buckets[b as usize].layer;
+        let pos = |f: &dyn Fn(&Op) -> bool| nodes.iter().position(|n| f(&n.op));
+        let first_last_exchange =
+            pos(&|op| matches!(op, Op::Exchange { bucket, .. } if layer_of(*bucket) == last))
+                .expect("the last layer exchanges");
+        let last_ready =
+            pos(&|op| matches!(op, Op::GradReady { layer } if *layer == last)).unwrap();
+        let mut before = 0;
+        for (i, n) in nodes.iter().enumerate() {
+            let Op::Gather { bucket, .. } = n.op else {
+                continue;
+            };
+            let l = layer_of(bucket);
+            let li = layers.iter().position(|&x| x == l).unwrap();
+            if li + 2 == layers.len() {
+                assert_eq!(
+                    i < first_last_exchange,
+                    early,
+                    "gather of layer {l}, early {early}"
+                );
+                assert!(
+                    i > last_ready,
+                    "gather of layer {l} after the last backward"
+                );
+                before += usize::from(i < first_last_exchange);
+            } else if li + 2 < layers.len() {
+                // Behind the next layer's first exchange, as lag 1 says.
+                let next = layers[li + 1];
+                let next_exchange = pos(
+                    &|op| matches!(op, Op::Exchange { bucket, .. } if layer_of(*bucket) == next),
+                )
+                .unwrap();
+                assert!(i > next_exchange, "gather of layer {l}");
+            }
+        }
+        assert_eq!(before > 0, early);
+    }
+    let (on, off) = (plan_of(2, 1, true), plan_of(2, 1, false));
+    assert_eq!(on.ranks, off.ranks, "no gathers, no change");
 }
 
 #[test]

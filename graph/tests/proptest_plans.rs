@@ -97,12 +97,16 @@ fn reduce() -> impl Strategy<Value = ReduceSpec> {
 
 /// Either transport; the copy transport with its combines 0 to 3 layers behind.
 fn schedule() -> impl Strategy<Value = Schedule> {
-    (select(vec![Transport::Nccl, Transport::Copy]), 0u32..4).prop_map(
-        |(transport, combine_lag)| Schedule {
+    (
+        select(vec![Transport::Nccl, Transport::Copy]),
+        0u32..4,
+        any::<bool>(),
+    )
+        .prop_map(|(transport, combine_lag, early_tail_gathers)| Schedule {
             transport,
             combine_lag,
-        },
-    )
+            early_tail_gathers,
+        })
 }
 
 fn plan_spec() -> impl Strategy<Value = PlanSpec> {

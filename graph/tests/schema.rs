@@ -280,6 +280,7 @@ fn copy_transport_plan() -> Plan {
     copy.schedule = overlap_graph::Schedule {
         transport: overlap_graph::Transport::Copy,
         combine_lag: 1,
+        ..overlap_graph::Schedule::default()
     };
     Planner::new(copy)
         .unwrap()
