@@ -7,7 +7,8 @@
 #   VARIANTS=$'nccl|\ncopy|--transport copy\nctas16|--transport copy --combine-ctas 16' \
 #     OUT=$OUT/levers BUDGET_S=400 bash scripts/bench-levers.sh
 #
-# WORKLOADS picks among rs (2x1, 3 GEMMs), ar (1x2, 3 GEMMs), rs_mm1 (2x1, 1 GEMM);
+# WORKLOADS picks among rs (2x1, 3 GEMMs), ar (1x2, 3 GEMMs), rs_mm1 (2x1, 1 GEMM),
+# ar_mm1 (1x2, 1 GEMM: an all-reduce with less compute than communication per layer);
 # ROUNDS repeats the whole sweep. Needs target/release/overlap (--features cuda).
 set -u
 source "$(dirname "$0")/bench-common.sh"
@@ -22,6 +23,7 @@ for round in $(seq 1 "${ROUNDS:-1}"); do
       rs) mesh=2x1 mm=3 ;;
       ar) mesh=1x2 mm=3 ;;
       rs_mm1) mesh=2x1 mm=1 ;;
+      ar_mm1) mesh=1x2 mm=1 ;;
       *) echo "unknown workload $wl" >&2; exit 2 ;;
     esac
     while IFS='|' read -r vname flags; do

@@ -2,7 +2,8 @@
 """Summarises a scripts/bench-gpu.sh log: one line per workload and variant with
 compute, comm, serial, overlapped, ideal (ms), eta and host us per node, the anchor's
 eta computed with the same formula; with a second argument (`kinds`), host us per node
-by node kind too; `overlap bench-interference` lines as they come. Usage: scripts/bench-summary.py OUT/log.txt [kinds]"""
+by node kind too; the other ranks' spans (`bench rank N:` lines); `overlap
+bench-interference` lines as they come. Usage: scripts/bench-summary.py OUT/log.txt [kinds]"""
 import json
 import re
 import sys
@@ -34,6 +35,9 @@ for line in open(sys.argv[1]):
                     continue
                 kinds = " ".join(f"{k} {v:.1f}" for k, v in sorted(d[key].items()))
                 print(f"{'':24s} {key}: {kinds}")
+    elif re.match(r"(\[rank \d+\] )?bench rank \d+:", line):
+        # The other ranks' own spans (a slower GPU holds every step back).
+        print(f"{'':24s} {line.split('bench ', 1)[1].strip()}")
     elif line.startswith("{") and "overlap_fsdp2" in line:
         d = json.loads(line)
         c, m_, s, o = d["compute_only"], d["comm_only"], d["serial"], d["overlap_fsdp2"]

@@ -14,7 +14,11 @@
 //!   cache-streaming ones (CUDA only; elsewhere equal to `beside`);
 //! - `beside_low`: as `beside` on a stream of ordinary priority (`publish`), so the
 //!   combine's blocks do not go ahead of the GEMMs' waiting ones;
-//! - `serial`: each combine on the compute stream after its layer's GEMMs.
+//! - `serial`: each combine on the compute stream after its layer's GEMMs;
+//! - `copy_beside`: instead of the combine, a copy of the layer's chunk on the copy
+//!   stream (`cuMemcpyDtoDAsync`, copy engines: the memory traffic an exchange brings a
+//!   GPU, a chunk read and one written), one layer behind;
+//! - `both_beside`: the copy and the combine, both one layer behind.
 //!
 //! A layer's combine reduces a group of two's chunk of a `grad_mib` gradient: it reads
 //! two chunks of `grad_mib / 2` MiB and writes one, in `pieces` launches. Every layer
@@ -86,6 +90,15 @@ pub struct InterferenceReport {
     pub cost_per_layer_ms: f64,
     /// The same for `serial`: a combine's time on the compute stream.
     pub serial_cost_per_layer_ms: f64,
+    /// GEMMs with each layer's chunk copied on the copy engines one layer behind.
+    pub copy_beside_ms: f64,
+    /// GEMMs with both the copy and the combine one layer behind.
+    pub both_beside_ms: f64,
+    /// What the copies cost the GEMMs, per layer: `(copy_beside − gemms) / layers`
+    /// (the last copy, after the last GEMM, included: a copy alone is not timed).
+    pub copy_cost_per_layer_ms: f64,
+    /// The same for `both_beside`, less one combine alone.
+    pub both_cost_per_layer_ms: f64,
 }
 
 /// Which variant a step runs.
@@ -97,15 +110,19 @@ enum Variant {
     BesideNormal,
     BesideLow,
     Serial,
+    CopyBeside,
+    BothBeside,
 }
 
-const VARIANTS: [Variant; 6] = [
+const VARIANTS: [Variant; 8] = [
     Variant::Gemms,
     Variant::Combines,
     Variant::Beside,
     Variant::BesideNormal,
     Variant::BesideLow,
     Variant::Serial,
+    Variant::CopyBeside,
+    Variant::BothBeside,
 ];
 
 fn tag(node: u32, op: &'static str) -> Tag {
@@ -145,7 +162,8 @@ pub async fn run<B: Backend>(
     let mut bufs = Vec::new();
     for _ in 0..args.layers * args.pieces {
         let mut three = Vec::new();
-        for _ in 0..3 {
+        // own, received, combined, and where the copy variants copy own to.
+        for _ in 0..4 {
             three.push(backend.alloc(rank, n).map_err(ops)?);
         }
         bufs.push(three);
@@ -177,6 +195,27 @@ pub async fn run<B: Backend>(
             );
         }
     };
+    // The copy engines' share of an exchange: the layer's own chunk copied, on `copy`.
+    let copy = |l: u32| {
+        for p in 0..args.pieces {
+            let b = &bufs[(l * args.pieces + p) as usize];
+            let seg = overlap_graph::CopySeg {
+                param: 0,
+                src: 0,
+                dst: 0,
+                len: n as u64,
+            };
+            backend.launch(
+                rank,
+                Stream::Copy,
+                tag(l, "exchange"),
+                Kernel::Pack {
+                    dst: b[3].clone(),
+                    segs: std::sync::Arc::from(vec![(seg, vec![b[0].clone()])]),
+                },
+            );
+        }
+    };
     let gemm = |l: u32| {
         backend.launch(
             rank,
@@ -189,6 +228,17 @@ pub async fn run<B: Backend>(
                 count: args.gemms,
             },
         )
+    };
+    // Layer `l`'s combine and/or copy once `ready` (its GEMMs) has run.
+    let behind = |variant: Variant, beside: Stream, ready: &B::Event, l: u32| {
+        if matches!(variant, Variant::CopyBeside | Variant::BothBeside) {
+            backend.wait(rank, Stream::Copy, ready);
+            copy(l);
+        }
+        if variant != Variant::CopyBeside {
+            backend.wait(rank, beside, ready);
+            combine(beside, l);
+        }
     };
     let mut sums = [0.0f64; VARIANTS.len()];
     backend.set_timings(true);
@@ -209,24 +259,32 @@ pub async fn run<B: Backend>(
                 match variant {
                     Variant::Combines => combine(Stream::Reduce, l),
                     Variant::Serial => combine(Stream::Compute, l),
-                    Variant::Beside | Variant::BesideNormal | Variant::BesideLow => {
+                    Variant::Beside
+                    | Variant::BesideNormal
+                    | Variant::BesideLow
+                    | Variant::CopyBeside
+                    | Variant::BothBeside => {
                         let ev = backend.event(rank);
                         backend.record(rank, Stream::Compute, &ev);
                         ready.push(ev);
-                        // The previous layer's combine, beside this layer's GEMMs.
+                        // The previous layer's combine or copy, beside this layer's
+                        // GEMMs.
                         if l > 0 {
-                            backend.wait(rank, beside, &ready[l as usize - 1]);
-                            combine(beside, l - 1);
+                            behind(variant, beside, &ready[l as usize - 1], l - 1);
                         }
                     }
                     Variant::Gemms => {}
                 }
             }
             if let Some(last) = ready.last() {
-                backend.wait(rank, beside, last);
-                combine(beside, args.layers - 1);
+                behind(variant, beside, last, args.layers - 1);
             }
-            for s in [Stream::Compute, Stream::Reduce, Stream::Publish] {
+            for s in [
+                Stream::Compute,
+                Stream::Reduce,
+                Stream::Publish,
+                Stream::Copy,
+            ] {
                 let end = backend.event(rank);
                 backend.record(rank, s, &end);
                 backend.host_wait(&end).await.map_err(ops)?;
@@ -261,6 +319,10 @@ pub async fn run<B: Backend>(
         serial_ms: serial,
         cost_per_layer_ms: (beside - gemms - combines / layers) / layers,
         serial_cost_per_layer_ms: (serial - gemms) / layers,
+        copy_beside_ms: mean(Variant::CopyBeside),
+        both_beside_ms: mean(Variant::BothBeside),
+        copy_cost_per_layer_ms: (mean(Variant::CopyBeside) - gemms) / layers,
+        both_cost_per_layer_ms: (mean(Variant::BothBeside) - gemms - combines / layers) / layers,
     })
 }
 
@@ -310,6 +372,8 @@ mod tests {
             r.beside_normal_ms,
             r.beside_low_ms,
             r.serial_ms,
+            r.copy_beside_ms,
+            r.both_beside_ms,
         ] {
             assert!(x > 0.0, "{r:?}");
         }

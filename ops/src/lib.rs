@@ -418,7 +418,9 @@ pub enum Kernel<B> {
         comm: CommId,
         /// Input (as the collective's).
         send: Option<B>,
-        /// The other members' chunks, `(n − 1)·c`.
+        /// The other members' chunks, `(n − 1)·c`; on a communicator whose receives
+        /// stay in place ([`Backend::receives_in_place`]), only a key that names the
+        /// exchange to its combine (any length).
         recv: Option<B>,
     },
     /// Copy transport, the arithmetic half of `desc`: over the member's chunk of `k`
@@ -599,6 +601,13 @@ pub trait Backend: Send + Sync + 'static {
     /// them costs host time (the CUDA backend: two event records per kernel). The
     /// default ignores it (the backend always records them).
     fn set_timings(&self, _on: bool) {}
+    /// Whether [`Kernel::Exchange`]s on `comm` leave what they receive where it
+    /// arrived, for the combine to read there: then their `recv` buffer only names the
+    /// exchange to its [`Kernel::Combine`] and is never read or written, so a caller may
+    /// pass a one-element buffer. The default: no (the receive buffer holds the data).
+    fn receives_in_place(&self, _comm: CommId) -> bool {
+        false
+    }
 }
 
 #[cfg(test)]

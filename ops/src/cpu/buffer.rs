@@ -55,8 +55,9 @@ impl CpuBuffer {
         })
     }
 
-    /// The backend-unique id; the global lock order.
-    pub(super) fn id(&self) -> u64 {
+    /// The backend-unique id (also the global lock order): two handles of one buffer
+    /// have the same id.
+    pub fn id(&self) -> u64 {
         self.inner.id
     }
 

@@ -536,6 +536,11 @@ pub(super) struct InPlace {
 unsafe impl Send for CopyRing {}
 
 impl CopyRing {
+    /// Whether exchanges leave what they receive in the ring ([`CopySetup::in_place`]).
+    pub(super) fn in_place(&self) -> bool {
+        self.in_place
+    }
+
     fn err(&self, reason: String) -> OpsError {
         OpsError::Collective {
             comm: self.id.to_string(),

@@ -862,6 +862,13 @@ impl Backend for CudaBackend {
         lock(&self.issue).timings.on = on;
     }
 
+    fn receives_in_place(&self, comm: CommId) -> bool {
+        lock(&self.issue)
+            .copy
+            .iter()
+            .any(|r| r.id == comm && r.in_place())
+    }
+
     fn take_timings(&self) -> Vec<Timing> {
         let mut st = lock(&self.issue);
         if self.shared.device.bind().is_err() {
@@ -1099,24 +1106,35 @@ impl Issue {
                 // Received in place: read the ring, then acknowledge (also when the
                 // combine cannot run: the peers must not wait for it).
                 let kept = self.in_place.remove(&recv.ptr());
-                let ran =
-                    check_combine(rank, &desc, (size, index), (&own, own_offset), &recv, &dst)
-                        .and_then(|(c, at)| {
-                            let (from, stride) = match &kept {
-                                Some((_, k)) => (k.base, (k.stride / 4) as u64),
-                                None => (recv.ptr(), c as u64),
-                            };
-                            self.kernels.combine(
-                                raw,
-                                (self.combine_ctas, self.combine_streaming),
-                                (dst.at(at as u64), own.at(own_offset as u64), from),
-                                (c as u64, stride),
-                                size,
-                                index,
-                                desc.dtype == DType::Bf16,
-                                desc.op == ReduceOp::Avg,
-                            )
-                        });
+                // Read in place, `recv` was only the key: its length does not matter.
+                let recv_len = match &kept {
+                    Some(_) => None,
+                    None => Some(recv.len),
+                };
+                let ran = check_combine(
+                    rank,
+                    &desc,
+                    (size, index),
+                    (&own, own_offset),
+                    (&recv, recv_len),
+                    &dst,
+                )
+                .and_then(|(c, at)| {
+                    let (from, stride) = match &kept {
+                        Some((_, k)) => (k.base, (k.stride / 4) as u64),
+                        None => (recv.ptr(), c as u64),
+                    };
+                    self.kernels.combine(
+                        raw,
+                        (self.combine_ctas, self.combine_streaming),
+                        (dst.at(at as u64), own.at(own_offset as u64), from),
+                        (c as u64, stride),
+                        size,
+                        index,
+                        desc.dtype == DType::Bf16,
+                        desc.op == ReduceOp::Avg,
+                    )
+                });
                 if let Some((id, k)) = kept {
                     self.ack_in_place(raw, id, &k)?;
                 }
@@ -1432,8 +1450,17 @@ impl Issue {
         let shape = |reason: String| OpsError::Shape { kernel, reason };
         let ci = self.comm_index(shared, id, kernel, &poison)?;
         let (size, index) = (self.comms[ci].size, self.comms[ci].index);
-        let (roles, received) = crate::copy_roles(desc, size, index, gather).map_err(shape)?;
-        let recv_checked = if gather { None } else { recv.clone() };
+        let (mut roles, received) = crate::copy_roles(desc, size, index, gather).map_err(shape)?;
+        let mut recv_checked = if gather { None } else { recv.clone() };
+        // On a ring read in place the receive buffer is only the combine's key
+        // (`Backend::receives_in_place`): it must be this rank's, of any length.
+        let ri = self.copy.iter().position(|r| r.id == id);
+        if let (Some(key), Some(ri), false) = (&recv_checked, ri, gather) {
+            if self.copy[ri].in_place() && roles.recv.is_some() {
+                roles.recv = Some(key.len);
+                recv_checked = Some(key.clone());
+            }
+        }
         let own = match poison {
             Some(p) => Err(p),
             None => check_collective(shared.rank, stream, id, desc, &roles, &send, &recv_checked)
@@ -1448,11 +1475,7 @@ impl Issue {
                 exchange::Plan::new(desc, size, index)
             }
             .map_err(shape)?;
-            let ri = self
-                .copy
-                .iter()
-                .position(|r| r.id == id)
-                .ok_or_else(|| not_set_up(id))?;
+            let ri = ri.ok_or_else(|| not_set_up(id))?;
             let valid = own.is_ok();
             let s = send.as_ref().filter(|_| valid).map(CudaBuffer::ptr);
             let r = recv.as_ref().filter(|_| valid).map(CudaBuffer::ptr);
@@ -1668,7 +1691,7 @@ fn check_combine(
     desc: &Collective,
     (size, index): (u32, u32),
     (own, own_offset): (&CudaBuffer, usize),
-    recv: &CudaBuffer,
+    (recv, recv_len): (&CudaBuffer, Option<usize>),
     dst: &CudaBuffer,
 ) -> Result<(usize, usize), OpsError> {
     const K: &str = "combine";
@@ -1676,11 +1699,20 @@ fn check_combine(
     for (what, buf) in [("own", own), ("recv", recv), ("dst", dst)] {
         expect(K, rank, what, buf, buf.len)?;
     }
+    // `None`: the pieces were read in place and `recv` is only a key; check the rest
+    // against the length a receive buffer would have.
+    let recv_len = match recv_len {
+        Some(len) => len,
+        None => crate::exchange_roles(desc, size, index)
+            .ok()
+            .and_then(|r| r.recv)
+            .unwrap_or(0),
+    };
     let (c, at) = crate::combine_lengths(
         desc,
         (size, index),
         (own.len, own_offset),
-        recv.len,
+        recv_len,
         dst.len,
     )
     .map_err(shape)?;
