@@ -50,3 +50,10 @@ for line in open(sys.argv[1]):
               f"beside {d['beside_ms']:.2f} (plain loads {d['beside_normal_ms']:.2f}, "
               f"low priority {d.get('beside_low_ms', float('nan')):.2f}) serial {d['serial_ms']:.2f} "
               f"cost per layer {d['cost_per_layer_ms']:.4f}")
+        if "copy_beside_ms" in d:
+            print(f"{'':24s} copy beside {d['copy_beside_ms']:.2f} (cost per layer "
+                  f"{d['copy_cost_per_layer_ms']:.4f}), copy and combine beside "
+                  f"{d['both_beside_ms']:.2f} (cost per layer {d['both_cost_per_layer_ms']:.4f})"
+                  + (f", copy then combine {d['copy_then_combine_ms']:.2f} (cost per layer "
+                     f"{d['copy_then_combine_cost_per_layer_ms']:.4f})"
+                     if "copy_then_combine_ms" in d else ""))

@@ -86,6 +86,10 @@ pub struct BenchArgs {
     /// their gathers do not wait for the last backward: `Schedule::early_tail_gathers`).
     #[arg(long)]
     pub no_early_tail_gathers: bool,
+    /// Copy transport: each combine waits for the exchanges issued before it, so it
+    /// never runs beside one (`Schedule::combine_after_exchanges`; a lever).
+    #[arg(long)]
+    pub combine_after_exchanges: bool,
     /// Copy transport: the stream combines run on (`[streams] combine`).
     #[arg(long, default_value = "reduce", value_parser = Stream::parse)]
     pub combine_stream: Stream,
@@ -289,6 +293,7 @@ impl BenchArgs {
                 transport: self.transport,
                 combine_lag: self.combine_lag,
                 early_tail_gathers: !self.no_early_tail_gathers,
+                combine_after_exchanges: self.combine_after_exchanges,
             },
         }
     }
@@ -1115,6 +1120,7 @@ mod tests {
             transport: Transport::Nccl,
             combine_lag: 1,
             no_early_tail_gathers: false,
+            combine_after_exchanges: false,
             combine_stream: Stream::Reduce,
             exchange_stream: Stream::Copy,
             pack_stream: Stream::Reduce,

@@ -18,7 +18,9 @@
 //! - `copy_beside`: instead of the combine, a copy of the layer's chunk on the copy
 //!   stream (`cuMemcpyDtoDAsync`, copy engines: the memory traffic an exchange brings a
 //!   GPU, a chunk read and one written), one layer behind;
-//! - `both_beside`: the copy and the combine, both one layer behind.
+//! - `both_beside`: the copy and the combine, both one layer behind;
+//! - `copy_then_combine`: the same, but each combine waits for its layer's copy, so
+//!   the two never contend for memory bandwidth beside the GEMMs.
 //!
 //! A layer's combine reduces a group of two's chunk of a `grad_mib` gradient: it reads
 //! two chunks of `grad_mib / 2` MiB and writes one, in `pieces` launches. Every layer
@@ -99,6 +101,10 @@ pub struct InterferenceReport {
     pub copy_cost_per_layer_ms: f64,
     /// The same for `both_beside`, less one combine alone.
     pub both_cost_per_layer_ms: f64,
+    /// GEMMs with each layer's copy and then its combine one layer behind.
+    pub copy_then_combine_ms: f64,
+    /// The same for `copy_then_combine`.
+    pub copy_then_combine_cost_per_layer_ms: f64,
 }
 
 /// Which variant a step runs.
@@ -112,9 +118,10 @@ enum Variant {
     Serial,
     CopyBeside,
     BothBeside,
+    CopyThenCombine,
 }
 
-const VARIANTS: [Variant; 8] = [
+const VARIANTS: [Variant; 9] = [
     Variant::Gemms,
     Variant::Combines,
     Variant::Beside,
@@ -123,6 +130,7 @@ const VARIANTS: [Variant; 8] = [
     Variant::Serial,
     Variant::CopyBeside,
     Variant::BothBeside,
+    Variant::CopyThenCombine,
 ];
 
 fn tag(node: u32, op: &'static str) -> Tag {
@@ -231,12 +239,22 @@ pub async fn run<B: Backend>(
     };
     // Layer `l`'s combine and/or copy once `ready` (its GEMMs) has run.
     let behind = |variant: Variant, beside: Stream, ready: &B::Event, l: u32| {
-        if matches!(variant, Variant::CopyBeside | Variant::BothBeside) {
-            backend.wait(rank, Stream::Copy, ready);
-            copy(l);
-        }
         if variant != Variant::CopyBeside {
             backend.wait(rank, beside, ready);
+        }
+        if matches!(
+            variant,
+            Variant::CopyBeside | Variant::BothBeside | Variant::CopyThenCombine
+        ) {
+            backend.wait(rank, Stream::Copy, ready);
+            copy(l);
+            if variant == Variant::CopyThenCombine {
+                let copied = backend.event(rank);
+                backend.record(rank, Stream::Copy, &copied);
+                backend.wait(rank, beside, &copied);
+            }
+        }
+        if variant != Variant::CopyBeside {
             combine(beside, l);
         }
     };
@@ -263,7 +281,8 @@ pub async fn run<B: Backend>(
                     | Variant::BesideNormal
                     | Variant::BesideLow
                     | Variant::CopyBeside
-                    | Variant::BothBeside => {
+                    | Variant::BothBeside
+                    | Variant::CopyThenCombine => {
                         let ev = backend.event(rank);
                         backend.record(rank, Stream::Compute, &ev);
                         ready.push(ev);
@@ -323,6 +342,11 @@ pub async fn run<B: Backend>(
         both_beside_ms: mean(Variant::BothBeside),
         copy_cost_per_layer_ms: (mean(Variant::CopyBeside) - gemms) / layers,
         both_cost_per_layer_ms: (mean(Variant::BothBeside) - gemms - combines / layers) / layers,
+        copy_then_combine_ms: mean(Variant::CopyThenCombine),
+        copy_then_combine_cost_per_layer_ms: (mean(Variant::CopyThenCombine)
+            - gemms
+            - combines / layers)
+            / layers,
     })
 }
 
@@ -374,6 +398,7 @@ mod tests {
             r.serial_ms,
             r.copy_beside_ms,
             r.both_beside_ms,
+            r.copy_then_combine_ms,
         ] {
             assert!(x > 0.0, "{r:?}");
         }

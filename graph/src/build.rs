@@ -9,7 +9,7 @@
 use crate::dag::{lower_rank, Segment};
 use crate::gate::Gate;
 use crate::mesh::{Coord, Mesh};
-use crate::node::{BucketId, CollectiveKind, Node, Op, Stream};
+use crate::node::{BucketId, CollectiveKind, Node, NodeId, Op, Stream};
 use crate::param::{ParamId, Route};
 use crate::plan::{
     Bucket, PlacedParam, Plan, PlanSpec, RankProgram, Transport, PLAN_FORMAT, PLAN_VERSION,
@@ -129,7 +129,12 @@ impl Planner {
             .ranks()
             .map(|rank| {
                 let (nodes, segments) = self.rank_nodes(&plan, rank, tail);
-                lower_rank(&plan, rank, nodes, &segments)
+                let order = if self.spec.schedule.combine_after_exchanges {
+                    combines_after_exchanges(&nodes, &segments)
+                } else {
+                    Vec::new()
+                };
+                lower_rank(&plan, rank, nodes, &segments, &order)
             })
             .collect();
         plan.ranks = ranks;
@@ -452,6 +457,26 @@ fn make_buckets(params: &[PlacedParam], mesh: Mesh, dtype_bytes: u64, cap: u64) 
         }
     }
     buckets
+}
+
+/// `Schedule::combine_after_exchanges`: each combine after the latest exchange issued
+/// before it in its micro-batch (and so, on the exchanges' stream, after every earlier
+/// one), so that a combine never shares memory bandwidth with an exchange beside the
+/// backward. Acyclic with in-place receives: an exchange only waits for the
+/// acknowledgements of combines issued before it.
+fn combines_after_exchanges(nodes: &[Node], segments: &[Segment]) -> Vec<(NodeId, NodeId)> {
+    let mut order = Vec::new();
+    for seg in segments {
+        let mut latest = None;
+        for n in &nodes[seg.start..seg.end] {
+            match n.op {
+                Op::Exchange { .. } => latest = Some(n.id),
+                Op::Combine { .. } => order.extend(latest.map(|e| (e, n.id))),
+                _ => {}
+            }
+        }
+    }
+    order
 }
 
 #[cfg(test)]

@@ -41,6 +41,9 @@ pub enum Dep {
     WriteAfterRead(Buffer),
     /// The later node overwrites what the earlier wrote.
     WriteAfterWrite(Buffer),
+    /// No buffer in common: the schedule orders the later node after the earlier
+    /// (`Schedule::combine_after_exchanges`).
+    Order,
 }
 
 /// The dependency DAG of one rank's nodes: graph index `i` is node id `i`, and edges
@@ -96,9 +99,28 @@ fn join(a: &mut Clock, b: &Clock) {
     }
 }
 
-/// Lowers one rank's nodes (in serial order, split into segments) to stream programs.
-pub fn lower_rank(plan: &Plan, rank: u32, nodes: Vec<Node>, segments: &[Segment]) -> RankProgram {
-    let g = dependencies(plan, rank, &nodes);
+/// Lowers one rank's nodes (in serial order, split into segments) to stream programs;
+/// `order`: extra (earlier, later) edges the schedule adds to the buffers' ([`Dep::Order`]).
+pub fn lower_rank(
+    plan: &Plan,
+    rank: u32,
+    nodes: Vec<Node>,
+    segments: &[Segment],
+    order: &[(NodeId, NodeId)],
+) -> RankProgram {
+    let mut g = dependencies(plan, rank, &nodes);
+    for &(a, b) in order {
+        if a < b
+            && g.find_edge(NodeIndex::new(a as usize), NodeIndex::new(b as usize))
+                .is_none()
+        {
+            g.add_edge(
+                NodeIndex::new(a as usize),
+                NodeIndex::new(b as usize),
+                Dep::Order,
+            );
+        }
+    }
     let seg_of = {
         let mut v = vec![0usize; nodes.len()];
         for (k, s) in segments.iter().enumerate() {

@@ -105,6 +105,11 @@ pub struct Schedule {
     /// them, so their gathers do not wait for that layer's backward. On by default;
     /// off only to measure it (`overlap bench --no-early-tail-gathers`).
     pub early_tail_gathers: bool,
+    /// Copy transport: each combine also waits for the exchanges issued before it, so
+    /// it never runs beside an exchange (both move memory; beside the backward's GEMMs
+    /// the two at once cost more than one after the other). Off by default; measured as
+    /// a lever (`overlap bench --combine-after-exchanges`).
+    pub combine_after_exchanges: bool,
 }
 
 impl Default for Schedule {
@@ -114,6 +119,7 @@ impl Default for Schedule {
             transport: Transport::Nccl,
             combine_lag: 1,
             early_tail_gathers: true,
+            combine_after_exchanges: false,
         }
     }
 }

@@ -370,7 +370,7 @@ fn relower(plan: &mut Plan, r: u32, edit: impl FnOnce(&mut Vec<overlap_graph::No
             tail: true,
         },
     ];
-    plan.ranks[r as usize] = lower_rank(plan, r, nodes, &segments);
+    plan.ranks[r as usize] = lower_rank(plan, r, nodes, &segments, &[]);
 }
 
 #[test]

@@ -173,6 +173,7 @@ fn lagging_gathers_go_out_before_the_last_layers_exchanges() {
                 transport: Transport::Copy,
                 combine_lag: 1,
                 early_tail_gathers: early,
+                ..Schedule::default()
             },
             ..spec(shard, replicate)
         };
@@ -224,6 +225,99 @@ fn lagging_gathers_go_out_before_the_last_layers_exchanges() {
     }
     let (on, off) = (plan_of(2, 1, true), plan_of(2, 1, false));
     assert_eq!(on.ranks, off.ranks, "no gathers, no change");
+}
+
+/// Whether node `a` happens before node `b` in a rank's stream programs: stream order,
+/// and each wait after the record it waits for.
+fn happens_before(rp: &overlap_graph::RankProgram, a: u32, b: u32) -> bool {
+    use overlap_graph::Instr;
+    // Instructions as (stream, position), edges to the next on the stream and from a
+    // record to its waits: a search from `a`'s run.
+    let mut at = std::collections::HashMap::new();
+    for (s, sp) in rp.streams.iter().enumerate() {
+        for (i, ins) in sp.instrs.iter().enumerate() {
+            if let Instr::Run(n) = *ins {
+                at.insert(n, (s, i));
+            }
+        }
+    }
+    let (start, goal) = (at[&a], at[&b]);
+    let mut seen = std::collections::HashSet::new();
+    let mut todo = vec![start];
+    while let Some((s, i)) = todo.pop() {
+        if (s, i) == goal {
+            return true;
+        }
+        if !seen.insert((s, i)) {
+            continue;
+        }
+        if i + 1 < rp.streams[s].instrs.len() {
+            todo.push((s, i + 1));
+        }
+        if let Instr::Record(e) = rp.streams[s].instrs[i] {
+            for (t, sp) in rp.streams.iter().enumerate() {
+                for (j, ins) in sp.instrs.iter().enumerate() {
+                    if *ins == Instr::Wait(e) {
+                        todo.push((t, j));
+                    }
+                }
+            }
+        }
+    }
+    false
+}
+
+/// `combine_after_exchanges`: on meshes 2x1 and 1x2, lag 0 to 2, every combine happens
+/// after the latest exchange issued before it (without the option, with lag 1 on 2x1,
+/// a combine and the next layer's exchange are unordered), and the plans validate.
+#[test]
+fn combines_can_wait_for_the_exchanges_before_them() {
+    use overlap_graph::{Op, Schedule, Transport};
+    let plan_of = |shard, replicate, lag, after| {
+        let spec = PlanSpec {
+            schedule: Schedule {
+                transport: Transport::Copy,
+                combine_lag: lag,
+                combine_after_exchanges: after,
+                ..Schedule::default()
+            },
+            ..spec(shard, replicate)
+        };
+        let plan = Planner::new(spec).unwrap().plan(&[Gate::On]).unwrap();
+        assert!(validate(&plan, Mode::Step).is_empty());
+        plan
+    };
+    // (latest exchange before, combine) pairs of rank 0 where they are different nodes.
+    let pairs = |plan: &overlap_graph::Plan| {
+        let mut latest = None;
+        let mut out = Vec::new();
+        for n in &plan.ranks[0].nodes {
+            match n.op {
+                Op::Exchange { .. } => latest = Some(n.id),
+                Op::Combine { .. } => out.extend(latest.map(|e| (e, n.id))),
+                _ => {}
+            }
+        }
+        out
+    };
+    for (s, r) in [(2, 1), (1, 2)] {
+        for lag in [0, 1, 2] {
+            let plan = plan_of(s, r, lag, true);
+            for (e, c) in pairs(&plan) {
+                assert!(
+                    happens_before(&plan.ranks[0], e, c),
+                    "mesh {s}x{r} lag {lag}: combine {c} after exchange {e}"
+                );
+            }
+        }
+    }
+    let plain = plan_of(2, 1, 1, false);
+    assert!(
+        pairs(&plain)
+            .iter()
+            .any(|&(e, c)| !happens_before(&plain.ranks[0], e, c)),
+        "without the option some combine runs beside a later exchange"
+    );
 }
 
 #[test]

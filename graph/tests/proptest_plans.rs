@@ -101,12 +101,16 @@ fn schedule() -> impl Strategy<Value = Schedule> {
         select(vec![Transport::Nccl, Transport::Copy]),
         0u32..4,
         any::<bool>(),
+        any::<bool>(),
     )
-        .prop_map(|(transport, combine_lag, early_tail_gathers)| Schedule {
-            transport,
-            combine_lag,
-            early_tail_gathers,
-        })
+        .prop_map(
+            |(transport, combine_lag, early_tail_gathers, combine_after_exchanges)| Schedule {
+                transport,
+                combine_lag,
+                early_tail_gathers,
+                combine_after_exchanges,
+            },
+        )
 }
 
 fn plan_spec() -> impl Strategy<Value = PlanSpec> {
