@@ -53,7 +53,7 @@ pub struct Config {
     pub adamw: AdamwParams,
     /// `[optimizer.muon]`: used by the `muon` route.
     pub muon: MuonParams,
-    /// `[metrics]`: the Prometheus exporter.
+    /// `[metrics]`: the Prometheus exporter, and which steps are timed.
     pub metrics: MetricsConfig,
 }
 
@@ -143,12 +143,36 @@ pub const MAX_COPY_RING_DEPTH: u32 = 16;
 /// The largest `overlap.nccl_max_ctas`.
 pub const MAX_NCCL_CTAS: u32 = 1024;
 
-/// `[metrics]`: the Prometheus exporter.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+/// `[metrics]`: the Prometheus exporter, and which steps are timed.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct MetricsConfig {
     /// Address to serve `/metrics` on; `None` (the default) serves nothing.
     pub listen: Option<SocketAddr>,
+    /// Time one step in this many (steps 1, 1 + N, 1 + 2N, ...; default 1, every step):
+    /// kernel timings cost the host two event records per kernel on GPUs. At most
+    /// [`MAX_TIMING_EVERY`].
+    pub timing_every: u32,
 }
+
+impl MetricsConfig {
+    /// Whether `timing_every` times the 1-based `step`; a trainer passes it to
+    /// [`Backend::set_timings`](overlap_ops::Backend::set_timings) before the step.
+    pub fn timed(&self, step: u64) -> bool {
+        step.saturating_sub(1) % u64::from(self.timing_every.max(1)) == 0
+    }
+}
+
+impl Default for MetricsConfig {
+    fn default() -> Self {
+        MetricsConfig {
+            listen: None,
+            timing_every: 1,
+        }
+    }
+}
+
+/// The largest `metrics.timing_every`.
+pub const MAX_TIMING_EVERY: u32 = 1_000_000;
 
 /// Which backend runs the ranks.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Default)]
@@ -918,7 +942,18 @@ impl Doc<'_> {
                 )
             })?),
         };
-        Ok(MetricsConfig { listen })
+        let timing_every = self
+            .between(
+                "metrics.timing_every",
+                &raw.timing_every,
+                MAX_TIMING_EVERY,
+                " steps",
+            )?
+            .unwrap_or(MetricsConfig::default().timing_every);
+        Ok(MetricsConfig {
+            listen,
+            timing_every,
+        })
     }
 }
 
@@ -1213,5 +1248,6 @@ mod raw {
     #[serde(deny_unknown_fields)]
     pub struct Metrics {
         pub listen: Option<Spanned<String>>,
+        pub timing_every: Option<Spanned<u32>>,
     }
 }

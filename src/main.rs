@@ -205,6 +205,10 @@ struct ObserveArgs {
     /// (overrides `metrics.listen`).
     #[arg(long, value_name = "ADDR")]
     metrics: Option<std::net::SocketAddr>,
+    /// Time one step in N: steps 1, 1+N, 1+2N, ... (overrides `metrics.timing_every`).
+    /// The others skip the kernel timing events and report no device figures.
+    #[arg(long, value_name = "N", value_parser = parse_timing_every)]
+    timing_every: Option<u32>,
     /// Write the executed schedule of every step as a Chrome trace (JSON; open it in
     /// https://ui.perfetto.dev).
     #[arg(long, value_name = "FILE")]
@@ -283,6 +287,9 @@ async fn dispatch(cmd: Command) -> Result<ExitCode, Error> {
             }
             if let Some(addr) = observe.metrics {
                 cfg.metrics.listen = Some(addr);
+            }
+            if let Some(n) = observe.timing_every {
+                cfg.metrics.timing_every = n;
             }
             run(&cfg, steps.unwrap_or(cfg.run.steps), &observe).await
         }
@@ -484,6 +491,17 @@ fn parse_gates(s: &str) -> Result<Vec<Gate>, Error> {
         .collect()
 }
 
+/// `--timing-every N`, in the range of `[metrics] timing_every`.
+fn parse_timing_every(s: &str) -> Result<u32, String> {
+    let max = overlap::config::MAX_TIMING_EVERY;
+    match s.parse::<u32>() {
+        Ok(n) if (1..=max).contains(&n) => Ok(n),
+        _ => Err(format!(
+            "must be a whole number between 1 and {max} steps, got `{s}`"
+        )),
+    }
+}
+
 fn parse_ranks(s: &str, world: u32) -> Result<Vec<u32>, Error> {
     s.split(',')
         .map(|r| match r.trim().parse::<u32>() {
@@ -557,18 +575,21 @@ async fn run_steps<B: overlap::ops::Backend>(
         Gate::pattern_label(&cfg.gates),
         transport_label(cfg),
     );
+    let local_ranks = session.local_ranks();
     for step in 0..u64::from(steps) {
+        let on = timed(cfg, observe, steps, step + 1);
+        session.executor().backend().set_timings(on);
         let r = drive::synthetic_step(&mut session, cfg.run.seed, step, &cfg.gates).await?;
         let plan = session.step_plan(&r.gates)?;
         recording.step(&r, &plan)?;
-        let analysis = observe::StepAnalysis::new(&r, &plan);
+        let analysis = observe::StepAnalysis::on_ranks(&r, &plan, &local_ranks);
         let per_node = if r.stats.nodes > 0 {
             r.stats.issue_seconds * 1e6 / r.stats.nodes as f64
         } else {
             0.0
         };
         println!(
-            "step {}/{steps}  gates {}  nodes {}  wall {:.2} ms  host {:.2} us/node  stage2 {} (saved {})  partials left {}  exposed comm {:.2} ms  overlap {}",
+            "step {}/{steps}  gates {}  nodes {}  wall {:.2} ms  host {:.2} us/node  stage2 {} (saved {})  partials left {}  {}",
             r.step,
             Gate::pattern_label(&r.gates),
             r.stats.nodes,
@@ -577,10 +598,7 @@ async fn run_steps<B: overlap::ops::Backend>(
             bytes(r.stage2_bytes),
             bytes(r.stage2_bytes_saved),
             r.stats.partials_left,
-            analysis.exposed_seconds() * 1e3,
-            analysis
-                .efficiency()
-                .map_or_else(|| "n/a".into(), |e| format!("{e:.2}")),
+            device_figures(&analysis),
         );
         if observe.step_interval_ms > 0 {
             tokio::time::sleep(std::time::Duration::from_millis(observe.step_interval_ms)).await;
@@ -590,6 +608,31 @@ async fn run_steps<B: overlap::ops::Backend>(
         println!("{line}");
     }
     Ok(ExitCode::SUCCESS)
+}
+
+/// Whether step `n` (1-based) of a run of `steps` records kernel timings: one step in
+/// `timing_every`, every step for a trace, and the step a picture draws (the last by
+/// default). Every rank follows it, whichever of them writes the files.
+fn timed(cfg: &Config, observe: &ObserveArgs, steps: u32, n: u64) -> bool {
+    let drawn = observe
+        .svg
+        .as_ref()
+        .map(|_| observe.svg_step.unwrap_or(u64::from(steps)));
+    observe.trace.is_some() || drawn == Some(n) || cfg.metrics.timed(n)
+}
+
+/// The device figures of a step's line; `n/a` on an untimed step, where they were not
+/// measured (0 would claim perfect overlap).
+fn device_figures(a: &observe::StepAnalysis) -> String {
+    if !a.timed() {
+        return "exposed comm n/a  overlap n/a (untimed)".into();
+    }
+    format!(
+        "exposed comm {:.2} ms  overlap {}",
+        a.exposed_seconds() * 1e3,
+        a.efficiency()
+            .map_or_else(|| "n/a".into(), |e| format!("{e:.2}")),
+    )
 }
 
 fn bytes(b: u64) -> String {
@@ -775,4 +818,72 @@ async fn cuda_smoke(mib: &str, iters: u32) -> Result<ExitCode, Error> {
 #[cfg(not(feature = "cuda"))]
 async fn cuda_smoke(_: &str, _: u32) -> Result<ExitCode, Error> {
     use_cuda(BackendChoice::Cuda).map(|_| ExitCode::from(2))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn timing_every_takes_the_configs_range() {
+        assert_eq!(parse_timing_every("1"), Ok(1));
+        assert_eq!(parse_timing_every("1000000"), Ok(1_000_000));
+        for bad in ["0", "1000001", "-1", "ten", ""] {
+            let e = parse_timing_every(bad).unwrap_err();
+            assert!(e.contains("between 1 and 1000000"), "{bad}: {e}");
+        }
+    }
+
+    #[test]
+    fn a_trace_times_every_step_and_a_picture_the_step_it_draws() {
+        let mut cfg =
+            Config::from_toml(include_str!("../examples/hsdp_2x2.toml"), "hsdp_2x2.toml").unwrap();
+        cfg.metrics.timing_every = 4;
+        let args = |trace: Option<&str>, svg: Option<&str>, svg_step: Option<u64>| ObserveArgs {
+            metrics: None,
+            timing_every: None,
+            trace: trace.map(PathBuf::from),
+            svg: svg.map(PathBuf::from),
+            svg_step,
+            step_interval_ms: 0,
+        };
+        let timed_of =
+            |o: &ObserveArgs| -> Vec<u64> { (1..=10).filter(|&n| timed(&cfg, o, 10, n)).collect() };
+        assert_eq!(timed_of(&args(None, None, None)), [1, 5, 9]);
+        assert_eq!(timed_of(&args(None, Some("s.svg"), None)), [1, 5, 9, 10]);
+        assert_eq!(timed_of(&args(None, Some("s.svg"), Some(6))), [1, 5, 6, 9]);
+        assert_eq!(
+            timed_of(&args(Some("t.json"), None, None)),
+            (1..=10).collect::<Vec<_>>()
+        );
+    }
+
+    #[test]
+    fn an_untimed_step_shows_its_device_figures_as_not_available() {
+        let cfg =
+            Config::from_toml(include_str!("../examples/hsdp_2x2.toml"), "hsdp_2x2.toml").unwrap();
+        let rt = tokio::runtime::Builder::new_current_thread()
+            .enable_all()
+            .build()
+            .unwrap();
+        let (mut r, plan, local) = rt.block_on(async {
+            let mut s = Session::cpu(&cfg).unwrap();
+            let r = drive::synthetic_step(&mut s, cfg.run.seed, 0, &cfg.gates)
+                .await
+                .unwrap();
+            (r, s.step_plan(&cfg.gates).unwrap(), s.local_ranks())
+        });
+        let timed = device_figures(&observe::StepAnalysis::on_ranks(&r, &plan, &local));
+        assert!(
+            timed.starts_with("exposed comm ")
+                && timed.contains(" ms  overlap ")
+                && !timed.contains("n/a"),
+            "{timed}"
+        );
+        r.stats.timings.clear();
+        assert_eq!(
+            device_figures(&observe::StepAnalysis::on_ranks(&r, &plan, &local)),
+            "exposed comm n/a  overlap n/a (untimed)"
+        );
+    }
 }

@@ -325,7 +325,7 @@ impl<B: Backend> Session<B> {
             stage2_bytes: stage2.moved,
             stage2_bytes_saved: stage2.saved,
         };
-        crate::observe::metrics::record_step(&report, &plan);
+        crate::observe::metrics::record_step(&report, &plan, || self.executor.local_ranks());
         Ok(report)
     }
 

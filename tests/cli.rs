@@ -53,6 +53,50 @@ fn run_prints_a_line_per_step_and_honours_steps() {
 }
 
 #[test]
+fn run_with_timing_every_runs_and_prints_every_step() {
+    let config = scratch(
+        "timing_every.toml",
+        &format!("{GOOD}[metrics]\ntiming_every = 2\n"),
+    );
+    let config = config.to_str().unwrap();
+    let svg = PathBuf::from(env!("CARGO_TARGET_TMPDIR")).join("cli/timing_every.svg");
+    let svg = svg.to_str().unwrap();
+    for extra in [
+        &[][..],
+        &["--timing-every", "3"][..],
+        // Step 4 is drawn, so it is timed whatever `timing_every` says.
+        &["--timing-every", "2", "--svg", svg][..],
+    ] {
+        let mut args = vec![
+            "run",
+            "--config",
+            config,
+            "--steps",
+            "4",
+            "--backend",
+            "cpu",
+        ];
+        args.extend_from_slice(extra);
+        let o = overlap(&args);
+        let (out, err) = text(&o);
+        assert!(o.status.success(), "{err}");
+        let lines: Vec<&str> = out.lines().filter(|l| l.starts_with("step ")).collect();
+        assert_eq!(lines.len(), 4, "{out}");
+        // The CPU backend times every step whatever it is asked (`set_timings` is the
+        // CUDA backend's), so no step goes without its device figures.
+        for l in lines {
+            assert!(l.contains("exposed comm ") && l.contains("overlap "), "{l}");
+            assert!(!l.contains("untimed"), "{l}");
+        }
+        assert_eq!(
+            out.contains("schedule picture: "),
+            extra.contains(&"--svg"),
+            "{out}"
+        );
+    }
+}
+
+#[test]
 fn verify_json_ends_with_one_json_line() {
     let o = overlap(&[
         "verify",
@@ -264,6 +308,18 @@ fn bad_arguments_fail_cleanly() {
         ]),
         &["cuda"],
     );
+    for bad in ["0", "1000001", "often"] {
+        assert_clean_failure(
+            &overlap(&[
+                "run",
+                "--config",
+                "examples/hsdp_2x2.toml",
+                "--timing-every",
+                bad,
+            ]),
+            &["--timing-every", "between 1 and 1000000"],
+        );
+    }
 }
 
 #[test]

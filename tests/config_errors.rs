@@ -640,6 +640,59 @@ fn bad_metrics_listen_address() {
 }
 
 #[test]
+fn timing_every_out_of_range_or_of_the_wrong_type() {
+    for bad in ["0", "1000001"] {
+        let e = expect(
+            &with_base(&format!("[metrics]\ntiming_every = {bad}\n")),
+            "metrics.timing_every",
+            Some(9),
+            "between 1 and 1000000 steps",
+        );
+        assert_eq!(
+            e.to_string(),
+            format!("{FILE}:9:16: `metrics.timing_every`: must be between 1 and 1000000 steps, got {bad}")
+        );
+    }
+    let e = expect(
+        &with_base("[metrics]\ntiming_every = \"10\"\n"),
+        "metrics.timing_every",
+        Some(9),
+        "wrong type",
+    );
+    assert!(
+        e.to_string().starts_with(&format!(
+            "{FILE}:9:16: `metrics.timing_every`: wrong type: "
+        )),
+        "{e}"
+    );
+    for bad in ["1.5", "true"] {
+        expect(
+            &with_base(&format!("[metrics]\ntiming_every = {bad}\n")),
+            "metrics.timing_every",
+            Some(9),
+            "wrong type",
+        );
+    }
+    expect(
+        &with_base("[metrics]\ntiming_every = -1\n"),
+        "metrics.timing_every",
+        Some(9),
+        "out of range",
+    );
+}
+
+#[test]
+fn timing_every_times_steps_one_and_every_nth_after() {
+    let c = Config::from_toml(&with_base("[metrics]\ntiming_every = 3\n"), FILE).unwrap();
+    assert_eq!(c.metrics.timing_every, 3);
+    let timed: Vec<u64> = (1..=10).filter(|&s| c.metrics.timed(s)).collect();
+    assert_eq!(timed, [1, 4, 7, 10]);
+    let every = MetricsConfig::default();
+    assert_eq!(every.timing_every, 1);
+    assert!((1..=10).all(|s| every.timed(s)));
+}
+
+#[test]
 fn display_names_file_line_column_key_and_reason() {
     let e = err("[mesh]\nshard = 0\nreplicate = 2\n");
     assert_eq!(
@@ -720,6 +773,7 @@ ns_steps = 3
 
 [metrics]
 listen = "127.0.0.1:9464"
+timing_every = 10
 "#;
     let c = Config::from_toml(text, "<inline>").unwrap();
     let mut params = ModelSpec {
@@ -792,6 +846,7 @@ listen = "127.0.0.1:9464"
         },
         metrics: MetricsConfig {
             listen: Some("127.0.0.1:9464".parse().unwrap()),
+            timing_every: 10,
         },
     };
     assert_eq!(c, expected);
@@ -834,6 +889,7 @@ fn minimal_config_takes_the_defaults() {
     assert_eq!(c.adamw, AdamwParams::default());
     assert_eq!(c.muon, MuonParams::default());
     assert_eq!(c.metrics, MetricsConfig::default());
+    assert_eq!(c.metrics.timing_every, 1);
 }
 
 #[test]

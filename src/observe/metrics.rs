@@ -10,7 +10,10 @@
 //! `micro_batch`); the full list with meanings is [`METRICS`]. Per-step figures that are
 //! durations are histograms (a dashboard divides the rates of `_sum` and `_count` for the
 //! mean per step); the others are gauges holding the last step's value. Quantities over
-//! the local ranks are as [`StepAnalysis`] defines them.
+//! the local ranks are as [`StepAnalysis`] defines them. The figures that need kernel
+//! timings (device span, stream busy, exposed communication, η, op durations, bus
+//! bandwidth) come from timed steps only (`[metrics] timing_every`), the rest from every
+//! step.
 //!
 //! The invariant it keeps: recording never fails and never panics; with recording off
 //! (the default) a step costs one atomic load here.
@@ -50,11 +53,11 @@ pub const STEP_DEVICE: &str = "overlap_step_device_seconds";
 pub const STREAM_BUSY: &str = "overlap_stream_busy_seconds";
 /// Communication not overlapped by compute in a step (histogram).
 pub const EXPOSED: &str = "overlap_exposed_communication_seconds";
-/// Overlap efficiency η of the last step (gauge).
+/// Overlap efficiency η of the last timed step (gauge).
 pub const EFFICIENCY: &str = "overlap_overlap_efficiency_ratio";
 /// Bytes of collective data, per node kind and collective kind (counter).
 pub const COLLECTIVE_BYTES: &str = "overlap_collective_bytes_total";
-/// Achieved bus bandwidth of the last step's collectives (gauge).
+/// Achieved bus bandwidth of the last timed step's collectives (gauge).
 pub const BUS_BANDWIDTH: &str = "overlap_collective_bus_bandwidth_bytes_per_second";
 /// Peak bytes of partials / no_sync accumulations held in the last step (gauge).
 pub const PARTIAL_BYTES: &str = "overlap_partial_bytes";
@@ -86,9 +89,9 @@ pub const METRICS: [(&str, &str, &str); 20] = [
     (STEP_DEVICE, "", "histogram of the device span of a step (first kernel start to last kernel end), mean over local ranks: η's `actual`"),
     (STREAM_BUSY, "stream", "histogram of each stream's busy time in a step (union of its kernel intervals), mean over local ranks"),
     (EXPOSED, "", "histogram of a step's exposed communication: time a communication stream (reduce, replicate, publish, copy) is busy while compute is not, mean over local ranks"),
-    (EFFICIENCY, "", "overlap efficiency η = (serial − actual) / (serial − ideal) of the last step; NaN when undefined (nothing to hide)"),
+    (EFFICIENCY, "", "overlap efficiency η = (serial − actual) / (serial − ideal) of the last timed step; NaN when undefined (nothing to hide)"),
     (COLLECTIVE_BYTES, "op, collective", "collective data bytes per member (nccl-tests' size), summed over calls and local ranks"),
-    (BUS_BANDWIDTH, "op, collective", "achieved bus bandwidth of the last step: bytes × NCCL's bus factor / kernel time, over the step's calls"),
+    (BUS_BANDWIDTH, "op, collective", "achieved bus bandwidth of the last timed step: bytes × NCCL's bus factor / kernel time, over the step's calls"),
     (PARTIAL_BYTES, "buffer", "peak bytes held at once in the last step by one rank: `partial` (replicate gate off) or `accumulation` (no_sync)"),
     (STAGE2_BYTES, "", "bytes Stage 2 moved, summed over local ranks"),
     (STAGE2_SAVED, "", "bytes Stage 2 did not move thanks to replicate-gate-off micro-batches, summed over local ranks"),
@@ -168,26 +171,32 @@ fn describe() {
     describe_gauge!("overlap_build_info", Unit::Count, METRICS[19].2);
 }
 
-/// Records a finished step when recording is on ([`Session::step`](crate::Session::step)
-/// calls it).
-pub fn record_step(report: &StepReport, plan: &Plan) {
+/// Records a finished step of these local ranks when recording is on
+/// ([`Session::step`](crate::Session::step) calls it).
+pub fn record_step(report: &StepReport, plan: &Plan, local_ranks: impl FnOnce() -> Vec<u32>) {
     if enabled() {
-        record_analysis(report, &StepAnalysis::new(report, plan));
+        record_analysis(
+            report,
+            &StepAnalysis::on_ranks(report, plan, &local_ranks()),
+        );
     }
 }
 
 /// Records a step already analysed (whether or not recording is on: the caller decides).
+/// An untimed step ([`StepAnalysis::timed`]) leaves the device figures (device span,
+/// stream busy, exposed communication, η, op durations, bus bandwidth) as the last timed
+/// step left them, and counts everything else.
 pub fn record_analysis(report: &StepReport, a: &StepAnalysis) {
     counter!(STEPS).increment(1);
     histogram!(STEP_DURATION).record(report.stats.wall_seconds);
-    if !a.ranks.is_empty() {
+    if a.timed() {
         histogram!(STEP_DEVICE).record(a.span_seconds());
         for s in Stream::ALL {
             histogram!(STREAM_BUSY, "stream" => s.name()).record(a.busy_seconds(s));
         }
         histogram!(EXPOSED).record(a.exposed_seconds());
+        gauge!(EFFICIENCY).set(a.efficiency().unwrap_or(f64::NAN));
     }
-    gauge!(EFFICIENCY).set(a.efficiency().unwrap_or(f64::NAN));
 
     // Kernel durations, grouped so that each (op, stream) handle is looked up once.
     let mut durations: HashMap<(&'static str, Stream), Vec<f64>> = HashMap::new();
@@ -263,6 +272,87 @@ pub fn record_rejection(violations: &[Violation]) {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::observe::tests::cpu_step;
+    use overlap_graph::Transport;
+
+    /// The value of the series `series` (name and labels as rendered) in Prometheus text.
+    fn value(text: &str, series: &str) -> Option<f64> {
+        text.lines()
+            .find_map(|l| l.strip_prefix(series)?.strip_prefix(' ')?.parse().ok())
+    }
+
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn an_untimed_step_counts_bytes_and_nodes_and_leaves_the_device_figures() {
+        let (timed, plan, local) = cpu_step(&[Gate::ReplicateOff, Gate::On], Transport::Nccl).await;
+        let mut untimed = timed.clone();
+        untimed.stats.timings.clear();
+        let recorder = metrics_exporter_prometheus::PrometheusBuilder::new().build_recorder();
+        let handle = recorder.handle();
+        let record = |r: &StepReport| {
+            ::metrics::with_local_recorder(&recorder, || {
+                record_analysis(r, &StepAnalysis::on_ranks(r, &plan, &local))
+            })
+        };
+        let a = StepAnalysis::on_ranks(&timed, &plan, &local);
+        let stage1 = a
+            .collectives
+            .iter()
+            .find(|c| c.op == "stage1")
+            .expect("a stage-1 collective");
+        let bytes = format!(
+            "{COLLECTIVE_BYTES}{{op=\"stage1\",collective=\"{}\"}}",
+            stage1.kind.name()
+        );
+        let bandwidth = format!(
+            "{BUS_BANDWIDTH}{{op=\"stage1\",collective=\"{}\"}}",
+            stage1.kind.name()
+        );
+        let device = [
+            STEP_DEVICE,
+            STREAM_BUSY,
+            EXPOSED,
+            EFFICIENCY,
+            OP_DURATION,
+            BUS_BANDWIDTH,
+        ];
+
+        record(&untimed);
+        let text = handle.render();
+        assert_eq!(value(&text, STEPS), Some(1.0), "{text}");
+        assert_eq!(value(&text, NODES), Some(timed.stats.nodes as f64));
+        assert_eq!(value(&text, STAGE2_BYTES), Some(timed.stage2_bytes as f64));
+        assert_eq!(value(&text, &bytes), Some(stage1.bytes as f64), "{text}");
+        assert_eq!(
+            value(&text, &format!("{PARTIAL_BYTES}{{buffer=\"partial\"}}")),
+            Some(a.partial_bytes as f64)
+        );
+        assert!(a.partial_bytes > 0);
+        for name in device {
+            assert!(
+                !text.contains(name),
+                "{name} recorded for an untimed step:\n{text}"
+            );
+        }
+
+        // A timed step records them; the untimed step after it leaves them as they were.
+        record(&timed);
+        let eta = a
+            .efficiency()
+            .expect("the example's backward hides communication");
+        record(&untimed);
+        let text = handle.render();
+        assert_eq!(value(&text, STEPS), Some(3.0));
+        assert_eq!(value(&text, &bytes), Some(3.0 * stage1.bytes as f64));
+        assert_eq!(
+            value(&text, &format!("{STEP_DEVICE}_count")),
+            Some(1.0),
+            "{text}"
+        );
+        assert_eq!(value(&text, &format!("{EXPOSED}_count")), Some(1.0));
+        assert_eq!(value(&text, EFFICIENCY), Some(eta), "{text}");
+        assert_eq!(value(&text, &bandwidth), stage1.bus_bandwidth());
+        assert_eq!(value(&text, &format!("{STEP_DURATION}_count")), Some(3.0));
+    }
 
     /// The labels of `overlap_validator_rejections_total` are created at zero from
     /// [`INVARIANTS`]; it must list every invariant the validator's docs list.

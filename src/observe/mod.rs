@@ -35,6 +35,11 @@
 //! Across the local ranks, times are averaged and `η` is the ratio of the summed
 //! numerators and denominators of the ranks where it is defined.
 //!
+//! A step run with timings off (`[metrics] timing_every`,
+//! [`Backend::set_timings`](overlap_ops::Backend::set_timings)) is *untimed*: it has no
+//! device figures ([`StepAnalysis::timed`] is false), while what the plan says
+//! (collective calls and bytes, partial bytes held) still counts.
+//!
 //! The invariant it keeps: the analysis is a pure function of the report and the plan;
 //! it reads no clock of its own, so what it reports on a GPU was measured by the device.
 
@@ -189,19 +194,21 @@ pub struct CollectiveStats {
     pub op: &'static str,
     /// The collective kind.
     pub kind: CollectiveKind,
-    /// Collective kernels.
+    /// Collective calls the plan's nodes make.
     pub calls: u64,
     /// Data bytes per member, summed over calls (nccl-tests' size: the input of a
     /// reduce-scatter, the output of an all-gather, the buffer otherwise).
     pub bytes: u64,
     /// `bytes` times NCCL's bus-bandwidth factor ([`bus_factor`]).
     pub bus_bytes: f64,
-    /// Seconds the collective kernels ran, summed over calls.
+    /// Seconds the collective kernels ran, summed over the timed calls (0 on an untimed
+    /// step).
     pub seconds: f64,
 }
 
 impl CollectiveStats {
-    /// Achieved bus bandwidth in bytes per second, `None` when no time was measured.
+    /// Achieved bus bandwidth in bytes per second, `None` when no time was measured (an
+    /// untimed step).
     pub fn bus_bandwidth(&self) -> Option<f64> {
         (self.seconds > 0.0).then(|| self.bus_bytes / self.seconds)
     }
@@ -240,7 +247,8 @@ pub struct StepAnalysis {
     pub layers: u32,
     /// Host wall time of the step, seconds.
     pub wall_seconds: f64,
-    /// One entry per local rank that ran a kernel, in rank order.
+    /// One entry per local rank that ran a timed kernel, in rank order (none on an
+    /// untimed step).
     pub ranks: Vec<RankAnalysis>,
     /// Collectives by (node kind, collective kind).
     pub collectives: Vec<CollectiveStats>,
@@ -252,27 +260,50 @@ pub struct StepAnalysis {
 }
 
 impl StepAnalysis {
-    /// Analyses a step from its report and the plan it ran.
+    /// Analyses a timed step from its report and the plan it ran, over the ranks its
+    /// timings name. A step that may be untimed needs [`StepAnalysis::on_ranks`].
     pub fn new(report: &StepReport, plan: &Plan) -> StepAnalysis {
-        let timings = &report.stats.timings;
-        let mut rank_ids: Vec<u32> = timings.iter().map(|t| t.rank).collect();
-        rank_ids.sort_unstable();
-        rank_ids.dedup();
-        let ranks = rank_ids
+        let mut timed: Vec<u32> = report.stats.timings.iter().map(|t| t.rank).collect();
+        timed.sort_unstable();
+        timed.dedup();
+        StepAnalysis::on_ranks(report, plan, &timed)
+    }
+
+    /// Analyses a step that `local_ranks` ran. What the plan says (collective calls and
+    /// bytes, held partials) counts whether or not the step was timed; the device figures
+    /// (`ranks`, collective seconds) come from the timings, so an untimed step has none.
+    pub fn on_ranks(report: &StepReport, plan: &Plan, local_ranks: &[u32]) -> StepAnalysis {
+        let timings: Vec<&Timing> = report
+            .stats
+            .timings
             .iter()
-            .map(|&r| analyse_rank(r, timings.iter().filter(|t| t.rank == r)))
+            .filter(|t| local_ranks.contains(&t.rank))
             .collect();
-        let (partial_bytes, accumulation_bytes) = held_bytes(plan, &rank_ids);
+        let mut timed: Vec<u32> = timings.iter().map(|t| t.rank).collect();
+        timed.sort_unstable();
+        timed.dedup();
+        let ranks = timed
+            .iter()
+            .map(|&r| analyse_rank(r, timings.iter().copied().filter(|t| t.rank == r)))
+            .collect();
+        let (partial_bytes, accumulation_bytes) = held_bytes(plan, local_ranks);
         StepAnalysis {
             step: report.step,
             gates: report.gates.clone(),
             layers: plan.layers_desc().len() as u32,
             wall_seconds: report.stats.wall_seconds,
             ranks,
-            collectives: collectives(plan, timings),
+            collectives: collectives(plan, local_ranks, &timings),
             partial_bytes,
             accumulation_bytes,
         }
+    }
+
+    /// Whether the step has kernel timings. Without them (`[metrics] timing_every`) the
+    /// device figures are absent, not zero: exposed communication, spans and busy times
+    /// read 0 and `η` is `None` only because nothing was measured.
+    pub fn timed(&self) -> bool {
+        !self.ranks.is_empty()
     }
 
     fn mean(&self, f: impl Fn(&RankAnalysis) -> f64) -> f64 {
@@ -352,8 +383,38 @@ fn analyse_rank<'a>(rank: u32, timings: impl Iterator<Item = &'a Timing>) -> Ran
     }
 }
 
-fn collectives(plan: &Plan, timings: &[Timing]) -> Vec<CollectiveStats> {
+/// The collectives the local ranks' nodes issue, from the plan (so that an untimed step
+/// counts its bytes too), with the seconds their timings measured.
+fn collectives(plan: &Plan, local_ranks: &[u32], timings: &[&Timing]) -> Vec<CollectiveStats> {
     let mut out: Vec<CollectiveStats> = Vec::new();
+    for &rank in local_ranks {
+        let Some(rp) = plan.ranks.get(rank as usize) else {
+            continue;
+        };
+        for node in &rp.nodes {
+            let Some(c) = node.op.collective() else {
+                continue;
+            };
+            // An exchange or gather moves the f32 buffers as they are, whatever the
+            // reduce dtype; an all-reduce's exchange and gather each move what a
+            // reduce-scatter (or all-gather) of the buffer does.
+            let (bytes, kind) = match node.op {
+                Op::Exchange { .. } | Op::Gather { .. } => (
+                    collective_bytes(plan, c) / c.dtype.size() * 4,
+                    match c.kind {
+                        CollectiveKind::AllReduce => CollectiveKind::ReduceScatter,
+                        k => k,
+                    },
+                ),
+                _ => (collective_bytes(plan, c), c.kind),
+            };
+            let factor = bus_factor(kind, plan.mesh.group_size(c.group));
+            let s = stats_of(&mut out, node.op.kind(), c.kind);
+            s.calls += 1;
+            s.bytes += bytes;
+            s.bus_bytes += bytes as f64 * factor;
+        }
+    }
     for t in timings {
         let Some(node) = plan
             .ranks
@@ -362,45 +423,34 @@ fn collectives(plan: &Plan, timings: &[Timing]) -> Vec<CollectiveStats> {
         else {
             continue;
         };
-        let Some(c) = node.op.collective() else {
-            continue;
-        };
-        let op = node.op.kind();
-        // An exchange or gather moves the f32 buffers as they are, whatever the reduce
-        // dtype; an all-reduce's exchange and gather each move what a reduce-scatter
-        // (or all-gather) of the buffer does.
-        let (bytes, kind) = match node.op {
-            Op::Exchange { .. } | Op::Gather { .. } => (
-                collective_bytes(plan, c) / c.dtype.size() * 4,
-                match c.kind {
-                    CollectiveKind::AllReduce => CollectiveKind::ReduceScatter,
-                    k => k,
-                },
-            ),
-            _ => (collective_bytes(plan, c), c.kind),
-        };
-        let factor = bus_factor(kind, plan.mesh.group_size(c.group));
-        let i = match out.iter().position(|s| s.op == op && s.kind == c.kind) {
-            Some(i) => i,
-            None => {
-                out.push(CollectiveStats {
-                    op,
-                    kind: c.kind,
-                    calls: 0,
-                    bytes: 0,
-                    bus_bytes: 0.0,
-                    seconds: 0.0,
-                });
-                out.len() - 1
-            }
-        };
-        let s = &mut out[i];
-        s.calls += 1;
-        s.bytes += bytes;
-        s.bus_bytes += bytes as f64 * factor;
-        s.seconds += (t.end - t.start).max(0.0);
+        if let Some(c) = node.op.collective() {
+            stats_of(&mut out, node.op.kind(), c.kind).seconds += (t.end - t.start).max(0.0);
+        }
     }
     out
+}
+
+/// The entry of `(op, kind)`, added at zero if it is not there yet.
+fn stats_of<'a>(
+    out: &'a mut Vec<CollectiveStats>,
+    op: &'static str,
+    kind: CollectiveKind,
+) -> &'a mut CollectiveStats {
+    let i = match out.iter().position(|s| s.op == op && s.kind == kind) {
+        Some(i) => i,
+        None => {
+            out.push(CollectiveStats {
+                op,
+                kind,
+                calls: 0,
+                bytes: 0,
+                bus_bytes: 0.0,
+                seconds: 0.0,
+            });
+            out.len() - 1
+        }
+    };
+    &mut out[i]
 }
 
 /// The largest bytes of partials and of no_sync accumulations held at once by a rank,
@@ -542,8 +592,95 @@ fn io_error(path: &Path, source: std::io::Error) -> Error {
 }
 
 #[cfg(test)]
-mod tests {
+pub(crate) mod tests {
     use super::*;
+    use crate::{drive, Config, Session};
+    use overlap_graph::Transport;
+
+    /// A real first step of `examples/hsdp_2x2.toml` on the CPU backend (every step
+    /// timed), with these gates and transport: the report, its plan and the local ranks.
+    pub(crate) async fn cpu_step(
+        gates: &[Gate],
+        transport: Transport,
+    ) -> (StepReport, Arc<Plan>, Vec<u32>) {
+        let mut cfg = Config::from_toml(
+            include_str!("../../examples/hsdp_2x2.toml"),
+            "hsdp_2x2.toml",
+        )
+        .unwrap();
+        cfg.plan.schedule.transport = transport;
+        let mut s = Session::cpu(&cfg).unwrap();
+        let r = drive::synthetic_step(&mut s, cfg.run.seed, 0, gates)
+            .await
+            .unwrap();
+        let plan = s.step_plan(gates).unwrap();
+        (r, plan, s.local_ranks())
+    }
+
+    const PATTERNS: [&[Gate]; 2] = [
+        &[Gate::ReplicateOff, Gate::On],
+        &[Gate::NoSync, Gate::ReplicateOff, Gate::On],
+    ];
+
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn a_timed_step_counts_one_call_per_collective_node_as_its_timings_do() {
+        for transport in [Transport::Nccl, Transport::Copy] {
+            for gates in PATTERNS {
+                let (r, plan, local) = cpu_step(gates, transport).await;
+                let a = StepAnalysis::on_ranks(&r, &plan, &local);
+                assert!(a.timed());
+                assert_eq!(a, StepAnalysis::new(&r, &plan));
+                // What the timings alone say: one timed kernel per collective node.
+                for c in &a.collectives {
+                    let timed = r
+                        .stats
+                        .timings
+                        .iter()
+                        .filter(|t| {
+                            let op = &plan.rank(t.rank).nodes[t.tag.node as usize].op;
+                            op.kind() == c.op && op.collective().is_some_and(|x| x.kind == c.kind)
+                        })
+                        .count();
+                    assert_eq!(c.calls, timed as u64, "{transport:?} {gates:?} {c:?}");
+                    assert!(c.bytes > 0 && c.bus_bandwidth().is_some(), "{c:?}");
+                }
+                assert!(!a.collectives.is_empty());
+            }
+        }
+    }
+
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn an_untimed_step_keeps_the_plans_figures_and_has_no_device_ones() {
+        for transport in [Transport::Nccl, Transport::Copy] {
+            for gates in PATTERNS {
+                let (r, plan, local) = cpu_step(gates, transport).await;
+                let timed = StepAnalysis::on_ranks(&r, &plan, &local);
+                let mut untimed_report = r.clone();
+                untimed_report.stats.timings.clear();
+                let u = StepAnalysis::on_ranks(&untimed_report, &plan, &local);
+                assert!(!u.timed());
+                assert!(u.ranks.is_empty());
+                assert_eq!(u.efficiency(), None);
+                assert_eq!(u.partial_bytes, timed.partial_bytes);
+                assert_eq!(u.accumulation_bytes, timed.accumulation_bytes);
+                assert!(u.partial_bytes > 0);
+                assert_eq!(u.accumulation_bytes > 0, gates.contains(&Gate::NoSync));
+                assert_eq!(u.collectives.len(), timed.collectives.len());
+                for (c, t) in u.collectives.iter().zip(&timed.collectives) {
+                    assert_eq!(
+                        (c.op, c.kind, c.calls, c.bytes),
+                        (t.op, t.kind, t.calls, t.bytes)
+                    );
+                    assert_eq!(c.bus_bytes, t.bus_bytes);
+                    assert_eq!(c.seconds, 0.0);
+                    assert_eq!(c.bus_bandwidth(), None);
+                }
+                // Without the local ranks, an untimed report names none: nothing to count.
+                let blind = StepAnalysis::new(&untimed_report, &plan);
+                assert!(blind.collectives.is_empty() && blind.partial_bytes == 0);
+            }
+        }
+    }
 
     const EPS: f64 = 1e-12;
 
