@@ -178,9 +178,12 @@ impl Planner {
                     // all-reduce) goes out before the last layer's exchanges, which wait
                     // for its backward; behind them on the exchange stream, its gather
                     // would move only after that backward, in the step's exposed tail.
+                    // So does every lagging chain when combines wait for the exchanges
+                    // before them: behind the last exchange, it would wait for it too.
                     let (early, keep): (Vec<_>, Vec<_>) =
                         deferred.into_iter().partition(|(_, ops)| {
-                            ops.iter().any(|(_, op)| matches!(op, Op::Gather { .. }))
+                            sched.combine_after_exchanges
+                                || ops.iter().any(|(_, op)| matches!(op, Op::Gather { .. }))
                         });
                     deferred = keep;
                     for (stream, op) in early.into_iter().flat_map(|(_, ops)| ops) {

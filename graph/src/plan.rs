@@ -107,8 +107,9 @@ pub struct Schedule {
     pub early_tail_gathers: bool,
     /// Copy transport: each combine also waits for the exchanges issued before it, so
     /// it never runs beside an exchange (both move memory; beside the backward's GEMMs
-    /// the two at once cost more than one after the other). Off by default; measured as
-    /// a lever (`overlap bench --combine-after-exchanges`).
+    /// the two at once cost more than one after the other). With `early_tail_gathers`
+    /// every lagging chain then goes out before the last layer's exchanges. Off by
+    /// default; measured as a lever (`overlap bench --combine-after-exchanges`).
     pub combine_after_exchanges: bool,
 }
 

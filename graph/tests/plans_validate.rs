@@ -269,7 +269,8 @@ fn happens_before(rp: &overlap_graph::RankProgram, a: u32, b: u32) -> bool {
 
 /// `combine_after_exchanges`: on meshes 2x1 and 1x2, lag 0 to 2, every combine happens
 /// after the latest exchange issued before it (without the option, with lag 1 on 2x1,
-/// a combine and the next layer's exchange are unordered), and the plans validate.
+/// a combine and the next layer's exchange are unordered), the layer before the last
+/// is combined before the last layer's exchanges, and the plans validate.
 #[test]
 fn combines_can_wait_for_the_exchanges_before_them() {
     use overlap_graph::{Op, Schedule, Transport};
@@ -311,6 +312,23 @@ fn combines_can_wait_for_the_exchanges_before_them() {
             }
         }
     }
+    // Behind the last layer's exchange, the layer before's combine would wait for it:
+    // it goes out before it (the tail rule of `early_tail_gathers`).
+    let plan = plan_of(2, 1, 1, true);
+    let layers = plan.layers_desc();
+    let layer_of = |b: u32| plan.buckets[b as usize].layer;
+    let first = |pick: &dyn Fn(&Op) -> bool| {
+        plan.ranks[0]
+            .nodes
+            .iter()
+            .position(|n| pick(&n.op))
+            .unwrap()
+    };
+    let (last, before) = (layers[layers.len() - 1], layers[layers.len() - 2]);
+    assert!(
+        first(&|op| matches!(op, Op::Combine { bucket, .. } if layer_of(*bucket) == before))
+            < first(&|op| matches!(op, Op::Exchange { bucket, .. } if layer_of(*bucket) == last))
+    );
     let plain = plan_of(2, 1, 1, false);
     assert!(
         pairs(&plain)
