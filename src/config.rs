@@ -281,7 +281,6 @@ impl Config {
         Config::from_toml(&text, &source)
     }
 
-    /// Parses and checks config text; `source` names it in errors (a file name, or
     /// Settles `[overlap] transport = "auto"` for a GPU job: the copy transport when
     /// every rank runs on one node (`one_node`), NCCL collectives otherwise. `nccl` and
     /// `copy` are left as they are.
@@ -295,6 +294,7 @@ impl Config {
         }
     }
 
+    /// Parses and checks config text; `source` names it in errors (a file name, or
     /// `"<inline>"`).
     pub fn from_toml(text: &str, source: &str) -> Result<Config, ConfigError> {
         let doc = Doc { text, file: source };

@@ -29,7 +29,7 @@ enum Command {
         #[arg(long)]
         config: PathBuf,
         /// Steps to run (overrides `run.steps`).
-        #[arg(long)]
+        #[arg(long, value_parser = clap::value_parser!(u32).range(1..))]
         steps: Option<u32>,
         /// Backend (overrides `run.backend`): auto, cpu or cuda.
         #[arg(long)]
@@ -47,7 +47,7 @@ enum Command {
         #[arg(long)]
         config: PathBuf,
         /// Steps to run (overrides `run.steps`).
-        #[arg(long)]
+        #[arg(long, value_parser = clap::value_parser!(u32).range(1..))]
         steps: Option<u32>,
         /// Seed (overrides `run.seed`).
         #[arg(long)]

@@ -389,8 +389,6 @@ impl<B: Backend> Session<B> {
     }
 }
 
-/// The parameters a step with these gates would leave unflushed, if any: every
-/// micro-batch after the last gate-on one leaves a partial or an accumulation.
 /// Elements a rank receives in one copy-transport exchange or gather of `c`, as the
 /// backends count them ([`overlap_ops::copy_roles`]).
 fn copy_received(plan: &Plan, rank: u32, op: &Op, c: &Collective) -> u64 {
@@ -400,6 +398,8 @@ fn copy_received(plan: &Plan, rank: u32, op: &Op, c: &Collective) -> u64 {
     overlap_ops::copy_roles(c, size, index, gather).map_or(0, |(_, received)| received as u64)
 }
 
+/// The parameters a step with these gates would leave unflushed, if any: every
+/// micro-batch after the last gate-on one leaves a partial or an accumulation.
 pub fn unflushed(planner: &Planner, gates: &[Gate]) -> Option<Vec<String>> {
     if gates.last() == Some(&Gate::On) {
         return None;

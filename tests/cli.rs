@@ -320,6 +320,12 @@ fn bad_arguments_fail_cleanly() {
             &["--timing-every", "between 1 and 1000000"],
         );
     }
+    for cmd in ["run", "verify"] {
+        assert_clean_failure(
+            &overlap(&[cmd, "--config", "examples/hsdp_2x2.toml", "--steps", "0"]),
+            &["--steps", "0"],
+        );
+    }
 }
 
 #[test]
