@@ -7,36 +7,16 @@
 
 use std::sync::Arc;
 
+mod common;
+use common::assert_same_bits;
+
 use overlap::executor::ExecConfig;
-use overlap::graph::{Bindings, Buffer, ReduceSpec, Schedule, Stream, Transport};
+use overlap::graph::{Bindings, Schedule, Stream, Transport};
 use overlap::ops::cpu::CpuBackend;
-use overlap::{Gate, Mesh, ParamSpec, PlanSpec, Route, Session};
+use overlap::{Gate, Mesh, PlanSpec, Session};
 
 fn spec(shard: u32, replicate: u32) -> PlanSpec {
-    let p = |name: &str, shape: Vec<u64>, route, layer| ParamSpec {
-        name: name.into(),
-        shape,
-        route,
-        layer,
-    };
-    PlanSpec {
-        mesh: Mesh::new(shard, replicate).unwrap(),
-        params: vec![
-            // Identity layouts (chunks need no padding on a shard group of 1 or 2)...
-            p("w", vec![4, 6], Route::Muon, 3),
-            p("norm", vec![16], Route::Fsdp, 2),
-            p("bias", vec![7], Route::Adamw, 2),
-            // ...and ones that need padding or share a bucket.
-            p("odd", vec![9], Route::Fsdp, 1),
-            p("emb", vec![10, 3], Route::ShardedAdamw, 0),
-            p("emb2", vec![5], Route::ShardedAdamw, 0),
-        ],
-        reduce: ReduceSpec::default(),
-        // One bucket per parameter except where two of a layer and route fit.
-        bucket_cap_bytes: 160,
-        bindings: Bindings::default(),
-        schedule: Default::default(),
-    }
+    common::mixed_spec(shard, replicate)
 }
 
 /// Runs 12 steps of `gates` and returns every parameter and reduced gradient of every
@@ -67,22 +47,7 @@ async fn run_with(
     let mut s = Session::new(spec, backend, exec).unwrap();
     let mut aliased = 0;
     let mut pooled = Vec::new();
-    for step in 0..12u32 {
-        for (m, &gate) in gates.iter().enumerate() {
-            s.begin_micro_batch(gate).await.unwrap();
-            for layer in s.layers() {
-                s.grad_ready(layer, |rank, param, out| {
-                    for (i, x) in out.iter_mut().enumerate() {
-                        *x = ((rank * 7 + param * 13 + i as u32 + m as u32 * 3 + step) % 11) as f32
-                            * 0.37
-                            - 1.1;
-                    }
-                })
-                .await
-                .unwrap();
-            }
-        }
-        let r = s.step().await.unwrap();
+    common::run_steps(&mut s, gates, 12, |s, r| {
         aliased = r.stats.aliased_nodes;
         pooled.push(
             s.executor()
@@ -92,15 +57,9 @@ async fn run_with(
                 .max()
                 .unwrap_or(0),
         );
-    }
-    let mut out = Vec::new();
-    for rank in 0..mesh.world() {
-        for param in 0..6 {
-            for b in [Buffer::Param { param }, Buffer::Reduced { param }] {
-                out.push(s.executor().read(rank, b).unwrap());
-            }
-        }
-    }
+    })
+    .await;
+    let out = common::read_all(&s);
     (out, aliased, pooled)
 }
 
@@ -125,21 +84,6 @@ async fn aliasing_is_bit_identical_and_keeps_the_pool_bounded() {
                 pooled_on <= pooled_off,
                 "{what}: {pooled_on} pooled buffers with aliasing, {pooled_off} without"
             );
-        }
-    }
-}
-
-/// Every buffer equal bit for bit, and finite.
-fn assert_same_bits(a: &[Option<Vec<f32>>], b: &[Option<Vec<f32>>], what: &str) {
-    assert_eq!(a.len(), b.len(), "{what}");
-    let bits = |v: &Option<Vec<f32>>| {
-        v.as_ref()
-            .map(|v| v.iter().map(|x| x.to_bits()).collect::<Vec<_>>())
-    };
-    for (i, (x, y)) in a.iter().zip(b).enumerate() {
-        assert_eq!(bits(x), bits(y), "{what}: buffer {i} differs");
-        if let Some(v) = y {
-            assert!(v.iter().all(|x| x.is_finite()), "{what}: buffer {i}");
         }
     }
 }

@@ -11,13 +11,16 @@
 use std::collections::HashMap;
 use std::sync::{Arc, Mutex, MutexGuard, PoisonError};
 
+mod common;
+use common::assert_same_bits;
+
 use overlap::executor::ExecConfig;
-use overlap::graph::{Bindings, Buffer, Collective, ReduceSpec, Schedule, Stream, Transport};
+use overlap::graph::{Collective, Schedule, Stream, Transport};
 use overlap::ops::cpu::{CpuBackend, CpuBuffer, CpuEvent};
 use overlap::ops::{
     exchange_roles, Backend, BoxFuture, CommId, EventStatus, Kernel, OpsError, Tag, Timing,
 };
-use overlap::{Gate, Mesh, ParamSpec, PlanSpec, Route, Session};
+use overlap::{Gate, Mesh, PlanSpec, Session};
 
 fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
     m.lock().unwrap_or_else(PoisonError::into_inner)
@@ -222,33 +225,15 @@ impl Backend for KeyedCpu {
     }
 }
 
-/// As `tests/aliasing.rs`: parameters of every route, identity layouts and padded or
-/// shared buckets, on the copy transport with the combine `lag` layers behind.
+/// [`common::mixed_spec`] on the copy transport, the combine `lag` layers behind.
 fn spec(shard: u32, replicate: u32, lag: u32) -> PlanSpec {
-    let p = |name: &str, shape: Vec<u64>, route, layer| ParamSpec {
-        name: name.into(),
-        shape,
-        route,
-        layer,
-    };
     PlanSpec {
-        mesh: Mesh::new(shard, replicate).expect("a valid mesh"),
-        params: vec![
-            p("w", vec![4, 6], Route::Muon, 3),
-            p("norm", vec![16], Route::Fsdp, 2),
-            p("bias", vec![7], Route::Adamw, 2),
-            p("odd", vec![9], Route::Fsdp, 1),
-            p("emb", vec![10, 3], Route::ShardedAdamw, 0),
-            p("emb2", vec![5], Route::ShardedAdamw, 0),
-        ],
-        reduce: ReduceSpec::default(),
-        bucket_cap_bytes: 160,
-        bindings: Bindings::default(),
         schedule: Schedule {
             transport: Transport::Copy,
             combine_lag: lag,
             ..Schedule::default()
         },
+        ..common::mixed_spec(shard, replicate)
     }
 }
 
@@ -262,52 +247,10 @@ async fn run<B: Backend>(
     gates: &[Gate],
     after_step: impl Fn(&B),
 ) -> Vec<Option<Vec<f32>>> {
-    let mesh = spec.mesh;
-    let params = spec.params.len() as u32;
     let mut s =
         Session::new(spec, Arc::clone(&backend), ExecConfig::default()).expect("a valid session");
-    for step in 0..STEPS {
-        for (m, &gate) in gates.iter().enumerate() {
-            s.begin_micro_batch(gate).await.expect("begin_micro_batch");
-            for layer in s.layers() {
-                s.grad_ready(layer, |rank, param, out| {
-                    for (i, x) in out.iter_mut().enumerate() {
-                        *x = ((rank * 7 + param * 13 + i as u32 + m as u32 * 3 + step) % 11) as f32
-                            * 0.37
-                            - 1.1;
-                    }
-                })
-                .await
-                .expect("grad_ready");
-            }
-        }
-        s.step().await.expect("step");
-        after_step(&backend);
-    }
-    let mut out = Vec::new();
-    for rank in 0..mesh.world() {
-        for param in 0..params {
-            for b in [Buffer::Param { param }, Buffer::Reduced { param }] {
-                out.push(s.executor().read(rank, b).expect("read"));
-            }
-        }
-    }
-    out
-}
-
-/// Every buffer equal bit for bit, and finite.
-fn assert_same_bits(a: &[Option<Vec<f32>>], b: &[Option<Vec<f32>>], what: &str) {
-    assert_eq!(a.len(), b.len(), "{what}");
-    let bits = |v: &Option<Vec<f32>>| {
-        v.as_ref()
-            .map(|v| v.iter().map(|x| x.to_bits()).collect::<Vec<_>>())
-    };
-    for (i, (x, y)) in a.iter().zip(b).enumerate() {
-        assert_eq!(bits(x), bits(y), "{what}: buffer {i} differs");
-        if let Some(v) = y {
-            assert!(v.iter().all(|x| x.is_finite()), "{what}: buffer {i}");
-        }
-    }
+    common::run_steps(&mut s, gates, STEPS, |_, _| after_step(&backend)).await;
+    common::read_all(&s)
 }
 
 const GATES: [&[Gate]; 3] = [
