@@ -1451,15 +1451,14 @@ impl Issue {
         let ci = self.comm_index(shared, id, kernel, &poison)?;
         let (size, index) = (self.comms[ci].size, self.comms[ci].index);
         let (mut roles, received) = crate::copy_roles(desc, size, index, gather).map_err(shape)?;
-        let mut recv_checked = if gather { None } else { recv.clone() };
+        let recv_checked = if gather { None } else { recv.clone() };
         // On a ring read in place the receive buffer is only the combine's key
-        // (`Backend::receives_in_place`): it must be this rank's, of any length.
+        // (`Backend::receives_in_place`): it must be this rank's, of any length, and
+        // nothing is copied into it.
         let ri = self.copy.iter().position(|r| r.id == id);
-        if let (Some(key), Some(ri), false) = (&recv_checked, ri, gather) {
-            if self.copy[ri].in_place() && roles.recv.is_some() {
-                roles.recv = Some(key.len);
-                recv_checked = Some(key.clone());
-            }
+        let keyed = !gather && ri.is_some_and(|ri| self.copy[ri].in_place());
+        if let (Some(key), true, Some(_)) = (&recv_checked, keyed, roles.recv) {
+            roles.recv = Some(key.len);
         }
         let own = match poison {
             Some(p) => Err(p),
@@ -1478,7 +1477,12 @@ impl Issue {
             let ri = ri.ok_or_else(|| not_set_up(id))?;
             let valid = own.is_ok();
             let s = send.as_ref().filter(|_| valid).map(CudaBuffer::ptr);
-            let r = recv.as_ref().filter(|_| valid).map(CudaBuffer::ptr);
+            // In place every received piece stays in the ring (`Op::Keep`): no address
+            // to copy into, so a key of one element is never written past.
+            let r = recv
+                .as_ref()
+                .filter(|_| valid && !keyed)
+                .map(CudaBuffer::ptr);
             // A gather's buffer is its output, never a pending in-place receive.
             let key = recv.as_ref().filter(|_| !gather).map(CudaBuffer::ptr);
             // A receive buffer reused before its combine ran (a step cut short): release
