@@ -143,7 +143,7 @@ pub fn copy_setup(
     for spec in specs {
         streams.push(spec.bindings.exchange);
         // Planned once for both questions (planning a large model takes a while).
-        let Some(plan) = gate_on_plan(spec) else {
+        let Some(plan) = reducing_plan(spec) else {
             continue;
         };
         gathering.extend(gathering_of(&plan));
@@ -170,18 +170,27 @@ pub fn copy_setup(
     }
 }
 
-/// The gate-`on` plan of `spec`, or `None` when it does not plan (then the job fails
-/// elsewhere, with the planner's error).
-fn gate_on_plan(spec: &overlap_graph::PlanSpec) -> Option<overlap_graph::Plan> {
-    overlap_graph::Planner::new(spec.clone())
-        .and_then(|p| p.plan(&[overlap_graph::Gate::On]))
+/// A plan of `spec` with a micro-batch of each kind that exchanges: gate `off`, then
+/// gate `on` (a `no_sync` one exchanges nothing, and a micro-batch's chains do not
+/// depend on the ones before it beyond which of these two it is). So what holds for
+/// every micro-batch of this plan holds for any gate pattern. The two differ: an `on`
+/// micro-batch's all-reduce chains go out early at its end (the graph's tail rule,
+/// `Schedule::early_tail_gathers`) and an `off` one's do not, so neither alone is the
+/// worst case. Just gate `on` where gate `off` does not plan; `None` when nothing does
+/// (then the job fails elsewhere, with the planner's error).
+fn reducing_plan(spec: &overlap_graph::PlanSpec) -> Option<overlap_graph::Plan> {
+    use overlap_graph::Gate;
+    let planner = overlap_graph::Planner::new(spec.clone()).ok()?;
+    planner
+        .plan(&[Gate::ReplicateOff, Gate::On])
+        .or_else(|_| planner.plan(&[Gate::On]))
         .ok()
 }
 
 /// The communicators the plan gathers on (all-reduces over the copy transport): their
 /// rings get a gather lane ([`ops_cuda::CopySetup::gather_lane`]).
 pub fn gathering_comms(spec: &overlap_graph::PlanSpec) -> Vec<CommId> {
-    gate_on_plan(spec).map_or_else(Vec::new, |plan| gathering_of(&plan))
+    reducing_plan(spec).map_or_else(Vec::new, |plan| gathering_of(&plan))
 }
 
 /// [`gathering_comms`] of a planned spec.
@@ -226,7 +235,7 @@ pub fn in_place_comms(
     slot_bytes: usize,
     depth: usize,
 ) -> Vec<CommId> {
-    gate_on_plan(spec)
+    reducing_plan(spec)
         .map(|plan| in_place_verdicts(&plan, slot_bytes, depth))
         .unwrap_or_default()
         .into_iter()
@@ -418,6 +427,74 @@ mod tests {
     /// Whether any communicator of the plan reads in place.
     fn in_place(spec: &overlap_graph::PlanSpec, slot_bytes: usize, depth: usize) -> bool {
         !in_place_comms(spec, slot_bytes, depth).is_empty()
+    }
+
+    /// What `copy_setup` approves for in-place receives keeps the distance rule in the
+    /// plan of every gate pattern, for every schedule: the verdict is taken on a plan
+    /// with both kinds of exchanging micro-batch, since the graph's tail rule moves an
+    /// `on` micro-batch's all-reduce chains and not an `off` one's. (Taken on the
+    /// gate-`on` plan alone, 2x2 with lag 1, depth 2 and two buckets in the first layer
+    /// approves a ring that gates `off, on` then break.)
+    #[test]
+    fn an_in_place_verdict_holds_for_every_gate_pattern() {
+        use overlap_graph::{Gate, ParamSpec, Route, Schedule, Transport};
+        let p = |name: &str, n: u64, route, layer| ParamSpec {
+            name: name.into(),
+            shape: vec![n],
+            route,
+            layer,
+        };
+        let params = vec![
+            p("a", 64, Route::Fsdp, 3),
+            p("b", 64, Route::ShardedAdamw, 2),
+            p("c", 64, Route::Fsdp, 1),
+            p("d", 64, Route::Fsdp, 0),
+            p("e", 64, Route::ShardedAdamw, 0),
+        ];
+        let patterns: [&[Gate]; 5] = [
+            &[Gate::On],
+            &[Gate::ReplicateOff, Gate::On],
+            &[Gate::NoSync, Gate::ReplicateOff, Gate::On],
+            &[Gate::On, Gate::ReplicateOff, Gate::On],
+            &[Gate::ReplicateOff, Gate::ReplicateOff, Gate::On],
+        ];
+        let slot = 1 << 20;
+        let mut approved = 0;
+        for (shard, replicate) in [(2, 1), (1, 2), (2, 2), (2, 3)] {
+            for lag in 0..4 {
+                for depth in 1..5 {
+                    for (early, after) in [(true, false), (false, false), (true, true)] {
+                        let spec = overlap_graph::PlanSpec {
+                            mesh: Mesh::new(shard, replicate).unwrap(),
+                            params: params.clone(),
+                            reduce: Default::default(),
+                            bucket_cap_bytes: 256,
+                            bindings: Default::default(),
+                            schedule: Schedule {
+                                transport: Transport::Copy,
+                                combine_lag: lag,
+                                early_tail_gathers: early,
+                                combine_after_exchanges: after,
+                            },
+                        };
+                        let ok = copy_setup(&[&spec], slot, depth, true).in_place;
+                        approved += ok.len();
+                        let planner = overlap_graph::Planner::new(spec).unwrap();
+                        for gates in patterns {
+                            let plan = planner.plan(gates).unwrap();
+                            let verdicts = in_place_verdicts(&plan, slot, depth);
+                            for id in &ok {
+                                assert!(
+                                    verdicts.get(id).copied().unwrap_or(true),
+                                    "{shard}x{replicate} lag {lag} depth {depth} early {early} after {after}: {id} approved, broken by gates {gates:?}"
+                                );
+                            }
+                        }
+                    }
+                }
+            }
+        }
+        assert!(approved > 0, "the sweep approves some rings");
     }
 
     #[test]
