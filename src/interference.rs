@@ -142,11 +142,14 @@ fn tag(node: u32, op: &'static str) -> Tag {
 }
 
 /// Runs the probe on `backend`'s first local rank. `streaming` switches the combine's
-/// cache-streaming loads and stores (a no-op where the backend has none).
+/// cache-streaming loads and stores (a no-op where the backend has none);
+/// `engine_copy(stream, tag, dst, src)` copies a whole buffer the way an exchange moves
+/// bytes (CUDA: `cuMemcpyDtoDAsync`, the copy engines), timed as a kernel.
 pub async fn run<B: Backend>(
     backend: &B,
     args: &InterferenceArgs,
     streaming: impl Fn(bool),
+    engine_copy: impl Fn(Stream, Tag, &B::Buffer, &B::Buffer) -> Result<(), Error>,
 ) -> Result<InterferenceReport, Error> {
     let chunk = u64::from(args.grad_mib) << 17;
     if args.layers == 0
@@ -204,25 +207,12 @@ pub async fn run<B: Backend>(
         }
     };
     // The copy engines' share of an exchange: the layer's own chunk copied, on `copy`.
-    let copy = |l: u32| {
+    let copy = |l: u32| -> Result<(), Error> {
         for p in 0..args.pieces {
             let b = &bufs[(l * args.pieces + p) as usize];
-            let seg = overlap_graph::CopySeg {
-                param: 0,
-                src: 0,
-                dst: 0,
-                len: n as u64,
-            };
-            backend.launch(
-                rank,
-                Stream::Copy,
-                tag(l, "exchange"),
-                Kernel::Pack {
-                    dst: b[3].clone(),
-                    segs: std::sync::Arc::from(vec![(seg, vec![b[0].clone()])]),
-                },
-            );
+            engine_copy(Stream::Copy, tag(l, "exchange"), &b[3], &b[0])?;
         }
+        Ok(())
     };
     let gemm = |l: u32| {
         backend.launch(
@@ -238,26 +228,28 @@ pub async fn run<B: Backend>(
         )
     };
     // Layer `l`'s combine and/or copy once `ready` (its GEMMs) has run.
-    let behind = |variant: Variant, beside: Stream, ready: &B::Event, l: u32| {
-        if variant != Variant::CopyBeside {
-            backend.wait(rank, beside, ready);
-        }
-        if matches!(
-            variant,
-            Variant::CopyBeside | Variant::BothBeside | Variant::CopyThenCombine
-        ) {
-            backend.wait(rank, Stream::Copy, ready);
-            copy(l);
-            if variant == Variant::CopyThenCombine {
-                let copied = backend.event(rank);
-                backend.record(rank, Stream::Copy, &copied);
-                backend.wait(rank, beside, &copied);
+    let behind =
+        |variant: Variant, beside: Stream, ready: &B::Event, l: u32| -> Result<(), Error> {
+            if variant != Variant::CopyBeside {
+                backend.wait(rank, beside, ready);
             }
-        }
-        if variant != Variant::CopyBeside {
-            combine(beside, l);
-        }
-    };
+            if matches!(
+                variant,
+                Variant::CopyBeside | Variant::BothBeside | Variant::CopyThenCombine
+            ) {
+                backend.wait(rank, Stream::Copy, ready);
+                copy(l)?;
+                if variant == Variant::CopyThenCombine {
+                    let copied = backend.event(rank);
+                    backend.record(rank, Stream::Copy, &copied);
+                    backend.wait(rank, beside, &copied);
+                }
+            }
+            if variant != Variant::CopyBeside {
+                combine(beside, l);
+            }
+            Ok(())
+        };
     let mut sums = [0.0f64; VARIANTS.len()];
     backend.set_timings(true);
     for i in 0..args.warmup + args.iters {
@@ -289,14 +281,14 @@ pub async fn run<B: Backend>(
                         // The previous layer's combine or copy, beside this layer's
                         // GEMMs.
                         if l > 0 {
-                            behind(variant, beside, &ready[l as usize - 1], l - 1);
+                            behind(variant, beside, &ready[l as usize - 1], l - 1)?;
                         }
                     }
                     Variant::Gemms => {}
                 }
             }
             if let Some(last) = ready.last() {
-                behind(variant, beside, last, args.layers - 1);
+                behind(variant, beside, last, args.layers - 1)?;
             }
             for s in [
                 Stream::Compute,
@@ -367,13 +359,47 @@ pub async fn run_cuda(args: &InterferenceArgs) -> Result<InterferenceReport, Err
     })
     .map_err(|e| Error::Backend(e.to_string()))?;
     backend.set_combine_ctas(args.combine_ctas);
-    run(&backend, args, |on| backend.set_combine_streaming(on)).await
+    run(
+        &backend,
+        args,
+        |on| backend.set_combine_streaming(on),
+        |stream, tag, dst, src| {
+            backend
+                .copy_engine_copy(stream, tag, dst, src)
+                .map_err(|e| Error::Backend(e.to_string()))
+        },
+    )
+    .await
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
-    use overlap_ops::cpu::CpuBackend;
+    use overlap_ops::cpu::{CpuBackend, CpuBuffer};
+
+    /// The CPU backend has no copy engines: a whole-buffer pack stands in.
+    fn pack_copy(
+        backend: &CpuBackend,
+    ) -> impl Fn(Stream, Tag, &CpuBuffer, &CpuBuffer) -> Result<(), Error> + '_ {
+        move |stream, tag, dst, src| {
+            let seg = overlap_graph::CopySeg {
+                param: 0,
+                src: 0,
+                dst: 0,
+                len: backend.len(src) as u64,
+            };
+            backend.launch(
+                0,
+                stream,
+                tag,
+                Kernel::Pack {
+                    dst: dst.clone(),
+                    segs: std::sync::Arc::from(vec![(seg, vec![src.clone()])]),
+                },
+            );
+            Ok(())
+        }
+    }
 
     #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
     async fn every_variant_runs_on_the_cpu_backend() {
@@ -388,7 +414,9 @@ mod tests {
             iters: 2,
             warmup: 1,
         };
-        let r = run(&backend, &args, |_| {}).await.unwrap();
+        let r = run(&backend, &args, |_| {}, pack_copy(&backend))
+            .await
+            .unwrap();
         for x in [
             r.gemms_ms,
             r.combines_ms,
@@ -409,7 +437,9 @@ mod tests {
             InterferenceArgs { pieces: 0, ..args },
             InterferenceArgs { pieces: 3, ..args },
         ] {
-            assert!(run(&backend, &bad, |_| {}).await.is_err());
+            assert!(run(&backend, &bad, |_| {}, pack_copy(&backend))
+                .await
+                .is_err());
         }
     }
 }

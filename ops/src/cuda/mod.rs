@@ -408,6 +408,52 @@ impl CudaBackend {
         lock(&self.issue).combine_streaming = on;
     }
 
+    /// Copies all of `src` into `dst` (the same length, this rank's) on `stream` with
+    /// `cuMemcpyDtoDAsync`, i.e. on the copy engines, timed like a kernel tagged `tag`
+    /// when timings are on. For probes of what copy-engine traffic costs the kernels
+    /// beside it (`overlap bench-interference`); the plan's copies are kernels or
+    /// exchanges.
+    pub fn copy_engine_copy(
+        &self,
+        stream: Stream,
+        tag: Tag,
+        dst: &CudaBuffer,
+        src: &CudaBuffer,
+    ) -> Result<(), OpsError> {
+        const K: &str = "copy";
+        expect(K, self.shared.rank, "src", src, dst.len)?;
+        expect(K, self.shared.rank, "dst", dst, src.len)?;
+        let mut st = lock(&self.issue);
+        self.shared.device.bind()?;
+        let raw = self.shared.device.stream(stream);
+        let start = if st.timings.on {
+            st.timing_event(&self.shared, raw)
+        } else {
+            None
+        };
+        let bytes = src.len * 4;
+        // SAFETY: both buffers are this rank's and hold `len` floats (checked above).
+        let copied = unsafe { sys::cuMemcpyDtoDAsync_v2(dst.ptr(), src.ptr(), bytes, raw) }
+            .result()
+            .map_err(|e| device::failed(K, e));
+        if let Some(start) = start {
+            match st
+                .timing_event(&self.shared, raw)
+                .filter(|_| copied.is_ok())
+            {
+                Some(end) => st.timings.pending.push(PendingTiming {
+                    stream,
+                    tag,
+                    start,
+                    end,
+                    bytes: bytes as u64,
+                }),
+                None => self.shared.events.put_timed(start),
+            }
+        }
+        copied
+    }
+
     /// Sets up the copy transport of [`Kernel::Exchange`]: for every communicator of
     /// this rank with more than one member on one of `setup.streams` (created by
     /// [`CudaBackend::connect`], which must come first), a receive ring of `setup.depth`
