@@ -109,7 +109,8 @@ pub struct Schedule {
     /// it never runs beside an exchange (both move memory; beside the backward's GEMMs
     /// the two at once cost more than one after the other). With `early_tail_gathers`
     /// every lagging chain then goes out before the last layer's exchanges. Off by
-    /// default; measured as a lever (`overlap bench --combine-after-exchanges`).
+    /// default: a lever (`overlap bench --combine-after-exchanges`), motivated by the
+    /// one-GPU probe of `docs/performance.md` (call AD).
     pub combine_after_exchanges: bool,
 }
 
