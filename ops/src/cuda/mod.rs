@@ -934,9 +934,16 @@ impl Issue {
         );
         if poison.is_some() && !collective {
             // A combine that read a ring in place still acknowledges its pieces.
-            if let Kernel::Combine { recv, .. } = &kernel {
-                if let Some((id, k)) = self.in_place.remove(&recv.ptr()) {
-                    let _ = self.ack_in_place(shared.device.stream(stream), id, &k);
+            if let Kernel::Combine { recv, desc, .. } = &kernel {
+                let key = recv.ptr();
+                if self
+                    .in_place
+                    .get(&key)
+                    .is_some_and(|(id, _)| id.group == desc.group)
+                {
+                    if let Some((id, k)) = self.in_place.remove(&key) {
+                        let _ = self.ack_in_place(shared.device.stream(stream), id, &k);
+                    }
                 }
             }
             return;
@@ -1151,7 +1158,16 @@ impl Issue {
             } => {
                 // Received in place: read the ring, then acknowledge (also when the
                 // combine cannot run: the peers must not wait for it).
-                let kept = self.in_place.remove(&recv.ptr());
+                // Only an exchange of this combine's group (a stale entry of another
+                // communicator at a reused address stays for its own combine or reset).
+                let kept = match self.in_place.remove(&recv.ptr()) {
+                    Some((id, k)) if id.group == desc.group => Some((id, k)),
+                    Some(other) => {
+                        self.in_place.insert(recv.ptr(), other);
+                        None
+                    }
+                    None => None,
+                };
                 // Read in place, `recv` was only the key: its length does not matter.
                 let recv_len = match &kept {
                     Some(_) => None,
