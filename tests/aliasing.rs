@@ -2,7 +2,8 @@
 //! (`ExecConfig::aliasing`: a step gives the same parameters and reduced gradients with
 //! and without it, aliasing does happen where the layout allows it, and pooled buffers
 //! stay bounded), and the copy transport (exchange + combine on the CPU backend equal
-//! its collectives, wherever the combine runs and however late). Also: the host-time
+//! its collectives, wherever the combine runs, however late, and with or without the
+//! schedule's tail rule and ordering edges). Also: the host-time
 //! figures a step reports add up.
 
 use std::sync::Arc;
@@ -98,11 +99,15 @@ async fn the_copy_transport_is_bit_identical_to_the_collectives_and_keeps_the_po
     for (shard, replicate) in [(2, 1), (1, 2), (2, 2), (3, 2)] {
         for gates in sequences {
             let (nccl, _, _) = run(shard, replicate, gates, true).await;
-            for (lag, combine) in [
-                (0, Stream::Reduce),
-                (1, Stream::Reduce),
-                (1, Stream::Compute),
-                (3, Stream::Publish),
+            // (lag, combine stream, early_tail_gathers, combine_after_exchanges)
+            for (lag, combine, early, after) in [
+                (0, Stream::Reduce, true, false),
+                (1, Stream::Reduce, true, false),
+                (1, Stream::Reduce, false, false),
+                (1, Stream::Reduce, true, true),
+                (1, Stream::Compute, true, false),
+                (2, Stream::Reduce, true, true),
+                (3, Stream::Publish, true, false),
             ] {
                 let copy = PlanSpec {
                     bindings: Bindings {
@@ -112,13 +117,14 @@ async fn the_copy_transport_is_bit_identical_to_the_collectives_and_keeps_the_po
                     schedule: Schedule {
                         transport: Transport::Copy,
                         combine_lag: lag,
-                        ..Schedule::default()
+                        early_tail_gathers: early,
+                        combine_after_exchanges: after,
                     },
                     ..spec(shard, replicate)
                 };
                 let (got, aliased, pooled) = run_with(copy, gates, true).await;
                 let what = format!(
-                    "mesh {shard}x{replicate}, gates {gates:?}, combine on {combine} {lag} behind"
+                    "mesh {shard}x{replicate}, gates {gates:?}, combine on {combine} {lag} behind, early tail gathers {early}, after exchanges {after}"
                 );
                 assert!(aliased > 0, "{what}: nothing was aliased");
                 assert_same_bits(&nccl, &got, &what);

@@ -225,12 +225,14 @@ impl Backend for KeyedCpu {
     }
 }
 
-/// [`common::mixed_spec`] on the copy transport, the combine `lag` layers behind.
-fn spec(shard: u32, replicate: u32, lag: u32) -> PlanSpec {
+/// [`common::mixed_spec`] on the copy transport, the combine `lag` layers behind,
+/// `after` the exchanges issued before it or not.
+fn spec(shard: u32, replicate: u32, (lag, after): (u32, bool)) -> PlanSpec {
     PlanSpec {
         schedule: Schedule {
             transport: Transport::Copy,
             combine_lag: lag,
+            combine_after_exchanges: after,
             ..Schedule::default()
         },
         ..common::mixed_spec(shard, replicate)
@@ -264,7 +266,7 @@ const GATES: [&[Gate]; 3] = [
 async fn check_against_cpu(make: fn(Mesh) -> KeyedCpu) {
     for (shard, replicate) in [(2, 1), (1, 2), (2, 2)] {
         for gates in GATES {
-            for lag in [0, 1] {
+            for lag in [(0, false), (1, false), (1, true)] {
                 let mesh = Mesh::new(shard, replicate).expect("a valid mesh");
                 let cpu = run(
                     spec(shard, replicate, lag),
@@ -275,7 +277,7 @@ async fn check_against_cpu(make: fn(Mesh) -> KeyedCpu) {
                 .await;
                 let keyed = Arc::new(make(mesh));
                 let what = format!(
-                    "mesh {shard}x{replicate}, gates {gates:?}, lag {lag}, in place {}",
+                    "mesh {shard}x{replicate}, gates {gates:?}, (lag, after exchanges) {lag:?}, in place {}",
                     keyed.in_place
                 );
                 let got = run(

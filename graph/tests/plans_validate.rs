@@ -338,6 +338,51 @@ fn combines_can_wait_for_the_exchanges_before_them() {
     );
 }
 
+/// The prefix property with the copy transport, for every lag and schedule flag: a
+/// prefix plan's stream programs begin every stream program of the step's (matched by
+/// stream: a prefix may use fewer streams).
+#[test]
+fn copy_transport_prefixes_are_prefixes_of_the_step_plan() {
+    use overlap_graph::{Schedule, Transport};
+    use Gate::*;
+    let gates = [NoSync, ReplicateOff, On, ReplicateOff, On];
+    for lag in 0..3 {
+        for (early, after) in [(true, false), (false, false), (true, true)] {
+            let spec = PlanSpec {
+                schedule: Schedule {
+                    transport: Transport::Copy,
+                    combine_lag: lag,
+                    early_tail_gathers: early,
+                    combine_after_exchanges: after,
+                },
+                ..spec(2, 2)
+            };
+            let planner = Planner::new(spec).unwrap();
+            let full = planner.plan(&gates).unwrap();
+            for k in 1..gates.len() {
+                let prefix = planner.plan_prefix(&gates[..k]).unwrap();
+                assert!(validate(&prefix, Mode::Prefix).is_empty());
+                for (a, b) in prefix.ranks.iter().zip(&full.ranks) {
+                    for sa in &a.streams {
+                        let sb = b
+                            .streams
+                            .iter()
+                            .find(|sb| sb.stream == sa.stream)
+                            .expect("the step plan uses every stream its prefix does");
+                        assert_eq!(
+                            sa.instrs[..],
+                            sb.instrs[..sa.instrs.len()],
+                            "lag {lag} early {early} after {after}, prefix {k}, rank {} stream {}",
+                            a.rank,
+                            sa.stream
+                        );
+                    }
+                }
+            }
+        }
+    }
+}
+
 #[test]
 fn plan_json_round_trips() {
     let plan = Planner::new(spec(2, 2))
