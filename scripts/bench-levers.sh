@@ -9,7 +9,9 @@
 #
 # WORKLOADS picks among rs (2x1, 3 GEMMs), ar (1x2, 3 GEMMs), rs_mm1 (2x1, 1 GEMM),
 # ar_mm1 (1x2, 1 GEMM: an all-reduce with less compute than communication per layer);
-# ROUNDS repeats the whole sweep. Needs target/release/overlap (--features cuda).
+# ROUNDS repeats the whole sweep. The workload's size (--layers 16 --grad-mib 64 --d 4096,
+# bench-common.sh's W) comes after the variant's flags and clap refuses a flag given
+# twice, so a variant cannot change it. Needs target/release/overlap (--features cuda).
 set -u
 source "$(dirname "$0")/bench-common.sh"
 VARIANTS=${VARIANTS:-$'nccl|\ncopy|--transport copy'}

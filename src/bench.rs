@@ -191,8 +191,10 @@ impl BenchArgs {
         BenchArgs { mesh, ..defaults }
     }
 
-    /// Checks the sizes: at least one layer, a gradient that splits evenly over the
-    /// shard group, at least one timed step.
+    /// Checks the sizes and knobs: at least one layer and one timed step, a gradient of
+    /// 1 to 4096 MiB that `--buckets-per-layer` divides, and the config's bounds on the
+    /// copy transport's and NCCL's knobs. (Any gradient splits over the shard group: the
+    /// planner pads its chunks.)
     pub fn check(&self) -> Result<(), Error> {
         if self.layers == 0 || self.iters == 0 {
             return Err(Error::Usage(
@@ -389,8 +391,9 @@ pub struct BenchReport {
     pub nodes_per_step: usize,
     /// Mean kernel time of the plan's collective nodes in `comm_only`, ms per layer.
     pub collective_ms_per_layer: f64,
-    /// Mean kernel time of pack plus unpack (and a group-of-one copy) in `comm_only`,
-    /// ms per layer: the executor's own traffic beside the collective.
+    /// Mean kernel time of the other reduction nodes in `comm_only` (packs, unpacks, a
+    /// group-of-one copy; with the copy transport, the combines), ms per layer: the
+    /// work beside the collective or exchange.
     pub copies_ms_per_layer: f64,
     /// Every variant's per-step spans, ms, in order (for spread).
     pub steps_ms: VariantSteps,

@@ -16,7 +16,7 @@
 //! the CPU backend, `[run] backward_us_per_layer` puts a synthetic backward there).
 //! - *busy(s)*: the length of the union of the kernel intervals of stream `s`;
 //! - *compute* `C` = busy(compute); *communication* `K` = the length of the union of the
-//!   intervals of the communication streams (reduce, replicate, publish);
+//!   intervals of the communication streams (reduce, replicate, publish, copy);
 //! - *exposed communication*: the time some communication stream is busy while the
 //!   compute stream is not (the union of the communication intervals minus the compute
 //!   intervals);
