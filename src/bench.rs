@@ -105,7 +105,8 @@ pub struct BenchArgs {
     /// Each layer's gradient as this many parameters of equal size, one bucket each:
     /// smaller collectives, interleaved with the backward (the last layer's combine
     /// then overlaps its later buckets' exchanges). In place on the copy transport
-    /// needs `--copy-ring-depth` of about twice this.
+    /// with `--combine-lag 1` needs `--copy-ring-depth` of about twice this (with lag 0
+    /// every combine follows its exchange, and the default depth does).
     #[arg(long, default_value_t = 1)]
     pub buckets_per_layer: u32,
     /// Copy transport: receive-ring slots per peer (`[overlap] copy_ring_depth`).
