@@ -3,12 +3,16 @@
 compute, comm, serial, overlapped, ideal (ms), eta and host us per node, the anchor's
 eta computed with the same formula; with a second argument (`kinds`), host us per node
 by node kind too; the other ranks' spans (`bench rank N:` lines); `overlap
-bench-interference` lines as they come. Usage: scripts/bench-summary.py OUT/log.txt [kinds]"""
+bench-interference` lines as they come. With `rounds` instead of `kinds`, then a table
+of a scripts/bench-levers.sh log: per workload and variant (runs named
+VARIANT_WORKLOAD_rN), the overlapped ms of each round, their mean and the difference
+from the first variant's mean. Usage: scripts/bench-summary.py OUT/log.txt [kinds|rounds]"""
 import json
 import re
 import sys
 
 name = None
+runs = []
 for line in open(sys.argv[1]):
     m = re.match(r"== (\S+):", line)
     if m:
@@ -26,7 +30,8 @@ for line in open(sys.argv[1]):
         print(f"{name:24s} compute {d['compute_only_ms']:.2f} comm {d['comm_only_ms']:.2f} "
               f"serial {d['serial_ms']:.2f} overlap {d['overlap_ms']:.2f} ideal {d['ideal_ms']:.2f} "
               f"eta {eta:.2f} {host}")
-        if len(sys.argv) > 2 and "host_us_by_kind" in d:
+        runs.append((name, d["overlap_ms"], eta))
+        if len(sys.argv) > 2 and sys.argv[2] == "kinds" and "host_us_by_kind" in d:
             for key in ("host_us_by_kind", "host_us_by_kind_comm_only",
                         "host_us_in_backend_by_kind", "host_us_in_backend_by_kind_comm_only",
                         "host_us_by_kind_comm_only_untimed",
@@ -57,3 +62,25 @@ for line in open(sys.argv[1]):
                   + (f", copy then combine {d['copy_then_combine_ms']:.2f} (cost per layer "
                      f"{d['copy_then_combine_cost_per_layer_ms']:.4f})"
                      if "copy_then_combine_ms" in d else ""))
+
+if len(sys.argv) > 2 and sys.argv[2] == "rounds":
+    # VARIANT_WORKLOAD_rN, the workload itself possibly containing "_" (rs_mm1).
+    table = {}
+    order = []
+    for run, ms, eta in runs:
+        m = re.match(r"(.+?)_(rs_mm1|ar_mm1|rs|ar)_r(\d+)$", run or "")
+        if not m:
+            continue
+        variant, workload = m.group(1), m.group(2)
+        if (workload, variant) not in table:
+            order.append((workload, variant))
+        table.setdefault((workload, variant), []).append((ms, eta))
+    print()
+    print(f"{'workload':8s} {'variant':12s} {'rounds (ms, eta)':40s} {'mean':>7s} {'vs first':>9s}")
+    first = {}
+    for workload, variant in order:
+        rows = table[(workload, variant)]
+        mean = sum(ms for ms, _ in rows) / len(rows)
+        first.setdefault(workload, mean)
+        cells = ", ".join(f"{ms:.2f} ({eta:.2f})" for ms, eta in rows)
+        print(f"{workload:8s} {variant:12s} {cells:40s} {mean:7.2f} {mean - first[workload]:+9.2f}")
