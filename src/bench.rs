@@ -1350,6 +1350,47 @@ mod tests {
         assert_eq!(count("combine"), 12);
     }
 
+    /// The schedule levers reach the plan: the tail rule on mesh 1x2 (all-reduces) moves
+    /// the second-to-last layer's gather before the last exchange, and ordering edges
+    /// change the waits; every variant still runs.
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn the_schedule_levers_change_the_plan_and_run() {
+        let base = BenchArgs {
+            transport: Transport::Copy,
+            ..args(Mesh::new(1, 2).unwrap())
+        };
+        let plan_of = |a: &BenchArgs| bench_plan(a, Bindings::default()).unwrap();
+        let gather_before_last_exchange = |p: &Plan| {
+            let nodes = &p.ranks[0].nodes;
+            let last = nodes
+                .iter()
+                .rposition(|n| matches!(n.op, Op::Exchange { .. }))
+                .unwrap();
+            nodes[..last]
+                .iter()
+                .filter(|n| matches!(n.op, Op::Gather { .. }))
+                .count()
+        };
+        let late = BenchArgs {
+            no_early_tail_gathers: true,
+            ..base
+        };
+        assert_eq!(
+            gather_before_last_exchange(&plan_of(&base)),
+            gather_before_last_exchange(&plan_of(&late)) + 1
+        );
+        let after = BenchArgs {
+            combine_after_exchanges: true,
+            ..base
+        };
+        // (Which waits: graph/tests/plans_validate.rs.)
+        assert_ne!(plan_of(&after).ranks, plan_of(&base).ranks);
+        for a in [late, after] {
+            let r = run(Arc::new(CpuBackend::new(a.mesh)), &a).await.unwrap();
+            assert!(r.overlap_ms > 0.0, "{r:?}");
+        }
+    }
+
     #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
     async fn collective_sweep_compares_the_node_with_the_direct_call_on_the_cpu_backend() {
         let mesh = Mesh::new(1, 2).unwrap();
