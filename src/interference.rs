@@ -172,12 +172,12 @@ pub async fn run<B: Backend>(
     let n = (chunk / u64::from(args.pieces)) as usize;
     let mut bufs = Vec::new();
     for _ in 0..args.layers * args.pieces {
-        let mut three = Vec::new();
+        let mut layer_bufs = Vec::new();
         // own, received, combined, and where the copy variants copy own to.
         for _ in 0..4 {
-            three.push(backend.alloc(rank, n).map_err(ops)?);
+            layer_bufs.push(backend.alloc(rank, n).map_err(ops)?);
         }
-        bufs.push(three);
+        bufs.push(layer_bufs);
     }
     let desc = Collective {
         kind: CollectiveKind::Reduce,

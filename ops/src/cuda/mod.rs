@@ -436,21 +436,8 @@ impl CudaBackend {
         let copied = unsafe { sys::cuMemcpyDtoDAsync_v2(dst.ptr(), src.ptr(), bytes, raw) }
             .result()
             .map_err(|e| device::failed(K, e));
-        if let Some(start) = start {
-            match st
-                .timing_event(&self.shared, raw)
-                .filter(|_| copied.is_ok())
-            {
-                Some(end) => st.timings.pending.push(PendingTiming {
-                    stream,
-                    tag,
-                    start,
-                    end,
-                    bytes: bytes as u64,
-                }),
-                None => self.shared.events.put_timed(start),
-            }
-        }
+        let issued = copied.as_ref().ok().map(|()| bytes as u64);
+        st.end_timing(&self.shared, (stream, raw), tag, start, issued);
         copied
     }
 
@@ -935,15 +922,8 @@ impl Issue {
         if poison.is_some() && !collective {
             // A combine that read a ring in place still acknowledges its pieces.
             if let Kernel::Combine { recv, desc, .. } = &kernel {
-                let key = recv.ptr();
-                if self
-                    .in_place
-                    .get(&key)
-                    .is_some_and(|(id, _)| id.group == desc.group)
-                {
-                    if let Some((id, k)) = self.in_place.remove(&key) {
-                        let _ = self.ack_in_place(shared.device.stream(stream), id, &k);
-                    }
+                if let Some((id, k)) = self.take_in_place(recv, desc) {
+                    let _ = self.ack_in_place(shared.device.stream(stream), id, &k);
                 }
             }
             return;
@@ -972,22 +952,15 @@ impl Issue {
             None
         };
         let result = self.run(shared, stream, raw, kernel, poison);
+        self.end_timing(
+            shared,
+            (stream, raw),
+            tag,
+            start,
+            result.as_ref().ok().copied(),
+        );
         match result {
-            Ok(bytes) => {
-                if let Some(start) = start {
-                    match self.timing_event(shared, raw) {
-                        Some(end) => self.timings.pending.push(PendingTiming {
-                            stream,
-                            tag,
-                            start,
-                            end,
-                            bytes,
-                        }),
-                        None => shared.events.put_timed(start),
-                    }
-                }
-                return;
-            }
+            Ok(_) => {}
             Err(e) if e.is_cancellation() => {
                 self.poison[stream.index()].get_or_insert(e);
             }
@@ -1000,8 +973,42 @@ impl Issue {
                 self.poison[stream.index()].get_or_insert(OpsError::Cancelled(cause));
             }
         }
-        if let Some(start) = start {
-            shared.events.put_timed(start);
+    }
+
+    /// The in-place receive a combine of `desc` names by its `recv` key, taken out:
+    /// only an exchange of the combine's own group (a stale entry of another
+    /// communicator at a reused address stays for its own combine or the reset).
+    fn take_in_place(&mut self, recv: &CudaBuffer, desc: &Collective) -> Option<(CommId, InPlace)> {
+        let key = recv.ptr();
+        if self.in_place.get(&key)?.0.group != desc.group {
+            return None;
+        }
+        self.in_place.remove(&key)
+    }
+
+    /// Closes a timing opened by `start` on `stream` (`raw`): an end event and a pending
+    /// timing of `bytes` when the work was issued (`Some`); otherwise, or when no end
+    /// event records, the start event goes back to the pool.
+    fn end_timing(
+        &mut self,
+        shared: &Shared,
+        (stream, raw): (Stream, sys::CUstream),
+        tag: Tag,
+        start: Option<sys::CUevent>,
+        bytes: Option<u64>,
+    ) {
+        let Some(start) = start else {
+            return;
+        };
+        match bytes.and_then(|b| Some((b, self.timing_event(shared, raw)?))) {
+            Some((bytes, end)) => self.timings.pending.push(PendingTiming {
+                stream,
+                tag,
+                start,
+                end,
+                bytes,
+            }),
+            None => shared.events.put_timed(start),
         }
     }
 
@@ -1158,16 +1165,7 @@ impl Issue {
             } => {
                 // Received in place: read the ring, then acknowledge (also when the
                 // combine cannot run: the peers must not wait for it).
-                // Only an exchange of this combine's group (a stale entry of another
-                // communicator at a reused address stays for its own combine or reset).
-                let kept = match self.in_place.remove(&recv.ptr()) {
-                    Some((id, k)) if id.group == desc.group => Some((id, k)),
-                    Some(other) => {
-                        self.in_place.insert(recv.ptr(), other);
-                        None
-                    }
-                    None => None,
-                };
+                let kept = self.take_in_place(&recv, &desc);
                 // Read in place, `recv` was only the key: its length does not matter.
                 let recv_len = match &kept {
                     Some(_) => None,
