@@ -18,25 +18,36 @@
 //! - `ordered-access`: every pair of accesses to one buffer, one of them a write, runs in
 //!   serial order: same stream, or ordered by an event chain (bug 3); nothing reads a
 //!   buffer that nothing wrote.
-//! - `gradient-accounting`: the gradient every optimizer consumes holds each
-//!   micro-batch of the step exactly once, reduced over both stages; no fold or unpack
-//!   overwrites a live accumulation (bug 4's overwrite).
 //! - `partials-flushed`: no partial or no_sync accumulation is left at the end of the step.
+//! - `optimizer-coverage`: every parameter is in exactly one bucket; every rank holding
+//!   a piece of a parameter updates it with exactly one optimizer node of the kind its
+//!   route requires, and no rank updates what it does not hold.
 //! - `collective-shape`: every collective is the one its node's route requires (kind,
 //!   group, size, root at the owner, the plan's reduce op and dtype).
 //! - `collective-match`: on every communicator (a group bound to a stream) all members
 //!   issue the same collectives in the same order with the same sizes, dtypes and roots.
 //! - `no-deadlock`: executing all ranks' programs together, every stream finishes.
+//! - `contributions-exactly-once`: following every buffer's `(micro-batch, source rank)`
+//!   contributions across ranks ([`accounting`]), no node re-reads contributions that
+//!   were handed on, and no sum counts a contribution twice.
+//! - `gradient-accounting`: every stage reduces values of its level, no initialising
+//!   write drops a live value, and every optimizer consumes exactly the no_sync
+//!   reference (every rank's gradient of every micro-batch, once, fully reduced).
+//! - `publish-coverage`: every replica of an owned parameter receives its owner's
+//!   update exactly once per step, after the owner's optimizer.
 //!
 //! Host issue order is the serial node order: to issue node `n` the host issues the
 //! instructions of `n`'s stream up to `Run(n)`, then the records that follow it.
+
+mod accounting;
+mod contrib;
+mod coverage;
 
 use std::collections::{BTreeMap, HashMap};
 
 use crate::gate::Gate;
 use crate::mesh::Group;
 use crate::node::{Buffer, Collective, CollectiveKind, EventId, Instr, Node, NodeId, Op, Stream};
-use crate::param::ParamId;
 use crate::plan::Plan;
 use crate::{PlanError, Violation};
 
@@ -51,18 +62,21 @@ pub enum Mode {
 
 /// The name of every invariant the validator checks, in the order of this module's
 /// docs: every [`Violation::invariant`] is one of these (metrics label by them).
-pub const INVARIANTS: [&str; 11] = [
+pub const INVARIANTS: [&str; 14] = [
     "well-formed",
     "gate-conformance",
     "stage1-consumed-once",
     "exchange-combined-once",
     "event-order",
     "ordered-access",
-    "gradient-accounting",
     "partials-flushed",
+    "optimizer-coverage",
     "collective-shape",
     "collective-match",
     "no-deadlock",
+    "contributions-exactly-once",
+    "gradient-accounting",
+    "publish-coverage",
 ];
 
 /// Stops collecting after this many violations.
@@ -102,19 +116,24 @@ pub fn validate(plan: &Plan, mode: Mode) -> Vec<Violation> {
         exchange_combined_once(plan, rank, &rp.nodes, &mut out);
         collective_shape(plan, rank, &rp.nodes, &mut out);
         ordered_access(plan, rp, &accesses, &mut out);
-        accounting(plan, rank, &rp.nodes, mode, &mut out);
         if mode == Mode::Step {
             partials_flushed(plan, rank, &rp.nodes, &accesses, &mut out);
+            coverage::optimizers(plan, rank, &rp.nodes, &mut out);
         }
         if out.len() >= MAX_VIOLATIONS {
             out.truncate(MAX_VIOLATIONS);
             return out;
         }
     }
+    if mode == Mode::Step {
+        coverage::buckets(plan, &mut out);
+    }
     let before = out.len();
     collective_match(plan, &mut out);
     if out.len() == before {
         no_deadlock(plan, &mut out);
+        // Collectives pair up only when every member issues the same calls.
+        out.extend(accounting::accounting(plan, mode));
     }
     out.truncate(MAX_VIOLATIONS);
     out
@@ -587,368 +606,6 @@ fn ordered_access(
         for w in &a.writes {
             last_write.insert(*w, n.id);
             readers.insert(*w, Vec::new());
-        }
-    }
-}
-
-/// How far a gradient has been reduced.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord)]
-enum Level {
-    Local,
-    Shard,
-    Full,
-}
-
-/// The symbolic value of a gradient buffer: its reduction level and how many times
-/// each micro-batch's gradient is in it.
-#[derive(Debug, Clone, PartialEq, Eq)]
-struct Term {
-    level: Level,
-    count: Vec<u32>,
-}
-
-impl Term {
-    fn describe(&self) -> String {
-        let parts: Vec<String> = self
-            .count
-            .iter()
-            .enumerate()
-            .filter(|(_, &c)| c > 0)
-            .map(|(m, &c)| {
-                if c == 1 {
-                    format!("m{m}")
-                } else {
-                    format!("m{m}x{c}")
-                }
-            })
-            .collect();
-        format!("{{{}}} {}", parts.join(", "), self.level.describe())
-    }
-}
-
-impl Level {
-    fn describe(self) -> &'static str {
-        match self {
-            Level::Local => "unreduced",
-            Level::Shard => "reduced over the shard group only",
-            Level::Full => "fully reduced",
-        }
-    }
-}
-
-fn add(a: &Term, b: &Term) -> Result<Term, String> {
-    if a.level != b.level {
-        return Err(format!("adds {} to {}", a.describe(), b.describe()));
-    }
-    Ok(Term {
-        level: a.level,
-        count: a.count.iter().zip(&b.count).map(|(x, y)| x + y).collect(),
-    })
-}
-
-/// The symbolic values of one rank's gradient buffers during the accounting walk.
-#[derive(Default)]
-struct Values(HashMap<Buffer, Term>);
-
-impl Values {
-    fn get(&self, b: &Buffer) -> Option<Term> {
-        self.0.get(b).cloned()
-    }
-
-    fn live(&self, b: &Buffer) -> Option<&Term> {
-        self.0.get(b).filter(|t| t.count.iter().any(|&c| c > 0))
-    }
-
-    /// `dst (+)= src`: adding requires equal levels; initialising must not drop a live
-    /// value (`what` names it in the error).
-    fn fold_into(
-        &mut self,
-        dst: Buffer,
-        src: Term,
-        accumulate: bool,
-        what: &str,
-    ) -> Result<(), String> {
-        let next = match (accumulate, self.0.get(&dst)) {
-            (true, Some(old)) => add(old, &src)?,
-            (false, _) if self.live(&dst).is_some() => {
-                return Err(format!(
-                    "overwrites the live {what} {} instead of adding to it",
-                    self.0[&dst].describe()
-                ));
-            }
-            _ => src,
-        };
-        self.0.insert(dst, next);
-        Ok(())
-    }
-
-    /// A collective stage: `src` must be at level `from`; `dst` (where this rank receives
-    /// the result) holds the same micro-batches at level `to`.
-    fn reduce(
-        &mut self,
-        src: &Buffer,
-        dst: Option<Buffer>,
-        from: Level,
-        to: Level,
-    ) -> Result<(), String> {
-        let Some(t) = self.get(src) else {
-            return Ok(());
-        };
-        if t.level != from {
-            return Err(format!(
-                "reduces {}, which is not {}",
-                t.describe(),
-                from.describe()
-            ));
-        }
-        if let Some(d) = dst {
-            self.0.insert(d, Term { level: to, ..t });
-        }
-        Ok(())
-    }
-}
-
-fn accounting(plan: &Plan, rank: u32, nodes: &[Node], mode: Mode, out: &mut Vec<Violation>) {
-    let m = plan.micro_batches() as usize;
-    let mut val = Values::default();
-    let start = out.len();
-    for n in nodes {
-        if out.len() - start >= 8 {
-            return;
-        }
-        let mut errors: Vec<String> = Vec::new();
-        let name = |p: ParamId| &plan.param(p).spec.name;
-        match n.op {
-            Op::GradReady { layer } => {
-                let mb = n.micro_batch.unwrap_or(0);
-                let mut count = vec![0; m];
-                if let Some(c) = count.get_mut(mb as usize) {
-                    *c = 1;
-                }
-                for (i, _) in plan
-                    .params
-                    .iter()
-                    .enumerate()
-                    .filter(|(_, p)| p.spec.layer == layer)
-                {
-                    let term = Term {
-                        level: Level::Local,
-                        count: count.clone(),
-                    };
-                    val.0.insert(
-                        Buffer::Grad {
-                            param: i as ParamId,
-                            micro_batch: mb,
-                        },
-                        term,
-                    );
-                }
-            }
-            Op::Accumulate {
-                bucket,
-                micro_batch,
-                accumulate,
-            } => {
-                for &p in &plan.bucket(bucket).params {
-                    let Some(g) = val.get(&Buffer::Grad {
-                        param: p,
-                        micro_batch,
-                    }) else {
-                        continue;
-                    };
-                    let what = format!("no_sync accumulation of `{}`", name(p));
-                    errors.extend(
-                        val.fold_into(Buffer::Accum { param: p }, g, accumulate, &what)
-                            .err(),
-                    );
-                }
-            }
-            Op::Pack {
-                bucket,
-                micro_batch,
-                with_accum,
-            } => {
-                let mut packed: Option<Term> = None;
-                for &p in &plan.bucket(bucket).params {
-                    let Some(g) = val.get(&Buffer::Grad {
-                        param: p,
-                        micro_batch,
-                    }) else {
-                        continue;
-                    };
-                    let acc = Buffer::Accum { param: p };
-                    let t = match (with_accum, val.0.remove(&acc)) {
-                        (true, Some(a)) => add(&a, &g),
-                        (false, Some(a)) if a.count.iter().any(|&c| c > 0) => {
-                            errors.push(format!(
-                                "leaves the no_sync accumulation {} of `{}` behind",
-                                a.describe(),
-                                name(p)
-                            ));
-                            val.0.insert(acc, a);
-                            Ok(g)
-                        }
-                        _ => Ok(g),
-                    };
-                    match (t, &packed) {
-                        (Err(e), _) => errors.push(e),
-                        (Ok(t), Some(b)) if *b != t => errors.push(format!(
-                            "packs parameters carrying different gradients ({} and {})",
-                            b.describe(),
-                            t.describe()
-                        )),
-                        (Ok(t), _) => packed = Some(t),
-                    }
-                }
-                if let Some(t) = packed {
-                    val.0.insert(
-                        Buffer::Send {
-                            bucket,
-                            micro_batch,
-                        },
-                        t,
-                    );
-                }
-            }
-            Op::Fold {
-                bucket,
-                micro_batch,
-                accumulate,
-            } => {
-                if let Some(s1) = val.get(&Buffer::Stage1Out {
-                    bucket,
-                    micro_batch,
-                }) {
-                    errors.extend(
-                        val.fold_into(Buffer::Partial { bucket }, s1, accumulate, "partial")
-                            .err(),
-                    );
-                }
-            }
-            Op::FoldPartial {
-                bucket,
-                micro_batch,
-            } => {
-                if let Some(p) = val.0.remove(&Buffer::Partial { bucket }) {
-                    errors.extend(
-                        val.fold_into(
-                            Buffer::Stage1Out {
-                                bucket,
-                                micro_batch,
-                            },
-                            p,
-                            true,
-                            "Stage-1 output",
-                        )
-                        .err(),
-                    );
-                }
-            }
-            // A stage's collective, or with the copy transport its exchange (whose
-            // result waits in the receive buffer for the combine).
-            Op::Stage1 {
-                bucket,
-                micro_batch,
-                ..
-            }
-            | Op::Stage2 {
-                bucket,
-                micro_batch,
-                ..
-            }
-            | Op::Exchange {
-                bucket,
-                micro_batch,
-                ..
-            } => {
-                let stage = n.op.stage().unwrap_or(1);
-                if stage == 2 {
-                    if let Some(p) = val.live(&Buffer::Partial { bucket }) {
-                        errors.push(format!(
-                            "runs Stage 2 while the partial {} is still unfolded",
-                            p.describe()
-                        ));
-                    }
-                }
-                let (src, holds) = plan.stage_input(bucket, micro_batch, stage, rank);
-                let (from, to) = if stage == 1 {
-                    (Level::Local, Level::Shard)
-                } else {
-                    (Level::Shard, Level::Full)
-                };
-                let dst = match n.op {
-                    Op::Exchange { .. } => Buffer::Recv {
-                        bucket,
-                        micro_batch,
-                        stage,
-                    },
-                    _ => Plan::stage_output(bucket, micro_batch, stage),
-                };
-                errors.extend(val.reduce(&src, holds.then_some(dst), from, to).err());
-            }
-            Op::Combine {
-                bucket,
-                micro_batch,
-                stage,
-                ..
-            } => {
-                let recv = Buffer::Recv {
-                    bucket,
-                    micro_batch,
-                    stage,
-                };
-                if let Some(t) = val.0.remove(&recv) {
-                    val.0
-                        .insert(Plan::stage_output(bucket, micro_batch, stage), t);
-                }
-            }
-            // Completes the replicas of an all-reduce's output; what it holds is already
-            // counted (`exchange-combined-once` checks that every chunk is gathered).
-            Op::Gather { .. } => {}
-            Op::Unpack {
-                bucket,
-                micro_batch,
-                accumulate,
-            } => {
-                let Some(s2) = val.get(&Buffer::Stage2Out {
-                    bucket,
-                    micro_batch,
-                }) else {
-                    continue;
-                };
-                for &p in &plan.bucket(bucket).params {
-                    let what = format!("reduced gradient of `{}`", name(p));
-                    errors.extend(
-                        val.fold_into(Buffer::Reduced { param: p }, s2.clone(), accumulate, &what)
-                            .err(),
-                    );
-                }
-            }
-            Op::Optimizer { param, .. } if mode == Mode::Step => {
-                let want = Term {
-                    level: Level::Full,
-                    count: vec![1; m],
-                };
-                match val.get(&Buffer::Reduced { param }) {
-                    Some(t) if t == want => {}
-                    Some(t) => errors.push(format!(
-                        "consumes {} for `{}`; it must hold every micro-batch of the step once, fully reduced ({})",
-                        t.describe(),
-                        name(param),
-                        want.describe()
-                    )),
-                    None => errors.push(format!("consumes no reduced gradient for `{}`", name(param))),
-                }
-            }
-            Op::Optimizer { .. } | Op::Publish { .. } => {}
-        }
-        for e in errors {
-            out.push(violation(
-                "gradient-accounting",
-                rank,
-                Some(n),
-                format!("{} {e}", plan.label(n)),
-            ));
         }
     }
 }

@@ -1,0 +1,135 @@
+//! `optimizer-coverage`: every parameter is in exactly one bucket, and every rank that
+//! holds a piece of a parameter updates it exactly once per step, with the optimizer its
+//! route requires; no rank updates what it does not hold.
+//!
+//! Holders: every rank for the sharded routes (`fsdp`, `sharded_adamw`: each its shard),
+//! the owner alone for the owned ones (`muon`, `adamw`; the owner's shard column gets the
+//! update through `publish`, which `publish-coverage` checks).
+
+use std::collections::HashMap;
+
+use super::violation;
+use crate::node::{Buffer, Node, Op, OptimizerKind};
+use crate::param::ParamId;
+use crate::plan::Plan;
+use crate::Violation;
+
+const COVERAGE: &str = "optimizer-coverage";
+
+/// Every parameter in exactly one bucket (reported once, on rank 0).
+pub(super) fn buckets(plan: &Plan, out: &mut Vec<Violation>) {
+    let mut homes: Vec<Vec<usize>> = vec![Vec::new(); plan.params.len()];
+    for (b, bucket) in plan.buckets.iter().enumerate() {
+        for &p in &bucket.params {
+            if let Some(h) = homes.get_mut(p as usize) {
+                h.push(b);
+            }
+        }
+    }
+    for (p, h) in homes.iter().enumerate() {
+        let name = &plan.params[p].spec.name;
+        let detail = match h.len() {
+            1 => continue,
+            0 => format!(
+                "parameter `{name}` is in no bucket: its gradient is never reduced and its optimizer never sees it"
+            ),
+            _ => format!(
+                "parameter `{name}` is in buckets {}: each micro-batch would reduce its gradient {} times",
+                h.iter().map(|b| format!("b{b}")).collect::<Vec<_>>().join(", "),
+                h.len()
+            ),
+        };
+        out.push(violation(COVERAGE, 0, None, detail));
+    }
+}
+
+/// Whether `rank` holds (and so must update) a piece of `param`.
+fn holds(plan: &Plan, param: ParamId, rank: u32) -> bool {
+    match plan.param(param).owner {
+        None => true,
+        Some(o) => plan.mesh.coord(rank) == o,
+    }
+}
+
+/// One rank's optimizer nodes against the parameters it holds.
+pub(super) fn optimizers(plan: &Plan, rank: u32, nodes: &[Node], out: &mut Vec<Violation>) {
+    let mut seen: HashMap<ParamId, Vec<&Node>> = HashMap::new();
+    let mut last_unpack: HashMap<ParamId, &Node> = HashMap::new();
+    for n in nodes {
+        match n.op {
+            Op::Optimizer { param, optimizer } => {
+                let placed = plan.param(param);
+                let name = &placed.spec.name;
+                let want = plan.optimizer_kind(param);
+                if optimizer != want {
+                    out.push(violation(
+                        COVERAGE,
+                        rank,
+                        Some(n),
+                        format!(
+                            "{} runs {} on `{name}`, whose route {} requires {}",
+                            plan.label(n),
+                            kind_name(optimizer),
+                            placed.spec.route,
+                            kind_name(want)
+                        ),
+                    ));
+                }
+                if !holds(plan, param, rank) {
+                    let owner = placed.owner.map(|o| plan.mesh.rank(o)).unwrap_or(0);
+                    out.push(violation(
+                        COVERAGE,
+                        rank,
+                        Some(n),
+                        format!(
+                            "{} updates `{name}` on rank {rank}, which does not hold it: only its owner, rank {owner}, updates it",
+                            plan.label(n)
+                        ),
+                    ));
+                }
+                seen.entry(param).or_default().push(n);
+            }
+            Op::Unpack { bucket, .. } => {
+                for &p in &plan.bucket(bucket).params {
+                    last_unpack.insert(p, n);
+                }
+            }
+            _ => {}
+        }
+    }
+    for p in 0..plan.params.len() as ParamId {
+        let name = &plan.param(p).spec.name;
+        let ns = seen.get(&p).map(Vec::as_slice).unwrap_or(&[]);
+        match ns.len() {
+            0 if holds(plan, p, rank) => {
+                let at = last_unpack.get(&p).copied();
+                out.push(violation(
+                    COVERAGE,
+                    rank,
+                    at,
+                    format!(
+                        "rank {rank} holds `{name}` but no optimizer node updates it: its {} is never consumed and the parameter never changes",
+                        Buffer::Reduced { param: p }
+                    ),
+                ));
+            }
+            0 | 1 => {}
+            k => out.push(violation(
+                COVERAGE,
+                rank,
+                Some(ns[1]),
+                format!(
+                    "{} updates `{name}` again: {k} optimizer nodes on rank {rank} would apply the step {k} times",
+                    plan.label(ns[1])
+                ),
+            )),
+        }
+    }
+}
+
+fn kind_name(k: OptimizerKind) -> &'static str {
+    match k {
+        OptimizerKind::Adamw => "adamw",
+        OptimizerKind::Muon => "muon",
+    }
+}
