@@ -80,7 +80,11 @@ struct Value {
 
 impl Value {
     fn describe(&self) -> String {
-        format!("{} {}", self.set.describe(&self.twice), self.level.describe())
+        format!(
+            "{} {}",
+            self.set.describe(&self.twice),
+            self.level.describe()
+        )
     }
 
     /// `a + b`: levels must agree; the result's `twice` gains what both hold.
@@ -149,8 +153,12 @@ impl<'p> Walk<'p> {
         w.reported += 1;
         let n = self.node(rank, id);
         let label = self.plan.label(n);
-        self.out
-            .push(violation(invariant, rank, Some(n), format!("{label} {detail}")));
+        self.out.push(violation(
+            invariant,
+            rank,
+            Some(n),
+            format!("{label} {detail}"),
+        ));
     }
 
     /// Describes a buffer for messages: `the partial of bucket 3 (embed)`.
@@ -405,7 +413,8 @@ impl<'p> Walk<'p> {
                 let mut sum: Option<Value> = None;
                 for v in [own, others].into_iter().flatten() {
                     if v.level != from {
-                        let detail = format!("reduces {}, which is not {}", v.describe(), from.describe());
+                        let detail =
+                            format!("reduces {}, which is not {}", v.describe(), from.describe());
                         self.report(ACCOUNTING, rank, id, detail);
                     }
                     sum = Some(match sum {
@@ -429,7 +438,13 @@ impl<'p> Walk<'p> {
                 };
                 if let Some(v) = self.read(rank, id, s2, true) {
                     for &p in &plan.bucket(bucket).params {
-                        self.store(rank, id, Buffer::Reduced { param: p }, v.clone(), accumulate);
+                        self.store(
+                            rank,
+                            id,
+                            Buffer::Reduced { param: p },
+                            v.clone(),
+                            accumulate,
+                        );
                     }
                 }
             }
@@ -470,7 +485,10 @@ impl<'p> Walk<'p> {
                 let missing = if missing.is_empty() {
                     String::new()
                 } else {
-                    format!("; it misses {}", missing.describe(&Contribs::empty(self.world)))
+                    format!(
+                        "; it misses {}",
+                        missing.describe(&Contribs::empty(self.world))
+                    )
                 };
                 format!(
                     "consumes {} for `{name}`; it must hold every micro-batch of the step once, fully reduced ({}){missing}",
@@ -524,8 +542,11 @@ impl<'p> Walk<'p> {
                     let v = self.read(r, id, src, !exchange);
                     if let Some(v) = &v {
                         if v.level != from {
-                            let detail =
-                                format!("reduces {}, which is not {}", v.describe(), from.describe());
+                            let detail = format!(
+                                "reduces {}, which is not {}",
+                                v.describe(),
+                                from.describe()
+                            );
                             self.report(ACCOUNTING, r, id, detail);
                         }
                     }
@@ -542,7 +563,10 @@ impl<'p> Walk<'p> {
                         if exchange && *q == r {
                             continue; // its own chunk stays home for the combine
                         }
-                        let v = Value { level: from, ..v.clone() };
+                        let v = Value {
+                            level: from,
+                            ..v.clone()
+                        };
                         sum = Some(match sum {
                             Some(acc) => self.sum(r, id, &acc, &v, "what the other members sent"),
                             None => v,

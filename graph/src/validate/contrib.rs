@@ -39,7 +39,13 @@ impl Ranks {
     }
 
     fn zip(&self, other: &Ranks, f: impl Fn(u64, u64) -> u64) -> Ranks {
-        Ranks(self.0.iter().zip(&other.0).map(|(&a, &b)| f(a, b)).collect())
+        Ranks(
+            self.0
+                .iter()
+                .zip(&other.0)
+                .map(|(&a, &b)| f(a, b))
+                .collect(),
+        )
     }
 
     fn iter(&self) -> impl Iterator<Item = u32> + '_ {
@@ -197,7 +203,10 @@ impl Contribs {
             cuts.dedup();
             cuts.windows(2)
                 .map(|w| {
-                    let x2 = twice.blocks.iter().any(|(t, _)| t.start <= w[0] && w[0] < t.end);
+                    let x2 = twice
+                        .blocks
+                        .iter()
+                        .any(|(t, _)| t.start <= w[0] && w[0] < t.end);
                     (w[0]..w[1], x2)
                 })
                 .collect()

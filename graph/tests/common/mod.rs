@@ -200,3 +200,29 @@ pub fn run_position(instrs: &[Instr], node: NodeId) -> usize {
         .position(|&i| i == Instr::Run(node))
         .unwrap_or_else(|| panic!("node {node} is not run here"))
 }
+
+/// Duplicates node `id` of `rank` right after itself (the copy gets id `id + 1`, and a
+/// `run` right after the original's on the same stream), renumbering later nodes.
+pub fn duplicate_node(plan: &mut Value, rank: usize, id: u64) {
+    let nodes = plan["ranks"][rank]["nodes"].as_array_mut().unwrap();
+    let copy = nodes[id as usize].clone();
+    nodes.insert(id as usize + 1, copy);
+    for (i, n) in nodes.iter_mut().enumerate() {
+        n["id"] = json!(i);
+    }
+    for sp in plan["ranks"][rank]["streams"].as_array_mut().unwrap() {
+        let instrs = sp["instrs"].as_array_mut().unwrap();
+        let mut out = Vec::with_capacity(instrs.len() + 1);
+        for ins in instrs.iter() {
+            match ins.get("run").and_then(Value::as_u64) {
+                Some(r) if r == id => {
+                    out.push(json!({ "run": r }));
+                    out.push(json!({ "run": r + 1 }));
+                }
+                Some(r) if r > id => out.push(json!({ "run": r + 1 })),
+                _ => out.push(ins.clone()),
+            }
+        }
+        *instrs = out;
+    }
+}
