@@ -1,9 +1,14 @@
 #!/usr/bin/env bash
-# Issue 5's measurement on 2 GPUs, in one device call: the PyTorch anchor and
-# `overlap bench` (NCCL and copy transport) on design §6's three workloads, the copy
-# transport's levers, the collective sweep, then `overlap bench-interference`.
-# Needs target/release/overlap (--features cuda) and the anchor script copied to
-# scratch/anchors/ (git-ignored; `cp ../shared/anchors/torch_reduce_overlap.py scratch/anchors/`).
+# The two-GPU measurement of docs/performance.md, in one run: the PyTorch anchor and
+# `overlap bench` (NCCL and copy transport) on the three workloads (16 layers, 64 MiB
+# f32 gradient per layer, bf16 4096^3 GEMMs: rs 2x1 x3 GEMMs, ar 1x2 x3, rs_mm1 2x1 x1),
+# the copy transport's levers, the collective sweep, then `overlap bench-interference`.
+# Needs target/release/overlap (--features cuda) and, for the anchor, its script
+# torch_reduce_overlap.py (not in this repository; docs/performance.md, "The anchor"):
+#
+#   ANCHOR=/path/to/torch_reduce_overlap.py OUT=out/bench BUDGET_S=280 timeout 320 bash scripts/bench-gpu.sh
+#
+# Without ANCHOR (or with a path that does not exist) the anchor runs are skipped.
 # Writes everything under ${OUT:-out}: log.txt, and for the copy transport's default
 # runs a timeline of the last timed step (timeline_copy_<workload>_r<round>.svg, .jsonl).
 set -u
@@ -22,7 +27,11 @@ for round in $(seq 1 "${ROUNDS:-1}"); do
     set -- $wl
     name=$1 mesh=$2 mm=$3
     mode=${name%_mm1}
-    step "anchor_${name}_r$round" 110 env MM=$mm python3 scratch/anchors/torch_reduce_overlap.py "$mode" "$OUT/anchor_${name}_r$round.json"
+    if [ -f "${ANCHOR:-}" ]; then
+      step "anchor_${name}_r$round" 110 env MM=$mm python3 "$ANCHOR" "$mode" "$OUT/anchor_${name}_r$round.json"
+    else
+      echo "== anchor_${name}_r$round: skipped (set ANCHOR to torch_reduce_overlap.py)" | tee -a "$OUT/log.txt"
+    fi
     step "nccl_${name}_r$round" 90 $B $((p + 1)) -- bench --mesh "$mesh" --gemms "$mm" $W
     step "copy_${name}_r$round" 90 $B $((p + 2)) -- bench --mesh "$mesh" --gemms "$mm" --transport copy --timeline "$OUT/timeline_copy_${name}_r$round.svg" $W
     step "copy_${name}_compute_r$round" 90 $B $((p + 3)) -- bench --mesh "$mesh" --gemms "$mm" --transport copy --combine-stream compute $W

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
-# A sweep of `overlap bench` variants on design §6's three workloads, in one device
-# call (2 GPUs). Each variant is one line of VARIANTS: a name, then the bench flags
+# A sweep of `overlap bench` variants on the three workloads of docs/performance.md, in
+# one run on 2 GPUs. Each variant is one line of VARIANTS: a name, then the bench flags
 # that make it (on top of the workload's). Results go to ${OUT:-out}/log.txt, one JSON
 # line per run; `python3 scripts/bench-summary.py $OUT/log.txt` tabulates them.
 #
