@@ -166,7 +166,7 @@ impl<'p> Walk<'p> {
         let plan = self.plan;
         match *b {
             Buffer::Partial { bucket } => {
-                format!("the partial {b} ({})", plan.bucket_param_names(bucket))
+                format!("{b} ({})", plan.bucket_param_names(bucket))
             }
             Buffer::Accum { param } => format!(
                 "the no_sync accumulation of `{}`",

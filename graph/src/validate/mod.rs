@@ -108,6 +108,9 @@ pub fn validate(plan: &Plan, mode: Mode) -> Vec<Violation> {
     if !out.is_empty() {
         return out;
     }
+    if mode == Mode::Step {
+        coverage::buckets(plan, &mut out);
+    }
     for rp in &plan.ranks {
         let rank = rp.rank;
         let accesses: Vec<_> = rp.nodes.iter().map(|n| plan.access(rank, n)).collect();
@@ -124,9 +127,6 @@ pub fn validate(plan: &Plan, mode: Mode) -> Vec<Violation> {
             out.truncate(MAX_VIOLATIONS);
             return out;
         }
-    }
-    if mode == Mode::Step {
-        coverage::buckets(plan, &mut out);
     }
     let before = out.len();
     collective_match(plan, &mut out);
