@@ -60,7 +60,7 @@ enum Command {
         /// compared with the exact reference and with the CPU backend.
         #[arg(long)]
         backend: Option<BackendChoice>,
-        /// Gate pattern, e.g. `no_sync,off,on` (overrides the config's).
+        /// Gate pattern, e.g. `no_sync,off,on` or `off*7,on` (overrides the config's).
         #[arg(long)]
         gates: Option<String>,
         /// Reduction dtype on the wire (overrides `reduce.dtype`).
@@ -79,7 +79,7 @@ enum Command {
         /// Output format.
         #[arg(long, value_enum, default_value_t = Format::Text)]
         format: Format,
-        /// Gate pattern, e.g. `no_sync,off,on` (default: the config's).
+        /// Gate pattern, e.g. `no_sync,off,on` or `off*7,on` (default: the config's).
         #[arg(long)]
         gates: Option<String>,
         /// Only these ranks, comma-separated (text and dot formats).
@@ -486,9 +486,7 @@ async fn dispatch(cmd: Command) -> Result<ExitCode, Error> {
 }
 
 fn parse_gates(s: &str) -> Result<Vec<Gate>, Error> {
-    s.split(',')
-        .map(|g| Gate::parse(g.trim()).map_err(|e| Error::Usage(format!("--gates: {e}"))))
-        .collect()
+    Gate::parse_pattern(s).map_err(|e| Error::Usage(format!("--gates: {e}")))
 }
 
 /// `--timing-every N`, in the range of `[metrics] timing_every`.

@@ -6,9 +6,46 @@
 //! and per step runs the optimizers and publishes ([`Session::step`]).
 //! [`Session::zero_grad`] discards partials and accumulations.
 //!
-//! Every plan the session runs has been validated first: the plan of the micro-batches
-//! issued so far when a micro-batch begins, the whole step's plan before the optimizers
-//! run. Plans are cached per gate pattern, so a steady training loop plans nothing.
+//! Every plan the session runs has been validated first: a plan covering the
+//! micro-batches issued so far when a micro-batch begins, the whole step's plan before
+//! the optimizers run.
+//!
+//! # Plans as micro-batches come
+//!
+//! The cost of a micro-batch must not grow with the micro-batches before it, so the
+//! session does not plan each gate prefix. It keeps one *current* plan whose gates start
+//! with the gates begun so far (the executor has it adopted):
+//!
+//! - a micro-batch whose gate is the current plan's next gate needs nothing: no
+//!   planning, no validation, no adoption (the executor already holds the plan that
+//!   covers it);
+//! - otherwise a cached step plan that goes on with these gates becomes current, or the
+//!   session plans the gates so far continued to twice their number (repeating their
+//!   shortest period: `on` for `on,on,…`, `no_sync,on` for alternating ones), validates
+//!   it as a prefix (`Mode::Prefix`) and makes it current. The guess only ever costs
+//!   planning time: a wrong one is replaced at the first micro-batch it got wrong. Doubling
+//!   makes a first step of `M` micro-batches of one pattern plan `O(log M)` plans of
+//!   `O(M)` nodes in all;
+//! - [`Session::step`] takes the validated plan of exactly the step's gates
+//!   (`Mode::Step`) from a small cache (least recently used out, [`STEP_PLANS`]) or plans
+//!   it, adopts it, and keeps it current: the next step, if it has the same gates, plans,
+//!   validates and adopts nothing at all, whatever its number of micro-batches.
+//!
+//! Why running a longer plan than the micro-batches begun is the same as running the
+//! exact one: the planner lowers a step in segments, one per micro-batch, each ending
+//! with one event per stream it used, so the plan of gates `g` is a prefix (nodes, stream
+//! programs, event ids) of the plan of every gate sequence starting with `g`
+//! (`docs/plan-format.md`, the prefix property). The executor issues nodes only as the
+//! trainer hands layers in, and what it prepares for a node (accesses, the issue order,
+//! aliasing, allocation, the release points of transient buffers, which all belong to
+//! one micro-batch) depends only on the plan up to the end of that node's micro-batch.
+//! So the nodes of the micro-batches begun run exactly as in the exact prefix plan, and
+//! the nodes after them never run: a `zero_grad`, an error or a step that ends sooner
+//! leaves them unissued, and [`Session::step`] always switches to the step's own plan,
+//! validated whole, before the optimizers. Validating the longer plan as a prefix covers
+//! its first micro-batches: the prefix mode's invariants are about what each node reads,
+//! writes and waits for, which only earlier nodes decide. Should the longer plan be
+//! rejected, the session falls back to the exact prefix (and reports its violations).
 //!
 //! ```
 //! # tokio::runtime::Runtime::new().unwrap().block_on(async {
@@ -38,7 +75,6 @@
 //! # }).unwrap();
 //! ```
 
-use std::collections::HashMap;
 use std::sync::Arc;
 
 use overlap_executor::{ExecConfig, Executor, StepStats};
@@ -74,6 +110,17 @@ struct Stage2Bytes {
     saved: u64,
 }
 
+/// Validated step plans kept per session, least recently used dropped first: the gate
+/// patterns a training loop alternates between.
+pub const STEP_PLANS: usize = 8;
+
+/// A validated plan of a whole step, with the Stage-2 bytes its local ranks move and save.
+#[derive(Clone)]
+struct StepPlan {
+    plan: Arc<Plan>,
+    stage2: Stage2Bytes,
+}
+
 /// A running gradient path over a backend's local ranks.
 pub struct Session<B: Backend = CpuBackend> {
     planner: Planner,
@@ -83,9 +130,13 @@ pub struct Session<B: Backend = CpuBackend> {
     gates: Vec<Gate>,
     /// Layers of the current micro-batch handed in so far.
     layers_done: usize,
-    prefix_plans: HashMap<Vec<Gate>, Arc<Plan>>,
-    /// Validated step plans, with the Stage-2 bytes their local ranks move and save.
-    step_plans: HashMap<Vec<Gate>, (Arc<Plan>, Stage2Bytes)>,
+    /// A validated plan whose gates start with `gates` (module docs): the last step's
+    /// plan between steps, adopted by the executor during a step.
+    current: Option<Arc<Plan>>,
+    /// Validated step plans, most recently used last (at most [`STEP_PLANS`]).
+    step_plans: Vec<StepPlan>,
+    /// Plans planned and validated so far.
+    plans_built: u64,
 }
 
 impl Session<CpuBackend> {
@@ -130,8 +181,9 @@ impl<B: Backend> Session<B> {
             layers,
             gates: Vec::new(),
             layers_done: 0,
-            prefix_plans: HashMap::new(),
-            step_plans: HashMap::new(),
+            current: None,
+            step_plans: Vec::new(),
+            plans_built: 0,
         };
         s.init_params(|_, p| vec![0.0; p.spec.numel() as usize])?;
         Ok(s)
@@ -208,12 +260,22 @@ impl<B: Backend> Session<B> {
 
     /// The validated plan of a whole step with these gates (cached).
     pub fn step_plan(&mut self, gates: &[Gate]) -> Result<Arc<Plan>, Error> {
-        self.cached_step_plan(gates).map(|(plan, _)| plan)
+        self.cached_step_plan(gates).map(|p| p.plan)
     }
 
-    fn cached_step_plan(&mut self, gates: &[Gate]) -> Result<(Arc<Plan>, Stage2Bytes), Error> {
-        if let Some(p) = self.step_plans.get(gates) {
-            return Ok(p.clone());
+    /// Plans this session has planned and validated so far (step plans and the plans it
+    /// runs micro-batches on). A training loop that repeats its gate pattern builds none
+    /// after its first step, whatever its number of micro-batches; the first step of a
+    /// pattern of `M` micro-batches builds `O(log M)`.
+    pub fn plans_built(&self) -> u64 {
+        self.plans_built
+    }
+
+    fn cached_step_plan(&mut self, gates: &[Gate]) -> Result<StepPlan, Error> {
+        if let Some(i) = self.step_plans.iter().rposition(|p| p.plan.gates == gates) {
+            let p = self.step_plans.remove(i);
+            self.step_plans.push(p.clone());
+            return Ok(p);
         }
         if let Some(params) = unflushed(&self.planner, gates) {
             crate::observe::metrics::record_unflushed();
@@ -222,31 +284,66 @@ impl<B: Backend> Session<B> {
                 params,
             });
         }
-        let plan = self.planner.plan(gates)?;
-        let v = validate(&plan, Mode::Step);
-        if !v.is_empty() {
-            crate::observe::metrics::record_rejection(&v);
-            return Err(Error::Invalid(v));
+        let plan = self.build(gates, Mode::Step)?;
+        let entry = StepPlan {
+            stage2: self.stage2_bytes(&plan),
+            plan,
+        };
+        if self.step_plans.len() >= STEP_PLANS {
+            self.step_plans.remove(0);
         }
-        let stage2 = self.stage2_bytes(&plan);
-        let entry = (Arc::new(plan), stage2);
-        self.step_plans.insert(gates.to_vec(), entry.clone());
+        self.step_plans.push(entry.clone());
         Ok(entry)
     }
 
-    fn prefix_plan(&mut self, gates: &[Gate]) -> Result<Arc<Plan>, Error> {
-        if let Some(p) = self.prefix_plans.get(gates) {
-            return Ok(p.clone());
-        }
-        let plan = self.planner.plan_prefix(gates)?;
-        let v = validate(&plan, Mode::Prefix);
-        if !v.is_empty() {
+    /// Plans and validates `gates` as a whole step or as a prefix; a rejection is
+    /// counted in the metrics and returned.
+    fn build(&mut self, gates: &[Gate], mode: Mode) -> Result<Arc<Plan>, Error> {
+        let v = self.try_build(gates, mode)?;
+        v.map_err(|v| {
             crate::observe::metrics::record_rejection(&v);
-            return Err(Error::Invalid(v));
+            Error::Invalid(v)
+        })
+    }
+
+    /// Plans and validates `gates`: the plan, or the validator's violations.
+    fn try_build(
+        &mut self,
+        gates: &[Gate],
+        mode: Mode,
+    ) -> Result<Result<Arc<Plan>, Vec<overlap_graph::Violation>>, Error> {
+        let plan = match mode {
+            Mode::Step => self.planner.plan(gates)?,
+            Mode::Prefix => self.planner.plan_prefix(gates)?,
+        };
+        self.plans_built += 1;
+        let v = validate(&plan, mode);
+        Ok(if v.is_empty() {
+            Ok(Arc::new(plan))
+        } else {
+            Err(v)
+        })
+    }
+
+    /// A validated plan whose gates start with the step's gates so far and then `gate`
+    /// (module docs): a cached step plan that goes on that way, else the gates continued
+    /// to twice their number, else (if that guess is rejected) exactly these gates.
+    fn plan_ahead(&mut self, gate: Gate) -> Result<Arc<Plan>, Error> {
+        let k = self.gates.len();
+        let extends =
+            |p: &Plan| p.gates.len() > k && p.gates[k] == gate && p.gates[..k] == self.gates[..];
+        if let Some(i) = self.step_plans.iter().rposition(|p| extends(&p.plan)) {
+            let p = self.step_plans.remove(i);
+            self.step_plans.push(p.clone());
+            return Ok(p.plan);
         }
-        let plan = Arc::new(plan);
-        self.prefix_plans.insert(gates.to_vec(), plan.clone());
-        Ok(plan)
+        let mut exact = self.gates.clone();
+        exact.push(gate);
+        let ahead = continued(&exact, 2 * exact.len());
+        match self.try_build(&ahead, Mode::Prefix) {
+            Ok(Ok(plan)) => Ok(plan),
+            _ => self.build(&exact, Mode::Prefix),
+        }
     }
 
     fn check_micro_batch_complete(&self, what: &str) -> Result<(), Error> {
@@ -268,11 +365,22 @@ impl<B: Backend> Session<B> {
     /// `set_requires_all_reduce`, as one value).
     pub async fn begin_micro_batch(&mut self, gate: Gate) -> Result<(), Error> {
         self.check_micro_batch_complete("begin_micro_batch")?;
-        let mut gates = self.gates.clone();
-        gates.push(gate);
-        let plan = self.prefix_plan(&gates)?;
-        self.executor.adopt(&plan);
-        self.gates = gates;
+        let k = self.gates.len();
+        let covered = self
+            .current
+            .as_ref()
+            .is_some_and(|p| p.gates.get(k) == Some(&gate));
+        if !covered {
+            self.current = Some(self.plan_ahead(gate)?);
+        }
+        // The first micro-batch of a step adopts the current plan (a lookup when the
+        // executor prepared it before); later ones only when it changed.
+        if k == 0 || !covered {
+            if let Some(plan) = &self.current {
+                self.executor.adopt(plan);
+            }
+        }
+        self.gates.push(gate);
         self.layers_done = 0;
         Ok(())
     }
@@ -312,10 +420,16 @@ impl<B: Backend> Session<B> {
             return Err(Error::Usage("step() without any micro-batch".into()));
         }
         self.check_micro_batch_complete("step()")?;
-        let gates = self.gates.clone();
-        let (plan, stage2) = self.cached_step_plan(&gates)?;
+        let gates = std::mem::take(&mut self.gates);
+        let StepPlan { plan, stage2 } = match self.cached_step_plan(&gates) {
+            Ok(p) => p,
+            Err(e) => {
+                self.gates = gates;
+                return Err(e);
+            }
+        };
         self.executor.adopt(&plan);
-        self.gates.clear();
+        self.current = Some(plan.clone());
         self.layers_done = 0;
         let stats = self.executor.finish_step().await?;
         let report = StepReport {
@@ -387,6 +501,30 @@ impl<B: Backend> Session<B> {
         }
         b
     }
+}
+
+/// `gates` continued to `len` entries by repeating its shortest period (the smallest
+/// `p` with `gates[i] == gates[i - p]` for every `i ≥ p`): the guess at the micro-batches
+/// to come.
+fn continued(gates: &[Gate], len: usize) -> Vec<Gate> {
+    // The longest proper border of each prefix (Knuth–Morris–Pratt's failure function).
+    let mut border = vec![0usize; gates.len()];
+    let mut b = 0;
+    for i in 1..gates.len() {
+        while b > 0 && gates[i] != gates[b] {
+            b = border[b - 1];
+        }
+        if gates[i] == gates[b] {
+            b += 1;
+        }
+        border[i] = b;
+    }
+    let period = gates.len() - border.last().copied().unwrap_or(0);
+    let mut out = gates.to_vec();
+    while out.len() < len && period > 0 {
+        out.push(out[out.len() - period]);
+    }
+    out
 }
 
 /// Elements a rank receives in one copy-transport exchange or gather of `c`, as the

@@ -198,6 +198,11 @@ async fn plans_are_prepared_once_and_reused_across_steps() {
         micro_batch(&mut s, Gate::On).await.unwrap();
         s.step().await.unwrap();
     }
-    // The prefixes `off` and `off,on`, and the step `off,on`.
-    assert_eq!(s.executor().prepared_plans(), 3);
+    // The first step ran its micro-batches on two plans planned ahead (`off,off`, then
+    // `off,on,off,on` when the second gate was not the guess) and the step `off,on`;
+    // later steps run on the step plan and prepare nothing.
+    assert_eq!(s.plans_built(), 3);
+    assert_eq!(s.executor().plans_prepared(), 3);
+    // Only the step plan stays prepared: the session let go of the others.
+    assert_eq!(s.executor().prepared_plans(), 1);
 }

@@ -27,8 +27,11 @@ mod rank;
 use prepared::Prepared;
 use rank::{IssueCtx, RankState};
 
-/// Prepared plans kept per rank (gate prefixes and whole steps of the patterns in use).
-const PREPARED_CACHE: usize = 64;
+/// Prepared plans kept per rank, least recently adopted evicted first. Besides this
+/// bound, a step's end drops the prepared plans nobody outside the executor holds any
+/// more ([`Executor::adopt`] needs the plan itself, so they could never be adopted again):
+/// a session's speculative plans go as soon as it lets go of them.
+const PREPARED_CACHE: usize = 16;
 
 /// Executor settings.
 #[derive(Debug, Clone)]
@@ -212,6 +215,8 @@ pub struct Executor<B: Backend> {
     step_start: Option<Instant>,
     /// Host time spent adopting plans in this step (preparing the ones not cached yet).
     adopt_time: Duration,
+    /// Plans prepared so far (each once for all local ranks).
+    prepares: u64,
     staging: Vec<f32>,
 }
 
@@ -230,6 +235,7 @@ impl<B: Backend> Executor<B> {
             steps_done: 0,
             step_start: None,
             adopt_time: Duration::ZERO,
+            prepares: 0,
             staging: Vec::new(),
         }
     }
@@ -295,7 +301,12 @@ impl<B: Backend> Executor<B> {
     }
 
     /// Switches every rank to `plan`, whose programs must extend what was issued so far
-    /// (the plan of a longer gate prefix, or of the whole step).
+    /// (the plan of a longer gate prefix, or of the whole step). The plan may go on past
+    /// what this step will issue (a caller's guess at the micro-batches to come): what a
+    /// rank prepares for a node depends only on the plan up to the end of that node's
+    /// micro-batch (`prepared.rs`), and nothing past the last node issued is ever issued.
+    /// Adopting the plan already adopted costs nothing; one prepared before (and still
+    /// cached) costs a lookup.
     pub fn adopt(&mut self, plan: &Arc<Plan>) {
         let t0 = Instant::now();
         if self.step_start.is_none() {
@@ -305,6 +316,7 @@ impl<B: Backend> Executor<B> {
                 r.begin_step();
             }
         }
+        let mut prepared_one = false;
         for r in &mut self.ranks {
             let same = r
                 .prepared
@@ -314,12 +326,21 @@ impl<B: Backend> Executor<B> {
                 continue;
             }
             // Preparing a plan walks all of it (issue order, release points, aliasing):
-            // do it once per plan, not once per step.
-            let prepared = match r.prepared_cache.iter().find(|p| Arc::ptr_eq(&p.plan, plan)) {
-                Some(p) => p.clone(),
+            // do it once per plan, not once per step. Most recently adopted last.
+            let prepared = match r
+                .prepared_cache
+                .iter()
+                .position(|p| Arc::ptr_eq(&p.plan, plan))
+            {
+                Some(i) => {
+                    let p = r.prepared_cache.remove(i);
+                    r.prepared_cache.push(p.clone());
+                    p
+                }
                 None => {
+                    prepared_one = true;
                     let p = Arc::new(Prepared::new(plan.clone(), r.rank, self.cfg.aliasing));
-                    if r.prepared_cache.len() == PREPARED_CACHE {
+                    if r.prepared_cache.len() >= PREPARED_CACHE {
                         r.prepared_cache.remove(0);
                     }
                     r.prepared_cache.push(p.clone());
@@ -328,7 +349,36 @@ impl<B: Backend> Executor<B> {
             };
             r.adopt(&self.backend, prepared);
         }
+        self.prepares += u64::from(prepared_one);
         self.adopt_time += t0.elapsed();
+    }
+
+    /// Drops the prepared plans that only this executor still holds: no caller can adopt
+    /// them again (adopting needs the plan), so keeping them would only hold memory. Call
+    /// between steps, when no rank has a plan adopted.
+    fn prune_prepared(&mut self) {
+        let ranks = &self.ranks;
+        // Each local rank's prepared copy holds one reference to the plan; more than
+        // that are the caller's.
+        let copies = |plan: &Arc<Plan>| {
+            ranks
+                .iter()
+                .filter(|r| r.prepared_cache.iter().any(|p| Arc::ptr_eq(&p.plan, plan)))
+                .count()
+        };
+        let dead: Vec<*const Plan> = ranks
+            .iter()
+            .flat_map(|r| &r.prepared_cache)
+            .filter(|p| Arc::strong_count(&p.plan) <= copies(&p.plan))
+            .map(|p| Arc::as_ptr(&p.plan))
+            .collect();
+        if dead.is_empty() {
+            return;
+        }
+        for r in &mut self.ranks {
+            r.prepared_cache
+                .retain(|p| !dead.contains(&Arc::as_ptr(&p.plan)));
+        }
     }
 
     fn ctx(&self) -> IssueCtx {
@@ -497,12 +547,14 @@ impl<B: Backend> Executor<B> {
             for r in &mut self.ranks {
                 r.end_step(false);
             }
+            self.prune_prepared();
             return Err(ExecError::Step { failures });
         }
         self.steps_done += 1;
         for r in &mut self.ranks {
             r.end_step(true);
         }
+        self.prune_prepared();
 
         let stage1_in_flight_peak = self
             .ranks
@@ -553,6 +605,7 @@ impl<B: Backend> Executor<B> {
                 r.end_step(false);
                 r.begin_step();
             }
+            self.prune_prepared();
             return Ok(());
         }
         for r in &mut self.ranks {
@@ -565,6 +618,7 @@ impl<B: Backend> Executor<B> {
             r.end_step(false);
             r.begin_step();
         }
+        self.prune_prepared();
         if failures.is_empty() {
             Ok(())
         } else {
@@ -636,7 +690,14 @@ impl<B: Backend> Executor<B> {
         Ok(failures)
     }
 
-    /// Plans prepared and cached per local rank (each gate prefix and whole step in use).
+    /// Plans prepared so far, each counted once for all local ranks (a cached plan
+    /// adopted again is not prepared again).
+    pub fn plans_prepared(&self) -> u64 {
+        self.prepares
+    }
+
+    /// Plans prepared and cached per local rank (those the caller still holds, up to a
+    /// small bound).
     pub fn prepared_plans(&self) -> usize {
         self.ranks
             .iter()

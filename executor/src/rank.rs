@@ -172,11 +172,16 @@ impl<B: Backend> RankState<B> {
         Ok(())
     }
 
-    /// Issues what is left of the plan's instructions after its last node.
+    /// Issues what is left of the plan's instructions after its last node, once every
+    /// node was issued: a plan adopted beyond what the step issued (a guess at more
+    /// micro-batches) keeps the rest, which belongs to nodes that never ran.
     pub fn issue_trailing(&mut self, backend: &B) {
         let Some(prepared) = self.prepared.clone() else {
             return;
         };
+        if self.next_node < prepared.issue_end.len() {
+            return;
+        }
         let start = prepared.issue_end.last().copied().unwrap_or(0);
         for &(stream, ins) in &prepared.issue[start..] {
             match ins {
@@ -575,10 +580,15 @@ impl<B: Backend> RankState<B> {
                     ..
                 } = *b
                 {
-                    self.released
-                        .entry((bucket, micro_batch))
-                        .or_default()
-                        .extend(release.iter().cloned());
+                    // Only while the pack is still counted in flight: a key backpressure
+                    // already let go of (a combine deferred past it) would stay here
+                    // until the step's end, one per deferred chain.
+                    if self.in_flight.contains(&(bucket, micro_batch)) {
+                        self.released
+                            .entry((bucket, micro_batch))
+                            .or_default()
+                            .extend(release.iter().cloned());
+                    }
                 }
             }
             if let Some(buf) = mem.filter(|_| !borrowed) {

@@ -61,18 +61,93 @@ impl Gate {
             .collect()
     }
 
-    /// Formats a pattern as `off,on`.
+    /// Formats a pattern run-length compressed: `off×255,on` for 255 `off` micro-batches
+    /// then one `on` (a run of one stays bare: `off,on`). Its length grows with the number
+    /// of gate changes, not of micro-batches, so step lines and labels stay short.
+    /// [`Gate::parse_pattern`] reads it back.
     pub fn pattern_label(gates: &[Gate]) -> String {
-        gates
-            .iter()
-            .map(|g| g.label())
-            .collect::<Vec<_>>()
-            .join(",")
+        let mut out = String::new();
+        let mut i = 0;
+        while let Some(&g) = gates.get(i) {
+            let run = gates[i..].iter().take_while(|&&x| x == g).count();
+            if !out.is_empty() {
+                out.push(',');
+            }
+            out.push_str(g.label());
+            if run > 1 {
+                out.push('×');
+                out.push_str(&run.to_string());
+            }
+            i += run;
+        }
+        out
+    }
+
+    /// Parses a comma-separated pattern whose entries are a gate, optionally repeated
+    /// `×n` (or `*n`, easier to type): `no_sync,off*3,on`, as [`Gate::pattern_label`]
+    /// writes it. An empty pattern or a count of 0 is an error.
+    pub fn parse_pattern(s: &str) -> Result<Vec<Gate>, String> {
+        let mut gates = Vec::new();
+        for entry in s.split(',') {
+            let entry = entry.trim();
+            let (name, count) = match entry.split_once(['×', '*']) {
+                Some((name, n)) => {
+                    let n: usize = n.trim().parse().map_err(|_| {
+                        format!("`{entry}`: the count after the gate must be a whole number")
+                    })?;
+                    (name.trim(), n)
+                }
+                None => (entry, 1),
+            };
+            if count == 0 {
+                return Err(format!("`{entry}`: a gate repeated 0 times"));
+            }
+            let gate = Gate::parse(name)?;
+            gates.extend(std::iter::repeat(gate).take(count));
+        }
+        Ok(gates)
     }
 }
 
 impl std::fmt::Display for Gate {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.write_str(self.label())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn pattern_labels_are_run_length_compressed_and_parse_back() {
+        let mut many = vec![Gate::ReplicateOff; 255];
+        many.push(Gate::On);
+        assert_eq!(Gate::pattern_label(&many), "off×255,on");
+        assert_eq!(
+            Gate::pattern_label(&[Gate::ReplicateOff, Gate::On]),
+            "off,on"
+        );
+        assert_eq!(
+            Gate::pattern_label(&[Gate::NoSync, Gate::NoSync, Gate::On, Gate::NoSync]),
+            "no_sync×2,on,no_sync"
+        );
+        assert_eq!(Gate::pattern_label(&[]), "");
+        for gates in [many, vec![Gate::On], Gate::default_pattern(5)] {
+            assert_eq!(Gate::parse_pattern(&Gate::pattern_label(&gates)), Ok(gates));
+        }
+        assert_eq!(
+            Gate::parse_pattern("no_sync, off*2 ,on"),
+            Ok(vec![
+                Gate::NoSync,
+                Gate::ReplicateOff,
+                Gate::ReplicateOff,
+                Gate::On
+            ])
+        );
+        assert!(Gate::parse_pattern("off×0,on").is_err());
+        assert!(Gate::parse_pattern("off×x").is_err());
+        assert!(Gate::parse_pattern("").is_err());
+        assert!(Gate::parse_pattern("up").is_err());
     }
 }

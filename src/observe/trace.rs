@@ -210,6 +210,16 @@ impl<W: Write> ChromeTrace<W> {
         }
         let analysis = StepAnalysis::new(report, plan);
         let label = overlap_graph::Gate::pattern_label(&gates);
+        // Each (rank, micro-batch)'s first kernel start and last kernel end, in one pass
+        // over the timings (not one per micro-batch).
+        let mut mb_spans: HashMap<(u32, u32), (f64, f64)> = HashMap::new();
+        for t in &report.stats.timings {
+            let e = mb_spans
+                .entry((t.rank, t.tag.micro_batch))
+                .or_insert((f64::INFINITY, f64::NEG_INFINITY));
+            e.0 = e.0.min(t.start);
+            e.1 = e.1.max(t.end);
+        }
         for r in &analysis.ranks {
             let eta = r.efficiency(analysis.layers);
             self.emit(json!({
@@ -231,16 +241,9 @@ impl<W: Write> ChromeTrace<W> {
             }
             // Micro-batch spans from the rank's kernels tagged with each micro-batch.
             for (m, gate) in gates.iter().enumerate() {
-                let (mut s, mut e) = (f64::INFINITY, f64::NEG_INFINITY);
-                for t in report
-                    .stats
-                    .timings
-                    .iter()
-                    .filter(|t| t.rank == r.rank && t.tag.micro_batch == m as u32)
-                {
-                    s = s.min(t.start);
-                    e = e.max(t.end);
-                }
+                let Some(&(s, e)) = mb_spans.get(&(r.rank, m as u32)) else {
+                    continue;
+                };
                 if s > e {
                     continue;
                 }
