@@ -7,34 +7,24 @@
 
 use std::sync::Arc;
 
-use overlap::executor::ExecConfig;
-use overlap::graph::{Bindings, ReduceSpec};
-use overlap::ops::cpu::CpuBackend;
-use overlap::{Gate, Mesh, ParamSpec, PlanSpec, Route, Session};
+use overlap::{CpuBackend, ExecConfig, Gate, Mesh, ParamSpec, PlanSpec, Route, Session};
 
-#[tokio::main(flavor = "multi_thread", worker_threads = 2)]
+// Any tokio runtime works; a current-thread one is enough (the backend has its own threads).
+#[tokio::main(flavor = "current_thread")]
 async fn main() -> Result<(), overlap::Error> {
-    // 1. Describe the mesh and the parameters: 2 ranks per node, 2 nodes.
-    let p = |name: &str, shape: Vec<u64>, route, layer| ParamSpec {
-        name: name.into(),
-        shape,
-        route,
-        layer,
-    };
-    let spec = PlanSpec {
-        mesh: Mesh::new(2, 2)?,
-        params: vec![
-            p("embed", vec![64, 16], Route::ShardedAdamw, 0),
-            p("block.attn", vec![48, 16], Route::Muon, 1),
-            p("block.norm", vec![16], Route::Fsdp, 1),
-            p("block.bias", vec![21], Route::Adamw, 1),
-            p("head", vec![64, 16], Route::ShardedAdamw, 2),
+    // 1. Describe the mesh and the parameters: 2 ranks per node, 2 nodes. `PlanSpec::new`
+    //    takes the defaults (avg in f32, 25 MiB buckets, FSDP2's streams, NCCL
+    //    collectives); `with_*` methods change them.
+    let spec = PlanSpec::new(
+        Mesh::new(2, 2)?,
+        vec![
+            ParamSpec::new("embed", [64, 16], Route::ShardedAdamw, 0),
+            ParamSpec::new("block.attn", [48, 16], Route::Muon, 1),
+            ParamSpec::new("block.norm", [16], Route::Fsdp, 1),
+            ParamSpec::new("block.bias", [21], Route::Adamw, 1),
+            ParamSpec::new("head", [64, 16], Route::ShardedAdamw, 2),
         ],
-        reduce: ReduceSpec::default(),
-        bucket_cap_bytes: 25 << 20,
-        bindings: Bindings::default(),
-        schedule: Default::default(),
-    };
+    );
 
     // 2. A session on the CPU backend (every rank is a set of threads here; on GPUs each
     //    process drives its own rank).

@@ -32,7 +32,7 @@ use serde_spanned::Spanned;
 use toml::de::{DeTable, DeValue};
 
 /// The default largest bucket: 25 MiB, as in PyTorch DDP/FSDP.
-pub const DEFAULT_BUCKET_CAP_BYTES: u64 = 25 * 1024 * 1024;
+pub use overlap_graph::DEFAULT_BUCKET_CAP_BYTES;
 
 /// A checked config: the planner's input plus everything a run needs.
 #[derive(Debug, Clone, PartialEq)]

@@ -14,6 +14,34 @@
 //! [`observe::metrics::install_prometheus`]), Chrome traces for Perfetto and a Gantt
 //! picture of a step.
 //!
+//! # Embedding it in a trainer
+//!
+//! Build a [`PlanSpec`] (the mesh and the parameters, [`PlanSpec::new`] fills in the
+//! defaults) or load a [`Config`], make a [`Session`] on a backend ([`Session::cpu`], or
+//! [`Session::new`] with an [`ExecConfig`] and a [`CpuBackend`]; `Session::cuda` with the
+//! `cuda` feature), and drive it from your training loop; `examples/embed.rs` is the loop
+//! to copy.
+//!
+//! - **Runtime.** The session's methods are `async`: call them from a tokio runtime. A
+//!   current-thread runtime is enough (`tokio::runtime::Builder::new_current_thread()`);
+//!   the backends run their streams on threads of their own.
+//! - **Order of calls.** Per step: for each micro-batch, [`Session::begin_micro_batch`]
+//!   with its gate, then [`Session::grad_ready`] once per layer in [`Session::layers`]
+//!   order (highest first, as backward produces them); then [`Session::step`], which runs
+//!   the optimizers and publishes and returns a [`StepReport`]. [`Session::zero_grad`]
+//!   drops a step in progress. [`Session::init_params`], [`Session::param_values`] and
+//!   [`Session::reduced_grad`] are for between steps. A call out of order is an
+//!   [`Error::Usage`] naming what was expected, never a panic.
+//! - **Gradient scaling.** Each rank hands in the gradient of its own loss. The optimizer
+//!   consumes the *no_sync reference*: each rank's gradients summed over the step's
+//!   micro-batches, then averaged over the `S·R` ranks (`[reduce] op = "avg"`; `"sum"`
+//!   skips the division). The average is over ranks only: if your loss is a mean over
+//!   the step's samples, divide each micro-batch's loss by the number of micro-batches,
+//!   as with PyTorch's gradient accumulation.
+//! - **What you get back.** Every plan is validated before it runs (a broken plan is an
+//!   [`Error::Invalid`] naming the invariant); a step that would leave partials unflushed
+//!   is an [`Error::Unflushed`] naming the parameters.
+//!
 //! Multi-process jobs (one process per GPU): [`dist`] reads a rank's place in the job
 //! from the launcher's environment, [`rendezvous`] connects the ranks over TCP,
 //! [`launch`] is `overlap launch`, and `cuda` (with the `cuda` feature) runs sessions on
@@ -38,6 +66,16 @@ pub use config::{Config, ConfigError};
 pub use error::Error;
 pub use overlap_executor as executor;
 pub use overlap_graph as graph;
-pub use overlap_graph::{Gate, Mesh, ParamSpec, Plan, PlanSpec, Route};
 pub use overlap_ops as ops;
 pub use session::{Session, StepReport};
+
+// What an embedder touches, documented here as well as in its own crate.
+#[doc(inline)]
+pub use overlap_executor::{Backward, ExecConfig, StepStats};
+#[doc(inline)]
+pub use overlap_graph::{
+    Bindings, DType, Gate, Mesh, ModelSpec, ParamId, ParamSpec, PlacedParam, Plan, PlanSpec,
+    Planner, ReduceOp, ReduceSpec, Route, Schedule, Stream, Transport, Violation,
+};
+#[doc(inline)]
+pub use overlap_ops::{cpu::CpuBackend, AdamwParams, Backend, MuonParams};

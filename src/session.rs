@@ -122,6 +122,18 @@ struct StepPlan {
 }
 
 /// A running gradient path over a backend's local ranks.
+///
+/// - **Runtime:** the methods are `async`; any tokio runtime drives them, a
+///   current-thread one included (the backend runs its streams on its own threads).
+/// - **When to call what:** per micro-batch [`Session::begin_micro_batch`], then
+///   [`Session::grad_ready`] for every layer of [`Session::layers`] in that order; per
+///   step [`Session::step`]; [`Session::zero_grad`] at any point to drop the step in
+///   progress. [`Session::init_params`], [`Session::param_values`] and
+///   [`Session::reduced_grad`] between steps. Anything else is an [`Error::Usage`].
+/// - **Scaling:** the optimizers consume each rank's gradients summed over the step's
+///   micro-batches and averaged over all ranks (`avg`; `sum` skips the division). If the
+///   loss is a mean over the step's samples, divide each micro-batch's loss by the number
+///   of micro-batches before backward, as with PyTorch's gradient accumulation.
 pub struct Session<B: Backend = CpuBackend> {
     planner: Planner,
     executor: Executor<B>,

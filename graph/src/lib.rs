@@ -50,6 +50,6 @@ pub use node::{
 pub use param::{ModelSpec, ParamId, ParamSpec, Route};
 pub use plan::{
     Access, Bindings, Bucket, CopySeg, PlacedParam, Plan, PlanSpec, RankProgram, ReduceSpec,
-    Schedule, StreamProgram, Transport,
+    Schedule, StreamProgram, Transport, DEFAULT_BUCKET_CAP_BYTES,
 };
 pub use validate::{validate, Mode};

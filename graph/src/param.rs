@@ -82,6 +82,21 @@ pub struct ParamSpec {
 }
 
 impl ParamSpec {
+    /// A parameter: its unique name, shape, route and backward-readiness layer.
+    pub fn new(
+        name: impl Into<String>,
+        shape: impl Into<Vec<u64>>,
+        route: Route,
+        layer: u32,
+    ) -> ParamSpec {
+        ParamSpec {
+            name: name.into(),
+            shape: shape.into(),
+            route,
+            layer,
+        }
+    }
+
     /// Number of elements.
     pub fn numel(&self) -> u64 {
         self.shape.iter().product()

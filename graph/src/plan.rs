@@ -160,6 +160,62 @@ pub struct PlanSpec {
     pub schedule: Schedule,
 }
 
+/// The default bucket cap: 25 MiB, PyTorch DDP's and FSDP2's default.
+pub const DEFAULT_BUCKET_CAP_BYTES: u64 = 25 << 20;
+
+impl PlanSpec {
+    /// A spec with the defaults: `avg` reduction in f32, buckets of at most
+    /// [`DEFAULT_BUCKET_CAP_BYTES`], FSDP2's stream bindings ([`Bindings::default`]) and
+    /// NCCL collectives ([`Schedule::default`]). Change any of them with the `with_*`
+    /// methods.
+    ///
+    /// ```
+    /// use overlap_graph::{Mesh, ParamSpec, PlanSpec, Route};
+    ///
+    /// let spec = PlanSpec::new(
+    ///     Mesh::new(2, 2)?,
+    ///     vec![ParamSpec::new("w", [64, 32], Route::Muon, 0)],
+    /// )
+    /// .with_bucket_cap_bytes(4 << 20);
+    /// assert_eq!(spec.bucket_cap_bytes, 4 << 20);
+    /// # Ok::<(), overlap_graph::PlanError>(())
+    /// ```
+    pub fn new(mesh: Mesh, params: Vec<ParamSpec>) -> PlanSpec {
+        PlanSpec {
+            mesh,
+            params,
+            reduce: ReduceSpec::default(),
+            bucket_cap_bytes: DEFAULT_BUCKET_CAP_BYTES,
+            bindings: Bindings::default(),
+            schedule: Schedule::default(),
+        }
+    }
+
+    /// The same spec with another reduction (op and wire dtype).
+    pub fn with_reduce(mut self, reduce: ReduceSpec) -> PlanSpec {
+        self.reduce = reduce;
+        self
+    }
+
+    /// The same spec with another bucket cap, in bytes of the reduce dtype.
+    pub fn with_bucket_cap_bytes(mut self, bytes: u64) -> PlanSpec {
+        self.bucket_cap_bytes = bytes;
+        self
+    }
+
+    /// The same spec with other stream bindings.
+    pub fn with_bindings(mut self, bindings: Bindings) -> PlanSpec {
+        self.bindings = bindings;
+        self
+    }
+
+    /// The same spec with another schedule (transport, combine placement).
+    pub fn with_schedule(mut self, schedule: Schedule) -> PlanSpec {
+        self.schedule = schedule;
+        self
+    }
+}
+
 /// A parameter with its owner. In JSON its fields are the parameter's own plus `owner`.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(from = "PlacedParamRepr", into = "PlacedParamRepr")]
