@@ -48,7 +48,8 @@
 use rustc_hash::{FxHashMap as HashMap, FxHashSet as HashSet};
 use std::sync::Arc;
 
-use overlap_graph::validate::issue_order;
+use overlap_graph::order::issue_order;
+use overlap_graph::HappensBefore;
 use overlap_graph::{Access, BucketId, Buffer, CopySeg, DType, Instr, Op, Plan, Stream};
 
 /// How a node allocates a buffer it is the first writer of.
@@ -103,60 +104,6 @@ fn covers<'a>(segs: impl Iterator<Item = &'a CopySeg>, len: u64) -> bool {
         at = b;
     }
     at == len
-}
-
-/// Happens-before on one rank's nodes, from the issue order: node `a` completes before
-/// node `b` starts when `a` is on `b`'s stream earlier, or `b`'s stream waited on an
-/// event recorded after `a`.
-struct Order {
-    /// Per node: its stream index and 1-based position on that stream.
-    pos: Vec<(usize, u32)>,
-    /// Per node: the stream positions known complete when it starts (itself included).
-    clock: Vec<[u32; Stream::COUNT]>,
-}
-
-impl Order {
-    fn new(n: usize, events: usize, issue: &[(Stream, Instr)]) -> Order {
-        let mut cur = [[0u32; Stream::COUNT]; Stream::COUNT];
-        let mut ev = vec![[0u32; Stream::COUNT]; events];
-        let mut pos = vec![(0, 0); n];
-        let mut clock = vec![[0u32; Stream::COUNT]; n];
-        for &(s, ins) in issue {
-            let si = s.index();
-            match ins {
-                Instr::Run(id) => {
-                    cur[si][si] += 1;
-                    if let Some(p) = pos.get_mut(id as usize) {
-                        *p = (si, cur[si][si]);
-                        clock[id as usize] = cur[si];
-                    }
-                }
-                Instr::Record(e) => {
-                    if let Some(c) = ev.get_mut(e as usize) {
-                        *c = cur[si];
-                    }
-                }
-                Instr::Wait(e) => {
-                    if let Some(c) = ev.get(e as usize) {
-                        for k in 0..Stream::COUNT {
-                            cur[si][k] = cur[si][k].max(c[k]);
-                        }
-                    }
-                }
-            }
-        }
-        Order { pos, clock }
-    }
-
-    /// Whether `a` completes before `b` starts.
-    fn before(&self, a: u32, b: u32) -> bool {
-        let (s, k) = self.pos[a as usize];
-        a != b && k <= self.clock[b as usize][s]
-    }
-
-    fn ordered(&self, a: u32, b: u32) -> bool {
-        self.before(a, b) || self.before(b, a)
-    }
 }
 
 impl Prepared {
@@ -214,7 +161,7 @@ impl Prepared {
         let mut group: HashMap<Buffer, Buffer> = HashMap::default();
         let mut names: HashMap<Buffer, Vec<Buffer>> = HashMap::default();
         if aliasing {
-            let order = Order::new(rp.nodes.len(), rp.events as usize, &issue);
+            let (order, _) = HappensBefore::from_issue(rp.nodes.len(), &issue);
             for (x, node) in rp.nodes.iter().enumerate() {
                 let Some((a, b)) = identity_node(&plan, rank, node.op, &pack, &unpack) else {
                     continue;
@@ -399,7 +346,7 @@ fn identity_node(
 
 /// Whether node `x` may make `b` the memory of group `g` (module docs, rules 1–4).
 fn safe_alias(
-    order: &Order,
+    order: &HappensBefore,
     acc: &HashMap<Buffer, Vec<(u32, bool)>>,
     x: u32,
     g: &[Buffer],

@@ -34,6 +34,7 @@ pub mod export;
 pub mod gate;
 pub mod mesh;
 pub mod node;
+pub mod order;
 pub mod owner;
 pub mod param;
 pub mod plan;
@@ -47,6 +48,7 @@ pub use node::{
     BucketId, Buffer, Collective, CollectiveKind, DType, EventId, Instr, Node, NodeId, Op,
     OptimizerKind, ReduceOp, Stream,
 };
+pub use order::HappensBefore;
 pub use param::{ModelSpec, ParamId, ParamSpec, Route};
 pub use plan::{
     Access, Bindings, Bucket, CopySeg, PlacedParam, Plan, PlanSpec, RankProgram, ReduceSpec,

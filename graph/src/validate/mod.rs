@@ -48,6 +48,7 @@ use std::collections::{BTreeMap, HashMap};
 use crate::gate::Gate;
 use crate::mesh::Group;
 use crate::node::{Buffer, Collective, CollectiveKind, EventId, Instr, Node, NodeId, Op, Stream};
+use crate::order::HappensBefore;
 use crate::plan::Plan;
 use crate::{PlanError, Violation};
 
@@ -453,90 +454,7 @@ fn exchange_combined_once(plan: &Plan, rank: u32, nodes: &[Node], out: &mut Vec<
     }
 }
 
-type Clock = [u32; Stream::COUNT];
-
-fn join(a: &mut Clock, b: &Clock) {
-    for i in 0..Stream::COUNT {
-        a[i] = a[i].max(b[i]);
-    }
-}
-
-/// Issue-order simulation of one rank: per node its stream position and completion clock.
-struct Schedule {
-    pos: Vec<u32>,
-    clock: Vec<Clock>,
-}
-
-/// The host issue order of a rank's instructions: `(stream, instruction)` pairs.
-pub fn issue_order(rp: &crate::plan::RankProgram) -> Vec<(Stream, Instr)> {
-    let mut cursor = vec![0usize; rp.streams.len()];
-    let index_of: HashMap<Stream, usize> = rp
-        .streams
-        .iter()
-        .enumerate()
-        .map(|(i, s)| (s.stream, i))
-        .collect();
-    let mut out = Vec::with_capacity(rp.streams.iter().map(|s| s.instrs.len()).sum());
-    for n in &rp.nodes {
-        let Some(&si) = index_of.get(&n.stream) else {
-            continue;
-        };
-        let sp = &rp.streams[si];
-        while cursor[si] < sp.instrs.len() {
-            let ins = sp.instrs[cursor[si]];
-            cursor[si] += 1;
-            out.push((sp.stream, ins));
-            if ins == Instr::Run(n.id) {
-                while let Some(&Instr::Record(e)) = sp.instrs.get(cursor[si]) {
-                    cursor[si] += 1;
-                    out.push((sp.stream, Instr::Record(e)));
-                }
-                break;
-            }
-        }
-    }
-    for (si, sp) in rp.streams.iter().enumerate() {
-        out.extend(sp.instrs[cursor[si]..].iter().map(|&i| (sp.stream, i)));
-    }
-    out
-}
-
-fn schedule(rp: &crate::plan::RankProgram, out: &mut Vec<Violation>) -> Schedule {
-    let n = rp.nodes.len();
-    let mut s = Schedule {
-        pos: vec![0; n],
-        clock: vec![[0; Stream::COUNT]; n],
-    };
-    let mut cur: [Clock; Stream::COUNT] = [[0; Stream::COUNT]; Stream::COUNT];
-    let mut recorded: HashMap<EventId, Clock> = HashMap::new();
-    for (stream, ins) in issue_order(rp) {
-        let x = stream.index();
-        match ins {
-            Instr::Run(id) => {
-                cur[x][x] += 1;
-                s.pos[id as usize] = cur[x][x];
-                s.clock[id as usize] = cur[x];
-            }
-            Instr::Record(e) => {
-                recorded.insert(e, cur[x]);
-            }
-            Instr::Wait(e) => match recorded.get(&e) {
-                Some(c) => {
-                    let c = *c;
-                    join(&mut cur[x], &c);
-                }
-                None => out.push(Violation {
-                    invariant: "event-order",
-                    rank: rp.rank,
-                    stream: Some(stream),
-                    node: None,
-                    detail: format!("wait on event {e} is issued before any record of it; on a GPU it would not wait at all"),
-                }),
-            },
-        }
-    }
-    s
-}
+pub use crate::order::issue_order;
 
 fn ordered_access(
     plan: &Plan,
@@ -544,11 +462,20 @@ fn ordered_access(
     acc: &[crate::plan::Access],
     out: &mut Vec<Violation>,
 ) {
-    let sched = schedule(rp, out);
+    let (order, unmatched) = HappensBefore::of(rp);
+    for (stream, e) in unmatched {
+        out.push(Violation {
+            invariant: "event-order",
+            rank: rp.rank,
+            stream: Some(stream),
+            node: None,
+            detail: format!(
+                "wait on event {e} is issued before any record of it; on a GPU it would not wait at all"
+            ),
+        });
+    }
     let hb = |u: NodeId, v: NodeId| {
-        let (nu, nv) = (&rp.nodes[u as usize], &rp.nodes[v as usize]);
-        nu.stream == nv.stream
-            || sched.clock[v as usize][nu.stream.index()] >= sched.pos[u as usize]
+        rp.nodes[u as usize].stream == rp.nodes[v as usize].stream || order.before(u, v)
     };
     let mut last_write: HashMap<Buffer, NodeId> = HashMap::new();
     let mut readers: HashMap<Buffer, Vec<NodeId>> = HashMap::new();
