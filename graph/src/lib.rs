@@ -37,19 +37,21 @@ pub mod node;
 pub mod owner;
 pub mod param;
 pub mod plan;
+pub mod spec;
 pub mod validate;
 
 pub use build::Planner;
 pub use error::{PlanError, Violation};
 pub use gate::Gate;
-pub use mesh::{Coord, Group, Mesh};
+pub use mesh::{Coord, Group, Mesh, MAX_WORLD};
 pub use node::{
     BucketId, Buffer, Collective, CollectiveKind, DType, EventId, Instr, Node, NodeId, Op,
     OptimizerKind, ReduceOp, Stream,
 };
-pub use param::{ModelSpec, ParamId, ParamSpec, Route};
+pub use param::{ModelSpec, ParamId, ParamSpec, Route, MAX_MODEL_LAYERS, MAX_NUMEL};
 pub use plan::{
     Access, Bindings, Bucket, CopySeg, PlacedParam, Plan, PlanSpec, RankProgram, ReduceSpec,
     Schedule, StreamProgram, Transport,
 };
+pub use spec::{MAX_MICRO_BATCHES, MAX_PARAMS, MAX_STEP_NODES};
 pub use validate::{validate, Mode};
