@@ -68,8 +68,9 @@ impl std::fmt::Display for Route {
 /// counts of every node are 32-bit on the wire.
 pub const MAX_NUMEL: u64 = u32::MAX as u64;
 
-/// The most transformer blocks [`ModelSpec`] generates (six parameters each).
-pub const MAX_MODEL_LAYERS: u32 = 65_536;
+/// The most transformer blocks [`ModelSpec`] generates (six parameters each, so within
+/// [`crate::MAX_PARAMS`]).
+pub const MAX_MODEL_LAYERS: u32 = 4096;
 
 /// Identifies a parameter by its index in [`crate::Plan::params`].
 pub type ParamId = u32;
