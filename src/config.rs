@@ -24,7 +24,7 @@ use std::str::FromStr;
 
 use overlap_graph::{
     Bindings, DType, Gate, Mesh, ModelSpec, ParamSpec, PlanError, PlanSpec, Planner, ReduceOp,
-    ReduceSpec, Route, Schedule, Stream, Transport,
+    ReduceSpec, Route, Schedule, Stream, Transport, MAX_MICRO_BATCHES,
 };
 use overlap_ops::{AdamwParams, MuonParams};
 use serde::Deserialize;
@@ -142,6 +142,10 @@ pub const MAX_COPY_RING_DEPTH: u32 = 16;
 
 /// The largest `overlap.nccl_max_ctas`.
 pub const MAX_NCCL_CTAS: u32 = 1024;
+
+/// The largest `optimizer.muon.ns_steps`: Newton–Schulz converges in about 5
+/// iterations; each costs three matrix products per Muon parameter and step.
+pub const MAX_NS_STEPS: u32 = 100;
 
 /// `[metrics]`: the Prometheus exporter, and which steps are timed.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -349,11 +353,101 @@ impl Doc<'_> {
 
     fn syntax_error(&self, e: &toml::de::Error) -> ConfigError {
         let span = e.span();
+        if e.message().starts_with("duplicate key") {
+            if let Some((key, first)) = span.as_ref().and_then(|s| self.duplicate(s)) {
+                let before = match first {
+                    Some(line) => format!(" (line {line} has it too)"),
+                    None => String::new(),
+                };
+                return self.err(
+                    key.clone(),
+                    span,
+                    format!(
+                        "invalid TOML: duplicate key `{key}`{before}; a key or table may appear only once"
+                    ),
+                );
+            }
+        }
         let key = span
             .as_ref()
             .map(|s| self.locate(s.start, true))
             .unwrap_or_default();
         self.err(key, span, format!("invalid TOML: {}", e.message()))
+    }
+
+    /// The dotted key a `duplicate key` error's span names, and the line where it first
+    /// appears when it can be found: the key's own text, under the table header (`[a.b]`,
+    /// or `[[param]]` counted to `param[i]`) in force where it stands; a duplicated
+    /// header is its own key.
+    fn duplicate(&self, span: &Range<usize>) -> Option<(String, Option<usize>)> {
+        let name = self.text.get(span.clone())?.trim();
+        if name.is_empty() {
+            return None;
+        }
+        let clean = |k: &str| -> String {
+            k.split('.')
+                .map(|p| join_key("", p.trim().trim_matches(|c| c == '"' || c == '\'')))
+                .collect::<Vec<_>>()
+                .join(".")
+        };
+        let line_start = self.text[..span.start].rfind('\n').map_or(0, |i| i + 1);
+        let on_header = self.text[line_start..span.start]
+            .trim_start()
+            .starts_with('[');
+        // Table headers up to the span: (byte offset, name, is an array of tables).
+        let mut headers: Vec<(usize, String, bool)> = Vec::new();
+        let mut offset = 0;
+        for line in self.text.split_inclusive('\n') {
+            if offset >= span.start && !(on_header && offset == line_start) {
+                break;
+            }
+            let t = line.trim_start();
+            if let Some(rest) = t.strip_prefix("[[") {
+                headers.push((offset, clean(rest.split("]]").next().unwrap_or("")), true));
+            } else if let Some(rest) = t.strip_prefix('[') {
+                headers.push((offset, clean(rest.split(']').next().unwrap_or("")), false));
+            }
+            offset += line.len();
+        }
+        let first_line = |pred: &dyn Fn(usize, &str) -> bool| -> Option<usize> {
+            let mut off = 0;
+            for line in self.text.split_inclusive('\n') {
+                if off >= line_start {
+                    break;
+                }
+                if pred(off, line) {
+                    return Some(self.position(off).0);
+                }
+                off += line.len();
+            }
+            None
+        };
+        if on_header {
+            let key = headers.last().map(|h| h.1.clone())?;
+            let first = first_line(&|_, line: &str| {
+                let t = line.trim_start();
+                t.starts_with('[')
+                    && !t.starts_with("[[")
+                    && clean(t[1..].split(']').next().unwrap_or("")) == key
+            });
+            return Some((key, first));
+        }
+        let key = clean(name);
+        let Some((start, table, array)) = headers.last().cloned() else {
+            let first =
+                first_line(&|_, line: &str| clean(line.split('=').next().unwrap_or("")) == key);
+            return Some((key, first));
+        };
+        let table = if array {
+            let n = headers.iter().filter(|h| h.2 && h.1 == table).count();
+            format!("{table}[{}]", n - 1)
+        } else {
+            table
+        };
+        let first = first_line(&|off, line: &str| {
+            off > start && line.contains('=') && clean(line.split('=').next().unwrap_or("")) == key
+        });
+        Some((format!("{table}.{key}"), first))
     }
 
     fn serde_error(&self, e: &toml::de::Error) -> ConfigError {
@@ -479,11 +573,34 @@ impl Doc<'_> {
             bindings,
             schedule,
         };
-        // The planner's own checks, as a backstop: whatever it rejects, the config rejects.
-        if let Err(e) = Planner::new(plan.clone()) {
-            return Err(self.plan_error(e, &raw_mesh, raw.model.as_ref(), &raw.param));
-        }
+        // The planner's own checks, as a backstop: whatever it rejects, the config rejects;
+        // then the size of a step's plan, now that the buckets and micro-batches are known.
+        let planner = plan
+            .check()
+            .and_then(|()| Planner::new(plan.clone()))
+            .map_err(|e| self.plan_error(e, &raw_mesh, raw.model.as_ref(), &raw.param))?;
         let gates = self.gates(&raw.accumulation)?;
+        if let Err(e) = planner.check_step(gates.len()) {
+            let a = &raw.accumulation;
+            let span = match &e {
+                PlanError::Input { key, .. } if key == "accumulation.micro_batches" => {
+                    a.micro_batches.as_ref().map(Spanned::span).or_else(|| {
+                        [&a.gates, &a.replicate_gate, &a.reduce_gate]
+                            .into_iter()
+                            .flatten()
+                            .map(Spanned::span)
+                            .next()
+                    })
+                }
+                _ => None,
+            };
+            return Err(match (&e, span) {
+                (PlanError::Input { key, .. }, Some(span)) => {
+                    self.err(key.clone(), Some(span), plan_reason(e))
+                }
+                _ => self.plan_error(e, &raw_mesh, raw.model.as_ref(), &raw.param),
+            });
+        }
         Ok(Config {
             source: self.file.to_string(),
             plan,
@@ -558,16 +675,14 @@ impl Doc<'_> {
                 hidden: *r.hidden.get_ref(),
                 vocab: *r.vocab.get_ref(),
             };
-            spec.check().map_err(|e| {
-                let (key, span) = if spec.layers == 0 {
-                    ("model.layers", r.layers.span())
-                } else if spec.hidden == 0 {
-                    ("model.hidden", r.hidden.span())
-                } else {
-                    ("model.vocab", r.vocab.span())
+            if let Some((key, reason)) = spec.fault() {
+                let span = match key {
+                    "layers" => r.layers.span(),
+                    "hidden" => r.hidden.span(),
+                    _ => r.vocab.span(),
                 };
-                self.err(key, Some(span), plan_reason(e))
-            })?;
+                return Err(self.err(format!("model.{key}"), Some(span), reason));
+            }
             for p in spec.params() {
                 p.check().map_err(|e| {
                     self.err(
@@ -586,6 +701,16 @@ impl Doc<'_> {
             let at = |field: &str| format!("param[{i}].{field}");
             let route = Route::parse(r.route.get_ref())
                 .map_err(|reason| self.err(at("route"), Some(r.route.span()), reason))?;
+            if let Some(c) = r.name.get_ref().chars().find(|c| c.is_control()) {
+                return Err(self.err(
+                    at("name"),
+                    Some(r.name.span()),
+                    format!(
+                        "the name {:?} holds the control character {c:?}; names are printed in listings, pictures and errors, so they must be printable",
+                        r.name.get_ref()
+                    ),
+                ));
+            }
             let spec = ParamSpec {
                 name: r.name.get_ref().clone(),
                 shape: r.shape.get_ref().clone(),
@@ -615,7 +740,7 @@ impl Doc<'_> {
                     Some(r.name.span()),
                     format!(
                         "duplicate parameter name `{}`: {other} has it too; names must be unique",
-                        spec.name
+                        overlap_graph::export::printable(&spec.name)
                     ),
                 ));
             }
@@ -653,6 +778,9 @@ impl Doc<'_> {
                 None => self.err("model", model.map(Spanned::span), plan_reason(e)),
             },
             PlanError::Model(_) => self.err("model", model.map(Spanned::span), plan_reason(e)),
+            PlanError::Input { key, .. } if key == "mesh" => {
+                self.err("mesh", Some(mesh.span()), plan_reason(e))
+            }
             PlanError::Input { key, .. } => self.err(key.clone(), None, plan_reason(e)),
             PlanError::Json(_) | PlanError::Malformed { .. } => self.err("", None, plan_reason(e)),
         }
@@ -733,6 +861,18 @@ impl Doc<'_> {
             (None, Some((_, list))) => list.get_ref().len(),
             (None, None) => 1,
         };
+        if m > MAX_MICRO_BATCHES {
+            let (key, span) = match (&a.micro_batches, given.first()) {
+                (Some(mb), _) => ("accumulation.micro_batches".to_string(), mb.span()),
+                (None, Some(&(name, list))) => (format!("accumulation.{name}"), list.span()),
+                (None, None) => ("accumulation.micro_batches".to_string(), 0..0),
+            };
+            return Err(self.err(
+                key,
+                Some(span),
+                format!("{m} micro-batches, more than the limit of {MAX_MICRO_BATCHES}"),
+            ));
+        }
         for &(name, list) in &given {
             let n = list.get_ref().len();
             if n != m {
@@ -887,7 +1027,9 @@ impl Doc<'_> {
         Ok(MuonParams {
             lr: self.float(&k("lr"), &raw.lr, d.lr, Bound::NonNegative)?,
             momentum: self.float(&k("momentum"), &raw.momentum, d.momentum, Bound::Fraction)?,
-            ns_steps: self.at_least_one(&k("ns_steps"), raw.ns_steps.clone(), d.ns_steps)?,
+            ns_steps: self
+                .between(&k("ns_steps"), &raw.ns_steps, MAX_NS_STEPS, " iterations")?
+                .unwrap_or(d.ns_steps),
             weight_decay: self.float(
                 &k("weight_decay"),
                 &raw.weight_decay,

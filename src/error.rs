@@ -36,6 +36,10 @@ pub enum Error {
     /// The API was used out of order.
     #[error("{0}")]
     Usage(String),
+    /// The job needs more than this machine can give (memory; see
+    /// [`crate::resources`]).
+    #[error("resources: {0}")]
+    Resources(String),
     /// The requested backend is not available in this build or on this machine.
     #[error("backend: {0}")]
     Backend(String),

@@ -58,6 +58,7 @@ pub mod interference;
 pub mod launch;
 pub mod observe;
 pub mod rendezvous;
+pub mod resources;
 pub mod session;
 pub mod synthetic;
 pub mod verify;

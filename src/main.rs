@@ -248,10 +248,19 @@ fn main() -> ExitCode {
     match rt.block_on(dispatch(cli.command)) {
         Ok(code) => code,
         Err(e) => {
-            eprintln!("error: {e}");
+            eprintln!("error: {}", printable_lines(&e.to_string()));
             ExitCode::from(2)
         }
     }
+}
+
+/// A message as it may reach a terminal: control characters of names quoted in it
+/// escaped, its own line breaks kept.
+fn printable_lines(s: &str) -> String {
+    s.split('\n')
+        .map(export::printable)
+        .collect::<Vec<_>>()
+        .join("\n")
 }
 
 /// Rust ignores SIGPIPE, so `overlap plan ... | head` would panic on the closed pipe;
@@ -426,6 +435,7 @@ async fn dispatch(cmd: Command) -> Result<ExitCode, Error> {
                 None => cfg.gates.clone(),
             };
             let planner = Planner::new(cfg.plan.clone())?;
+            planner.check_step(gates.len())?;
             if let Some(params) = overlap::session::unflushed(&planner, &gates) {
                 return Err(Error::Unflushed {
                     gates: Gate::pattern_label(&gates),
@@ -462,6 +472,7 @@ async fn dispatch(cmd: Command) -> Result<ExitCode, Error> {
             let plan = match Plan::from_json(&text) {
                 Ok(p) => p,
                 Err(e) => {
+                    let e = export::printable(&e.to_string()).into_owned();
                     eprintln!("{name}: invariant `well-formed` violated: {e}");
                     return Ok(ExitCode::from(1));
                 }
@@ -477,7 +488,7 @@ async fn dispatch(cmd: Command) -> Result<ExitCode, Error> {
                 Ok(ExitCode::SUCCESS)
             } else {
                 for x in &v {
-                    eprintln!("{name}: {x}");
+                    eprintln!("{name}: {}", export::printable(&x.to_string()));
                 }
                 Ok(ExitCode::from(1))
             }
@@ -514,6 +525,10 @@ fn parse_ranks(s: &str, world: u32) -> Result<Vec<u32>, Error> {
 async fn run(cfg: &Config, steps: u32, observe: &ObserveArgs) -> Result<ExitCode, Error> {
     let cuda = use_cuda(cfg.run.backend)?;
     let backend = if cuda { "cuda" } else { "cpu" };
+    if !cuda {
+        // Before any file, listener or thread: the rank limit and the memory estimate.
+        overlap::resources::check_cpu(cfg, 1)?;
+    }
     // In a multi-process job only rank 0 serves metrics and writes the trace and picture.
     let primary = !cuda || overlap::dist::RankEnv::from_env()?.map_or(true, |e| e.rank == 0);
     if let Some(n) = observe.svg_step.filter(|&n| n == 0 || n > u64::from(steps)) {

@@ -95,6 +95,8 @@ pub async fn verify(
     let mut config = config.clone();
     config.run.seed = seed;
     let gates = config.gates.clone();
+    // Two sessions: the gated one and the no_sync reference.
+    crate::resources::check_cpu(&config, 2)?;
     let mut gated = Session::cpu(&config)?;
     let mut reference = Session::cpu(&config)?;
     let ref_gates = no_sync_pattern(gates.len());

@@ -374,9 +374,9 @@ fn zero_model_sizes() {
 fn oversized_model_is_rejected_at_the_model() {
     expect(
         "[mesh]\nshard = 1\nreplicate = 1\n[model]\nlayers = 1\nhidden = 100000\nvocab = 8\n",
-        "model",
-        Some(4),
-        "more than 2^32 elements",
+        "model.hidden",
+        Some(6),
+        "more than the limit of 4294967295 (2^32 - 1) elements per parameter",
     );
 }
 
@@ -624,7 +624,7 @@ fn other_hyper_parameters_out_of_range() {
         &with_base("[optimizer.muon]\nns_steps = 0\n"),
         "optimizer.muon.ns_steps",
         Some(9),
-        "at least 1",
+        "must be between 1 and 100 iterations, got 0",
     );
 }
 

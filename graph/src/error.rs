@@ -12,7 +12,7 @@ pub enum PlanError {
     #[error("model: {0}")]
     Model(String),
     /// A parameter is unusable.
-    #[error("parameter `{name}`: {reason}")]
+    #[error("parameter `{}`: {reason}", crate::export::printable(.name))]
     Param {
         /// The parameter's name.
         name: String,

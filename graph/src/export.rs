@@ -1,10 +1,43 @@
 //! Plan exports for people: a text listing and Graphviz DOT.
 
+use std::borrow::Cow;
 use std::fmt::Write;
 
 use crate::dag::dependencies;
 use crate::node::{Instr, Stream};
 use crate::plan::Plan;
+
+/// A name as it may be printed: control characters (a newline, an escape sequence that
+/// would recolour a terminal) become Rust-style `\u{1b}` escapes; everything else,
+/// including non-ASCII text, is kept. Borrowed when there is nothing to escape.
+pub fn printable(s: &str) -> Cow<'_, str> {
+    if !s.chars().any(char::is_control) {
+        return Cow::Borrowed(s);
+    }
+    let mut out = String::with_capacity(s.len() + 8);
+    for c in s.chars() {
+        if c.is_control() {
+            let _ = write!(out, "\\u{{{:x}}}", u32::from(c));
+        } else {
+            out.push(c);
+        }
+    }
+    Cow::Owned(out)
+}
+
+/// A string as the inside of a DOT double-quoted label: [`printable`], then `\` and `"`
+/// escaped, so that no name can end the string or start a DOT escape (`\n`, `\N`, ...).
+pub fn dot_escape(s: &str) -> String {
+    let mut out = String::with_capacity(s.len());
+    for c in printable(s).chars() {
+        match c {
+            '\\' => out.push_str("\\\\"),
+            '"' => out.push_str("\\\""),
+            c => out.push(c),
+        }
+    }
+    out
+}
 
 /// A text listing: the tables, then each rank's stream programs.
 pub fn to_text(plan: &Plan) -> String {
@@ -27,7 +60,10 @@ pub fn to_text(plan: &Plan) -> String {
         let _ = writeln!(
             s,
             "  p{i} {} {:?} {} layer {}{owner}",
-            p.spec.name, p.spec.shape, p.spec.route, p.spec.layer
+            printable(&p.spec.name),
+            p.spec.shape,
+            p.spec.route,
+            p.spec.layer
         );
     }
     let _ = writeln!(s, "buckets ({}):", plan.buckets.len());
@@ -38,7 +74,7 @@ pub fn to_text(plan: &Plan) -> String {
             b.id,
             b.layer,
             b.route,
-            plan.bucket_param_names(b.id),
+            printable(&plan.bucket_param_names(b.id)),
             plan.stage1_elems(b.id)
         );
     }
@@ -58,8 +94,8 @@ pub fn to_text(plan: &Plan) -> String {
             for ins in &sp.instrs {
                 match *ins {
                     Instr::Run(n) => {
-                        let _ =
-                            writeln!(s, "    run    n{n} {}", plan.label(&rp.nodes[n as usize]));
+                        let label = plan.label(&rp.nodes[n as usize]);
+                        let _ = writeln!(s, "    run    n{n} {}", printable(&label));
                     }
                     Instr::Record(e) => {
                         let _ = writeln!(s, "    record e{e}");
@@ -108,7 +144,7 @@ pub fn to_dot(plan: &Plan, ranks: Option<&[u32]>) -> String {
                     let _ = writeln!(
                         s,
                         "      r{r}n{n} [label=\"{}\", color=\"{}\"];",
-                        plan.label(node).replace('"', "'"),
+                        dot_escape(&plan.label(node)),
                         color(sp.stream)
                     );
                 }
@@ -130,4 +166,22 @@ pub fn to_dot(plan: &Plan, ranks: Option<&[u32]>) -> String {
     }
     s.push_str("}\n");
     s
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn printable_escapes_control_characters_only() {
+        assert!(matches!(printable("blocks.0.qkv"), Cow::Borrowed(_)));
+        assert_eq!(printable("a\u{1b}[31m\nb"), "a\\u{1b}[31m\\u{a}b");
+        assert_eq!(printable("é<&\"'"), "é<&\"'");
+    }
+
+    #[test]
+    fn dot_escape_keeps_the_label_one_string() {
+        assert_eq!(dot_escape(r#"a"b\n"#), r#"a\"b\\n"#);
+        assert_eq!(dot_escape("x\ny"), r"x\\u{a}y");
+    }
 }

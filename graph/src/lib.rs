@@ -38,20 +38,22 @@ pub mod order;
 pub mod owner;
 pub mod param;
 pub mod plan;
+pub mod spec;
 pub mod validate;
 
 pub use build::Planner;
 pub use error::{PlanError, Violation};
 pub use gate::Gate;
-pub use mesh::{Coord, Group, Mesh};
+pub use mesh::{Coord, Group, Mesh, MAX_WORLD};
 pub use node::{
     BucketId, Buffer, Collective, CollectiveKind, DType, EventId, Instr, Node, NodeId, Op,
     OptimizerKind, ReduceOp, Stream,
 };
 pub use order::HappensBefore;
-pub use param::{ModelSpec, ParamId, ParamSpec, Route};
+pub use param::{ModelSpec, ParamId, ParamSpec, Route, MAX_MODEL_LAYERS, MAX_NUMEL};
 pub use plan::{
     Access, Bindings, Bucket, CopySeg, PlacedParam, Plan, PlanSpec, RankProgram, ReduceSpec,
     Schedule, StreamProgram, Transport, DEFAULT_BUCKET_CAP_BYTES,
 };
+pub use spec::{MAX_MICRO_BATCHES, MAX_PARAMS, MAX_STEP_NODES};
 pub use validate::{validate, Mode};

@@ -64,6 +64,14 @@ impl std::fmt::Display for Route {
     }
 }
 
+/// The most elements a parameter may have (2³² − 1, 16 GiB of f32): element offsets and
+/// counts of every node are 32-bit on the wire.
+pub const MAX_NUMEL: u64 = u32::MAX as u64;
+
+/// The most transformer blocks [`ModelSpec`] generates (six parameters each, so within
+/// [`crate::MAX_PARAMS`]).
+pub const MAX_MODEL_LAYERS: u32 = 4096;
+
 /// Identifies a parameter by its index in [`crate::Plan::params`].
 pub type ParamId = u32;
 
@@ -156,10 +164,16 @@ impl ParamSpec {
         }
         let numel = self.shape.iter().try_fold(1u64, |a, &d| a.checked_mul(d));
         match numel {
-            Some(n) if n <= u64::from(u32::MAX) => {}
-            _ => {
+            Some(n) if n <= MAX_NUMEL => {}
+            Some(n) => {
                 return Err(bad(format!(
-                    "shape {:?} has more than 2^32 elements",
+                    "shape {:?} has {n} elements, more than the limit of {MAX_NUMEL} (2^32 - 1) per parameter",
+                    self.shape
+                )))
+            }
+            None => {
+                return Err(bad(format!(
+                    "shape {:?} has more elements than 64 bits can count; the limit is {MAX_NUMEL} (2^32 - 1) per parameter",
                     self.shape
                 )))
             }
@@ -190,6 +204,10 @@ pub struct ModelSpec {
 impl ModelSpec {
     /// The generated parameters. Layer numbers follow backward order: the head is the
     /// highest layer (`layers + 1`), the embedding layer 0, block `i` layer `i + 1`.
+    ///
+    /// Call [`ModelSpec::check`] first: it bounds the number of parameters this makes
+    /// (`6 × layers + 3`). Sizes that overflow saturate, so that [`ParamSpec::check`]
+    /// rejects them rather than the arithmetic panicking.
     pub fn params(&self) -> Vec<ParamSpec> {
         let h = self.hidden;
         let p = |name: String, shape: Vec<u64>, route, layer| ParamSpec {
@@ -207,39 +225,94 @@ impl ModelSpec {
         for i in 0..self.layers {
             let l = i + 1;
             out.push(p(format!("blocks.{i}.attn_norm"), vec![h], Route::Fsdp, l));
-            out.push(p(format!("blocks.{i}.qkv"), vec![3 * h, h], Route::Muon, l));
+            out.push(p(
+                format!("blocks.{i}.qkv"),
+                vec![h.saturating_mul(3), h],
+                Route::Muon,
+                l,
+            ));
             out.push(p(format!("blocks.{i}.proj"), vec![h, h], Route::Muon, l));
             out.push(p(format!("blocks.{i}.mlp_norm"), vec![h], Route::Fsdp, l));
-            out.push(p(format!("blocks.{i}.fc1"), vec![4 * h, h], Route::Muon, l));
-            out.push(p(format!("blocks.{i}.fc2"), vec![h, 4 * h], Route::Muon, l));
+            out.push(p(
+                format!("blocks.{i}.fc1"),
+                vec![h.saturating_mul(4), h],
+                Route::Muon,
+                l,
+            ));
+            out.push(p(
+                format!("blocks.{i}.fc2"),
+                vec![h, h.saturating_mul(4)],
+                Route::Muon,
+                l,
+            ));
         }
         out.push(p(
             "final_norm".into(),
             vec![h],
             Route::Fsdp,
-            self.layers + 1,
+            self.layers.saturating_add(1),
         ));
         out.push(p(
             "head".into(),
             vec![self.vocab, h],
             Route::ShardedAdamw,
-            self.layers + 1,
+            self.layers.saturating_add(1),
         ));
         out
     }
 
-    /// Rejects a zero-sized model.
+    /// Rejects a zero-sized model, more than [`MAX_MODEL_LAYERS`] blocks, and sizes whose
+    /// largest generated parameter (`fc1`'s `4h × h`, or `V × h`) would pass
+    /// [`MAX_NUMEL`] elements.
     pub fn check(&self) -> Result<(), PlanError> {
+        match self.fault() {
+            Some((_, reason)) => Err(PlanError::Model(reason)),
+            None => Ok(()),
+        }
+    }
+
+    /// The key at fault (`layers`, `hidden` or `vocab`) and why, or `None` for a usable
+    /// model; [`ModelSpec::check`] in a form that lets a caller point at the key.
+    pub fn fault(&self) -> Option<(&'static str, String)> {
         for (key, v) in [
             ("layers", u64::from(self.layers)),
             ("hidden", self.hidden),
             ("vocab", self.vocab),
         ] {
             if v == 0 {
-                return Err(PlanError::Model(format!("`{key}` must be at least 1")));
+                return Some((key, format!("`{key}` must be at least 1")));
             }
         }
-        Ok(())
+        if self.layers > MAX_MODEL_LAYERS {
+            return Some((
+                "layers",
+                format!(
+                    "`layers` is {}, more than the limit of {MAX_MODEL_LAYERS} blocks",
+                    self.layers
+                ),
+            ));
+        }
+        let h = self.hidden;
+        let block = h.checked_mul(4).and_then(|x| x.checked_mul(h));
+        if block.map_or(true, |n| n > MAX_NUMEL) {
+            return Some((
+                "hidden",
+                format!(
+                    "`hidden` = {h} makes blocks.*.fc1 a [{}, {h}] matrix, more than the limit of {MAX_NUMEL} (2^32 - 1) elements per parameter",
+                    h.saturating_mul(4)
+                ),
+            ));
+        }
+        let v = self.vocab;
+        if v.checked_mul(h).map_or(true, |n| n > MAX_NUMEL) {
+            return Some((
+                "vocab",
+                format!(
+                    "`vocab` = {v} with `hidden` = {h} makes `embed` and `head` [{v}, {h}] matrices, more than the limit of {MAX_NUMEL} (2^32 - 1) elements per parameter"
+                ),
+            ));
+        }
+        None
     }
 }
 
@@ -278,6 +351,30 @@ mod tests {
         assert!(spec(vec![4], Route::Muon).check().is_err());
         assert!(spec(vec![4, 0], Route::Adamw).check().is_err());
         assert!(spec(vec![4, 2], Route::Muon).check().is_ok());
+    }
+
+    #[test]
+    fn oversized_shapes_and_models_are_rejected_without_overflow() {
+        let e = spec(vec![u64::MAX, u64::MAX], Route::Fsdp)
+            .check()
+            .unwrap_err();
+        assert!(e.to_string().contains("limit is 4294967295"), "{e}");
+        let e = spec(vec![65536, 65536], Route::Fsdp).check().unwrap_err();
+        assert!(e.to_string().contains("4294967296 elements"), "{e}");
+        assert!(spec(vec![65535, 65537], Route::Fsdp).check().is_ok());
+        let m = |layers, hidden, vocab| ModelSpec {
+            layers,
+            hidden,
+            vocab,
+        };
+        assert_eq!(m(u32::MAX, 8, 8).fault().unwrap().0, "layers");
+        assert_eq!(m(2, u64::MAX, 8).fault().unwrap().0, "hidden");
+        assert_eq!(m(2, 32768, 8).fault().unwrap().0, "hidden");
+        assert_eq!(m(2, 8, u64::MAX).fault().unwrap().0, "vocab");
+        assert!(m(MAX_MODEL_LAYERS, 32767, 131_000).check().is_ok());
+        // Unchecked, the generator saturates instead of overflowing.
+        let ps = m(1, u64::MAX, 8).params();
+        assert!(ps.iter().any(|p| p.check().is_err()));
     }
 
     #[test]

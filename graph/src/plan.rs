@@ -1090,6 +1090,20 @@ impl Plan {
                     }
                 }
             }
+            // Executors allocate an entry per event up front: more events than the
+            // rank's instructions could ever record is a malformed count, not a plan.
+            let instrs: u64 = rp.streams.iter().map(|sp| sp.instrs.len() as u64).sum();
+            if u64::from(rp.events) > instrs {
+                return mal(
+                    None,
+                    None,
+                    at("events".into()),
+                    format!(
+                        "{} events, more than the rank's {instrs} instructions can record",
+                        rp.events
+                    ),
+                );
+            }
             let mut seen = vec![false; rp.nodes.len()];
             let mut streams_seen = [false; Stream::COUNT];
             for (si, sp) in rp.streams.iter().enumerate() {

@@ -51,10 +51,12 @@ fn colour(kind: &str) -> &'static str {
         .unwrap_or("#bab0ac")
 }
 
-/// Escapes text for XML content and attribute values.
+/// Escapes text for XML content and attribute values. Control characters, which XML
+/// 1.0 forbids even as character references, are first written as `\u{1b}`
+/// ([`overlap_graph::export::printable`]).
 pub fn escape(s: &str) -> String {
     let mut out = String::with_capacity(s.len());
-    for c in s.chars() {
+    for c in overlap_graph::export::printable(s).chars() {
         match c {
             '&' => out.push_str("&amp;"),
             '<' => out.push_str("&lt;"),
@@ -280,6 +282,7 @@ mod tests {
     #[test]
     fn escape_makes_any_name_safe_in_xml() {
         assert_eq!(escape(r#"a<b>&"c'"#), "a&lt;b&gt;&amp;&quot;c&apos;");
+        assert_eq!(escape("a\u{1b}[1m\nb\u{7f}"), "a\\u{1b}[1m\\u{a}b\\u{7f}");
     }
 
     #[test]

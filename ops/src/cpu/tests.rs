@@ -9,7 +9,7 @@ use std::time::{Duration, Instant};
 
 use overlap_graph::{Collective, CollectiveKind, CopySeg, DType, Group, Mesh, ReduceOp, Stream};
 
-use super::{CpuBackend, CpuBuffer, CpuEvent};
+use super::{CpuBackend, CpuBuffer, CpuEvent, MAX_RANKS};
 use crate::{math, AdamwParams, Backend, CommId, EventStatus, Kernel, MuonParams, OpsError, Tag};
 
 /// Wakes a parked thread.
@@ -1995,4 +1995,32 @@ fn a_gather_checks_its_collective_and_buffer() {
     for buf in &bufs {
         assert_eq!(b.download(buf).unwrap(), want);
     }
+}
+
+#[test]
+fn a_mesh_past_the_rank_limit_starts_no_thread_and_fails_what_is_issued() {
+    assert!(CpuBackend::check_mesh(mesh(16, 16)).is_ok());
+    assert!(CpuBackend::check_mesh(mesh(MAX_RANKS, 1)).is_ok());
+    let big = mesh(MAX_RANKS + 1, 1);
+    let e = CpuBackend::check_mesh(big).unwrap_err().to_string();
+    assert!(e.contains("limit of 1024"), "{e}");
+    let e = CpuBackend::check_mesh(Mesh {
+        shard: 0,
+        replicate: 1,
+    })
+    .unwrap_err();
+    assert!(e.to_string().contains("zero dimension"), "{e}");
+    let b = CpuBackend::new(big);
+    assert!(b.threads.is_empty());
+    b.launch(0, Stream::Compute, tag(0, "grad_ready"), Kernel::Marker);
+    let ev = record(&b, 0, Stream::Compute);
+    assert!(matches!(b.status(&ev), EventStatus::Failed(_)));
+    let errors = b.errors();
+    assert!(!errors.is_empty());
+    assert!(
+        errors
+            .iter()
+            .all(|e| e.3.to_string().contains("CPU backend's limit of 1024")),
+        "{errors:?}"
+    );
 }

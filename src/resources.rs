@@ -1,0 +1,268 @@
+//! What a run on the CPU backend needs, checked before anything is allocated.
+//!
+//! The CPU backend runs every rank of the mesh in this process: a thread per rank and
+//! stream, and every rank's parameters, optimizer state, gradients and plans in this
+//! process's memory. [`check_cpu`] refuses a job the backend cannot drive (more than
+//! [`MAX_RANKS`](overlap_ops::cpu::MAX_RANKS) ranks) or the machine cannot hold (an [`estimate_cpu`] above the
+//! memory the kernel says is available), with an error that names the estimate and
+//! what is available. `overlap run` and `overlap verify` call it before starting a
+//! session; a trainer that builds a [`Session::cpu`](crate::Session::cpu) can too.
+//!
+//! The estimate is an upper bound of the steady state, not a measurement: every
+//! rank's gradients of a whole micro-batch in flight at once, each Stage-1 buffer as
+//! large as the gradients it packs, the optimizers' scratch on every rank at once.
+//! Memory does not grow with the number of steps (nothing is kept per step), so steps
+//! are not part of it.
+
+use std::fmt;
+
+use overlap_graph::{Gate, Planner, Route, Stream};
+use overlap_ops::cpu::CpuBackend;
+use overlap_ops::OpsError;
+
+use crate::config::Config;
+use crate::Error;
+
+/// Bytes a plan node costs, with its share of the lowered programs, the validator's
+/// and the executor's per-plan tables (measured: about 160 bytes per node for planning
+/// and validation, `overlap plan` on a 16x16 mesh, 865 k nodes, 136 MB).
+pub const PLAN_NODE_BYTES: u64 = 256;
+
+/// Resident bytes a stream thread costs (stack pages touched and bookkeeping; measured:
+/// `overlap verify` on 256 ranks, 2560 threads, 115 MB in all).
+pub const THREAD_BYTES: u64 = 64 * 1024;
+
+/// The memory a CPU-backend job needs, by part, in bytes.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub struct MemoryEstimate {
+    /// Parameters: each rank's shard or owned copy.
+    pub params: u64,
+    /// Optimizer state: AdamW's two moments, Muon's momentum and Newton–Schulz scratch.
+    pub optimizer: u64,
+    /// Gradients of a micro-batch on every rank, their Stage-1 buffers, no_sync
+    /// accumulations, partials and reduced gradients.
+    pub gradients: u64,
+    /// The step plan and the plan of every micro-batch prefix, as a session caches them.
+    pub plans: u64,
+    /// Host-side buffers: a parameter's full initial values (and, for `verify`, the
+    /// reference's f64 sums), and the stream threads.
+    pub host: u64,
+}
+
+impl MemoryEstimate {
+    /// The sum of the parts (saturating).
+    pub fn total(&self) -> u64 {
+        [
+            self.params,
+            self.optimizer,
+            self.gradients,
+            self.plans,
+            self.host,
+        ]
+        .into_iter()
+        .fold(0u64, u64::saturating_add)
+    }
+}
+
+impl fmt::Display for MemoryEstimate {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(
+            f,
+            "{} (parameters {}, optimizer state {}, gradients and partials {}, plans {}, host buffers and threads {})",
+            human(self.total()),
+            human(self.params),
+            human(self.optimizer),
+            human(self.gradients),
+            human(self.plans),
+            human(self.host)
+        )
+    }
+}
+
+/// Bytes in binary units, one decimal.
+pub fn human(bytes: u64) -> String {
+    const UNITS: [&str; 6] = ["B", "KiB", "MiB", "GiB", "TiB", "PiB"];
+    let mut x = bytes as f64;
+    let mut unit = 0;
+    while x >= 1024.0 && unit + 1 < UNITS.len() {
+        x /= 1024.0;
+        unit += 1;
+    }
+    if unit == 0 {
+        format!("{bytes} B")
+    } else {
+        format!("{x:.1} {}", UNITS[unit])
+    }
+}
+
+/// The memory a job of `sessions` CPU-backend sessions of `config` needs (`overlap run`
+/// runs one, `overlap verify` two: the gated one and the no_sync reference), with the
+/// planner `planner` of `config.plan`. Saturates instead of overflowing.
+pub fn estimate_cpu(config: &Config, planner: &Planner, sessions: u32) -> MemoryEstimate {
+    const F32: u64 = 4;
+    let mesh = config.plan.mesh;
+    let (s, r) = (u64::from(mesh.shard), u64::from(mesh.replicate));
+    let world = s * r;
+    let mul = u64::saturating_mul;
+    let (mut params, mut optimizer, mut numel_all, mut chunks) = (0u64, 0u64, 0u64, 0u64);
+    let (mut largest, mut largest_muon) = (0u64, 0u64);
+    for p in planner.params() {
+        let numel = p.spec.numel();
+        let chunk = p.spec.chunk(mesh.shard);
+        // Owned routes: the owner's whole shard column holds the parameter; sharded
+        // ones: a chunk on every rank.
+        let held = if p.spec.route.is_owned() {
+            mul(numel, r)
+        } else {
+            mul(chunk, world)
+        };
+        params = params.saturating_add(held);
+        optimizer = optimizer.saturating_add(match p.spec.route {
+            Route::Muon => held,
+            _ => mul(held, 2),
+        });
+        numel_all = numel_all.saturating_add(numel);
+        chunks = chunks.saturating_add(chunk);
+        largest = largest.max(numel);
+        if p.spec.route == Route::Muon {
+            largest_muon = largest_muon.max(numel);
+        }
+    }
+    // Newton–Schulz on every rank at once: the iterate, its Gram matrix and two
+    // products.
+    optimizer = optimizer.saturating_add(mul(mul(largest_muon, 4), world));
+    let no_sync = config.gates.contains(&Gate::NoSync);
+    // Per rank: a micro-batch's gradients, as many Stage-1 bytes and as many again for
+    // the collectives' outputs and the pool, the no_sync accumulation, and partials
+    // plus reduced gradients of every bucket. (Measured: `overlap run` of three AdamW
+    // parameters of 6 M elements in all on a 2x2 mesh, gates no_sync,off,on, peaks at
+    // 624 MiB; this estimates 705 MiB.)
+    let per_rank = mul(numel_all, 3 + u64::from(no_sync)).saturating_add(mul(chunks, 2));
+    let gradients = mul(per_rank, world);
+    // A step plan, and the plan of every prefix of it (micro-batches 1..=m).
+    let m = config.gates.len() as u64;
+    let tail = planner.step_nodes_bound(0);
+    let per_mb = planner.step_nodes_bound(1).saturating_sub(tail);
+    let prefix_sum = mul(per_mb, mul(m, m + 1) / 2).saturating_add(mul(tail, m));
+    let plans = mul(
+        planner
+            .step_nodes_bound(config.gates.len())
+            .saturating_add(prefix_sum),
+        PLAN_NODE_BYTES,
+    );
+    let threads = mul(mul(world, Stream::ALL.len() as u64), THREAD_BYTES);
+    // verify's reference: two f64 sums and an f32 gradient of the largest parameter.
+    let reference = if sessions > 1 { mul(largest, 20) } else { 0 };
+    let n = u64::from(sessions);
+    MemoryEstimate {
+        params: mul(mul(params, F32), n),
+        optimizer: mul(mul(optimizer, F32), n),
+        gradients: mul(mul(gradients, F32), n),
+        plans: mul(plans, n),
+        host: mul(largest, F32)
+            .saturating_add(reference)
+            .saturating_add(mul(threads, n)),
+    }
+}
+
+/// The memory available to new allocations, in bytes: `MemAvailable` of
+/// `/proc/meminfo` on Linux; `None` where it cannot be read (then nothing is refused).
+pub fn available_memory() -> Option<u64> {
+    let text = std::fs::read_to_string("/proc/meminfo").ok()?;
+    meminfo_available(&text)
+}
+
+/// `MemAvailable` of a `/proc/meminfo` text, in bytes.
+pub fn meminfo_available(text: &str) -> Option<u64> {
+    let line = text.lines().find(|l| l.starts_with("MemAvailable:"))?;
+    let mut words = line["MemAvailable:".len()..].split_whitespace();
+    let value: u64 = words.next()?.parse().ok()?;
+    match words.next() {
+        Some("kB") | None => value.checked_mul(1024),
+        Some(_) => None,
+    }
+}
+
+/// Refuses a job whose estimate passes what is available (`None`: unknown, accepted).
+pub fn check_memory(
+    estimate: &MemoryEstimate,
+    available: Option<u64>,
+    what: &str,
+) -> Result<(), Error> {
+    match available {
+        Some(avail) if estimate.total() > avail => Err(Error::Resources(format!(
+            "{what} needs about {estimate}, but this machine has {} available (MemAvailable in /proc/meminfo); use a smaller model, mesh or fewer micro-batches",
+            human(avail)
+        ))),
+        _ => Ok(()),
+    }
+}
+
+/// Checks, before anything is allocated, that the CPU backend can run `sessions`
+/// sessions of `config` here: at most [`MAX_RANKS`](overlap_ops::cpu::MAX_RANKS) ranks, a step plan within the
+/// planner's limits for the config's gates, and an [`estimate_cpu`] within
+/// [`available_memory`]. Returns the estimate.
+pub fn check_cpu(config: &Config, sessions: u32) -> Result<MemoryEstimate, Error> {
+    CpuBackend::check_mesh(config.plan.mesh).map_err(|e| match e {
+        OpsError::Backend(reason) => Error::Backend(reason),
+        other => Error::Backend(other.to_string()),
+    })?;
+    let planner = Planner::new(config.plan.clone())?;
+    planner.check_step(config.gates.len())?;
+    let estimate = estimate_cpu(config, &planner, sessions);
+    let what = format!(
+        "{} on the CPU backend (mesh {}, {} ranks, {} micro-batches{})",
+        config.source,
+        config.plan.mesh,
+        config.plan.mesh.world(),
+        config.gates.len(),
+        if sessions > 1 {
+            format!(", {sessions} sessions")
+        } else {
+            String::new()
+        }
+    );
+    check_memory(&estimate, available_memory(), &what)?;
+    Ok(estimate)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn meminfo_is_read_in_kib() {
+        let text = "MemTotal:       24000000 kB\nMemFree:  100 kB\nMemAvailable:   16384 kB\n";
+        assert_eq!(meminfo_available(text), Some(16384 * 1024));
+        assert_eq!(meminfo_available("MemTotal: 1 kB\n"), None);
+        assert_eq!(meminfo_available("MemAvailable: lots kB\n"), None);
+        assert_eq!(
+            meminfo_available("MemAvailable: 99999999999999999999 kB\n"),
+            None
+        );
+    }
+
+    #[test]
+    fn human_units() {
+        assert_eq!(human(512), "512 B");
+        assert_eq!(human(1536), "1.5 KiB");
+        assert_eq!(human(3 << 30), "3.0 GiB");
+        assert_eq!(human(u64::MAX), "16384.0 PiB");
+    }
+
+    #[test]
+    fn an_estimate_above_what_is_available_is_refused_naming_both() {
+        let e = MemoryEstimate {
+            params: 3 << 30,
+            gradients: 2 << 30,
+            ..MemoryEstimate::default()
+        };
+        assert!(check_memory(&e, None, "job").is_ok());
+        assert!(check_memory(&e, Some(6 << 30), "job").is_ok());
+        let msg = check_memory(&e, Some(4 << 30), "job")
+            .unwrap_err()
+            .to_string();
+        assert!(msg.contains("needs about 5.0 GiB"), "{msg}");
+        assert!(msg.contains("4.0 GiB available"), "{msg}");
+    }
+}
