@@ -42,7 +42,7 @@ pub struct MemoryEstimate {
     /// Gradients of a micro-batch on every rank, their Stage-1 buffers, no_sync
     /// accumulations, partials and reduced gradients.
     pub gradients: u64,
-    /// The step plan and the plan of every micro-batch prefix, as a session caches them.
+    /// The step plan and the plan the session runs micro-batches on (planned ahead).
     pub plans: u64,
     /// Host-side buffers: a parameter's full initial values (and, for `verify`, the
     /// reference's f64 sums), and the stream threads.
@@ -139,17 +139,12 @@ pub fn estimate_cpu(config: &Config, planner: &Planner, sessions: u32) -> Memory
     // 624 MiB; this estimates 705 MiB.)
     let per_rank = mul(numel_all, 3 + u64::from(no_sync)).saturating_add(mul(chunks, 2));
     let gradients = mul(per_rank, world);
-    // A step plan, and the plan of every prefix of it (micro-batches 1..=m).
-    let m = config.gates.len() as u64;
-    let tail = planner.step_nodes_bound(0);
-    let per_mb = planner.step_nodes_bound(1).saturating_sub(tail);
-    let prefix_sum = mul(per_mb, mul(m, m + 1) / 2).saturating_add(mul(tail, m));
-    let plans = mul(
-        planner
-            .step_nodes_bound(config.gates.len())
-            .saturating_add(prefix_sum),
-        PLAN_NODE_BYTES,
-    );
+    // The step plan, and the current plan the session runs micro-batches on: planned
+    // ahead, at most twice the step's micro-batches (`session` module docs); each also
+    // prepared once per rank by the executor (counted in the per-node bytes).
+    let step = planner.step_nodes_bound(config.gates.len());
+    let ahead = planner.step_nodes_bound(config.gates.len().saturating_mul(2));
+    let plans = mul(step.saturating_add(ahead), PLAN_NODE_BYTES);
     let threads = mul(mul(world, Stream::ALL.len() as u64), THREAD_BYTES);
     // verify's reference: two f64 sums and an f32 gradient of the largest parameter.
     let reference = if sessions > 1 { mul(largest, 20) } else { 0 };

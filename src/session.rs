@@ -153,13 +153,17 @@ pub struct Session<B: Backend = CpuBackend> {
 
 impl Session<CpuBackend> {
     /// A session on the CPU backend (all ranks of the mesh as threads), parameters
-    /// initialised from the config's seed.
+    /// initialised from the config's seed. A mesh above the backend's rank limit, or a
+    /// run the machine's memory cannot hold ([`crate::resources::check_cpu`]), is an
+    /// error before any thread starts.
     pub fn cpu(config: &Config) -> Result<Self, Error> {
         if config.run.backend == BackendChoice::Cuda {
             return Err(Error::Backend(
                 "the config asks for backend \"cuda\"; this session runs on the CPU backend".into(),
             ));
         }
+        // The rank limit, the step's size and the memory it needs, before any thread.
+        crate::resources::check_cpu(config, 1)?;
         let backend = Arc::new(CpuBackend::new(config.plan.mesh));
         let mut s = Session::new(config.plan.clone(), backend, exec_config(config))?;
         let seed = config.run.seed;

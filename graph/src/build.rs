@@ -27,29 +27,9 @@ pub struct Planner {
 impl Planner {
     /// Checks the spec, assigns owners and packs buckets.
     pub fn new(spec: PlanSpec) -> Result<Planner, PlanError> {
-        spec.mesh.check()?;
-        if spec.params.is_empty() {
-            return Err(PlanError::Input {
-                key: "param".into(),
-                reason: "no parameters: add [[param]] entries or a [model]".into(),
-            });
-        }
-        let mut names = std::collections::HashSet::new();
-        for p in &spec.params {
-            p.check()?;
-            if !names.insert(p.name.as_str()) {
-                return Err(PlanError::Param {
-                    name: p.name.clone(),
-                    reason: "the name is used twice".into(),
-                });
-            }
-        }
-        if spec.bucket_cap_bytes == 0 {
-            return Err(PlanError::Input {
-                key: "buckets.cap_bytes".into(),
-                reason: "must be at least 1".into(),
-            });
-        }
+        // The mesh, every parameter, their number and the bucket cap, before anything
+        // is allocated from them.
+        spec.check()?;
         let owners = owner::assign_owners(spec.mesh, &spec.params);
         let params: Vec<PlacedParam> = spec
             .params
@@ -107,6 +87,8 @@ impl Planner {
                 reason: "a step needs at least one micro-batch".into(),
             });
         }
+        // A step too large to plan is refused before its nodes are allocated.
+        self.check_step(gates.len())?;
         if gates.len() > u32::MAX as usize {
             return Err(PlanError::Input {
                 key: "accumulation.micro_batches".into(),
