@@ -74,7 +74,7 @@ impl PlanSpec {
 
     /// An upper bound on the nodes of a step plan over all ranks, with `buckets` buckets
     /// and `micro_batches` micro-batches: per rank and micro-batch a `grad_ready` per
-    /// layer and at most [`CHAIN_NODES`] per bucket, per rank an optimizer and a publish
+    /// layer and at most `CHAIN_NODES` per bucket, per rank an optimizer and a publish
     /// per parameter. Saturates instead of overflowing.
     pub fn step_nodes_bound(&self, buckets: usize, micro_batches: usize) -> u64 {
         let mut layers: Vec<u32> = self.params.iter().map(|p| p.layer).collect();

@@ -28,7 +28,7 @@
 //!   issue the same collectives in the same order with the same sizes, dtypes and roots.
 //! - `no-deadlock`: executing all ranks' programs together, every stream finishes.
 //! - `contributions-exactly-once`: following every buffer's `(micro-batch, source rank)`
-//!   contributions across ranks ([`accounting`]), no node re-reads contributions that
+//!   contributions across ranks (`validate/accounting.rs`), no node re-reads contributions that
 //!   were handed on, and no sum counts a contribution twice.
 //! - `gradient-accounting`: every stage reduces values of its level, no initialising
 //!   write drops a live value, and every optimizer consumes exactly the no_sync
