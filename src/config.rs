@@ -319,7 +319,8 @@ impl Config {
                 .filter_map(|&i| self.plan.params.get(i as usize))
                 .map(|p| p.name.as_str())
                 .collect();
-            format!("{} params: {}", list.len(), list.join(", "))
+            let noun = if list.len() == 1 { "param" } else { "params" };
+            format!("{} {noun}: {}", list.len(), list.join(", "))
         };
         let _ = writeln!(
             s,
