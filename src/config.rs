@@ -688,7 +688,7 @@ impl Doc<'_> {
                 return Err(self.err(
                     format!("schedule.{key}"),
                     span,
-                    format!("has no effect with kind = \"constant\" (no decay); remove it, or choose kind = \"cosine\" or \"linear\""),
+                    "has no effect with kind = \"constant\" (no decay); remove it, or choose kind = \"cosine\" or \"linear\"",
                 ));
             }
             return Ok(s);

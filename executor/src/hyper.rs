@@ -69,21 +69,27 @@ impl ParamGroup {
         if self.pattern.is_empty() {
             return Err(("match", "the pattern is empty".into()));
         }
-        let non_negative = |x: f32| x.is_finite() && x >= 0.0;
-        let fraction = |x: f32| x.is_finite() && (0.0..1.0).contains(&x);
-        let checks: [(&'static str, Option<f32>, fn(f32) -> bool, &str); 6] = [
-            ("lr_scale", Some(self.lr_scale), non_negative, ">= 0"),
-            ("weight_decay", self.weight_decay, non_negative, ">= 0"),
-            ("beta1", self.beta1, fraction, "in [0, 1)"),
-            ("beta2", self.beta2, fraction, "in [0, 1)"),
-            ("eps", self.eps, |x| x.is_finite() && x > 0.0, "> 0"),
-            ("momentum", self.momentum, fraction, "in [0, 1)"),
+        const NON_NEGATIVE: &str = ">= 0";
+        const FRACTION: &str = "in [0, 1)";
+        const POSITIVE: &str = "> 0";
+        let checks = [
+            ("lr_scale", Some(self.lr_scale), NON_NEGATIVE),
+            ("weight_decay", self.weight_decay, NON_NEGATIVE),
+            ("beta1", self.beta1, FRACTION),
+            ("beta2", self.beta2, FRACTION),
+            ("eps", self.eps, POSITIVE),
+            ("momentum", self.momentum, FRACTION),
         ];
-        for (key, value, ok, what) in checks {
-            if let Some(x) = value {
-                if !ok(x) {
-                    return Err((key, format!("must be a finite number {what}, got {x}")));
-                }
+        for (key, value, what) in checks {
+            let Some(x) = value else { continue };
+            let ok = x.is_finite()
+                && match what {
+                    NON_NEGATIVE => x >= 0.0,
+                    FRACTION => (0.0..1.0).contains(&x),
+                    _ => x > 0.0,
+                };
+            if !ok {
+                return Err((key, format!("must be a finite number {what}, got {x}")));
             }
         }
         if self.ns_steps == Some(0) {
