@@ -396,3 +396,35 @@ fn the_example_with_groups_and_a_schedule_verifies() {
     assert!(report.ok, "{report:?}");
     assert_eq!(report.partials_left, 0);
 }
+
+#[test]
+fn an_executor_used_directly_resolves_its_groups_from_the_first_plan() {
+    use overlap::executor::{ExecError, Executor};
+    let planner = overlap::graph::Planner::new(spec()).unwrap();
+    let plan = Arc::new(planner.plan(&[Gate::On]).unwrap());
+    let backend = Arc::new(CpuBackend::new(Mesh::new(2, 1).unwrap()));
+    let exec = |pattern: &str| ExecConfig {
+        groups: vec![ParamGroup::new(pattern)],
+        ..ExecConfig::default()
+    };
+    runtime().block_on(async {
+        let mut ex = Executor::new(backend.clone(), exec("no*"));
+        ex.adopt(&plan);
+        assert_eq!(ex.hyper().group_of(1), Some(0));
+        assert_eq!(ex.hyper().group_of(0), None);
+        ex.discard().await.unwrap();
+
+        // A group that gets nothing fails the hand-in before any node is issued.
+        let mut ex = Executor::new(backend.clone(), exec("bias"));
+        ex.adopt(&plan);
+        let e = ex
+            .grad_ready(0, 1, |_, _, out| out.fill(0.0))
+            .await
+            .unwrap_err();
+        assert!(
+            matches!(&e, ExecError::Usage(m) if m.contains("`bias` matches no parameter")),
+            "{e}"
+        );
+        assert!(ex.finish_step().await.is_err());
+    });
+}
