@@ -644,6 +644,8 @@ fn timeline_svg(plan: &Plan, me: u32, stats: &StepStats) -> String {
         stats,
         stage2_bytes_saved: 0,
         stage2_bytes: 0,
+        lr_factor: 1.0,
+        lr: Vec::new(),
     };
     let analysis = crate::observe::StepAnalysis::new(&report, plan);
     crate::observe::svg::render(&report, plan, &analysis)

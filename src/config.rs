@@ -22,6 +22,7 @@ use std::ops::Range;
 use std::path::Path;
 use std::str::FromStr;
 
+use overlap_executor::{HyperTable, LrSchedule, ParamGroup, ScheduleKind};
 use overlap_graph::{
     Bindings, DType, Gate, Mesh, ModelSpec, ParamSpec, PlanError, PlanSpec, Planner, ReduceOp,
     ReduceSpec, Route, Schedule, Stream, Transport, MAX_MICRO_BATCHES,
@@ -53,6 +54,11 @@ pub struct Config {
     pub adamw: AdamwParams,
     /// `[optimizer.muon]`: used by the `muon` route.
     pub muon: MuonParams,
+    /// `[[optimizer.group]]`, in file order: settings for the parameters whose names
+    /// match (first match wins); every group gets at least one parameter.
+    pub groups: Vec<ParamGroup>,
+    /// `[schedule]`: the learning-rate factor of each step (constant 1 without it).
+    pub schedule: LrSchedule,
     /// `[metrics]`: the Prometheus exporter, and which steps are timed.
     pub metrics: MetricsConfig,
 }
@@ -296,6 +302,83 @@ impl Config {
                 Transport::Nccl
             };
         }
+    }
+
+    /// The optimizer settings in effect, as `overlap plan --format text` prints them: one
+    /// line per `[[optimizer.group]]` (its match, the settings it changes, the parameters
+    /// it got), a line for the parameters in no group (the base `[optimizer.adamw]` /
+    /// `[optimizer.muon]` settings), and the learning-rate schedule.
+    pub fn optimizer_text(&self) -> String {
+        use std::fmt::Write;
+        let mut s = String::new();
+        let table =
+            match HyperTable::resolve(self.adamw, self.muon, &self.groups, &self.plan.params) {
+                Ok(t) => t,
+                // A checked config always resolves; say so rather than print nothing.
+                Err(e) => return format!("optimizer: {e}\n"),
+            };
+        let names = |ids: Vec<overlap_graph::ParamId>| {
+            let list: Vec<&str> = ids
+                .iter()
+                .filter_map(|&i| self.plan.params.get(i as usize))
+                .map(|p| p.name.as_str())
+                .collect();
+            let noun = if list.len() == 1 { "param" } else { "params" };
+            format!("{} {noun}: {}", list.len(), list.join(", "))
+        };
+        let _ = writeln!(
+            s,
+            "optimizer groups ({}; first match wins):",
+            self.groups.len()
+        );
+        for (i, g) in self.groups.iter().enumerate() {
+            let settings: Vec<String> = g
+                .settings()
+                .into_iter()
+                .map(|(k, v)| format!("{k} = {v}"))
+                .collect();
+            let settings = if settings.is_empty() {
+                "(no changes)".to_string()
+            } else {
+                settings.join(", ")
+            };
+            let _ = writeln!(
+                s,
+                "  group {i}  match {:?}  {settings}  -> {}",
+                g.pattern,
+                names(table.members(Some(i)))
+            );
+        }
+        let a = self.adamw;
+        let m = self.muon;
+        let _ = writeln!(
+            s,
+            "  no group: base [optimizer.adamw] lr = {}, beta1 = {}, beta2 = {}, eps = {}, weight_decay = {}; [optimizer.muon] lr = {}, momentum = {}, ns_steps = {}, weight_decay = {}  -> {}",
+            a.lr, a.beta1, a.beta2, a.eps, a.weight_decay, m.lr, m.momentum, m.ns_steps, m.weight_decay,
+            names(table.members(None))
+        );
+        let sc = self.schedule;
+        let _ = match sc.kind {
+            ScheduleKind::Constant if sc.warmup_steps == 0 => {
+                writeln!(s, "schedule: constant (lr factor 1 at every step)")
+            }
+            ScheduleKind::Constant => writeln!(
+                s,
+                "schedule: constant, warmup_steps = {} (lr factor t/{} up to step {}, then 1)",
+                sc.warmup_steps, sc.warmup_steps, sc.warmup_steps
+            ),
+            kind => writeln!(
+                s,
+                "schedule: {kind}, warmup_steps = {}, total_steps = {}, final_lr_frac = {} (lr factor {} at step 1, 1 at the end of the warm-up, {} from step {} on)",
+                sc.warmup_steps,
+                sc.total_steps,
+                sc.final_lr_frac,
+                sc.factor(1),
+                sc.final_lr_frac,
+                sc.total_steps
+            ),
+        };
+        s
     }
 
     /// Parses and checks config text; `source` names it in errors (a file name, or
@@ -601,6 +684,9 @@ impl Doc<'_> {
                 _ => self.plan_error(e, &raw_mesh, raw.model.as_ref(), &raw.param),
             });
         }
+        let adamw = self.adamw(&raw.optimizer.adamw)?;
+        let muon = self.muon(&raw.optimizer.muon)?;
+        let groups = self.groups(&raw.optimizer.group, adamw, muon, &plan.params)?;
         Ok(Config {
             source: self.file.to_string(),
             plan,
@@ -636,10 +722,127 @@ impl Doc<'_> {
                     "",
                 )?,
             },
-            adamw: self.adamw(&raw.optimizer.adamw)?,
-            muon: self.muon(&raw.optimizer.muon)?,
+            adamw,
+            muon,
+            groups,
+            schedule: self.schedule(raw.schedule.as_ref())?,
             metrics: self.metrics(raw.metrics)?,
         })
+    }
+
+    /// `[[optimizer.group]]`: each group's settings in range, then every group must get
+    /// a parameter (first match wins).
+    fn groups(
+        &self,
+        raw: &[Spanned<raw::Group>],
+        adamw: AdamwParams,
+        muon: MuonParams,
+        params: &[ParamSpec],
+    ) -> Result<Vec<ParamGroup>, ConfigError> {
+        let mut groups = Vec::with_capacity(raw.len());
+        for (i, g) in raw.iter().enumerate() {
+            let r = g.get_ref();
+            let k = |name: &str| format!("optimizer.group[{i}].{name}");
+            if r.pattern.get_ref().is_empty() {
+                return Err(self.err(
+                    k("match"),
+                    Some(r.pattern.span()),
+                    "the pattern is empty; give a glob over parameter names, e.g. \"*.bias\"",
+                ));
+            }
+            let opt = |name: &str, v: &Option<Spanned<f64>>, bound: Bound| match v {
+                None => Ok(None),
+                Some(_) => self.float(&k(name), v, 0.0, bound).map(Some),
+            };
+            groups.push(ParamGroup {
+                pattern: r.pattern.get_ref().clone(),
+                lr_scale: self.float(&k("lr_scale"), &r.lr_scale, 1.0, Bound::NonNegative)?,
+                weight_decay: opt("weight_decay", &r.weight_decay, Bound::NonNegative)?,
+                beta1: opt("beta1", &r.beta1, Bound::Fraction)?,
+                beta2: opt("beta2", &r.beta2, Bound::Fraction)?,
+                eps: opt("eps", &r.eps, Bound::Positive)?,
+                momentum: opt("momentum", &r.momentum, Bound::Fraction)?,
+                ns_steps: self.between(&k("ns_steps"), &r.ns_steps, MAX_NS_STEPS, " iterations")?,
+            });
+        }
+        HyperTable::resolve(adamw, muon, &groups, params).map_err(|e| match e {
+            overlap_executor::GroupError::Unmatched { group, reason } => self.err(
+                format!("optimizer.group[{group}].match"),
+                raw.get(group).map(|g| g.get_ref().pattern.span()),
+                reason,
+            ),
+            overlap_executor::GroupError::Setting { group, key, reason } => self.err(
+                format!("optimizer.group[{group}].{key}"),
+                raw.get(group).map(Spanned::span),
+                reason,
+            ),
+        })?;
+        Ok(groups)
+    }
+
+    /// `[schedule]`: the learning-rate schedule, or a constant factor of 1 without it.
+    fn schedule(&self, raw: Option<&Spanned<raw::Schedule>>) -> Result<LrSchedule, ConfigError> {
+        let Some(raw) = raw else {
+            return Ok(LrSchedule::default());
+        };
+        let r = raw.get_ref();
+        let kind = ScheduleKind::parse(r.kind.get_ref())
+            .map_err(|reason| self.err("schedule.kind", Some(r.kind.span()), reason))?;
+        let mut s = LrSchedule {
+            kind,
+            warmup_steps: r.warmup_steps.as_ref().map_or(0, |v| *v.get_ref()),
+            ..LrSchedule::default()
+        };
+        if kind == ScheduleKind::Constant {
+            let unused = [
+                ("total_steps", r.total_steps.as_ref().map(Spanned::span)),
+                ("final_lr_frac", r.final_lr_frac.as_ref().map(Spanned::span)),
+            ];
+            if let Some((key, span)) = unused.into_iter().find(|(_, s)| s.is_some()) {
+                return Err(self.err(
+                    format!("schedule.{key}"),
+                    span,
+                    "has no effect with kind = \"constant\" (no decay); remove it, or choose kind = \"cosine\" or \"linear\"",
+                ));
+            }
+            return Ok(s);
+        }
+        let Some(total) = &r.total_steps else {
+            return Err(self.err(
+                "schedule.total_steps",
+                Some(raw.span()),
+                format!(
+                    "missing required key `total_steps`: a {kind} schedule decays until that step"
+                ),
+            ));
+        };
+        s.total_steps = *total.get_ref();
+        if s.total_steps <= s.warmup_steps {
+            return Err(self.err(
+                "schedule.total_steps",
+                Some(total.span()),
+                format!(
+                    "must be greater than warmup_steps ({}), got {}: the decay runs from the end of the warm-up to this step",
+                    s.warmup_steps, s.total_steps
+                ),
+            ));
+        }
+        if let Some(v) = &r.final_lr_frac {
+            let x = *v.get_ref();
+            if !(x.is_finite() && (0.0..=1.0).contains(&x)) {
+                return Err(self.err(
+                    "schedule.final_lr_frac",
+                    Some(v.span()),
+                    format!("must be a finite number in [0, 1], got {x}"),
+                ));
+            }
+            s.final_lr_frac = x;
+        }
+        // The executor's own check, as a backstop.
+        s.check().map_err(|(key, reason)| {
+            self.err(format!("schedule.{key}"), Some(raw.span()), reason)
+        })?;
+        Ok(s)
     }
 
     fn mesh(&self, raw: &Spanned<raw::Mesh>) -> Result<Mesh, ConfigError> {
@@ -1275,6 +1478,7 @@ mod raw {
         pub optimizer: Optimizer,
         #[serde(default)]
         pub metrics: Metrics,
+        pub schedule: Option<Spanned<Schedule>>,
     }
 
     #[derive(Deserialize)]
@@ -1365,6 +1569,31 @@ mod raw {
         pub adamw: Adamw,
         #[serde(default)]
         pub muon: Muon,
+        #[serde(default)]
+        pub group: Vec<Spanned<Group>>,
+    }
+
+    #[derive(Deserialize)]
+    #[serde(deny_unknown_fields)]
+    pub struct Group {
+        #[serde(rename = "match")]
+        pub pattern: Spanned<String>,
+        pub lr_scale: Option<Spanned<f64>>,
+        pub weight_decay: Option<Spanned<f64>>,
+        pub beta1: Option<Spanned<f64>>,
+        pub beta2: Option<Spanned<f64>>,
+        pub eps: Option<Spanned<f64>>,
+        pub momentum: Option<Spanned<f64>>,
+        pub ns_steps: Option<Spanned<u32>>,
+    }
+
+    #[derive(Deserialize)]
+    #[serde(deny_unknown_fields)]
+    pub struct Schedule {
+        pub kind: Spanned<String>,
+        pub warmup_steps: Option<Spanned<u64>>,
+        pub total_steps: Option<Spanned<u64>>,
+        pub final_lr_frac: Option<Spanned<f64>>,
     }
 
     #[derive(Deserialize, Default)]

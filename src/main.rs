@@ -459,6 +459,7 @@ async fn dispatch(cmd: Command) -> Result<ExitCode, Error> {
                         p.ranks.retain(|r| rs.contains(&r.rank));
                     }
                     print!("{}", export::to_text(&p));
+                    print!("{}", cfg.optimizer_text());
                 }
             }
             Ok(ExitCode::SUCCESS)
@@ -602,7 +603,7 @@ async fn run_steps<B: overlap::ops::Backend>(
             0.0
         };
         println!(
-            "step {}/{steps}  gates {}  nodes {}  wall {:.2} ms  host {:.2} us/node  stage2 {} (saved {})  partials left {}  {}",
+            "step {}/{steps}  gates {}  nodes {}  wall {:.2} ms  host {:.2} us/node  stage2 {} (saved {})  partials left {}  {}  {}",
             r.step,
             Gate::pattern_label(&r.gates),
             r.stats.nodes,
@@ -612,6 +613,7 @@ async fn run_steps<B: overlap::ops::Backend>(
             bytes(r.stage2_bytes_saved),
             r.stats.partials_left,
             device_figures(&analysis),
+            lr_figures(cfg, &r),
         );
         if observe.step_interval_ms > 0 {
             tokio::time::sleep(std::time::Duration::from_millis(observe.step_interval_ms)).await;
@@ -621,6 +623,22 @@ async fn run_steps<B: overlap::ops::Backend>(
         println!("{line}");
     }
     Ok(ExitCode::SUCCESS)
+}
+
+/// The learning rate of a step: its factor and the base rates it gives, for the
+/// optimizers that have parameters (`lr x0.500 (adamw 5.00e-4, muon 1.00e-2)`).
+fn lr_figures(cfg: &Config, r: &overlap::StepReport) -> String {
+    use overlap::graph::OptimizerKind;
+    let mut rates = Vec::new();
+    for (kind, name, base) in [
+        (OptimizerKind::Adamw, "adamw", cfg.adamw.lr),
+        (OptimizerKind::Muon, "muon", cfg.muon.lr),
+    ] {
+        if r.lr.iter().any(|g| g.optimizer == kind) {
+            rates.push(format!("{name} {:.2e}", f64::from(base) * r.lr_factor));
+        }
+    }
+    format!("lr x{:.3} ({})", r.lr_factor, rates.join(", "))
 }
 
 /// Whether step `n` (1-based) of a run of `steps` records kernel timings: one step in

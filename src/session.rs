@@ -77,7 +77,7 @@
 
 use std::sync::Arc;
 
-use overlap_executor::{ExecConfig, Executor, StepStats};
+use overlap_executor::{ExecConfig, Executor, GroupRate, HyperTable, StepStats};
 use overlap_graph::{
     validate, Buffer, Collective, Gate, Mode, Op, ParamId, PlacedParam, Plan, PlanSpec, Planner,
 };
@@ -101,6 +101,13 @@ pub struct StepReport {
     pub stage2_bytes_saved: u64,
     /// Bytes Stage 2 moved, summed over local ranks.
     pub stage2_bytes: u64,
+    /// The learning-rate factor the step's optimizers used: the schedule's at this
+    /// step, or the one the trainer set ([`Session::set_lr_factor`]).
+    pub lr_factor: f64,
+    /// The learning rate in effect for each parameter group and optimizer that has
+    /// parameters (base lr × `lr_scale` × `lr_factor`), the groups in order and the
+    /// parameters in no group (`base`) last.
+    pub lr: Vec<GroupRate>,
 }
 
 /// Stage-2 bytes of a step plan on the local ranks.
@@ -178,6 +185,8 @@ pub fn exec_config(config: &Config) -> ExecConfig {
         stage1_window: config.overlap.stage1_window as usize,
         adamw: config.adamw,
         muon: config.muon,
+        groups: config.groups.clone(),
+        schedule: config.schedule,
         backward: overlap_executor::Backward::spin(config.run.backward_us_per_layer),
         ..ExecConfig::default()
     }
@@ -185,15 +194,22 @@ pub fn exec_config(config: &Config) -> ExecConfig {
 
 impl<B: Backend> Session<B> {
     /// A session over `backend` with the plan spec built in code. Parameters start at
-    /// zero until [`Session::init_params`] sets them.
+    /// zero until [`Session::init_params`] sets them. `exec`'s parameter groups are
+    /// resolved here, once: a group with a setting out of range, or that gets no
+    /// parameter (its pattern matches none, or only parameters an earlier group took), is
+    /// an [`Error::Usage`] naming the group.
     pub fn new(spec: PlanSpec, backend: Arc<B>, exec: ExecConfig) -> Result<Self, Error> {
         let planner = Planner::new(spec)?;
         let mut layers: Vec<u32> = planner.params().iter().map(|p| p.spec.layer).collect();
         layers.sort_unstable_by(|a, b| b.cmp(a));
         layers.dedup();
+        let mut executor = Executor::new(backend, exec);
+        executor
+            .resolve_params(planner.params().iter().map(|p| &p.spec))
+            .map_err(|e| Error::Usage(e.to_string()))?;
         let mut s = Session {
             planner,
-            executor: Executor::new(backend, exec),
+            executor,
             layers,
             gates: Vec::new(),
             layers_done: 0,
@@ -253,6 +269,38 @@ impl<B: Backend> Session<B> {
     /// The executor.
     pub fn executor(&self) -> &Executor<B> {
         &self.executor
+    }
+
+    /// Every parameter's optimizer settings (groups resolved), before the learning-rate
+    /// factor.
+    pub fn hyper(&self) -> &HyperTable {
+        self.executor.hyper()
+    }
+
+    /// Sets the learning-rate factor from the next step on, replacing the configured
+    /// schedule (`[schedule]`, [`ExecConfig::schedule`]) until
+    /// [`Session::follow_schedule`]: each parameter's optimizer then uses its base rate
+    /// (`[optimizer.adamw] lr` or `[optimizer.muon] lr`) × its group's `lr_scale` ×
+    /// `factor`. A trainer with its own schedule calls this before every step with
+    /// `its_lr(step) / base_lr`. Call it between steps; `factor` must be finite and
+    /// `>= 0`.
+    pub fn set_lr_factor(&mut self, factor: f64) -> Result<(), Error> {
+        self.executor
+            .set_lr_factor(Some(factor))
+            .map_err(|e| Error::Usage(e.to_string()))
+    }
+
+    /// Returns to the configured schedule after [`Session::set_lr_factor`] (from the next
+    /// step on). Call it between steps.
+    pub fn follow_schedule(&mut self) -> Result<(), Error> {
+        self.executor
+            .set_lr_factor(None)
+            .map_err(|e| Error::Usage(e.to_string()))
+    }
+
+    /// The learning-rate factor of the next step (of the step in progress, during one).
+    pub fn lr_factor(&self) -> f64 {
+        self.executor.lr_factor()
     }
 
     /// Layers in the order backward makes them ready (highest first).
@@ -447,6 +495,7 @@ impl<B: Backend> Session<B> {
         self.executor.adopt(&plan);
         self.current = Some(plan.clone());
         self.layers_done = 0;
+        let lr_factor = self.executor.lr_factor();
         let stats = self.executor.finish_step().await?;
         let report = StepReport {
             step: self.executor.steps_done(),
@@ -454,6 +503,8 @@ impl<B: Backend> Session<B> {
             stats,
             stage2_bytes: stage2.moved,
             stage2_bytes_saved: stage2.saved,
+            lr_factor,
+            lr: self.executor.hyper().rates(lr_factor),
         };
         crate::observe::metrics::record_step(&report, &plan, || self.executor.local_ranks());
         Ok(report)

@@ -355,3 +355,66 @@ fn closed_stdout_ends_quietly_without_a_panic() {
     let err = String::from_utf8_lossy(&out.stderr);
     assert!(!err.contains("panicked"), "{err}");
 }
+
+#[test]
+fn plan_prints_the_groups_and_run_prints_the_learning_rate() {
+    let o = overlap(&["plan", "--config", "examples/groups_schedule_2x2.toml"]);
+    let (out, err) = text(&o);
+    assert!(o.status.success(), "{err}");
+    for line in [
+        "optimizer groups (4; first match wins):",
+        "  group 0  match \"*norm*\"  weight_decay = 0  -> 5 params: blocks.0.attn_norm, blocks.0.mlp_norm, blocks.1.attn_norm, blocks.1.mlp_norm, final_norm",
+        "  group 1  match \"*.bias\"  lr_scale = 2, weight_decay = 0  -> 1 param: blocks.0.bias",
+        "  group 2  match \"blocks.0.*\"  lr_scale = 0.5, momentum = 0.9, ns_steps = 3  -> 4 params: blocks.0.qkv, blocks.0.proj, blocks.0.fc1, blocks.0.fc2",
+        "schedule: cosine, warmup_steps = 2, total_steps = 5, final_lr_frac = 0.1",
+    ] {
+        assert!(out.contains(line), "missing {line:?} in:\n{out}");
+    }
+    assert!(
+        out.lines().any(
+            |l| l.starts_with("  no group: base [optimizer.adamw] lr = 0.001")
+                && l.ends_with(
+                    "-> 5 params: blocks.1.qkv, blocks.1.proj, blocks.1.fc1, blocks.1.fc2, head"
+                )
+        ),
+        "{out}"
+    );
+    let o = overlap(&[
+        "run",
+        "--config",
+        "examples/groups_schedule_2x2.toml",
+        "--steps",
+        "3",
+    ]);
+    let (out, err) = text(&o);
+    assert!(o.status.success(), "{err}");
+    let steps: Vec<&str> = out.lines().filter(|l| l.starts_with("step ")).collect();
+    assert_eq!(steps.len(), 3, "{out}");
+    assert!(
+        steps[0].ends_with("lr x0.500 (adamw 5.00e-4, muon 1.00e-2)"),
+        "{out}"
+    );
+    assert!(
+        steps[1].ends_with("lr x1.000 (adamw 1.00e-3, muon 2.00e-2)"),
+        "{out}"
+    );
+    assert!(
+        steps[2].ends_with("lr x0.775 (adamw 7.75e-4, muon 1.55e-2)"),
+        "{out}"
+    );
+}
+
+#[test]
+fn verify_passes_with_groups_and_a_schedule() {
+    let o = overlap(&[
+        "verify",
+        "--config",
+        "examples/groups_schedule_2x2.toml",
+        "--json",
+    ]);
+    let (out, err) = text(&o);
+    assert!(o.status.success(), "{out}{err}");
+    let last: serde_json::Value = serde_json::from_str(out.lines().last().unwrap()).unwrap();
+    assert_eq!(last["ok"], true, "{out}");
+    assert_eq!(last["steps"], 6, "{out}");
+}

@@ -7,6 +7,7 @@ use overlap::config::{
     BackendChoice, Config, ConfigError, MetricsConfig, OverlapConfig, RunConfig, TransportChoice,
     DEFAULT_BUCKET_CAP_BYTES,
 };
+use overlap::executor::LrSchedule;
 use overlap_graph::{
     Bindings, DType, Gate, Mesh, ModelSpec, ParamSpec, ReduceOp, ReduceSpec, Route, Schedule,
     Stream, Transport,
@@ -844,6 +845,8 @@ timing_every = 10
             ns_steps: 3,
             ..MuonParams::default()
         },
+        groups: Vec::new(),
+        schedule: LrSchedule::default(),
         metrics: MetricsConfig {
             listen: Some("127.0.0.1:9464".parse().unwrap()),
             timing_every: 10,
@@ -971,4 +974,160 @@ fn other_examples_load() {
     );
     assert_eq!(c.gates, vec![Gate::On, Gate::On]);
     assert_eq!(c.plan.reduce.dtype, DType::Bf16);
+}
+
+/// BASE plus a vector, so groups have an AdamW and a Muon parameter to match (lines 1-11).
+fn with_bias(rest: &str) -> String {
+    with_base(&format!(
+        "[[param]]\nname = \"w.bias\"\nshape = [4]\nroute = \"fsdp\"\n{rest}"
+    ))
+}
+
+#[test]
+fn a_group_matching_no_parameter_names_its_match_key() {
+    let e = expect(
+        &with_bias("[[optimizer.group]]\nmatch = \"w.bais\"\nweight_decay = 0\n"),
+        "optimizer.group[0].match",
+        Some(13),
+        "`w.bais` matches no parameter",
+    );
+    assert!(
+        e.to_string()
+            .starts_with("job.toml:13:9: `optimizer.group[0].match`: "),
+        "{e}"
+    );
+}
+
+#[test]
+fn a_group_whose_parameters_an_earlier_group_took_is_an_error() {
+    expect(
+        &with_bias(
+            "[[optimizer.group]]\nmatch = \"w*\"\n[[optimizer.group]]\nmatch = \"*.bias\"\nweight_decay = 0\n",
+        ),
+        "optimizer.group[1].match",
+        Some(15),
+        "earlier group already took (first match wins): `w.bias`",
+    );
+}
+
+#[test]
+fn unknown_and_missing_keys_of_a_group() {
+    expect(
+        &with_bias("[[optimizer.group]]\nmatch = \"w\"\nbeta = 0.9\n"),
+        "optimizer.group[0].beta",
+        Some(14),
+        "unknown key `beta`; allowed keys here: match, lr_scale, weight_decay, beta1, beta2, eps, momentum, ns_steps",
+    );
+    expect(
+        &with_bias("[[optimizer.group]]\nweight_decay = 0\n"),
+        "optimizer.group[0].match",
+        Some(12),
+        "missing required key `match`",
+    );
+    expect(
+        &with_bias("[[optimizer.group]]\nmatch = \"\"\n"),
+        "optimizer.group[0].match",
+        Some(13),
+        "the pattern is empty",
+    );
+}
+
+#[test]
+fn group_settings_out_of_range() {
+    for (line, key, phrase) in [
+        ("lr_scale = -1", "lr_scale", ">= 0"),
+        ("lr_scale = inf", "lr_scale", "finite"),
+        ("weight_decay = -0.5", "weight_decay", ">= 0"),
+        ("beta1 = 1", "beta1", "in [0, 1)"),
+        ("beta2 = -0.1", "beta2", "in [0, 1)"),
+        ("eps = 0", "eps", "> 0"),
+        ("momentum = 1.5", "momentum", "in [0, 1)"),
+        ("ns_steps = 0", "ns_steps", "between 1 and 100"),
+        ("ns_steps = 4000000000", "ns_steps", "between 1 and 100"),
+    ] {
+        expect(
+            &with_bias(&format!("[[optimizer.group]]\nmatch = \"w\"\n{line}\n")),
+            &format!("optimizer.group[0].{key}"),
+            Some(14),
+            phrase,
+        );
+    }
+}
+
+#[test]
+fn schedule_errors_name_the_key() {
+    expect(
+        &with_base("[schedule]\nkind = \"exp\"\n"),
+        "schedule.kind",
+        Some(9),
+        "unknown schedule `exp`; expected constant, cosine or linear",
+    );
+    expect(
+        &with_base("[schedule]\nwarmup_steps = 3\n"),
+        "schedule.kind",
+        Some(8),
+        "missing required key `kind`",
+    );
+    expect(
+        &with_base("[schedule]\nkind = \"cosine\"\nwarmup_steps = 10\n"),
+        "schedule.total_steps",
+        Some(8),
+        "missing required key `total_steps`",
+    );
+    expect(
+        &with_base("[schedule]\nkind = \"linear\"\nwarmup_steps = 10\ntotal_steps = 10\n"),
+        "schedule.total_steps",
+        Some(11),
+        "must be greater than warmup_steps (10), got 10",
+    );
+    expect(
+        &with_base("[schedule]\nkind = \"cosine\"\ntotal_steps = 10\nfinal_lr_frac = 1.5\n"),
+        "schedule.final_lr_frac",
+        Some(11),
+        "in [0, 1], got 1.5",
+    );
+    expect(
+        &with_base("[schedule]\nkind = \"constant\"\ntotal_steps = 10\n"),
+        "schedule.total_steps",
+        Some(10),
+        "has no effect with kind = \"constant\"",
+    );
+    expect(
+        &with_base("[schedule]\nkind = \"cosine\"\ntotal_steps = 10\nmin_lr = 1e-5\n"),
+        "schedule.min_lr",
+        Some(11),
+        "unknown key `min_lr`; allowed keys here: kind, warmup_steps, total_steps, final_lr_frac",
+    );
+}
+
+#[test]
+fn groups_and_schedule_parse_to_their_values() {
+    let c = Config::from_toml(
+        &with_bias(
+            "[[optimizer.group]]\nmatch = \"*.bias\"\nweight_decay = 0\nlr_scale = 2\n\
+             [[optimizer.group]]\nmatch = \"w\"\nmomentum = 0.5\nns_steps = 3\n\
+             [schedule]\nkind = \"linear\"\nwarmup_steps = 2\ntotal_steps = 8\nfinal_lr_frac = 0.25\n",
+        ),
+        FILE,
+    )
+    .unwrap();
+    let mut bias = overlap::executor::ParamGroup::new("*.bias");
+    bias.weight_decay = Some(0.0);
+    bias.lr_scale = 2.0;
+    let mut w = overlap::executor::ParamGroup::new("w");
+    w.momentum = Some(0.5);
+    w.ns_steps = Some(3);
+    assert_eq!(c.groups, vec![bias, w]);
+    assert_eq!(
+        c.schedule,
+        LrSchedule {
+            kind: overlap::executor::ScheduleKind::Linear,
+            warmup_steps: 2,
+            total_steps: 8,
+            final_lr_frac: 0.25,
+        }
+    );
+    let plain = Config::from_toml(BASE, FILE).unwrap();
+    assert!(plain.groups.is_empty());
+    assert_eq!(plain.schedule, LrSchedule::default());
 }

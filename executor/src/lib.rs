@@ -21,8 +21,13 @@ use futures_util::future::join_all;
 use overlap_graph::{Buffer, Op, ParamId, Plan, Stream};
 use overlap_ops::{AdamwParams, Backend, MuonParams, OpsError, Timing};
 
+pub mod hyper;
 mod prepared;
 mod rank;
+
+pub use hyper::{
+    glob_match, GroupError, GroupRate, HyperTable, LrSchedule, ParamGroup, ScheduleKind,
+};
 
 use prepared::Prepared;
 use rank::{IssueCtx, RankState};
@@ -38,10 +43,19 @@ const PREPARED_CACHE: usize = 16;
 pub struct ExecConfig {
     /// Stage-1 buffers (pack + collective output) allowed in flight per rank.
     pub stage1_window: usize,
-    /// AdamW hyper-parameters.
+    /// AdamW hyper-parameters: the base settings of the parameters on the `adamw`,
+    /// `sharded_adamw` and `fsdp` routes.
     pub adamw: AdamwParams,
-    /// Muon hyper-parameters.
+    /// Muon hyper-parameters: the base settings of the parameters on the `muon` route.
     pub muon: MuonParams,
+    /// Parameter groups: settings that override the base ones for the parameters whose
+    /// names match (first match wins; [`hyper`]). Resolved against the parameters by
+    /// [`Executor::resolve_params`], or from the first plan adopted.
+    pub groups: Vec<ParamGroup>,
+    /// The learning-rate schedule: step `t`'s optimizers use each parameter's rate times
+    /// `schedule.factor(t)`, unless the caller set a factor
+    /// ([`Executor::set_lr_factor`]). The default is factor 1 at every step.
+    pub schedule: LrSchedule,
     /// How long the host waits for the device before giving up on a step.
     pub host_timeout: Duration,
     /// What each `grad_ready` node runs on its stream: nothing (a marker, the default),
@@ -115,6 +129,8 @@ impl Default for ExecConfig {
             stage1_window: 8,
             adamw: AdamwParams::default(),
             muon: MuonParams::default(),
+            groups: Vec::new(),
+            schedule: LrSchedule::default(),
             host_timeout: Duration::from_secs(120),
             backward: Backward::None,
             aliasing: true,
@@ -218,6 +234,15 @@ pub struct Executor<B: Backend> {
     /// Plans prepared so far (each once for all local ranks).
     prepares: u64,
     staging: Vec<f32>,
+    /// Every parameter's optimizer settings; the base ones until the groups are resolved.
+    hyper: Arc<HyperTable>,
+    /// Whether `hyper` holds the groups (always, when there are none).
+    resolved: bool,
+    /// Why the groups could not be resolved from the adopted plan's parameters: every
+    /// later hand-in and step fails with it, before issuing anything.
+    group_error: Option<String>,
+    /// The learning-rate factor the caller set, replacing the schedule's.
+    lr_override: Option<f64>,
 }
 
 impl<B: Backend> Executor<B> {
@@ -230,14 +255,70 @@ impl<B: Backend> Executor<B> {
             .collect();
         Executor {
             backend,
-            cfg,
             ranks,
             steps_done: 0,
             step_start: None,
             adopt_time: Duration::ZERO,
             prepares: 0,
             staging: Vec::new(),
+            hyper: Arc::new(HyperTable::base(cfg.adamw, cfg.muon)),
+            resolved: cfg.groups.is_empty(),
+            group_error: None,
+            lr_override: None,
+            cfg,
         }
+    }
+
+    /// Resolves [`ExecConfig::groups`] for these parameters (in parameter-id order, as in
+    /// the plans this executor will run): each parameter gets the first group whose
+    /// pattern matches its name. A group with a setting out of range, or that gets no
+    /// parameter, is an error ([`GroupError`] in words). Without this call the first
+    /// plan adopted resolves them, and such an error fails the step.
+    pub fn resolve_params<'a>(
+        &mut self,
+        params: impl IntoIterator<Item = &'a overlap_graph::ParamSpec>,
+    ) -> Result<&HyperTable, ExecError> {
+        let table = HyperTable::resolve(self.cfg.adamw, self.cfg.muon, &self.cfg.groups, params)
+            .map_err(|e| ExecError::Usage(e.to_string()))?;
+        self.hyper = Arc::new(table);
+        self.resolved = true;
+        self.group_error = None;
+        Ok(&self.hyper)
+    }
+
+    /// Every parameter's optimizer settings before the learning-rate factor.
+    pub fn hyper(&self) -> &HyperTable {
+        &self.hyper
+    }
+
+    /// Sets the learning-rate factor of the steps to come, replacing the schedule's
+    /// (`None`: follow [`ExecConfig::schedule`] again). Each parameter's rate is its base
+    /// rate × its group's `lr_scale` × this factor. Call between steps: the optimizers
+    /// of a step all use one factor.
+    pub fn set_lr_factor(&mut self, factor: Option<f64>) -> Result<(), ExecError> {
+        if self.in_step() {
+            return Err(ExecError::Usage(
+                "set_lr_factor during a step; call it between steps (it applies to the next step)"
+                    .into(),
+            ));
+        }
+        if let Some(f) = factor {
+            if !(f.is_finite() && f >= 0.0) {
+                return Err(ExecError::Usage(format!(
+                    "learning-rate factor must be a finite number >= 0, got {f}"
+                )));
+            }
+        }
+        self.lr_override = factor;
+        Ok(())
+    }
+
+    /// The learning-rate factor of the step in progress, or of the next one between
+    /// steps: the factor set by [`Executor::set_lr_factor`], else the schedule's at that
+    /// step's number.
+    pub fn lr_factor(&self) -> f64 {
+        self.lr_override
+            .unwrap_or_else(|| self.cfg.schedule.factor(self.steps_done + 1))
     }
 
     /// The backend.
@@ -309,6 +390,14 @@ impl<B: Backend> Executor<B> {
     /// cached) costs a lookup.
     pub fn adopt(&mut self, plan: &Arc<Plan>) {
         let t0 = Instant::now();
+        if !self.resolved {
+            let specs: Vec<&overlap_graph::ParamSpec> =
+                plan.params.iter().map(|p| &p.spec).collect();
+            if let Err(e) = self.resolve_params(specs) {
+                self.group_error = Some(e.to_string());
+            }
+            self.resolved = true;
+        }
         if self.step_start.is_none() {
             self.step_start = Some(t0);
             self.adopt_time = Duration::ZERO;
@@ -381,14 +470,17 @@ impl<B: Backend> Executor<B> {
         }
     }
 
-    fn ctx(&self) -> IssueCtx {
-        IssueCtx {
+    fn ctx(&self) -> Result<IssueCtx, ExecError> {
+        if let Some(e) = &self.group_error {
+            return Err(ExecError::Usage(e.clone()));
+        }
+        Ok(IssueCtx {
             window: self.cfg.stage1_window,
-            adamw: self.cfg.adamw,
-            muon: self.cfg.muon,
+            hyper: self.hyper.clone(),
+            lr_factor: self.lr_factor(),
             step: self.steps_done + 1,
             backward: self.cfg.backward,
-        }
+        })
     }
 
     /// The trainer's backward made `layer`'s gradients of `micro_batch` ready: `fill`
@@ -452,6 +544,7 @@ impl<B: Backend> Executor<B> {
             usize,
         ) -> Result<B::Buffer, ExecError>,
     ) -> Result<(), ExecError> {
+        let ctx = self.ctx()?;
         let backend = self.backend.clone();
         let mut ends = Vec::with_capacity(self.ranks.len());
         for r in &mut self.ranks {
@@ -496,7 +589,6 @@ impl<B: Backend> Executor<B> {
                 );
             }
         }
-        let ctx = self.ctx();
         let results = join_all(
             self.ranks
                 .iter_mut()
@@ -511,7 +603,7 @@ impl<B: Backend> Executor<B> {
     /// device, and returns the step's figures, or the failures of its nodes.
     pub async fn finish_step(&mut self) -> Result<StepStats, ExecError> {
         let backend = self.backend.clone();
-        let ctx = self.ctx();
+        let ctx = self.ctx()?;
         let ends: Vec<usize> = self
             .ranks
             .iter()

@@ -9,7 +9,7 @@ use rustc_hash::{FxHashMap as HashMap, FxHashSet as HashSet};
 use std::sync::Arc;
 
 use overlap_graph::{BucketId, Buffer, CopySeg, Instr, Op, OptimizerKind, ParamId, Plan, Stream};
-use overlap_ops::{AdamwParams, Backend, CommId, EventStatus, Kernel, MuonParams, OpsError, Tag};
+use overlap_ops::{Backend, CommId, EventStatus, Kernel, OpsError, Tag};
 
 use crate::prepared::Prepared;
 use crate::ExecError;
@@ -70,8 +70,9 @@ pub(crate) struct RankState<B: Backend> {
 /// Settings an issuing rank needs.
 pub(crate) struct IssueCtx {
     pub window: usize,
-    pub adamw: AdamwParams,
-    pub muon: MuonParams,
+    /// Every parameter's optimizer settings, and the step's learning-rate factor.
+    pub hyper: Arc<crate::HyperTable>,
+    pub lr_factor: f64,
     pub step: u64,
     /// What a `grad_ready` node launches.
     pub backward: crate::Backward,
@@ -507,7 +508,7 @@ impl<B: Backend> RankState<B> {
                         param: pb,
                         grad,
                         state,
-                        hp: ctx.adamw,
+                        hp: ctx.hyper.adamw(param, ctx.lr_factor),
                         step: ctx.step,
                     }),
                     OptimizerKind::Muon => {
@@ -518,7 +519,7 @@ impl<B: Backend> RankState<B> {
                             momentum: state,
                             rows: rows as usize,
                             cols: cols as usize,
-                            hp: ctx.muon,
+                            hp: ctx.hyper.muon(param, ctx.lr_factor),
                         });
                     }
                 }

@@ -7,7 +7,7 @@
 //!
 //! Names follow Prometheus' conventions (base units, `_total` counters) and labels are
 //! low-cardinality (`op`, `stream`, `collective`, `gate`, `buffer`, `invariant`,
-//! `micro_batch`); the full list with meanings is [`METRICS`]. Per-step figures that are
+//! `micro_batch`, `group`, `optimizer`); the full list with meanings is [`METRICS`]. Per-step figures that are
 //! durations are histograms (a dashboard divides the rates of `_sum` and `_count` for the
 //! mean per step); the others are gauges holding the last step's value. Quantities over
 //! the local ranks are as [`StepAnalysis`] defines them. The figures that need kernel
@@ -79,10 +79,12 @@ pub const HOST_ISSUE: &str = "overlap_step_host_issue_seconds";
 pub const OP_HOST_ISSUE: &str = "overlap_op_host_issue_seconds";
 /// Of that, the part spent inside the backend's launch (gauge).
 pub const OP_HOST_LAUNCH: &str = "overlap_op_host_launch_seconds";
+/// The learning rate of the last step, per parameter group and optimizer (gauge).
+pub const LEARNING_RATE: &str = "overlap_learning_rate";
 
 /// Every metric: name, labels, and what it means. The README's table and the
 /// descriptions served on `/metrics` come from here.
-pub const METRICS: [(&str, &str, &str); 20] = [
+pub const METRICS: [(&str, &str, &str); 21] = [
     (OP_DURATION, "op, stream", "histogram of kernel durations by node kind (`grad_ready`, `pack`, `stage1`, `fold`, `fold_partial`, `stage2`, `unpack`, `optimizer`, `publish`, ...) and stream, as the backend timed them (CUDA events on GPUs)"),
     (STEPS, "", "steps completed"),
     (STEP_DURATION, "", "histogram of the host wall time of a step: first issue to the device finishing"),
@@ -103,6 +105,7 @@ pub const METRICS: [(&str, &str, &str); 20] = [
     (OP_HOST_ISSUE, "op", "host time per node of each node kind in the last step (`exchange`, `stage1`, `combine`, ...): where the host cost per node goes"),
     (OP_HOST_LAUNCH, "op", "of `overlap_op_host_issue_seconds`, the part spent inside the backend's launch (its checks and driver calls: NCCL, copies, kernel launches); the rest is the executor's (events, buffers)"),
     ("overlap_build_info", "version", "always 1; the overlap version"),
+    (LEARNING_RATE, "group, optimizer", "the learning rate the last step's optimizers used: base lr × the group's `lr_scale` × the schedule's factor, per parameter group (its `match` pattern, or `base` for the parameters in no group) and optimizer (`adamw`, `muon`)"),
 ];
 
 /// Serves Prometheus `/metrics` on `addr` and turns recording on: the one call a
@@ -169,6 +172,7 @@ fn describe() {
     describe_gauge!(OP_HOST_ISSUE, Unit::Seconds, METRICS[17].2);
     describe_gauge!(OP_HOST_LAUNCH, Unit::Seconds, METRICS[18].2);
     describe_gauge!("overlap_build_info", Unit::Count, METRICS[19].2);
+    describe_gauge!(LEARNING_RATE, METRICS[20].2);
 }
 
 /// Records a finished step of these local ranks when recording is on
@@ -227,6 +231,14 @@ pub fn record_analysis(report: &StepReport, a: &StepAnalysis) {
     for (m, gate) in report.gates.iter().enumerate() {
         counter!(MICRO_BATCHES, "gate" => gate.label()).increment(1);
         gauge!(MICRO_BATCH_GATE, "micro_batch" => m.to_string()).set(gate_value(*gate));
+    }
+    for rate in &report.lr {
+        gauge!(
+            LEARNING_RATE,
+            "group" => rate.label.clone(),
+            "optimizer" => overlap_executor::hyper::optimizer_name(rate.optimizer)
+        )
+        .set(rate.lr);
     }
     counter!(NODES).increment(report.stats.nodes as u64);
     histogram!(HOST_ISSUE).record(report.stats.issue_seconds.max(0.0));
