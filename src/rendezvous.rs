@@ -1000,29 +1000,26 @@ mod tests {
         assert!(String::from_utf8_lossy(&why).contains("not a rank 1..3"));
         // Rank 1 arrives, then a second process with RANK=1: the second is refused.
         let first = join_all(&addr, 1..2, 3, &s, t);
-        let mut second = None;
-        for _ in 0..200 {
-            match Rendezvous::join(&addr, 1, 3, &s, Duration::from_secs(5)) {
-                Err(e) if e.to_string().contains("already joined") => {
-                    second = Some(e.to_string());
-                    break;
-                }
-                // Raced ahead of the first: this one became rank 1, and the thread's
-                // join will be the refused one.
-                Ok(r) => {
-                    second = Some(format!("kept {}", r.rank()));
-                    break;
-                }
-                Err(e) => panic!("{e}"),
+        // Held until the end: rank 0 greets whichever process it kept.
+        let mut kept = None;
+        let second = match Rendezvous::join(&addr, 1, 3, &s, Duration::from_secs(5)) {
+            Err(e) if e.to_string().contains("already joined") => e.to_string(),
+            // Raced ahead of the first: this one became rank 1, and the thread's join
+            // is the refused one.
+            Ok(r) => {
+                let msg = format!("kept {}", r.rank());
+                kept = Some(r);
+                msg
             }
-        }
+            Err(e) => panic!("{e}"),
+        };
         let rank2 = join_all(&addr, 2..3, 3, &s, t);
         assert!(root.join().unwrap().is_ok());
         rank2.into_iter().for_each(|p| {
             p.join().unwrap().unwrap();
         });
         let first = first.into_iter().next().unwrap().join().unwrap();
-        let second = second.unwrap();
+        drop(kept);
         // Exactly one of the two processes claiming rank 1 got in.
         assert!(
             first.is_ok() != second.starts_with("kept"),
