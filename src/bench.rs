@@ -972,6 +972,7 @@ fn open_cuda(
     mesh: Mesh,
     bindings: Bindings,
     links: crate::cuda::Links,
+    what: crate::fingerprint::Fingerprint,
 ) -> Result<crate::cuda::CudaWorld, Error> {
     use overlap_ops::cuda::mesh_comms;
     let env = crate::cuda::rank_env(mesh)?;
@@ -980,7 +981,16 @@ fn open_cuda(
     comms.extend(mesh_comms(mesh, &serial_bindings(), copy));
     comms.sort();
     comms.dedup();
-    crate::cuda::open(env, mesh, comms, true, links)
+    crate::cuda::open(env, mesh, comms, true, links, what)
+}
+
+/// The fingerprint of a benchmark command and its arguments.
+#[cfg(feature = "cuda")]
+fn bench_fingerprint(command: &str, args: String) -> crate::fingerprint::Fingerprint {
+    let mut f = crate::fingerprint::Fingerprint::build();
+    f.push("command", command);
+    f.push("bench.args", args);
+    f
 }
 
 /// `overlap bench` on this process's GPU: every rank runs the variants; rank 0 returns
@@ -1006,7 +1016,12 @@ pub async fn bench_cuda(args: &BenchArgs) -> Result<Option<BenchReport>, Error> 
         uniform_priority: args.uniform_priority,
     };
     let bindings = args.spec(Bindings::default()).bindings;
-    let world = open_cuda(args.mesh, bindings, links)?;
+    let world = open_cuda(
+        args.mesh,
+        bindings,
+        links,
+        bench_fingerprint("bench", format!("{args:?}")),
+    )?;
     let report = run(world.backend.clone(), args).await?;
     if world.env.rank != 0 {
         // Rank 0 prints the report; the others' own spans go to stderr, so that a
@@ -1031,7 +1046,15 @@ pub async fn collectives_cuda(
     iters: u32,
     warmup: u32,
 ) -> Result<Option<Vec<CollectiveRow>>, Error> {
-    let world = open_cuda(mesh, Bindings::default(), Default::default())?;
+    let world = open_cuda(
+        mesh,
+        Bindings::default(),
+        Default::default(),
+        bench_fingerprint(
+            "bench-collectives",
+            format!("mesh {mesh}, MiB {sizes_mib:?}, iters {iters}, warmup {warmup}"),
+        ),
+    )?;
     let rows = collectives(world.backend.clone(), mesh, sizes_mib, iters, warmup).await?;
     Ok((world.env.rank == 0).then_some(rows))
 }

@@ -50,6 +50,10 @@ pub enum DistError {
     /// `overlap launch` could not start or watch its ranks.
     #[error("launch: {0}")]
     Launch(String),
+    /// The ranks would run different things (configs, builds): their fingerprints
+    /// differ ([`crate::fingerprint`]). The message names two ranks and the field.
+    #[error("{0}")]
+    Disagree(String),
 }
 
 /// Which launcher's variables described this process.

@@ -6,18 +6,65 @@
 //! [`crate::dist::RankEnv`] runs as one rank of the job. Each line a rank writes to
 //! stdout or stderr is forwarded to the same stream prefixed with `[rank k] `.
 //!
+//! The ranks authenticate each other at the rendezvous with the job's secret
+//! ([`crate::rendezvous::JobSecret`]): the launcher passes `OVERLAP_JOB_SECRET` on from
+//! its own environment (or `OVERLAP_JOB_SECRET_FILE`), and on one node without either
+//! generates a random one per job; it never prints it. A job of several nodes needs the
+//! same secret on every node, so there it must be set.
+//!
+//! SIGINT and SIGTERM sent to the launcher are forwarded to every rank; ranks still
+//! running after the grace period ([`GRACE_VAR`], [`DEFAULT_GRACE`]) are killed, and
+//! the launcher exits with 128 + the signal. On Linux a rank also gets SIGKILL if the
+//! launcher dies without cleaning up (`PR_SET_PDEATHSIG`).
+//!
 //! Invariant: the launcher exits with the first non-zero exit status of its ranks (128 +
 //! the signal for a rank killed by one), after stopping the others: a failed rank can
 //! leave its peers waiting in a collective forever, so they are killed rather than
-//! waited for.
+//! waited for. No rank outlives the launcher.
 
 use std::ffi::OsString;
 use std::io::{BufRead, BufReader, Read, Write};
 use std::process::{Child, Command, Stdio};
+use std::sync::atomic::{AtomicI32, Ordering};
 use std::thread::JoinHandle;
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 use crate::dist::DistError;
+use crate::rendezvous::{JobSecret, SECRET_ADVICE, SECRET_FILE_VAR, SECRET_VAR};
+
+/// The variable that sets how long ranks get to exit after a forwarded signal, in
+/// seconds.
+pub const GRACE_VAR: &str = "OVERLAP_LAUNCH_GRACE_S";
+/// How long ranks get to exit after a forwarded SIGINT or SIGTERM before they are
+/// killed.
+pub const DEFAULT_GRACE: Duration = Duration::from_secs(10);
+
+/// The last SIGINT or SIGTERM the launcher received (0: none).
+static SIGNALLED: AtomicI32 = AtomicI32::new(0);
+
+#[cfg(unix)]
+extern "C" fn on_signal(sig: libc::c_int) {
+    // Only an atomic store: async-signal-safe.
+    SIGNALLED.store(sig, Ordering::SeqCst);
+}
+
+/// Catches SIGINT and SIGTERM so that `watch` forwards them to the ranks.
+fn catch_signals() {
+    #[cfg(unix)]
+    // SAFETY: `on_signal` only stores to an atomic, which is async-signal-safe.
+    unsafe {
+        let handler = on_signal as extern "C" fn(libc::c_int) as libc::sighandler_t;
+        libc::signal(libc::SIGINT, handler);
+        libc::signal(libc::SIGTERM, handler);
+    }
+}
+
+fn grace() -> Duration {
+    std::env::var(GRACE_VAR)
+        .ok()
+        .and_then(|v| v.trim().parse::<u64>().ok())
+        .map_or(DEFAULT_GRACE, Duration::from_secs)
+}
 
 /// What to launch.
 #[derive(Debug, Clone)]
@@ -60,14 +107,27 @@ pub fn launch(spec: &LaunchSpec) -> Result<u8, DistError> {
         .nproc_per_node
         .checked_mul(spec.nnodes)
         .ok_or_else(|| fail("--nproc-per-node × --nnodes overflows".into()))?;
+    let secret = match JobSecret::from_env()? {
+        Some(s) => s,
+        None if spec.nnodes == 1 => JobSecret::generate()?,
+        None => {
+            return Err(fail(format!(
+                "a job of {} nodes needs the same secret on every node's launcher: {SECRET_ADVICE}",
+                spec.nnodes
+            )))
+        }
+    };
     let exe = std::env::current_exe()
         .map_err(|e| fail(format!("cannot find the overlap executable to start: {e}")))?;
+    catch_signals();
     let mut children: Vec<(u32, Child)> = Vec::new();
     let mut pumps: Vec<JoinHandle<()>> = Vec::new();
     for local in 0..spec.nproc_per_node {
         let rank = spec.node_rank * spec.nproc_per_node + local;
-        let spawned = Command::new(&exe)
-            .args(&spec.args)
+        let mut cmd = Command::new(&exe);
+        cmd.args(&spec.args)
+            .env(SECRET_VAR, secret.expose())
+            .env_remove(SECRET_FILE_VAR)
             .env("RANK", rank.to_string())
             .env("WORLD_SIZE", world.to_string())
             .env("LOCAL_RANK", local.to_string())
@@ -77,8 +137,21 @@ pub fn launch(spec: &LaunchSpec) -> Result<u8, DistError> {
             .env("MASTER_PORT", spec.master_port.to_string())
             .stdin(Stdio::null())
             .stdout(Stdio::piped())
-            .stderr(Stdio::piped())
-            .spawn();
+            .stderr(Stdio::piped());
+        #[cfg(target_os = "linux")]
+        {
+            use std::os::unix::process::CommandExt;
+            // SAFETY: prctl is async-signal-safe and touches no memory of the parent.
+            unsafe {
+                cmd.pre_exec(|| {
+                    if libc::prctl(libc::PR_SET_PDEATHSIG, libc::SIGKILL, 0, 0, 0) != 0 {
+                        return Err(std::io::Error::last_os_error());
+                    }
+                    Ok(())
+                });
+            }
+        }
+        let spawned = cmd.spawn();
         let mut child = match spawned {
             Ok(c) => c,
             Err(e) => {
@@ -105,10 +178,16 @@ pub fn launch(spec: &LaunchSpec) -> Result<u8, DistError> {
     code
 }
 
-/// Polls the ranks until all exited or one failed (then kills the rest).
+/// Polls the ranks until all exited or one failed (then kills the rest), or the
+/// launcher was signalled (then forwards the signal, and kills the ranks left after the
+/// grace period).
 fn watch(children: &mut [(u32, Child)]) -> Result<u8, DistError> {
     let mut running: Vec<bool> = vec![true; children.len()];
     loop {
+        let sig = SIGNALLED.load(Ordering::SeqCst);
+        if sig != 0 {
+            return Ok(forward(children, sig));
+        }
         let mut failure = None;
         let mut broken = None;
         for (i, (rank, child)) in children.iter_mut().enumerate() {
@@ -144,6 +223,36 @@ fn watch(children: &mut [(u32, Child)]) -> Result<u8, DistError> {
         }
         std::thread::sleep(Duration::from_millis(20));
     }
+}
+
+/// Sends `sig` to every rank still running, waits up to the grace period for them to
+/// exit, kills the rest; the exit status is 128 + `sig`.
+fn forward(children: &mut [(u32, Child)], sig: i32) -> u8 {
+    let grace = grace();
+    eprintln!(
+        "[launch] received signal {sig}; forwarding it to the ranks (killed after {grace:?}, {GRACE_VAR})"
+    );
+    for (_, c) in children.iter_mut() {
+        if matches!(c.try_wait(), Ok(None)) {
+            #[cfg(unix)]
+            if let Ok(pid) = libc::pid_t::try_from(c.id()) {
+                // SAFETY: kill on the pid of a child not yet reaped (so not reused).
+                unsafe {
+                    libc::kill(pid, sig);
+                }
+            }
+        }
+    }
+    let by = Instant::now() + grace;
+    while Instant::now() < by
+        && children
+            .iter_mut()
+            .any(|(_, c)| matches!(c.try_wait(), Ok(None)))
+    {
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    stop(children);
+    u8::try_from(128 + sig).unwrap_or(1)
 }
 
 /// Kills and reaps every rank still running.

@@ -43,7 +43,8 @@
 //!   is an [`Error::Unflushed`] naming the parameters.
 //!
 //! Multi-process jobs (one process per GPU): [`dist`] reads a rank's place in the job
-//! from the launcher's environment, [`rendezvous`] connects the ranks over TCP,
+//! from the launcher's environment, [`rendezvous`] connects the ranks over TCP (authenticated with the job's secret)
+//! and [`fingerprint`] lets them check that they will run the same thing,
 //! [`launch`] is `overlap launch`, and `cuda` (with the `cuda` feature) runs sessions on
 //! the CUDA + NCCL backend.
 
@@ -54,6 +55,7 @@ pub mod cuda;
 pub mod dist;
 pub mod drive;
 mod error;
+pub mod fingerprint;
 pub mod interference;
 pub mod launch;
 pub mod observe;

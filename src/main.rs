@@ -337,6 +337,7 @@ async fn dispatch(cmd: Command) -> Result<ExitCode, Error> {
             if use_cuda(cfg.run.backend)? {
                 return verify_cuda(&cfg, steps, seed, json).await;
             }
+            meet_cpu(&cfg, "verify", steps, seed)?;
             let report = verify::verify(&cfg, steps, seed, |s| {
                 if !json {
                     eprintln!("verify: step {s}/{steps} done");
@@ -530,8 +531,10 @@ async fn run(cfg: &Config, steps: u32, observe: &ObserveArgs) -> Result<ExitCode
         // Before any file, listener or thread: the rank limit and the memory estimate.
         overlap::resources::check_cpu(cfg, 1)?;
     }
-    // In a multi-process job only rank 0 serves metrics and writes the trace and picture.
-    let primary = !cuda || overlap::dist::RankEnv::from_env()?.map_or(true, |e| e.rank == 0);
+    // In a multi-process job only rank 0 writes the trace and picture, and each rank
+    // serves metrics on the base port plus its local rank.
+    let rank_env = overlap::dist::RankEnv::from_env()?;
+    let primary = rank_env.as_ref().map_or(true, |e| e.rank == 0);
     if let Some(n) = observe.svg_step.filter(|&n| n == 0 || n > u64::from(steps)) {
         return Err(Error::Usage(format!(
             "--svg-step {n}: the run has steps 1 to {steps}"
@@ -542,7 +545,8 @@ async fn run(cfg: &Config, steps: u32, observe: &ObserveArgs) -> Result<ExitCode
         observe.svg.as_deref().filter(|_| primary),
         observe.svg_step,
     )?;
-    if let Some(addr) = cfg.metrics.listen.filter(|_| primary) {
+    if let Some(addr) = cfg.metrics.listen {
+        let addr = observe::metrics::rank_addr(addr, rank_env.as_ref().map(|e| e.local_rank))?;
         observe::metrics::install_prometheus(addr)?;
         println!("metrics: serving http://{addr}/metrics");
     }
@@ -552,10 +556,18 @@ async fn run(cfg: &Config, steps: u32, observe: &ObserveArgs) -> Result<ExitCode
         let mut cfg = cfg.clone();
         cfg.settle_transport(env.one_node());
         let cfg = &cfg;
-        let world = overlap::cuda::world(cfg, env, true)?;
+        let what = overlap::fingerprint::Fingerprint::of_config(
+            cfg,
+            "run",
+            backend,
+            u64::from(steps),
+            cfg.run.seed,
+        )?;
+        let world = overlap::cuda::world(cfg, env, true, what)?;
         let session = Session::cuda(cfg, world.backend.clone())?;
         return run_steps(session, cfg, steps, observe, recording, backend).await;
     }
+    meet_cpu(cfg, "run", u64::from(steps), cfg.run.seed)?;
     run_steps(Session::cpu(cfg)?, cfg, steps, observe, recording, backend).await
 }
 
@@ -751,7 +763,8 @@ async fn verify_cuda(cfg: &Config, steps: u64, seed: u64, json: bool) -> Result<
     let mut cfg = cfg.clone();
     cfg.settle_transport(env.one_node());
     let cfg = &cfg;
-    let mut world = overlap::cuda::world(cfg, env, false)?;
+    let what = overlap::fingerprint::Fingerprint::of_config(cfg, "verify", "cuda", steps, seed)?;
+    let mut world = overlap::cuda::world(cfg, env, false, what)?;
     let report = overlap::cuda::verify(cfg, steps, seed, &mut world, |s| {
         if !json {
             eprintln!("verify: step {s}/{steps} done");
@@ -767,6 +780,31 @@ async fn verify_cuda(cfg: &Config, steps: u64, seed: u64, json: bool) -> Result<
 #[cfg(not(feature = "cuda"))]
 async fn verify_cuda(_: &Config, _: u64, _: u64, _: bool) -> Result<ExitCode, Error> {
     use_cuda(BackendChoice::Cuda).map(|_| ExitCode::from(2))
+}
+
+/// On the CPU backend every process runs the whole mesh; started as ranks of a job
+/// (`overlap launch`, torchrun, ...), the processes still meet at the rendezvous and
+/// check that they run the same thing, so that a job that would disagree on GPUs
+/// disagrees here too.
+fn meet_cpu(cfg: &Config, command: &str, steps: u64, seed: u64) -> Result<(), Error> {
+    let Some(env) = overlap::dist::RankEnv::from_env()? else {
+        return Ok(());
+    };
+    if env.world_size < 2 {
+        return Ok(());
+    }
+    let what = overlap::fingerprint::Fingerprint::of_config(cfg, command, "cpu", steps, seed)?;
+    let timeout = overlap::rendezvous::start_timeout(std::time::Duration::from_secs(180));
+    let mut rdv = overlap::rendezvous::Rendezvous::connect(&env, timeout)?;
+    rdv.agree(&what, timeout)?;
+    if env.rank == 0 {
+        eprintln!(
+            "rendezvous: {} ranks agree on what they run (fingerprint {})",
+            env.world_size,
+            &what.digest()[..16]
+        );
+    }
+    Ok(())
 }
 
 /// `overlap env`: the detected rank environment, and optionally a rendezvous.
@@ -833,7 +871,10 @@ async fn cuda_smoke(mib: &str, iters: u32) -> Result<ExitCode, Error> {
         replicate: env.world_size,
     };
     let comms = overlap::ops::cuda::mesh_comms(mesh, &overlap::graph::Bindings::default(), false);
-    let mut world = overlap::cuda::open(env, mesh, comms, false, Default::default())?;
+    let mut what = overlap::fingerprint::Fingerprint::build();
+    what.push("command", "cuda-smoke");
+    what.push("cuda_smoke.args", format!("MiB {mib}, iters {iters}"));
+    let mut world = overlap::cuda::open(env, mesh, comms, false, Default::default(), what)?;
     let report = overlap::cuda::smoke(&mut world, &sizes, iters).await?;
     println!(
         "{}",

@@ -1,28 +1,69 @@
-//! A small TCP rendezvous: rank 0 listens on `MASTER_ADDR:MASTER_PORT`, every other
-//! rank connects, and the connections stay open for the job so rank 0 can broadcast a
-//! payload (the NCCL unique ids) and gather small results (verify's figures).
+//! A small authenticated TCP rendezvous: rank 0 listens on `MASTER_ADDR:MASTER_PORT`,
+//! every other rank connects and proves it holds the job's secret, rank 0 proves the
+//! same to it, and the connections stay open for the job so rank 0 can broadcast a
+//! payload (the NCCL unique ids), gather small results (verify's figures) and compare
+//! what every rank will run ([`Rendezvous::agree`]).
 //!
 //! Every message is a frame: the magic `OVRZ`, a protocol version, a kind, the sender's
-//! rank and world size, a payload length and the payload. A peer that speaks another
-//! protocol (or another version) is refused with an error naming what it sent; a rank
-//! that does not arrive, or does not answer, in time is named in a timeout error.
+//! rank and world size, a payload length and the payload. The handshake
+//! (HMAC-SHA256 with the job's secret, [`JobSecret`]; the secret never travels):
+//!
+//! 1. rank 0 → rank: `Challenge`, payload a fresh 32-byte nonce `n0`;
+//! 2. rank → rank 0: `Hello` with its rank `k` and world size `w`, payload a fresh nonce
+//!    `nk` and `HMAC(secret, "overlap-rendezvous-2 hello" ‖ T)`, where the transcript
+//!    `T = n0 ‖ nk ‖ k ‖ w` (little-endian `u32`s);
+//! 3. rank 0 → rank: `Welcome`, payload `HMAC(secret, "overlap-rendezvous-2 welcome" ‖ T)`;
+//! 4. every later frame on the connection carries a 32-byte tag
+//!    `HMAC(K, direction ‖ sequence number ‖ header ‖ payload)` with the session key
+//!    `K = HMAC(secret, "overlap-rendezvous-2 session" ‖ T)`: `Ready` once every rank
+//!    arrived, `Reject` with a reason, then broadcasts and gathers.
+//!
+//! Rank 0 handles every connection on a thread of its own with its own deadline, so a
+//! silent or slow client delays nobody; a stranger (no or a wrong secret, garbage, an
+//! oversized length) is dropped and logged, never fatal. A rank that holds the secret
+//! but claims a rank outside the job, another world size, or a rank that already
+//! arrived, is told why (`Reject`) and the job goes on waiting for the right one.
 //!
 //! Invariant: every blocking step has a deadline; on any error the rendezvous is left
-//! unusable (the caller exits), never half-synchronised.
+//! unusable (the caller exits), never half-synchronised; nothing a peer sends can make
+//! rank 0 panic or give up before its deadline.
 
+use std::fmt;
 use std::io::{Read, Write};
-use std::net::{IpAddr, Ipv4Addr, SocketAddr, TcpListener, TcpStream, ToSocketAddrs};
+use std::net::{IpAddr, SocketAddr, TcpListener, TcpStream, ToSocketAddrs};
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::{mpsc, Arc};
 use std::time::{Duration, Instant};
 
+use hmac::{Hmac, Mac};
+use sha2::Sha256;
+
 use crate::dist::{DistError, RankEnv};
+use crate::fingerprint::Fingerprint;
+
+type HmacSha256 = Hmac<Sha256>;
 
 const MAGIC: [u8; 4] = *b"OVRZ";
-const VERSION: u32 = 1;
-/// Largest payload accepted (protects rank 0 from a stray client's length).
+/// The protocol version: 2 is the authenticated one.
+pub const PROTOCOL_VERSION: u32 = 2;
+/// Largest payload accepted after the handshake (protects a rank from a stray length).
 const MAX_PAYLOAD: u64 = 256 << 20;
 const HEADER: usize = 4 + 4 + 1 + 4 + 4 + 8;
-/// How long rank 0 waits for a new connection's greeting.
+const NONCE: usize = 32;
+const TAG: usize = 32;
+/// How long rank 0 gives one new connection to complete its handshake.
 const HELLO_TIMEOUT: Duration = Duration::from_secs(5);
+/// At most this many connections in their handshake at once; more are closed at once.
+pub const MAX_PENDING: usize = 512;
+/// The shortest secret accepted, in bytes.
+pub const MIN_SECRET_BYTES: usize = 16;
+
+/// The variable that holds the job's secret.
+pub const SECRET_VAR: &str = "OVERLAP_JOB_SECRET";
+/// The variable that names a file holding the job's secret.
+pub const SECRET_FILE_VAR: &str = "OVERLAP_JOB_SECRET_FILE";
+/// The variable that overrides the address rank 0 listens on (e.g. `0.0.0.0`).
+pub const BIND_VAR: &str = "OVERLAP_BIND_ADDR";
 
 /// Frame kinds.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -31,6 +72,25 @@ enum Kind {
     Hello = 1,
     Broadcast = 2,
     Gather = 3,
+    Challenge = 4,
+    Welcome = 5,
+    Ready = 6,
+    Reject = 7,
+}
+
+impl Kind {
+    fn of(b: u8) -> Option<Kind> {
+        Some(match b {
+            1 => Kind::Hello,
+            2 => Kind::Broadcast,
+            3 => Kind::Gather,
+            4 => Kind::Challenge,
+            5 => Kind::Welcome,
+            6 => Kind::Ready,
+            7 => Kind::Reject,
+            _ => return None,
+        })
+    }
 }
 
 /// The variable that overrides how long ranks wait for each other at start, in seconds.
@@ -45,6 +105,193 @@ pub fn start_timeout(default: Duration) -> Duration {
         .map_or(default, Duration::from_secs)
 }
 
+/// The job's shared secret: what a rank proves it holds before rank 0 accepts it (and
+/// rank 0 to it). Never printed: its `Debug` shows only its length.
+#[derive(Clone)]
+pub struct JobSecret(Arc<Vec<u8>>);
+
+impl fmt::Debug for JobSecret {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "JobSecret({} bytes)", self.0.len())
+    }
+}
+
+/// How to set a secret, for error messages.
+pub const SECRET_ADVICE: &str = "set OVERLAP_JOB_SECRET to the same random value on every rank, e.g. `export OVERLAP_JOB_SECRET=$(od -An -N32 -tx1 /dev/urandom | tr -d ' \\n')` before torchrun, srun or mpirun (passed on with `mpirun -x OVERLAP_JOB_SECRET`), or OVERLAP_JOB_SECRET_FILE to a file only the job's user can read that holds it; `overlap launch` on one node sets one itself";
+
+impl JobSecret {
+    /// A secret from bytes; at least [`MIN_SECRET_BYTES`] of them.
+    pub fn new(bytes: impl Into<Vec<u8>>) -> Result<JobSecret, DistError> {
+        let bytes = bytes.into();
+        if bytes.len() < MIN_SECRET_BYTES {
+            return Err(DistError::Env {
+                var: SECRET_VAR.into(),
+                reason: format!(
+                    "the job secret has {} bytes, fewer than {MIN_SECRET_BYTES}; {SECRET_ADVICE}",
+                    bytes.len()
+                ),
+            });
+        }
+        Ok(JobSecret(Arc::new(bytes)))
+    }
+
+    /// A fresh random secret (32 bytes from the OS), as `overlap launch` makes per job.
+    pub fn generate() -> Result<JobSecret, DistError> {
+        let hex: String = random::<32>()?.iter().map(|b| format!("{b:02x}")).collect();
+        JobSecret::new(hex)
+    }
+
+    /// The text to hand to ranks in [`SECRET_VAR`] (the secret itself: never print it).
+    pub fn expose(&self) -> String {
+        String::from_utf8_lossy(&self.0).into_owned()
+    }
+
+    /// The secret from the environment: `OVERLAP_JOB_SECRET`, or the contents of the
+    /// file `OVERLAP_JOB_SECRET_FILE` names (one trailing newline dropped); `None` when
+    /// neither is set.
+    pub fn from_env() -> Result<Option<JobSecret>, DistError> {
+        JobSecret::from_vars(|k| std::env::var(k).ok())
+    }
+
+    /// [`JobSecret::from_env`] through `get`.
+    pub fn from_vars(get: impl Fn(&str) -> Option<String>) -> Result<Option<JobSecret>, DistError> {
+        if let Some(v) = get(SECRET_VAR).filter(|v| !v.is_empty()) {
+            return JobSecret::new(v.into_bytes()).map(Some);
+        }
+        let Some(path) = get(SECRET_FILE_VAR).filter(|v| !v.is_empty()) else {
+            return Ok(None);
+        };
+        let mut bytes = std::fs::read(&path).map_err(|e| DistError::Env {
+            var: SECRET_FILE_VAR.into(),
+            reason: format!("cannot read `{path}`: {e}"),
+        })?;
+        if bytes.last() == Some(&b'\n') {
+            bytes.pop();
+            if bytes.last() == Some(&b'\r') {
+                bytes.pop();
+            }
+        }
+        JobSecret::new(bytes)
+            .map_err(|e| DistError::Env {
+                var: SECRET_FILE_VAR.into(),
+                reason: format!("`{path}`: {e}"),
+            })
+            .map(Some)
+    }
+
+    /// The secret a rank of `env` must use: from the environment; a job without one is
+    /// refused, whether its rendezvous is on loopback or not (any local user can reach
+    /// a loopback port).
+    pub fn for_job(env: &RankEnv) -> Result<JobSecret, DistError> {
+        JobSecret::from_env()?.ok_or_else(|| DistError::Env {
+            var: SECRET_VAR.into(),
+            reason: format!(
+                "is not set, and a job of {} ranks authenticates its rendezvous at {}:{} with it: {SECRET_ADVICE}",
+                env.world_size, env.master_addr, env.master_port
+            ),
+        })
+    }
+
+    fn mac(&self, label: &[u8], transcript: &[u8]) -> HmacSha256 {
+        // HMAC accepts a key of any length.
+        let mut m = HmacSha256::new_from_slice(&self.0).expect("HMAC takes any key length");
+        m.update(label);
+        m.update(transcript);
+        m
+    }
+}
+
+/// `N` random bytes from the operating system.
+fn random<const N: usize>() -> Result<[u8; N], DistError> {
+    let mut b = [0u8; N];
+    std::fs::File::open("/dev/urandom")
+        .and_then(|mut f| f.read_exact(&mut b))
+        .map_err(|e| DistError::Rendezvous(format!("cannot read /dev/urandom: {e}")))?;
+    Ok(b)
+}
+
+const HELLO_LABEL: &[u8] = b"overlap-rendezvous-2 hello";
+const WELCOME_LABEL: &[u8] = b"overlap-rendezvous-2 welcome";
+const SESSION_LABEL: &[u8] = b"overlap-rendezvous-2 session";
+
+fn transcript(n0: &[u8; NONCE], nk: &[u8; NONCE], rank: u32, world: u32) -> Vec<u8> {
+    let mut t = Vec::with_capacity(2 * NONCE + 8);
+    t.extend_from_slice(n0);
+    t.extend_from_slice(nk);
+    t.extend_from_slice(&rank.to_le_bytes());
+    t.extend_from_slice(&world.to_le_bytes());
+    t
+}
+
+/// One authenticated connection: the stream, its session key and sequence numbers.
+struct Conn {
+    stream: TcpStream,
+    key: [u8; 32],
+    /// 0 on rank 0's side (it sends direction 0), 1 on a rank's.
+    side: u8,
+    sent: u64,
+    received: u64,
+}
+
+impl Conn {
+    fn new(stream: TcpStream, secret: &JobSecret, t: &[u8], side: u8) -> Conn {
+        let key: [u8; 32] = secret.mac(SESSION_LABEL, t).finalize().into_bytes().into();
+        Conn {
+            stream,
+            key,
+            side,
+            sent: 0,
+            received: 0,
+        }
+    }
+
+    fn tag(&self, direction: u8, seq: u64, header: &[u8], payload: &[u8]) -> HmacSha256 {
+        let mut m = HmacSha256::new_from_slice(&self.key).expect("HMAC takes any key length");
+        m.update(&[direction]);
+        m.update(&seq.to_le_bytes());
+        m.update(header);
+        m.update(payload);
+        m
+    }
+
+    fn send(&mut self, kind: Kind, rank: u32, world: u32, payload: &[u8]) -> std::io::Result<()> {
+        let header = header(kind, rank, world, payload.len() as u64);
+        let tag = self
+            .tag(self.side, self.sent, &header, payload)
+            .finalize()
+            .into_bytes();
+        self.sent += 1;
+        let mut buf = Vec::with_capacity(HEADER + payload.len() + TAG);
+        buf.extend_from_slice(&header);
+        buf.extend_from_slice(payload);
+        buf.extend_from_slice(&tag);
+        (&self.stream).write_all(&buf)?;
+        (&self.stream).flush()
+    }
+
+    /// Reads the next tagged frame, one of `kinds`: `(kind, rank, world, payload)`.
+    fn recv(
+        &mut self,
+        kinds: &[Kind],
+        deadline: Instant,
+    ) -> Result<(Kind, u32, u32, Vec<u8>), String> {
+        let (header, kind, rank, world, len) =
+            read_header(&self.stream, kinds, MAX_PAYLOAD, deadline)?;
+        let mut payload = vec![0u8; len as usize];
+        read_exact(&self.stream, &mut payload, deadline)?;
+        let mut tag = [0u8; TAG];
+        read_exact(&self.stream, &mut tag, deadline)?;
+        self.tag(1 - self.side, self.received, &header, &payload)
+            .verify_slice(&tag)
+            .map_err(|_| {
+                "a frame failed its integrity check (tampered with, or not from this job's rank)"
+                    .to_string()
+            })?;
+        self.received += 1;
+        Ok((kind, rank, world, payload))
+    }
+}
+
 /// One rank's end of the rendezvous.
 pub struct Rendezvous {
     rank: u32,
@@ -56,39 +303,47 @@ pub struct Rendezvous {
 
 enum Role {
     /// Rank 0: one connection per other rank, at `rank - 1`.
-    Root(Vec<TcpStream>),
+    Root(Vec<Conn>),
     /// Another rank: its connection to rank 0.
-    Peer(TcpStream),
+    Peer(Conn),
 }
 
 fn err(msg: String) -> DistError {
     DistError::Rendezvous(msg)
 }
 
+/// What a handshake thread hands rank 0's main loop.
+struct Arrival {
+    rank: u32,
+    from: SocketAddr,
+    conn: Conn,
+}
+
 impl Rendezvous {
-    /// Joins the job's rendezvous: rank 0 listens on `MASTER_PORT` and waits for every
-    /// other rank; the others connect to `MASTER_ADDR:MASTER_PORT`, retrying until
-    /// `timeout`.
+    /// Joins the job's rendezvous with the secret from the environment
+    /// ([`JobSecret::for_job`]): rank 0 listens on the address `MASTER_ADDR` resolves
+    /// to (or `OVERLAP_BIND_ADDR`) and waits for every other rank; the others connect
+    /// to `MASTER_ADDR:MASTER_PORT`, retrying until `timeout`.
     pub fn connect(env: &RankEnv, timeout: Duration) -> Result<Rendezvous, DistError> {
+        let secret = JobSecret::for_job(env)?;
         let addr = format!("{}:{}", env.master_addr, env.master_port);
         if env.rank == 0 {
-            let bind = bind_addr(&env.master_addr, env.master_port)?;
-            let listener = TcpListener::bind(bind).map_err(|e| {
-                err(format!(
-                    "rank 0 cannot listen on {bind} (MASTER_PORT={}): {e}; is another job using the port?",
-                    env.master_port
-                ))
-            })?;
-            Rendezvous::serve(listener, env.world_size, timeout)
+            let bind = std::env::var(BIND_VAR)
+                .ok()
+                .filter(|v| !v.trim().is_empty());
+            let listener = listen(&env.master_addr, env.master_port, bind.as_deref())?;
+            Rendezvous::serve(listener, env.world_size, &secret, timeout)
         } else {
-            Rendezvous::join(&addr, env.rank, env.world_size, timeout)
+            Rendezvous::join(&addr, env.rank, env.world_size, &secret, timeout)
         }
     }
 
-    /// Rank 0's side on a listener: accepts the other `world - 1` ranks.
+    /// Rank 0's side on a listener: accepts the other `world - 1` ranks, each after it
+    /// proved it holds `secret`.
     pub fn serve(
         listener: TcpListener,
         world: u32,
+        secret: &JobSecret,
         timeout: Duration,
     ) -> Result<Rendezvous, DistError> {
         let local = listener
@@ -99,67 +354,90 @@ impl Rendezvous {
         listener
             .set_nonblocking(true)
             .map_err(|e| err(format!("listener on {local}: {e}")))?;
-        let mut peers: Vec<Option<TcpStream>> = (1..world).map(|_| None).collect();
+        let (tx, rx) = mpsc::channel::<Arrival>();
+        let pending = Arc::new(AtomicUsize::new(0));
+        let mut peers: Vec<Option<Conn>> = (1..world).map(|_| None).collect();
         while peers.iter().any(Option::is_none) {
+            let mut idle = true;
             match listener.accept() {
                 Ok((stream, from)) => {
-                    // A silent stranger may hold the accept loop for a few seconds at most.
-                    let hello_by = deadline.min(Instant::now() + HELLO_TIMEOUT);
-                    let accepted = stream
-                        .set_nonblocking(false)
-                        .map_err(|e| e.to_string())
-                        .and_then(|()| read_frame(&stream, Kind::Hello, hello_by));
-                    let (rank, peer_world, _) = match accepted {
-                        Ok(f) => f,
-                        Err(e) => {
-                            // Not one of ours (a port scanner, another job): ignore it.
-                            tracing::warn!(
-                                "rendezvous on {local}: ignoring a connection from {from}: {e}"
-                            );
-                            continue;
+                    idle = false;
+                    if pending.load(Ordering::SeqCst) >= MAX_PENDING {
+                        tracing::warn!(
+                            "rendezvous on {local}: {MAX_PENDING} handshakes in progress; closing a connection from {from}"
+                        );
+                    } else {
+                        pending.fetch_add(1, Ordering::SeqCst);
+                        let (tx, pending, secret) = (tx.clone(), pending.clone(), secret.clone());
+                        let at = local.clone();
+                        let by = deadline.min(Instant::now() + HELLO_TIMEOUT);
+                        let spawned = std::thread::Builder::new()
+                            .name("rendezvous-hello".into())
+                            .stack_size(64 << 10)
+                            .spawn(move || {
+                                match greet(stream, world, &secret, by) {
+                                    Ok((rank, conn)) => {
+                                        // The main loop may be gone (it finished): then
+                                        // the connection just closes.
+                                        let _ = tx.send(Arrival { rank, from, conn });
+                                    }
+                                    Err(e) => tracing::warn!(
+                                        "rendezvous on {at}: dropped a connection from {from}: {e}"
+                                    ),
+                                }
+                                pending.fetch_sub(1, Ordering::SeqCst);
+                            });
+                        if let Err(e) = spawned {
+                            tracing::warn!("rendezvous on {local}: cannot handle a connection from {from}: {e}");
                         }
-                    };
-                    if peer_world != world {
-                        return Err(err(format!(
-                            "rank {rank} (from {from}) says the world has {peer_world} ranks, rank 0 has {world}: WORLD_SIZE differs between ranks"
-                        )));
                     }
-                    let slot = rank
-                        .checked_sub(1)
-                        .and_then(|i| peers.get_mut(i as usize))
-                        .ok_or_else(|| {
-                            err(format!(
-                                "a peer from {from} claims rank {rank}, not a rank 1..{world}"
-                            ))
-                        })?;
-                    if slot.is_some() {
-                        return Err(err(format!(
-                            "rank {rank} arrived twice (the second from {from}): two processes have RANK={rank}"
-                        )));
-                    }
-                    *slot = Some(stream);
                 }
-                Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => {
-                    if Instant::now() >= deadline {
-                        let missing: Vec<u32> = peers
-                            .iter()
-                            .enumerate()
-                            .filter(|(_, p)| p.is_none())
-                            .map(|(i, _)| i as u32 + 1)
-                            .collect();
-                        return Err(err(format!(
-                            "rank 0 waited {timeout:?} on {local}: ranks {missing:?} of {world} did not arrive"
-                        )));
-                    }
-                    std::thread::sleep(Duration::from_millis(5));
+                Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => {}
+                Err(e) if e.kind() == std::io::ErrorKind::Interrupted => {}
+                Err(e) => {
+                    // Out of file descriptors, a reset before accept: not fatal.
+                    tracing::warn!("rendezvous on {local}: accept: {e}");
                 }
-                Err(e) => return Err(err(format!("accepting on {local}: {e}"))),
+            }
+            while let Ok(a) = rx.try_recv() {
+                idle = false;
+                let Some(slot) = (a.rank as usize)
+                    .checked_sub(1)
+                    .and_then(|i| peers.get_mut(i))
+                else {
+                    continue;
+                };
+                if slot.is_some() {
+                    let why = format!(
+                        "rank {} already joined; this second process with RANK={} (from {}) is refused: give every process its own rank",
+                        a.rank, a.rank, a.from
+                    );
+                    tracing::warn!("rendezvous on {local}: {why}");
+                    let mut conn = a.conn;
+                    let _ = conn.send(Kind::Reject, 0, world, why.as_bytes());
+                    continue;
+                }
+                *slot = Some(a.conn);
+            }
+            if Instant::now() >= deadline && peers.iter().any(Option::is_none) {
+                let missing: Vec<u32> = peers
+                    .iter()
+                    .enumerate()
+                    .filter(|(_, p)| p.is_none())
+                    .map(|(i, _)| i as u32 + 1)
+                    .collect();
+                return Err(err(format!(
+                    "rank 0 waited {timeout:?} on {local}: ranks {missing:?} of {world} did not arrive (a rank with another OVERLAP_JOB_SECRET is dropped and logged here)"
+                )));
+            }
+            if idle {
+                std::thread::sleep(Duration::from_millis(2));
             }
         }
-        let peers: Vec<TcpStream> = peers.into_iter().flatten().collect();
-        for (i, p) in peers.iter().enumerate() {
-            // Tell each peer it is in (an empty broadcast): `join` returns only then.
-            write_frame(p, Kind::Hello, 0, world, &[])
+        let mut peers: Vec<Conn> = peers.into_iter().flatten().collect();
+        for (i, p) in peers.iter_mut().enumerate() {
+            // Tell each peer it is in: `join` returns only then.
+            p.send(Kind::Ready, 0, world, &[])
                 .map_err(|e| err(format!("rank 0 cannot greet rank {}: {e}", i + 1)))?;
         }
         Ok(Rendezvous {
@@ -171,11 +449,13 @@ impl Rendezvous {
     }
 
     /// Another rank's side: connects to rank 0 at `addr` (`host:port`), retrying until
-    /// `timeout`, and waits until rank 0 has seen every rank.
+    /// `timeout`, proves it holds `secret`, checks that rank 0 does too, and waits
+    /// until rank 0 has seen every rank.
     pub fn join(
         addr: &str,
         rank: u32,
         world: u32,
+        secret: &JobSecret,
         timeout: Duration,
     ) -> Result<Rendezvous, DistError> {
         if rank == 0 || rank >= world {
@@ -185,30 +465,50 @@ impl Rendezvous {
         }
         let deadline = Instant::now() + timeout;
         let mut last = String::from("no attempt");
-        let stream = loop {
+        // A failed proof says more than the timeouts after it.
+        let mut impostor: Option<String> = None;
+        let mut conn = loop {
             if let Some(s) = try_connect(addr, deadline, &mut last) {
-                break s;
+                let _ = s.set_nodelay(true);
+                let by = deadline.min(Instant::now() + HELLO_TIMEOUT);
+                match hello(s, rank, world, secret, by) {
+                    Ok(c) => break c,
+                    Err(e) => {
+                        tracing::warn!("rank {rank}: the rendezvous at {addr}: {e}; retrying");
+                        if e.contains("did not prove") {
+                            impostor = Some(e.clone());
+                        }
+                        last = e;
+                    }
+                }
             }
             if Instant::now() >= deadline {
+                let last = impostor.unwrap_or(last);
                 return Err(err(format!(
-                    "rank {rank} could not reach rank 0 at {addr} within {timeout:?} ({last}); is rank 0 running, and are MASTER_ADDR and MASTER_PORT the same on every rank?"
+                    "rank {rank} could not reach rank 0 at {addr} within {timeout:?} ({last}); is rank 0 running, and are MASTER_ADDR, MASTER_PORT and OVERLAP_JOB_SECRET the same on every rank?"
                 )));
             }
             std::thread::sleep(Duration::from_millis(50));
         };
-        let _ = stream.set_nodelay(true);
-        write_frame(&stream, Kind::Hello, rank, world, &[])
-            .map_err(|e| err(format!("rank {rank} cannot greet rank 0 at {addr}: {e}")))?;
-        read_frame(&stream, Kind::Hello, deadline).map_err(|e| {
-            err(format!(
-                "rank {rank} connected to {addr} but rank 0 did not confirm within {timeout:?}: {e} (did every rank start?)"
-            ))
-        })?;
+        match conn.recv(&[Kind::Ready, Kind::Reject], deadline) {
+            Ok((Kind::Ready, ..)) => {}
+            Ok((_, _, _, why)) => {
+                return Err(err(format!(
+                    "rank 0 at {addr} refused rank {rank}: {}",
+                    String::from_utf8_lossy(&why)
+                )))
+            }
+            Err(e) => {
+                return Err(err(format!(
+                    "rank {rank} connected to {addr} but rank 0 did not confirm within {timeout:?}: {e} (did every rank start?)"
+                )))
+            }
+        }
         Ok(Rendezvous {
             rank,
             world,
             addr: addr.to_string(),
-            role: Role::Peer(stream),
+            role: Role::Peer(conn),
         })
     }
 
@@ -226,16 +526,18 @@ impl Rendezvous {
     /// is ignored). Waits at most `timeout` for rank 0.
     pub fn broadcast(&mut self, payload: &[u8], timeout: Duration) -> Result<Vec<u8>, DistError> {
         let deadline = Instant::now() + timeout;
-        match &self.role {
+        let world = self.world;
+        match &mut self.role {
             Role::Root(peers) => {
-                for (i, p) in peers.iter().enumerate() {
-                    write_frame(p, Kind::Broadcast, 0, self.world, payload)
+                for (i, p) in peers.iter_mut().enumerate() {
+                    p.send(Kind::Broadcast, 0, world, payload)
                         .map_err(|e| err(format!("rank 0 cannot send to rank {}: {e}", i + 1)))?;
                 }
                 Ok(payload.to_vec())
             }
-            Role::Peer(s) => read_frame(s, Kind::Broadcast, deadline)
-                .map(|(_, _, p)| p)
+            Role::Peer(s) => s
+                .recv(&[Kind::Broadcast], deadline)
+                .map(|(.., p)| p)
                 .map_err(|e| {
                     err(format!(
                         "rank {} waited {timeout:?} for rank 0's broadcast from {}: {e}",
@@ -253,12 +555,13 @@ impl Rendezvous {
         timeout: Duration,
     ) -> Result<Option<Vec<Vec<u8>>>, DistError> {
         let deadline = Instant::now() + timeout;
-        match &self.role {
+        let (me, world) = (self.rank, self.world);
+        match &mut self.role {
             Role::Root(peers) => {
                 let mut all = vec![payload.to_vec()];
-                for (i, p) in peers.iter().enumerate() {
+                for (i, p) in peers.iter_mut().enumerate() {
                     let rank = i as u32 + 1;
-                    let (from, _, data) = read_frame(p, Kind::Gather, deadline).map_err(|e| {
+                    let (_, from, _, data) = p.recv(&[Kind::Gather], deadline).map_err(|e| {
                         err(format!(
                             "rank 0 waited {timeout:?} for rank {rank}'s result: {e}"
                         ))
@@ -273,16 +576,129 @@ impl Rendezvous {
                 Ok(Some(all))
             }
             Role::Peer(s) => {
-                write_frame(s, Kind::Gather, self.rank, self.world, payload).map_err(|e| {
+                s.send(Kind::Gather, me, world, payload).map_err(|e| {
                     err(format!(
-                        "rank {} cannot send its result to rank 0 at {}: {e}",
-                        self.rank, self.addr
+                        "rank {me} cannot send its result to rank 0 at {}: {e}",
+                        self.addr
                     ))
                 })?;
                 Ok(None)
             }
         }
     }
+
+    /// Every rank hands in the fingerprint of what it will run; rank 0 compares them and
+    /// tells every rank the verdict. Agreement returns `Ok`; a difference is the same
+    /// [`DistError::Disagree`] on every rank, naming two ranks and the first field in
+    /// which they differ.
+    pub fn agree(&mut self, mine: &Fingerprint, timeout: Duration) -> Result<(), DistError> {
+        let all = self.gather(&mine.encode(), timeout)?;
+        let verdict = match all {
+            Some(all) => match crate::fingerprint::compare(&all) {
+                None => vec![0u8],
+                Some(msg) => [vec![1u8], msg.into_bytes()].concat(),
+            },
+            None => Vec::new(),
+        };
+        let verdict = self.broadcast(&verdict, timeout)?;
+        match verdict.split_first() {
+            Some((0, _)) => Ok(()),
+            Some((1, msg)) => Err(DistError::Disagree(
+                String::from_utf8_lossy(msg).into_owned(),
+            )),
+            _ => Err(err(format!(
+                "rank 0 sent a verdict of {} bytes on the ranks' fingerprints",
+                verdict.len()
+            ))),
+        }
+    }
+}
+
+/// Rank 0's handshake with one new connection: `(rank, connection)` of a rank that
+/// proved it holds the secret and claims a rank and world size that fit the job.
+fn greet(
+    stream: TcpStream,
+    world: u32,
+    secret: &JobSecret,
+    by: Instant,
+) -> Result<(u32, Conn), String> {
+    stream.set_nonblocking(false).map_err(|e| e.to_string())?;
+    let _ = stream.set_nodelay(true);
+    let n0 = random::<NONCE>().map_err(|e| e.to_string())?;
+    write_raw(&stream, Kind::Challenge, 0, world, &n0).map_err(|e| e.to_string())?;
+    let (_, _, rank, peer_world, len) =
+        read_header(&stream, &[Kind::Hello], (NONCE + TAG) as u64, by)?;
+    if len != (NONCE + TAG) as u64 {
+        return Err(format!("a hello of {len} bytes, not {}", NONCE + TAG));
+    }
+    let mut body = [0u8; NONCE + TAG];
+    read_exact(&stream, &mut body, by)?;
+    let mut nk = [0u8; NONCE];
+    nk.copy_from_slice(&body[..NONCE]);
+    let t = transcript(&n0, &nk, rank, peer_world);
+    secret
+        .mac(HELLO_LABEL, &t)
+        .verify_slice(&body[NONCE..])
+        .map_err(|_| {
+            format!("it claims rank {rank} of {peer_world} but does not hold this job's secret (OVERLAP_JOB_SECRET differs, or it is not one of this job's ranks)")
+        })?;
+    let proof = secret.mac(WELCOME_LABEL, &t).finalize().into_bytes();
+    write_raw(&stream, Kind::Welcome, 0, world, &proof).map_err(|e| e.to_string())?;
+    let mut conn = Conn::new(stream, secret, &t, 0);
+    let why = if peer_world != world {
+        Some(format!(
+            "rank {rank} says the world has {peer_world} ranks, rank 0 has {world}: WORLD_SIZE differs between ranks"
+        ))
+    } else if rank == 0 || rank >= world {
+        Some(format!("rank {rank} is not a rank 1..{world} of this job"))
+    } else {
+        None
+    };
+    if let Some(why) = why {
+        let _ = conn.send(Kind::Reject, 0, world, why.as_bytes());
+        return Err(why);
+    }
+    Ok((rank, conn))
+}
+
+/// A rank's handshake on a fresh connection to rank 0, before `by`.
+fn hello(
+    stream: TcpStream,
+    rank: u32,
+    world: u32,
+    secret: &JobSecret,
+    by: Instant,
+) -> Result<Conn, String> {
+    let (_, _, _, _, len) = read_header(&stream, &[Kind::Challenge], NONCE as u64, by)?;
+    if len != NONCE as u64 {
+        return Err(format!("a challenge of {len} bytes, not {NONCE}"));
+    }
+    let mut n0 = [0u8; NONCE];
+    read_exact(&stream, &mut n0, by)?;
+    let nk = random::<NONCE>().map_err(|e| e.to_string())?;
+    let t = transcript(&n0, &nk, rank, world);
+    let mac = secret.mac(HELLO_LABEL, &t).finalize().into_bytes();
+    write_raw(
+        &stream,
+        Kind::Hello,
+        rank,
+        world,
+        &[&nk[..], &mac[..]].concat(),
+    )
+    .map_err(|e| e.to_string())?;
+    let (_, _, _, _, len) = read_header(&stream, &[Kind::Welcome], TAG as u64, by)?;
+    let mut proof = [0u8; TAG];
+    if len != TAG as u64 {
+        return Err(format!("a welcome of {len} bytes, not {TAG}"));
+    }
+    read_exact(&stream, &mut proof, by)?;
+    secret
+        .mac(WELCOME_LABEL, &t)
+        .verify_slice(&proof)
+        .map_err(|_| {
+            "the process there did not prove it holds this job's secret (another job on MASTER_PORT, or OVERLAP_JOB_SECRET differs)".to_string()
+        })?;
+    Ok(Conn::new(stream, secret, &t, 1))
 }
 
 /// One connection attempt to every address `addr` resolves to.
@@ -306,9 +722,21 @@ fn try_connect(addr: &str, deadline: Instant, last: &mut String) -> Option<TcpSt
     None
 }
 
-/// Where rank 0 listens: the loopback address when `MASTER_ADDR` is one (a one-node job
-/// stays off the network), every interface otherwise (as torchrun does).
-fn bind_addr(host: &str, port: u16) -> Result<SocketAddr, DistError> {
+/// Rank 0's listener: on `bind` (an IP address, from `OVERLAP_BIND_ADDR`) when given,
+/// else on the first address `MASTER_ADDR` resolves to that can be bound on this host;
+/// never on the wildcard unless asked.
+pub fn listen(host: &str, port: u16, bind: Option<&str>) -> Result<TcpListener, DistError> {
+    let bound = |a: SocketAddr| {
+        TcpListener::bind(a)
+            .map_err(|e| format!("rank 0 cannot listen on {a} (MASTER_PORT={port}): {e}"))
+    };
+    if let Some(b) = bind {
+        let ip: IpAddr = b.trim().parse().map_err(|_| DistError::Env {
+            var: BIND_VAR.into(),
+            reason: format!("`{b}` is not an IP address (e.g. 0.0.0.0 for every interface)"),
+        })?;
+        return bound(SocketAddr::new(ip, port)).map_err(err);
+    }
     let resolved: Vec<SocketAddr> = (host, port)
         .to_socket_addrs()
         .map_err(|e| {
@@ -317,68 +745,84 @@ fn bind_addr(host: &str, port: u16) -> Result<SocketAddr, DistError> {
             ))
         })?
         .collect();
-    if !resolved.is_empty() && resolved.iter().all(|a| a.ip().is_loopback()) {
-        return Ok(resolved[0]);
+    let mut last = format!("MASTER_ADDR `{host}` resolves to no address");
+    for a in resolved {
+        match bound(a) {
+            Ok(l) => return Ok(l),
+            Err(e) => last = e,
+        }
     }
-    Ok(SocketAddr::new(IpAddr::V4(Ipv4Addr::UNSPECIFIED), port))
+    Err(err(format!(
+        "{last}; is another job using the port? If MASTER_ADDR is not an address of this host (NAT, a load balancer), set {BIND_VAR} to the local address to listen on"
+    )))
 }
 
-fn write_frame(
+fn header(kind: Kind, rank: u32, world: u32, len: u64) -> [u8; HEADER] {
+    let mut h = [0u8; HEADER];
+    h[..4].copy_from_slice(&MAGIC);
+    h[4..8].copy_from_slice(&PROTOCOL_VERSION.to_le_bytes());
+    h[8] = kind as u8;
+    h[9..13].copy_from_slice(&rank.to_le_bytes());
+    h[13..17].copy_from_slice(&world.to_le_bytes());
+    h[17..25].copy_from_slice(&len.to_le_bytes());
+    h
+}
+
+/// An untagged frame (the handshake's).
+fn write_raw(
     mut s: &TcpStream,
     kind: Kind,
     rank: u32,
     world: u32,
     payload: &[u8],
 ) -> std::io::Result<()> {
-    let mut buf = Vec::with_capacity(HEADER + payload.len());
-    buf.extend_from_slice(&MAGIC);
-    buf.extend_from_slice(&VERSION.to_le_bytes());
-    buf.push(kind as u8);
-    buf.extend_from_slice(&rank.to_le_bytes());
-    buf.extend_from_slice(&world.to_le_bytes());
-    buf.extend_from_slice(&(payload.len() as u64).to_le_bytes());
+    let mut buf = header(kind, rank, world, payload.len() as u64).to_vec();
     buf.extend_from_slice(payload);
     s.write_all(&buf)?;
     s.flush()
 }
 
-/// Reads one frame of `kind` before `deadline`: `(rank, world, payload)`.
-fn read_frame(s: &TcpStream, kind: Kind, deadline: Instant) -> Result<(u32, u32, Vec<u8>), String> {
-    let mut header = [0u8; HEADER];
-    read_exact(s, &mut header, deadline)?;
-    if header[..4] != MAGIC {
+/// Reads and checks one frame header, of one of `kinds`, announcing at most `max`
+/// payload bytes: `(header, kind, rank, world, length)`.
+#[allow(clippy::type_complexity)]
+fn read_header(
+    s: &TcpStream,
+    kinds: &[Kind],
+    max: u64,
+    deadline: Instant,
+) -> Result<([u8; HEADER], Kind, u32, u32, u64), String> {
+    let mut h = [0u8; HEADER];
+    read_exact(s, &mut h, deadline)?;
+    if h[..4] != MAGIC {
         return Err(format!(
             "not an overlap rendezvous peer (it sent {:02x?})",
-            &header[..4]
+            &h[..4]
         ));
     }
-    let word = |at: usize| {
-        u32::from_le_bytes([header[at], header[at + 1], header[at + 2], header[at + 3]])
-    };
+    let word = |at: usize| u32::from_le_bytes([h[at], h[at + 1], h[at + 2], h[at + 3]]);
     let version = word(4);
-    if version != VERSION {
+    if version != PROTOCOL_VERSION {
         return Err(format!(
-            "protocol version {version}, this overlap speaks {VERSION}: run the same overlap build on every rank"
+            "rendezvous protocol version {version}, this overlap speaks {PROTOCOL_VERSION}: run the same overlap build on every rank"
         ));
     }
-    if header[8] != kind as u8 {
-        return Err(format!(
-            "expected a {kind:?} frame, got kind {} (the ranks disagree on what happens next)",
-            header[8]
-        ));
-    }
-    let (rank, world) = (word(9), word(13));
+    let kind = Kind::of(h[8])
+        .filter(|k| kinds.contains(k))
+        .ok_or_else(|| {
+            format!(
+                "expected a {kinds:?} frame, got kind {} (the ranks disagree on what happens next)",
+                h[8]
+            )
+        })?;
     let mut len = [0u8; 8];
-    len.copy_from_slice(&header[17..25]);
+    len.copy_from_slice(&h[17..25]);
     let len = u64::from_le_bytes(len);
-    if len > MAX_PAYLOAD {
+    if len > max {
         return Err(format!(
-            "a payload of {len} bytes is larger than {MAX_PAYLOAD}"
+            "a {kind:?} payload of {len} bytes is larger than {max}"
         ));
     }
-    let mut payload = vec![0u8; len as usize];
-    read_exact(s, &mut payload, deadline)?;
-    Ok((rank, world, payload))
+    Ok((h, kind, word(9), word(13), len))
 }
 
 fn read_exact(mut s: &TcpStream, buf: &mut [u8], deadline: Instant) -> Result<(), String> {
@@ -414,22 +858,47 @@ mod tests {
         (l, addr)
     }
 
+    fn secret() -> JobSecret {
+        JobSecret::new(b"test secret of this job, 32 byte".to_vec()).unwrap()
+    }
+
+    fn other_secret() -> JobSecret {
+        JobSecret::new(b"someone else's secret, 32 bytes!".to_vec()).unwrap()
+    }
+
+    /// Starts ranks `ranks` of `world` joining `addr` on threads.
+    fn join_all(
+        addr: &str,
+        ranks: std::ops::Range<u32>,
+        world: u32,
+        s: &JobSecret,
+        t: Duration,
+    ) -> Vec<std::thread::JoinHandle<Result<Rendezvous, DistError>>> {
+        ranks
+            .map(|rank| {
+                let (addr, s) = (addr.to_string(), s.clone());
+                std::thread::spawn(move || Rendezvous::join(&addr, rank, world, &s, t))
+            })
+            .collect()
+    }
+
     #[test]
     fn ranks_meet_broadcast_and_gather_over_loopback() {
         let (l, addr) = listener();
         let t = Duration::from_secs(10);
+        let s = secret();
         let peers: Vec<_> = (1..3u32)
             .map(|rank| {
-                let addr = addr.clone();
+                let (addr, s) = (addr.clone(), s.clone());
                 std::thread::spawn(move || {
-                    let mut r = Rendezvous::join(&addr, rank, 3, t).unwrap();
+                    let mut r = Rendezvous::join(&addr, rank, 3, &s, t).unwrap();
                     let got = r.broadcast(&[], t).unwrap();
                     assert_eq!(got, b"ids");
                     assert!(r.gather(&[rank as u8; 2], t).unwrap().is_none());
                 })
             })
             .collect();
-        let mut root = Rendezvous::serve(l, 3, t).unwrap();
+        let mut root = Rendezvous::serve(l, 3, &s, t).unwrap();
         assert_eq!(root.broadcast(b"ids", t).unwrap(), b"ids");
         let all = root.gather(&[0, 0], t).unwrap().unwrap();
         assert_eq!(all, vec![vec![0, 0], vec![1, 1], vec![2, 2]]);
@@ -440,58 +909,266 @@ mod tests {
     fn a_rank_that_never_arrives_is_named_in_the_timeout() {
         let (l, addr) = listener();
         let t = Duration::from_millis(400);
-        let peer =
-            std::thread::spawn(move || Rendezvous::join(&addr, 1, 3, Duration::from_secs(5)));
-        let e = Rendezvous::serve(l, 3, t).err().unwrap().to_string();
+        let peer = join_all(&addr, 1..2, 3, &secret(), Duration::from_secs(5));
+        let e = Rendezvous::serve(l, 3, &secret(), t)
+            .err()
+            .unwrap()
+            .to_string();
         assert!(e.contains("ranks [2] of 3 did not arrive"), "{e}");
         // The rank that did arrive is told, not left waiting forever.
-        assert!(peer.join().unwrap().is_err());
+        assert!(peer.into_iter().next().unwrap().join().unwrap().is_err());
     }
 
     #[test]
     fn a_peer_without_rank_0_times_out_with_advice() {
         let (l, addr) = listener();
         drop(l);
-        let e = Rendezvous::join(&addr, 1, 2, Duration::from_millis(300))
+        let e = Rendezvous::join(&addr, 1, 2, &secret(), Duration::from_millis(300))
             .err()
             .unwrap()
             .to_string();
         assert!(
-            e.contains("could not reach rank 0") && e.contains("MASTER_PORT"),
+            e.contains("could not reach rank 0")
+                && e.contains("MASTER_PORT")
+                && e.contains("OVERLAP_JOB_SECRET"),
+            "{e}"
+        );
+    }
+
+    /// A client that speaks the protocol and claims `rank` of `world`, with `key` as
+    /// the secret: what a forged or misconfigured rank sends.
+    fn forged_hello(addr: &str, rank: u32, world: u32, key: &JobSecret) -> Result<Conn, String> {
+        let s = TcpStream::connect(addr).map_err(|e| e.to_string())?;
+        hello(s, rank, world, key, Instant::now() + Duration::from_secs(5))
+    }
+
+    #[test]
+    fn strangers_forgeries_and_garbage_are_dropped_and_the_job_still_meets() {
+        let (l, addr) = listener();
+        let t = Duration::from_secs(20);
+        let s = secret();
+        let root = std::thread::spawn(move || Rendezvous::serve(l, 3, &s, t));
+        // A forged hello claiming rank 1 (wrong secret): rank 0 proves nothing to it
+        // and it never takes rank 1's place.
+        let e = forged_hello(&addr, 1, 3, &other_secret()).err().unwrap();
+        assert!(e.contains("closed") || e.contains("reset"), "{e}");
+        // Claims of rank 0, of a wrong world size, of a rank outside the job, without
+        // the secret: dropped the same way.
+        for (rank, world) in [(0, 3), (1, 7), (9, 3)] {
+            assert!(forged_hello(&addr, rank, world, &other_secret()).is_err());
+        }
+        // Garbage, an HTTP request, and a valid header announcing an enormous hello.
+        let mut g = TcpStream::connect(&addr).unwrap();
+        g.write_all(b"\x00\x01garbage garbage garbage garbage")
+            .unwrap();
+        let mut h = TcpStream::connect(&addr).unwrap();
+        h.write_all(b"GET / HTTP/1.1\r\n\r\n").unwrap();
+        let mut big = TcpStream::connect(&addr).unwrap();
+        big.write_all(&header(Kind::Hello, 1, 3, u64::MAX)).unwrap();
+        // The real ranks still meet.
+        let s = secret();
+        let peers = join_all(&addr, 1..3, 3, &s, t);
+        let root = root.join().unwrap().unwrap();
+        assert_eq!((root.rank(), root.world()), (0, 3));
+        for p in peers {
+            p.join().unwrap().unwrap();
+        }
+    }
+
+    #[test]
+    fn a_rank_with_the_secret_but_a_wrong_world_rank_or_duplicate_is_refused_alone() {
+        let (l, addr) = listener();
+        let t = Duration::from_secs(20);
+        let s = secret();
+        let root = {
+            let s = s.clone();
+            std::thread::spawn(move || Rendezvous::serve(l, 3, &s, t))
+        };
+        let wrong_world = Rendezvous::join(&addr, 1, 4, &s, t)
+            .err()
+            .unwrap()
+            .to_string();
+        assert!(
+            wrong_world.contains("refused") && wrong_world.contains("WORLD_SIZE differs"),
+            "{wrong_world}"
+        );
+        let mut c = forged_hello(&addr, 5, 3, &s).unwrap();
+        let (kind, .., why) = c
+            .recv(&[Kind::Ready, Kind::Reject], Instant::now() + t)
+            .unwrap();
+        assert_eq!(kind, Kind::Reject);
+        assert!(String::from_utf8_lossy(&why).contains("not a rank 1..3"));
+        // Rank 1 arrives, then a second process with RANK=1: the second is refused.
+        let first = join_all(&addr, 1..2, 3, &s, t);
+        // Held until the end: rank 0 greets whichever process it kept.
+        let mut kept = None;
+        let second = match Rendezvous::join(&addr, 1, 3, &s, Duration::from_secs(5)) {
+            Err(e) if e.to_string().contains("already joined") => e.to_string(),
+            // Raced ahead of the first: this one became rank 1, and the thread's join
+            // is the refused one.
+            Ok(r) => {
+                let msg = format!("kept {}", r.rank());
+                kept = Some(r);
+                msg
+            }
+            Err(e) => panic!("{e}"),
+        };
+        let rank2 = join_all(&addr, 2..3, 3, &s, t);
+        assert!(root.join().unwrap().is_ok());
+        rank2.into_iter().for_each(|p| {
+            p.join().unwrap().unwrap();
+        });
+        let first = first.into_iter().next().unwrap().join().unwrap();
+        drop(kept);
+        // Exactly one of the two processes claiming rank 1 got in.
+        assert!(
+            first.is_ok() != second.starts_with("kept"),
+            "{second} / {:?}",
+            first.err()
+        );
+    }
+
+    #[test]
+    fn a_rank_refuses_an_impostor_rank_0() {
+        // One with another secret: neither side accepts the other.
+        let (l, addr) = listener();
+        let t = Duration::from_millis(1200);
+        let impostor = std::thread::spawn(move || Rendezvous::serve(l, 2, &other_secret(), t));
+        assert!(Rendezvous::join(&addr, 1, 2, &secret(), Duration::from_millis(800)).is_err());
+        assert!(impostor.join().unwrap().is_err());
+        // One that answers every hello with a made-up proof.
+        let (l, addr) = listener();
+        std::thread::spawn(move || {
+            for stream in l.incoming().take(50) {
+                let Ok(stream) = stream else { return };
+                let by = Instant::now() + Duration::from_secs(5);
+                let _ = write_raw(&stream, Kind::Challenge, 0, 2, &[7; NONCE]);
+                let mut hello = [0u8; HEADER + NONCE + TAG];
+                if read_exact(&stream, &mut hello, by).is_ok() {
+                    let _ = write_raw(&stream, Kind::Welcome, 0, 2, &[9; TAG]);
+                }
+            }
+        });
+        let e = Rendezvous::join(&addr, 1, 2, &secret(), Duration::from_millis(800))
+            .err()
+            .unwrap()
+            .to_string();
+        assert!(
+            e.contains("did not prove it holds this job's secret"),
             "{e}"
         );
     }
 
     #[test]
-    fn mismatched_world_sizes_and_duplicate_ranks_are_refused() {
+    fn idle_and_garbage_connections_do_not_delay_the_ranks() {
         let (l, addr) = listener();
-        let t = Duration::from_secs(5);
-        let peer = std::thread::spawn(move || Rendezvous::join(&addr, 1, 4, t));
-        let e = Rendezvous::serve(l, 3, t).err().unwrap().to_string();
-        assert!(e.contains("WORLD_SIZE differs"), "{e}");
-        let _ = peer.join();
-
-        let (l, addr) = listener();
-        let a2 = addr.clone();
-        let p1 = std::thread::spawn(move || Rendezvous::join(&addr, 1, 3, t));
-        let p2 = std::thread::spawn(move || Rendezvous::join(&a2, 1, 3, t));
-        let e = Rendezvous::serve(l, 3, t).err().unwrap().to_string();
-        assert!(e.contains("arrived twice"), "{e}");
-        let _ = (p1.join(), p2.join());
+        let t = Duration::from_secs(60);
+        let s = secret();
+        let root = {
+            let s = s.clone();
+            std::thread::spawn(move || Rendezvous::serve(l, 3, &s, t))
+        };
+        // 100 idle sockets and 100 that send garbage, all before the real ranks.
+        let mut held = Vec::new();
+        for i in 0..200 {
+            let mut c = TcpStream::connect(&addr).unwrap();
+            if i % 2 == 1 {
+                let _ = c.write_all(b"\xde\xad\xbe\xef not a frame at all ................");
+            }
+            held.push(c);
+        }
+        let start = Instant::now();
+        let peers = join_all(&addr, 1..3, 3, &s, t);
+        for p in peers {
+            p.join().unwrap().unwrap();
+        }
+        let delay = start.elapsed();
+        assert!(root.join().unwrap().is_ok());
+        println!("ranks met {delay:?} after 100 idle and 100 garbage connections");
+        // Handled one at a time, each idle socket would hold rank 0 for HELLO_TIMEOUT.
+        assert!(delay < HELLO_TIMEOUT, "{delay:?}");
+        drop(held);
     }
 
     #[test]
-    fn a_stranger_on_the_port_is_ignored() {
-        let (l, addr) = listener();
-        let t = Duration::from_secs(5);
-        let a = addr.clone();
-        let stranger = std::thread::spawn(move || {
-            let mut s = TcpStream::connect(&a).unwrap();
-            s.write_all(b"GET / HTTP/1.1\r\n\r\n-------").unwrap();
-        });
-        stranger.join().unwrap();
-        let peer = std::thread::spawn(move || Rendezvous::join(&addr, 1, 2, t).map(|_| ()));
-        assert!(Rendezvous::serve(l, 2, t).is_ok());
-        peer.join().unwrap().unwrap();
+    fn ranks_agree_or_every_rank_gets_the_same_disagreement() {
+        let t = Duration::from_secs(10);
+        let s = secret();
+        let base = Fingerprint::build();
+        let mut other = base.clone();
+        other.push("buckets.cap_bytes", "1");
+        let mut a = base.clone();
+        a.push("buckets.cap_bytes", "26214400");
+        for (fps, want) in [
+            (vec![a.clone(), a.clone(), a.clone()], None),
+            (
+                vec![a.clone(), a.clone(), other.clone()],
+                Some("ranks 0 and 2 disagree on `buckets.cap_bytes`: 26214400 vs 1"),
+            ),
+        ] {
+            let (l, addr) = listener();
+            let peers: Vec<_> = (1..3u32)
+                .map(|rank| {
+                    let (addr, s, fp) = (addr.clone(), s.clone(), fps[rank as usize].clone());
+                    std::thread::spawn(move || {
+                        Rendezvous::join(&addr, rank, 3, &s, t)
+                            .unwrap()
+                            .agree(&fp, t)
+                            .map_err(|e| e.to_string())
+                    })
+                })
+                .collect();
+            let root = Rendezvous::serve(l, 3, &s, t).unwrap().agree(&fps[0], t);
+            let mut results = vec![root.map_err(|e| e.to_string())];
+            results.extend(peers.into_iter().map(|p| p.join().unwrap()));
+            for r in results {
+                assert_eq!(r.err().as_deref(), want);
+            }
+        }
+    }
+
+    #[test]
+    fn secrets_come_from_the_variable_or_a_file_and_are_never_shown() {
+        let get = |pairs: Vec<(&'static str, String)>| {
+            move |k: &str| pairs.iter().find(|(n, _)| *n == k).map(|(_, v)| v.clone())
+        };
+        assert!(JobSecret::from_vars(get(vec![])).unwrap().is_none());
+        let e = JobSecret::from_vars(get(vec![(SECRET_VAR, "short".into())]))
+            .unwrap_err()
+            .to_string();
+        assert!(e.contains("fewer than 16"), "{e}");
+        let s = JobSecret::from_vars(get(vec![(SECRET_VAR, "a".repeat(20))]))
+            .unwrap()
+            .unwrap();
+        assert_eq!(format!("{s:?}"), "JobSecret(20 bytes)");
+        let dir = std::env::temp_dir().join(format!("overlap-secret-{}", std::process::id()));
+        std::fs::write(&dir, format!("{}\n", "b".repeat(24))).unwrap();
+        let f = JobSecret::from_vars(get(vec![(SECRET_FILE_VAR, dir.display().to_string())]))
+            .unwrap()
+            .unwrap();
+        assert_eq!(f.expose(), "b".repeat(24));
+        std::fs::remove_file(&dir).unwrap();
+        let e = JobSecret::from_vars(get(vec![(SECRET_FILE_VAR, dir.display().to_string())]))
+            .unwrap_err()
+            .to_string();
+        assert!(e.contains(SECRET_FILE_VAR), "{e}");
+        let g = JobSecret::generate().unwrap();
+        assert_eq!(g.expose().len(), 64);
+        assert_ne!(g.expose(), JobSecret::generate().unwrap().expose());
+    }
+
+    #[test]
+    fn rank_0_listens_on_master_addr_not_the_wildcard() {
+        let l = listen("127.0.0.1", 0, None).unwrap();
+        assert_eq!(l.local_addr().unwrap().ip(), IpAddr::from([127, 0, 0, 1]));
+        let l = listen("localhost", 0, Some("127.0.0.1")).unwrap();
+        assert!(l.local_addr().unwrap().ip().is_loopback());
+        let e = listen("127.0.0.1", 0, Some("everywhere"))
+            .unwrap_err()
+            .to_string();
+        assert!(e.contains(BIND_VAR), "{e}");
+        // An address that is not this host's cannot be bound: the error says what to set.
+        let e = listen("192.0.2.1", 0, None).unwrap_err().to_string();
+        assert!(e.contains(BIND_VAR), "{e}");
     }
 }

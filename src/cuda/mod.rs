@@ -26,6 +26,7 @@ use overlap_ops::CommId;
 
 use crate::config::Config;
 use crate::dist::{DistError, RankEnv};
+use crate::fingerprint::Fingerprint;
 use crate::rendezvous::Rendezvous;
 use crate::session::{exec_config, Session};
 use crate::Error;
@@ -77,8 +78,14 @@ pub fn rank_env(mesh: Mesh) -> Result<RankEnv, Error> {
 }
 
 /// Opens this rank's GPU and connects the job for a config: one communicator per
-/// (group, stream) its bindings use.
-pub fn world(config: &Config, env: RankEnv, timings: bool) -> Result<CudaWorld, Error> {
+/// (group, stream) its bindings use. `what` is this rank's fingerprint
+/// ([`Fingerprint::of_config`]); the ranks compare theirs before anything else.
+pub fn world(
+    config: &Config,
+    env: RankEnv,
+    timings: bool,
+    what: Fingerprint,
+) -> Result<CudaWorld, Error> {
     let mesh = config.plan.mesh;
     let copy = config.plan.schedule.transport == overlap_graph::Transport::Copy;
     let links = Links {
@@ -101,6 +108,7 @@ pub fn world(config: &Config, env: RankEnv, timings: bool) -> Result<CudaWorld, 
         ops_cuda::mesh_comms(mesh, &config.plan.bindings, copy),
         timings,
         links,
+        what,
     )
 }
 
@@ -297,13 +305,16 @@ fn in_place_verdicts(
 }
 
 /// Opens this rank's GPU and connects the job: `comms` is the global list of
-/// communicators (the same on every rank), linked as `links` says.
+/// communicators (the same on every rank), linked as `links` says. Right after the
+/// rendezvous, before any GPU work, the ranks compare `what` (with the communicators
+/// and links added): a difference stops every rank with the same message.
 pub fn open(
     env: RankEnv,
     mesh: Mesh,
     comms: Vec<CommId>,
     timings: bool,
     links: Links,
+    mut what: Fingerprint,
 ) -> Result<CudaWorld, Error> {
     if env.world_size != mesh.world() {
         return Err(DistError::Inconsistent(format!(
@@ -315,6 +326,9 @@ pub fn open(
     }
     let timeout = crate::rendezvous::start_timeout(START_TIMEOUT);
     let mut rendezvous = Rendezvous::connect(&env, timeout)?;
+    what.push("cuda.comms", format!("{comms:?}"));
+    what.push("cuda.links", format!("{links:?}"));
+    rendezvous.agree(&what, timeout)?;
     let opened = CudaBackend::new(CudaOptions {
         mesh,
         rank: env.rank,

@@ -110,7 +110,11 @@ pub const METRICS: [(&str, &str, &str); 21] = [
 
 /// Serves Prometheus `/metrics` on `addr` and turns recording on: the one call a
 /// library user makes. Call it once per process, from inside a Tokio runtime or not (the
-/// exporter then runs on a thread of its own).
+/// server runs on threads of its own).
+///
+/// The server answers `GET` (and `HEAD`) `/metrics` only: 404 for any other path, 405
+/// for another method on `/metrics`; it closes a connection that sends no complete
+/// request for [`IDLE_TIMEOUT`], and serves at most [`MAX_CONNECTIONS`] at once.
 ///
 /// ```no_run
 /// overlap::observe::metrics::install_prometheus("127.0.0.1:9464".parse().unwrap())?;
@@ -120,14 +124,238 @@ pub fn install_prometheus(addr: SocketAddr) -> Result<(), Error> {
     let fail = |e: &dyn std::fmt::Display| {
         Error::Usage(format!("metrics: cannot serve /metrics on {addr}: {e}"))
     };
-    PrometheusBuilder::new()
-        .with_http_listener(addr)
+    let listener = std::net::TcpListener::bind(addr).map_err(|e| fail(&e))?;
+    let recorder = PrometheusBuilder::new()
         .set_buckets_for_metric(Matcher::Suffix("_seconds".into()), &SECONDS_BUCKETS)
         .map_err(|e| fail(&e))?
-        .install()
+        .build_recorder();
+    let handle = recorder.handle();
+    metrics::set_global_recorder(recorder).map_err(|e| fail(&e))?;
+    let upkeep = handle.clone();
+    std::thread::Builder::new()
+        .name("metrics-upkeep".into())
+        .spawn(move || loop {
+            std::thread::sleep(std::time::Duration::from_secs(5));
+            upkeep.run_upkeep();
+        })
         .map_err(|e| fail(&e))?;
+    serve_http(listener, move || handle.render(), IDLE_TIMEOUT).map_err(|e| fail(&e))?;
     enable();
     Ok(())
+}
+
+/// How long the metrics server keeps a connection that has not sent a complete
+/// request.
+pub const IDLE_TIMEOUT: std::time::Duration = std::time::Duration::from_secs(10);
+/// Connections the metrics server serves at once; more are closed on arrival.
+pub const MAX_CONNECTIONS: usize = 64;
+/// The longest request head the metrics server reads.
+const MAX_HEAD: usize = 8 << 10;
+
+/// The address a rank serves metrics on: `base` for a process that is no rank of a
+/// job, else `base`'s port plus the local rank (so the ranks of a node do not collide).
+pub fn rank_addr(base: SocketAddr, local_rank: Option<u32>) -> Result<SocketAddr, Error> {
+    let Some(k) = local_rank else {
+        return Ok(base);
+    };
+    if base.port() == 0 {
+        return Ok(base);
+    }
+    let port = u32::from(base.port()) + k;
+    let port = u16::try_from(port).map_err(|_| {
+        Error::Usage(format!(
+            "metrics: base port {} plus local rank {k} is past 65535; pick a lower port",
+            base.port()
+        ))
+    })?;
+    Ok(SocketAddr::new(base.ip(), port))
+}
+
+/// Serves `render()` as `GET /metrics` on `listener`, on threads of its own (see
+/// [`install_prometheus`] for what it answers); returns once the server runs.
+pub fn serve_http(
+    listener: std::net::TcpListener,
+    render: impl Fn() -> String + Send + Sync + 'static,
+    idle: std::time::Duration,
+) -> std::io::Result<()> {
+    use std::sync::atomic::AtomicUsize;
+    use std::sync::Arc;
+    let render = Arc::new(render);
+    let open = Arc::new(AtomicUsize::new(0));
+    std::thread::Builder::new()
+        .name("metrics-http".into())
+        .spawn(move || {
+            for stream in listener.incoming() {
+                let Ok(stream) = stream else { continue };
+                if open.load(Ordering::SeqCst) >= MAX_CONNECTIONS {
+                    continue; // dropped: closed
+                }
+                open.fetch_add(1, Ordering::SeqCst);
+                let (render, count) = (render.clone(), open.clone());
+                let spawned = std::thread::Builder::new()
+                    .name("metrics-conn".into())
+                    .stack_size(128 << 10)
+                    .spawn(move || {
+                        serve_connection(stream, &*render, idle);
+                        count.fetch_sub(1, Ordering::SeqCst);
+                    });
+                if spawned.is_err() {
+                    // The closure (and its count) is gone with the failed spawn.
+                    open.fetch_sub(1, Ordering::SeqCst);
+                }
+            }
+        })?;
+    Ok(())
+}
+
+/// One connection: requests until the client closes, sends no complete request head
+/// within `idle`, or sends something this server does not keep a connection for.
+fn serve_connection(
+    mut stream: std::net::TcpStream,
+    render: &(dyn Fn() -> String + Send + Sync),
+    idle: std::time::Duration,
+) {
+    use std::io::{Read, Write};
+    use std::time::Instant;
+    let mut buf: Vec<u8> = Vec::new();
+    loop {
+        // A request head must be complete within `idle` of the previous response.
+        let by = Instant::now() + idle;
+        let head_end = loop {
+            if let Some(i) = buf.windows(4).position(|w| w == b"\r\n\r\n") {
+                break Some(i + 4);
+            }
+            if buf.len() > MAX_HEAD {
+                break None;
+            }
+            let left = by.saturating_duration_since(Instant::now());
+            if left.is_zero() || stream.set_read_timeout(Some(left)).is_err() {
+                return;
+            }
+            let mut chunk = [0u8; 2048];
+            match stream.read(&mut chunk) {
+                Ok(0) => return,
+                Ok(n) => buf.extend_from_slice(&chunk[..n]),
+                Err(e) if e.kind() == std::io::ErrorKind::Interrupted => {}
+                Err(_) => return, // timed out or reset
+            }
+        };
+        let Some(end) = head_end else {
+            let _ = stream.write_all(&response(
+                431,
+                "Request Header Fields Too Large",
+                "",
+                "",
+                false,
+            ));
+            return close_gently(stream);
+        };
+        let head = String::from_utf8_lossy(&buf[..end]).into_owned();
+        buf.drain(..end);
+        let mut lines = head.split("\r\n");
+        let mut parts = lines.next().unwrap_or("").split(' ');
+        let (method, target) = (parts.next().unwrap_or(""), parts.next().unwrap_or(""));
+        let version = parts.next().unwrap_or("");
+        if !version.starts_with("HTTP/1.") || parts.next().is_some() || !target.starts_with('/') {
+            let _ = stream.write_all(&response(
+                400,
+                "Bad Request",
+                "text/plain",
+                "bad request\n",
+                false,
+            ));
+            return close_gently(stream);
+        }
+        let path = target.split('?').next().unwrap_or("");
+        let headers: Vec<(String, String)> = lines
+            .filter_map(|l| l.split_once(':'))
+            .map(|(k, v)| (k.trim().to_ascii_lowercase(), v.trim().to_ascii_lowercase()))
+            .collect();
+        let header = |k: &str| {
+            headers
+                .iter()
+                .find(|(n, _)| n == k)
+                .map(|(_, v)| v.as_str())
+        };
+        // A request with a body is not one this server serves: answer and close.
+        let has_body = header("content-length").is_some_and(|v| v != "0")
+            || header("transfer-encoding").is_some();
+        let keep =
+            !has_body && header("connection") != Some("close") && !head.contains(" HTTP/1.0\r\n");
+        let out = match (method, path) {
+            ("GET" | "HEAD", "/metrics") => response(
+                200,
+                "OK",
+                "text/plain; version=0.0.4; charset=utf-8",
+                &render(),
+                method == "HEAD",
+            ),
+            (_, "/metrics") => response(
+                405,
+                "Method Not Allowed",
+                "text/plain",
+                "only GET /metrics\n",
+                false,
+            ),
+            _ => response(
+                404,
+                "Not Found",
+                "text/plain",
+                "not found; metrics are at /metrics\n",
+                method == "HEAD",
+            ),
+        };
+        if stream.write_all(&out).is_err() {
+            return;
+        }
+        if !keep {
+            return close_gently(stream);
+        }
+    }
+}
+
+/// Closes after a response while the client may still be sending (a body this server
+/// does not read): without reading what is in flight, closing would reset the
+/// connection and the client could lose the response. Reads and drops at most 64 KiB,
+/// for at most a second.
+fn close_gently(mut stream: std::net::TcpStream) {
+    use std::io::Read;
+    let _ = stream.shutdown(std::net::Shutdown::Write);
+    let by = std::time::Instant::now() + std::time::Duration::from_secs(1);
+    let mut left = 64usize << 10;
+    let mut sink = [0u8; 4096];
+    while left > 0 {
+        let wait = by.saturating_duration_since(std::time::Instant::now());
+        if wait.is_zero() || stream.set_read_timeout(Some(wait)).is_err() {
+            return;
+        }
+        match stream.read(&mut sink) {
+            Ok(0) | Err(_) => return,
+            Ok(n) => left = left.saturating_sub(n),
+        }
+    }
+}
+
+fn response(code: u16, reason: &str, ctype: &str, body: &str, head_only: bool) -> Vec<u8> {
+    let allow = if code == 405 {
+        "Allow: GET, HEAD\r\n"
+    } else {
+        ""
+    };
+    let ctype = if ctype.is_empty() {
+        String::new()
+    } else {
+        format!("Content-Type: {ctype}\r\n")
+    };
+    let mut out = format!(
+        "HTTP/1.1 {code} {reason}\r\n{ctype}{allow}Content-Length: {}\r\n\r\n",
+        body.len()
+    )
+    .into_bytes();
+    if !head_only {
+        out.extend_from_slice(body.as_bytes());
+    }
+    out
 }
 
 /// Turns recording on for a `metrics` recorder the caller installed, describes every
@@ -284,6 +512,95 @@ pub fn record_rejection(violations: &[Violation]) {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// One request on a fresh connection: the status code and the whole response.
+    fn ask(addr: SocketAddr, request: &str) -> (u16, String) {
+        use std::io::{Read, Write};
+        let mut c = std::net::TcpStream::connect(addr).unwrap();
+        c.set_read_timeout(Some(std::time::Duration::from_secs(10)))
+            .unwrap();
+        c.write_all(request.as_bytes()).unwrap();
+        let mut out = String::new();
+        c.read_to_string(&mut out).unwrap();
+        let code = out.get(9..12).and_then(|c| c.parse().ok()).unwrap_or(0);
+        (code, out)
+    }
+
+    fn server(idle: std::time::Duration) -> SocketAddr {
+        let l = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+        let addr = l.local_addr().unwrap();
+        serve_http(l, || "overlap_steps_total 3\n".to_string(), idle).unwrap();
+        addr
+    }
+
+    #[test]
+    fn only_get_metrics_is_served() {
+        let addr = server(std::time::Duration::from_secs(10));
+        let close = "Connection: close\r\n\r\n";
+        let (code, body) = ask(
+            addr,
+            &format!("GET /metrics HTTP/1.1\r\nHost: x\r\n{close}"),
+        );
+        assert_eq!(code, 200, "{body}");
+        assert!(body.ends_with("overlap_steps_total 3\n"), "{body}");
+        assert!(
+            body.contains("Content-Type: text/plain; version=0.0.4"),
+            "{body}"
+        );
+        let (code, body) = ask(addr, &format!("GET /metrics?x=1 HTTP/1.1\r\n{close}"));
+        assert_eq!(code, 200, "{body}");
+        let (code, body) = ask(addr, &format!("HEAD /metrics HTTP/1.1\r\n{close}"));
+        assert_eq!(code, 200, "{body}");
+        assert!(!body.contains("overlap_steps_total"), "{body}");
+        for path in ["/", "/metrics/", "/debug", "/../metrics"] {
+            let (code, body) = ask(addr, &format!("GET {path} HTTP/1.1\r\n{close}"));
+            assert_eq!(code, 404, "{path}: {body}");
+        }
+        for method in ["POST", "PUT", "DELETE", "OPTIONS"] {
+            let (code, body) = ask(
+                addr,
+                &format!("{method} /metrics HTTP/1.1\r\nContent-Length: 3\r\n\r\nabc"),
+            );
+            assert_eq!(code, 405, "{method}: {body}");
+            assert!(body.contains("Allow: GET, HEAD"), "{body}");
+        }
+        // Garbage gets a 400 and the connection closes; an endless head gets 431.
+        assert_eq!(ask(addr, "\x00\x01\x02\r\n\r\n").0, 400);
+        assert_eq!(ask(addr, "GET /metrics\r\n\r\n").0, 400);
+        let huge = format!("GET /metrics HTTP/1.1\r\nX: {}\r\n\r\n", "a".repeat(20_000));
+        assert_eq!(ask(addr, &huge).0, 431);
+    }
+
+    #[test]
+    fn idle_connections_are_closed_and_keep_alive_works() {
+        use std::io::{Read, Write};
+        let idle = std::time::Duration::from_millis(300);
+        let addr = server(idle);
+        // Two requests on one connection, then silence: the server closes it.
+        let mut c = std::net::TcpStream::connect(addr).unwrap();
+        c.set_read_timeout(Some(std::time::Duration::from_secs(20)))
+            .unwrap();
+        let start = std::time::Instant::now();
+        for _ in 0..2 {
+            c.write_all(b"GET /metrics HTTP/1.1\r\nHost: x\r\n\r\n")
+                .unwrap();
+        }
+        let mut all = Vec::new();
+        // read_to_end returns only once the server closed the connection (or the
+        // 20 s read timeout, which fails the test below).
+        let r = c.read_to_end(&mut all);
+        let text = String::from_utf8_lossy(&all);
+        assert!(r.is_ok(), "{r:?}: {text}");
+        assert_eq!(text.matches("HTTP/1.1 200 OK").count(), 2, "{text}");
+        assert!(start.elapsed() >= idle);
+        // A connection that never sends anything is closed too.
+        let mut silent = std::net::TcpStream::connect(addr).unwrap();
+        silent
+            .set_read_timeout(Some(std::time::Duration::from_secs(20)))
+            .unwrap();
+        let mut byte = [0u8; 1];
+        assert_eq!(silent.read(&mut byte).unwrap(), 0);
+    }
     use crate::observe::tests::cpu_step;
     use overlap_graph::Transport;
 
