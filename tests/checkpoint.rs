@@ -50,8 +50,11 @@ async fn steps(s: &mut Session<CpuBackend>, n: u64) {
     }
 }
 
-/// Every rank's parameter pieces and optimizer states, as bits.
-fn state(s: &Session<CpuBackend>) -> Vec<(u32, u32, Option<Vec<u32>>, Option<Vec<u32>>)> {
+/// One rank's piece of a parameter and its optimizer state, as bits.
+type Held = (u32, u32, Option<Vec<u32>>, Option<Vec<u32>>);
+
+/// Every rank's parameter pieces and optimizer states.
+fn state(s: &Session<CpuBackend>) -> Vec<Held> {
     let bits = |v: Option<Vec<f32>>| v.map(|v| v.iter().map(|x| x.to_bits()).collect());
     let mut out = Vec::new();
     for rank in s.local_ranks() {
@@ -324,7 +327,8 @@ async fn a_checkpoint_of_another_model_is_refused_naming_the_parameter() {
         f(&mut spec);
         session_of(spec, SEED)
     };
-    let cases: [(&dyn Fn(&mut PlanSpec), &str); 4] = [
+    type Change<'a> = &'a dyn Fn(&mut PlanSpec);
+    let cases: [(Change, &str); 4] = [
         (
             &|s| s.params[3].shape = vec![10],
             "`odd` has shape [9] in the checkpoint, [10]",
