@@ -257,12 +257,8 @@ impl<B: Backend> Session<B> {
     /// Why [`Session::save`] would be refused, if it would: a session of a multi-process
     /// job drives only its own ranks.
     pub fn check_can_save(&self) -> Result<(), Error> {
-        crate::checkpoint::check_can_save(&self.planner, &self.executor).map_err(|reason| {
-            Error::Checkpoint {
-                path: "(save)".into(),
-                reason,
-            }
-        })
+        crate::checkpoint::check_can_save(&self.planner, &self.executor)
+            .map_err(|reason| Error::Usage(format!("cannot save a checkpoint: {reason}")))
     }
 
     /// Loads a checkpoint: `dir` is a checkpoint root (its `latest` is followed) or one
