@@ -509,14 +509,21 @@ pub fn read_manifest(path: &Path) -> Result<Manifest, Error> {
     m.mesh
         .check()
         .map_err(|e| err(path, format!("mesh: {e}")))?;
-    let world = m.mesh.world() as usize;
-    let ranks: Vec<u32> = m.files.iter().map(|f| f.rank).collect();
-    if ranks != (0..world as u32).collect::<Vec<_>>() {
+    // Compared without building the list of ranks: the mesh is the file's word.
+    let world = u64::from(m.mesh.world());
+    let in_order = m.files.len() as u64 == world
+        && m.files
+            .iter()
+            .enumerate()
+            .all(|(i, f)| f.rank as usize == i);
+    if !in_order {
         return Err(err(
             path,
             format!(
-                "lists files of ranks {ranks:?}; mesh {}x{} needs one per rank 0..{world}, in order",
-                m.mesh.shard, m.mesh.replicate
+                "lists {} rank files; mesh {}x{} needs one per rank 0..{world}, in rank order",
+                m.files.len(),
+                m.mesh.shard,
+                m.mesh.replicate
             ),
         ));
     }

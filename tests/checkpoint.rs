@@ -355,6 +355,15 @@ async fn a_checkpoint_of_another_model_is_refused_naming_the_parameter() {
         assert!(reason.contains(phrase), "{reason}");
         assert_eq!(s.steps_done(), 0);
     }
+    // A manifest whose mesh does not match its files (here a huge one) is refused.
+    let mpath = ckpt.join(MANIFEST);
+    let mut m: serde_json::Value = serde_json::from_slice(&std::fs::read(&mpath).unwrap()).unwrap();
+    m["mesh"] = serde_json::json!({ "shard": 65535, "replicate": 65535 });
+    std::fs::write(&mpath, serde_json::to_vec(&m).unwrap()).unwrap();
+    let mut s = session(2, 2);
+    let (path, reason) = refused(s.load(&ckpt).unwrap_err());
+    assert!(path.ends_with(MANIFEST), "{path}");
+    assert!(reason.contains("lists 4 rank files"), "{reason}");
     // A newer format is named as such.
     let mpath = ckpt.join(MANIFEST);
     let mut m: serde_json::Value = serde_json::from_slice(&std::fs::read(&mpath).unwrap()).unwrap();
