@@ -47,6 +47,15 @@ pub enum Error {
     /// launch`, or another rank.
     #[error(transparent)]
     Dist(#[from] crate::dist::DistError),
+    /// A checkpoint could not be saved, or was refused when loading (missing, truncated
+    /// or corrupted file, another model, a newer format); nothing was loaded.
+    #[error("checkpoint {path}: {reason}")]
+    Checkpoint {
+        /// The file or directory at fault.
+        path: String,
+        /// What is wrong with it.
+        reason: String,
+    },
     /// Reading or writing a file failed.
     #[error("{path}: {source}")]
     Io {

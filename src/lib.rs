@@ -10,6 +10,9 @@
 //! [`graph`] (planning and validation, pure), [`ops`] (operations and backends) and
 //! [`executor`] (issuing plans on a backend).
 //!
+//! [`checkpoint`] saves and restores a session (parameters, optimizer state, step
+//! counter) as per-rank safetensors files with a manifest, onto the same mesh or another.
+//!
 //! [`observe`] shows what ran: Prometheus metrics of every step (one call,
 //! [`observe::metrics::install_prometheus`]), Chrome traces for Perfetto and a Gantt
 //! picture of a step.
@@ -49,6 +52,7 @@
 //! the CUDA + NCCL backend.
 
 pub mod bench;
+pub mod checkpoint;
 pub mod config;
 #[cfg(feature = "cuda")]
 pub mod cuda;
@@ -65,6 +69,7 @@ pub mod session;
 pub mod synthetic;
 pub mod verify;
 
+pub use checkpoint::Loaded;
 pub use config::{Config, ConfigError};
 pub use error::Error;
 pub use overlap_executor as executor;

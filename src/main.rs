@@ -39,6 +39,8 @@ enum Command {
         seed: Option<u64>,
         #[command(flatten)]
         observe: ObserveArgs,
+        #[command(flatten)]
+        checkpoint: CheckpointArgs,
     },
     /// Run the gated schedule and the no_sync reference side by side and compare what
     /// every optimizer consumes; exits 0 only when every comparison is within tolerance.
@@ -224,6 +226,22 @@ struct ObserveArgs {
     step_interval_ms: u64,
 }
 
+/// Checkpoints of `overlap run` (docs/checkpoints.md).
+#[derive(clap::Args)]
+struct CheckpointArgs {
+    /// Save a checkpoint into DIR after the last step (and every --save-every steps).
+    #[arg(long, value_name = "DIR")]
+    checkpoint: Option<PathBuf>,
+    /// Save a checkpoint after every N steps (step numbers divisible by N), and after
+    /// the last step.
+    #[arg(long, value_name = "N", requires = "checkpoint", value_parser = clap::value_parser!(u64).range(1..))]
+    save_every: Option<u64>,
+    /// Load the checkpoint in DIR (a checkpoint root, whose `latest` is followed, or one
+    /// step directory) before the first step, and go on from its step: --steps more steps.
+    #[arg(long, value_name = "DIR")]
+    resume: Option<PathBuf>,
+}
+
 #[derive(Clone, Copy, ValueEnum)]
 enum Format {
     Text,
@@ -286,6 +304,7 @@ async fn dispatch(cmd: Command) -> Result<ExitCode, Error> {
             backend,
             seed,
             observe,
+            checkpoint,
         } => {
             let mut cfg = load(&config)?;
             if let Some(b) = backend {
@@ -300,7 +319,7 @@ async fn dispatch(cmd: Command) -> Result<ExitCode, Error> {
             if let Some(n) = observe.timing_every {
                 cfg.metrics.timing_every = n;
             }
-            run(&cfg, steps.unwrap_or(cfg.run.steps), &observe).await
+            run(&cfg, steps.unwrap_or(cfg.run.steps), &observe, &checkpoint).await
         }
         Command::Verify {
             config,
@@ -524,7 +543,12 @@ fn parse_ranks(s: &str, world: u32) -> Result<Vec<u32>, Error> {
         .collect()
 }
 
-async fn run(cfg: &Config, steps: u32, observe: &ObserveArgs) -> Result<ExitCode, Error> {
+async fn run(
+    cfg: &Config,
+    steps: u32,
+    observe: &ObserveArgs,
+    ckpt: &CheckpointArgs,
+) -> Result<ExitCode, Error> {
     let cuda = use_cuda(cfg.run.backend)?;
     let backend = if cuda { "cuda" } else { "cpu" };
     if !cuda {
@@ -565,10 +589,19 @@ async fn run(cfg: &Config, steps: u32, observe: &ObserveArgs) -> Result<ExitCode
         )?;
         let world = overlap::cuda::world(cfg, env, true, what)?;
         let session = Session::cuda(cfg, world.backend.clone())?;
-        return run_steps(session, cfg, steps, observe, recording, backend).await;
+        return run_steps(session, cfg, steps, observe, ckpt, recording, backend).await;
     }
     meet_cpu(cfg, "run", u64::from(steps), cfg.run.seed)?;
-    run_steps(Session::cpu(cfg)?, cfg, steps, observe, recording, backend).await
+    run_steps(
+        Session::cpu(cfg)?,
+        cfg,
+        steps,
+        observe,
+        ckpt,
+        recording,
+        backend,
+    )
+    .await
 }
 
 /// The transport a run uses, and whether `auto` chose it: `copy (auto)`.
@@ -587,9 +620,34 @@ async fn run_steps<B: overlap::ops::Backend>(
     cfg: &Config,
     steps: u32,
     observe: &ObserveArgs,
+    ckpt: &CheckpointArgs,
     mut recording: observe::Recording,
     backend: &str,
 ) -> Result<ExitCode, Error> {
+    if ckpt.checkpoint.is_some() {
+        // Refused before the first step rather than after the steps it would have saved.
+        session.check_can_save()?;
+    }
+    if let Some(dir) = &ckpt.resume {
+        let t0 = std::time::Instant::now();
+        let loaded = session.load(dir)?;
+        if let Some(seed) = loaded.seed.filter(|&s| s != cfg.run.seed) {
+            return Err(Error::Usage(format!(
+                "--resume {}: the checkpoint's run used seed {seed}, this one {}; pass --seed {seed} to continue it",
+                dir.display(),
+                cfg.run.seed
+            )));
+        }
+        println!(
+            "resumed from {} at step {} (saved on mesh {}, {:.1} ms)",
+            loaded.path.display(),
+            loaded.step,
+            loaded.saved_mesh,
+            t0.elapsed().as_secs_f64() * 1e3
+        );
+    }
+    let start = session.steps_done();
+    let last = start + u64::from(steps);
     let planner = session.planner();
     println!(
         "overlap run {}: mesh {} ({} ranks), {} params, {} buckets, gates {}, backend {backend}, transport {}, {steps} steps",
@@ -602,8 +660,8 @@ async fn run_steps<B: overlap::ops::Backend>(
         transport_label(cfg),
     );
     let local_ranks = session.local_ranks();
-    for step in 0..u64::from(steps) {
-        let on = timed(cfg, observe, steps, step + 1);
+    for step in start..last {
+        let on = timed(cfg, observe, steps, step - start + 1);
         session.executor().backend().set_timings(on);
         let r = drive::synthetic_step(&mut session, cfg.run.seed, step, &cfg.gates).await?;
         let plan = session.step_plan(&r.gates)?;
@@ -615,7 +673,7 @@ async fn run_steps<B: overlap::ops::Backend>(
             0.0
         };
         println!(
-            "step {}/{steps}  gates {}  nodes {}  wall {:.2} ms  host {:.2} us/node  stage2 {} (saved {})  partials left {}  {}  {}",
+            "step {}/{last}  gates {}  nodes {}  wall {:.2} ms  host {:.2} us/node  stage2 {} (saved {})  partials left {}  {}  {}",
             r.step,
             Gate::pattern_label(&r.gates),
             r.stats.nodes,
@@ -627,6 +685,18 @@ async fn run_steps<B: overlap::ops::Backend>(
             device_figures(&analysis),
             lr_figures(cfg, &r),
         );
+        if let Some(dir) = &ckpt.checkpoint {
+            if r.step == last || ckpt.save_every.is_some_and(|n| r.step % n == 0) {
+                let t0 = std::time::Instant::now();
+                let path = session.save_with_seed(dir, cfg.run.seed)?;
+                println!(
+                    "checkpoint: step {} saved to {} ({:.1} ms)",
+                    r.step,
+                    path.display(),
+                    t0.elapsed().as_secs_f64() * 1e3
+                );
+            }
+        }
         if observe.step_interval_ms > 0 {
             tokio::time::sleep(std::time::Duration::from_millis(observe.step_interval_ms)).await;
         }

@@ -261,6 +261,55 @@ impl<B: Backend> Session<B> {
         Ok(())
     }
 
+    /// Steps completed (restored by [`Session::load`]): the next step is number
+    /// `steps_done() + 1`.
+    pub fn steps_done(&self) -> u64 {
+        self.executor.steps_done()
+    }
+
+    /// Saves a checkpoint under the root `dir`: parameters, optimizer state and the step
+    /// counter, one safetensors file per rank and a manifest, in `dir/step-NNNNNN/`, then
+    /// points `dir/latest` at it (`docs/checkpoints.md`). Atomic: a crash mid-save leaves
+    /// `latest` naming the previous complete checkpoint. Returns the checkpoint's
+    /// directory. Call between steps; the session must drive every rank of its mesh.
+    pub fn save(&self, dir: impl AsRef<std::path::Path>) -> Result<std::path::PathBuf, Error> {
+        crate::checkpoint::save(&self.planner, &self.executor, dir.as_ref(), None)
+    }
+
+    /// [`Session::save`], recording the seed of the run's synthetic gradients in the
+    /// manifest's RNG state (`overlap run`).
+    pub fn save_with_seed(
+        &self,
+        dir: impl AsRef<std::path::Path>,
+        seed: u64,
+    ) -> Result<std::path::PathBuf, Error> {
+        crate::checkpoint::save(&self.planner, &self.executor, dir.as_ref(), Some(seed))
+    }
+
+    /// Why [`Session::save`] would be refused, if it would: a session of a multi-process
+    /// job drives only its own ranks.
+    pub fn check_can_save(&self) -> Result<(), Error> {
+        crate::checkpoint::check_can_save(&self.planner, &self.executor)
+            .map_err(|reason| Error::Usage(format!("cannot save a checkpoint: {reason}")))
+    }
+
+    /// Loads a checkpoint: `dir` is a checkpoint root (its `latest` is followed) or one
+    /// checkpoint directory. Every file is verified first (size, sha256, tensors, the
+    /// model's parameters, full coverage); a refused checkpoint is an
+    /// [`Error::Checkpoint`] naming the file and what is wrong, and leaves the session as
+    /// it was. Then each local rank gets its piece of the parameters and optimizer state
+    /// under this session's mesh (which may differ from the saved one), and the step
+    /// counter is restored. Call between steps.
+    pub fn load(&mut self, dir: impl AsRef<std::path::Path>) -> Result<crate::Loaded, Error> {
+        if self.executor.in_step() {
+            return Err(Error::Usage(
+                "load during a step; call it before the first micro-batch or after step()".into(),
+            ));
+        }
+        let restored = crate::checkpoint::read(dir.as_ref(), &self.planner)?;
+        crate::checkpoint::install(&self.planner, &mut self.executor, restored)
+    }
+
     /// The planner (parameters with owners, buckets, the spec).
     pub fn planner(&self) -> &Planner {
         &self.planner

@@ -361,16 +361,64 @@ impl<B: Backend> Executor<B> {
         param: ParamId,
         values: &[f32],
     ) -> Result<(), ExecError> {
+        self.write(rank, Buffer::Param { param }, values)
+    }
+
+    /// Sets a persistent buffer of a rank ([`Buffer::Param`] or [`Buffer::OptState`]) to
+    /// `values`, replacing what it held: the mirror of [`Executor::read`], for restoring a
+    /// checkpoint. The length must be the plan's ([`Plan::buffer_len`]: an optimizer state
+    /// of AdamW is `m` then `v`, each as long as the rank's piece; Muon's is the momentum
+    /// of the whole matrix); the optimizer's kernel checks it. Optimizer state written
+    /// before the first step is used as it is instead of the zeros it would start from.
+    /// Call between steps.
+    pub fn write(&mut self, rank: u32, buffer: Buffer, values: &[f32]) -> Result<(), ExecError> {
+        self.check_persistent("write", &buffer)?;
         let backend = self.backend.clone();
         let r = self.rank_mut(rank)?;
         let buf = backend.alloc(rank, values.len())?;
         backend.upload(&buf, values)?;
-        r.buffers.insert(Buffer::Param { param }, buf);
+        r.buffers.insert(buffer, buf);
         Ok(())
     }
 
-    /// Reads a buffer of a rank (a parameter, or a reduced gradient of the last step).
-    /// Call between steps.
+    /// Drops a persistent buffer of a rank: an optimizer state starts again from zeros at
+    /// the next step (a parameter must be written again before one). Call between steps.
+    pub fn clear(&mut self, rank: u32, buffer: Buffer) -> Result<(), ExecError> {
+        self.check_persistent("clear", &buffer)?;
+        self.rank_mut(rank)?.buffers.remove(&buffer);
+        Ok(())
+    }
+
+    fn check_persistent(&self, what: &str, buffer: &Buffer) -> Result<(), ExecError> {
+        if !buffer.is_persistent() {
+            return Err(ExecError::Usage(format!(
+                "{what}({buffer}): only parameters and optimizer state can be set from outside"
+            )));
+        }
+        if self.in_step() {
+            return Err(ExecError::Usage(format!(
+                "{what}({buffer}) during a step; call it before the first micro-batch or after step()"
+            )));
+        }
+        Ok(())
+    }
+
+    /// Sets the completed-step counter (restoring a checkpoint): the next step is step
+    /// `steps + 1`, which is what AdamW's bias correction uses. Call between steps.
+    pub fn set_steps_done(&mut self, steps: u64) -> Result<(), ExecError> {
+        if self.in_step() {
+            return Err(ExecError::Usage(
+                "set_steps_done during a step; call it before the first micro-batch or after step()"
+                    .into(),
+            ));
+        }
+        self.steps_done = steps;
+        Ok(())
+    }
+
+    /// Reads a buffer of a rank (a parameter, its optimizer state once a step ran or
+    /// [`Executor::write`] set it, or a reduced gradient of the last step). Call between
+    /// steps.
     pub fn read(&self, rank: u32, buffer: Buffer) -> Result<Option<Vec<f32>>, ExecError> {
         let r = self.ranks.iter().find(|r| r.rank == rank).ok_or_else(|| {
             ExecError::Usage(format!("rank {rank} is not driven by this executor"))

@@ -1,0 +1,547 @@
+//! Checkpoints (`docs/checkpoints.md`): a resumed run is bit-exact, a checkpoint loads
+//! onto other meshes, and a damaged or foreign one is refused whole, naming the file,
+//! with the session still usable.
+
+mod common;
+
+use std::path::{Path, PathBuf};
+use std::process::Command;
+use std::sync::Arc;
+
+use overlap::checkpoint::{Manifest, LATEST, MANIFEST};
+use overlap::executor::ExecConfig;
+use overlap::graph::Buffer;
+use overlap::ops::cpu::CpuBackend;
+use overlap::ops::math;
+use overlap::{drive, synthetic, Error, Gate, Mesh, PlanSpec, Route, Session};
+
+use common::mixed_spec;
+
+const SEED: u64 = 11;
+
+fn scratch(name: &str) -> PathBuf {
+    let dir = PathBuf::from(env!("CARGO_TARGET_TMPDIR"))
+        .join("checkpoint")
+        .join(name);
+    let _ = std::fs::remove_dir_all(&dir);
+    std::fs::create_dir_all(&dir).unwrap();
+    dir
+}
+
+fn session_of(spec: PlanSpec, init_seed: u64) -> Session<CpuBackend> {
+    let backend = Arc::new(CpuBackend::new(spec.mesh));
+    let mut s = Session::new(spec, backend, ExecConfig::default()).unwrap();
+    s.init_params(|i, p| synthetic::init(init_seed, i, p.spec.numel() as usize))
+        .unwrap();
+    s
+}
+
+fn session(shard: u32, replicate: u32) -> Session<CpuBackend> {
+    session_of(mixed_spec(shard, replicate), SEED)
+}
+
+/// Runs `n` more steps with the seeded synthetic gradients, numbered on from the
+/// session's step counter (what `overlap run` does).
+async fn steps(s: &mut Session<CpuBackend>, n: u64) {
+    let gates = [Gate::NoSync, Gate::On];
+    for _ in 0..n {
+        let step = s.steps_done();
+        drive::synthetic_step(s, SEED, step, &gates).await.unwrap();
+    }
+}
+
+/// One rank's piece of a parameter and its optimizer state, as bits.
+type Held = (u32, u32, Option<Vec<u32>>, Option<Vec<u32>>);
+
+/// Every rank's parameter pieces and optimizer states.
+fn state(s: &Session<CpuBackend>) -> Vec<Held> {
+    let bits = |v: Option<Vec<f32>>| v.map(|v| v.iter().map(|x| x.to_bits()).collect());
+    let mut out = Vec::new();
+    for rank in s.local_ranks() {
+        for p in 0..s.planner().params().len() as u32 {
+            let values = s.param_values(rank, p).unwrap();
+            let opt = s
+                .executor()
+                .read(rank, Buffer::OptState { param: p })
+                .unwrap();
+            out.push((rank, p, bits(values), bits(opt)));
+        }
+    }
+    out
+}
+
+/// The full tensors of a session's parameters and optimizer state, from the ranks that
+/// hold them: `(values, AdamW m and v or Muon momentum as one or two full tensors)`.
+fn full_state(s: &Session<CpuBackend>) -> Vec<(Vec<f32>, Vec<Vec<f32>>)> {
+    let mesh = s.planner().spec().mesh;
+    s.planner()
+        .params()
+        .iter()
+        .enumerate()
+        .map(|(i, p)| {
+            let numel = p.spec.numel() as usize;
+            let muon = p.spec.route == Route::Muon;
+            let mut values = vec![f32::NAN; numel];
+            let mut opt = vec![vec![f32::NAN; numel]; if muon { 1 } else { 2 }];
+            for rank in s.local_ranks() {
+                let c = mesh.coord(rank);
+                if p.owner.is_some_and(|o| o != c) {
+                    continue;
+                }
+                let r = p.spec.shard_range(mesh.shard, c.shard);
+                let r = r.start as usize..r.end as usize;
+                let v = s.param_values(rank, i as u32).unwrap().unwrap();
+                values[r.clone()].copy_from_slice(&v);
+                let st = s
+                    .executor()
+                    .read(rank, Buffer::OptState { param: i as u32 })
+                    .unwrap()
+                    .unwrap();
+                for (k, part) in st.chunks(r.len().max(1)).enumerate().take(opt.len()) {
+                    opt[k][r.clone()].copy_from_slice(part);
+                }
+            }
+            assert!(values.iter().all(|x| !x.is_nan()), "{}", p.spec.name);
+            (values, opt)
+        })
+        .collect()
+}
+
+fn bits(v: &[f32]) -> Vec<u32> {
+    v.iter().map(|x| x.to_bits()).collect()
+}
+
+fn refused(e: Error) -> (String, String) {
+    match e {
+        Error::Checkpoint { path, reason } => (path, reason),
+        other => panic!("expected Error::Checkpoint, got {other}"),
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn resume_on_the_same_mesh_is_bit_exact() {
+    let dir = scratch("same_mesh");
+    let mut straight = session(2, 2);
+    steps(&mut straight, 4).await;
+
+    let mut first = session(2, 2);
+    steps(&mut first, 2).await;
+    let saved = first.save(&dir).unwrap();
+    assert_eq!(saved, dir.join("step-000002"));
+    assert_eq!(
+        std::fs::read_to_string(dir.join(LATEST)).unwrap().trim(),
+        "step-000002"
+    );
+    drop(first);
+
+    // Different initial values: everything must come from the checkpoint.
+    let mut resumed = session_of(mixed_spec(2, 2), SEED + 1);
+    let loaded = resumed.load(&dir).unwrap();
+    assert_eq!(loaded.step, 2);
+    assert_eq!(loaded.path, saved);
+    assert_eq!(resumed.steps_done(), 2);
+    steps(&mut resumed, 2).await;
+    assert_eq!(resumed.steps_done(), 4);
+    assert_eq!(state(&resumed), state(&straight));
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_checkpoint_loads_onto_other_meshes_and_steps_as_the_reference_math() {
+    let dir = scratch("reshard");
+    let mut src = session(2, 2);
+    steps(&mut src, 2).await;
+    src.save(&dir).unwrap();
+    let saved = full_state(&src);
+    let hp = ExecConfig::default();
+
+    for (shard, replicate) in [(4, 1), (1, 2)] {
+        let mut s = session_of(mixed_spec(shard, replicate), SEED + 7);
+        let loaded = s.load(&dir).unwrap();
+        assert_eq!(loaded.saved_mesh, Mesh::new(2, 2).unwrap());
+        let mesh = s.planner().spec().mesh;
+        // Each rank's piece under the new mesh, before and after one more step.
+        let params = s.planner().params().to_vec();
+        let mut before = Vec::new();
+        for rank in s.local_ranks() {
+            let c = mesh.coord(rank);
+            for (i, p) in params.iter().enumerate() {
+                let id = i as u32;
+                let r = p.spec.shard_range(mesh.shard, c.shard);
+                let r = r.start as usize..r.end as usize;
+                let (full, opt) = &saved[i];
+                let held = s.param_values(rank, id).unwrap();
+                if p.owner.is_some_and(|o| o.shard != c.shard) {
+                    assert_eq!(held, None);
+                    continue;
+                }
+                let held = held.unwrap();
+                assert_eq!(
+                    bits(&held),
+                    bits(&full[r.clone()]),
+                    "{} on rank {rank}",
+                    p.spec.name
+                );
+                let state = s
+                    .executor()
+                    .read(rank, Buffer::OptState { param: id })
+                    .unwrap();
+                if p.owner.is_some_and(|o| o != c) {
+                    assert_eq!(state, None, "{} on rank {rank}", p.spec.name);
+                    continue;
+                }
+                let want: Vec<f32> = opt.iter().flat_map(|t| t[r.clone()].to_vec()).collect();
+                assert_eq!(
+                    bits(&state.unwrap()),
+                    bits(&want),
+                    "{} state on rank {rank}",
+                    p.spec.name
+                );
+                before.push((rank, i, held, want));
+            }
+        }
+        steps(&mut s, 1).await;
+        assert_eq!(s.steps_done(), 3);
+        for (rank, i, mut p0, mut st) in before {
+            let spec = &params[i].spec;
+            let grad = s.reduced_grad(rank, i as u32).unwrap().unwrap();
+            if spec.route == Route::Muon {
+                let (rows, cols) = spec.matrix_dims();
+                math::muon(
+                    &mut p0,
+                    &grad,
+                    &mut st,
+                    rows as usize,
+                    cols as usize,
+                    &hp.muon,
+                );
+            } else {
+                let n = p0.len();
+                let (m, v) = st.split_at_mut(n);
+                // Step 3: the restored counter drives the bias correction.
+                math::adamw(&mut p0, &grad, m, v, &hp.adamw, 3);
+            }
+            let after = s.param_values(rank, i as u32).unwrap().unwrap();
+            assert_eq!(
+                bits(&after),
+                bits(&p0),
+                "{} on rank {rank} of {mesh}",
+                spec.name
+            );
+            let state = s
+                .executor()
+                .read(rank, Buffer::OptState { param: i as u32 })
+                .unwrap()
+                .unwrap();
+            assert_eq!(
+                bits(&state),
+                bits(&st),
+                "{} state on rank {rank} of {mesh}",
+                spec.name
+            );
+        }
+    }
+}
+
+/// A session that refused a load: unchanged, and a step on it equals a step on an
+/// untouched twin.
+async fn assert_unchanged_and_usable(mut s: Session<CpuBackend>) {
+    let mut twin = session(2, 2);
+    assert_eq!(s.steps_done(), 0);
+    assert_eq!(state(&s), state(&twin));
+    steps(&mut s, 1).await;
+    steps(&mut twin, 1).await;
+    assert_eq!(state(&s), state(&twin));
+}
+
+async fn saved_after_one_step(name: &str) -> PathBuf {
+    let dir = scratch(name);
+    let mut s = session(2, 2);
+    steps(&mut s, 1).await;
+    s.save(&dir).unwrap()
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_flipped_byte_is_refused_naming_the_file_and_nothing_is_loaded() {
+    let ckpt = saved_after_one_step("flipped").await;
+    // Rank 1's file: a loader installing file by file would already have loaded rank 0.
+    let file = ckpt.join("rank-00001.safetensors");
+    let mut bytes = std::fs::read(&file).unwrap();
+    let last = bytes.len() - 3;
+    bytes[last] ^= 0x40;
+    std::fs::write(&file, bytes).unwrap();
+
+    let mut s = session(2, 2);
+    let (path, reason) = refused(s.load(ckpt.parent().unwrap()).unwrap_err());
+    assert!(path.ends_with("rank-00001.safetensors"), "{path}");
+    assert!(
+        reason.contains("sha256") && reason.contains("corrupted"),
+        "{reason}"
+    );
+    assert_unchanged_and_usable(s).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_truncated_file_is_refused_even_with_a_matching_manifest() {
+    let ckpt = saved_after_one_step("truncated").await;
+    let file = ckpt.join("rank-00000.safetensors");
+    let bytes = std::fs::read(&file).unwrap();
+    let cut = &bytes[..bytes.len() - 10];
+    std::fs::write(&file, cut).unwrap();
+
+    let mut s = session(2, 2);
+    let (path, reason) = refused(s.load(&ckpt).unwrap_err());
+    assert!(path.ends_with("rank-00000.safetensors"), "{path}");
+    assert!(reason.contains("truncated"), "{reason}");
+
+    // The manifest rewritten to match the cut file: the tensors themselves are short.
+    let mpath = ckpt.join(MANIFEST);
+    let mut m: Manifest = serde_json::from_slice(&std::fs::read(&mpath).unwrap()).unwrap();
+    m.files[0].bytes = cut.len() as u64;
+    m.files[0].sha256 = sha256_hex(cut);
+    std::fs::write(&mpath, serde_json::to_vec(&m).unwrap()).unwrap();
+    let (path, reason) = refused(s.load(&ckpt).unwrap_err());
+    assert!(path.ends_with("rank-00000.safetensors"), "{path}");
+    assert!(reason.contains("safetensors"), "{reason}");
+
+    // A missing file.
+    std::fs::remove_file(&file).unwrap();
+    let (path, reason) = refused(s.load(&ckpt).unwrap_err());
+    assert!(path.ends_with("rank-00000.safetensors"), "{path}");
+    assert!(reason.contains("cannot be read"), "{reason}");
+    assert_unchanged_and_usable(s).await;
+}
+
+fn sha256_hex(bytes: &[u8]) -> String {
+    use sha2::Digest;
+    sha2::Sha256::digest(bytes)
+        .iter()
+        .map(|b| format!("{b:02x}"))
+        .collect()
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_checkpoint_of_another_model_is_refused_naming_the_parameter() {
+    let ckpt = saved_after_one_step("other_model").await;
+    let other = |f: &dyn Fn(&mut PlanSpec)| {
+        let mut spec = mixed_spec(2, 2);
+        f(&mut spec);
+        session_of(spec, SEED)
+    };
+    type Change<'a> = &'a dyn Fn(&mut PlanSpec);
+    let cases: [(Change, &str); 4] = [
+        (
+            &|s| s.params[3].shape = vec![10],
+            "`odd` has shape [9] in the checkpoint, [10]",
+        ),
+        (
+            &|s| s.params[1].route = Route::ShardedAdamw,
+            "`norm` has route fsdp in the checkpoint, sharded_adamw",
+        ),
+        (
+            &|s| s.params[5].name = "emb3".into(),
+            "`emb3` of this model is not in the checkpoint",
+        ),
+        (
+            &|s| {
+                s.params.pop();
+            },
+            "parameter `emb2` is not in this model",
+        ),
+    ];
+    for (change, phrase) in cases {
+        let mut s = other(change);
+        let (path, reason) = refused(s.load(&ckpt).unwrap_err());
+        assert!(path.ends_with(MANIFEST), "{path}");
+        assert!(reason.contains(phrase), "{reason}");
+        assert_eq!(s.steps_done(), 0);
+    }
+    // A manifest whose mesh does not match its files is refused, and so is one whose
+    // mesh is beyond the planner's limit (before anything of its size is allocated).
+    let mpath = ckpt.join(MANIFEST);
+    let original = std::fs::read(&mpath).unwrap();
+    for (mesh, phrase) in [
+        (
+            serde_json::json!({ "shard": 8, "replicate": 2 }),
+            "lists 4 rank files",
+        ),
+        (
+            serde_json::json!({ "shard": 65535, "replicate": 65535 }),
+            "more than the planner's limit",
+        ),
+    ] {
+        let mut m: serde_json::Value = serde_json::from_slice(&original).unwrap();
+        m["mesh"] = mesh;
+        std::fs::write(&mpath, serde_json::to_vec(&m).unwrap()).unwrap();
+        let mut s = session(2, 2);
+        let (path, reason) = refused(s.load(&ckpt).unwrap_err());
+        assert!(path.ends_with(MANIFEST), "{path}");
+        assert!(reason.contains(phrase), "{reason}");
+    }
+    // A newer format is named as such.
+    let mpath = ckpt.join(MANIFEST);
+    let mut m: serde_json::Value = serde_json::from_slice(&std::fs::read(&mpath).unwrap()).unwrap();
+    m["format_version"] = 99.into();
+    std::fs::write(&mpath, serde_json::to_vec(&m).unwrap()).unwrap();
+    let mut s = session(2, 2);
+    let (_, reason) = refused(s.load(&ckpt).unwrap_err());
+    assert!(
+        reason.contains("format version 99") && reason.contains("newer"),
+        "{reason}"
+    );
+    assert_unchanged_and_usable(s).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_interrupted_save_leaves_latest_on_the_last_complete_checkpoint() {
+    let dir = scratch("interrupted");
+    let mut s = session(2, 2);
+    steps(&mut s, 1).await;
+    s.save(&dir).unwrap();
+    let want = state(&s);
+    // A save of step 2 that died after its first file: a temporary directory and no
+    // manifest, never renamed into place.
+    steps(&mut s, 1).await;
+    let tmp = dir.join(".tmp-step-000002-1-1");
+    std::fs::create_dir(&tmp).unwrap();
+    std::fs::write(tmp.join("rank-00000.safetensors"), b"partial").unwrap();
+    assert_eq!(
+        std::fs::read_to_string(dir.join(LATEST)).unwrap().trim(),
+        "step-000001"
+    );
+    let mut r = session(2, 2);
+    assert_eq!(r.load(&dir).unwrap().step, 1);
+    assert_eq!(state(&r), want);
+    // The next save completes and moves `latest`; the stale temporary is left alone.
+    s.save(&dir).unwrap();
+    assert_eq!(r.load(&dir).unwrap().step, 2);
+    assert_eq!(state(&r), state(&s));
+    // A checkpoint root with no `latest` and no manifest is no checkpoint.
+    let (path, reason) = refused(r.load(&tmp).unwrap_err());
+    assert!(path.ends_with(".tmp-step-000002-1-1"), "{path}");
+    assert!(reason.contains("not a checkpoint"), "{reason}");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_checkpoint_saved_before_the_first_step_clears_optimizer_state() {
+    let dir = scratch("step0");
+    let s0 = session(2, 2);
+    s0.save(&dir).unwrap();
+    let mut s = session(2, 2);
+    steps(&mut s, 2).await;
+    s.load(dir.join("step-000000")).unwrap();
+    assert_eq!(state(&s), state(&s0));
+    assert_unchanged_and_usable(s).await;
+}
+
+fn overlap(args: &[&str]) -> std::process::Output {
+    Command::new(env!("CARGO_BIN_EXE_overlap"))
+        .args(args)
+        .current_dir(env!("CARGO_MANIFEST_DIR"))
+        .output()
+        .expect("the binary runs")
+}
+
+fn file_sums(ckpt: &Path) -> Vec<String> {
+    let m: Manifest = serde_json::from_slice(&std::fs::read(ckpt.join(MANIFEST)).unwrap()).unwrap();
+    m.files.into_iter().map(|f| f.sha256).collect()
+}
+
+#[test]
+fn overlap_run_resumed_after_two_steps_saves_the_same_files_as_four_steps() {
+    let dir = scratch("cli");
+    let config = dir.join("mixed.toml");
+    std::fs::write(
+        &config,
+        "[mesh]\nshard = 2\nreplicate = 2\n[run]\nseed = 5\n\
+         [[param]]\nname = \"w\"\nshape = [6, 5]\nroute = \"muon\"\nlayer = 2\n\
+         [[param]]\nname = \"norm\"\nshape = [9]\nroute = \"fsdp\"\nlayer = 2\n\
+         [[param]]\nname = \"bias\"\nshape = [7]\nroute = \"adamw\"\nlayer = 1\n\
+         [[param]]\nname = \"emb\"\nshape = [11, 3]\nroute = \"sharded_adamw\"\nlayer = 0\n",
+    )
+    .unwrap();
+    let (c, a, b) = (config.to_str().unwrap(), dir.join("a"), dir.join("b"));
+    let (a, b) = (a.to_str().unwrap(), b.to_str().unwrap());
+    let ok = |o: std::process::Output| {
+        let out = String::from_utf8_lossy(&o.stdout).into_owned();
+        assert!(
+            o.status.success(),
+            "{out}{}",
+            String::from_utf8_lossy(&o.stderr)
+        );
+        out
+    };
+    ok(overlap(&[
+        "run",
+        "--config",
+        c,
+        "--steps",
+        "4",
+        "--checkpoint",
+        a,
+    ]));
+    let out = ok(overlap(&[
+        "run",
+        "--config",
+        c,
+        "--steps",
+        "2",
+        "--save-every",
+        "1",
+        "--checkpoint",
+        b,
+    ]));
+    assert!(
+        out.contains("checkpoint: step 1 saved") && out.contains("checkpoint: step 2 saved"),
+        "{out}"
+    );
+    let out = ok(overlap(&[
+        "run",
+        "--config",
+        c,
+        "--steps",
+        "2",
+        "--resume",
+        b,
+        "--checkpoint",
+        b,
+    ]));
+    assert!(
+        out.contains("resumed from") && out.contains("step 3/4") && out.contains("step 4/4"),
+        "{out}"
+    );
+    let (a, b) = (Path::new(a), Path::new(b));
+    assert_eq!(
+        file_sums(&a.join("step-000004")),
+        file_sums(&b.join("step-000004"))
+    );
+    assert_eq!(
+        std::fs::read_to_string(b.join(LATEST)).unwrap().trim(),
+        "step-000004"
+    );
+
+    // Another seed would not continue the run: refused, naming the seed to pass.
+    let o = overlap(&[
+        "run",
+        "--config",
+        c,
+        "--seed",
+        "6",
+        "--resume",
+        b.to_str().unwrap(),
+    ]);
+    let err = String::from_utf8_lossy(&o.stderr);
+    assert!(!o.status.success() && err.contains("--seed 5"), "{err}");
+    // No checkpoint there: a clean error.
+    let o = overlap(&[
+        "run",
+        "--config",
+        c,
+        "--resume",
+        dir.join("none").to_str().unwrap(),
+    ]);
+    let err = String::from_utf8_lossy(&o.stderr);
+    assert!(
+        !o.status.success() && err.contains("not a checkpoint") && !err.contains("panicked"),
+        "{err}"
+    );
+}
