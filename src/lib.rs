@@ -32,8 +32,9 @@
 //!   with its gate, then [`Session::grad_ready`] once per layer in [`Session::layers`]
 //!   order (highest first, as backward produces them); then [`Session::step`], which runs
 //!   the optimizers and publishes and returns a [`StepReport`]. [`Session::zero_grad`]
-//!   drops a step in progress. [`Session::init_params`], [`Session::param_values`] and
-//!   [`Session::reduced_grad`] are for between steps. A call out of order is an
+//!   drops a step in progress. [`Session::init_params`], [`Session::param_values`],
+//!   [`Session::reduced_grad`], checkpoints ([`Session::save`], [`Session::load`]) and
+//!   the learning rate ([`Session::set_lr_factor`]) are for between steps. A call out of order is an
 //!   [`Error::Usage`] naming what was expected, never a panic.
 //! - **Gradient scaling.** Each rank hands in the gradient of its own loss. The optimizer
 //!   consumes the *no_sync reference*: each rank's gradients summed over the step's

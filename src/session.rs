@@ -135,8 +135,9 @@ struct StepPlan {
 /// - **When to call what:** per micro-batch [`Session::begin_micro_batch`], then
 ///   [`Session::grad_ready`] for every layer of [`Session::layers`] in that order; per
 ///   step [`Session::step`]; [`Session::zero_grad`] at any point to drop the step in
-///   progress. [`Session::init_params`], [`Session::param_values`] and
-///   [`Session::reduced_grad`] between steps. Anything else is an [`Error::Usage`].
+///   progress. [`Session::init_params`], [`Session::param_values`],
+///   [`Session::reduced_grad`], [`Session::save`], [`Session::load`] and
+///   [`Session::set_lr_factor`] between steps. Anything else is an [`Error::Usage`].
 /// - **Scaling:** the optimizers consume each rank's gradients summed over the step's
 ///   micro-batches and averaged over all ranks (`avg`; `sum` skips the division). If the
 ///   loss is a mean over the step's samples, divide each micro-batch's loss by the number
