@@ -10,46 +10,80 @@
 
 use std::fmt::Write as _;
 use std::ops::Range;
+use std::rc::Rc;
+
+/// Words of a rank set kept inline: worlds of up to 256 ranks allocate nothing.
+const INLINE_WORDS: usize = 4;
 
 /// A set of source ranks, one bit per global rank.
 #[derive(Debug, Clone, PartialEq, Eq)]
-struct Ranks(Vec<u64>);
+enum Ranks {
+    /// Worlds of at most `64 · INLINE_WORDS` ranks.
+    Inline([u64; INLINE_WORDS]),
+    /// Larger worlds.
+    Heap(Vec<u64>),
+}
 
 impl Ranks {
     fn empty(world: u32) -> Ranks {
-        Ranks(vec![0; (world as usize).div_ceil(64)])
+        let words = (world as usize).div_ceil(64);
+        if words <= INLINE_WORDS {
+            Ranks::Inline([0; INLINE_WORDS])
+        } else {
+            Ranks::Heap(vec![0; words])
+        }
+    }
+
+    fn words(&self) -> &[u64] {
+        match self {
+            Ranks::Inline(w) => w,
+            Ranks::Heap(w) => w,
+        }
+    }
+
+    fn words_mut(&mut self) -> &mut [u64] {
+        match self {
+            Ranks::Inline(w) => w,
+            Ranks::Heap(w) => w,
+        }
     }
 
     fn one(world: u32, rank: u32) -> Ranks {
         let mut r = Ranks::empty(world);
-        r.0[(rank / 64) as usize] |= 1 << (rank % 64);
+        r.words_mut()[(rank / 64) as usize] |= 1 << (rank % 64);
         r
     }
 
     fn all(world: u32) -> Ranks {
         let mut r = Ranks::empty(world);
+        let w = r.words_mut();
         for g in 0..world {
-            r.0[(g / 64) as usize] |= 1 << (g % 64);
+            w[(g / 64) as usize] |= 1 << (g % 64);
         }
         r
     }
 
     fn is_empty(&self) -> bool {
-        self.0.iter().all(|&w| w == 0)
+        self.words().iter().all(|&w| w == 0)
     }
 
     fn zip(&self, other: &Ranks, f: impl Fn(u64, u64) -> u64) -> Ranks {
-        Ranks(
-            self.0
-                .iter()
-                .zip(&other.0)
-                .map(|(&a, &b)| f(a, b))
-                .collect(),
-        )
+        match (self, other) {
+            (Ranks::Inline(a), Ranks::Inline(b)) => {
+                Ranks::Inline(std::array::from_fn(|i| f(a[i], b[i])))
+            }
+            _ => Ranks::Heap(
+                self.words()
+                    .iter()
+                    .zip(other.words())
+                    .map(|(&a, &b)| f(a, b))
+                    .collect(),
+            ),
+        }
     }
 
     fn iter(&self) -> impl Iterator<Item = u32> + '_ {
-        self.0.iter().enumerate().flat_map(|(i, &w)| {
+        self.words().iter().enumerate().flat_map(|(i, &w)| {
             (0..64u32)
                 .filter(move |b| w & (1 << b) != 0)
                 .map(move |b| i as u32 * 64 + b)
@@ -88,8 +122,9 @@ impl Ranks {
 pub(super) struct Contribs {
     world: u32,
     /// Disjoint, sorted by range, non-empty rank sets; adjacent ranges with equal rank
-    /// sets are merged, so equal sets have equal representations.
-    blocks: Vec<(Range<u32>, Ranks)>,
+    /// sets are merged, so equal sets have equal representations. Shared: a buffer's
+    /// value is copied far more often than changed.
+    blocks: Rc<[(Range<u32>, Ranks)]>,
 }
 
 impl Contribs {
@@ -97,7 +132,7 @@ impl Contribs {
     pub fn empty(world: u32) -> Contribs {
         Contribs {
             world,
-            blocks: Vec::new(),
+            blocks: Rc::new([]),
         }
     }
 
@@ -105,7 +140,7 @@ impl Contribs {
     pub fn one(world: u32, micro_batch: u32, rank: u32) -> Contribs {
         Contribs {
             world,
-            blocks: vec![(micro_batch..micro_batch + 1, Ranks::one(world, rank))],
+            blocks: Rc::new([(micro_batch..micro_batch + 1, Ranks::one(world, rank))]),
         }
     }
 
@@ -116,7 +151,7 @@ impl Contribs {
         }
         Contribs {
             world,
-            blocks: vec![(0..micro_batches, Ranks::all(world))],
+            blocks: Rc::new([(0..micro_batches, Ranks::all(world))]),
         }
     }
 
@@ -128,7 +163,7 @@ impl Contribs {
     /// range, and normalises the result.
     fn combine(&self, other: &Contribs, f: impl Fn(u64, u64) -> u64) -> Contribs {
         let mut cuts: Vec<u32> = Vec::with_capacity(2 * (self.blocks.len() + other.blocks.len()));
-        for (r, _) in self.blocks.iter().chain(&other.blocks) {
+        for (r, _) in self.blocks.iter().chain(other.blocks.iter()) {
             cuts.push(r.start);
             cuts.push(r.end);
         }
@@ -166,7 +201,7 @@ impl Contribs {
         }
         Contribs {
             world: self.world,
-            blocks: out,
+            blocks: out.into(),
         }
     }
 
@@ -192,7 +227,7 @@ impl Contribs {
         let doubled = |r: &Range<u32>| -> Vec<(Range<u32>, bool)> {
             // Split `r` where `twice` starts or stops holding a micro-batch.
             let mut cuts = vec![r.start, r.end];
-            for (t, _) in &twice.blocks {
+            for (t, _) in twice.blocks.iter() {
                 for c in [t.start, t.end] {
                     if r.start < c && c < r.end {
                         cuts.push(c);
@@ -273,6 +308,16 @@ mod tests {
         let missing = full.minus(&have);
         assert_eq!(missing.describe(&Contribs::empty(4)), "{m1} of every rank");
         assert_eq!(have.union(&missing), full);
+    }
+
+    #[test]
+    fn worlds_beyond_the_inline_words_keep_their_ranks() {
+        let world = 300;
+        let a = Contribs::one(world, 0, 299).union(&Contribs::one(world, 0, 3));
+        assert_eq!(a.describe(&Contribs::empty(world)), "{m0} of ranks 3, 299");
+        let all = Contribs::reference(world, 1);
+        assert_eq!(all.minus(&a).union(&a), all);
+        assert_eq!(all.intersection(&a), a);
     }
 
     #[test]
