@@ -870,6 +870,20 @@ fn base_plans() -> Vec<(String, Plan)> {
             }
         }
     }
+    // Several buckets per layer (a small cap) with combines right after their exchanges.
+    let mut spec: PlanSpec = spec(2, 2, four_routes(), 16);
+    spec.schedule = Schedule {
+        transport: Transport::Copy,
+        combine_lag: 0,
+        ..Schedule::default()
+    };
+    let gates = [NoSync, Off, On];
+    let plan = Planner::new(spec).unwrap().plan(&gates).unwrap();
+    assert!(validate(&plan, Mode::Step).is_empty());
+    out.push((
+        "mesh 2x2, Copy, lag 0, cap 16 B, gates no_sync,off,on".into(),
+        plan,
+    ));
     out
 }
 
