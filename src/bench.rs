@@ -298,6 +298,7 @@ impl BenchArgs {
                 early_tail_gathers: !self.no_early_tail_gathers,
                 combine_after_exchanges: self.combine_after_exchanges,
             },
+            grad_norm: false,
         }
     }
 }

@@ -655,6 +655,7 @@ impl Doc<'_> {
             bucket_cap_bytes,
             bindings,
             schedule,
+            grad_norm: false,
         };
         // The planner's own checks, as a backstop: whatever it rejects, the config rejects;
         // then the size of a step's plan, now that the buckets and micro-batches are known.

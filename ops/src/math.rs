@@ -443,3 +443,27 @@ mod tests {
         }
     }
 }
+
+/// `Σ x²` of a slice, accumulated in f64 (the global norm's reference and the CPU
+/// kernel alike).
+pub fn sum_squares(xs: &[f32]) -> f64 {
+    xs.iter().map(|&x| f64::from(x) * f64::from(x)).sum()
+}
+
+/// The factor torch's `clip_grad_norm_` scales gradients by, from the squared global
+/// norm: `min(1, max_norm / (√sq + 1e-6))`, as f32; `None` when the gradients stay as
+/// they are (the factor is 1, or the norm is not finite and the step is skipped).
+pub fn clip_factor(sq: f64, max_norm: f32) -> Option<f32> {
+    if !sq.is_finite() {
+        return None;
+    }
+    let f = f64::from(max_norm) / (sq.sqrt() + 1e-6);
+    (f < 1.0).then_some(f as f32)
+}
+
+/// `xs *= f`.
+pub fn scale(xs: &mut [f32], f: f32) {
+    for x in xs {
+        *x *= f;
+    }
+}

@@ -490,6 +490,7 @@ mod tests {
                                 early_tail_gathers: early,
                                 combine_after_exchanges: after,
                             },
+                            grad_norm: false,
                         };
                         let ok = copy_setup(&[&spec], slot, depth, true).in_place;
                         approved += ok.len();
