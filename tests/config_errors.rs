@@ -819,6 +819,7 @@ timing_every = 10
                 combine_lag: 2,
                 ..Schedule::default()
             },
+            grad_norm: false,
         },
         // reduce off wins over replicate; then replicate decides.
         gates: vec![Gate::NoSync, Gate::NoSync, Gate::On, Gate::On],
@@ -851,6 +852,7 @@ timing_every = 10
             listen: Some("127.0.0.1:9464".parse().unwrap()),
             timing_every: 10,
         },
+        clip: None,
     };
     assert_eq!(c, expected);
     assert_eq!(c.plan.params[0].name, "embed");
