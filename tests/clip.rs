@@ -7,7 +7,7 @@ mod common;
 use std::sync::Arc;
 
 use overlap::executor::{ClipConfig, ExecConfig, ExecError, OnNonFinite};
-use overlap::graph::Buffer;
+use overlap::graph::{Buffer, Schedule, Transport};
 use overlap::ops::cpu::CpuBackend;
 use overlap::ops::{math, AdamwParams, MuonParams};
 use overlap::{Error, Gate, Mesh, Route, Session};
@@ -19,7 +19,21 @@ fn grad(rank: u32, param: u32, i: usize, m: usize, step: u32) -> f32 {
 }
 
 fn session(shard: u32, replicate: u32, clip: ClipConfig) -> Session<CpuBackend> {
-    let spec = common::mixed_spec(shard, replicate).with_grad_norm(true);
+    session_on(shard, replicate, clip, Transport::Nccl)
+}
+
+fn session_on(
+    shard: u32,
+    replicate: u32,
+    clip: ClipConfig,
+    transport: Transport,
+) -> Session<CpuBackend> {
+    let spec = common::mixed_spec(shard, replicate)
+        .with_grad_norm(true)
+        .with_schedule(Schedule {
+            transport,
+            ..Schedule::default()
+        });
     let backend = Arc::new(CpuBackend::new(Mesh::new(shard, replicate).unwrap()));
     let exec = ExecConfig {
         clip,
@@ -102,18 +116,22 @@ fn close(a: f64, b: f64, tol: f64) -> bool {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn the_global_norm_equals_the_reference_on_every_mesh() {
     let gate_sets: [&[Gate]; 2] = [&[Gate::On], &[Gate::NoSync, Gate::ReplicateOff, Gate::On]];
-    for (shard, replicate) in MESHES {
-        for gates in gate_sets {
+    for (shard, replicate, gates, transport) in MESHES.into_iter().flat_map(|(s, r)| {
+        gate_sets
+            .into_iter()
+            .flat_map(move |g| [Transport::Nccl, Transport::Copy].map(move |t| (s, r, g, t)))
+    }) {
+        {
             // Norm only: the reduced gradients stay as they are, so they can be
             // compared with the reference too.
-            let mut s = session(shard, replicate, ClipConfig::default());
+            let mut s = session_on(shard, replicate, ClipConfig::default(), transport);
             let r = step(&mut s, gates, 1, None).await.unwrap();
             let g = reference(&s, gates.len(), 1);
             let want = norm(&g);
             let got = r.grad_norm.expect("a clipping plan reports its norm");
             assert!(
                 close(got, want, 1e-5),
-                "{shard}x{replicate} {gates:?}: norm {got} != {want}"
+                "{shard}x{replicate} {gates:?} {transport:?}: norm {got} != {want}"
             );
             assert_eq!(r.skipped, None);
             for rank in s.local_ranks() {
@@ -166,7 +184,14 @@ async fn clipped_steps_equal_the_reference_optimizers_on_the_clipped_gradient() 
                     let (rows, cols) = placed.spec.matrix_dims();
                     let mut mom = vec![0.0; numel];
                     let hp = MuonParams::default();
-                    math::muon(&mut want, &clipped, &mut mom, rows as usize, cols as usize, &hp);
+                    math::muon(
+                        &mut want,
+                        &clipped,
+                        &mut mom,
+                        rows as usize,
+                        cols as usize,
+                        &hp,
+                    );
                 } else {
                     let (mut m, mut v) = (vec![0.0; numel], vec![0.0; numel]);
                     let hp = AdamwParams::default();
@@ -234,8 +259,16 @@ async fn a_nan_step_is_skipped_and_the_next_proceeds() {
         assert_eq!(r2.skipped, Some("nonfinite"));
         assert_eq!(r2.step, 2);
         assert!(r2.grad_norm.unwrap().is_nan());
-        assert_eq!(s.executor().steps_done(), 1, "the step counter did not advance");
-        assert_eq!(state(&s), before, "{shard}x{replicate}: a skipped step changed state");
+        assert_eq!(
+            s.executor().steps_done(),
+            1,
+            "the step counter did not advance"
+        );
+        assert_eq!(
+            state(&s),
+            before,
+            "{shard}x{replicate}: a skipped step changed state"
+        );
         let r3 = step(&mut s, &gates, 3, None).await.unwrap();
         assert_eq!((r3.step, r3.skipped), (2, None));
         assert!(r3.grad_norm.unwrap().is_finite());

@@ -1133,3 +1133,42 @@ fn groups_and_schedule_parse_to_their_values() {
     assert!(plain.groups.is_empty());
     assert_eq!(plain.schedule, LrSchedule::default());
 }
+
+#[test]
+fn clip_table_sets_the_threshold_the_policy_and_the_plan_norm() {
+    let c = Config::from_toml(
+        &with_base("[clip]\nmax_norm = 1.5\non_nonfinite = \"error\"\n"),
+        FILE,
+    )
+    .unwrap();
+    let clip = c.clip.unwrap();
+    assert_eq!(clip.max_norm, Some(1.5));
+    assert_eq!(clip.on_nonfinite, overlap::OnNonFinite::Error);
+    assert!(c.plan.grad_norm);
+    // `on_nonfinite` alone: the norm without clipping, skipping by default.
+    let c = Config::from_toml(&with_base("[clip]\n"), FILE).unwrap();
+    assert_eq!(c.clip, Some(overlap::ClipConfig::default()));
+    assert!(c.plan.grad_norm);
+    let plain = Config::from_toml(BASE, FILE).unwrap();
+    assert!(plain.clip.is_none() && !plain.plan.grad_norm);
+}
+
+#[test]
+fn clip_errors_name_their_key() {
+    for bad in ["0", "-1.0", "inf", "nan", "1e40"] {
+        expect(
+            &with_base(&format!("[clip]\nmax_norm = {bad}\n")),
+            "clip.max_norm",
+            Some(9),
+            "finite number > 0",
+        );
+    }
+    expect(
+        &with_base("[clip]\non_nonfinite = \"ignore\"\n"),
+        "clip.on_nonfinite",
+        Some(9),
+        "expected \"skip\" or \"error\"",
+    );
+    let e = err(&with_base("[clip]\nmax_nrom = 1.0\n"));
+    assert!(e.to_string().contains("max_nrom"), "{e}");
+}

@@ -898,9 +898,9 @@ impl Plan {
                 Some(self.stage_collective(bucket, rank, node.op.stage()?))
             }
             Op::Publish { param, .. } => self.publish_collective(param),
-            Op::NormReduce { collective } => Some(
-                self.norm_collective(rank, matches!(collective.group, Group::Shard { .. })),
-            ),
+            Op::NormReduce { collective } => {
+                Some(self.norm_collective(rank, matches!(collective.group, Group::Shard { .. })))
+            }
             _ => None,
         }
     }

@@ -183,7 +183,11 @@ pub(super) fn clip(plan: &Plan, rank: u32, nodes: &[Node], out: &mut Vec<Violati
                 CLIP,
                 rank,
                 Some(n),
-                format!("{} runs again: rank {rank} must run one {} per step", plan.label(n), NAMES[s]),
+                format!(
+                    "{} runs again: rank {rank} must run one {} per step",
+                    plan.label(n),
+                    NAMES[s]
+                ),
             ));
         } else if s != expect {
             out.push(violation(
