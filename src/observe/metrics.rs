@@ -493,6 +493,14 @@ pub fn record_analysis(report: &StepReport, a: &StepAnalysis) {
     }
 }
 
+/// Counts a step refused for non-finite gradients (`[clip] on_nonfinite = "error"`),
+/// which has no [`StepReport`].
+pub fn record_refused_nonfinite() {
+    if enabled() {
+        counter!(STEPS_SKIPPED, "reason" => "nonfinite").increment(1);
+    }
+}
+
 /// The value of [`MICRO_BATCH_GATE`] for a gate: 0 no_sync, 1 off, 2 on.
 pub fn gate_value(gate: Gate) -> f64 {
     match gate {
@@ -729,13 +737,5 @@ mod tests {
         names.sort_unstable();
         names.dedup();
         assert_eq!(names.len(), METRICS.len());
-    }
-}
-
-/// Counts a step refused for non-finite gradients (`[clip] on_nonfinite = "error"`),
-/// which has no [`StepReport`].
-pub fn record_refused_nonfinite() {
-    if enabled() {
-        counter!(STEPS_SKIPPED, "reason" => "nonfinite").increment(1);
     }
 }
