@@ -45,6 +45,7 @@ fn spec() -> PlanSpec {
         bucket_cap_bytes: 256,
         bindings: Bindings::default(),
         schedule: Default::default(),
+        grad_norm: false,
     }
 }
 

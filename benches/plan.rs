@@ -53,6 +53,7 @@ fn spec() -> PlanSpec {
         bucket_cap_bytes: 25 << 20,
         bindings: Bindings::default(),
         schedule: Default::default(),
+        grad_norm: false,
     }
 }
 

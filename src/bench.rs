@@ -298,6 +298,7 @@ impl BenchArgs {
                 early_tail_gathers: !self.no_early_tail_gathers,
                 combine_after_exchanges: self.combine_after_exchanges,
             },
+            grad_norm: false,
         }
     }
 }
@@ -646,6 +647,8 @@ fn timeline_svg(plan: &Plan, me: u32, stats: &StepStats) -> String {
         stage2_bytes: 0,
         lr_factor: 1.0,
         lr: Vec::new(),
+        grad_norm: None,
+        skipped: None,
     };
     let analysis = crate::observe::StepAnalysis::new(&report, plan);
     crate::observe::svg::render(&report, plan, &analysis)

@@ -22,7 +22,7 @@ use std::ops::Range;
 use std::path::Path;
 use std::str::FromStr;
 
-use overlap_executor::{HyperTable, LrSchedule, ParamGroup, ScheduleKind};
+use overlap_executor::{ClipConfig, HyperTable, LrSchedule, OnNonFinite, ParamGroup, ScheduleKind};
 use overlap_graph::{
     Bindings, DType, Gate, Mesh, ModelSpec, ParamSpec, PlanError, PlanSpec, Planner, ReduceOp,
     ReduceSpec, Route, Schedule, Stream, Transport, MAX_MICRO_BATCHES,
@@ -61,6 +61,10 @@ pub struct Config {
     pub schedule: LrSchedule,
     /// `[metrics]`: the Prometheus exporter, and which steps are timed.
     pub metrics: MetricsConfig,
+    /// `[clip]`: global-norm clipping and what a step with NaN or Inf gradients does;
+    /// `None` without the table (no norm nodes, no host read). With it,
+    /// `plan.grad_norm` is on.
+    pub clip: Option<ClipConfig>,
 }
 
 /// `[run]`: how many steps to run, with which seed, on which backend.
@@ -648,6 +652,7 @@ impl Doc<'_> {
                 .map_or(Schedule::default().combine_lag, |v| *v.get_ref()),
             ..Schedule::default()
         };
+        let clip = self.clip(raw.clip.as_ref())?;
         let plan = PlanSpec {
             mesh,
             params,
@@ -655,6 +660,7 @@ impl Doc<'_> {
             bucket_cap_bytes,
             bindings,
             schedule,
+            grad_norm: clip.is_some(),
         };
         // The planner's own checks, as a backstop: whatever it rejects, the config rejects;
         // then the size of a step's plan, now that the buckets and micro-batches are known.
@@ -727,7 +733,37 @@ impl Doc<'_> {
             groups,
             schedule: self.schedule(raw.schedule.as_ref())?,
             metrics: self.metrics(raw.metrics)?,
+            clip,
         })
+    }
+
+    /// `[clip]`: `max_norm` finite and > 0 (absent: the norm is computed and checked,
+    /// nothing is clipped), `on_nonfinite` `skip` (default) or `error`.
+    fn clip(&self, raw: Option<&Spanned<raw::Clip>>) -> Result<Option<ClipConfig>, ConfigError> {
+        let Some(c) = raw else { return Ok(None) };
+        let c = c.get_ref();
+        let max_norm = match &c.max_norm {
+            None => None,
+            Some(_) => Some(self.float("clip.max_norm", &c.max_norm, 1.0, Bound::Positive)?),
+        };
+        let on_nonfinite = match &c.on_nonfinite {
+            None => OnNonFinite::default(),
+            Some(v) => match v.get_ref().as_str() {
+                "skip" => OnNonFinite::Skip,
+                "error" => OnNonFinite::Error,
+                other => {
+                    return Err(self.err(
+                        "clip.on_nonfinite",
+                        Some(v.span()),
+                        format!("unknown value `{other}`; expected \"skip\" or \"error\""),
+                    ))
+                }
+            },
+        };
+        Ok(Some(ClipConfig {
+            max_norm,
+            on_nonfinite,
+        }))
     }
 
     /// `[[optimizer.group]]`: each group's settings in range, then every group must get
@@ -1479,6 +1515,7 @@ mod raw {
         #[serde(default)]
         pub metrics: Metrics,
         pub schedule: Option<Spanned<Schedule>>,
+        pub clip: Option<Spanned<Clip>>,
     }
 
     #[derive(Deserialize)]
@@ -1613,6 +1650,13 @@ mod raw {
         pub momentum: Option<Spanned<f64>>,
         pub ns_steps: Option<Spanned<u32>>,
         pub weight_decay: Option<Spanned<f64>>,
+    }
+
+    #[derive(Deserialize)]
+    #[serde(deny_unknown_fields)]
+    pub struct Clip {
+        pub max_norm: Option<Spanned<f64>>,
+        pub on_nonfinite: Option<Spanned<String>>,
     }
 
     #[derive(Deserialize, Default)]

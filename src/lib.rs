@@ -80,7 +80,7 @@ pub use session::{Session, StepReport};
 
 // What an embedder touches, documented here as well as in its own crate.
 #[doc(inline)]
-pub use overlap_executor::{Backward, ExecConfig, StepStats};
+pub use overlap_executor::{Backward, ClipConfig, ExecConfig, OnNonFinite, StepStats};
 #[doc(inline)]
 pub use overlap_graph::{
     Bindings, DType, Gate, Mesh, ModelSpec, ParamId, ParamSpec, PlacedParam, Plan, PlanSpec,

@@ -673,7 +673,7 @@ async fn run_steps<B: overlap::ops::Backend>(
             0.0
         };
         println!(
-            "step {}/{last}  gates {}  nodes {}  wall {:.2} ms  host {:.2} us/node  stage2 {} (saved {})  partials left {}  {}  {}",
+            "step {}/{last}  gates {}  nodes {}  wall {:.2} ms  host {:.2} us/node  stage2 {} (saved {})  partials left {}  {}  {}{}",
             r.step,
             Gate::pattern_label(&r.gates),
             r.stats.nodes,
@@ -684,6 +684,7 @@ async fn run_steps<B: overlap::ops::Backend>(
             r.stats.partials_left,
             device_figures(&analysis),
             lr_figures(cfg, &r),
+            norm_figures(&r),
         );
         if let Some(dir) = &ckpt.checkpoint {
             if r.step == last || ckpt.save_every.is_some_and(|n| r.step % n == 0) {
@@ -709,6 +710,18 @@ async fn run_steps<B: overlap::ops::Backend>(
 
 /// The learning rate of a step: its factor and the base rates it gives, for the
 /// optimizers that have parameters (`lr x0.500 (adamw 5.00e-4, muon 1.00e-2)`).
+/// `  grad_norm X` with `[clip]`, and `  skipped (nonfinite)` for a skipped step.
+fn norm_figures(r: &overlap::StepReport) -> String {
+    let mut out = String::new();
+    if let Some(n) = r.grad_norm {
+        out.push_str(&format!("  grad_norm {n:.4e}"));
+    }
+    if let Some(why) = r.skipped {
+        out.push_str(&format!("  skipped ({why})"));
+    }
+    out
+}
+
 fn lr_figures(cfg: &Config, r: &overlap::StepReport) -> String {
     use overlap::graph::OptimizerKind;
     let mut rates = Vec::new();

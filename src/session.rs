@@ -108,6 +108,13 @@ pub struct StepReport {
     /// parameters (base lr × `lr_scale` × `lr_factor`), the groups in order and the
     /// parameters in no group (`base`) last.
     pub lr: Vec<GroupRate>,
+    /// The global L2 norm of the step's reduced gradients (before clipping), with
+    /// `[clip]`.
+    pub grad_norm: Option<f64>,
+    /// Why the step's optimizers did nothing (`"nonfinite"`: NaN or Inf gradients and
+    /// `on_nonfinite = "skip"`): parameters, optimizer state and the step counter are
+    /// untouched, and `step` is the number the next step will have again.
+    pub skipped: Option<&'static str>,
 }
 
 /// Stage-2 bytes of a step plan on the local ranks.
@@ -189,6 +196,7 @@ pub fn exec_config(config: &Config) -> ExecConfig {
         groups: config.groups.clone(),
         schedule: config.schedule,
         backward: overlap_executor::Backward::spin(config.run.backward_us_per_layer),
+        clip: config.clip.unwrap_or_default(),
         ..ExecConfig::default()
     }
 }
@@ -546,9 +554,19 @@ impl<B: Backend> Session<B> {
         self.current = Some(plan.clone());
         self.layers_done = 0;
         let lr_factor = self.executor.lr_factor();
-        let stats = self.executor.finish_step().await?;
+        let stats = match self.executor.finish_step().await {
+            Ok(s) => s,
+            Err(e) => {
+                if matches!(e, overlap_executor::ExecError::NonFinite { .. }) {
+                    crate::observe::metrics::record_refused_nonfinite();
+                }
+                return Err(e.into());
+            }
+        };
         let report = StepReport {
-            step: self.executor.steps_done(),
+            step: self.executor.steps_done() + u64::from(stats.skipped.is_some()),
+            grad_norm: stats.grad_norm,
+            skipped: stats.skipped,
             gates,
             stats,
             stage2_bytes: stage2.moved,

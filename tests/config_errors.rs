@@ -819,6 +819,7 @@ timing_every = 10
                 combine_lag: 2,
                 ..Schedule::default()
             },
+            grad_norm: false,
         },
         // reduce off wins over replicate; then replicate decides.
         gates: vec![Gate::NoSync, Gate::NoSync, Gate::On, Gate::On],
@@ -851,6 +852,7 @@ timing_every = 10
             listen: Some("127.0.0.1:9464".parse().unwrap()),
             timing_every: 10,
         },
+        clip: None,
     };
     assert_eq!(c, expected);
     assert_eq!(c.plan.params[0].name, "embed");
@@ -1130,4 +1132,43 @@ fn groups_and_schedule_parse_to_their_values() {
     let plain = Config::from_toml(BASE, FILE).unwrap();
     assert!(plain.groups.is_empty());
     assert_eq!(plain.schedule, LrSchedule::default());
+}
+
+#[test]
+fn clip_table_sets_the_threshold_the_policy_and_the_plan_norm() {
+    let c = Config::from_toml(
+        &with_base("[clip]\nmax_norm = 1.5\non_nonfinite = \"error\"\n"),
+        FILE,
+    )
+    .unwrap();
+    let clip = c.clip.unwrap();
+    assert_eq!(clip.max_norm, Some(1.5));
+    assert_eq!(clip.on_nonfinite, overlap::OnNonFinite::Error);
+    assert!(c.plan.grad_norm);
+    // `on_nonfinite` alone: the norm without clipping, skipping by default.
+    let c = Config::from_toml(&with_base("[clip]\n"), FILE).unwrap();
+    assert_eq!(c.clip, Some(overlap::ClipConfig::default()));
+    assert!(c.plan.grad_norm);
+    let plain = Config::from_toml(BASE, FILE).unwrap();
+    assert!(plain.clip.is_none() && !plain.plan.grad_norm);
+}
+
+#[test]
+fn clip_errors_name_their_key() {
+    for bad in ["0", "-1.0", "inf", "nan", "1e40"] {
+        expect(
+            &with_base(&format!("[clip]\nmax_norm = {bad}\n")),
+            "clip.max_norm",
+            Some(9),
+            "finite number > 0",
+        );
+    }
+    expect(
+        &with_base("[clip]\non_nonfinite = \"ignore\"\n"),
+        "clip.on_nonfinite",
+        Some(9),
+        "expected \"skip\" or \"error\"",
+    );
+    let e = err(&with_base("[clip]\nmax_nrom = 1.0\n"));
+    assert!(e.to_string().contains("max_nrom"), "{e}");
 }

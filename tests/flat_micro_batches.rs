@@ -35,6 +35,7 @@ fn spec(shard: u32, replicate: u32, schedule: Schedule) -> PlanSpec {
         bucket_cap_bytes: 1 << 20,
         bindings: Bindings::default(),
         schedule,
+        grad_norm: false,
     }
 }
 

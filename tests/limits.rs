@@ -209,6 +209,7 @@ fn spec(mesh: Mesh, params: Vec<ParamSpec>) -> PlanSpec {
         bucket_cap_bytes: 1 << 20,
         bindings: Bindings::default(),
         schedule: Schedule::default(),
+        grad_norm: false,
     }
 }
 

@@ -200,6 +200,7 @@ fn spec() -> PlanSpec {
         bucket_cap_bytes: 1 << 20,
         bindings: Bindings::default(),
         schedule: Default::default(),
+        grad_norm: false,
     }
 }
 

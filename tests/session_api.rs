@@ -26,6 +26,7 @@ fn spec(shard: u32, replicate: u32) -> PlanSpec {
         bucket_cap_bytes: 1 << 20,
         bindings: Bindings::default(),
         schedule: Default::default(),
+        grad_norm: false,
     }
 }
 

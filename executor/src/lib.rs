@@ -68,6 +68,41 @@ pub struct ExecConfig {
     /// (`prepared.rs` explains the rules). On by default; off runs every copy (for
     /// comparison and measurement).
     pub aliasing: bool,
+    /// Global-norm clipping and non-finite gradients (`[clip]`), for plans with the
+    /// global norm ([`overlap_graph::PlanSpec::grad_norm`]).
+    pub clip: ClipConfig,
+}
+
+/// What a step does with its global gradient norm ([`ExecConfig::clip`]).
+#[derive(Debug, Clone, Copy, PartialEq, Default)]
+pub struct ClipConfig {
+    /// Scale the reduced gradients by `min(1, max_norm / (norm + 1e-6))` before the
+    /// optimizers; `None` computes the norm without clipping.
+    pub max_norm: Option<f32>,
+    /// What a step whose global norm is NaN or Inf does.
+    pub on_nonfinite: OnNonFinite,
+}
+
+/// What a step whose reduced gradients hold NaN or Inf does. Either way its optimizers
+/// do nothing (parameters and optimizer state are untouched) and the step counter does
+/// not advance.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum OnNonFinite {
+    /// The step is skipped and reported (`StepStats::skipped`).
+    #[default]
+    Skip,
+    /// The step returns [`ExecError::NonFinite`].
+    Error,
+}
+
+impl OnNonFinite {
+    /// The config name.
+    pub fn name(self) -> &'static str {
+        match self {
+            OnNonFinite::Skip => "skip",
+            OnNonFinite::Error => "error",
+        }
+    }
 }
 
 /// The synthetic backward a `grad_ready` node launches ([`ExecConfig::backward`]).
@@ -134,6 +169,7 @@ impl Default for ExecConfig {
             host_timeout: Duration::from_secs(120),
             backward: Backward::None,
             aliasing: true,
+            clip: ClipConfig::default(),
         }
     }
 }
@@ -191,6 +227,15 @@ pub enum ExecError {
     /// A bug in overlap itself.
     #[error("internal error: {0}")]
     Internal(String),
+    /// The step's reduced gradients hold NaN or Inf and `[clip] on_nonfinite = "error"`:
+    /// nothing was updated.
+    #[error("step {step}: the reduced gradients are not finite (global norm {norm}); nothing was updated ([clip] on_nonfinite = \"error\")")]
+    NonFinite {
+        /// The step that was refused (1-based).
+        step: u64,
+        /// The global norm (NaN or Inf).
+        norm: f64,
+    },
 }
 
 /// What one step cost.
@@ -213,6 +258,11 @@ pub struct StepStats {
     pub wall_seconds: f64,
     /// Kernel timings of the step.
     pub timings: Vec<Timing>,
+    /// The step's global L2 gradient norm, when its plan computes it.
+    pub grad_norm: Option<f64>,
+    /// Why the step's optimizers did nothing (`nonfinite`: NaN or Inf gradients), if
+    /// they did nothing.
+    pub skipped: Option<&'static str>,
     /// Most Stage-1 buffers any local rank had in flight at once (at most the window).
     pub stage1_in_flight_peak: usize,
     /// Nodes that ran as aliases (no copy: [`ExecConfig::aliasing`]), over local ranks.
@@ -528,6 +578,7 @@ impl<B: Backend> Executor<B> {
             lr_factor: self.lr_factor(),
             step: self.steps_done + 1,
             backward: self.cfg.backward,
+            max_norm: self.cfg.clip.max_norm,
         })
     }
 
@@ -690,11 +741,32 @@ impl<B: Backend> Executor<B> {
             self.prune_prepared();
             return Err(ExecError::Step { failures });
         }
-        self.steps_done += 1;
+        // The global norm: every rank holds the same after the norm all-reduces; one
+        // download of one float per step, after the device finished (no extra sync).
+        let mut grad_norm = None;
+        if let Some(r) = self.ranks.iter().find(|r| {
+            r.prepared
+                .as_ref()
+                .is_some_and(|p| p.plan.grad_norm && r.buffers.contains_key(&Buffer::Norm))
+        }) {
+            let sq = self.backend.download(&r.buffers[&Buffer::Norm])?;
+            grad_norm = sq.first().map(|&x| f64::from(x).sqrt());
+        }
+        let nonfinite = grad_norm.is_some_and(|n| !n.is_finite());
+        let step = self.steps_done + 1;
+        if !nonfinite {
+            self.steps_done += 1;
+        }
         for r in &mut self.ranks {
             r.end_step(true);
         }
         self.prune_prepared();
+        if nonfinite && self.cfg.clip.on_nonfinite == OnNonFinite::Error {
+            return Err(ExecError::NonFinite {
+                step,
+                norm: grad_norm.unwrap_or(f64::NAN),
+            });
+        }
 
         let stage1_in_flight_peak = self
             .ranks
@@ -733,6 +805,8 @@ impl<B: Backend> Executor<B> {
             wall_seconds: wall,
             timings,
             partials_left,
+            grad_norm,
+            skipped: nonfinite.then_some("nonfinite"),
         })
     }
 

@@ -76,6 +76,8 @@ pub(crate) struct IssueCtx {
     pub step: u64,
     /// What a `grad_ready` node launches.
     pub backward: crate::Backward,
+    /// The clipping threshold a `clip` node scales by (`None`: it scales nothing).
+    pub max_norm: Option<f32>,
 }
 
 impl<B: Backend> RankState<B> {
@@ -503,27 +505,72 @@ impl<B: Backend> RankState<B> {
                 let pb = self.buf(&Buffer::Param { param })?;
                 let grad = self.buf(&Buffer::Reduced { param })?;
                 let state = self.buf(&Buffer::OptState { param })?;
-                match optimizer {
-                    OptimizerKind::Adamw => launch(Kernel::Adamw {
+                let kernel = match optimizer {
+                    OptimizerKind::Adamw => Kernel::Adamw {
                         param: pb,
                         grad,
                         state,
                         hp: ctx.hyper.adamw(param, ctx.lr_factor),
                         step: ctx.step,
-                    }),
+                    },
                     OptimizerKind::Muon => {
                         let (rows, cols) = plan.param(param).spec.matrix_dims();
-                        launch(Kernel::Muon {
+                        Kernel::Muon {
                             param: pb,
                             grad,
                             momentum: state,
                             rows: rows as usize,
                             cols: cols as usize,
                             hp: ctx.hyper.muon(param, ctx.lr_factor),
-                        });
+                        }
                     }
+                };
+                // With the global norm, a step whose gradients are not finite is skipped.
+                if plan.grad_norm {
+                    launch(Kernel::IfFinite {
+                        norm: self.buf(&Buffer::Norm)?,
+                        kernel: Box::new(kernel),
+                    });
+                } else {
+                    launch(kernel);
                 }
             }
+            Op::GradNorm => {
+                let srcs = plan
+                    .norm_params(self.rank)
+                    .into_iter()
+                    .map(|param| self.buf(&Buffer::Reduced { param }))
+                    .collect::<Result<Vec<_>, _>>()?;
+                launch(Kernel::SumSquares {
+                    dst: self.buf(&Buffer::Norm)?,
+                    srcs: srcs.into(),
+                });
+            }
+            Op::NormReduce { collective } => {
+                let norm = self.buf(&Buffer::Norm)?;
+                launch(Kernel::Collective {
+                    desc: collective,
+                    comm: CommId::of(&collective, stream),
+                    send: Some(norm.clone()),
+                    recv: Some(norm),
+                });
+            }
+            Op::Clip => match ctx.max_norm {
+                Some(max_norm) => {
+                    let bufs = plan
+                        .held_params(self.rank)
+                        .into_iter()
+                        .map(|param| self.buf(&Buffer::Reduced { param }))
+                        .collect::<Result<Vec<_>, _>>()?;
+                    launch(Kernel::Clip {
+                        norm: self.buf(&Buffer::Norm)?,
+                        bufs: bufs.into(),
+                        max_norm,
+                    });
+                }
+                // The norm without clipping (`[clip] on_nonfinite` alone).
+                None => launch(Kernel::Marker),
+            },
             Op::Publish { param, collective } => {
                 let buf = self.buf(&Buffer::Param { param })?;
                 let is_root = plan.mesh.index_in(collective.group, self.rank) == collective.root;
@@ -605,7 +652,8 @@ impl<B: Backend> RankState<B> {
     /// gradients are kept until the next step starts (so they can be inspected).
     pub fn end_step(&mut self, keep_reduced: bool) {
         self.buffers.retain(|b, _| {
-            b.is_persistent() || (keep_reduced && matches!(b, Buffer::Reduced { .. }))
+            b.is_persistent()
+                || (keep_reduced && matches!(b, Buffer::Reduced { .. } | Buffer::Norm))
         });
         self.pending.clear();
         self.live_partials.clear();

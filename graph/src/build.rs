@@ -104,6 +104,7 @@ impl Planner {
             params: self.params.clone(),
             buckets: self.buckets.clone(),
             ranks: Vec::new(),
+            grad_norm: self.spec.grad_norm,
         };
         let ranks: Vec<RankProgram> = self
             .spec
@@ -269,6 +270,16 @@ impl Planner {
             return (nodes, segments);
         }
         let start = nodes.len();
+        if self.spec.grad_norm {
+            // The global norm before any optimizer: the local sum of squares, summed over
+            // the shard group then the replicate group (the world), then the clip.
+            push(&mut nodes, None, b.optimizer, Op::GradNorm);
+            for (stream, shard) in [(b.stage1, true), (b.stage2, false)] {
+                let collective = plan.norm_collective(rank, shard);
+                push(&mut nodes, None, stream, Op::NormReduce { collective });
+            }
+            push(&mut nodes, None, b.optimizer, Op::Clip);
+        }
         for (i, p) in self.params.iter().enumerate() {
             let param = i as ParamId;
             let kind = plan.optimizer_kind(param);
@@ -489,6 +500,7 @@ mod tests {
             bucket_cap_bytes: cap,
             bindings: Bindings::default(),
             schedule: Default::default(),
+            grad_norm: false,
         }
     }
 

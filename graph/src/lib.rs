@@ -21,6 +21,7 @@
 //!     bucket_cap_bytes: 1 << 20,
 //!     bindings: Bindings::default(),
 //!     schedule: Schedule::default(),
+//!     grad_norm: true,
 //! };
 //! let plan = Planner::new(spec)?.plan(&[Gate::ReplicateOff, Gate::On])?;
 //! assert!(validate(&plan, Mode::Step).is_empty());

@@ -116,6 +116,11 @@ pub enum Buffer {
     Param { param: ParamId },
     /// The optimizer's state for this rank's piece of the parameter.
     OptState { param: ParamId },
+    /// One element: this rank's sum of squares of the reduced gradients it counts
+    /// ([`Op::GradNorm`]), then, after the [`Op::NormReduce`]s, the world's sum: the
+    /// squared global L2 norm of the step's gradient. Read by [`Op::Clip`] and by every
+    /// optimizer of a plan that has it (which does nothing when it is not finite).
+    Norm,
 }
 
 impl Buffer {
@@ -163,6 +168,7 @@ impl std::fmt::Display for Buffer {
             Buffer::Reduced { param } => write!(f, "reduced[p{param}]"),
             Buffer::Param { param } => write!(f, "param[p{param}]"),
             Buffer::OptState { param } => write!(f, "opt_state[p{param}]"),
+            Buffer::Norm => f.write_str("norm"),
         }
     }
 }
@@ -396,6 +402,18 @@ pub enum Op {
         micro_batch: u32,
         accumulate: bool,
     },
+    /// Global-norm clipping, first of the step's tail: `norm = Σ x²` over the reduced
+    /// gradients this rank counts ([`crate::Plan::norm_params`]: every element of every
+    /// parameter once in the world, padding excluded).
+    GradNorm,
+    /// Sums the one-element norm buffer over `collective.group` (an all-reduce of one
+    /// f32, `sum`): over the shard group, then over the replicate group, which together
+    /// sum it over the world with the communicators every plan already has.
+    NormReduce { collective: Collective },
+    /// Scales every reduced gradient this rank holds by
+    /// `min(1, max_norm / (√norm + 1e-6))` (torch's `clip_grad_norm_`); the threshold is
+    /// the executor's (`[clip] max_norm`), none leaves the gradients as they are.
+    Clip,
     /// The optimizer step of one parameter's piece on this rank.
     Optimizer {
         param: ParamId,
@@ -415,7 +433,7 @@ impl Op {
     }
 
     /// Every kind name, at [`Op::kind_index`].
-    pub const KINDS: [&'static str; 13] = [
+    pub const KINDS: [&'static str; 16] = [
         "grad_ready",
         "accumulate",
         "pack",
@@ -429,6 +447,9 @@ impl Op {
         "unpack",
         "optimizer",
         "publish",
+        "grad_norm",
+        "norm_reduce",
+        "clip",
     ];
 
     /// Dense index of the kind in [`Op::KINDS`], for per-kind tables.
@@ -447,6 +468,9 @@ impl Op {
             Op::Unpack { .. } => 10,
             Op::Optimizer { .. } => 11,
             Op::Publish { .. } => 12,
+            Op::GradNorm => 13,
+            Op::NormReduce { .. } => 14,
+            Op::Clip => 15,
         }
     }
 
@@ -459,9 +483,15 @@ impl Op {
             | Op::Stage2 { collective, .. }
             | Op::Exchange { collective, .. }
             | Op::Gather { collective, .. }
-            | Op::Publish { collective, .. } => Some(collective),
+            | Op::Publish { collective, .. }
+            | Op::NormReduce { collective } => Some(collective),
             _ => None,
         }
+    }
+
+    /// Whether the node belongs to the global-norm tail (norm, its all-reduces, clip).
+    pub fn is_norm(&self) -> bool {
+        matches!(self, Op::GradNorm | Op::NormReduce { .. } | Op::Clip)
     }
 
     /// The collective the node's fields name: [`Op::collective`] plus the reduction an

@@ -158,6 +158,9 @@ pub struct PlanSpec {
     pub bindings: Bindings,
     /// Transport and placement of copy-transport combines.
     pub schedule: Schedule,
+    /// Whether the step computes the global L2 norm of its reduced gradients and clips
+    /// by it (the `grad_norm`, `norm_reduce` and `clip` nodes before the optimizers).
+    pub grad_norm: bool,
 }
 
 /// The default bucket cap: 25 MiB, PyTorch DDP's and FSDP2's default.
@@ -188,6 +191,7 @@ impl PlanSpec {
             bucket_cap_bytes: DEFAULT_BUCKET_CAP_BYTES,
             bindings: Bindings::default(),
             schedule: Schedule::default(),
+            grad_norm: false,
         }
     }
 
@@ -212,6 +216,12 @@ impl PlanSpec {
     /// The same spec with another schedule (transport, combine placement).
     pub fn with_schedule(mut self, schedule: Schedule) -> PlanSpec {
         self.schedule = schedule;
+        self
+    }
+
+    /// The same spec with (or without) the global-norm nodes ([`PlanSpec::grad_norm`]).
+    pub fn with_grad_norm(mut self, on: bool) -> PlanSpec {
+        self.grad_norm = on;
         self
     }
 }
@@ -332,6 +342,10 @@ pub struct Plan {
     pub buckets: Vec<Bucket>,
     /// One program per rank, in rank order.
     pub ranks: Vec<RankProgram>,
+    /// Whether every rank's tail computes the global gradient norm and clips by it
+    /// before its optimizers (`clip-coverage`); absent in JSON when false.
+    #[serde(default, skip_serializing_if = "std::ops::Not::not")]
+    pub grad_norm: bool,
 }
 
 /// A node's buffer accesses.
@@ -434,6 +448,53 @@ impl Plan {
                 OptimizerKind::Adamw => 2 * self.local_elems(param, rank),
                 OptimizerKind::Muon => self.local_elems(param, rank),
             },
+            Buffer::Norm => 1,
+        }
+    }
+
+    /// Whether a rank holds a parameter's reduced gradient at the step's end (and runs
+    /// its optimizer): every rank for sharded routes, the owner for owned ones.
+    pub fn holds_reduced(&self, p: ParamId, rank: u32) -> bool {
+        match self.param(p).owner {
+            None => true,
+            Some(o) => self.mesh.rank(o) == rank,
+        }
+    }
+
+    /// The parameters whose reduced gradient a rank counts in the global norm, so that
+    /// every element counts once in the world: for sharded routes the rank's shard on
+    /// replicate index 0 only (every replica holds the same reduced shard after Stage
+    /// 2; the shard excludes the padding), for owned routes the owner.
+    pub fn norm_params(&self, rank: u32) -> Vec<ParamId> {
+        let me = self.mesh.coord(rank);
+        (0..self.params.len() as ParamId)
+            .filter(|&p| match self.param(p).owner {
+                None => me.replicate == 0,
+                Some(o) => o == me,
+            })
+            .collect()
+    }
+
+    /// The parameters whose reduced gradient a rank holds (and clips).
+    pub fn held_params(&self, rank: u32) -> Vec<ParamId> {
+        (0..self.params.len() as ParamId)
+            .filter(|&p| self.holds_reduced(p, rank))
+            .collect()
+    }
+
+    /// The all-reduce of the norm over a rank's shard group (`shard`) or replicate group.
+    pub fn norm_collective(&self, rank: u32, shard: bool) -> Collective {
+        Collective {
+            kind: CollectiveKind::AllReduce,
+            group: if shard {
+                self.mesh.shard_group(rank)
+            } else {
+                self.mesh.replicate_group(rank)
+            },
+            count: 1,
+            dtype: DType::F32,
+            op: ReduceOp::Sum,
+            root: None,
         }
     }
 
@@ -682,6 +743,10 @@ impl Plan {
                 }
             }
             Op::Optimizer { param, .. } => {
+                if self.grad_norm {
+                    // Skips the update when the global norm is not finite.
+                    a.reads.push(Buffer::Norm);
+                }
                 a.reads.extend([
                     Buffer::Reduced { param },
                     Buffer::Param { param },
@@ -696,6 +761,25 @@ impl Plan {
                     a.reads.push(Buffer::Param { param });
                 } else {
                     a.writes.push(Buffer::Param { param });
+                }
+            }
+            Op::GradNorm => {
+                a.reads.extend(
+                    self.norm_params(rank)
+                        .into_iter()
+                        .map(|param| Buffer::Reduced { param }),
+                );
+                a.writes.push(Buffer::Norm);
+            }
+            Op::NormReduce { .. } => {
+                a.reads.push(Buffer::Norm);
+                a.writes.push(Buffer::Norm);
+            }
+            Op::Clip => {
+                a.reads.push(Buffer::Norm);
+                for param in self.held_params(rank) {
+                    a.reads.push(Buffer::Reduced { param });
+                    a.writes.push(Buffer::Reduced { param });
                 }
             }
         }
@@ -814,6 +898,9 @@ impl Plan {
                 Some(self.stage_collective(bucket, rank, node.op.stage()?))
             }
             Op::Publish { param, .. } => self.publish_collective(param),
+            Op::NormReduce { collective } => {
+                Some(self.norm_collective(rank, matches!(collective.group, Group::Shard { .. })))
+            }
             _ => None,
         }
     }
@@ -841,6 +928,9 @@ impl Plan {
                 )
             }
             Op::Publish { param, .. } => format!("publish {}", self.param(param).spec.name),
+            Op::GradNorm => "grad_norm".into(),
+            Op::Clip => "clip".into(),
+            Op::NormReduce { collective } => format!("norm_reduce on {}", collective.group),
             op => {
                 let b = op.bucket().unwrap_or(0);
                 match op.named_collective() {
@@ -1025,14 +1115,14 @@ impl Plan {
                         "differs from the micro-batch its operation names".into(),
                     );
                 }
-                if matches!(n.op, Op::Optimizer { .. } | Op::Publish { .. })
+                if (matches!(n.op, Op::Optimizer { .. } | Op::Publish { .. }) || n.op.is_norm())
                     != n.micro_batch.is_none()
                 {
                     return mal(
                         Some(n.stream),
                         Some(ni as u32),
                         at(format!("nodes[{ni}].micro_batch")),
-                        "optimizer and publish nodes, and only they, belong to the step (null)"
+                        "optimizer, publish and norm (grad_norm, norm_reduce, clip) nodes, and only they, belong to the step (null)"
                             .into(),
                     );
                 }

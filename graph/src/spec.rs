@@ -160,6 +160,7 @@ mod tests {
             bucket_cap_bytes: 1 << 20,
             bindings: Bindings::default(),
             schedule: Schedule::default(),
+            grad_norm: false,
         }
     }
 

@@ -30,6 +30,7 @@ fn spec(shard: u32, replicate: u32) -> PlanSpec {
         bucket_cap_bytes: 256,
         bindings: Bindings::default(),
         schedule: Default::default(),
+        grad_norm: false,
     }
 }
 
@@ -418,6 +419,43 @@ fn plan_of_a_gate_prefix_is_a_prefix_of_the_step_plan() {
                     a.rank,
                     sa.stream
                 );
+            }
+        }
+    }
+}
+
+#[test]
+fn plans_with_the_global_norm_validate_and_count_every_element_once() {
+    use overlap_graph::{Buffer, Op, Schedule, Transport};
+    use Gate::*;
+    for transport in [Transport::Nccl, Transport::Copy] {
+        for (s, r) in [(1, 1), (2, 1), (1, 2), (2, 2), (3, 1), (2, 3)] {
+            let schedule = Schedule {
+                transport,
+                ..Default::default()
+            };
+            let planner =
+                Planner::new(spec(s, r).with_schedule(schedule).with_grad_norm(true)).unwrap();
+            for g in [vec![On], vec![NoSync, ReplicateOff, On]] {
+                let plan = planner.plan(&g).unwrap();
+                let v = validate(&plan, Mode::Step);
+                assert!(v.is_empty(), "mesh {s}x{r} {transport:?}: {v:#?}");
+                // Every element of every parameter is counted by exactly one rank.
+                let mut counted = vec![0u64; plan.params.len()];
+                for rp in &plan.ranks {
+                    let norms: Vec<_> = rp.nodes.iter().filter(|n| n.op == Op::GradNorm).collect();
+                    assert_eq!(norms.len(), 1);
+                    for b in plan.access(rp.rank, norms[0]).reads {
+                        if let Buffer::Reduced { param } = b {
+                            counted[param as usize] += plan.buffer_len(rp.rank, &b);
+                        }
+                    }
+                }
+                for (p, c) in counted.iter().enumerate() {
+                    assert_eq!(*c, plan.params[p].spec.numel(), "{s}x{r} param {p}");
+                }
+                let prefix = planner.plan_prefix(&g).unwrap();
+                assert!(validate(&prefix, Mode::Prefix).is_empty());
             }
         }
     }

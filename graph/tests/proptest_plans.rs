@@ -130,6 +130,7 @@ fn plan_spec() -> impl Strategy<Value = PlanSpec> {
                 bucket_cap_bytes,
                 bindings,
                 schedule,
+                grad_norm: false,
             },
         )
 }

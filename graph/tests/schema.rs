@@ -269,9 +269,13 @@ fn number(v: &Value) -> Option<i128> {
 // --- Plans to check -------------------------------------------------------------------
 
 /// A plan with a node of every kind: no_sync, gate-off and gate-on micro-batches, every
-/// route (so fold, fold_partial, stage2, unpack, optimizer and publish all appear).
+/// route (so fold, fold_partial, stage2, unpack, optimizer and publish all appear), and
+/// the global norm (grad_norm, norm_reduce, clip).
 fn every_node_kind() -> Plan {
-    four_routes_plan(&[Gate::NoSync, Gate::ReplicateOff, Gate::On])
+    Planner::new(spec(2, 2, four_routes(), 1 << 20).with_grad_norm(true))
+        .unwrap()
+        .plan(&[Gate::NoSync, Gate::ReplicateOff, Gate::On])
+        .unwrap()
 }
 
 /// The copy transport's plan (exchange and combine nodes) on a 2x2 mesh.
@@ -313,6 +317,12 @@ fn assorted_plans() -> Vec<Plan> {
         ..spec(1, 1, four_routes(), 1 << 20)
     };
     plans.push(Planner::new(single).unwrap().plan(&[Gate::On]).unwrap());
+    plans.push(
+        Planner::new(spec(2, 3, four_routes(), 64).with_grad_norm(true))
+            .unwrap()
+            .plan(&[Gate::ReplicateOff, Gate::On])
+            .unwrap(),
+    );
     plans.push(
         Planner::new(spec(2, 2, four_routes(), 1 << 20))
             .unwrap()
@@ -441,6 +451,9 @@ fn one_op_of_each_kind() -> Vec<Op> {
             param: 0,
             collective,
         },
+        Op::GradNorm,
+        Op::NormReduce { collective },
+        Op::Clip,
     ];
     for op in &ops {
         match op {
@@ -456,7 +469,10 @@ fn one_op_of_each_kind() -> Vec<Op> {
             | Op::Gather { .. }
             | Op::Unpack { .. }
             | Op::Optimizer { .. }
-            | Op::Publish { .. } => {}
+            | Op::Publish { .. }
+            | Op::GradNorm
+            | Op::NormReduce { .. }
+            | Op::Clip => {}
         }
     }
     ops

@@ -488,6 +488,34 @@ pub enum Kernel<B> {
         /// Hyper-parameters.
         hp: MuonParams,
     },
+    /// `dst[0] = Σ x²` over every element of `srcs` (accumulated in f64, stored in
+    /// f32): a rank's share of the squared global gradient norm ([`math::sum_squares`]).
+    SumSquares {
+        /// The one-element result.
+        dst: B,
+        /// The reduced gradients the rank counts.
+        srcs: Arc<[B]>,
+    },
+    /// Scales every buffer of `bufs` by [`math::clip_factor`] of the squared norm in
+    /// `norm[0]` and `max_norm`; leaves them as they are when the norm is not finite
+    /// (the step is skipped) or the factor is 1.
+    Clip {
+        /// The one-element squared global norm.
+        norm: B,
+        /// The reduced gradients to scale.
+        bufs: Arc<[B]>,
+        /// The threshold.
+        max_norm: f32,
+    },
+    /// Runs `kernel` (an optimizer) only when the squared global norm in `norm[0]` is
+    /// finite: a step whose gradients hold NaN or Inf leaves parameters and optimizer
+    /// state untouched.
+    IfFinite {
+        /// The one-element squared global norm.
+        norm: B,
+        /// The guarded kernel.
+        kernel: Box<Kernel<B>>,
+    },
 }
 
 impl<B> Kernel<B> {
@@ -506,6 +534,9 @@ impl<B> Kernel<B> {
             Kernel::Gather { .. } => "gather",
             Kernel::Adamw { .. } => "adamw",
             Kernel::Muon { .. } => "muon",
+            Kernel::SumSquares { .. } => "sum_squares",
+            Kernel::Clip { .. } => "clip",
+            Kernel::IfFinite { kernel, .. } => kernel.name(),
         }
     }
 }

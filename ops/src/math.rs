@@ -239,6 +239,30 @@ pub fn pseudo_random(len: usize, seed: u64) -> Vec<f32> {
         .collect()
 }
 
+/// `Σ x²` of a slice, accumulated in f64 (the global norm's reference and the CPU
+/// kernel alike).
+pub fn sum_squares(xs: &[f32]) -> f64 {
+    xs.iter().map(|&x| f64::from(x) * f64::from(x)).sum()
+}
+
+/// The factor torch's `clip_grad_norm_` scales gradients by, from the squared global
+/// norm: `min(1, max_norm / (√sq + 1e-6))`, as f32; `None` when the gradients stay as
+/// they are (the factor is 1, or the norm is not finite and the step is skipped).
+pub fn clip_factor(sq: f64, max_norm: f32) -> Option<f32> {
+    if !sq.is_finite() {
+        return None;
+    }
+    let f = f64::from(max_norm) / (sq.sqrt() + 1e-6);
+    (f < 1.0).then_some(f as f32)
+}
+
+/// `xs *= f`.
+pub fn scale(xs: &mut [f32], f: f32) {
+    for x in xs {
+        *x *= f;
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -441,5 +465,15 @@ mod tests {
             let ulp = f32::from_bits(r.to_bits() + 0x1_0000) - r;
             proptest::prop_assert!((r - x).abs() <= ulp / 2.0);
         }
+    }
+
+    #[test]
+    fn clip_factor_is_torchs_and_leaves_small_or_non_finite_norms_alone() {
+        assert_eq!(super::sum_squares(&[3.0, 4.0]), 25.0);
+        let f = super::clip_factor(25.0, 1.0).unwrap();
+        assert!((f64::from(f) - 1.0 / 5.000001).abs() < 1e-7);
+        assert_eq!(super::clip_factor(0.25, 1.0), None);
+        assert_eq!(super::clip_factor(f64::NAN, 1.0), None);
+        assert_eq!(super::clip_factor(f64::INFINITY, 1.0), None);
     }
 }

@@ -427,6 +427,11 @@ impl Session<CudaBackend> {
     /// A session on this rank's GPU, parameters initialised from the config's seed
     /// exactly as [`Session::cpu`] does (each rank keeps its piece).
     pub fn cuda(config: &Config, backend: Arc<CudaBackend>) -> Result<Self, Error> {
+        if config.clip.is_some() {
+            return Err(Error::Backend(
+                "[clip] (global-norm clipping and non-finite checks) is not implemented on the CUDA backend yet: its sum-of-squares, clip and guarded-optimizer kernels exist on the CPU backend only; run with [run] backend = \"cpu\" or remove [clip]".into(),
+            ));
+        }
         let mut s = Session::new(config.plan.clone(), backend, exec_config(config))?;
         let seed = config.run.seed;
         s.init_params(|i, p| crate::synthetic::init(seed, i, p.spec.numel() as usize))?;
@@ -490,6 +495,7 @@ mod tests {
                                 early_tail_gathers: early,
                                 combine_after_exchanges: after,
                             },
+                            grad_norm: false,
                         };
                         let ok = copy_setup(&[&spec], slot, depth, true).in_place;
                         approved += ok.len();

@@ -81,10 +81,14 @@ pub const OP_HOST_ISSUE: &str = "overlap_op_host_issue_seconds";
 pub const OP_HOST_LAUNCH: &str = "overlap_op_host_launch_seconds";
 /// The learning rate of the last step, per parameter group and optimizer (gauge).
 pub const LEARNING_RATE: &str = "overlap_learning_rate";
+/// The last step's global L2 gradient norm (gauge; NaN without `[clip]`).
+pub const GRAD_NORM: &str = "overlap_grad_norm";
+/// Steps whose optimizers did nothing, by reason (counter).
+pub const STEPS_SKIPPED: &str = "overlap_steps_skipped_total";
 
 /// Every metric: name, labels, and what it means. The README's table and the
 /// descriptions served on `/metrics` come from here.
-pub const METRICS: [(&str, &str, &str); 21] = [
+pub const METRICS: [(&str, &str, &str); 23] = [
     (OP_DURATION, "op, stream", "histogram of kernel durations by node kind (`grad_ready`, `pack`, `stage1`, `fold`, `fold_partial`, `stage2`, `unpack`, `optimizer`, `publish`, ...) and stream, as the backend timed them (CUDA events on GPUs)"),
     (STEPS, "", "steps completed"),
     (STEP_DURATION, "", "histogram of the host wall time of a step: first issue to the device finishing"),
@@ -106,6 +110,8 @@ pub const METRICS: [(&str, &str, &str); 21] = [
     (OP_HOST_LAUNCH, "op", "of `overlap_op_host_issue_seconds`, the part spent inside the backend's launch (its checks and driver calls: NCCL, copies, kernel launches); the rest is the executor's (events, buffers)"),
     ("overlap_build_info", "version", "always 1; the overlap version"),
     (LEARNING_RATE, "group, optimizer", "the learning rate the last step's optimizers used: base lr × the group's `lr_scale` × the schedule's factor, per parameter group (its `match` pattern, or `base` for the parameters in no group) and optimizer (`adamw`, `muon`)"),
+    (GRAD_NORM, "", "the last step's global L2 norm of the reduced gradients over every parameter and rank (`[clip]`), before clipping; NaN when the step does not compute it"),
+    (STEPS_SKIPPED, "reason", "steps whose optimizers did nothing (parameters, optimizer state and step counter untouched), by reason: `nonfinite` (NaN or Inf gradients; `[clip] on_nonfinite`, skipped or refused)"),
 ];
 
 /// Serves Prometheus `/metrics` on `addr` and turns recording on: the one call a
@@ -401,6 +407,8 @@ fn describe() {
     describe_gauge!(OP_HOST_LAUNCH, Unit::Seconds, METRICS[18].2);
     describe_gauge!("overlap_build_info", Unit::Count, METRICS[19].2);
     describe_gauge!(LEARNING_RATE, METRICS[20].2);
+    describe_gauge!(GRAD_NORM, METRICS[21].2);
+    describe_counter!(STEPS_SKIPPED, Unit::Count, METRICS[22].2);
 }
 
 /// Records a finished step of these local ranks when recording is on
@@ -468,6 +476,8 @@ pub fn record_analysis(report: &StepReport, a: &StepAnalysis) {
         )
         .set(rate.lr);
     }
+    gauge!(GRAD_NORM).set(report.grad_norm.unwrap_or(f64::NAN));
+    counter!(STEPS_SKIPPED, "reason" => "nonfinite").increment(u64::from(report.skipped.is_some()));
     counter!(NODES).increment(report.stats.nodes as u64);
     histogram!(HOST_ISSUE).record(report.stats.issue_seconds.max(0.0));
     for (&(op, seconds, nodes), &(_, inside)) in report
@@ -480,6 +490,14 @@ pub fn record_analysis(report: &StepReport, a: &StepAnalysis) {
             gauge!(OP_HOST_ISSUE, "op" => op).set(seconds.max(0.0) / nodes as f64);
             gauge!(OP_HOST_LAUNCH, "op" => op).set(inside.max(0.0) / nodes as f64);
         }
+    }
+}
+
+/// Counts a step refused for non-finite gradients (`[clip] on_nonfinite = "error"`),
+/// which has no [`StepReport`].
+pub fn record_refused_nonfinite() {
+    if enabled() {
+        counter!(STEPS_SKIPPED, "reason" => "nonfinite").increment(1);
     }
 }
 

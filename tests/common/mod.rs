@@ -31,6 +31,7 @@ pub fn mixed_spec(shard: u32, replicate: u32) -> PlanSpec {
         bucket_cap_bytes: 160,
         bindings: Bindings::default(),
         schedule: Default::default(),
+        grad_norm: false,
     }
 }
 

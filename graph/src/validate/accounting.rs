@@ -460,8 +460,21 @@ impl<'p> Walk<'p> {
                     self.check_consumed(rank, id, param, got);
                 }
             }
+            // The norm and the clip read the reduced gradients without handing them on;
+            // a clip scales them without changing whose contributions they hold.
+            Op::GradNorm | Op::Clip => {
+                let params = if n.op == Op::GradNorm {
+                    plan.norm_params(rank)
+                } else {
+                    plan.held_params(rank)
+                };
+                for param in params {
+                    self.read(rank, id, Buffer::Reduced { param }, false);
+                }
+            }
             // Collectives are run by `collective` when every member reached them.
-            Op::Stage1 { .. }
+            Op::NormReduce { .. }
+            | Op::Stage1 { .. }
             | Op::Stage2 { .. }
             | Op::Exchange { .. }
             | Op::Gather { .. }

@@ -133,3 +133,103 @@ fn kind_name(k: OptimizerKind) -> &'static str {
         OptimizerKind::Muon => "muon",
     }
 }
+
+const CLIP: &str = "clip-coverage";
+
+/// `clip-coverage`: in a plan with the global norm ([`Plan::grad_norm`]), every rank's
+/// tail runs exactly one `grad_norm`, one `norm_reduce` over its shard group and one
+/// over its replicate group, and one `clip`, in that serial order and before every
+/// optimizer (the norm reads every reduced gradient the rank counts, by
+/// [`Plan::access`]); a plan without it has none of these nodes.
+pub(super) fn clip(plan: &Plan, rank: u32, nodes: &[Node], out: &mut Vec<Violation>) {
+    use crate::mesh::Group;
+    let norm_nodes: Vec<&Node> = nodes.iter().filter(|n| n.op.is_norm()).collect();
+    if !plan.grad_norm {
+        if let Some(n) = norm_nodes.first() {
+            out.push(violation(
+                CLIP,
+                rank,
+                Some(n),
+                format!(
+                    "{} runs in a plan without the global norm (`grad_norm` is off)",
+                    plan.label(n)
+                ),
+            ));
+        }
+        return;
+    }
+    // The expected sequence: grad_norm, norm_reduce (shard), norm_reduce (replicate), clip.
+    let slot = |op: &Op| match op {
+        Op::GradNorm => 0,
+        Op::NormReduce { collective } => match collective.group {
+            Group::Shard { .. } => 1,
+            Group::Replicate { .. } => 2,
+        },
+        _ => 3,
+    };
+    const NAMES: [&str; 4] = [
+        "grad_norm",
+        "norm_reduce over the shard group",
+        "norm_reduce over the replicate group",
+        "clip",
+    ];
+    let mut count = [0usize; 4];
+    let mut expect = 0;
+    for n in &norm_nodes {
+        let s = slot(&n.op);
+        count[s] += 1;
+        if count[s] > 1 {
+            out.push(violation(
+                CLIP,
+                rank,
+                Some(n),
+                format!(
+                    "{} runs again: rank {rank} must run one {} per step",
+                    plan.label(n),
+                    NAMES[s]
+                ),
+            ));
+        } else if s != expect {
+            out.push(violation(
+                CLIP,
+                rank,
+                Some(n),
+                format!(
+                    "{} runs where rank {rank} must run its {} (order: grad_norm, norm_reduce over the shard group, then over the replicate group, clip)",
+                    plan.label(n),
+                    NAMES[expect.min(3)]
+                ),
+            ));
+        }
+        expect = s + 1;
+    }
+    for (s, &c) in count.iter().enumerate() {
+        if c == 0 {
+            out.push(violation(
+                CLIP,
+                rank,
+                None,
+                format!(
+                    "rank {rank} runs no {}: the plan clips by the global norm, so every rank must",
+                    NAMES[s]
+                ),
+            ));
+        }
+    }
+    let last_norm = norm_nodes.iter().map(|n| n.id).max();
+    for n in nodes {
+        if let Op::Optimizer { .. } = n.op {
+            if last_norm.is_some_and(|l| n.id < l) {
+                out.push(violation(
+                    CLIP,
+                    rank,
+                    Some(n),
+                    format!(
+                        "{} runs before rank {rank}'s clip: it would step on the unclipped gradient",
+                        plan.label(n)
+                    ),
+                ));
+            }
+        }
+    }
+}

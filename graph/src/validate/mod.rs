@@ -35,6 +35,10 @@
 //!   reference (every rank's gradient of every micro-batch, once, fully reduced).
 //! - `publish-coverage`: every replica of an owned parameter receives its owner's
 //!   update exactly once per step, after the owner's optimizer.
+//! - `clip-coverage`: in a plan with the global norm, every rank runs exactly one
+//!   `grad_norm` (over every reduced gradient it counts), one `norm_reduce` over its
+//!   shard group then one over its replicate group, and one `clip`, in that order and
+//!   before all of its optimizers; a plan without it runs none of them.
 //!
 //! Host issue order is the serial node order: to issue node `n` the host issues the
 //! instructions of `n`'s stream up to `Run(n)`, then the records that follow it.
@@ -63,7 +67,7 @@ pub enum Mode {
 
 /// The name of every invariant the validator checks, in the order of this module's
 /// docs: every [`Violation::invariant`] is one of these (metrics label by them).
-pub const INVARIANTS: [&str; 14] = [
+pub const INVARIANTS: [&str; 15] = [
     "well-formed",
     "gate-conformance",
     "stage1-consumed-once",
@@ -78,6 +82,7 @@ pub const INVARIANTS: [&str; 14] = [
     "contributions-exactly-once",
     "gradient-accounting",
     "publish-coverage",
+    "clip-coverage",
 ];
 
 /// Stops collecting after this many violations.
@@ -123,6 +128,7 @@ pub fn validate(plan: &Plan, mode: Mode) -> Vec<Violation> {
         if mode == Mode::Step {
             partials_flushed(plan, rank, &rp.nodes, &accesses, &mut out);
             coverage::optimizers(plan, rank, &rp.nodes, &mut out);
+            coverage::clip(plan, rank, &rp.nodes, &mut out);
         }
         if out.len() >= MAX_VIOLATIONS {
             out.truncate(MAX_VIOLATIONS);
@@ -190,6 +196,8 @@ fn gate_conformance(plan: &Plan, rank: u32, nodes: &[Node], out: &mut Vec<Violat
                 | Op::Gather { stage: 2, .. },
             ) => false,
             (Gate::On, Op::Fold { .. }) => false,
+            // The norm tail belongs to no micro-batch.
+            (_, op) if op.is_norm() => false,
             _ => true,
         };
         if !allowed {

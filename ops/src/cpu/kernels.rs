@@ -75,6 +75,21 @@ pub(super) fn run(rank: u32, kernel: &Kernel<CpuBuffer>) -> Result<(), OpsError>
             recv,
             dst,
         ),
+        Kernel::SumSquares { dst, srcs } => sum_squares(rank, dst, srcs),
+        Kernel::Clip {
+            norm,
+            bufs,
+            max_norm,
+        } => clip(rank, norm, bufs, *max_norm),
+        Kernel::IfFinite { norm, kernel } => {
+            expect("if_finite", rank, "norm", norm, 1)?;
+            let sq = norm.lock()[0];
+            if sq.is_finite() {
+                run(rank, kernel)
+            } else {
+                Ok(())
+            }
+        }
         Kernel::Collective { .. } | Kernel::Exchange { .. } | Kernel::Gather { .. } => {
             Err(OpsError::Backend(format!(
                 "the {} kernel needs its communicator",
@@ -235,6 +250,48 @@ fn adamw(
     let [mut p, g, mut s] = lock_distinct(K, [param, grad, state])?;
     let (m, v) = s.split_at_mut(n);
     math::adamw(&mut p, &g, m, v, hp, step);
+    Ok(())
+}
+
+/// `dst[0] = Σ x²` over `srcs`, in f64.
+fn sum_squares(rank: u32, dst: &CpuBuffer, srcs: &[CpuBuffer]) -> Result<(), OpsError> {
+    const K: &str = "sum_squares";
+    expect(K, rank, "dst", dst, 1)?;
+    let mut sum = 0.0f64;
+    for src in srcs {
+        expect(K, rank, "src", src, src.len())?;
+        if src.same(dst) {
+            return Err(OpsError::Shape {
+                kernel: K,
+                reason: "a source is the destination".into(),
+            });
+        }
+        sum += math::sum_squares(&src.lock());
+    }
+    dst.lock()[0] = sum as f32;
+    Ok(())
+}
+
+/// Scales `bufs` by the clip factor of the squared norm in `norm`.
+fn clip(rank: u32, norm: &CpuBuffer, bufs: &[CpuBuffer], max_norm: f32) -> Result<(), OpsError> {
+    const K: &str = "clip";
+    expect(K, rank, "norm", norm, 1)?;
+    for b in bufs {
+        expect(K, rank, "grad", b, b.len())?;
+        if b.same(norm) {
+            return Err(OpsError::Shape {
+                kernel: K,
+                reason: "a gradient is the norm buffer".into(),
+            });
+        }
+    }
+    let sq = norm.lock()[0];
+    let Some(f) = math::clip_factor(f64::from(sq), max_norm) else {
+        return Ok(());
+    };
+    for b in bufs {
+        math::scale(&mut b.lock(), f);
+    }
     Ok(())
 }
 

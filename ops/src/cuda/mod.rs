@@ -1035,6 +1035,7 @@ impl Issue {
         poison: Option<OpsError>,
     ) -> Result<u64, OpsError> {
         let rank = shared.rank;
+        let kernel_name = kernel.name();
         match kernel {
             Kernel::Marker => Ok(0),
             Kernel::Spin { micros } => {
@@ -1209,6 +1210,13 @@ impl Issue {
             } => {
                 self.adamw(rank, raw, (&param, &grad, &state), &hp, step)?;
                 Ok(0)
+            }
+            // Global-norm clipping has CPU kernels only (`ops/src/cpu/kernels.rs`).
+            Kernel::SumSquares { .. } | Kernel::Clip { .. } | Kernel::IfFinite { .. } => {
+                Err(OpsError::Backend(format!(
+                    "the {} kernel of global-norm clipping (`[clip]`) is not implemented on the CUDA backend; run clipping on the CPU backend",
+                    kernel_name
+                )))
             }
             Kernel::Muon {
                 param,
