@@ -6,7 +6,8 @@
 //! fingerprint of each rank: the overlap version and rendezvous protocol, the command,
 //! the backend, the mesh, every parameter, the reduction, the bucket cap, the stream
 //! bindings, the schedule and transport, the `[overlap]` knobs, the steps and seed, the
-//! optimizers' hyper-parameters, parameter groups and learning-rate schedule, and a SHA-256 of the canonical (JSON) step plan of
+//! optimizers' hyper-parameters, parameter groups, learning-rate schedule and clipping,
+//! and a SHA-256 of the canonical (JSON) step plan of
 //! each gate pattern in use (which also catches two builds whose planners differ).
 //! Fields are compared in order, so a difference is reported as the first field that
 //! differs, with both values.
@@ -103,6 +104,7 @@ impl Fingerprint {
             f.push(format!("optimizer.group[{i}]"), format!("{g:?}"));
         }
         f.push("schedule", format!("{:?}", config.schedule));
+        f.push("clip", format!("{:?}", config.clip));
         let planner = overlap_graph::Planner::new(spec.clone())?;
         let plan = planner.plan(&config.gates)?;
         f.push(
