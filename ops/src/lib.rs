@@ -608,6 +608,12 @@ pub trait Backend: Send + Sync + 'static {
     fn receives_in_place(&self, _comm: CommId) -> bool {
         false
     }
+
+    /// The kernel a stream is running now, if the backend knows (the CPU backend does;
+    /// CUDA does not, `None`): how a timed-out step names the node it waits on.
+    fn running(&self, _rank: u32, _stream: Stream) -> Option<Tag> {
+        None
+    }
 }
 
 #[cfg(test)]
