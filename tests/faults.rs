@@ -167,3 +167,26 @@ fn a_malformed_fault_variable_is_named() {
         "{err}"
     );
 }
+
+#[test]
+fn a_hung_backward_stops_the_other_ranks_waits_within_the_timeout() {
+    // Rank 2's compute stream hangs at its first grad_ready: its packs wait on it, its
+    // peers' collectives wait on its packs, and backpressure waits inside `grad_ready`
+    // are bounded by the step's deadline too.
+    let config = config_with_timeout("backward", 1);
+    let mut c = overlap();
+    c.args(["run", "--config"])
+        .arg(&config)
+        .args(["--backend", "cpu"])
+        .env("OVERLAP_FAULT", "rank=2,kind=grad_ready,step=2,mode=hang");
+    let (out, took) = timed(c);
+    let err = stderr(&out);
+    assert_eq!(out.status.code(), Some(2), "{err}");
+    assert!(
+        err.contains("rank 2 stream compute running node 0 (grad_ready")
+            && err.contains("a hang injected by OVERLAP_FAULT"),
+        "{err}"
+    );
+    assert!(took < Duration::from_secs(1) + HANG_SLACK, "{took:?}");
+    let _ = std::fs::remove_file(config);
+}
