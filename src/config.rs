@@ -79,7 +79,7 @@ pub struct RunConfig {
     pub backward_us_per_layer: u32,
     /// The step timeout in seconds (`step_timeout`; 0 or absent: [`DEFAULT_STEP_TIMEOUT_S`],
     /// at most [`MAX_STEP_TIMEOUT_S`]): a step whose device work has not finished this
-    /// long after it began fails on every rank, naming the streams and nodes it waited
+    /// long after it began (its first micro-batch) fails on every rank, naming the streams and nodes it waited
     /// on. The first step gets [`overlap_executor::FIRST_STEP_TIMEOUT_FACTOR`] times as
     /// long (warm-up).
     pub step_timeout_s: u32,

@@ -64,8 +64,8 @@ pub struct ExecConfig {
     /// `schedule.factor(t)`, unless the caller set a factor
     /// ([`Executor::set_lr_factor`]). The default is factor 1 at every step.
     pub schedule: LrSchedule,
-    /// The step timeout: how long a step may take, from its first issued node until
-    /// the device has finished it, before the host gives up on it
+    /// The step timeout: how long a step may take, from its start (the first plan
+    /// adopted, [`Executor::adopt`]) until the device has finished it, before the host gives up on it
     /// (`[run] step_timeout`). The first step gets [`FIRST_STEP_TIMEOUT_FACTOR`] times
     /// as long (warm-up, JIT, NCCL's lazy connection setup). Every host wait inside a
     /// step (backpressure, the final drain) is bounded by it; when it runs out the step
