@@ -71,7 +71,8 @@ pub struct ExecConfig {
     /// step (backpressure, the final drain) is bounded by it; when it runs out the step
     /// fails with [`ExecError::Timeout`], which names each stream still busy and the
     /// node it was running (or the last one issued on it, where the backend cannot
-    /// tell), and the executor refuses further work: drop it and its backend.
+    /// tell), the backend aborts what it can ([`Backend::abort`]: NCCL's communicators on
+    /// CUDA), and the executor refuses further work: drop it and its backend.
     pub host_timeout: Duration,
     /// A fault to inject, for tests ([`Fault`]; `OVERLAP_FAULT` in the CLI).
     pub fault: Option<Fault>,
@@ -664,6 +665,7 @@ impl<B: Backend> Executor<B> {
         self.broken = Some(format!(
             "the executor cannot be used after a timed-out step (the device may still run it): {err}"
         ));
+        self.backend.abort();
         err
     }
 
