@@ -175,7 +175,11 @@ mod tests {
             ("rank=1,kind=pack,step=1,mode=slow", "mode `slow`"),
             ("rank=1,rank=2,kind=pack,step=1", "`rank` is given twice"),
             ("rank=1,kind=pack,step=1,node=3", "unknown key `node`"),
-            ("rank=1;kind=pack", "is not key=value"),
+            (
+                "rank=1;kind=pack,step=1",
+                "rank `1;kind=pack` is not a rank number",
+            ),
+            ("rank=1,kind=pack,step", "`step` is not key=value"),
             ("", "is not key=value"),
         ] {
             let e = Fault::parse(bad).unwrap_err();
