@@ -81,7 +81,19 @@ pub struct RunConfig {
     /// CPU backend, whose trainer's backward is not on the compute stream, shows how
     /// communication overlaps compute. At most [`MAX_BACKWARD_US`].
     pub backward_us_per_layer: u32,
+    /// The step timeout in seconds (`step_timeout`; 0 or absent: [`DEFAULT_STEP_TIMEOUT_S`],
+    /// at most [`MAX_STEP_TIMEOUT_S`]): a step whose device work has not finished this
+    /// long after it began (its first micro-batch) fails on every rank, naming the streams and nodes it waited
+    /// on. The first step gets [`overlap_executor::FIRST_STEP_TIMEOUT_FACTOR`] times as
+    /// long (warm-up).
+    pub step_timeout_s: u32,
 }
+
+/// The default `run.step_timeout`, in seconds.
+pub const DEFAULT_STEP_TIMEOUT_S: u32 = 300;
+
+/// The largest `run.step_timeout`: a day.
+pub const MAX_STEP_TIMEOUT_S: u32 = 86_400;
 
 /// The largest `run.backward_us_per_layer`: one second per layer.
 pub const MAX_BACKWARD_US: u32 = 1_000_000;
@@ -93,6 +105,7 @@ impl Default for RunConfig {
             seed: 42,
             backend: BackendChoice::Auto,
             backward_us_per_layer: 0,
+            step_timeout_s: DEFAULT_STEP_TIMEOUT_S,
         }
     }
 }
@@ -1207,6 +1220,21 @@ impl Doc<'_> {
                 }
                 Some(v) => v.into_inner(),
             },
+            step_timeout_s: match raw.step_timeout {
+                None => d.step_timeout_s,
+                Some(v) if *v.get_ref() == 0 => d.step_timeout_s,
+                Some(v) if *v.get_ref() > MAX_STEP_TIMEOUT_S => {
+                    return Err(self.err(
+                        "run.step_timeout",
+                        Some(v.span()),
+                        format!(
+                            "must be at most {MAX_STEP_TIMEOUT_S} seconds (a day; 0 means the default {DEFAULT_STEP_TIMEOUT_S}), got {}",
+                            v.get_ref()
+                        ),
+                    ))
+                }
+                Some(v) => v.into_inner(),
+            },
         })
     }
 
@@ -1571,6 +1599,7 @@ mod raw {
         pub seed: Option<u64>,
         pub backend: Option<Spanned<String>>,
         pub backward_us_per_layer: Option<Spanned<u32>>,
+        pub step_timeout: Option<Spanned<u32>>,
     }
 
     #[derive(Deserialize, Default)]

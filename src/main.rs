@@ -663,7 +663,10 @@ async fn run_steps<B: overlap::ops::Backend>(
     for step in start..last {
         let on = timed(cfg, observe, steps, step - start + 1);
         session.executor().backend().set_timings(on);
-        let r = drive::synthetic_step(&mut session, cfg.run.seed, step, &cfg.gates).await?;
+        let r = match drive::synthetic_step(&mut session, cfg.run.seed, step, &cfg.gates).await {
+            Ok(r) => r,
+            Err(e) => return Err(abandon_on_timeout(session, e)),
+        };
         let plan = session.step_plan(&r.gates)?;
         recording.step(&r, &plan)?;
         let analysis = observe::StepAnalysis::on_ranks(&r, &plan, &local_ranks);
@@ -706,6 +709,18 @@ async fn run_steps<B: overlap::ops::Backend>(
         println!("{line}");
     }
     Ok(ExitCode::SUCCESS)
+}
+
+/// After a step timed out the device may still be running it (a hung kernel, a
+/// collective whose peer is gone): dropping the session would synchronise the device
+/// (the CUDA backend does, to free its memory) and so hang the exit. The session is
+/// leaked instead and the process exits with the error; the operating system and the
+/// driver reclaim the rest. Any other error drops the session as usual.
+fn abandon_on_timeout<B: overlap::ops::Backend>(session: Session<B>, e: Error) -> Error {
+    if matches!(e, Error::Exec(overlap::executor::ExecError::Timeout { .. })) {
+        std::mem::forget(session);
+    }
+    e
 }
 
 /// The learning rate of a step: its factor and the base rates it gives, for the

@@ -180,16 +180,18 @@ impl Session<CpuBackend> {
         // The rank limit, the step's size and the memory it needs, before any thread.
         crate::resources::check_cpu(config, 1)?;
         let backend = Arc::new(CpuBackend::new(config.plan.mesh));
-        let mut s = Session::new(config.plan.clone(), backend, exec_config(config))?;
+        let mut s = Session::new(config.plan.clone(), backend, exec_config(config)?)?;
         let seed = config.run.seed;
         s.init_params(|i, p| crate::synthetic::init(seed, i, p.spec.numel() as usize))?;
         Ok(s)
     }
 }
 
-/// The executor settings a config asks for.
-pub fn exec_config(config: &Config) -> ExecConfig {
-    ExecConfig {
+/// The executor settings a config asks for, with the fault `OVERLAP_FAULT` names, if
+/// any (a malformed value is an error naming the variable).
+pub fn exec_config(config: &Config) -> Result<ExecConfig, Error> {
+    let fault = overlap_executor::Fault::from_env().map_err(Error::Usage)?;
+    Ok(ExecConfig {
         stage1_window: config.overlap.stage1_window as usize,
         adamw: config.adamw,
         muon: config.muon,
@@ -197,8 +199,10 @@ pub fn exec_config(config: &Config) -> ExecConfig {
         schedule: config.schedule,
         backward: overlap_executor::Backward::spin(config.run.backward_us_per_layer),
         clip: config.clip.unwrap_or_default(),
+        host_timeout: std::time::Duration::from_secs(u64::from(config.run.step_timeout_s)),
+        fault,
         ..ExecConfig::default()
-    }
+    })
 }
 
 impl<B: Backend> Session<B> {

@@ -569,6 +569,22 @@ fn backward_cost_above_one_second_per_layer() {
 }
 
 #[test]
+fn step_timeout_above_a_day() {
+    expect(
+        &with_base("[run]\nstep_timeout = 100000\n"),
+        "run.step_timeout",
+        Some(9),
+        "must be at most 86400 seconds (a day; 0 means the default 300), got 100000",
+    );
+}
+
+#[test]
+fn step_timeout_zero_means_the_default() {
+    let c = Config::from_toml(&with_base("[run]\nstep_timeout = 0\n"), FILE).unwrap();
+    assert_eq!(c.run.step_timeout_s, 300);
+}
+
+#[test]
 fn negative_learning_rate() {
     expect(
         &with_base("[optimizer.adamw]\nlr = -0.1\n"),
@@ -750,6 +766,7 @@ steps = 5
 seed = 7
 backend = "cpu"
 backward_us_per_layer = 250
+step_timeout = 30
 
 [overlap]
 stage1_window = 4
@@ -828,6 +845,7 @@ timing_every = 10
             seed: 7,
             backend: BackendChoice::Cpu,
             backward_us_per_layer: 250,
+            step_timeout_s: 30,
         },
         overlap: OverlapConfig {
             stage1_window: 4,
@@ -884,6 +902,7 @@ fn minimal_config_takes_the_defaults() {
             seed: 42,
             backend: BackendChoice::Auto,
             backward_us_per_layer: 0,
+            step_timeout_s: 300,
         }
     );
     assert_eq!(c.overlap, OverlapConfig::default());
@@ -943,6 +962,7 @@ fn example_hsdp_2x2_loads() {
             seed: 42,
             backend: BackendChoice::Auto,
             backward_us_per_layer: 400,
+            step_timeout_s: 300,
         }
     );
     for r in Route::ALL {

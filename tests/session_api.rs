@@ -135,6 +135,51 @@ async fn failing_node_cancels_dependents_and_returns_from_step() {
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_hung_node_times_out_naming_it_and_the_session_still_drops_promptly() {
+    use overlap::executor::Fault;
+    use std::time::{Duration, Instant};
+    let exec = ExecConfig {
+        host_timeout: Duration::from_millis(200),
+        fault: Some(Fault::parse("rank=1,kind=stage1,step=1,mode=hang").unwrap()),
+        ..ExecConfig::default()
+    };
+    let backend = Arc::new(CpuBackend::new(Mesh::new(2, 1).unwrap()));
+    let mut s = Session::new(spec(2, 1), backend, exec).unwrap();
+    let t0 = Instant::now();
+    // Backpressure inside grad_ready or the step's drain: either gives up at the deadline.
+    let err = match micro_batch(&mut s, Gate::On).await {
+        Err(e) => e,
+        Ok(()) => s.step().await.unwrap_err(),
+    };
+    let took = t0.elapsed();
+    let Error::Exec(ExecError::Timeout {
+        seconds,
+        step,
+        stalled,
+    }) = &err
+    else {
+        panic!("expected a timeout, got {err}")
+    };
+    // The first step gets 3 × the timeout.
+    assert_eq!((*step, *seconds), (1, 0.6), "{err}");
+    assert!(
+        stalled.iter().any(|s| s.rank == 1
+            && s.running
+            && s.label.starts_with("stage1")
+            && s.label.contains("a hang injected by OVERLAP_FAULT")),
+        "{err}"
+    );
+    assert!(took < Duration::from_secs(10), "{took:?}");
+    // The device may still run the step: the session refuses more work.
+    let again = micro_batch(&mut s, Gate::On).await.unwrap_err();
+    assert!(again.to_string().contains("timed-out step"), "{again}");
+    // Dropping it ends the hung spin (the CPU backend sleeps long spins in slices).
+    let t1 = Instant::now();
+    drop(s);
+    assert!(t1.elapsed() < Duration::from_secs(5), "{:?}", t1.elapsed());
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn buffers_are_reused_across_steps() {
     let (mut s, _) = session(2, 2);
     let gates = [Gate::ReplicateOff, Gate::On];

@@ -21,10 +21,12 @@ use futures_util::future::join_all;
 use overlap_graph::{Buffer, Op, ParamId, Plan, Stream};
 use overlap_ops::{AdamwParams, Backend, MuonParams, OpsError, Timing};
 
+mod fault;
 pub mod hyper;
 mod prepared;
 mod rank;
 
+pub use fault::{Fault, FaultMode, FAULT_OP, FAULT_VAR};
 pub use hyper::{
     glob_match, GroupError, GroupRate, HyperTable, LrSchedule, ParamGroup, ScheduleKind,
 };
@@ -37,6 +39,12 @@ use rank::{IssueCtx, RankState};
 /// more ([`Executor::adopt`] needs the plan itself, so they could never be adopted again):
 /// a session's speculative plans go as soon as it lets go of them.
 const PREPARED_CACHE: usize = 16;
+
+/// The default step timeout ([`ExecConfig::host_timeout`]).
+pub const DEFAULT_STEP_TIMEOUT: Duration = Duration::from_secs(300);
+
+/// The first step's timeout is this many times [`ExecConfig::host_timeout`].
+pub const FIRST_STEP_TIMEOUT_FACTOR: u32 = 3;
 
 /// Executor settings.
 #[derive(Debug, Clone)]
@@ -56,8 +64,18 @@ pub struct ExecConfig {
     /// `schedule.factor(t)`, unless the caller set a factor
     /// ([`Executor::set_lr_factor`]). The default is factor 1 at every step.
     pub schedule: LrSchedule,
-    /// How long the host waits for the device before giving up on a step.
+    /// The step timeout: how long a step may take, from its start (the first plan
+    /// adopted, [`Executor::adopt`]) until the device has finished it, before the host gives up on it
+    /// (`[run] step_timeout`). The first step gets [`FIRST_STEP_TIMEOUT_FACTOR`] times
+    /// as long (warm-up, JIT, NCCL's lazy connection setup). Every host wait inside a
+    /// step (backpressure, the final drain) is bounded by it; when it runs out the step
+    /// fails with [`ExecError::Timeout`], which names each stream still busy and the
+    /// node it was running (or the last one issued on it, where the backend cannot
+    /// tell), the backend aborts what it can ([`Backend::abort`]: NCCL's communicators on
+    /// CUDA), and the executor refuses further work: drop it and its backend.
     pub host_timeout: Duration,
+    /// A fault to inject, for tests ([`Fault`]; `OVERLAP_FAULT` in the CLI).
+    pub fault: Option<Fault>,
     /// What each `grad_ready` node runs on its stream: nothing (a marker, the default),
     /// or a synthetic backward standing in for the layer's backward on backends where
     /// the trainer's backward is not on the compute stream.
@@ -166,7 +184,8 @@ impl Default for ExecConfig {
             muon: MuonParams::default(),
             groups: Vec::new(),
             schedule: LrSchedule::default(),
-            host_timeout: Duration::from_secs(120),
+            host_timeout: DEFAULT_STEP_TIMEOUT,
+            fault: None,
             backward: Backward::None,
             aliasing: true,
             clip: ClipConfig::default(),
@@ -199,6 +218,34 @@ impl std::fmt::Display for NodeFailure {
     }
 }
 
+/// A stream a timed-out step was still waiting on.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Stalled {
+    /// Global rank.
+    pub rank: u32,
+    /// The stream.
+    pub stream: Stream,
+    /// The node it was running (`running`), else the last node issued on it this step.
+    pub node: Option<u32>,
+    /// A readable label of that node.
+    pub label: String,
+    /// Whether the backend says the stream is running `node` now (the CPU backend
+    /// knows; on CUDA `node` is the last one issued, which may be queued behind the
+    /// one that hangs).
+    pub running: bool,
+}
+
+impl std::fmt::Display for Stalled {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "rank {} stream {}", self.rank, self.stream)?;
+        match (self.node, self.running) {
+            (Some(n), true) => write!(f, " running node {n} ({})", self.label),
+            (Some(n), false) => write!(f, " (last issued node {n}: {})", self.label),
+            (None, _) => write!(f, " ({})", self.label),
+        }
+    }
+}
+
 /// Errors of the executor.
 #[derive(Debug, thiserror::Error)]
 pub enum ExecError {
@@ -214,15 +261,15 @@ pub enum ExecError {
     /// A backend operation the host called directly failed.
     #[error(transparent)]
     Ops(#[from] OpsError),
-    /// The device did not finish in time.
-    #[error("timed out after {seconds} s waiting for rank {rank}, stream {stream}")]
+    /// The step did not finish within its timeout ([`ExecConfig::host_timeout`]).
+    #[error("step {step} timed out after {seconds:.1} s; still busy: {}", .stalled.iter().map(|s| s.to_string()).collect::<Vec<_>>().join("; "))]
     Timeout {
-        /// How long it waited.
-        seconds: u64,
-        /// The rank.
-        rank: u32,
-        /// The stream.
-        stream: Stream,
+        /// The step's timeout, in seconds.
+        seconds: f64,
+        /// The step (from 1).
+        step: u64,
+        /// The local streams still busy, in rank and stream order.
+        stalled: Vec<Stalled>,
     },
     /// A bug in overlap itself.
     #[error("internal error: {0}")]
@@ -291,6 +338,9 @@ pub struct Executor<B: Backend> {
     /// Why the groups could not be resolved from the adopted plan's parameters: every
     /// later hand-in and step fails with it, before issuing anything.
     group_error: Option<String>,
+    /// Set when a step timed out: the device may still be running it, so nothing more
+    /// is issued.
+    broken: Option<String>,
     /// The learning-rate factor the caller set, replacing the schedule's.
     lr_override: Option<f64>,
 }
@@ -314,6 +364,7 @@ impl<B: Backend> Executor<B> {
             hyper: Arc::new(HyperTable::base(cfg.adamw, cfg.muon)),
             resolved: cfg.groups.is_empty(),
             group_error: None,
+            broken: None,
             lr_override: None,
             cfg,
         }
@@ -572,6 +623,10 @@ impl<B: Backend> Executor<B> {
         if let Some(e) = &self.group_error {
             return Err(ExecError::Usage(e.clone()));
         }
+        if let Some(e) = &self.broken {
+            return Err(ExecError::Usage(e.clone()));
+        }
+        let limit = self.step_timeout();
         Ok(IssueCtx {
             window: self.cfg.stage1_window,
             hyper: self.hyper.clone(),
@@ -579,7 +634,101 @@ impl<B: Backend> Executor<B> {
             step: self.steps_done + 1,
             backward: self.cfg.backward,
             max_norm: self.cfg.clip.max_norm,
+            deadline: self.step_start.unwrap_or_else(Instant::now) + limit,
+            fault: self.cfg.fault,
         })
+    }
+
+    /// The timeout of the step in progress (or the next one): [`ExecConfig::host_timeout`],
+    /// times [`FIRST_STEP_TIMEOUT_FACTOR`] for the first step.
+    pub fn step_timeout(&self) -> Duration {
+        if self.steps_done == 0 {
+            self.cfg
+                .host_timeout
+                .saturating_mul(FIRST_STEP_TIMEOUT_FACTOR)
+        } else {
+            self.cfg.host_timeout
+        }
+    }
+
+    /// The error of a step that timed out, naming every local stream still busy (the
+    /// node the backend says it runs, else the last node issued on it), or, where
+    /// `pending` says which streams the host was waiting on and the backend cannot tell
+    /// what runs, those streams' last issued nodes. Marks the executor unusable.
+    fn timed_out(&mut self, pending: &[(u32, Stream)]) -> ExecError {
+        let step = self.steps_done + 1;
+        let seconds = self.step_timeout().as_secs_f64();
+        let label = |r: &RankState<B>, node: u32| -> String {
+            r.prepared
+                .as_ref()
+                .and_then(|p| {
+                    p.plan
+                        .rank(r.rank)
+                        .nodes
+                        .get(node as usize)
+                        .map(|n| p.plan.label(n))
+                })
+                .unwrap_or_else(|| "unknown node".into())
+        };
+        let mut stalled = Vec::new();
+        for r in &self.ranks {
+            for s in Stream::ALL {
+                if let Some(tag) = self.backend.running(r.rank, s) {
+                    let mut l = label(r, tag.node);
+                    if tag.op == FAULT_OP {
+                        l.push_str(&format!(", a hang injected by {FAULT_VAR}"));
+                    }
+                    stalled.push(Stalled {
+                        rank: r.rank,
+                        stream: s,
+                        node: Some(tag.node),
+                        label: l,
+                        running: true,
+                    });
+                }
+            }
+        }
+        if stalled.is_empty() {
+            for r in &self.ranks {
+                for s in Stream::ALL {
+                    let waited = pending.is_empty() || pending.contains(&(r.rank, s));
+                    if !waited {
+                        continue;
+                    }
+                    let node = r.last_issued[s.index()];
+                    stalled.push(Stalled {
+                        rank: r.rank,
+                        stream: s,
+                        node,
+                        label: node
+                            .map(|n| label(r, n))
+                            .unwrap_or_else(|| "no node issued this step".into()),
+                        running: false,
+                    });
+                }
+            }
+        }
+        let err = ExecError::Timeout {
+            seconds,
+            step,
+            stalled,
+        };
+        self.broken = Some(format!(
+            "the executor cannot be used after a timed-out step (the device may still run it): {err}"
+        ));
+        self.backend.abort();
+        err
+    }
+
+    /// Turns a rank's timeout inside an issue into the full report.
+    fn check_issued(&mut self, results: Vec<Result<(), ExecError>>) -> Result<(), ExecError> {
+        if results
+            .iter()
+            .any(|r| matches!(r, Err(ExecError::Timeout { .. })))
+        {
+            return Err(self.timed_out(&[]));
+        }
+        results.into_iter().collect()
     }
 
     /// The trainer's backward made `layer`'s gradients of `micro_batch` ready: `fill`
@@ -695,7 +844,7 @@ impl<B: Backend> Executor<B> {
                 .map(|(r, end)| r.issue_until(&backend, end, &ctx)),
         )
         .await;
-        results.into_iter().collect()
+        self.check_issued(results)
     }
 
     /// Issues the rest of the step's plan (its optimizer and publish tail), waits for the
@@ -723,7 +872,7 @@ impl<B: Backend> Executor<B> {
         for r in &mut self.ranks {
             r.issue_trailing(&backend);
         }
-        results.into_iter().collect::<Result<(), _>>()?;
+        self.check_issued(results)?;
         let failures = self.drain().await?;
         let nodes = self.ranks.iter().map(|r| r.issued).sum();
         let partials_left = self.step_buffers_held();
@@ -814,6 +963,9 @@ impl<B: Backend> Executor<B> {
     /// partials, accumulations and reduced gradients. Failures of the discarded work are
     /// returned; the executor is usable again either way.
     pub async fn discard(&mut self) -> Result<(), ExecError> {
+        if let Some(e) = &self.broken {
+            return Err(ExecError::Usage(e.clone()));
+        }
         if self.step_start.take().is_none() {
             for r in &mut self.ranks {
                 r.end_step(false);
@@ -852,17 +1004,19 @@ impl<B: Backend> Executor<B> {
                 waits.push((r.rank, s, ev));
             }
         }
-        let limit = self.cfg.host_timeout;
-        for (rank, stream, ev) in waits {
-            match tokio::time::timeout(limit, backend.host_wait(&ev)).await {
-                Ok(_) => {}
-                Err(_) => {
-                    return Err(ExecError::Timeout {
-                        seconds: limit.as_secs(),
-                        rank,
-                        stream,
-                    })
-                }
+        let deadline = self.step_start.unwrap_or_else(Instant::now) + self.step_timeout();
+        let deadline = tokio::time::Instant::from_std(deadline);
+        for (_, _, ev) in &waits {
+            if tokio::time::timeout_at(deadline, backend.host_wait(ev))
+                .await
+                .is_err()
+            {
+                let pending: Vec<(u32, Stream)> = waits
+                    .iter()
+                    .filter(|(_, _, ev)| backend.status(ev) == overlap_ops::EventStatus::Pending)
+                    .map(|&(rank, s, _)| (rank, s))
+                    .collect();
+                return Err(self.timed_out(&pending));
             }
         }
         let mut failures = Vec::new();
@@ -880,6 +1034,11 @@ impl<B: Backend> Executor<B> {
                         .map(|n| p.plan.label(n))
                 })
                 .unwrap_or_else(|| tag.op.to_string());
+            let label = if tag.op == FAULT_OP {
+                format!("{label}, a failure injected by {FAULT_VAR}")
+            } else {
+                label
+            };
             failures.push(NodeFailure {
                 rank,
                 stream,

@@ -65,6 +65,10 @@ pub(crate) struct RankState<B: Backend> {
     /// Gradient buffers the caller owns (`grad_ready_bound`): dropped after their last
     /// reader, never pooled.
     pub borrowed: HashSet<Buffer>,
+    /// The last node issued on each stream this step (at `Stream::index`).
+    pub last_issued: [Option<u32>; Stream::ALL.len()],
+    /// Whether [`IssueCtx::fault`] was injected already (once per executor).
+    fault_fired: bool,
 }
 
 /// Settings an issuing rank needs.
@@ -78,6 +82,10 @@ pub(crate) struct IssueCtx {
     pub backward: crate::Backward,
     /// The clipping threshold a `clip` node scales by (`None`: it scales nothing).
     pub max_norm: Option<f32>,
+    /// When the step's time is up: host waits inside the step give up then.
+    pub deadline: std::time::Instant,
+    /// A fault to inject.
+    pub fault: Option<crate::Fault>,
 }
 
 impl<B: Backend> RankState<B> {
@@ -101,6 +109,8 @@ impl<B: Backend> RankState<B> {
             peak_in_flight: 0,
             live_partials: HashSet::default(),
             borrowed: HashSet::default(),
+            last_issued: Default::default(),
+            fault_fired: false,
         }
     }
 
@@ -209,7 +219,7 @@ impl<B: Backend> RankState<B> {
             ..
         } = node.op
         {
-            self.backpressure(backend, ctx.window).await;
+            self.backpressure(backend, ctx.window, ctx.deadline).await?;
             self.in_flight.push_back((bucket, micro_batch));
             self.peak_in_flight = self.peak_in_flight.max(self.in_flight.len());
         }
@@ -233,19 +243,72 @@ impl<B: Backend> RankState<B> {
 
     /// FSDP2-style backpressure: before packing another bucket, wait (on the host,
     /// without blocking a thread) until fewer than `window` Stage-1 buffers are in flight.
-    async fn backpressure(&mut self, backend: &B, window: usize) {
+    ///
+    /// Gives up at the step's deadline with a (bare) [`ExecError::Timeout`], which the
+    /// executor turns into the full report.
+    async fn backpressure(
+        &mut self,
+        backend: &B,
+        window: usize,
+        deadline: std::time::Instant,
+    ) -> Result<(), ExecError> {
+        let deadline = tokio::time::Instant::from_std(deadline);
         while self.in_flight.len() >= window.max(1) {
             let Some(key) = self.in_flight.pop_front() else {
                 break;
             };
             for ev in self.released.remove(&key).unwrap_or_default() {
-                if let Err(e) = backend.host_wait(&ev).await {
+                match tokio::time::timeout_at(deadline, backend.host_wait(&ev)).await {
+                    Ok(Ok(())) => {}
                     // The failure is the backend's to report; keep issuing so every
                     // rank reaches the same collectives and nothing hangs.
-                    self.issue_errors.push(e);
+                    Ok(Err(e)) => self.issue_errors.push(e),
+                    Err(_) => {
+                        return Err(ExecError::Timeout {
+                            seconds: 0.0,
+                            step: 0,
+                            stalled: Vec::new(),
+                        })
+                    }
                 }
             }
         }
+        Ok(())
+    }
+
+    /// Injects `ctx.fault` before node `n`'s kernel on its stream, if it names this rank,
+    /// this node's kind and this step, the first time only (`fault.rs`).
+    fn inject(&mut self, backend: &B, n: u32, kind: &'static str, stream: Stream, ctx: &IssueCtx) {
+        let Some(fault) = ctx.fault else {
+            return;
+        };
+        if self.fault_fired || !fault.hits(self.rank, kind, ctx.step) {
+            return;
+        }
+        self.fault_fired = true;
+        let tag = Tag {
+            node: n,
+            op: crate::FAULT_OP,
+            micro_batch: u32::MAX,
+        };
+        let kernel = match fault.mode {
+            crate::FaultMode::Hang => Kernel::Spin { micros: u32::MAX },
+            crate::FaultMode::Fail => {
+                // An add of 2 elements into 1 fails its checks on every backend.
+                match (backend.alloc(self.rank, 1), backend.alloc(self.rank, 2)) {
+                    (Ok(dst), Ok(src)) => Kernel::Add {
+                        dst,
+                        src,
+                        accumulate: false,
+                    },
+                    (Err(e), _) | (_, Err(e)) => {
+                        self.issue_errors.push(e);
+                        return;
+                    }
+                }
+            }
+        };
+        backend.launch(self.rank, stream, tag, kernel);
     }
 
     fn run(
@@ -309,6 +372,8 @@ impl<B: Backend> RankState<B> {
             micro_batch: node.micro_batch.unwrap_or(u32::MAX),
         };
         let stream = node.stream;
+        self.last_issued[stream.index()] = Some(n as u32);
+        self.inject(backend, n as u32, node.op.kind(), stream, ctx);
         // Time inside the backend, for `launch_by_kind`.
         let spent = std::cell::Cell::new(0.0f64);
         let launch = |k: Kernel<B::Buffer>| {
@@ -673,6 +738,7 @@ impl<B: Backend> RankState<B> {
         self.launch_by_kind = Default::default();
         self.peak_in_flight = 0;
         self.issue_errors.clear();
+        self.last_issued = Default::default();
     }
 
     /// Whether a parameter's values are held on this rank.

@@ -639,6 +639,18 @@ pub trait Backend: Send + Sync + 'static {
     fn receives_in_place(&self, _comm: CommId) -> bool {
         false
     }
+
+    /// The kernel a stream is running now, if the backend knows (the CPU backend does;
+    /// CUDA does not, `None`): how a timed-out step names the node it waits on.
+    fn running(&self, _rank: u32, _stream: Stream) -> Option<Tag> {
+        None
+    }
+
+    /// Gives up on the work in flight after a step timed out, so that the process can
+    /// exit: CUDA aborts every NCCL communicator (`ncclCommAbort`; later collectives
+    /// fail); the CPU backend does nothing (its collectives time out by themselves and
+    /// dropping it ends its streams). The backend is not usable for collectives after.
+    fn abort(&self) {}
 }
 
 #[cfg(test)]

@@ -432,7 +432,7 @@ impl Session<CudaBackend> {
                 "[clip] (global-norm clipping and non-finite checks) is not implemented on the CUDA backend yet: its sum-of-squares, clip and guarded-optimizer kernels exist on the CPU backend only; run with [run] backend = \"cpu\" or remove [clip]".into(),
             ));
         }
-        let mut s = Session::new(config.plan.clone(), backend, exec_config(config))?;
+        let mut s = Session::new(config.plan.clone(), backend, exec_config(config)?)?;
         let seed = config.run.seed;
         s.init_params(|i, p| crate::synthetic::init(seed, i, p.spec.numel() as usize))?;
         Ok(s)

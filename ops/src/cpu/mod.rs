@@ -50,6 +50,10 @@ use crate::{Backend, BoxFuture, CommId, EventStatus, Kernel, OpsError, Tag, Timi
 /// (`ulimit -u`, often 4096–100 000) and the rendezvous of every collective decide.
 pub const MAX_RANKS: u32 = 1024;
 
+/// A [`Kernel::Spin`] longer than this (one second) is slept in slices that watch for
+/// the backend being dropped.
+const LONG_SPIN_US: u32 = 1_000_000;
+
 /// How long a collective waits for its peers unless configured otherwise.
 const DEFAULT_COLLECTIVE_TIMEOUT: Duration = Duration::from_secs(60);
 
@@ -105,6 +109,8 @@ struct Shared {
     comms: HashMap<CommId, Comm>,
     /// Each stream's poison (always a cancellation naming the root cause).
     poison: Vec<Mutex<Option<OpsError>>>,
+    /// The kernel each stream runs now, at `stream_index` ([`Backend::running`]).
+    running: Vec<Mutex<Option<Tag>>>,
     errors: Mutex<Vec<RootCause>>,
     faults: Mutex<Vec<(u32, &'static str)>>,
     /// `faults.len()`, so kernels skip the lock when no fault is armed.
@@ -164,6 +170,9 @@ impl CpuBackend {
             epoch: Instant::now(),
             comms,
             poison: (0..world as usize * Stream::ALL.len())
+                .map(|_| Mutex::new(None))
+                .collect(),
+            running: (0..world as usize * Stream::ALL.len())
                 .map(|_| Mutex::new(None))
                 .collect(),
             errors: Mutex::new(Vec::new()),
@@ -364,6 +373,16 @@ impl Backend for CpuBackend {
     fn take_timings(&self) -> Vec<Timing> {
         std::mem::take(&mut *lock(&self.shared.timings))
     }
+
+    fn running(&self, rank: u32, stream: Stream) -> Option<Tag> {
+        if rank >= self.shared.world {
+            return None;
+        }
+        self.shared
+            .running
+            .get(stream_index(rank, stream))
+            .and_then(|r| *lock(r))
+    }
 }
 
 impl Drop for CpuBackend {
@@ -405,6 +424,21 @@ impl Worker {
         }
     }
 
+    /// Sleeps `micros` µs in slices, giving up with a cancellation once the backend is
+    /// dropped, so that a hung stream never keeps its process alive.
+    fn long_spin(&self, micros: u32) -> Result<(), OpsError> {
+        let end = Instant::now() + Duration::from_micros(u64::from(micros));
+        while Instant::now() < end {
+            if self.shared.shutdown.load(Ordering::Acquire) {
+                return Err(OpsError::Cancelled(
+                    "the CPU backend was dropped during a spin".into(),
+                ));
+            }
+            thread::sleep((end - Instant::now()).min(Duration::from_millis(10)));
+        }
+        Ok(())
+    }
+
     fn poison_slot(&self) -> MutexGuard<'_, Option<OpsError>> {
         lock(&self.shared.poison[stream_index(self.rank, self.stream)])
     }
@@ -438,6 +472,8 @@ impl Worker {
             Some(_) => Ok(()),
         };
         let start = self.shared.epoch.elapsed().as_secs_f64();
+        let running = &self.shared.running[stream_index(self.rank, self.stream)];
+        *lock(running) = Some(tag);
         let result = match kernel {
             Kernel::Collective {
                 desc,
@@ -456,10 +492,15 @@ impl Worker {
             Kernel::Gather { desc, comm, buf } => {
                 self.collective(Call::Gather, &desc, comm, buf, None, poison, fault)
             }
+            // A long spin (an injected hang) ends when the backend is dropped.
+            Kernel::Spin { micros } if micros > LONG_SPIN_US => {
+                fault.and_then(|()| self.long_spin(micros)).map(|()| 0)
+            }
             local => fault
                 .and_then(|()| kernels::run(self.rank, &local))
                 .map(|()| 0),
         };
+        *lock(running) = None;
         match result {
             Ok(bytes) => {
                 let end = self.shared.epoch.elapsed().as_secs_f64();

@@ -868,6 +868,19 @@ impl Backend for CudaBackend {
         lock(&self.shared.errors).clone()
     }
 
+    /// Aborts every NCCL communicator (`ncclCommAbort`: local and immediate; a
+    /// collective in flight on it ends with an error). The copy transport's rings stay
+    /// (their flag waits end with the process).
+    fn abort(&self) {
+        let mut st = lock(&self.issue);
+        if self.shared.device.bind().is_err() {
+            return;
+        }
+        for c in st.comms.drain(..) {
+            c.close();
+        }
+    }
+
     /// Clears every stream's poison and the error list. An error the GPU itself
     /// reported (a sticky CUDA error, an NCCL failure) cannot be cleared: the next
     /// operation reports it again, and the process should exit.
