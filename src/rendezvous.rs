@@ -179,10 +179,17 @@ impl JobSecret {
             .map(Some)
     }
 
-    /// The secret a rank of `env` must use: from the environment; a job without one is
-    /// refused, whether its rendezvous is on loopback or not (any local user can reach
-    /// a loopback port).
+    /// The secret a rank of `env` must use: from the environment; a job of two or more
+    /// ranks without one is refused, whether its rendezvous is on loopback or not (any
+    /// local user can reach a loopback port). A job of one rank has nobody to meet: it
+    /// uses the variable if set, else a random secret nobody else knows.
     pub fn for_job(env: &RankEnv) -> Result<JobSecret, DistError> {
+        if env.world_size <= 1 {
+            if let Some(s) = JobSecret::from_env()? {
+                return Ok(s);
+            }
+            return JobSecret::new(random::<32>()?.to_vec());
+        }
         JobSecret::from_env()?.ok_or_else(|| DistError::Env {
             var: SECRET_VAR.into(),
             reason: format!(
@@ -1025,6 +1032,21 @@ mod tests {
             refused.contains("already joined") || refused.contains("rank 0"),
             "{refused}"
         );
+    }
+
+    #[test]
+    fn a_job_of_one_rank_needs_no_secret() {
+        let env = RankEnv {
+            rank: 0,
+            world_size: 1,
+            local_rank: 0,
+            local_world_size: None,
+            master_addr: "127.0.0.1".into(),
+            master_port: 29500,
+            launcher: crate::dist::Launcher::Torchrun,
+        };
+        // Whether or not another test set the variable, one rank always has a secret.
+        assert!(JobSecret::for_job(&env).is_ok());
     }
 
     #[test]
