@@ -1,4 +1,4 @@
-//! `overlap bench`: the anchor workload of design §6, run through the executor's graph.
+//! `overlap bench`: the anchor workload of `docs/performance.md`, run through the executor's graph.
 //!
 //! The workload is `anchors/torch_reduce_overlap.py`'s: `L` layers of synthetic backward
 //! (`gemms` GEMMs of `d × d · d × d` per layer on the compute stream, a
@@ -23,7 +23,7 @@
 //! - `overlap`: the plan as the executor runs it (FSDP2's default binding).
 //!
 //! Then `ideal = max(compute, comm) + comm / L` and `η = (serial − overlap) / (serial −
-//! ideal)` ([`ideal_ms`], [`eta`]), as design §6 defines them.
+//! ideal)` ([`ideal_ms`], [`eta`]), as `docs/performance.md` defines them.
 //!
 //! Invariant: every variant runs the same kernels with the same sizes on the same
 //! backend; only the stream bindings and the backward model differ.
@@ -181,7 +181,7 @@ pub fn parse_mesh(s: &str) -> Result<Mesh, Error> {
 }
 
 impl BenchArgs {
-    /// The workload of design §6 on `mesh` with `overlap bench`'s defaults (the flags'):
+    /// The workload of `docs/performance.md` on `mesh` with `overlap bench`'s defaults (the flags'):
     /// 16 layers of 64 MiB behind 3 GEMMs of 4096³, 10 steps after 3, NCCL collectives
     /// (the copy transport's knobs at the config's defaults).
     pub fn new(mesh: Mesh) -> BenchArgs {
@@ -331,7 +331,7 @@ pub fn bench_plan(args: &BenchArgs, bindings: Bindings) -> Result<Plan, Error> {
     Ok(plan)
 }
 
-/// `ideal = max(compute, comm) + comm / L` (design §6: the last layer's reduction
+/// `ideal = max(compute, comm) + comm / L` (`docs/performance.md`: the last layer's reduction
 /// cannot hide).
 pub fn ideal_ms(compute: f64, comm: f64, layers: u32) -> f64 {
     compute.max(comm) + comm / f64::from(layers.max(1))
@@ -1208,7 +1208,7 @@ mod tests {
 
     #[test]
     fn ideal_and_eta_follow_design_section_6() {
-        // design.md §6, reduce-scatter row: compute 8.67, comm 2.70, L 16.
+        // The PyTorch anchor's published reduce-scatter row (`docs/performance.md`): compute 8.67, comm 2.70, L 16.
         let ideal = ideal_ms(8.67, 2.70, 16);
         assert!((ideal - 8.83875).abs() < 1e-9);
         let e = eta(11.57, 10.93, ideal).unwrap();

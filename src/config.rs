@@ -1,6 +1,6 @@
 //! The config file: TOML in, a checked [`Config`] out.
 //!
-//! This module owns the config contract (design §5, reference in `docs/config.md`): the
+//! This module owns the config contract (reference in `docs/config.md`): the
 //! sections and keys, their defaults, and every error a user sees for bad input. It
 //! reads the file in two layers: serde fills `raw` structs whose fields keep their
 //! source spans ([`serde_spanned::Spanned`]), then [`Config::from_toml`] checks them and

@@ -118,7 +118,7 @@ enum Command {
         #[arg(last = true, required = true, value_name = "ARGS")]
         args: Vec<std::ffi::OsString>,
     },
-    /// GPU benchmark of design §6's workload through the executor (under `overlap
+    /// GPU benchmark of `docs/performance.md`'s workload through the executor (under `overlap
     /// launch`): L layers of bf16 GEMMs, one f32 gradient per layer reduced on mesh 2x1
     /// (reduce-scatter) or 1x2 (all-reduce); compute_only, comm_only, serial, overlap,
     /// ideal, eta and host µs per node. Needs the `cuda` feature.

@@ -1,4 +1,4 @@
-//! The four seed bugs of design.md section 1, and their relatives, as rejected plans.
+//! The four seed bugs the README describes (a well-known distributed-Muon implementation's), and their relatives, as rejected plans.
 //!
 //! Each test starts from a valid plan built by the [`Planner`] (mesh 2x2, a parameter of
 //! every route) and edits it into the buggy plan a hand-written implementation (or a

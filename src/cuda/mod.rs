@@ -531,7 +531,7 @@ mod tests {
             a.spec(Bindings::default())
         };
         let two = ops_cuda::DEFAULT_COPY_RING_DEPTH;
-        // design §6: one 64 MiB bucket per layer, combines one layer behind: the next
+        // `docs/performance.md`'s workload: one 64 MiB bucket per layer, combines one layer behind: the next
         // exchange is the only one between an exchange and its combine.
         assert!(in_place(&bench(&|_| {}), slot, two));
         assert!(in_place(&bench(&|a| a.combine_lag = 0), slot, two));

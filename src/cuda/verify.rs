@@ -10,7 +10,7 @@
 //! (`p_last - p_0`) with the CPU one (`update_rel_err`, per optimizer). Rank 0 gathers
 //! every rank's figures over the rendezvous and builds one [`VerifyReport`].
 //!
-//! Tolerances ([`tolerances`]): gradients as the CPU verify (design.md's 1e-6 in f32;
+//! Tolerances ([`tolerances`]): gradients as the CPU verify (1e-6 in f32;
 //! 1e-2 in bf16); parameters 1e-5 (f32) and 5e-2 (bf16) of their magnitude; updates in
 //! f32 1e-5 for AdamW (the kernels reproduce the reference's arithmetic) and 1e-4 for
 //! Muon (Newton–Schulz runs in f32 on the GPU, in f64 in the reference: about 5e-6

@@ -2,7 +2,7 @@
 //!
 //! [`Device`] retains the device's primary context (the one the CUDA runtime, cuBLAS and
 //! NCCL use too, so the libraries agree on the device without `cudaSetDevice`) and
-//! creates the rank's four streams of design.md section 3 plus a private *host* stream:
+//! creates the rank's plan streams (ARCHITECTURE.md, `ops/`) plus a private *host* stream:
 //!
 //! - every stream is created `CU_STREAM_NON_BLOCKING`, so none synchronises implicitly
 //!   with the legacy default stream (which some library might use): every ordering
@@ -116,7 +116,7 @@ impl Device {
         let (least, greatest) = cu::stream::get_priority_range()
             .map_err(|e| backend("cuCtxGetStreamPriorityRange", e))?;
         for stream in Stream::ALL {
-            // The reduce stream is the high-priority one (design.md section 3): Stage 1
+            // The reduce stream is the high-priority one (FSDP2's binding, `docs/plan-format.md` section 4): Stage 1
             // and folds should not queue behind backward's GEMMs.
             let priority = if stream.high_priority() && !uniform_priority {
                 greatest
