@@ -7,9 +7,7 @@ use std::sync::Arc;
 
 use overlap::drive::synthetic_step;
 use overlap::executor::{ExecConfig, Executor};
-use overlap::graph::{
-    validate, Bindings, Buffer, Mode, ParamId, Planner, ReduceSpec, Schedule, Transport,
-};
+use overlap::graph::{validate, Buffer, Mode, ParamId, Planner, Schedule, Transport};
 use overlap::ops::cpu::CpuBackend;
 use overlap::{synthetic, Gate, Mesh, ParamSpec, PlanSpec, Route, Session};
 use Gate::{NoSync as N, On as O, ReplicateOff as F};
@@ -17,26 +15,17 @@ use Gate::{NoSync as N, On as O, ReplicateOff as F};
 const SEED: u64 = 7;
 
 fn spec(shard: u32, replicate: u32, schedule: Schedule) -> PlanSpec {
-    let p = |name: &str, shape: Vec<u64>, route, layer| ParamSpec {
-        name: name.into(),
-        shape,
-        route,
-        layer,
-    };
-    PlanSpec {
-        mesh: Mesh::new(shard, replicate).unwrap(),
-        params: vec![
-            p("w", vec![6, 5], Route::Muon, 2),
-            p("norm", vec![9], Route::Fsdp, 2),
-            p("bias", vec![7], Route::Adamw, 1),
-            p("emb", vec![11, 3], Route::ShardedAdamw, 0),
+    PlanSpec::new(
+        Mesh::new(shard, replicate).unwrap(),
+        vec![
+            ParamSpec::new("w", [6, 5], Route::Muon, 2),
+            ParamSpec::new("norm", [9], Route::Fsdp, 2),
+            ParamSpec::new("bias", [7], Route::Adamw, 1),
+            ParamSpec::new("emb", [11, 3], Route::ShardedAdamw, 0),
         ],
-        reduce: ReduceSpec::default(),
-        bucket_cap_bytes: 1 << 20,
-        bindings: Bindings::default(),
-        schedule,
-        grad_norm: false,
-    }
+    )
+    .with_bucket_cap_bytes(1 << 20)
+    .with_schedule(schedule)
 }
 
 fn session(spec: PlanSpec) -> (Session<CpuBackend>, Arc<CpuBackend>) {

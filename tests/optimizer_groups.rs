@@ -6,7 +6,7 @@ use std::path::Path;
 use std::sync::Arc;
 
 use overlap::executor::{ExecConfig, LrSchedule, ParamGroup, ScheduleKind};
-use overlap::graph::{Bindings, OptimizerKind, ReduceSpec};
+use overlap::graph::OptimizerKind;
 use overlap::ops::cpu::CpuBackend;
 use overlap::ops::{math, AdamwParams, MuonParams};
 use overlap::{drive, Config, Error, Gate, Mesh, ParamSpec, PlanSpec, Route, Session};
@@ -184,24 +184,14 @@ fn a_groups_ns_steps_and_momentum_reach_the_muon_kernel() {
 }
 
 fn spec() -> PlanSpec {
-    let p = |name: &str, shape: Vec<u64>, route, layer| ParamSpec {
-        name: name.into(),
-        shape,
-        route,
-        layer,
-    };
-    PlanSpec {
-        mesh: Mesh::new(2, 1).unwrap(),
-        params: vec![
-            p("w", vec![4, 3], Route::Muon, 1),
-            p("norm", vec![5], Route::Fsdp, 0),
+    PlanSpec::new(
+        Mesh::new(2, 1).unwrap(),
+        vec![
+            ParamSpec::new("w", [4, 3], Route::Muon, 1),
+            ParamSpec::new("norm", [5], Route::Fsdp, 0),
         ],
-        reduce: ReduceSpec::default(),
-        bucket_cap_bytes: 1 << 20,
-        bindings: Bindings::default(),
-        schedule: Default::default(),
-        grad_norm: false,
-    }
+    )
+    .with_bucket_cap_bytes(1 << 20)
 }
 
 #[test]

@@ -120,6 +120,13 @@ enum Version {
     Updated,
 }
 
+/// What a sum adds into, for its message.
+#[derive(Clone, Copy)]
+enum SumInto {
+    Buffer(Buffer),
+    Text(&'static str),
+}
+
 /// One rank's state in the walk.
 struct RankWalk {
     rank: u32,
@@ -226,11 +233,16 @@ impl<'p> Walk<'p> {
         );
     }
 
-    /// `acc + v`, reporting a level mismatch or a contribution counted twice.
-    fn sum(&mut self, rank: u32, id: NodeId, acc: &Value, v: &Value, into: &str) -> Value {
+    /// `acc + v`, reporting a level mismatch or a contribution counted twice (`into`
+    /// names the sum in that message; it is only described when there is one).
+    fn sum(&mut self, rank: u32, id: NodeId, acc: &Value, v: &Value, into: SumInto) -> Value {
         match Value::sum(acc, v) {
             Ok((sum, overlap)) => {
                 if !overlap.is_empty() {
+                    let into = match into {
+                        SumInto::Buffer(b) => self.what(&b),
+                        SumInto::Text(t) => t.to_string(),
+                    };
                     self.report(
                         EXACTLY_ONCE,
                         rank,
@@ -252,14 +264,14 @@ impl<'p> Walk<'p> {
 
     /// `dst (+)= v`: adding reads `dst`; initialising must not drop a live value.
     fn store(&mut self, rank: u32, id: NodeId, dst: Buffer, v: Value, accumulate: bool) {
-        let what = self.what(&dst);
         let next = if accumulate {
             match self.read(rank, id, dst, false) {
-                Some(old) => self.sum(rank, id, &old, &v, &what),
+                Some(old) => self.sum(rank, id, &old, &v, SumInto::Buffer(dst)),
                 None => v,
             }
         } else {
             if let Some(old) = self.live(rank, &dst) {
+                let what = self.what(&dst);
                 let detail = format!(
                     "overwrites the live {} {} instead of adding to it",
                     what.trim_start_matches("the "),
@@ -328,10 +340,7 @@ impl<'p> Walk<'p> {
                     let accum = Buffer::Accum { param: p };
                     let t = if with_accum {
                         match self.read(rank, id, accum, true) {
-                            Some(a) => {
-                                let what = self.what(&accum);
-                                self.sum(rank, id, &a, &g, &what)
-                            }
+                            Some(a) => self.sum(rank, id, &a, &g, SumInto::Buffer(accum)),
                             None => g,
                         }
                     } else {
@@ -418,7 +427,9 @@ impl<'p> Walk<'p> {
                         self.report(ACCOUNTING, rank, id, detail);
                     }
                     sum = Some(match sum {
-                        Some(acc) => self.sum(rank, id, &acc, &v, "the chunks it combines"),
+                        Some(acc) => {
+                            self.sum(rank, id, &acc, &v, SumInto::Text("the chunks it combines"))
+                        }
                         None => v,
                     });
                 }
@@ -581,7 +592,13 @@ impl<'p> Walk<'p> {
                             ..v.clone()
                         };
                         sum = Some(match sum {
-                            Some(acc) => self.sum(r, id, &acc, &v, "what the other members sent"),
+                            Some(acc) => self.sum(
+                                r,
+                                id,
+                                &acc,
+                                &v,
+                                SumInto::Text("what the other members sent"),
+                            ),
                             None => v,
                         });
                     }
