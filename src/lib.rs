@@ -52,7 +52,6 @@
 //! [`launch`] is `overlap launch`, and `cuda` (with the `cuda` feature) runs sessions on
 //! the CUDA + NCCL backend.
 
-pub mod bench;
 pub mod checkpoint;
 pub mod config;
 #[cfg(feature = "cuda")]
@@ -61,8 +60,6 @@ pub mod dist;
 pub mod drive;
 mod error;
 pub mod fingerprint;
-pub mod interference;
-pub mod launch;
 pub mod observe;
 pub mod rendezvous;
 pub mod resources;

@@ -2,7 +2,7 @@
 //! datasource variable that every panel uses (no hard-coded datasource), a unit on
 //! every panel, `$__rate_interval` in every rate, a panel for every metric, and
 //! provisioning that points at the dashboards folder. Their PromQL is checked against a
-//! real Prometheus in `tests/prometheus.rs`.
+//! real Prometheus in `cli/tests/prometheus.rs`.
 
 use std::path::{Path, PathBuf};
 

@@ -9,7 +9,7 @@ use overlap::executor::{ExecConfig, LrSchedule, ParamGroup, ScheduleKind};
 use overlap::graph::OptimizerKind;
 use overlap::ops::cpu::CpuBackend;
 use overlap::ops::{math, AdamwParams, MuonParams};
-use overlap::{drive, Config, Error, Gate, Mesh, ParamSpec, PlanSpec, Route, Session};
+use overlap::{Config, Error, Gate, Mesh, ParamSpec, PlanSpec, Route, Session};
 
 const BASE: &str = r#"
 [mesh]
@@ -328,6 +328,7 @@ fn set_lr_factor_takes_effect_on_the_next_step_and_the_report_carries_it() {
     });
 }
 
+#[cfg(feature = "metrics")]
 #[test]
 fn a_configured_schedule_sets_each_steps_rate_in_the_report_and_the_metrics() {
     let cfg = config(
@@ -343,7 +344,7 @@ fn a_configured_schedule_sets_each_steps_rate_in_the_report_and_the_metrics() {
         runtime().block_on(async {
             let mut s = Session::cpu(&cfg).unwrap();
             for (step, &f) in want.iter().enumerate() {
-                let r = drive::synthetic_step(&mut s, 1, step as u64, &[Gate::On])
+                let r = overlap::drive::synthetic_step(&mut s, 1, step as u64, &[Gate::On])
                     .await
                     .unwrap();
                 assert_eq!(r.lr_factor, f, "step {}", step + 1);

@@ -14,7 +14,6 @@
 //! Invariant: a [`CudaWorld`] exists only when the world size equals the mesh's
 //! `shard × replicate` and every rank holds its communicators.
 
-mod smoke;
 mod verify;
 
 use std::sync::Arc;
@@ -31,7 +30,6 @@ use crate::rendezvous::Rendezvous;
 use crate::session::{exec_config, Session};
 use crate::Error;
 
-pub use smoke::{smoke, SmokeReport};
 pub use verify::verify;
 
 /// How long ranks wait for each other at start (and rank 0 for the others' status),
@@ -443,11 +441,6 @@ impl Session<CudaBackend> {
 mod tests {
     use super::*;
 
-    /// Whether any communicator of the plan reads in place.
-    fn in_place(spec: &overlap_graph::PlanSpec, slot_bytes: usize, depth: usize) -> bool {
-        !in_place_comms(spec, slot_bytes, depth).is_empty()
-    }
-
     /// What `copy_setup` approves for in-place receives keeps the distance rule in the
     /// plan of every gate pattern, for every schedule: the verdict is taken on a plan
     /// with both kinds of exchanging micro-batch, since the graph's tail rule moves an
@@ -515,126 +508,6 @@ mod tests {
             }
         }
         assert!(approved > 0, "the sweep approves some rings");
-    }
-
-    #[test]
-    fn combines_read_in_place_only_where_no_exchange_can_wait_for_a_later_combine() {
-        use crate::bench::BenchArgs;
-        use overlap_graph::{Bindings, Transport};
-        let slot = 32 << 20;
-        let bench = |f: &dyn Fn(&mut BenchArgs)| {
-            let mut a = BenchArgs {
-                transport: Transport::Copy,
-                ..BenchArgs::new(Mesh::new(2, 1).unwrap())
-            };
-            f(&mut a);
-            a.spec(Bindings::default())
-        };
-        let two = ops_cuda::DEFAULT_COPY_RING_DEPTH;
-        // `docs/performance.md`'s workload: one 64 MiB bucket per layer, combines one layer behind: the next
-        // exchange is the only one between an exchange and its combine.
-        assert!(in_place(&bench(&|_| {}), slot, two));
-        assert!(in_place(&bench(&|a| a.combine_lag = 0), slot, two));
-        // Two layers behind: the exchange two later waits for a combine not yet issued,
-        // unless the ring has a third slot per peer.
-        assert!(!in_place(&bench(&|a| a.combine_lag = 2), slot, two));
-        assert!(in_place(&bench(&|a| a.combine_lag = 2), slot, 3));
-        assert!(!in_place(&bench(&|a| a.combine_lag = 3), slot, 3));
-        // One slot: only a combine issued before the next exchange.
-        assert!(in_place(&bench(&|a| a.combine_lag = 0), slot, 1));
-        assert!(!in_place(&bench(&|_| {}), slot, 1));
-        // A 64 MiB chunk per peer does not fit a 32 MiB slot.
-        assert!(!in_place(&bench(&|a| a.grad_mib = 128), slot, two));
-        // Several buckets per layer (the GPU validation config): not in place.
-        let path =
-            std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("examples/gpu/gpu_2x1.toml");
-        let mut config = Config::from_file(&path).unwrap();
-        config.plan.schedule.transport = Transport::Copy;
-        assert!(!in_place(&config.plan, slot, two));
-        // One parameter per layer: in place (the GPU validation of in-place receives).
-        let path = path.with_file_name("gpu_2x1_in_place.toml");
-        let mut config = Config::from_file(&path).unwrap();
-        config.plan.schedule.transport = Transport::Copy;
-        assert!(in_place(&config.plan, slot, two));
-        // The all-reduce one, and the one that needs three slots.
-        let config = |name: &str| {
-            let mut c = Config::from_file(&path.with_file_name(name)).unwrap();
-            c.plan.schedule.transport = Transport::Copy;
-            c
-        };
-        let ar = config("gpu_1x2_in_place.toml");
-        assert!(in_place(&ar.plan, slot, two) && !gathering_comms(&ar.plan).is_empty());
-        let deep = config("gpu_2x1_depth3.toml");
-        assert_eq!(deep.overlap.copy_ring_depth, 3);
-        assert!(!in_place(&deep.plan, slot, two) && in_place(&deep.plan, slot, 3));
-        // Which ones: the shard group's ring on the exchange stream, and an all-reduce's
-        // (the replicate group's), whose gathers get a lane of their own.
-        let comm = |group| CommId {
-            group,
-            stream: overlap_graph::Stream::Copy,
-        };
-        let shard = |replicate| comm(overlap_graph::Group::Shard { replicate });
-        let replicate = |shard| comm(overlap_graph::Group::Replicate { shard });
-        assert_eq!(in_place_comms(&bench(&|_| {}), slot, two), vec![shard(0)]);
-        let ar = bench(&|a| a.mesh = Mesh::new(1, 2).unwrap());
-        assert_eq!(in_place_comms(&ar, slot, two), vec![replicate(0)]);
-        assert_eq!(gathering_comms(&ar), vec![replicate(0)]);
-        assert!(gathering_comms(&bench(&|_| {})).is_empty());
-        let hsdp = bench(&|a| a.mesh = Mesh::new(2, 2).unwrap());
-        assert_eq!(
-            in_place_comms(&hsdp, slot, two),
-            vec![shard(0), shard(1), replicate(0), replicate(1)]
-        );
-        assert_eq!(gathering_comms(&hsdp), vec![replicate(0), replicate(1)]);
-        // What a job connects: both lists, its exchange stream, sorted; none in place
-        // when asked not to.
-        let setup = copy_setup(&[&hsdp, &hsdp], slot, 3, true);
-        assert_eq!(
-            (setup.slot_bytes, setup.depth, &setup.streams),
-            (slot, 3, &vec![overlap_graph::Stream::Copy])
-        );
-        assert_eq!(setup.in_place, in_place_comms(&hsdp, slot, 3));
-        assert_eq!(setup.gather_lane, gathering_comms(&hsdp));
-        assert!(copy_setup(&[&hsdp], slot, 3, false).in_place.is_empty());
-        // Two plans on one communicator: in place only if both allow it.
-        let (lag1, lag2) = (bench(&|_| {}), bench(&|a| a.combine_lag = 2));
-        assert!(copy_setup(&[&lag1, &lag2], slot, two, true)
-            .in_place
-            .is_empty());
-        assert_eq!(
-            copy_setup(&[&lag1, &lag2], slot, 3, true).in_place,
-            vec![shard(0)]
-        );
-        // A gather lane only where the all-reduce is read in place.
-        assert_eq!(
-            copy_setup(&[&ar], slot, two, true).gather_lane,
-            vec![replicate(0)]
-        );
-        assert!(copy_setup(&[&ar], slot, two, false).gather_lane.is_empty());
-        let several = config("gpu_1x2.toml");
-        assert!(copy_setup(&[&several.plan], slot, two, true)
-            .gather_lane
-            .is_empty());
-        // Depth 0 allows nothing (the config refuses it before).
-        assert!(in_place_comms(&lag1, slot, 0).is_empty());
-        // How deep a ring the validation configs, with several buckets per layer, need.
-        let deep = |plan: &overlap_graph::PlanSpec| {
-            (1..=16).find(|&d| !in_place_comms(plan, slot, d).is_empty())
-        };
-        assert_eq!(deep(&config("gpu_2x1.toml").plan), Some(12));
-        // Two buckets per layer: each combine one layer behind has two or three
-        // exchanges after it, so four slots are needed (docs/config.md).
-        let mut two_per_layer = bench(&|a| a.grad_mib = 32);
-        let extra: Vec<_> = two_per_layer
-            .params
-            .iter()
-            .map(|p| overlap_graph::ParamSpec {
-                name: format!("{}.b", p.name),
-                ..p.clone()
-            })
-            .collect();
-        two_per_layer.params.extend(extra);
-        assert_eq!(deep(&two_per_layer), Some(4));
     }
 
     #[test]

@@ -7,7 +7,7 @@ use std::process::{Command, Output};
 fn overlap(args: &[&str]) -> Output {
     Command::new(env!("CARGO_BIN_EXE_overlap"))
         .args(args)
-        .current_dir(env!("CARGO_MANIFEST_DIR"))
+        .current_dir(concat!(env!("CARGO_MANIFEST_DIR"), "/.."))
         .output()
         .expect("the binary runs")
 }
@@ -340,7 +340,7 @@ fn closed_stdout_ends_quietly_without_a_panic() {
             "--format",
             "json",
         ])
-        .current_dir(env!("CARGO_MANIFEST_DIR"))
+        .current_dir(concat!(env!("CARGO_MANIFEST_DIR"), "/.."))
         .stdout(Stdio::piped())
         .stderr(Stdio::piped())
         .spawn()

@@ -11,7 +11,7 @@ use std::path::PathBuf;
 use std::process::{Command, Output};
 use std::time::{Duration, Instant};
 
-const CONFIG: &str = concat!(env!("CARGO_MANIFEST_DIR"), "/examples/hsdp_2x2.toml");
+const CONFIG: &str = concat!(env!("CARGO_MANIFEST_DIR"), "/../examples/hsdp_2x2.toml");
 
 /// Whole-run bound for a failing rank: startup, one good step, the failing one.
 const FAIL_BOUND: Duration = Duration::from_secs(30);

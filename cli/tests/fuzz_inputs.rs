@@ -41,7 +41,7 @@ fn runner(cases: u32) -> TestRunner {
 
 /// `examples/hsdp_2x2.toml` without comments: every section and key, one per line.
 fn base_config() -> Vec<String> {
-    include_str!("../examples/hsdp_2x2.toml")
+    include_str!("../../examples/hsdp_2x2.toml")
         .lines()
         .map(|l| l.split('#').next().unwrap_or("").trim_end().to_string())
         .filter(|l| !l.trim().is_empty())
@@ -172,8 +172,11 @@ fn fuzzed_configs_never_panic_in_loading_planning_or_validation() {
 
 /// A valid plan of the 2x2 example, as `overlap plan --format json` writes it.
 fn base_plan() -> Value {
-    let cfg =
-        Config::from_toml(include_str!("../examples/hsdp_2x2.toml"), "hsdp_2x2.toml").unwrap();
+    let cfg = Config::from_toml(
+        include_str!("../../examples/hsdp_2x2.toml"),
+        "hsdp_2x2.toml",
+    )
+    .unwrap();
     let plan = Planner::new(cfg.plan.clone())
         .unwrap()
         .plan(&cfg.gates)
@@ -336,7 +339,7 @@ fn scratch(name: &str, contents: &str) -> String {
 fn run_binary(args: &[&str], input: &str) -> Result<(), TestCaseError> {
     let o = Command::new(env!("CARGO_BIN_EXE_overlap"))
         .args(args)
-        .current_dir(env!("CARGO_MANIFEST_DIR"))
+        .current_dir(concat!(env!("CARGO_MANIFEST_DIR"), "/.."))
         .output()
         .expect("the binary runs");
     let err = String::from_utf8_lossy(&o.stderr);

@@ -29,12 +29,15 @@
 //! in `overlap bench`, so a drift of the GPU's clocks weighs on all alike); each figure
 //! is the mean device span of the timed steps.
 
+// Without the `cuda` feature only the tests (on the CPU backend) use the engine.
+#![cfg_attr(not(feature = "cuda"), allow(dead_code))]
+
 use overlap_graph::{Collective, CollectiveKind, DType, Group, ReduceOp, Stream};
 use overlap_ops::{Backend, Kernel, Tag};
 use serde::Serialize;
 
 use crate::bench::span;
-use crate::Error;
+use overlap::Error;
 
 /// The probe's sizes.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, clap::Args)]

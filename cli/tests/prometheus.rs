@@ -168,7 +168,7 @@ fn every_dashboard_query_returns_data_from_a_real_prometheus() {
         eprintln!("SKIPPED every_dashboard_query_returns_data_from_a_real_prometheus: no `prometheus` binary (apt-get install prometheus)");
         return;
     };
-    let root = Path::new(env!("CARGO_MANIFEST_DIR"));
+    let root = Path::new(concat!(env!("CARGO_MANIFEST_DIR"), "/.."));
     let tmp = PathBuf::from(env!("CARGO_TARGET_TMPDIR"))
         .join(format!("prometheus-{}", std::process::id()));
     let _ = std::fs::remove_dir_all(&tmp);

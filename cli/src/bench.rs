@@ -28,6 +28,9 @@
 //! Invariant: every variant runs the same kernels with the same sizes on the same
 //! backend; only the stream bindings and the backward model differ.
 
+// Without the `cuda` feature only the tests (on the CPU backend) use the engine.
+#![cfg_attr(not(feature = "cuda"), allow(dead_code))]
+
 use std::sync::Arc;
 
 use overlap_executor::{Backward, ExecConfig, Executor, StepStats};
@@ -38,7 +41,7 @@ use overlap_graph::{
 use overlap_ops::{Backend, Kernel, Tag, Timing};
 use serde::Serialize;
 
-use crate::{Error, Mesh};
+use overlap::{Error, Mesh};
 
 /// What `overlap bench` runs; also its command-line flags (`--layers`, `--grad-mib`, ...,
 /// each with the default [`BenchArgs::new`] takes).
@@ -216,7 +219,7 @@ impl BenchArgs {
             )));
         }
         // The config's bounds on the same knobs.
-        use crate::config::{MAX_COPY_RING_DEPTH, MAX_COPY_SLOT_MIB, MAX_NCCL_CTAS};
+        use overlap::config::{MAX_COPY_RING_DEPTH, MAX_COPY_SLOT_MIB, MAX_NCCL_CTAS};
         const MAX_COMBINE_CTAS: u32 = 4096;
         if !(1..=MAX_COPY_SLOT_MIB).contains(&self.copy_slot_mib) {
             return Err(Error::Usage(format!(
@@ -639,7 +642,7 @@ pub async fn run<B: Backend>(backend: Arc<B>, args: &BenchArgs) -> Result<BenchR
 fn timeline_svg(plan: &Plan, me: u32, stats: &StepStats) -> String {
     let mut stats = stats.clone();
     stats.timings.retain(|t| t.rank == me);
-    let report = crate::session::StepReport {
+    let report = overlap::session::StepReport {
         step: 1,
         gates: plan.gates.clone(),
         stats,
@@ -650,8 +653,8 @@ fn timeline_svg(plan: &Plan, me: u32, stats: &StepStats) -> String {
         grad_norm: None,
         skipped: None,
     };
-    let analysis = crate::observe::StepAnalysis::new(&report, plan);
-    crate::observe::svg::render(&report, plan, &analysis)
+    let analysis = overlap::observe::StepAnalysis::new(&report, plan);
+    overlap::observe::svg::render(&report, plan, &analysis)
 }
 
 /// Rank `me`'s kernels of one step, one JSON object per line, times in µs from the
@@ -940,7 +943,7 @@ pub async fn collectives<B: Backend>(
                 );
             }
         }
-        let factor = crate::observe::bus_factor(desc.kind, n);
+        let factor = overlap::observe::bus_factor(desc.kind, n);
         let bw = |sec: f64| {
             if sec > 0.0 {
                 bytes as f64 / sec / 1e9 * factor
@@ -974,23 +977,23 @@ pub async fn collectives<B: Backend>(
 fn open_cuda(
     mesh: Mesh,
     bindings: Bindings,
-    links: crate::cuda::Links,
-    what: crate::fingerprint::Fingerprint,
-) -> Result<crate::cuda::CudaWorld, Error> {
+    links: overlap::cuda::Links,
+    what: overlap::fingerprint::Fingerprint,
+) -> Result<overlap::cuda::CudaWorld, Error> {
     use overlap_ops::cuda::mesh_comms;
-    let env = crate::cuda::rank_env(mesh)?;
+    let env = overlap::cuda::rank_env(mesh)?;
     let copy = links.copy.is_some();
     let mut comms = mesh_comms(mesh, &bindings, copy);
     comms.extend(mesh_comms(mesh, &serial_bindings(), copy));
     comms.sort();
     comms.dedup();
-    crate::cuda::open(env, mesh, comms, true, links, what)
+    overlap::cuda::open(env, mesh, comms, true, links, what)
 }
 
 /// The fingerprint of a benchmark command and its arguments.
 #[cfg(feature = "cuda")]
-fn bench_fingerprint(command: &str, args: String) -> crate::fingerprint::Fingerprint {
-    let mut f = crate::fingerprint::Fingerprint::build();
+fn bench_fingerprint(command: &str, args: String) -> overlap::fingerprint::Fingerprint {
+    let mut f = overlap::fingerprint::Fingerprint::build();
     f.push("command", command);
     f.push("bench.args", args);
     f
@@ -1004,9 +1007,9 @@ pub async fn bench_cuda(args: &BenchArgs) -> Result<Option<BenchReport>, Error> 
     // Both plans the bench runs (the serial one's exchanges are on the compute stream,
     // so on rings of their own).
     let specs = [args.spec(Bindings::default()), args.spec(serial_bindings())];
-    let links = crate::cuda::Links {
+    let links = overlap::cuda::Links {
         copy: (args.transport == Transport::Copy).then(|| {
-            crate::cuda::copy_setup(
+            overlap::cuda::copy_setup(
                 &[&specs[0], &specs[1]],
                 (args.copy_slot_mib as usize) << 20,
                 args.copy_ring_depth as usize,
@@ -1167,7 +1170,7 @@ mod tests {
             no_in_place: false,
         };
         assert_eq!(a, want);
-        let config = crate::config::OverlapConfig::default();
+        let config = overlap::config::OverlapConfig::default();
         assert_eq!(config.copy_slot_mib, a.copy_slot_mib);
         assert_eq!(config.copy_ring_depth, a.copy_ring_depth);
     }
@@ -1183,10 +1186,10 @@ mod tests {
         };
         for bad in [
             with(&|a| a.copy_slot_mib = 0),
-            with(&|a| a.copy_slot_mib = crate::config::MAX_COPY_SLOT_MIB + 1),
+            with(&|a| a.copy_slot_mib = overlap::config::MAX_COPY_SLOT_MIB + 1),
             with(&|a| a.nccl_max_ctas = Some(0)),
             with(&|a| a.copy_ring_depth = 0),
-            with(&|a| a.copy_ring_depth = crate::config::MAX_COPY_RING_DEPTH + 1),
+            with(&|a| a.copy_ring_depth = overlap::config::MAX_COPY_RING_DEPTH + 1),
             with(&|a| a.buckets_per_layer = 0),
             with(&|a| a.buckets_per_layer = 3),
             with(&|a| a.combine_ctas = Some(4097)),
@@ -1217,11 +1220,11 @@ mod tests {
         assert_eq!(eta(10.0, 8.0, 8.0), Some(1.0));
         assert_eq!(ideal_ms(1.0, 4.0, 4), 5.0);
         assert_eq!(
-            crate::observe::bus_factor(CollectiveKind::AllReduce, 2),
+            overlap::observe::bus_factor(CollectiveKind::AllReduce, 2),
             1.0
         );
         assert_eq!(
-            crate::observe::bus_factor(CollectiveKind::ReduceScatter, 2),
+            overlap::observe::bus_factor(CollectiveKind::ReduceScatter, 2),
             0.5
         );
     }
@@ -1430,5 +1433,141 @@ mod tests {
             assert!(r.nccl_ms > 0.0 && r.node_ms > 0.0 && r.ratio > 0.0, "{r:?}");
         }
         assert_eq!(rows[1].bytes, 2 << 20);
+    }
+}
+
+/// Which copy-transport rings of the bench workloads read in place (needs the `cuda`
+/// feature's `copy_setup`; no GPU).
+#[cfg(all(test, feature = "cuda"))]
+mod cuda_tests {
+    use super::BenchArgs;
+    use overlap::config::Config;
+    use overlap::cuda::{copy_setup, gathering_comms, in_place_comms};
+    use overlap::Mesh;
+    use overlap_ops::cuda as ops_cuda;
+    use overlap_ops::CommId;
+
+    /// Whether any communicator of the plan reads in place.
+    fn in_place(spec: &overlap_graph::PlanSpec, slot_bytes: usize, depth: usize) -> bool {
+        !in_place_comms(spec, slot_bytes, depth).is_empty()
+    }
+
+    #[test]
+    fn combines_read_in_place_only_where_no_exchange_can_wait_for_a_later_combine() {
+        use overlap_graph::{Bindings, Transport};
+        let slot = 32 << 20;
+        let bench = |f: &dyn Fn(&mut BenchArgs)| {
+            let mut a = BenchArgs {
+                transport: Transport::Copy,
+                ..BenchArgs::new(Mesh::new(2, 1).unwrap())
+            };
+            f(&mut a);
+            a.spec(Bindings::default())
+        };
+        let two = ops_cuda::DEFAULT_COPY_RING_DEPTH;
+        // `docs/performance.md`'s workload: one 64 MiB bucket per layer, combines one layer behind: the next
+        // exchange is the only one between an exchange and its combine.
+        assert!(in_place(&bench(&|_| {}), slot, two));
+        assert!(in_place(&bench(&|a| a.combine_lag = 0), slot, two));
+        // Two layers behind: the exchange two later waits for a combine not yet issued,
+        // unless the ring has a third slot per peer.
+        assert!(!in_place(&bench(&|a| a.combine_lag = 2), slot, two));
+        assert!(in_place(&bench(&|a| a.combine_lag = 2), slot, 3));
+        assert!(!in_place(&bench(&|a| a.combine_lag = 3), slot, 3));
+        // One slot: only a combine issued before the next exchange.
+        assert!(in_place(&bench(&|a| a.combine_lag = 0), slot, 1));
+        assert!(!in_place(&bench(&|_| {}), slot, 1));
+        // A 64 MiB chunk per peer does not fit a 32 MiB slot.
+        assert!(!in_place(&bench(&|a| a.grad_mib = 128), slot, two));
+        // Several buckets per layer (the GPU validation config): not in place.
+        let path =
+            std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("../examples/gpu/gpu_2x1.toml");
+        let mut config = Config::from_file(&path).unwrap();
+        config.plan.schedule.transport = Transport::Copy;
+        assert!(!in_place(&config.plan, slot, two));
+        // One parameter per layer: in place (the GPU validation of in-place receives).
+        let path = path.with_file_name("gpu_2x1_in_place.toml");
+        let mut config = Config::from_file(&path).unwrap();
+        config.plan.schedule.transport = Transport::Copy;
+        assert!(in_place(&config.plan, slot, two));
+        // The all-reduce one, and the one that needs three slots.
+        let config = |name: &str| {
+            let mut c = Config::from_file(&path.with_file_name(name)).unwrap();
+            c.plan.schedule.transport = Transport::Copy;
+            c
+        };
+        let ar = config("gpu_1x2_in_place.toml");
+        assert!(in_place(&ar.plan, slot, two) && !gathering_comms(&ar.plan).is_empty());
+        let deep = config("gpu_2x1_depth3.toml");
+        assert_eq!(deep.overlap.copy_ring_depth, 3);
+        assert!(!in_place(&deep.plan, slot, two) && in_place(&deep.plan, slot, 3));
+        // Which ones: the shard group's ring on the exchange stream, and an all-reduce's
+        // (the replicate group's), whose gathers get a lane of their own.
+        let comm = |group| CommId {
+            group,
+            stream: overlap_graph::Stream::Copy,
+        };
+        let shard = |replicate| comm(overlap_graph::Group::Shard { replicate });
+        let replicate = |shard| comm(overlap_graph::Group::Replicate { shard });
+        assert_eq!(in_place_comms(&bench(&|_| {}), slot, two), vec![shard(0)]);
+        let ar = bench(&|a| a.mesh = Mesh::new(1, 2).unwrap());
+        assert_eq!(in_place_comms(&ar, slot, two), vec![replicate(0)]);
+        assert_eq!(gathering_comms(&ar), vec![replicate(0)]);
+        assert!(gathering_comms(&bench(&|_| {})).is_empty());
+        let hsdp = bench(&|a| a.mesh = Mesh::new(2, 2).unwrap());
+        assert_eq!(
+            in_place_comms(&hsdp, slot, two),
+            vec![shard(0), shard(1), replicate(0), replicate(1)]
+        );
+        assert_eq!(gathering_comms(&hsdp), vec![replicate(0), replicate(1)]);
+        // What a job connects: both lists, its exchange stream, sorted; none in place
+        // when asked not to.
+        let setup = copy_setup(&[&hsdp, &hsdp], slot, 3, true);
+        assert_eq!(
+            (setup.slot_bytes, setup.depth, &setup.streams),
+            (slot, 3, &vec![overlap_graph::Stream::Copy])
+        );
+        assert_eq!(setup.in_place, in_place_comms(&hsdp, slot, 3));
+        assert_eq!(setup.gather_lane, gathering_comms(&hsdp));
+        assert!(copy_setup(&[&hsdp], slot, 3, false).in_place.is_empty());
+        // Two plans on one communicator: in place only if both allow it.
+        let (lag1, lag2) = (bench(&|_| {}), bench(&|a| a.combine_lag = 2));
+        assert!(copy_setup(&[&lag1, &lag2], slot, two, true)
+            .in_place
+            .is_empty());
+        assert_eq!(
+            copy_setup(&[&lag1, &lag2], slot, 3, true).in_place,
+            vec![shard(0)]
+        );
+        // A gather lane only where the all-reduce is read in place.
+        assert_eq!(
+            copy_setup(&[&ar], slot, two, true).gather_lane,
+            vec![replicate(0)]
+        );
+        assert!(copy_setup(&[&ar], slot, two, false).gather_lane.is_empty());
+        let several = config("gpu_1x2.toml");
+        assert!(copy_setup(&[&several.plan], slot, two, true)
+            .gather_lane
+            .is_empty());
+        // Depth 0 allows nothing (the config refuses it before).
+        assert!(in_place_comms(&lag1, slot, 0).is_empty());
+        // How deep a ring the validation configs, with several buckets per layer, need.
+        let deep = |plan: &overlap_graph::PlanSpec| {
+            (1..=16).find(|&d| !in_place_comms(plan, slot, d).is_empty())
+        };
+        assert_eq!(deep(&config("gpu_2x1.toml").plan), Some(12));
+        // Two buckets per layer: each combine one layer behind has two or three
+        // exchanges after it, so four slots are needed (docs/config.md).
+        let mut two_per_layer = bench(&|a| a.grad_mib = 32);
+        let extra: Vec<_> = two_per_layer
+            .params
+            .iter()
+            .map(|p| overlap_graph::ParamSpec {
+                name: format!("{}.b", p.name),
+                ..p.clone()
+            })
+            .collect();
+        two_per_layer.params.extend(extra);
+        assert_eq!(deep(&two_per_layer), Some(4));
     }
 }

@@ -19,8 +19,8 @@ use overlap_ops::math::pseudo_random as random;
 use overlap_ops::{math, AdamwParams, Backend, CommId, Kernel, MuonParams, Tag};
 use serde::Serialize;
 
-use super::CudaWorld;
-use crate::Error;
+use overlap::cuda::CudaWorld;
+use overlap::Error;
 
 /// What one rank found.
 #[derive(Debug, Clone, Serialize)]

@@ -1,5 +1,13 @@
 //! The `overlap` command line: wires the libraries together; no logic of its own that a
-//! library user would want.
+//! library user would want. The GPU benchmarks (`bench`, `bench-collectives`,
+//! `bench-interference`, `cuda-smoke`) and the launcher live here too, so that a trainer
+//! linking the `overlap` library pays for none of them.
+
+mod bench;
+mod interference;
+mod launch;
+#[cfg(feature = "cuda")]
+mod smoke;
 
 use std::path::{Path, PathBuf};
 use std::process::ExitCode;
@@ -124,7 +132,7 @@ enum Command {
     /// ideal, eta and host µs per node. Needs the `cuda` feature.
     Bench {
         #[command(flatten)]
-        args: overlap::bench::BenchArgs,
+        args: bench::BenchArgs,
         /// Write rank 0's last timed overlap step as an SVG timeline to this path (and
         /// its kernels, one JSON object per line, next to it with `.jsonl`).
         #[arg(long)]
@@ -153,7 +161,7 @@ enum Command {
     /// without communication (`cuda` feature; docs/performance.md).
     BenchInterference {
         #[command(flatten)]
-        args: overlap::interference::InterferenceArgs,
+        args: interference::InterferenceArgs,
     },
     /// Print this process's rank environment as JSON (for checking a launcher).
     #[command(hide = true)]
@@ -252,6 +260,7 @@ enum Format {
 fn main() -> ExitCode {
     restore_sigpipe();
     let cli = Cli::parse();
+    init_logging();
     let rt = match tokio::runtime::Builder::new_multi_thread()
         .worker_threads(2)
         .enable_all()
@@ -279,6 +288,19 @@ fn printable_lines(s: &str) -> String {
         .map(export::printable)
         .collect::<Vec<_>>()
         .join("\n")
+}
+
+/// Warnings of the libraries (a stranger dropped at the rendezvous, a rank retrying)
+/// go to stderr; `OVERLAP_LOG` (a `tracing` filter such as `overlap=debug`) says more
+/// or less.
+fn init_logging() {
+    let filter = tracing_subscriber::EnvFilter::try_from_env("OVERLAP_LOG")
+        .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("warn"));
+    let _ = tracing_subscriber::fmt()
+        .with_env_filter(filter)
+        .with_writer(std::io::stderr)
+        .with_target(false)
+        .try_init();
 }
 
 /// Rust ignores SIGPIPE, so `overlap plan ... | head` would panic on the closed pipe;
@@ -373,7 +395,7 @@ async fn dispatch(cmd: Command) -> Result<ExitCode, Error> {
             master_port,
             args,
         } => {
-            let spec = overlap::launch::LaunchSpec {
+            let spec = launch::LaunchSpec {
                 nproc_per_node,
                 nnodes,
                 node_rank,
@@ -381,7 +403,7 @@ async fn dispatch(cmd: Command) -> Result<ExitCode, Error> {
                 master_port,
                 args,
             };
-            Ok(ExitCode::from(overlap::launch::launch(&spec)?))
+            Ok(ExitCode::from(launch::launch(&spec)?))
         }
         Command::Env { rendezvous } => env(rendezvous),
         Command::BenchInterference { args } => bench_interference(&args).await,
@@ -392,7 +414,7 @@ async fn dispatch(cmd: Command) -> Result<ExitCode, Error> {
         } => {
             args.timeline = timeline.is_some();
             args.check()?;
-            if let Some(r) = overlap::bench::bench_cuda(&args).await? {
+            if let Some(r) = bench::bench_cuda(&args).await? {
                 if let (Some(path), Some(svg), Some(lines)) =
                     (&timeline, &r.timeline_svg, &r.timeline_json)
                 {
@@ -410,7 +432,7 @@ async fn dispatch(cmd: Command) -> Result<ExitCode, Error> {
                         serde_json::to_string(&r).map_err(|e| Error::Usage(e.to_string()))?
                     );
                 } else {
-                    println!("{}", overlap::bench::render(&r));
+                    println!("{}", bench::render(&r));
                 }
             }
             Ok(ExitCode::SUCCESS)
@@ -421,7 +443,7 @@ async fn dispatch(cmd: Command) -> Result<ExitCode, Error> {
             iters,
             warmup,
         } => {
-            let mesh = overlap::bench::parse_mesh(&mesh)?;
+            let mesh = bench::parse_mesh(&mesh)?;
             let sizes = mib
                 .split(',')
                 .map(|m| {
@@ -430,9 +452,7 @@ async fn dispatch(cmd: Command) -> Result<ExitCode, Error> {
                     })
                 })
                 .collect::<Result<Vec<_>, _>>()?;
-            if let Some(rows) =
-                overlap::bench::collectives_cuda(mesh, &sizes, iters, warmup).await?
-            {
+            if let Some(rows) = bench::collectives_cuda(mesh, &sizes, iters, warmup).await? {
                 for r in rows {
                     println!(
                         "{}",
@@ -932,10 +952,8 @@ fn env(rendezvous: bool) -> Result<ExitCode, Error> {
 }
 
 #[cfg(feature = "cuda")]
-async fn bench_interference(
-    args: &overlap::interference::InterferenceArgs,
-) -> Result<ExitCode, Error> {
-    let r = overlap::interference::run_cuda(args).await?;
+async fn bench_interference(args: &interference::InterferenceArgs) -> Result<ExitCode, Error> {
+    let r = interference::run_cuda(args).await?;
     println!(
         "{}",
         serde_json::to_string(&r).map_err(|e| Error::Usage(e.to_string()))?
@@ -944,9 +962,7 @@ async fn bench_interference(
 }
 
 #[cfg(not(feature = "cuda"))]
-async fn bench_interference(
-    _: &overlap::interference::InterferenceArgs,
-) -> Result<ExitCode, Error> {
+async fn bench_interference(_: &interference::InterferenceArgs) -> Result<ExitCode, Error> {
     Err(Error::Usage(
         "bench-interference runs on a GPU: build with `--features cuda`".into(),
     ))
@@ -973,7 +989,7 @@ async fn cuda_smoke(mib: &str, iters: u32) -> Result<ExitCode, Error> {
     what.push("command", "cuda-smoke");
     what.push("cuda_smoke.args", format!("MiB {mib}, iters {iters}"));
     let mut world = overlap::cuda::open(env, mesh, comms, false, Default::default(), what)?;
-    let report = overlap::cuda::smoke(&mut world, &sizes, iters).await?;
+    let report = smoke::smoke(&mut world, &sizes, iters).await?;
     println!(
         "{}",
         serde_json::to_string(&report).map_err(|e| Error::Usage(e.to_string()))?
@@ -1006,8 +1022,11 @@ mod tests {
 
     #[test]
     fn a_trace_times_every_step_and_a_picture_the_step_it_draws() {
-        let mut cfg =
-            Config::from_toml(include_str!("../examples/hsdp_2x2.toml"), "hsdp_2x2.toml").unwrap();
+        let mut cfg = Config::from_toml(
+            include_str!("../../examples/hsdp_2x2.toml"),
+            "hsdp_2x2.toml",
+        )
+        .unwrap();
         cfg.metrics.timing_every = 4;
         let args = |trace: Option<&str>, svg: Option<&str>, svg_step: Option<u64>| ObserveArgs {
             metrics: None,
@@ -1030,8 +1049,11 @@ mod tests {
 
     #[test]
     fn an_untimed_step_shows_its_device_figures_as_not_available() {
-        let cfg =
-            Config::from_toml(include_str!("../examples/hsdp_2x2.toml"), "hsdp_2x2.toml").unwrap();
+        let cfg = Config::from_toml(
+            include_str!("../../examples/hsdp_2x2.toml"),
+            "hsdp_2x2.toml",
+        )
+        .unwrap();
         let rt = tokio::runtime::Builder::new_current_thread()
             .enable_all()
             .build()

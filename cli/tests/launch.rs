@@ -142,7 +142,7 @@ fn a_job_without_a_secret_is_refused_with_advice() {
 #[test]
 fn cpu_ranks_under_launch_meet_and_agree() {
     let port = free_port().to_string();
-    let config = concat!(env!("CARGO_MANIFEST_DIR"), "/examples/hsdp_2x2.toml");
+    let config = concat!(env!("CARGO_MANIFEST_DIR"), "/../examples/hsdp_2x2.toml");
     let out = overlap()
         .args([
             "launch",
@@ -176,7 +176,7 @@ fn cpu_ranks_under_launch_meet_and_agree() {
 fn ranks_with_different_configs_are_stopped_with_the_field_that_differs() {
     let base = std::fs::read_to_string(concat!(
         env!("CARGO_MANIFEST_DIR"),
-        "/examples/hsdp_2x2.toml"
+        "/../examples/hsdp_2x2.toml"
     ))
     .unwrap();
     let other = base.replace("cap_bytes = 26214400", "cap_bytes = 1048576");
@@ -244,7 +244,7 @@ fn inconsistent_launcher_variables_are_named() {
 #[cfg(not(feature = "cuda"))]
 #[test]
 fn backend_cuda_without_the_feature_says_how_to_rebuild() {
-    let config = concat!(env!("CARGO_MANIFEST_DIR"), "/examples/gpu/gpu_2x1.toml");
+    let config = concat!(env!("CARGO_MANIFEST_DIR"), "/../examples/gpu/gpu_2x1.toml");
     for cmd in [["verify", "--config", config], ["run", "--config", config]] {
         let out = overlap().args(cmd).output().expect("overlap runs");
         assert_eq!(out.status.code(), Some(2));
@@ -285,7 +285,7 @@ fn sigterm_to_launch_stops_every_rank_and_each_rank_serves_its_own_metrics_port(
         .map(|_| free_port())
         .find(|&p| p < 65000 && TcpListener::bind(("127.0.0.1", p + 1)).is_ok())
         .expect("two free ports");
-    let config = concat!(env!("CARGO_MANIFEST_DIR"), "/examples/hsdp_2x2.toml");
+    let config = concat!(env!("CARGO_MANIFEST_DIR"), "/../examples/hsdp_2x2.toml");
     let metrics = format!("127.0.0.1:{base}");
     let mut launch = overlap()
         .args(["launch", "--nproc-per-node", "2", "--master-port"])
