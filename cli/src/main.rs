@@ -276,9 +276,28 @@ fn main() -> ExitCode {
         Ok(code) => code,
         Err(e) => {
             eprintln!("error: {}", printable_lines(&e.to_string()));
+            if matches!(e, Error::Exec(overlap::executor::ExecError::Timeout { .. })) {
+                exit_now(2);
+            }
             ExitCode::from(2)
         }
     }
+}
+
+/// Ends the process at once, without exit handlers or destructors: after a timed-out
+/// step the device may still run a kernel that never ends, and the CUDA driver's and
+/// NCCL's exit handlers wait for the device. The kernel ends with the process.
+fn exit_now(code: i32) -> ! {
+    use std::io::Write;
+    let _ = std::io::stdout().flush();
+    let _ = std::io::stderr().flush();
+    #[cfg(unix)]
+    // SAFETY: `_exit` only ends the process; the output was flushed above.
+    unsafe {
+        libc::_exit(code)
+    }
+    #[cfg(not(unix))]
+    std::process::exit(code)
 }
 
 /// A message as it may reach a terminal: control characters of names quoted in it

@@ -868,16 +868,35 @@ impl Backend for CudaBackend {
         lock(&self.shared.errors).clone()
     }
 
-    /// Aborts every NCCL communicator (`ncclCommAbort`: local and immediate; a
-    /// collective in flight on it ends with an error). The copy transport's rings stay
-    /// (their flag waits end with the process).
+    /// Aborts every NCCL communicator (`ncclCommAbort`; a collective in flight on it
+    /// ends with an error). The copy transport's rings stay (their flag waits end with
+    /// the process).
+    ///
+    /// The aborts run on a thread of their own, waited for at most [`ABORT_WAIT`]:
+    /// `ncclCommAbort` frees pinned host memory, which waits for the device, and a
+    /// device that runs a kernel that never ends (the hang a timeout is about) would
+    /// hold the caller there forever. Past the wait the thread is left behind, the
+    /// communicators are gone from the backend either way, and the caller goes on to
+    /// report the timeout (the process must exit: its device never becomes idle).
     fn abort(&self) {
-        let mut st = lock(&self.issue);
-        if self.shared.device.bind().is_err() {
+        let comms: Vec<nccl::Comm> = lock(&self.issue).comms.drain(..).collect();
+        if comms.is_empty() {
             return;
         }
-        for c in st.comms.drain(..) {
-            c.close();
+        let device = Arc::clone(&self.shared.device);
+        let (done, finished) = std::sync::mpsc::channel::<()>();
+        let spawned = std::thread::Builder::new()
+            .name("nccl-abort".into())
+            .spawn(move || {
+                if device.bind().is_ok() {
+                    for c in comms {
+                        c.close();
+                    }
+                }
+                let _ = done.send(());
+            });
+        if spawned.is_ok() {
+            let _ = finished.recv_timeout(ABORT_WAIT);
         }
     }
 
@@ -1687,6 +1706,9 @@ impl Drop for CudaBackend {
         st.scratch = Default::default();
     }
 }
+
+/// How long [`Backend::abort`] waits for `ncclCommAbort` before it leaves it behind.
+pub const ABORT_WAIT: Duration = Duration::from_secs(5);
 
 /// Waits (polling) until every stream has executed what was issued, up to `limit`.
 fn wait_idle(shared: &Shared, limit: Duration) -> bool {
