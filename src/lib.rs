@@ -23,7 +23,9 @@
 //! defaults) or load a [`Config`], make a [`Session`] on a backend ([`Session::cpu`], or
 //! [`Session::new`] with an [`ExecConfig`] and a [`CpuBackend`]; `Session::cuda` with the
 //! `cuda` feature), and drive it from your training loop; `examples/embed.rs` is the loop
-//! to copy.
+//! to copy, and `examples/train.rs` a complete trainer (a small MLP whose every rank
+//! computes its own gradients layer by layer, parameter groups, a warm-up + cosine
+//! schedule, clipping and a checkpoint mid-run, checked against a reference trainer).
 //!
 //! - **Runtime.** The session's methods are `async`: call them from a tokio runtime. A
 //!   current-thread runtime is enough (`tokio::runtime::Builder::new_current_thread()`);

@@ -210,8 +210,18 @@ impl<B: Backend> Session<B> {
     /// zero until [`Session::init_params`] sets them. `exec`'s parameter groups are
     /// resolved here, once: a group with a setting out of range, or that gets no
     /// parameter (its pattern matches none, or only parameters an earlier group took), is
-    /// an [`Error::Usage`] naming the group.
+    /// an [`Error::Usage`] naming the group. So is a clipping threshold
+    /// (`exec.clip.max_norm`) for a spec without the global-norm nodes
+    /// ([`PlanSpec::with_grad_norm`]), which would never clip.
     pub fn new(spec: PlanSpec, backend: Arc<B>, exec: ExecConfig) -> Result<Self, Error> {
+        if exec.clip.max_norm.is_some() && !spec.grad_norm {
+            return Err(Error::Usage(
+                "ExecConfig::clip.max_norm is set, but the plan spec has no global-norm nodes, so \
+                 nothing would clip: build the spec with PlanSpec::with_grad_norm(true) (a \
+                 config's [clip] sets both)"
+                    .into(),
+            ));
+        }
         let planner = Planner::new(spec)?;
         let mut layers: Vec<u32> = planner.params().iter().map(|p| p.spec.layer).collect();
         layers.sort_unstable_by(|a, b| b.cmp(a));

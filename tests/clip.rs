@@ -297,3 +297,28 @@ async fn a_nan_step_is_refused_with_on_nonfinite_error() {
     let r = step(&mut s, &gates, 3, None).await.unwrap();
     assert_eq!((r.step, r.skipped), (2, None));
 }
+
+#[test]
+fn a_max_norm_for_a_spec_without_the_norm_nodes_is_refused() {
+    // Without `with_grad_norm(true)` the plan has no norm or clip nodes: the threshold
+    // would be ignored.
+    let spec = common::mixed_spec(2, 2);
+    assert!(!spec.grad_norm);
+    let backend = Arc::new(CpuBackend::new(spec.mesh));
+    let exec = ExecConfig {
+        clip: ClipConfig {
+            max_norm: Some(1.0),
+            on_nonfinite: OnNonFinite::Skip,
+        },
+        ..ExecConfig::default()
+    };
+    match Session::new(spec, backend, exec) {
+        Err(e @ Error::Usage(_)) => assert!(e.to_string().contains("with_grad_norm"), "{e}"),
+        Err(e) => panic!("expected a usage error, got {e}"),
+        Ok(_) => panic!("a max_norm that can never clip must be refused"),
+    }
+    // Without a threshold the same spec is fine.
+    let spec = common::mixed_spec(2, 2);
+    let backend = Arc::new(CpuBackend::new(spec.mesh));
+    assert!(Session::new(spec, backend, ExecConfig::default()).is_ok());
+}

@@ -1,0 +1,109 @@
+//! `examples/train.rs`, the trainer: it learns, its session agrees with its independent
+//! reference trainer, and its mid-run checkpoint resumes bit for bit. The first test is the
+//! documented run, `cargo run --release --example train -- --steps 50 --json`.
+
+#[allow(dead_code)]
+#[path = "../examples/train.rs"]
+mod train;
+
+use train::{Args, TOLERANCE};
+
+#[test]
+fn the_trainer_learns_matches_its_reference_and_resumes_bit_exact() {
+    // The documented run: 50 steps on HSDP 2x2, 4 micro-batches.
+    let args = Args {
+        json: true,
+        ..Args::default()
+    };
+    let r = train::run(&args).unwrap();
+    assert_eq!((r.steps, r.mesh.as_str(), r.micro_batches), (50, "2x2", 4));
+    assert!(
+        r.loss_last <= 0.5 * r.loss_first,
+        "the loss must at least halve: {} -> {}",
+        r.loss_first,
+        r.loss_last
+    );
+    assert!(
+        r.reference_rel_err <= TOLERANCE,
+        "loss curve against the reference: {:e}",
+        r.reference_rel_err
+    );
+    assert!(
+        r.clip_norm_rel_err <= TOLERANCE,
+        "global norm against the reference: {:e}",
+        r.clip_norm_rel_err
+    );
+    assert!(
+        r.param_rel_err <= 1e-4,
+        "final parameters: {:e}",
+        r.param_rel_err
+    );
+    assert!(
+        r.clipped_steps > 0 && r.clipped_steps < r.steps,
+        "clipping must engage on some steps and not all: {}",
+        r.clipped_steps
+    );
+    assert!(r.resume_bit_exact);
+    assert!(r.ok);
+    // The JSON line carries every field the docs promise.
+    let json = serde_json::to_value(&r).unwrap();
+    for key in [
+        "steps",
+        "mesh",
+        "micro_batches",
+        "loss_first",
+        "loss_last",
+        "reference_rel_err",
+        "clip_norm_rel_err",
+        "resume_bit_exact",
+        "clipped_steps",
+        "ok",
+    ] {
+        assert!(json.get(key).is_some(), "{key} missing from {json}");
+    }
+}
+
+#[test]
+fn a_reference_whose_learning_rates_are_off_by_one_part_in_ten_thousand_is_caught() {
+    let args = Args {
+        steps: 10,
+        json: true,
+        reference_lr_scale: 1.0001,
+        ..Args::default()
+    };
+    let r = train::run(&args).unwrap();
+    assert!(
+        r.reference_rel_err > TOLERANCE,
+        "a 0.01% learning-rate difference must show in the loss curve: {:e}",
+        r.reference_rel_err
+    );
+    assert!(!r.ok);
+    // The session itself is untouched by the reference's rates.
+    assert!(r.resume_bit_exact);
+}
+
+#[test]
+fn the_trainer_runs_on_other_meshes() {
+    // Padded shards (3 ranks per shard group), three replicate groups, an odd number of
+    // micro-batches.
+    let args = Args {
+        steps: 6,
+        json: true,
+        mesh: overlap::Mesh::new(3, 3).unwrap(),
+        micro_batches: 3,
+        ..Args::default()
+    };
+    let r = train::run(&args).unwrap();
+    assert!(
+        r.reference_rel_err <= TOLERANCE,
+        "{:e}",
+        r.reference_rel_err
+    );
+    assert!(
+        r.clip_norm_rel_err <= TOLERANCE,
+        "{:e}",
+        r.clip_norm_rel_err
+    );
+    assert!(r.resume_bit_exact);
+    assert!(r.loss_last < r.loss_first);
+}
