@@ -103,7 +103,7 @@ impl Default for Args {
 }
 
 fn parse_mesh(s: &str) -> Result<Mesh, String> {
-    overlap::bench::parse_mesh(s).map_err(|e| e.to_string())
+    s.parse::<overlap::Mesh>().map_err(|e| e.to_string())
 }
 
 /// What a run found: the JSON line of `--json`.

@@ -170,17 +170,14 @@ fn mesh_str<S: serde::Serializer>(m: &Mesh, s: S) -> Result<S::Ok, S::Error> {
     s.serialize_str(&m.to_string())
 }
 
-/// Parses a mesh written `SxR` (`2x1`, `1x2`).
+/// Parses a mesh written `SxR` (`2x1`, `1x2`), for `--mesh`.
 pub fn parse_mesh(s: &str) -> Result<Mesh, Error> {
-    let bad = || {
+    s.parse::<Mesh>().map_err(|e| {
         Error::Usage(format!(
-            "--mesh: `{s}` is not SHARDxREPLICATE, e.g. 2x1 or 1x2"
+            "--mesh {}",
+            e.to_string().replacen("mesh: ", ": ", 1)
         ))
-    };
-    let (a, b) = s.split_once(['x', 'X']).ok_or_else(bad)?;
-    let shard = a.trim().parse::<u32>().map_err(|_| bad())?;
-    let replicate = b.trim().parse::<u32>().map_err(|_| bad())?;
-    Mesh::new(shard, replicate).map_err(|e| Error::Usage(format!("--mesh {s}: {e}")))
+    })
 }
 
 impl BenchArgs {

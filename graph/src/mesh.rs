@@ -162,6 +162,25 @@ impl Mesh {
     }
 }
 
+/// Parses a mesh written as [`Display`](std::fmt::Display) writes it, `SxR` (`2x1`,
+/// `2X2`), checked as [`Mesh::new`] checks it.
+impl std::str::FromStr for Mesh {
+    type Err = PlanError;
+
+    fn from_str(s: &str) -> Result<Mesh, PlanError> {
+        let bad = || {
+            PlanError::Mesh(format!(
+                "`{}` is not SHARDxREPLICATE, e.g. 2x1 or 1x2",
+                crate::export::printable(s)
+            ))
+        };
+        let (a, b) = s.split_once(['x', 'X']).ok_or_else(bad)?;
+        let shard = a.trim().parse::<u32>().map_err(|_| bad())?;
+        let replicate = b.trim().parse::<u32>().map_err(|_| bad())?;
+        Mesh::new(shard, replicate)
+    }
+}
+
 impl std::fmt::Display for Mesh {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         write!(f, "{}x{}", self.shard, self.replicate)
