@@ -33,7 +33,10 @@
 //! - **Order of calls.** Per step: for each micro-batch, [`Session::begin_micro_batch`]
 //!   with its gate, then [`Session::grad_ready`] once per layer in [`Session::layers`]
 //!   order (highest first, as backward produces them); then [`Session::step`], which runs
-//!   the optimizers and publishes and returns a [`StepReport`]. [`Session::zero_grad`]
+//!   the optimizers and publishes and returns a [`StepReport`]. A trainer that looks at
+//!   the reduced gradients before the update splits the step in two:
+//!   [`Session::reduce`] runs every reduction and waits, [`Session::reduced_grad`] reads
+//!   them, [`Session::step`] runs the rest (`tests/two_phase.rs`). [`Session::zero_grad`]
 //!   drops a step in progress. [`Session::init_params`], [`Session::param_values`],
 //!   [`Session::reduced_grad`], checkpoints ([`Session::save`], [`Session::load`]) and
 //!   the learning rate ([`Session::set_lr_factor`]) are for between steps. A call out of order is an

@@ -164,6 +164,9 @@ pub struct Session<B: Backend = CpuBackend> {
     step_plans: Vec<StepPlan>,
     /// Plans planned and validated so far.
     plans_built: u64,
+    /// The step [`Session::reduce`] reduced, waiting for [`Session::step`]: its gates and
+    /// plan.
+    reduced: Option<(Vec<Gate>, StepPlan)>,
 }
 
 impl Session<CpuBackend> {
@@ -236,6 +239,7 @@ impl<B: Backend> Session<B> {
             layers,
             gates: Vec::new(),
             layers_done: 0,
+            reduced: None,
             current: None,
             step_plans: Vec::new(),
             plans_built: 0,
@@ -482,6 +486,15 @@ impl<B: Backend> Session<B> {
         }
     }
 
+    fn check_not_reduced(&self, what: &str) -> Result<(), Error> {
+        if self.reduced.is_some() {
+            return Err(Error::Usage(format!(
+                "{what} after reduce(): the reduced step waits for step() (or zero_grad())"
+            )));
+        }
+        Ok(())
+    }
+
     fn check_micro_batch_complete(&self, what: &str) -> Result<(), Error> {
         if !self.gates.is_empty() && self.layers_done < self.layers.len() {
             let missing: Vec<String> = self.layers[self.layers_done..]
@@ -500,6 +513,7 @@ impl<B: Backend> Session<B> {
     /// Starts a micro-batch with its gate (FSDP2's `set_requires_gradient_sync` and
     /// `set_requires_all_reduce`, as one value).
     pub async fn begin_micro_batch(&mut self, gate: Gate) -> Result<(), Error> {
+        self.check_not_reduced("begin_micro_batch")?;
         self.check_micro_batch_complete("begin_micro_batch")?;
         let k = self.gates.len();
         let covered = self
@@ -529,6 +543,7 @@ impl<B: Backend> Session<B> {
         layer: u32,
         fill: impl FnMut(u32, ParamId, &mut [f32]),
     ) -> Result<(), Error> {
+        self.check_not_reduced("grad_ready")?;
         let Some(m) = self.gates.len().checked_sub(1) else {
             return Err(Error::Usage("grad_ready before begin_micro_batch".into()));
         };
@@ -547,26 +562,56 @@ impl<B: Backend> Session<B> {
         Ok(())
     }
 
-    /// Ends the step: validates the whole step's plan, runs the optimizers and the
-    /// publishes, and waits for the device. A step whose last micro-batches left partials
-    /// or no_sync accumulations is an [`Error::Unflushed`] naming the parameters; the
-    /// micro-batches stay pending until a gate-on micro-batch or [`Session::zero_grad`].
-    pub async fn step(&mut self) -> Result<StepReport, Error> {
+    /// Validates the whole step's plan and has the executor adopt it: the gates and plan
+    /// of the step that [`Session::step`] or [`Session::reduce`] runs.
+    fn adopt_step(&mut self, what: &str) -> Result<(Vec<Gate>, StepPlan), Error> {
         if self.gates.is_empty() {
-            return Err(Error::Usage("step() without any micro-batch".into()));
+            return Err(Error::Usage(format!("{what} without any micro-batch")));
         }
-        self.check_micro_batch_complete("step()")?;
+        self.check_micro_batch_complete(what)?;
         let gates = std::mem::take(&mut self.gates);
-        let StepPlan { plan, stage2 } = match self.cached_step_plan(&gates) {
+        let step_plan = match self.cached_step_plan(&gates) {
             Ok(p) => p,
             Err(e) => {
                 self.gates = gates;
                 return Err(e);
             }
         };
-        self.executor.adopt(&plan);
-        self.current = Some(plan.clone());
+        self.executor.adopt(&step_plan.plan);
+        self.current = Some(step_plan.plan.clone());
         self.layers_done = 0;
+        Ok((gates, step_plan))
+    }
+
+    /// The first phase of a two-phase step: validates the step's plan, runs every
+    /// reduction of every micro-batch handed in, and waits for the device, so that
+    /// [`Session::reduced_grad`] reads each parameter's reduced gradient (the no_sync
+    /// reference, before any clipping) before [`Session::step`] runs the global norm,
+    /// the clip, the optimizers and the publishes. Between the two, only reads
+    /// ([`Session::reduced_grad`], [`Session::param_values`]) and
+    /// [`Session::zero_grad`] (which drops the step) are allowed.
+    ///
+    /// It costs one wait for the device that a plain [`Session::step`] does not (the
+    /// optimizers of a plain step start as soon as the host issues them); a failure of
+    /// the reductions ends the step here, as [`Session::step`]'s would.
+    pub async fn reduce(&mut self) -> Result<(), Error> {
+        self.check_not_reduced("reduce()")?;
+        let (gates, step_plan) = self.adopt_step("reduce()")?;
+        self.executor.reduce_step().await?;
+        self.reduced = Some((gates, step_plan));
+        Ok(())
+    }
+
+    /// Ends the step: validates the whole step's plan, runs the optimizers and the
+    /// publishes, and waits for the device. A step whose last micro-batches left partials
+    /// or no_sync accumulations is an [`Error::Unflushed`] naming the parameters; the
+    /// micro-batches stay pending until a gate-on micro-batch or [`Session::zero_grad`].
+    /// After [`Session::reduce`], it runs the rest of the reduced step.
+    pub async fn step(&mut self) -> Result<StepReport, Error> {
+        let (gates, StepPlan { plan, stage2 }) = match self.reduced.take() {
+            Some(reduced) => reduced,
+            None => self.adopt_step("step()")?,
+        };
         let lr_factor = self.executor.lr_factor();
         let stats = match self.executor.finish_step().await {
             Ok(s) => s,
@@ -596,6 +641,7 @@ impl<B: Backend> Session<B> {
     /// handed in so far.
     pub async fn zero_grad(&mut self) -> Result<(), Error> {
         self.gates.clear();
+        self.reduced = None;
         self.layers_done = 0;
         self.executor.discard().await?;
         Ok(())
@@ -612,7 +658,10 @@ impl<B: Backend> Session<B> {
         Ok(self.executor.read(rank, Buffer::Param { param })?)
     }
 
-    /// The reduced gradient a rank's optimizer consumed for a parameter in the last step.
+    /// The reduced gradient of a parameter on a rank (its shard, or the whole tensor on
+    /// the owner): after [`Session::reduce`], what the optimizer is about to consume
+    /// (before clipping); after a step, what the last step's optimizer consumed (after
+    /// clipping). `None` where the rank holds none of it.
     pub fn reduced_grad(&self, rank: u32, param: ParamId) -> Result<Option<Vec<f32>>, Error> {
         Ok(self.executor.read(rank, Buffer::Reduced { param })?)
     }

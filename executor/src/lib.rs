@@ -847,6 +847,49 @@ impl<B: Backend> Executor<B> {
         self.check_issued(results)
     }
 
+    /// Issues the step's plan up to its optimizer and publish tail (every reduction of
+    /// every micro-batch, nothing of the global norm, the clip, the optimizers or the
+    /// publishes) and waits for the device, so that the reduced gradients can be read
+    /// ([`Executor::read`] of `Buffer::Reduced`) before [`Executor::finish_step`] updates
+    /// the parameters. Costs one wait for the device. The failures of the issued nodes
+    /// end the step as [`Executor::finish_step`]'s do.
+    pub async fn reduce_step(&mut self) -> Result<(), ExecError> {
+        let backend = self.backend.clone();
+        let ctx = self.ctx()?;
+        let ends: Vec<usize> = self
+            .ranks
+            .iter()
+            .map(|r| {
+                r.prepared.as_ref().map_or(0, |p| {
+                    let nodes = &p.plan.rank(r.rank).nodes;
+                    nodes
+                        .iter()
+                        .position(|n| n.micro_batch.is_none())
+                        .unwrap_or(nodes.len())
+                })
+            })
+            .collect();
+        let results = join_all(
+            self.ranks
+                .iter_mut()
+                .zip(ends)
+                .map(|(r, end)| r.issue_until(&backend, end, &ctx)),
+        )
+        .await;
+        self.check_issued(results)?;
+        let failures = self.drain().await?;
+        if !failures.is_empty() {
+            self.step_start = None;
+            self.backend.reset();
+            for r in &mut self.ranks {
+                r.end_step(false);
+            }
+            self.prune_prepared();
+            return Err(ExecError::Step { failures });
+        }
+        Ok(())
+    }
+
     /// Issues the rest of the step's plan (its optimizer and publish tail), waits for the
     /// device, and returns the step's figures, or the failures of its nodes.
     pub async fn finish_step(&mut self) -> Result<StepStats, ExecError> {
