@@ -13,9 +13,9 @@
 //! [`checkpoint`] saves and restores a session (parameters, optimizer state, step
 //! counter) as per-rank safetensors files with a manifest, onto the same mesh or another.
 //!
-//! [`observe`] shows what ran: Prometheus metrics of every step (one call,
-//! [`observe::metrics::install_prometheus`]), Chrome traces for Perfetto and a Gantt
-//! picture of a step.
+//! [`observe`] shows what ran: Prometheus metrics of every step (with the `metrics`
+//! feature, one call: `observe::metrics::install_prometheus`), Chrome traces for
+//! Perfetto and a Gantt picture of a step.
 //!
 //! # Embedding it in a trainer
 //!
@@ -54,8 +54,9 @@
 //! Multi-process jobs (one process per GPU): [`dist`] reads a rank's place in the job
 //! from the launcher's environment, [`rendezvous`] connects the ranks over TCP (authenticated with the job's secret)
 //! and [`fingerprint`] lets them check that they will run the same thing,
-//! [`launch`] is `overlap launch`, and `cuda` (with the `cuda` feature) runs sessions on
-//! the CUDA + NCCL backend.
+//! and `cuda` (with the `cuda` feature) runs sessions on the CUDA + NCCL backend. The
+//! `overlap` command line, its launcher and the GPU benchmarks are the `overlap-cli`
+//! crate, not part of this library.
 
 pub mod checkpoint;
 pub mod config;

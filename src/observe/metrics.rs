@@ -1,16 +1,16 @@
-//! Prometheus metrics of every step, through the [`metrics`] facade.
+//! Prometheus metrics of every step, through the `metrics` facade.
 //!
-//! One call, [`install_prometheus`], serves `/metrics` on an address and turns recording
+//! One call, `install_prometheus`, serves `/metrics` on an address and turns recording
 //! on; from then on every [`Session::step`](crate::Session::step) records its step and
 //! every plan the validator rejects counts. A trainer that installs its own `metrics`
-//! recorder calls [`enable`] instead.
+//! recorder calls `enable` instead.
 //!
 //! Names follow Prometheus' conventions (base units, `_total` counters) and labels are
 //! low-cardinality (`op`, `stream`, `collective`, `gate`, `buffer`, `invariant`,
 //! `micro_batch`, `group`, `optimizer`); the full list with meanings is [`METRICS`]. Per-step figures that are
 //! durations are histograms (a dashboard divides the rates of `_sum` and `_count` for the
 //! mean per step); the others are gauges holding the last step's value. Quantities over
-//! the local ranks are as [`StepAnalysis`] defines them. The figures that need kernel
+//! the local ranks are as [`StepAnalysis`](crate::observe::StepAnalysis) defines them. The figures that need kernel
 //! timings (device span, stream busy, exposed communication, η, op durations, bus
 //! bandwidth) come from timed steps only (`[metrics] timing_every`), the rest from every
 //! step.
