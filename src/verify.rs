@@ -12,7 +12,15 @@
 //! reference. It is the max-norm relative error, normalised so that a piece whose
 //! gradients cancel to nearly zero (a 1-element shard, say) is judged by the rounding a
 //! sum of its inputs must incur, not divided by its accidental smallness: float
-//! summation's error bound is proportional to `Σ |g|`, not to `|Σ g|`.
+//! summation's error bound is proportional to `Σ |g|`, not to `|Σ g|`. A NaN or an
+//! infinity where the reference is finite is the largest error (`f64::MAX`).
+//!
+//! With `[clip]` ([`NormCheck`]) the step's global norm is compared with the
+//! reference's (f64, every element of every parameter once), and the reference gradient
+//! is scaled by the clip factor of the reference's norm before the comparison (the
+//! optimizers consume the clipped gradient). A step skipped as non-finite is expected
+//! only where `OVERLAP_FAULT` injects a NaN (`mode=nan`): its gradients are not compared
+//! (they hold the NaN), and any other skip, or a NaN step that is not skipped, fails.
 
 use std::collections::BTreeMap;
 
@@ -54,15 +62,193 @@ pub struct VerifyReport {
     pub param_tolerance: f64,
     /// Where the worst gradient error was seen (`step 2, rank 1, blocks.0.qkv`).
     pub worst_at: String,
+    /// With `[clip]`: the norm checks ([`NormFigures`]).
+    #[serde(flatten)]
+    pub norm: Option<NormFigures>,
 }
 
-/// Relative error `max |a - b| / max(max |b|, max magnitude)` (0 when equal).
-pub fn rel_err(a: &[f32], b: &[f64], magnitude: &[f64]) -> f64 {
-    let num = a
+/// What `overlap verify` found of the global gradient norm with `[clip]` (flattened into
+/// [`VerifyReport`]'s JSON).
+#[derive(Debug, Clone, Default, PartialEq, Serialize, serde::Deserialize)]
+pub struct NormFigures {
+    /// Each step's global norm as the session under test reported it (on the CUDA
+    /// backend, the GPU's); `null` for a non-finite one.
+    pub grad_norms: Vec<Option<f64>>,
+    /// Worst relative error of a finite step's norm against the reference's (f64).
+    pub grad_norm_rel_err: f64,
+    /// CUDA backend only: worst relative difference of the GPU's norm from the CPU
+    /// backend's, step by step (0 when both are non-finite, `f64::MAX` when one is).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub grad_norm_cpu_rel_err: Option<f64>,
+    /// Steps skipped as non-finite.
+    pub skipped_steps: u64,
+    /// Steps skipped as `OVERLAP_FAULT` (`mode=nan`) makes one: the step it names, when
+    /// it is within the run; otherwise 0.
+    pub expected_skips: u64,
+}
+
+impl NormFigures {
+    /// Whether the norms are within `tol` and exactly the expected steps were skipped.
+    pub fn ok(&self, tol: f64) -> bool {
+        self.grad_norm_rel_err <= tol
+            && self.grad_norm_cpu_rel_err.map_or(true, |e| e <= tol)
+            && self.skipped_steps == self.expected_skips
+    }
+
+    /// Folds another rank's figures into these (worst errors; the norms and skips are
+    /// the same on every rank, kept from the first).
+    pub fn merge(&mut self, other: &NormFigures) {
+        self.grad_norm_rel_err = self.grad_norm_rel_err.max(other.grad_norm_rel_err);
+        self.grad_norm_cpu_rel_err = match (self.grad_norm_cpu_rel_err, other.grad_norm_cpu_rel_err)
+        {
+            (Some(a), Some(b)) => Some(a.max(b)),
+            (a, b) => a.or(b),
+        };
+        self.skipped_steps = self.skipped_steps.max(other.skipped_steps);
+    }
+}
+
+/// The global-norm side of a verification (`[clip]`): what to compare each step with.
+#[derive(Debug, Clone)]
+pub struct NormCheck {
+    max_norm: Option<f32>,
+    /// The 0-based step `OVERLAP_FAULT` (`mode=nan`) makes non-finite, if any.
+    nan_step: Option<u64>,
+    figures: NormFigures,
+}
+
+/// What one step's gradients are compared with, after [`NormCheck::step`].
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub enum StepCheck {
+    /// Compare, with the reference scaled by this clip factor (1 when nothing clips).
+    Compare(f64),
+    /// The step was skipped as non-finite: its gradients are not compared.
+    Skipped,
+}
+
+impl NormCheck {
+    /// The checks for a config (`None` without `[clip]`) run for `steps` steps, with the
+    /// fault `OVERLAP_FAULT` names (which the sessions inject too).
+    pub fn of(config: &Config, steps: u64) -> Result<Option<NormCheck>, Error> {
+        let Some(clip) = config.clip else {
+            return Ok(None);
+        };
+        let fault = overlap_executor::Fault::from_env().map_err(Error::Usage)?;
+        let nan_step = fault
+            .filter(|f| {
+                f.mode == overlap_executor::FaultMode::Nan && f.rank < config.plan.mesh.world()
+            })
+            .map(|f| f.step - 1);
+        Ok(Some(NormCheck {
+            max_norm: clip.max_norm,
+            nan_step,
+            figures: NormFigures {
+                expected_skips: u64::from(nan_step.is_some_and(|s| s < steps)),
+                ..NormFigures::default()
+            },
+        }))
+    }
+
+    /// Checks step `step`'s (0-based) report against the reference, and `cpu`'s norm
+    /// (the CPU backend's report of the same step) when given; says how to compare the
+    /// step's gradients.
+    pub fn step(
+        &mut self,
+        config: &Config,
+        params: &[overlap_graph::PlacedParam],
+        (step, micro_batches): (u64, u32),
+        report: &crate::StepReport,
+        cpu: Option<&crate::StepReport>,
+    ) -> StepCheck {
+        let f = &mut self.figures;
+        let got = report.grad_norm.unwrap_or(f64::NAN);
+        f.grad_norms.push(got.is_finite().then_some(got));
+        if let Some(cpu) = cpu {
+            let e = norm_diff(got, cpu.grad_norm.unwrap_or(f64::NAN));
+            f.grad_norm_cpu_rel_err = Some(f.grad_norm_cpu_rel_err.unwrap_or(0.0).max(e));
+        }
+        let skipped = report.skipped.is_some();
+        let nan_here = self.nan_step == Some(step);
+        if skipped {
+            f.skipped_steps += 1;
+        }
+        if skipped != nan_here {
+            // A skip nobody injected, or an injected NaN the norm did not see.
+            f.grad_norm_rel_err = f64::MAX;
+        }
+        if skipped {
+            return StepCheck::Skipped;
+        }
+        let want = reference_norm(config, step, micro_batches, params);
+        f.grad_norm_rel_err = f.grad_norm_rel_err.max(norm_diff(got, want));
+        StepCheck::Compare(clip_factor(self.max_norm, want))
+    }
+
+    /// The figures after the last step.
+    pub fn finish(self) -> NormFigures {
+        self.figures
+    }
+}
+
+/// `|a - b| / |b|` of two norms: 0 when both are non-finite (both skipped), `f64::MAX`
+/// when only one is (or the difference is not finite).
+fn norm_diff(a: f64, b: f64) -> f64 {
+    match (a.is_finite(), b.is_finite()) {
+        (false, false) => 0.0,
+        (true, true) => {
+            let d = (a - b).abs() / b.abs().max(f64::MIN_POSITIVE);
+            if d.is_finite() {
+                d
+            } else {
+                f64::MAX
+            }
+        }
+        _ => f64::MAX,
+    }
+}
+
+/// The factor torch's `clip_grad_norm_` scales by, in f64, for a norm `norm`:
+/// `min(1, max_norm / (norm + 1e-6))`; 1 without `max_norm`.
+pub fn clip_factor(max_norm: Option<f32>, norm: f64) -> f64 {
+    max_norm.map_or(1.0, |m| (f64::from(m) / (norm + 1e-6)).min(1.0))
+}
+
+/// The reference's global L2 norm of step `step` (every element of every parameter
+/// once, from [`reference_grad`], in f64).
+pub fn reference_norm(
+    config: &Config,
+    step: u64,
+    micro_batches: u32,
+    params: &[overlap_graph::PlacedParam],
+) -> f64 {
+    params
         .iter()
-        .zip(b)
-        .map(|(x, y)| (f64::from(*x) - y).abs())
-        .fold(0.0, f64::max);
+        .enumerate()
+        .map(|(i, p)| {
+            let (g, _) = reference_grad(
+                config,
+                step,
+                micro_batches,
+                i as ParamId,
+                p.spec.numel() as usize,
+            );
+            g.iter().map(|x| x * x).sum::<f64>()
+        })
+        .sum::<f64>()
+        .sqrt()
+}
+
+/// Relative error `max |a - b| / max(max |b|, max magnitude)` (0 when equal;
+/// `f64::MAX` when a difference is NaN or infinite: a NaN must not pass for a match).
+pub fn rel_err(a: &[f32], b: &[f64], magnitude: &[f64]) -> f64 {
+    let mut num = 0.0f64;
+    for (x, y) in a.iter().zip(b) {
+        let d = (f64::from(*x) - y).abs();
+        if !d.is_finite() {
+            return f64::MAX;
+        }
+        num = num.max(d);
+    }
     let den = b
         .iter()
         .chain(magnitude)
@@ -107,17 +293,32 @@ pub async fn verify(
     let mut worst = 0.0f64;
     let mut worst_at = String::new();
     let mut partials_left = 0;
+    let mut norms = NormCheck::of(&config, steps)?;
     for step in 0..steps {
         let report = synthetic_step(&mut gated, seed, step, &gates).await?;
         partials_left += report.stats.partials_left;
         synthetic_step(&mut reference, seed, step, &ref_gates).await?;
+        let micro_batches = gates.len() as u32;
+        let factor = match norms.as_mut() {
+            None => 1.0,
+            Some(n) => match n.step(&config, &params, (step, micro_batches), &report, None) {
+                StepCheck::Compare(f) => f,
+                StepCheck::Skipped => {
+                    progress(step + 1);
+                    continue;
+                }
+            },
+        };
         for (i, p) in params.iter().enumerate() {
-            let (full, magnitude) = reference_grad(
-                &config,
-                step,
-                gates.len() as u32,
-                i as ParamId,
-                p.spec.numel() as usize,
+            let (full, magnitude) = clipped(
+                reference_grad(
+                    &config,
+                    step,
+                    micro_batches,
+                    i as ParamId,
+                    p.spec.numel() as usize,
+                ),
+                factor,
             );
             for rank in mesh.ranks() {
                 let Some(got) = gated.reduced_grad(rank, i as ParamId)? else {
@@ -150,7 +351,11 @@ pub async fn verify(
             }
         }
     }
-    let ok = worst <= grad_tol && param_rel_err <= param_tol && partials_left == 0;
+    let norm = norms.map(NormCheck::finish);
+    let ok = worst <= grad_tol
+        && param_rel_err <= param_tol
+        && partials_left == 0
+        && norm.as_ref().map_or(true, |n| n.ok(grad_tol));
     Ok(VerifyReport {
         ok,
         worst_rel_err: worst,
@@ -164,7 +369,22 @@ pub async fn verify(
         grad_tolerance: grad_tol,
         param_tolerance: param_tol,
         worst_at,
+        norm,
     })
+}
+
+/// A reference gradient and its magnitude scaled by a clip factor (as they are when it
+/// is 1).
+pub fn clipped(
+    (mut full, mut magnitude): (Vec<f64>, Vec<f64>),
+    factor: f64,
+) -> (Vec<f64>, Vec<f64>) {
+    if factor != 1.0 {
+        full.iter_mut()
+            .chain(magnitude.iter_mut())
+            .for_each(|x| *x *= factor);
+    }
+    (full, magnitude)
 }
 
 /// The exact reduced gradient of a parameter in a step (every rank's sum over the

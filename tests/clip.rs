@@ -322,3 +322,51 @@ fn a_max_norm_for_a_spec_without_the_norm_nodes_is_refused() {
     let backend = Arc::new(CpuBackend::new(spec.mesh));
     assert!(Session::new(spec, backend, ExecConfig::default()).is_ok());
 }
+
+/// `OVERLAP_FAULT`'s `mode=nan` (here [`ExecConfig::fault`]): a NaN written into one
+/// reduced gradient just before the rank's norm makes the step non-finite on every
+/// rank, on every mesh and transport, whichever rank it names; the step is skipped and
+/// the next proceeds.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_injected_nan_skips_the_step_on_every_mesh() {
+    use overlap::executor::{Fault, FaultMode};
+    for (shard, replicate) in MESHES {
+        for transport in [Transport::Nccl, Transport::Copy] {
+            // The last rank of the first replicate index: it counts its shards.
+            let rank = shard - 1;
+            let spec = common::mixed_spec(shard, replicate)
+                .with_grad_norm(true)
+                .with_schedule(Schedule {
+                    transport,
+                    ..Schedule::default()
+                });
+            let backend = Arc::new(CpuBackend::new(Mesh::new(shard, replicate).unwrap()));
+            let exec = ExecConfig {
+                clip: ClipConfig {
+                    max_norm: Some(0.5),
+                    on_nonfinite: OnNonFinite::Skip,
+                },
+                fault: Some(Fault {
+                    rank,
+                    kind: "grad_norm",
+                    step: 2,
+                    mode: FaultMode::Nan,
+                }),
+                ..ExecConfig::default()
+            };
+            let mut s = Session::new(spec, backend, exec).unwrap();
+            let gates = [Gate::ReplicateOff, Gate::On];
+            let r1 = step(&mut s, &gates, 1, None).await.unwrap();
+            assert_eq!(r1.skipped, None);
+            let before = state(&s);
+            let r2 = step(&mut s, &gates, 2, None).await.unwrap();
+            let what = format!("{shard}x{replicate} {transport:?}");
+            assert_eq!(r2.skipped, Some("nonfinite"), "{what}");
+            assert!(r2.grad_norm.unwrap().is_nan(), "{what}");
+            assert_eq!(state(&s), before, "{what}: a skipped step changed state");
+            let r3 = step(&mut s, &gates, 3, None).await.unwrap();
+            assert_eq!((r3.step, r3.skipped), (2, None), "{what}");
+            assert!(r3.grad_norm.unwrap().is_finite(), "{what}");
+        }
+    }
+}

@@ -1,15 +1,21 @@
-//! Fault injection for tests: make one rank's first node of a kind, in one step, fail or
-//! hang ([`ExecConfig::fault`], set from the `OVERLAP_FAULT` environment variable by
-//! the `overlap` CLI).
+//! Fault injection for tests: make one rank's first node of a kind, in one step, fail,
+//! hang, or (for the global norm) see a NaN gradient ([`ExecConfig::fault`], set from
+//! the `OVERLAP_FAULT` environment variable by the `overlap` CLI).
 //!
 //! The executor does it on every backend by launching an extra kernel on the node's
 //! stream just before the node's own: for `fail`, a kernel that fails its checks (an add
 //! of a 2-element buffer into a 1-element one), which poisons the stream as any device
 //! failure does; for `hang`, a [`Kernel::Spin`] of `u32::MAX` µs (71 minutes), which the
-//! step timeout catches. Both carry the tag [`FAULT_OP`], so reports name the injection.
+//! step timeout catches; for `nan` (only before a `grad_norm` node, i.e. with `[clip]`),
+//! a one-element [`Kernel::Unpack`] that writes NaN into element 0 of the first reduced
+//! gradient the rank counts in the global norm, so the norm is NaN on every rank and the
+//! step is skipped or refused (`[clip] on_nonfinite`), as a NaN from a real backward
+//! would make it. All carry the tag [`FAULT_OP`], so reports and timelines name the
+//! injection.
 //!
 //! [`ExecConfig::fault`]: crate::ExecConfig::fault
 //! [`Kernel::Spin`]: overlap_ops::Kernel::Spin
+//! [`Kernel::Unpack`]: overlap_ops::Kernel::Unpack
 
 use overlap_graph::Op;
 
@@ -19,6 +25,9 @@ pub const FAULT_VAR: &str = "OVERLAP_FAULT";
 /// The tag (`Tag::op`) of an injected kernel.
 pub const FAULT_OP: &str = "injected_fault";
 
+/// The node kind a [`FaultMode::Nan`] fault names.
+pub const NAN_KIND: &str = "grad_norm";
+
 /// What an injected fault does.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum FaultMode {
@@ -26,10 +35,25 @@ pub enum FaultMode {
     Fail,
     /// The kernel never ends (until the process exits or the CPU backend is dropped).
     Hang,
+    /// Element 0 of the first reduced gradient the rank counts in the global norm
+    /// (`Plan::norm_params`) becomes NaN just before its `grad_norm` node: a test hook
+    /// for non-finite steps (`[clip]`). Only with `kind=grad_norm`.
+    Nan,
+}
+
+impl FaultMode {
+    /// The name in `mode=`.
+    pub fn name(self) -> &'static str {
+        match self {
+            FaultMode::Fail => "fail",
+            FaultMode::Hang => "hang",
+            FaultMode::Nan => "nan",
+        }
+    }
 }
 
 /// A fault to inject: rank `rank`'s first node of kind `kind` in step `step` (1-based,
-/// the executor's step number) fails or hangs.
+/// the executor's step number) fails, hangs, or reads a NaN gradient.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct Fault {
     /// Global rank.
@@ -38,13 +62,14 @@ pub struct Fault {
     pub kind: &'static str,
     /// The step, from 1.
     pub step: u64,
-    /// Fail or hang.
+    /// Fail, hang or NaN.
     pub mode: FaultMode,
 }
 
 impl Fault {
-    /// Parses `rank=R,kind=K,step=S[,mode=fail|hang]` (mode `fail` by default). Every
-    /// key at most once, no other key; the error says what is wrong.
+    /// Parses `rank=R,kind=K,step=S[,mode=fail|hang|nan]` (mode `fail` by default;
+    /// `nan` needs `kind=grad_norm`). Every key at most once, no other key; the error
+    /// says what is wrong.
     pub fn parse(s: &str) -> Result<Fault, String> {
         let (mut rank, mut kind, mut step, mut mode) = (None, None, None, None);
         for part in s.split(',') {
@@ -89,7 +114,8 @@ impl Fault {
                     mode = Some(match value {
                         "fail" => FaultMode::Fail,
                         "hang" => FaultMode::Hang,
-                        _ => return Err(format!("mode `{value}` is not `fail` or `hang`")),
+                        "nan" => FaultMode::Nan,
+                        _ => return Err(format!("mode `{value}` is not `fail`, `hang` or `nan`")),
                     });
                 }
                 _ => {
@@ -100,12 +126,19 @@ impl Fault {
             }
         }
         let missing = |what: &str| format!("`{what}=` is missing");
-        Ok(Fault {
+        let fault = Fault {
             rank: rank.ok_or_else(|| missing("rank"))?,
             kind: kind.ok_or_else(|| missing("kind"))?,
             step: step.ok_or_else(|| missing("step"))?,
             mode: mode.unwrap_or(FaultMode::Fail),
-        })
+        };
+        if fault.mode == FaultMode::Nan && fault.kind != NAN_KIND {
+            return Err(format!(
+                "mode `nan` writes NaN into a reduced gradient just before the rank's global norm: it needs kind={NAN_KIND}, got kind={}",
+                fault.kind
+            ));
+        }
+        Ok(fault)
     }
 
     /// The fault `OVERLAP_FAULT` names, if it is set (and not empty); a malformed value
@@ -131,14 +164,13 @@ impl Fault {
 
 impl std::fmt::Display for Fault {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        let mode = match self.mode {
-            FaultMode::Fail => "fail",
-            FaultMode::Hang => "hang",
-        };
         write!(
             f,
-            "rank={},kind={},step={},mode={mode}",
-            self.rank, self.kind, self.step
+            "rank={},kind={},step={},mode={}",
+            self.rank,
+            self.kind,
+            self.step,
+            self.mode.name()
         )
     }
 }
@@ -164,6 +196,9 @@ mod tests {
             Fault::parse("step=1, rank=0, kind=pack").unwrap().mode,
             FaultMode::Fail
         );
+        let nan = Fault::parse("rank=0,kind=grad_norm,step=2,mode=nan").unwrap();
+        assert_eq!((nan.mode, nan.kind), (FaultMode::Nan, "grad_norm"));
+        assert_eq!(Fault::parse(&nan.to_string()).unwrap(), nan);
         for (bad, says) in [
             ("rank=1,kind=stage1", "`step=` is missing"),
             ("rank=x,kind=stage1,step=1", "rank `x`"),
@@ -173,6 +208,7 @@ mod tests {
             ),
             ("rank=1,kind=pack,step=0", "step `0`"),
             ("rank=1,kind=pack,step=1,mode=slow", "mode `slow`"),
+            ("rank=1,kind=pack,step=1,mode=nan", "needs kind=grad_norm"),
             ("rank=1,rank=2,kind=pack,step=1", "`rank` is given twice"),
             ("rank=1,kind=pack,step=1,node=3", "unknown key `node`"),
             (

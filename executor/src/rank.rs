@@ -278,7 +278,13 @@ impl<B: Backend> RankState<B> {
 
     /// Injects `ctx.fault` before node `n`'s kernel on its stream, if it names this rank,
     /// this node's kind and this step, the first time only (`fault.rs`).
-    fn inject(&mut self, backend: &B, n: u32, kind: &'static str, stream: Stream, ctx: &IssueCtx) {
+    fn inject(
+        &mut self,
+        backend: &B,
+        plan: &Plan,
+        (n, kind, stream): (u32, &'static str, Stream),
+        ctx: &IssueCtx,
+    ) {
         let Some(fault) = ctx.fault else {
             return;
         };
@@ -293,6 +299,13 @@ impl<B: Backend> RankState<B> {
         };
         let kernel = match fault.mode {
             crate::FaultMode::Hang => Kernel::Spin { micros: u32::MAX },
+            crate::FaultMode::Nan => match self.nan_write(backend, plan) {
+                Ok(k) => k,
+                Err(e) => {
+                    self.issue_errors.push(e);
+                    return;
+                }
+            },
             crate::FaultMode::Fail => {
                 // An add of 2 elements into 1 fails its checks on every backend.
                 match (backend.alloc(self.rank, 1), backend.alloc(self.rank, 2)) {
@@ -309,6 +322,37 @@ impl<B: Backend> RankState<B> {
             }
         };
         backend.launch(self.rank, stream, tag, kernel);
+    }
+
+    /// The kernel of a [`crate::FaultMode::Nan`] fault: a one-element unpack of NaN into
+    /// element 0 of the first non-empty reduced gradient this rank counts in the global
+    /// norm ([`Plan::norm_params`]). Launched just before the rank's `grad_norm` node,
+    /// after the waits that order it after every write of that gradient.
+    fn nan_write(&self, backend: &B, plan: &Plan) -> Result<Kernel<B::Buffer>, OpsError> {
+        let target = plan.norm_params(self.rank).into_iter().find_map(|param| {
+            let buf = self.buffers.get(&Buffer::Reduced { param })?;
+            (backend.len(buf) > 0).then(|| (param, buf.clone()))
+        });
+        let Some((param, dst)) = target else {
+            return Err(OpsError::Backend(format!(
+                "{}: mode=nan found no gradient element rank {} counts in the global norm (put it on another rank)",
+                crate::FAULT_VAR,
+                self.rank
+            )));
+        };
+        let src = backend.alloc(self.rank, 1)?;
+        backend.upload(&src, &[f32::NAN])?;
+        let seg = CopySeg {
+            param,
+            src: 0,
+            dst: 0,
+            len: 1,
+        };
+        Ok(Kernel::Unpack {
+            src,
+            segs: Arc::from(vec![(seg, dst)]),
+            accumulate: false,
+        })
     }
 
     fn run(
@@ -373,7 +417,7 @@ impl<B: Backend> RankState<B> {
         };
         let stream = node.stream;
         self.last_issued[stream.index()] = Some(n as u32);
-        self.inject(backend, n as u32, node.op.kind(), stream, ctx);
+        self.inject(backend, plan, (n as u32, node.op.kind(), stream), ctx);
         // Time inside the backend, for `launch_by_kind`.
         let spent = std::cell::Cell::new(0.0f64);
         let launch = |k: Kernel<B::Buffer>| {

@@ -490,6 +490,9 @@ pub enum Kernel<B> {
     },
     /// `dst[0] = Σ x²` over every element of `srcs` (accumulated in f64, stored in
     /// f32): a rank's share of the squared global gradient norm ([`math::sum_squares`]).
+    /// The CUDA backend adds in an order of its own (per-block partial sums, then one
+    /// block; no atomics, so reproducible run to run): within one f32 rounding of the
+    /// CPU backend's.
     SumSquares {
         /// The one-element result.
         dst: B,

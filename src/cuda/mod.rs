@@ -425,11 +425,6 @@ impl Session<CudaBackend> {
     /// A session on this rank's GPU, parameters initialised from the config's seed
     /// exactly as [`Session::cpu`] does (each rank keeps its piece).
     pub fn cuda(config: &Config, backend: Arc<CudaBackend>) -> Result<Self, Error> {
-        if config.clip.is_some() {
-            return Err(Error::Backend(
-                "[clip] (global-norm clipping and non-finite checks) is not implemented on the CUDA backend yet: its sum-of-squares, clip and guarded-optimizer kernels exist on the CPU backend only; run with [run] backend = \"cpu\" or remove [clip]".into(),
-            ));
-        }
         let mut s = Session::new(config.plan.clone(), backend, exec_config(config)?)?;
         let seed = config.run.seed;
         s.init_params(|i, p| crate::synthetic::init(seed, i, p.spec.numel() as usize))?;
@@ -508,6 +503,62 @@ mod tests {
             }
         }
         assert!(approved > 0, "the sweep approves some rings");
+    }
+
+    #[test]
+    fn every_collective_of_a_clipping_plan_has_its_communicator() {
+        use overlap_graph::{
+            Bindings, Gate, Op, ParamSpec, PlanSpec, Route, Schedule, Stream, Transport,
+        };
+        let params = vec![
+            ParamSpec::new("w", vec![4, 6], Route::Muon, 2),
+            ParamSpec::new("odd", vec![9], Route::Fsdp, 1),
+            ParamSpec::new("bias", vec![7], Route::Adamw, 1),
+            ParamSpec::new("emb", vec![10, 3], Route::ShardedAdamw, 0),
+        ];
+        let bindings = [
+            Bindings::default(),
+            Bindings {
+                stage2: Stream::Reduce,
+                ..Bindings::default()
+            },
+        ];
+        for (shard, replicate) in [(1, 1), (2, 1), (1, 2), (2, 2), (3, 2)] {
+            for transport in [Transport::Nccl, Transport::Copy] {
+                for b in &bindings {
+                    let mesh = Mesh::new(shard, replicate).unwrap();
+                    let spec = PlanSpec::new(mesh, params.clone())
+                        .with_bucket_cap_bytes(64)
+                        .with_bindings(*b)
+                        .with_schedule(Schedule {
+                            transport,
+                            ..Schedule::default()
+                        })
+                        .with_grad_norm(true);
+                    let copy = transport == Transport::Copy;
+                    let comms = ops_cuda::mesh_comms(mesh, b, copy);
+                    let plan = overlap_graph::Planner::new(spec)
+                        .unwrap()
+                        .plan(&[Gate::ReplicateOff, Gate::On])
+                        .unwrap();
+                    let mut norm_reduces = 0;
+                    for rp in &plan.ranks {
+                        for n in &rp.nodes {
+                            let Some(c) = n.op.collective() else { continue };
+                            norm_reduces += usize::from(matches!(n.op, Op::NormReduce { .. }));
+                            let id = CommId::of(c, n.stream);
+                            assert!(
+                                comms.contains(&id),
+                                "{mesh} {transport:?} {b:?}: {} on rank {} has no communicator {id}",
+                                n.op.kind(),
+                                rp.rank
+                            );
+                        }
+                    }
+                    assert_eq!(norm_reduces, 2 * mesh.world() as usize, "{mesh}");
+                }
+            }
+        }
     }
 
     #[test]

@@ -10,6 +10,12 @@
 //! (`p_last - p_0`) with the CPU one (`update_rel_err`, per optimizer). Rank 0 gathers
 //! every rank's figures over the rendezvous and builds one [`VerifyReport`].
 //!
+//! With `[clip]` the GPU's global norm is also compared, step by step, with the exact
+//! reference's and with the CPU session's, and the gradient comparison uses the
+//! reference scaled by its clip factor ([`crate::verify::NormCheck`]); a step skipped as
+//! non-finite (an `OVERLAP_FAULT` NaN) must be skipped by both, and its gradients are not
+//! compared.
+//!
 //! Tolerances ([`tolerances`]): gradients as the CPU verify (1e-6 in f32;
 //! 1e-2 in bf16); parameters 1e-5 (f32) and 5e-2 (bf16) of their magnitude; updates in
 //! f32 1e-5 for AdamW (the kernels reproduce the reference's arithmetic) and 1e-4 for
@@ -29,7 +35,9 @@ use crate::config::{BackendChoice, Config};
 use crate::dist::DistError;
 use crate::drive::synthetic_step;
 use crate::session::Session;
-use crate::verify::{reference_grad, rel_err, VerifyReport};
+use crate::verify::{
+    clipped, reference_grad, rel_err, NormCheck, NormFigures, StepCheck, VerifyReport,
+};
 use crate::{synthetic, Error};
 
 /// Tolerances on the GPU: (gradients, parameters, updates per optimizer; `None`: not
@@ -52,6 +60,7 @@ struct RankFigures {
     param_rel_err: f64,
     update_rel_err: BTreeMap<String, f64>,
     partials_left: usize,
+    norm: Option<NormFigures>,
 }
 
 /// The optimizer a route's parameters use.
@@ -63,13 +72,17 @@ fn optimizer(route: Route) -> &'static str {
     }
 }
 
-/// `max |a - b| / max |b|` over f64 slices (0 when equal).
+/// `max |a - b| / max |b|` over f64 slices (0 when equal; `f64::MAX` when a difference
+/// is NaN or infinite).
 fn rel_err64(a: &[f64], b: &[f64]) -> f64 {
-    let num = a
-        .iter()
-        .zip(b)
-        .map(|(x, y)| (x - y).abs())
-        .fold(0.0, f64::max);
+    let mut num = 0.0f64;
+    for (x, y) in a.iter().zip(b) {
+        let d = (x - y).abs();
+        if !d.is_finite() {
+            return f64::MAX;
+        }
+        num = num.max(d);
+    }
     let den = b.iter().map(|y| y.abs()).fold(0.0, f64::max);
     if num == 0.0 {
         0.0
@@ -102,20 +115,40 @@ pub async fn verify(
         ..RankFigures::default()
     };
     let coord = mesh.coord(rank);
+    let mut norms = NormCheck::of(&config, steps)?;
     for step in 0..steps {
         let report = synthetic_step(&mut gpu, seed, step, &gates).await?;
         fig.partials_left += report.stats.partials_left;
-        synthetic_step(&mut cpu, seed, step, &gates).await?;
+        let cpu_report = synthetic_step(&mut cpu, seed, step, &gates).await?;
+        let micro_batches = gates.len() as u32;
+        let factor = match norms.as_mut() {
+            None => 1.0,
+            Some(n) => {
+                let at = (step, micro_batches);
+                match n.step(&config, &params, at, &report, Some(&cpu_report)) {
+                    StepCheck::Compare(f) => f,
+                    StepCheck::Skipped => {
+                        if rank == 0 {
+                            progress(step + 1);
+                        }
+                        continue;
+                    }
+                }
+            }
+        };
         for (i, p) in params.iter().enumerate() {
             let Some(got) = gpu.reduced_grad(rank, i as ParamId)? else {
                 continue;
             };
-            let (full, magnitude) = reference_grad(
-                &config,
-                step,
-                gates.len() as u32,
-                i as ParamId,
-                p.spec.numel() as usize,
+            let (full, magnitude) = clipped(
+                reference_grad(
+                    &config,
+                    step,
+                    micro_batches,
+                    i as ParamId,
+                    p.spec.numel() as usize,
+                ),
+                factor,
             );
             let r = p.spec.shard_range(mesh.shard, coord.shard);
             let piece = r.start as usize..r.end as usize;
@@ -157,6 +190,7 @@ pub async fn verify(
             .or_insert(0.0);
         *slot = slot.max(e);
     }
+    fig.norm = norms.map(NormCheck::finish);
     let bytes = serde_json::to_vec(&fig).map_err(|e| Error::Usage(e.to_string()))?;
     let Some(all) = world.rendezvous.gather(&bytes, GATHER_TIMEOUT)? else {
         return Ok(None);
@@ -182,6 +216,7 @@ fn merge(config: &Config, steps: u64, gates: &[Gate], figures: &[RankFigures]) -
     let mut update_rel_err: BTreeMap<String, f64> = BTreeMap::new();
     let (mut worst, mut worst_at, mut param_rel_err, mut partials_left) =
         (0.0f64, String::new(), 0.0f64, 0usize);
+    let mut norm: Option<NormFigures> = None;
     for f in figures {
         for (k, v) in &f.per_route {
             let slot = per_route.entry(k.clone()).or_insert(0.0);
@@ -197,12 +232,21 @@ fn merge(config: &Config, steps: u64, gates: &[Gate], figures: &[RankFigures]) -
         }
         param_rel_err = param_rel_err.max(f.param_rel_err);
         partials_left += f.partials_left;
+        match (&mut norm, &f.norm) {
+            (Some(n), Some(other)) => n.merge(other),
+            (None, Some(other)) => norm = Some(other.clone()),
+            _ => {}
+        }
     }
     let updates_ok = update_tol.map_or(true, |tols| {
         tols.iter()
             .all(|(k, tol)| update_rel_err.get(*k).map_or(true, |e| e <= tol))
     });
-    let ok = worst <= grad_tol && param_rel_err <= param_tol && updates_ok && partials_left == 0;
+    let ok = worst <= grad_tol
+        && param_rel_err <= param_tol
+        && updates_ok
+        && partials_left == 0
+        && norm.as_ref().map_or(true, |n| n.ok(grad_tol));
     VerifyReport {
         ok,
         worst_rel_err: worst,
@@ -216,5 +260,6 @@ fn merge(config: &Config, steps: u64, gates: &[Gate], figures: &[RankFigures]) -
         grad_tolerance: grad_tol,
         param_tolerance: param_tol,
         worst_at,
+        norm,
     }
 }

@@ -212,11 +212,26 @@ ov_combine4n(float4* dst, const float4* own, const float4* recv, u64 n4, u64 str
     }
 }
 
+// Whether a float is neither NaN nor infinite (exponent bits not all ones).
+__device__ __forceinline__ int ov_finite(float x) {
+    return (__float_as_uint(x) & 0x7f800000u) != 0x7f800000u;
+}
+
+// The guard of an optimizer wrapped in Kernel::IfFinite: null (unguarded), or the
+// one-float squared global norm; a non-finite norm skips the step (the CPU backend's
+// IfFinite: parameters and optimizer state untouched). Read by every thread from device
+// memory: no host synchronisation, and the unguarded path only tests a null pointer.
+__device__ __forceinline__ int ov_skip(const float* guard) {
+    return guard != 0 && !ov_finite(guard[0]);
+}
+
 // AdamW (ops::math::adamw): decay = 1 - lr*wd, bc1 = 1 - b1^step, bc2 = 1 - b2^step
-// computed on the host in double, exactly as the reference does.
+// computed on the host in double, exactly as the reference does. `guard`: ov_skip.
 extern "C" __global__ void ov_adamw(float* p, const float* g, float* m, float* v, u64 n,
                                     double b1, double b2, double eps, double lr,
-                                    double decay, double bc1, double bc2) {
+                                    double decay, double bc1, double bc2,
+                                    const float* guard) {
+    if (ov_skip(guard)) return;
     GRID_STRIDE(i, n) {
         double gd = (double)g[i];
         double m_new = b1 * (double)m[i] + (1.0 - b1) * gd;
@@ -229,8 +244,12 @@ extern "C" __global__ void ov_adamw(float* p, const float* g, float* m, float* v
 }
 
 // Muon momentum (ops::math::muon): buf = mu*buf + g (stored as float); u = g + mu*buf.
+// `guard` (ov_skip): a skipped step writes neither buf (persistent) nor u (scratch: the
+// Newton-Schulz iteration then runs on stale scratch, and its result is discarded by
+// ov_muon_update's own guard).
 extern "C" __global__ void ov_muon_momentum(float* buf, const float* g, float* u, u64 n,
-                                            double mu) {
+                                            double mu, const float* guard) {
+    if (ov_skip(guard)) return;
     GRID_STRIDE(i, n) {
         double gd = (double)g[i];
         float b = (float)(mu * (double)buf[i] + gd);
@@ -290,8 +309,11 @@ extern "C" __global__ void ov_ns_init(const float* u, float* x, u64 rows, u64 co
 }
 
 // p = p*decay - scale*O, where O is the working matrix X (transposed back if needed).
+// `guard`: ov_skip.
 extern "C" __global__ void ov_muon_update(float* p, const float* x, u64 rows, u64 cols,
-                                          int transposed, double decay, double scale) {
+                                          int transposed, double decay, double scale,
+                                          const float* guard) {
+    if (ov_skip(guard)) return;
     GRID_STRIDE(k, rows * cols) {
         float o;
         if (transposed) {
@@ -302,6 +324,77 @@ extern "C" __global__ void ov_muon_update(float* p, const float* x, u64 rows, u6
         }
         p[k] = (float)((double)p[k] * decay - scale * (double)o);
     }
+}
+
+// The global norm's buffers (Kernel::SumSquares, Kernel::Clip): `len` floats at `p`.
+struct Span {
+    float* p;
+    u64 len;
+};
+
+#define OV_MAX_SPANS 32
+
+// Up to OV_MAX_SPANS buffers, one per blockIdx.y.
+struct Spans {
+    Span s[OV_MAX_SPANS];
+    u64 count;
+};
+
+// The sum of the block's OV_REDUCE_THREADS values `v` by a fixed tree (halving strides),
+// returned to thread 0. Every thread of the block must call it.
+__device__ __forceinline__ double ov_block_sum(double v) {
+    __shared__ double sh[OV_REDUCE_THREADS];
+    sh[threadIdx.x] = v;
+    __syncthreads();
+    for (u32 s = OV_REDUCE_THREADS / 2; s > 0; s >>= 1) {
+        if (threadIdx.x < s) sh[threadIdx.x] += sh[threadIdx.x + s];
+        __syncthreads();
+    }
+    return sh[0];
+}
+
+// Kernel::SumSquares, pass 1: block (x, y) writes the sum of squares of its share of
+// span y to partial[y * gridDim.x + x], in double. Thread t of block x takes elements
+// x*256 + t, then + gridDim.x*256, ... in increasing order (a square of a float is
+// exact in double; only the additions round), then the block adds its threads' sums by
+// ov_block_sum's fixed tree. No atomics: the same inputs and grid give the same bits.
+extern "C" __global__ void ov_sumsq_spans(const Spans p, double* partial) {
+    double acc = 0.0;
+    // Uniform per block (blockIdx.y), so every thread reaches ov_block_sum or none.
+    if ((u64)blockIdx.y >= p.count) return;
+    const Span s = p.s[blockIdx.y];
+    GRID_STRIDE(i, s.len) {
+        double v = (double)s.p[i];
+        acc += v * v;
+    }
+    double sum = ov_block_sum(acc);
+    if (threadIdx.x == 0) partial[(u64)blockIdx.y * gridDim.x + blockIdx.x] = sum;
+}
+
+// Kernel::SumSquares, pass 2 (one block): dst[0] = the sum of partial[0..count], in
+// double (thread t adds partials t, t + 256, ... in order, then ov_block_sum), rounded
+// to float once (as the reference stores its f64 sum).
+extern "C" __global__ void ov_sumsq_final(const double* partial, u64 count, float* dst) {
+    double acc = 0.0;
+    for (u64 i = threadIdx.x; i < count; i += OV_REDUCE_THREADS) acc += partial[i];
+    double sum = ov_block_sum(acc);
+    if (threadIdx.x == 0) dst[0] = (float)sum;
+}
+
+// Kernel::Clip (ops::math::clip_factor and scale): with sq = norm[0], the squared
+// global norm, f = max_norm / (sqrt(sq) + 1e-6) in double; when sq is finite and
+// f < 1, every element of every span is multiplied by (float)f in float. Otherwise
+// (a non-finite norm: the step is skipped; or f >= 1) nothing is written. Every thread
+// reads the norm from device memory: no host synchronisation.
+extern "C" __global__ void ov_clip(const Spans p, const float* norm, float max_norm) {
+    if ((u64)blockIdx.y >= p.count) return;
+    const float sq = norm[0];
+    if (!ov_finite(sq)) return;
+    const double f = (double)max_norm / (sqrt((double)sq) + 1e-6);
+    if (!(f < 1.0)) return;
+    const float ff = (float)f;
+    const Span s = p.s[blockIdx.y];
+    GRID_STRIDE(i, s.len) { s.p[i] = s.p[i] * ff; }
 }
 
 // Keeps the stream busy for `nanos` nanoseconds (Kernel::Spin: stands in for device work

@@ -32,6 +32,10 @@ const MAX_BLOCKS: u64 = 4096;
 const WIDE_THREADS: u32 = 512;
 /// Copies per `ov_segments` launch (`OV_MAX_SEGS` in the source).
 pub(super) const MAX_SEGS: usize = 32;
+/// Buffers per `ov_sumsq_spans` or `ov_clip` launch (`OV_MAX_SPANS` in the source).
+pub(super) const MAX_SPANS: usize = 32;
+/// Most blocks per buffer of an `ov_clip` launch.
+const CLIP_BLOCKS: u32 = 1024;
 
 /// One copy of a pack or unpack (`struct Seg` in the source).
 #[repr(C)]
@@ -57,6 +61,88 @@ pub(super) struct Segs {
     pad: i32,
 }
 
+/// One buffer of the global norm's kernels (`struct Span` in the source): `len` floats.
+#[repr(C)]
+#[derive(Clone, Copy, Default, Debug, PartialEq, Eq)]
+pub(super) struct Span {
+    /// Element 0.
+    pub p: sys::CUdeviceptr,
+    /// Elements.
+    pub len: u64,
+}
+
+/// Up to [`MAX_SPANS`] buffers (`struct Spans` in the source).
+#[repr(C)]
+#[derive(Clone, Copy)]
+struct Spans {
+    s: [Span; MAX_SPANS],
+    count: u64,
+}
+
+impl Spans {
+    fn of(spans: &[Span]) -> Spans {
+        debug_assert!(spans.len() <= MAX_SPANS);
+        let mut batch = Spans {
+            s: [Span::default(); MAX_SPANS],
+            count: spans.len() as u64,
+        };
+        batch.s[..spans.len()].copy_from_slice(spans);
+        batch
+    }
+}
+
+/// One launch of the first pass of [`Kernels::sum_squares`]: which spans (a range of the
+/// non-empty ones), its grid width, and where in the partials its `count · grid` sums
+/// start.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub(super) struct SumSqLaunch {
+    pub spans: std::ops::Range<usize>,
+    pub grid: u32,
+    pub at: u64,
+}
+
+/// How [`Kernels::sum_squares`] covers `spans` (empty ones left out, they add nothing):
+/// launches of up to [`MAX_SPANS`] spans in order, each [`blocks`] of its longest span
+/// wide, capped at [`SUMSQ_BLOCKS`]; and the number of partial sums (doubles) they
+/// write. A function of the lengths only, so the same inputs always reduce in the same
+/// order.
+pub(super) fn sumsq_launches(spans: &[Span]) -> (Vec<SumSqLaunch>, u64) {
+    let mut out = Vec::new();
+    let mut at = 0u64;
+    let mut start = 0;
+    for chunk in spans.chunks(MAX_SPANS) {
+        let longest = chunk.iter().map(|s| s.len).max().unwrap_or(0);
+        let grid = blocks(longest).min(SUMSQ_BLOCKS);
+        out.push(SumSqLaunch {
+            spans: start..start + chunk.len(),
+            grid,
+            at,
+        });
+        at += chunk.len() as u64 * u64::from(grid);
+        start += chunk.len();
+    }
+    (out, at)
+}
+
+/// How [`Kernels::clip`] batches `spans`: in order, up to [`MAX_SPANS`] per launch, a
+/// span starting a new launch when its buffer is already in the current one (a buffer
+/// named twice is scaled twice, one launch after the other, as the CPU backend does,
+/// never by two blocks at once).
+pub(super) fn clip_batches(spans: &[Span]) -> Vec<Vec<Span>> {
+    let mut out: Vec<Vec<Span>> = Vec::new();
+    let mut batch: Vec<Span> = Vec::with_capacity(MAX_SPANS);
+    for &s in spans {
+        if batch.len() == MAX_SPANS || batch.iter().any(|b| b.p == s.p) {
+            out.push(std::mem::take(&mut batch));
+        }
+        batch.push(s);
+    }
+    if !batch.is_empty() {
+        out.push(batch);
+    }
+    out
+}
+
 /// The compiled module and its functions.
 pub(super) struct Kernels {
     module: sys::CUmodule,
@@ -72,6 +158,9 @@ pub(super) struct Kernels {
     muon_momentum: sys::CUfunction,
     sumsq_partial: sys::CUfunction,
     norm_final: sys::CUfunction,
+    sumsq_spans: sys::CUfunction,
+    sumsq_final: sys::CUfunction,
+    clip: sys::CUfunction,
     ns_init: sys::CUfunction,
     muon_update: sys::CUfunction,
     spin: sys::CUfunction,
@@ -162,6 +251,9 @@ impl Kernels {
             muon_momentum: get("ov_muon_momentum")?,
             sumsq_partial: get("ov_sumsq_partial")?,
             norm_final: get("ov_norm_final")?,
+            sumsq_spans: get("ov_sumsq_spans")?,
+            sumsq_final: get("ov_sumsq_final")?,
+            clip: get("ov_clip")?,
             ns_init: get("ov_ns_init")?,
             muon_update: get("ov_muon_update")?,
             spin: get("ov_spin")?,
@@ -369,6 +461,8 @@ impl Kernels {
     }
 
     /// AdamW on `n` elements; `m` and `v` are the two halves of the state buffer.
+    /// `guard`: the squared global norm of [`crate::Kernel::IfFinite`] (the kernel does
+    /// nothing when it is not finite), or 0 (unguarded).
     #[allow(clippy::too_many_arguments)]
     pub(super) fn adamw(
         &self,
@@ -382,6 +476,7 @@ impl Kernels {
         n: u64,
         hp: &crate::AdamwParams,
         step: u64,
+        guard: sys::CUdeviceptr,
     ) -> Result<(), OpsError> {
         if n == 0 {
             return Ok(());
@@ -404,22 +499,31 @@ impl Kernels {
             .push(lr)
             .push(decay)
             .push(bc1)
-            .push(bc2);
+            .push(bc2)
+            .push(guard);
         Self::launch("adamw", self.adamw, (blocks(n), 1), stream, args)
     }
 
-    /// Muon's momentum: `buf = μ·buf + g`, `u = g + μ·buf`.
+    /// Muon's momentum: `buf = μ·buf + g`, `u = g + μ·buf`; `guard` as for
+    /// [`Kernels::adamw`] (a skipped step writes neither).
     pub(super) fn muon_momentum(
         &self,
         stream: sys::CUstream,
         (buf, g, u): (sys::CUdeviceptr, sys::CUdeviceptr, sys::CUdeviceptr),
         n: u64,
         mu: f64,
+        guard: sys::CUdeviceptr,
     ) -> Result<(), OpsError> {
         if n == 0 {
             return Ok(());
         }
-        let args = Args::default().push(buf).push(g).push(u).push(n).push(mu);
+        let args = Args::default()
+            .push(buf)
+            .push(g)
+            .push(u)
+            .push(n)
+            .push(mu)
+            .push(guard);
         Self::launch("muon", self.muon_momentum, (blocks(n), 1), stream, args)
     }
 
@@ -462,7 +566,7 @@ impl Kernels {
         Self::launch("muon", self.ns_init, (blocks(rows * cols), 1), stream, args)
     }
 
-    /// The scaled Muon update of the parameter.
+    /// The scaled Muon update of the parameter; `guard` as for [`Kernels::adamw`].
     #[allow(clippy::too_many_arguments)]
     pub(super) fn muon_update(
         &self,
@@ -474,6 +578,7 @@ impl Kernels {
         transposed: bool,
         decay: f64,
         scale: f64,
+        guard: sys::CUdeviceptr,
     ) -> Result<(), OpsError> {
         let args = Args::default()
             .push(p)
@@ -482,7 +587,8 @@ impl Kernels {
             .push(cols)
             .push(i32::from(transposed))
             .push(decay)
-            .push(scale);
+            .push(scale)
+            .push(guard);
         Self::launch(
             "muon",
             self.muon_update,
@@ -490,6 +596,62 @@ impl Kernels {
             stream,
             args,
         )
+    }
+
+    /// `dst[0] = Σ x²` over every element of `spans` (non-empty, as
+    /// [`sumsq_launches`] laid them out in `launches`), stored as f32: the first pass
+    /// writes one double per block into `partial` (room for the doubles
+    /// [`sumsq_launches`] counts), the second, one block, sums them in index order and
+    /// stores the result. No atomics and no host synchronisation.
+    pub(super) fn sum_squares(
+        &self,
+        stream: sys::CUstream,
+        spans: &[Span],
+        (launches, partials): (&[SumSqLaunch], u64),
+        partial: sys::CUdeviceptr,
+        dst: sys::CUdeviceptr,
+    ) -> Result<(), OpsError> {
+        const K: &str = "sum_squares";
+        for l in launches {
+            let chunk = &spans[l.spans.clone()];
+            let args = Args::default()
+                .push(Spans::of(chunk))
+                .push(partial + l.at * 8);
+            Self::launch(
+                K,
+                self.sumsq_spans,
+                (l.grid, chunk.len() as u32),
+                stream,
+                args,
+            )?;
+        }
+        let args = Args::default().push(partial).push(partials).push(dst);
+        Self::launch(K, self.sumsq_final, (1, 1), stream, args)
+    }
+
+    /// Scales every span by the clip factor of the squared norm at `norm` (one float,
+    /// read on the device) and `max_norm`; nothing when the norm is not finite or the
+    /// factor is not below 1. Launches as [`clip_batches`] groups the spans.
+    pub(super) fn clip(
+        &self,
+        stream: sys::CUstream,
+        spans: &[Span],
+        norm: sys::CUdeviceptr,
+        max_norm: f32,
+    ) -> Result<(), OpsError> {
+        for batch in clip_batches(spans) {
+            let longest = batch.iter().map(|s| s.len).max().unwrap_or(0);
+            if longest == 0 {
+                continue;
+            }
+            let grid = (blocks(longest).min(CLIP_BLOCKS), batch.len() as u32);
+            let args = Args::default()
+                .push(Spans::of(&batch))
+                .push(norm)
+                .push(max_norm);
+            Self::launch("clip", self.clip, grid, stream, args)?;
+        }
+        Ok(())
     }
 }
 
@@ -505,6 +667,127 @@ mod tests {
         assert!(SOURCE.contains(&format!("#define OV_MAX_SEGS {MAX_SEGS}")));
         assert!(SOURCE.contains(&format!("#define OV_REDUCE_THREADS {THREADS}")));
         assert!(SOURCE.contains(&format!("#define OV_COMBINE_WIDE {WIDE_THREADS}")));
+        // struct Span: a pointer and a u64; struct Spans: 32 of them and a u64.
+        assert_eq!(std::mem::size_of::<Span>(), 16);
+        assert_eq!(std::mem::size_of::<Spans>(), 16 * MAX_SPANS + 8);
+        assert!(SOURCE.contains(&format!("#define OV_MAX_SPANS {MAX_SPANS}")));
+    }
+
+    /// Every function `Kernels::compile` looks up is defined in the source, with the
+    /// parameters its launcher pushes, in order (a mismatch would read garbage on the
+    /// GPU, not fail to compile).
+    #[test]
+    fn launchers_push_what_the_kernels_declare() {
+        let params = |name: &str| -> Vec<String> {
+            let at = SOURCE
+                .find(&format!("void {name}("))
+                .unwrap_or_else(|| panic!("{name} is not in kernels.cu"));
+            let rest = &SOURCE[at..];
+            let open = rest.find('(').unwrap();
+            let close = rest.find(')').unwrap();
+            rest[open + 1..close]
+                .split(',')
+                .map(|p| p.split_whitespace().collect::<Vec<_>>().join(" "))
+                .collect()
+        };
+        assert_eq!(
+            params("ov_sumsq_spans"),
+            ["const Spans p", "double* partial"]
+        );
+        assert_eq!(
+            params("ov_sumsq_final"),
+            ["const double* partial", "u64 count", "float* dst"]
+        );
+        assert_eq!(
+            params("ov_clip"),
+            ["const Spans p", "const float* norm", "float max_norm"]
+        );
+        // The guard is the last parameter of every kernel that writes an optimizer's
+        // persistent state.
+        for (name, count) in [
+            ("ov_adamw", 13),
+            ("ov_muon_momentum", 6),
+            ("ov_muon_update", 8),
+        ] {
+            let p = params(name);
+            assert_eq!(p.len(), count, "{name}: {p:?}");
+            assert_eq!(p.last().unwrap(), "const float* guard", "{name}");
+        }
+        for name in [
+            "ov_add",
+            "ov_segments",
+            "ov_to_bf16",
+            "ov_from_bf16",
+            "ov_combine",
+            "ov_combine4",
+            "ov_combine4s",
+            "ov_adamw",
+            "ov_muon_momentum",
+            "ov_sumsq_partial",
+            "ov_norm_final",
+            "ov_sumsq_spans",
+            "ov_sumsq_final",
+            "ov_clip",
+            "ov_ns_init",
+            "ov_muon_update",
+            "ov_spin",
+        ] {
+            assert!(
+                SOURCE.contains(&format!("extern \"C\" __global__ void {name}(")),
+                "{name}"
+            );
+        }
+    }
+
+    #[test]
+    fn sum_of_squares_launches_depend_on_the_lengths_only() {
+        let span = |p: u64, len: u64| Span { p, len };
+        assert_eq!(sumsq_launches(&[]), (vec![], 0));
+        // One short span: one block; a long one: capped at SUMSQ_BLOCKS.
+        let (l, n) = sumsq_launches(&[span(0x1000, 10)]);
+        assert_eq!(
+            (l, n),
+            (
+                vec![SumSqLaunch {
+                    spans: 0..1,
+                    grid: 1,
+                    at: 0
+                }],
+                1
+            )
+        );
+        let long = u64::from(THREADS) * u64::from(SUMSQ_BLOCKS) * 3;
+        let (l, n) = sumsq_launches(&[span(0x1000, 10), span(0x2000, long)]);
+        assert_eq!(l[0].grid, SUMSQ_BLOCKS);
+        assert_eq!(n, 2 * u64::from(SUMSQ_BLOCKS));
+        // More spans than one launch takes: consecutive launches, partials back to back.
+        let spans: Vec<Span> = (0..MAX_SPANS as u64 + 5)
+            .map(|i| span(0x1000 * (i + 1), 300 * (i + 1)))
+            .collect();
+        let (l, n) = sumsq_launches(&spans);
+        assert_eq!(l.len(), 2);
+        assert_eq!(l[0].spans, 0..MAX_SPANS);
+        assert_eq!(l[1].spans, MAX_SPANS..MAX_SPANS + 5);
+        assert_eq!(l[1].at, MAX_SPANS as u64 * u64::from(l[0].grid));
+        assert_eq!(n, l[1].at + 5 * u64::from(l[1].grid));
+        // Other addresses, same lengths: the same launches.
+        let moved: Vec<Span> = spans.iter().map(|s| span(s.p + 0x10_0000, s.len)).collect();
+        assert_eq!(sumsq_launches(&moved), (l, n));
+    }
+
+    #[test]
+    fn a_buffer_named_twice_is_clipped_in_two_launches() {
+        let span = |p: u64| Span { p, len: 4 };
+        let b = clip_batches(&[span(1), span(2), span(1), span(3)]);
+        assert_eq!(b, vec![vec![span(1), span(2)], vec![span(1), span(3)]]);
+        let many: Vec<Span> = (0..MAX_SPANS as u64 * 2 + 1).map(span).collect();
+        let b = clip_batches(&many);
+        assert_eq!(
+            b.iter().map(Vec::len).collect::<Vec<_>>(),
+            [MAX_SPANS, MAX_SPANS, 1]
+        );
+        assert_eq!(b.concat(), many);
+        assert!(clip_batches(&[]).is_empty());
     }
 
     #[test]

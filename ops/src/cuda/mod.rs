@@ -47,6 +47,12 @@
 //!   its peers never hang. [`Kernel::Combine`] is an ordinary kernel on any stream.
 //! - **Timings** (when enabled) come from timing-capable events recorded around every
 //!   kernel and `cuEventElapsedTime`; ordering events have timing disabled.
+//! - **The global norm** (`[clip]`) never reaches the host during a step:
+//!   [`Kernel::SumSquares`] is two atomics-free passes through the stream's scratch,
+//!   [`Kernel::Clip`] reads the squared norm in device memory, and
+//!   [`Kernel::IfFinite`] hands the optimizer's kernels the norm's address (null when
+//!   unguarded): AdamW's kernel and Muon's momentum and update kernels return at once
+//!   when it is not finite (Muon's Newton–Schulz still runs, on scratch).
 //!
 //! Invariant: the backend adds no ordering the plan did not ask for, and every CUDA call
 //! is made with the context bound on the calling thread.
@@ -82,7 +88,7 @@ pub use exchange::{
     MAX_COPY_RING_DEPTH,
 };
 use exchange::{CopyRing, InPlace};
-use kernels::{Kernels, Seg};
+use kernels::{Kernels, Seg, Span};
 pub use loader::check as check_libraries;
 pub use memory::CudaBuffer;
 use memory::{DevMem, Memory};
@@ -1067,7 +1073,6 @@ impl Issue {
         poison: Option<OpsError>,
     ) -> Result<u64, OpsError> {
         let rank = shared.rank;
-        let kernel_name = kernel.name();
         match kernel {
             Kernel::Marker => Ok(0),
             Kernel::Spin { micros } => {
@@ -1240,15 +1245,8 @@ impl Issue {
                 hp,
                 step,
             } => {
-                self.adamw(rank, raw, (&param, &grad, &state), &hp, step)?;
+                self.adamw(rank, raw, (&param, &grad, &state), &hp, step, None)?;
                 Ok(0)
-            }
-            // Global-norm clipping has CPU kernels only (`ops/src/cpu/kernels.rs`).
-            Kernel::SumSquares { .. } | Kernel::Clip { .. } | Kernel::IfFinite { .. } => {
-                Err(OpsError::Backend(format!(
-                    "the {} kernel of global-norm clipping (`[clip]`) is not implemented on the CUDA backend; run clipping on the CPU backend",
-                    kernel_name
-                )))
             }
             Kernel::Muon {
                 param,
@@ -1263,15 +1261,124 @@ impl Issue {
                     stream,
                     raw,
                     (&param, &grad, &momentum),
-                    rows,
-                    cols,
+                    (rows, cols),
                     &hp,
+                    None,
                 )?;
+                Ok(0)
+            }
+            Kernel::SumSquares { dst, srcs } => {
+                self.sum_squares(shared, stream, raw, &dst, &srcs)?;
+                Ok(0)
+            }
+            Kernel::Clip {
+                norm,
+                bufs,
+                max_norm,
+            } => {
+                const K: &str = "clip";
+                expect(K, rank, "norm", &norm, 1)?;
+                for b in bufs.iter() {
+                    expect(K, rank, "grad", b, b.len)?;
+                    if b.same(&norm) {
+                        return Err(OpsError::Shape {
+                            kernel: K,
+                            reason: "a gradient is the norm buffer".into(),
+                        });
+                    }
+                }
+                let spans: Vec<Span> = bufs.iter().map(span).collect();
+                self.kernels.clip(raw, &spans, norm.ptr(), max_norm)?;
+                Ok(0)
+            }
+            // The optimizer, told to read the norm on the device and do nothing when it
+            // is not finite: no extra launch, no host synchronisation.
+            Kernel::IfFinite { norm, kernel } => {
+                const K: &str = "if_finite";
+                expect(K, rank, "norm", &norm, 1)?;
+                match *kernel {
+                    Kernel::Adamw {
+                        param,
+                        grad,
+                        state,
+                        hp,
+                        step,
+                    } => {
+                        let bufs = (&param, &grad, &state);
+                        self.adamw(rank, raw, bufs, &hp, step, Some(&norm))?;
+                    }
+                    Kernel::Muon {
+                        param,
+                        grad,
+                        momentum,
+                        rows,
+                        cols,
+                        hp,
+                    } => {
+                        self.muon(
+                            shared,
+                            stream,
+                            raw,
+                            (&param, &grad, &momentum),
+                            (rows, cols),
+                            &hp,
+                            Some(&norm),
+                        )?;
+                    }
+                    other => {
+                        return Err(OpsError::Shape {
+                            kernel: K,
+                            reason: format!(
+                                "the CUDA backend guards optimizers (adamw, muon) only, got {}",
+                                other.name()
+                            ),
+                        })
+                    }
+                }
                 Ok(0)
             }
         }
     }
 
+    /// [`Kernel::SumSquares`]: validated as the CPU backend does, then two passes
+    /// (`kernels.cu`'s `ov_sumsq_spans` and `ov_sumsq_final`) through the stream's
+    /// scratch. Buffers hold f32 on this backend (reduced gradients included, whatever
+    /// the wire dtype), and the sum is taken in f64 and stored as f32, as the reference.
+    fn sum_squares(
+        &mut self,
+        shared: &Shared,
+        stream: Stream,
+        raw: sys::CUstream,
+        dst: &CudaBuffer,
+        srcs: &[CudaBuffer],
+    ) -> Result<(), OpsError> {
+        const K: &str = "sum_squares";
+        expect(K, shared.rank, "dst", dst, 1)?;
+        for src in srcs {
+            expect(K, shared.rank, "src", src, src.len)?;
+            if src.same(dst) {
+                return Err(OpsError::Shape {
+                    kernel: K,
+                    reason: "a source is the destination".into(),
+                });
+            }
+        }
+        let spans: Vec<Span> = srcs.iter().filter(|b| b.len > 0).map(span).collect();
+        let (launches, partials) = kernels::sumsq_launches(&spans);
+        let bytes = usize::try_from(partials)
+            .ok()
+            .and_then(|n| n.checked_mul(8))
+            .ok_or_else(|| OpsError::Shape {
+                kernel: K,
+                reason: format!("{} sources need too many partial sums", srcs.len()),
+            })?;
+        let partial = self.scratch(shared, stream, bytes.max(8))?;
+        self.kernels
+            .sum_squares(raw, &spans, (&launches, partials), partial, dst.ptr())
+    }
+
+    /// AdamW; `guard`: the norm of [`Kernel::IfFinite`] (checked by the caller).
+    #[allow(clippy::too_many_arguments)]
     fn adamw(
         &self,
         rank: u32,
@@ -1279,6 +1386,7 @@ impl Issue {
         (param, grad, state): (&CudaBuffer, &CudaBuffer, &CudaBuffer),
         hp: &AdamwParams,
         step: u64,
+        guard: Option<&CudaBuffer>,
     ) -> Result<(), OpsError> {
         const K: &str = "adamw";
         let n = param.len;
@@ -1286,6 +1394,7 @@ impl Issue {
         expect(K, rank, "grad", grad, n)?;
         expect(K, rank, "state (m then v)", state, 2 * n)?;
         distinct(K, &[param, grad, state])?;
+        guarded(K, guard, &[param, state])?;
         if step == 0 {
             return Err(OpsError::Shape {
                 kernel: K,
@@ -1299,9 +1408,11 @@ impl Issue {
             n as u64,
             hp,
             step,
+            guard.map_or(0, CudaBuffer::ptr),
         )
     }
 
+    /// Muon; `guard`: the norm of [`Kernel::IfFinite`] (checked by the caller).
     #[allow(clippy::too_many_arguments)]
     fn muon(
         &mut self,
@@ -1309,9 +1420,9 @@ impl Issue {
         stream: Stream,
         raw: sys::CUstream,
         (param, grad, momentum): (&CudaBuffer, &CudaBuffer, &CudaBuffer),
-        rows: usize,
-        cols: usize,
+        (rows, cols): (usize, usize),
         hp: &MuonParams,
+        guard: Option<&CudaBuffer>,
     ) -> Result<(), OpsError> {
         const K: &str = "muon";
         let too_big = || OpsError::Shape {
@@ -1323,6 +1434,7 @@ impl Issue {
         expect(K, shared.rank, "grad (rows × cols)", grad, n)?;
         expect(K, shared.rank, "momentum (rows × cols)", momentum, n)?;
         distinct(K, &[param, grad, momentum])?;
+        guarded(K, guard, &[param, momentum])?;
         if n == 0 {
             return Ok(());
         }
@@ -1334,6 +1446,7 @@ impl Issue {
             momentum: momentum.ptr(),
             rows,
             cols,
+            guard: guard.map_or(0, CudaBuffer::ptr),
         };
         muon::run(
             &self.kernels,
@@ -1862,6 +1975,30 @@ fn distinct(kernel: &'static str, bufs: &[&CudaBuffer]) -> Result<(), OpsError> 
         }
     }
     Ok(())
+}
+
+/// Checks that an optimizer's guard (the norm of [`Kernel::IfFinite`]), if any, is none
+/// of the buffers it writes: the kernels read it while they update those.
+fn guarded(
+    kernel: &'static str,
+    guard: Option<&CudaBuffer>,
+    written: &[&CudaBuffer],
+) -> Result<(), OpsError> {
+    match guard {
+        Some(g) if written.iter().any(|b| b.same(g)) => Err(OpsError::Shape {
+            kernel,
+            reason: format!("the norm guarding the step is also a buffer it updates: {g:?}"),
+        }),
+        _ => Ok(()),
+    }
+}
+
+/// A buffer as the global norm's kernels take it.
+fn span(b: &CudaBuffer) -> Span {
+    Span {
+        p: b.ptr(),
+        len: b.len as u64,
+    }
 }
 
 /// Validates one copy `from[src..src+len] → to[dst..dst+len]`.

@@ -15,6 +15,12 @@
 //! reference is f32 rather than f64 arithmetic in the iteration; the tolerance this
 //! allows is measured in `docs/gpu-validation.md`.
 //!
+//! Guarded by [`crate::Kernel::IfFinite`], the two kernels that write persistent state
+//! (the momentum, then the parameter) read the squared global norm on the device and do
+//! nothing when it is not finite; the norm, Newton–Schulz and its GEMMs still run, on
+//! scratch only, so a skipped step costs what a taken one does and needs no host
+//! synchronisation.
+//!
 //! Invariant: everything runs on the stream the Muon node is bound to, with that
 //! stream's cuBLAS handle and scratch, so stream order alone protects the scratch.
 
@@ -220,6 +226,8 @@ pub(super) struct MuonArgs {
     pub momentum: u64,
     pub rows: usize,
     pub cols: usize,
+    /// The squared global norm guarding the step ([`crate::Kernel::IfFinite`]), or 0.
+    pub guard: u64,
 }
 
 /// Runs one Muon step on `stream` with `scratch` laid out by [`Layout::new`].
@@ -255,6 +263,7 @@ pub(super) fn run(
         (args.momentum, args.grad, z),
         numel,
         f64::from(hp.momentum),
+        args.guard,
     )?;
     kernels.norm(stream, z, numel, at(layout.partial), at(layout.norm))?;
     kernels.ns_init(
@@ -319,6 +328,7 @@ pub(super) fn run(
         transposed,
         decay,
         scale,
+        args.guard,
     )
 }
 
