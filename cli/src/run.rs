@@ -1,0 +1,330 @@
+//! `overlap run`: the configured steps with seeded synthetic gradients, a line per step,
+//! and what `--metrics/--trace/--svg/--checkpoint` ask for.
+
+use std::process::ExitCode;
+
+use overlap::config::Config;
+use overlap::graph::Gate;
+use overlap::{drive, observe, Error, Session};
+
+use crate::args::{CheckpointArgs, ObserveArgs};
+use crate::verify::{meet_cpu, use_cuda};
+
+pub(crate) async fn run(
+    cfg: &Config,
+    steps: u32,
+    observe: &ObserveArgs,
+    ckpt: &CheckpointArgs,
+) -> Result<ExitCode, Error> {
+    let cuda = use_cuda(cfg.run.backend)?;
+    let backend = if cuda { "cuda" } else { "cpu" };
+    if !cuda {
+        // Before any file, listener or thread: the rank limit and the memory estimate.
+        overlap::resources::check_cpu(cfg, 1)?;
+    }
+    // In a multi-process job only rank 0 writes the trace and picture, and each rank
+    // serves metrics on the base port plus its local rank.
+    let rank_env = overlap::dist::RankEnv::from_env()?;
+    let primary = rank_env.as_ref().map_or(true, |e| e.rank == 0);
+    if let Some(n) = observe.svg_step.filter(|&n| n == 0 || n > u64::from(steps)) {
+        return Err(Error::Usage(format!(
+            "--svg-step {n}: the run has steps 1 to {steps}"
+        )));
+    }
+    let recording = observe::Recording::new(
+        observe.trace.as_deref().filter(|_| primary),
+        observe.svg.as_deref().filter(|_| primary),
+        observe.svg_step,
+    )?;
+    if let Some(addr) = cfg.metrics.listen {
+        let addr = observe::metrics::rank_addr(addr, rank_env.as_ref().map(|e| e.local_rank))?;
+        observe::metrics::install_prometheus(addr)?;
+        println!("metrics: serving http://{addr}/metrics");
+    }
+    #[cfg(feature = "cuda")]
+    if cuda {
+        let env = overlap::cuda::rank_env(cfg.plan.mesh)?;
+        let mut cfg = cfg.clone();
+        cfg.settle_transport(env.one_node());
+        let cfg = &cfg;
+        let what = overlap::fingerprint::Fingerprint::of_config(
+            cfg,
+            "run",
+            backend,
+            u64::from(steps),
+            cfg.run.seed,
+        )?;
+        let world = overlap::cuda::world(cfg, env, true, what)?;
+        let session = Session::cuda(cfg, world.backend.clone())?;
+        return run_steps(session, cfg, steps, observe, ckpt, recording, backend).await;
+    }
+    meet_cpu(cfg, "run", u64::from(steps), cfg.run.seed)?;
+    run_steps(
+        Session::cpu(cfg)?,
+        cfg,
+        steps,
+        observe,
+        ckpt,
+        recording,
+        backend,
+    )
+    .await
+}
+
+/// The transport a run uses, and whether `auto` chose it: `copy (auto)`.
+pub(crate) fn transport_label(cfg: &Config) -> String {
+    let name = cfg.plan.schedule.transport.name();
+    if cfg.overlap.transport == overlap::config::TransportChoice::Auto {
+        format!("{name} (auto)")
+    } else {
+        name.to_string()
+    }
+}
+
+/// Runs the steps of `overlap run` on a session and prints a line per step.
+pub(crate) async fn run_steps<B: overlap::ops::Backend>(
+    mut session: Session<B>,
+    cfg: &Config,
+    steps: u32,
+    observe: &ObserveArgs,
+    ckpt: &CheckpointArgs,
+    mut recording: observe::Recording,
+    backend: &str,
+) -> Result<ExitCode, Error> {
+    if ckpt.checkpoint.is_some() {
+        // Refused before the first step rather than after the steps it would have saved.
+        session.check_can_save()?;
+    }
+    if let Some(dir) = &ckpt.resume {
+        let t0 = std::time::Instant::now();
+        let loaded = session.load(dir)?;
+        if let Some(seed) = loaded.seed.filter(|&s| s != cfg.run.seed) {
+            return Err(Error::Usage(format!(
+                "--resume {}: the checkpoint's run used seed {seed}, this one {}; pass --seed {seed} to continue it",
+                dir.display(),
+                cfg.run.seed
+            )));
+        }
+        println!(
+            "resumed from {} at step {} (saved on mesh {}, {:.1} ms)",
+            loaded.path.display(),
+            loaded.step,
+            loaded.saved_mesh,
+            t0.elapsed().as_secs_f64() * 1e3
+        );
+    }
+    let start = session.steps_done();
+    let last = start + u64::from(steps);
+    let planner = session.planner();
+    println!(
+        "overlap run {}: mesh {} ({} ranks), {} params, {} buckets, gates {}, backend {backend}, transport {}, {steps} steps",
+        cfg.source,
+        cfg.plan.mesh,
+        cfg.plan.mesh.world(),
+        planner.params().len(),
+        planner.buckets().len(),
+        Gate::pattern_label(&cfg.gates),
+        transport_label(cfg),
+    );
+    let local_ranks = session.local_ranks();
+    for step in start..last {
+        let on = timed(cfg, observe, steps, step - start + 1);
+        session.executor().backend().set_timings(on);
+        let r = match drive::synthetic_step(&mut session, cfg.run.seed, step, &cfg.gates).await {
+            Ok(r) => r,
+            Err(e) => return Err(abandon_on_timeout(session, e)),
+        };
+        let plan = session.step_plan(&r.gates)?;
+        recording.step(&r, &plan)?;
+        let analysis = observe::StepAnalysis::on_ranks(&r, &plan, &local_ranks);
+        let per_node = if r.stats.nodes > 0 {
+            r.stats.issue_seconds * 1e6 / r.stats.nodes as f64
+        } else {
+            0.0
+        };
+        println!(
+            "step {}/{last}  gates {}  nodes {}  wall {:.2} ms  host {:.2} us/node  stage2 {} (saved {})  partials left {}  {}  {}{}",
+            r.step,
+            Gate::pattern_label(&r.gates),
+            r.stats.nodes,
+            r.stats.wall_seconds * 1e3,
+            per_node,
+            bytes(r.stage2_bytes),
+            bytes(r.stage2_bytes_saved),
+            r.stats.partials_left,
+            device_figures(&analysis),
+            lr_figures(cfg, &r),
+            norm_figures(&r),
+        );
+        if let Some(dir) = &ckpt.checkpoint {
+            if r.step == last || ckpt.save_every.is_some_and(|n| r.step % n == 0) {
+                let t0 = std::time::Instant::now();
+                let path = session.save_with_seed(dir, cfg.run.seed)?;
+                println!(
+                    "checkpoint: step {} saved to {} ({:.1} ms)",
+                    r.step,
+                    path.display(),
+                    t0.elapsed().as_secs_f64() * 1e3
+                );
+            }
+        }
+        if observe.step_interval_ms > 0 {
+            tokio::time::sleep(std::time::Duration::from_millis(observe.step_interval_ms)).await;
+        }
+    }
+    for line in recording.finish()? {
+        println!("{line}");
+    }
+    Ok(ExitCode::SUCCESS)
+}
+
+/// After a step timed out the device may still be running it (a hung kernel, a
+/// collective whose peer is gone): dropping the session would synchronise the device
+/// (the CUDA backend does, to free its memory) and so hang the exit. The session is
+/// leaked instead and the process exits with the error; the operating system and the
+/// driver reclaim the rest. Any other error drops the session as usual.
+pub(crate) fn abandon_on_timeout<B: overlap::ops::Backend>(session: Session<B>, e: Error) -> Error {
+    if matches!(e, Error::Exec(overlap::executor::ExecError::Timeout { .. })) {
+        std::mem::forget(session);
+    }
+    e
+}
+
+/// The learning rate of a step: its factor and the base rates it gives, for the
+/// optimizers that have parameters (`lr x0.500 (adamw 5.00e-4, muon 1.00e-2)`).
+/// `  grad_norm X` with `[clip]`, and `  skipped (nonfinite)` for a skipped step.
+pub(crate) fn norm_figures(r: &overlap::StepReport) -> String {
+    let mut out = String::new();
+    if let Some(n) = r.grad_norm {
+        out.push_str(&format!("  grad_norm {n:.4e}"));
+    }
+    if let Some(why) = r.skipped {
+        out.push_str(&format!("  skipped ({why})"));
+    }
+    out
+}
+
+pub(crate) fn lr_figures(cfg: &Config, r: &overlap::StepReport) -> String {
+    use overlap::graph::OptimizerKind;
+    let mut rates = Vec::new();
+    for (kind, name, base) in [
+        (OptimizerKind::Adamw, "adamw", cfg.adamw.lr),
+        (OptimizerKind::Muon, "muon", cfg.muon.lr),
+    ] {
+        if r.lr.iter().any(|g| g.optimizer == kind) {
+            rates.push(format!("{name} {:.2e}", f64::from(base) * r.lr_factor));
+        }
+    }
+    format!("lr x{:.3} ({})", r.lr_factor, rates.join(", "))
+}
+
+/// Whether step `n` (1-based) of a run of `steps` records kernel timings: one step in
+/// `timing_every`, every step for a trace, and the step a picture draws (the last by
+/// default). Every rank follows it, whichever of them writes the files.
+pub(crate) fn timed(cfg: &Config, observe: &ObserveArgs, steps: u32, n: u64) -> bool {
+    let drawn = observe
+        .svg
+        .as_ref()
+        .map(|_| observe.svg_step.unwrap_or(u64::from(steps)));
+    observe.trace.is_some() || drawn == Some(n) || cfg.metrics.timed(n)
+}
+
+/// The device figures of a step's line; `n/a` on an untimed step, where they were not
+/// measured (0 would claim perfect overlap).
+pub(crate) fn device_figures(a: &observe::StepAnalysis) -> String {
+    if !a.timed() {
+        return "exposed comm n/a  overlap n/a (untimed)".into();
+    }
+    format!(
+        "exposed comm {:.2} ms  overlap {}",
+        a.exposed_seconds() * 1e3,
+        a.efficiency()
+            .map_or_else(|| "n/a".into(), |e| format!("{e:.2}")),
+    )
+}
+
+pub(crate) fn bytes(b: u64) -> String {
+    match b {
+        b if b >= 1 << 30 => format!("{:.1} GiB", b as f64 / (1u64 << 30) as f64),
+        b if b >= 1 << 20 => format!("{:.1} MiB", b as f64 / (1u64 << 20) as f64),
+        b if b >= 1 << 10 => format!("{:.1} KiB", b as f64 / 1024.0),
+        b => format!("{b} B"),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use std::path::PathBuf;
+
+    use super::*;
+    use crate::args::parse_timing_every;
+
+    #[test]
+    fn timing_every_takes_the_configs_range() {
+        assert_eq!(parse_timing_every("1"), Ok(1));
+        assert_eq!(parse_timing_every("1000000"), Ok(1_000_000));
+        for bad in ["0", "1000001", "-1", "ten", ""] {
+            let e = parse_timing_every(bad).unwrap_err();
+            assert!(e.contains("between 1 and 1000000"), "{bad}: {e}");
+        }
+    }
+
+    #[test]
+    fn a_trace_times_every_step_and_a_picture_the_step_it_draws() {
+        let mut cfg = Config::from_toml(
+            include_str!("../../examples/hsdp_2x2.toml"),
+            "hsdp_2x2.toml",
+        )
+        .unwrap();
+        cfg.metrics.timing_every = 4;
+        let args = |trace: Option<&str>, svg: Option<&str>, svg_step: Option<u64>| ObserveArgs {
+            metrics: None,
+            timing_every: None,
+            trace: trace.map(PathBuf::from),
+            svg: svg.map(PathBuf::from),
+            svg_step,
+            step_interval_ms: 0,
+        };
+        let timed_of =
+            |o: &ObserveArgs| -> Vec<u64> { (1..=10).filter(|&n| timed(&cfg, o, 10, n)).collect() };
+        assert_eq!(timed_of(&args(None, None, None)), [1, 5, 9]);
+        assert_eq!(timed_of(&args(None, Some("s.svg"), None)), [1, 5, 9, 10]);
+        assert_eq!(timed_of(&args(None, Some("s.svg"), Some(6))), [1, 5, 6, 9]);
+        assert_eq!(
+            timed_of(&args(Some("t.json"), None, None)),
+            (1..=10).collect::<Vec<_>>()
+        );
+    }
+
+    #[test]
+    fn an_untimed_step_shows_its_device_figures_as_not_available() {
+        let cfg = Config::from_toml(
+            include_str!("../../examples/hsdp_2x2.toml"),
+            "hsdp_2x2.toml",
+        )
+        .unwrap();
+        let rt = tokio::runtime::Builder::new_current_thread()
+            .enable_all()
+            .build()
+            .unwrap();
+        let (mut r, plan, local) = rt.block_on(async {
+            let mut s = Session::cpu(&cfg).unwrap();
+            let r = drive::synthetic_step(&mut s, cfg.run.seed, 0, &cfg.gates)
+                .await
+                .unwrap();
+            (r, s.step_plan(&cfg.gates).unwrap(), s.local_ranks())
+        });
+        let timed = device_figures(&observe::StepAnalysis::on_ranks(&r, &plan, &local));
+        assert!(
+            timed.starts_with("exposed comm ")
+                && timed.contains(" ms  overlap ")
+                && !timed.contains("n/a"),
+            "{timed}"
+        );
+        r.stats.timings.clear();
+        assert_eq!(
+            device_figures(&observe::StepAnalysis::on_ranks(&r, &plan, &local)),
+            "exposed comm n/a  overlap n/a (untimed)"
+        );
+    }
+}

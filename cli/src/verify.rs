@@ -1,0 +1,132 @@
+//! `overlap verify` (the gated path against the no_sync reference), which backend a
+//! command runs on, and the CPU backend's meeting of a multi-process job.
+
+use std::process::ExitCode;
+
+use overlap::config::{BackendChoice, Config};
+use overlap::Error;
+
+/// Prints a verification report (text, or one JSON line) and picks the exit code.
+pub(crate) fn print_verify(
+    cfg: &Config,
+    report: &overlap::verify::VerifyReport,
+    json: bool,
+) -> Result<ExitCode, Error> {
+    if json {
+        println!(
+            "{}",
+            serde_json::to_string(report).map_err(|e| Error::Usage(e.to_string()))?
+        );
+    } else {
+        println!(
+            "verify {}: mesh {} ({} ranks), gates {}, {} steps",
+            cfg.source, cfg.plan.mesh, report.ranks, report.gates, report.steps
+        );
+        for (route, e) in &report.per_route {
+            println!("  {route:<14} worst relative error {e:.3e}");
+        }
+        println!(
+            "  gradients      worst {:.3e} at {} (tolerance {:.0e})",
+            report.worst_rel_err, report.worst_at, report.grad_tolerance
+        );
+        let against = if report.update_rel_err.is_empty() {
+            "gated vs no_sync"
+        } else {
+            "GPU vs CPU backend"
+        };
+        println!(
+            "  parameters     worst {:.3e} {against} (tolerance {:.0e})",
+            report.param_rel_err, report.param_tolerance
+        );
+        for (opt, e) in &report.update_rel_err {
+            println!("  {opt:<14} update relative error {e:.3e} (GPU vs CPU backend)");
+        }
+        println!("  partials left  {}", report.partials_left);
+        println!("{}", if report.ok { "OK" } else { "FAILED" });
+    }
+    Ok(if report.ok {
+        ExitCode::SUCCESS
+    } else {
+        ExitCode::from(1)
+    })
+}
+
+/// Whether a backend choice means the CUDA backend: `cuda`, or `auto` in a build with
+/// it, started as a rank of a job (a launcher's variables are set) whose CUDA libraries
+/// load.
+pub(crate) fn use_cuda(choice: BackendChoice) -> Result<bool, Error> {
+    match choice {
+        BackendChoice::Cpu => Ok(false),
+        BackendChoice::Cuda if cfg!(feature = "cuda") => Ok(true),
+        BackendChoice::Cuda => Err(Error::Backend(
+            "backend \"cuda\" is not in this build: rebuild with `cargo build --release --features cuda`".into(),
+        )),
+        BackendChoice::Auto => Ok(auto_cuda()),
+    }
+}
+
+#[cfg(feature = "cuda")]
+pub(crate) fn auto_cuda() -> bool {
+    matches!(overlap::dist::RankEnv::from_env(), Ok(Some(_)))
+        && overlap::ops::cuda::check_libraries().is_ok()
+}
+
+#[cfg(not(feature = "cuda"))]
+pub(crate) fn auto_cuda() -> bool {
+    false
+}
+
+#[cfg(feature = "cuda")]
+pub(crate) async fn verify_cuda(
+    cfg: &Config,
+    steps: u64,
+    seed: u64,
+    json: bool,
+) -> Result<ExitCode, Error> {
+    let env = overlap::cuda::rank_env(cfg.plan.mesh)?;
+    let mut cfg = cfg.clone();
+    cfg.settle_transport(env.one_node());
+    let cfg = &cfg;
+    let what = overlap::fingerprint::Fingerprint::of_config(cfg, "verify", "cuda", steps, seed)?;
+    let mut world = overlap::cuda::world(cfg, env, false, what)?;
+    let report = overlap::cuda::verify(cfg, steps, seed, &mut world, |s| {
+        if !json {
+            eprintln!("verify: step {s}/{steps} done");
+        }
+    })
+    .await?;
+    match report {
+        Some(report) => print_verify(cfg, &report, json),
+        None => Ok(ExitCode::SUCCESS),
+    }
+}
+
+#[cfg(not(feature = "cuda"))]
+pub(crate) async fn verify_cuda(_: &Config, _: u64, _: u64, _: bool) -> Result<ExitCode, Error> {
+    use_cuda(BackendChoice::Cuda).map(|_| ExitCode::from(2))
+}
+
+/// On the CPU backend every process runs the whole mesh; started as ranks of a job
+/// (`overlap launch`, torchrun, ...), the processes still meet at the rendezvous and
+/// check that they run the same thing, so that a job that would disagree on GPUs
+/// disagrees here too.
+pub(crate) fn meet_cpu(cfg: &Config, command: &str, steps: u64, seed: u64) -> Result<(), Error> {
+    let Some(env) = overlap::dist::RankEnv::from_env()? else {
+        return Ok(());
+    };
+    if env.world_size < 2 {
+        return Ok(());
+    }
+    let what = overlap::fingerprint::Fingerprint::of_config(cfg, command, "cpu", steps, seed)?;
+    let timeout = overlap::rendezvous::start_timeout(std::time::Duration::from_secs(180));
+    let mut rdv = overlap::rendezvous::Rendezvous::connect(&env, timeout)?;
+    rdv.agree(&what, timeout)?;
+    if env.rank == 0 {
+        eprintln!(
+            "rendezvous: {} ranks agree on what they run (fingerprint {})",
+            env.world_size,
+            &what.digest()[..16]
+        );
+    }
+    Ok(())
+}
