@@ -83,7 +83,9 @@ pub use session::{Session, StepReport};
 
 // What an embedder touches, documented here as well as in its own crate.
 #[doc(inline)]
-pub use overlap_executor::{Backward, ClipConfig, ExecConfig, OnNonFinite, StepStats};
+pub use overlap_executor::{
+    Backward, ClipConfig, ExecConfig, OnNonFinite, PeerAbort, PeerFailure, StepStats,
+};
 #[doc(inline)]
 pub use overlap_graph::{
     Bindings, DType, Gate, Mesh, ModelSpec, ParamId, ParamSpec, PlacedParam, Plan, PlanSpec,

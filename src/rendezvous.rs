@@ -31,8 +31,8 @@
 use std::fmt;
 use std::io::{Read, Write};
 use std::net::{IpAddr, SocketAddr, TcpListener, TcpStream, ToSocketAddrs};
-use std::sync::atomic::{AtomicUsize, Ordering};
-use std::sync::{mpsc, Arc};
+use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
+use std::sync::{mpsc, Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use hmac::{Hmac, Mac};
@@ -40,6 +40,7 @@ use sha2::Sha256;
 
 use crate::dist::{DistError, RankEnv};
 use crate::fingerprint::Fingerprint;
+use overlap_executor::{PeerAbort, PeerFailure};
 
 type HmacSha256 = Hmac<Sha256>;
 
@@ -76,6 +77,10 @@ enum Kind {
     Welcome = 5,
     Ready = 6,
     Reject = 7,
+    /// A rank failed (payload: its rank, little-endian `u32`, then its error).
+    Abort = 8,
+    /// A rank ended well and closes its connection.
+    Bye = 9,
 }
 
 impl Kind {
@@ -88,6 +93,8 @@ impl Kind {
             5 => Kind::Welcome,
             6 => Kind::Ready,
             7 => Kind::Reject,
+            8 => Kind::Abort,
+            9 => Kind::Bye,
             _ => return None,
         })
     }
@@ -231,40 +238,43 @@ fn transcript(n0: &[u8; NONCE], nk: &[u8; NONCE], rank: u32, world: u32) -> Vec<
 }
 
 /// One authenticated connection: the stream, its session key and sequence numbers.
+/// Sending goes through [`Out`], which the job's watch threads share; once the job is
+/// watched ([`Rendezvous::watch`]) a thread reads the stream and hands the frames that
+/// are not about failures to `inbox`.
 struct Conn {
     stream: TcpStream,
     key: [u8; 32],
     /// 0 on rank 0's side (it sends direction 0), 1 on a rank's.
     side: u8,
-    sent: u64,
     received: u64,
+    out: Arc<Mutex<Out>>,
+    inbox: Option<mpsc::Receiver<Result<Frame, String>>>,
 }
 
-impl Conn {
-    fn new(stream: TcpStream, secret: &JobSecret, t: &[u8], side: u8) -> Conn {
-        let key: [u8; 32] = secret.mac(SESSION_LABEL, t).finalize().into_bytes().into();
-        Conn {
-            stream,
-            key,
-            side,
-            sent: 0,
-            received: 0,
-        }
-    }
+/// A received frame: `(kind, rank, world, payload)`.
+type Frame = (Kind, u32, u32, Vec<u8>);
 
-    fn tag(&self, direction: u8, seq: u64, header: &[u8], payload: &[u8]) -> HmacSha256 {
-        let mut m = HmacSha256::new_from_slice(&self.key).expect("HMAC takes any key length");
-        m.update(&[direction]);
-        m.update(&seq.to_le_bytes());
-        m.update(header);
-        m.update(payload);
-        m
-    }
+/// The sending half of a connection.
+struct Out {
+    stream: TcpStream,
+    key: [u8; 32],
+    side: u8,
+    sent: u64,
+}
 
+fn tag(key: &[u8; 32], direction: u8, seq: u64, header: &[u8], payload: &[u8]) -> HmacSha256 {
+    let mut m = HmacSha256::new_from_slice(key).expect("HMAC takes any key length");
+    m.update(&[direction]);
+    m.update(&seq.to_le_bytes());
+    m.update(header);
+    m.update(payload);
+    m
+}
+
+impl Out {
     fn send(&mut self, kind: Kind, rank: u32, world: u32, payload: &[u8]) -> std::io::Result<()> {
         let header = header(kind, rank, world, payload.len() as u64);
-        let tag = self
-            .tag(self.side, self.sent, &header, payload)
+        let tag = tag(&self.key, self.side, self.sent, &header, payload)
             .finalize()
             .into_bytes();
         self.sent += 1;
@@ -275,21 +285,65 @@ impl Conn {
         (&self.stream).write_all(&buf)?;
         (&self.stream).flush()
     }
+}
+
+fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
+    m.lock().unwrap_or_else(|e| e.into_inner())
+}
+
+impl Conn {
+    fn new(stream: TcpStream, secret: &JobSecret, t: &[u8], side: u8) -> Result<Conn, String> {
+        let key: [u8; 32] = secret.mac(SESSION_LABEL, t).finalize().into_bytes().into();
+        let out = Out {
+            stream: stream.try_clone().map_err(|e| e.to_string())?,
+            key,
+            side,
+            sent: 0,
+        };
+        Ok(Conn {
+            stream,
+            key,
+            side,
+            received: 0,
+            out: Arc::new(Mutex::new(out)),
+            inbox: None,
+        })
+    }
+
+    fn send(&self, kind: Kind, rank: u32, world: u32, payload: &[u8]) -> std::io::Result<()> {
+        lock(&self.out).send(kind, rank, world, payload)
+    }
 
     /// Reads the next tagged frame, one of `kinds`: `(kind, rank, world, payload)`.
-    fn recv(
-        &mut self,
-        kinds: &[Kind],
-        deadline: Instant,
-    ) -> Result<(Kind, u32, u32, Vec<u8>), String> {
+    fn recv(&mut self, kinds: &[Kind], deadline: Instant) -> Result<Frame, String> {
+        let Some(inbox) = &self.inbox else {
+            return self.read(kinds, deadline);
+        };
+        let left = deadline.saturating_duration_since(Instant::now());
+        match inbox.recv_timeout(left) {
+            Ok(Ok(f)) if kinds.contains(&f.0) => Ok(f),
+            Ok(Ok(f)) => Err(format!(
+                "expected a {kinds:?} frame, got {:?} (the ranks disagree on what happens next)",
+                f.0
+            )),
+            Ok(Err(e)) => Err(e),
+            Err(mpsc::RecvTimeoutError::Timeout) => Err("timed out".into()),
+            Err(mpsc::RecvTimeoutError::Disconnected) => {
+                Err("the connection closed (did that rank exit?)".into())
+            }
+        }
+    }
+
+    /// Reads the next tagged frame from the stream itself.
+    fn read(&mut self, kinds: &[Kind], deadline: Instant) -> Result<Frame, String> {
         let (header, kind, rank, world, len) =
             read_header(&self.stream, kinds, MAX_PAYLOAD, deadline)?;
         let mut payload = vec![0u8; len as usize];
         read_exact(&self.stream, &mut payload, deadline)?;
-        let mut tag = [0u8; TAG];
-        read_exact(&self.stream, &mut tag, deadline)?;
-        self.tag(1 - self.side, self.received, &header, &payload)
-            .verify_slice(&tag)
+        let mut t = [0u8; TAG];
+        read_exact(&self.stream, &mut t, deadline)?;
+        tag(&self.key, 1 - self.side, self.received, &header, &payload)
+            .verify_slice(&t)
             .map_err(|_| {
                 "a frame failed its integrity check (tampered with, or not from this job's rank)"
                     .to_string()
@@ -306,6 +360,23 @@ pub struct Rendezvous {
     /// Where rank 0 listens (for messages).
     addr: String,
     role: Role,
+    /// Set when this end closes its connections: its watch threads then end quietly.
+    closed: Arc<AtomicBool>,
+}
+
+/// Closing the rendezvous closes its connections: a rank that did not say
+/// [`Rendezvous::bye`] first is taken for failed by the ranks that watch it.
+impl Drop for Rendezvous {
+    fn drop(&mut self) {
+        self.closed.store(true, Ordering::SeqCst);
+        let conns: Vec<&Conn> = match &self.role {
+            Role::Root(peers) => peers.iter().collect(),
+            Role::Peer(c) => vec![c],
+        };
+        for c in conns {
+            let _ = c.stream.shutdown(std::net::Shutdown::Both);
+        }
+    }
 }
 
 enum Role {
@@ -420,8 +491,7 @@ impl Rendezvous {
                         a.rank, a.rank, a.from
                     );
                     tracing::warn!("rendezvous on {local}: {why}");
-                    let mut conn = a.conn;
-                    let _ = conn.send(Kind::Reject, 0, world, why.as_bytes());
+                    let _ = a.conn.send(Kind::Reject, 0, world, why.as_bytes());
                     continue;
                 }
                 *slot = Some(a.conn);
@@ -452,6 +522,7 @@ impl Rendezvous {
             world,
             addr: local,
             role: Role::Root(peers),
+            closed: Arc::new(AtomicBool::new(false)),
         })
     }
 
@@ -516,6 +587,7 @@ impl Rendezvous {
             world,
             addr: addr.to_string(),
             role: Role::Peer(conn),
+            closed: Arc::new(AtomicBool::new(false)),
         })
     }
 
@@ -594,6 +666,78 @@ impl Rendezvous {
         }
     }
 
+    /// Watches the job from here on, on a thread per connection: a rank that reports a
+    /// failure ([`Rendezvous::abort`]) or whose connection closes without a goodbye
+    /// ([`Rendezvous::bye`]: it exited, was killed, or its machine failed) triggers
+    /// `abort` on every rank of the job (rank 0 passes a rank's report on to the
+    /// others), naming that rank and its error. Broadcasts and gathers keep working.
+    /// Idempotent.
+    pub fn watch(&mut self, abort: PeerAbort) -> Result<(), DistError> {
+        let (me, world) = (self.rank, self.world);
+        let conns: Vec<(u32, &mut Conn)> = match &mut self.role {
+            Role::Root(peers) => peers
+                .iter_mut()
+                .enumerate()
+                .map(|(i, c)| (i as u32 + 1, c))
+                .collect(),
+            Role::Peer(c) => vec![(0, c)],
+        };
+        let outs: Vec<(u32, Arc<Mutex<Out>>)> =
+            conns.iter().map(|(r, c)| (*r, c.out.clone())).collect();
+        for (peer, conn) in conns {
+            if conn.inbox.is_some() {
+                continue;
+            }
+            let stream = conn.stream.try_clone().map_err(|e| {
+                err(format!(
+                    "rank {me}: watching the connection of rank {peer}: {e}"
+                ))
+            })?;
+            let reader = Conn {
+                stream,
+                key: conn.key,
+                side: conn.side,
+                received: conn.received,
+                out: conn.out.clone(),
+                inbox: None,
+            };
+            let (tx, rx) = mpsc::channel();
+            let (abort, outs, closed) = (abort.clone(), outs.clone(), self.closed.clone());
+            std::thread::Builder::new()
+                .name(format!("watch-rank-{peer}"))
+                .stack_size(128 << 10)
+                .spawn(move || watch_conn(reader, (me, peer, world), &tx, &abort, &outs, &closed))
+                .map_err(|e| err(format!("rank {me}: cannot start watching rank {peer}: {e}")))?;
+            conn.inbox = Some(rx);
+        }
+        Ok(())
+    }
+
+    /// Tells the job that this rank failed with `reason`: rank 0 tells every rank, any
+    /// other rank tells rank 0, which passes it on. Best effort (a peer that is gone is
+    /// skipped); call it before exiting with an error.
+    pub fn abort(&self, reason: &str) {
+        let reason = truncated(reason);
+        for out in self.outs() {
+            let _ = lock(&out).send(Kind::Abort, self.rank, self.world, reason.as_bytes());
+        }
+    }
+
+    /// Tells the job that this rank ended well, so that closing its connection is not
+    /// taken for a failure. Call it last, after any gather.
+    pub fn bye(&self) {
+        for out in self.outs() {
+            let _ = lock(&out).send(Kind::Bye, self.rank, self.world, &[]);
+        }
+    }
+
+    fn outs(&self) -> Vec<Arc<Mutex<Out>>> {
+        match &self.role {
+            Role::Root(peers) => peers.iter().map(|c| c.out.clone()).collect(),
+            Role::Peer(c) => vec![c.out.clone()],
+        }
+    }
+
     /// Every rank hands in the fingerprint of what it will run; rank 0 compares them and
     /// tells every rank the verdict. Agreement returns `Ok`; a difference is the same
     /// [`DistError::Disagree`] on every rank, naming two ranks and the first field in
@@ -617,6 +761,82 @@ impl Rendezvous {
                 "rank 0 sent a verdict of {} bytes on the ranks' fingerprints",
                 verdict.len()
             ))),
+        }
+    }
+}
+
+/// The longest failure message passed on to the other ranks.
+const MAX_REASON: usize = 4096;
+
+fn truncated(reason: &str) -> &str {
+    if reason.len() <= MAX_REASON {
+        return reason;
+    }
+    let mut end = MAX_REASON;
+    while !reason.is_char_boundary(end) {
+        end -= 1;
+    }
+    &reason[..end]
+}
+
+/// One connection's watch (`me` watches `peer`'s connection in a job of `world`):
+/// failures trigger `abort` (rank 0 also tells the other ranks through `outs`), other
+/// frames go to `inbox` for the broadcasts and gathers.
+fn watch_conn(
+    mut conn: Conn,
+    (me, peer, world): (u32, u32, u32),
+    inbox: &mpsc::Sender<Result<Frame, String>>,
+    abort: &PeerAbort,
+    outs: &[(u32, Arc<Mutex<Out>>)],
+    closed: &AtomicBool,
+) {
+    let report = |rank: u32, reason: String| {
+        let first = abort.trigger(PeerFailure {
+            rank,
+            reason: reason.clone(),
+        });
+        if first && me == 0 {
+            for (r, out) in outs {
+                if *r != peer && *r != rank {
+                    let _ = lock(out).send(Kind::Abort, rank, world, truncated(&reason).as_bytes());
+                }
+            }
+        }
+    };
+    let all = [
+        Kind::Broadcast,
+        Kind::Gather,
+        Kind::Ready,
+        Kind::Reject,
+        Kind::Abort,
+        Kind::Bye,
+    ];
+    loop {
+        // Years: the watch lasts as long as the job.
+        let forever = Instant::now() + Duration::from_secs(1 << 30);
+        match conn.read(&all, forever) {
+            Ok((Kind::Bye, ..)) => return,
+            Ok((Kind::Abort, rank, _, reason)) => {
+                // Only rank 0 speaks for other ranks.
+                let rank = if peer == 0 { rank } else { peer };
+                report(rank, String::from_utf8_lossy(&reason).into_owned());
+                let _ = inbox.send(Err(format!("rank {rank} failed")));
+                return;
+            }
+            Ok(frame) => {
+                if inbox.send(Ok(frame)).is_err() {
+                    return;
+                }
+            }
+            Err(_) if closed.load(Ordering::SeqCst) => return,
+            Err(e) => {
+                let why = format!(
+                    "its connection to rank {me} closed without a goodbye ({e}): the process exited, was killed or lost its machine"
+                );
+                report(peer, why.clone());
+                let _ = inbox.send(Err(why));
+                return;
+            }
         }
     }
 }
@@ -651,7 +871,7 @@ fn greet(
         })?;
     let proof = secret.mac(WELCOME_LABEL, &t).finalize().into_bytes();
     write_raw(&stream, Kind::Welcome, 0, world, &proof).map_err(|e| e.to_string())?;
-    let mut conn = Conn::new(stream, secret, &t, 0);
+    let conn = Conn::new(stream, secret, &t, 0)?;
     let why = if peer_world != world {
         Some(format!(
             "rank {rank} says the world has {peer_world} ranks, rank 0 has {world}: WORLD_SIZE differs between ranks"
@@ -705,7 +925,7 @@ fn hello(
         .map_err(|_| {
             "the process there did not prove it holds this job's secret (another job on MASTER_PORT, or OVERLAP_JOB_SECRET differs)".to_string()
         })?;
-    Ok(Conn::new(stream, secret, &t, 1))
+    Conn::new(stream, secret, &t, 1)
 }
 
 /// One connection attempt to every address `addr` resolves to.
@@ -910,6 +1130,102 @@ mod tests {
         let all = root.gather(&[0, 0], t).unwrap().unwrap();
         assert_eq!(all, vec![vec![0, 0], vec![1, 1], vec![2, 2]]);
         peers.into_iter().for_each(|p| p.join().unwrap());
+    }
+
+    /// A job of `world` ranks on loopback, every rank watched: `(rendezvous, signal)`
+    /// in rank order.
+    fn watched_job(world: u32) -> Vec<(Rendezvous, PeerAbort)> {
+        let (l, addr) = listener();
+        let t = Duration::from_secs(10);
+        let s = secret();
+        let peers = join_all(&addr, 1..world, world, &s, t);
+        let root = Rendezvous::serve(l, world, &s, t).unwrap();
+        std::iter::once(root)
+            .chain(peers.into_iter().map(|p| p.join().unwrap().unwrap()))
+            .map(|mut r| {
+                let a = PeerAbort::new();
+                r.watch(a.clone()).unwrap();
+                (r, a)
+            })
+            .collect()
+    }
+
+    fn wait_for(a: &PeerAbort) -> PeerFailure {
+        let by = Instant::now() + Duration::from_secs(10);
+        loop {
+            if let Some(f) = a.failure() {
+                return f;
+            }
+            assert!(Instant::now() < by, "no failure reported");
+            std::thread::sleep(Duration::from_millis(2));
+        }
+    }
+
+    #[test]
+    fn a_ranks_failure_reaches_every_rank_through_rank_0() {
+        let job = watched_job(3);
+        job[2].0.abort("step 2 failed: out of memory");
+        for (rank, (_, a)) in job.iter().enumerate() {
+            if rank == 2 {
+                continue;
+            }
+            let f = wait_for(a);
+            assert_eq!(f.rank, 2, "rank {rank}");
+            assert_eq!(f.reason, "step 2 failed: out of memory");
+        }
+        assert!(
+            job[2].1.failure().is_none(),
+            "a rank is not told its own failure"
+        );
+        // Rank 0's own failure reaches the others.
+        let job = watched_job(3);
+        job[0].0.abort("rank 0 broke");
+        for (_, a) in &job[1..] {
+            assert_eq!(wait_for(a).rank, 0);
+        }
+    }
+
+    #[test]
+    fn a_connection_closed_without_a_goodbye_is_a_failure_of_that_rank() {
+        let mut job = watched_job(3);
+        let (gone, _) = job.remove(1);
+        drop(gone);
+        for (r, a) in &job {
+            let f = wait_for(a);
+            assert_eq!(f.rank, 1, "rank {}", r.rank());
+            assert!(f.reason.contains("without a goodbye"), "{}", f.reason);
+        }
+        // Rank 0 gone: the others name it.
+        let mut job = watched_job(2);
+        drop(job.remove(0));
+        assert_eq!(wait_for(&job[0].1).rank, 0);
+    }
+
+    #[test]
+    fn ranks_that_say_goodbye_are_no_failure_and_gathers_work_while_watched() {
+        let t = Duration::from_secs(10);
+        let mut job = watched_job(3);
+        let (mut root, a0) = job.remove(0);
+        let peers: Vec<_> = job
+            .into_iter()
+            .map(|(mut r, a)| {
+                std::thread::spawn(move || {
+                    assert_eq!(r.broadcast(&[], t).unwrap(), b"go");
+                    let me = r.rank() as u8;
+                    assert!(r.gather(&[me], t).unwrap().is_none());
+                    r.bye();
+                    (r, a)
+                })
+            })
+            .collect();
+        assert_eq!(root.broadcast(b"go", t).unwrap(), b"go");
+        let all = root.gather(&[0], t).unwrap().unwrap();
+        assert_eq!(all, vec![vec![0], vec![1], vec![2]]);
+        let peers: Vec<_> = peers.into_iter().map(|p| p.join().unwrap()).collect();
+        drop(peers);
+        root.bye();
+        std::thread::sleep(Duration::from_millis(100));
+        assert!(a0.failure().is_none(), "{:?}", a0.failure());
     }
 
     #[test]

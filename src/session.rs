@@ -337,6 +337,13 @@ impl<B: Backend> Session<B> {
         crate::checkpoint::install(&self.planner, &mut self.executor, restored)
     }
 
+    /// The signal through which a multi-process job reports another rank's failure
+    /// ([`Rendezvous::watch`](crate::rendezvous::Rendezvous::watch) triggers it): this
+    /// session's waits then end at once with [`ExecError::PeerFailed`](overlap_executor::ExecError::PeerFailed).
+    pub fn peer_abort(&self) -> overlap_executor::PeerAbort {
+        self.executor.peer_abort()
+    }
+
     /// The planner (parameters with owners, buckets, the spec).
     pub fn planner(&self) -> &Planner {
         &self.planner

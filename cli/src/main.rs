@@ -45,7 +45,15 @@ fn main() -> ExitCode {
         Ok(code) => code,
         Err(e) => {
             eprintln!("error: {}", printable_lines(&e.to_string()));
-            if matches!(e, Error::Exec(overlap::executor::ExecError::Timeout { .. })) {
+            // After a timeout or another rank's failure the device may still run (or
+            // wait in) kernels that never end.
+            if matches!(
+                e,
+                Error::Exec(
+                    overlap::executor::ExecError::Timeout { .. }
+                        | overlap::executor::ExecError::PeerFailed { .. }
+                )
+            ) {
                 exit_now(2);
             }
             ExitCode::from(2)
@@ -56,7 +64,7 @@ fn main() -> ExitCode {
 /// Ends the process at once, without exit handlers or destructors: after a timed-out
 /// step the device may still run a kernel that never ends, and the CUDA driver's and
 /// NCCL's exit handlers wait for the device. The kernel ends with the process.
-fn exit_now(code: i32) -> ! {
+pub(crate) fn exit_now(code: i32) -> ! {
     use std::io::Write;
     let _ = std::io::stdout().flush();
     let _ = std::io::stderr().flush();
@@ -166,7 +174,8 @@ async fn dispatch(cmd: Command) -> Result<ExitCode, Error> {
             if use_cuda(cfg.run.backend)? {
                 return verify_cuda(&cfg, steps, seed, json).await;
             }
-            meet_cpu(&cfg, "verify", steps, seed)?;
+            // The processes of a CPU job each verify the whole mesh: they meet to agree.
+            let _job = meet_cpu(&cfg, "verify", steps, seed)?;
             let report = overlap::verify::verify(&cfg, steps, seed, |s| {
                 if !json {
                     eprintln!("verify: step {s}/{steps} done");

@@ -8,7 +8,7 @@ use overlap::graph::Gate;
 use overlap::{drive, observe, Error, Session};
 
 use crate::args::{CheckpointArgs, ObserveArgs};
-use crate::verify::{meet_cpu, use_cuda};
+use crate::verify::{end_job, meet_cpu, use_cuda, watch_job};
 
 pub(crate) async fn run(
     cfg: &Config,
@@ -54,21 +54,22 @@ pub(crate) async fn run(
             u64::from(steps),
             cfg.run.seed,
         )?;
-        let world = overlap::cuda::world(cfg, env, true, what)?;
+        let mut world = overlap::cuda::world(cfg, env, true, what)?;
         let session = Session::cuda(cfg, world.backend.clone())?;
-        return run_steps(session, cfg, steps, observe, ckpt, recording, backend).await;
+        watch_job(Some(&mut world.rendezvous), session.peer_abort())?;
+        // Peers learn of a failure through the watch: a failed rank's collectives no
+        // longer join, so no peer finishes a step on data it never produced.
+        world.backend.set_poisoned_collectives_join(false);
+        let result = run_steps(session, cfg, steps, observe, ckpt, recording, backend).await;
+        end_job(Some(&world.rendezvous), &result);
+        return result;
     }
-    meet_cpu(cfg, "run", u64::from(steps), cfg.run.seed)?;
-    run_steps(
-        Session::cpu(cfg)?,
-        cfg,
-        steps,
-        observe,
-        ckpt,
-        recording,
-        backend,
-    )
-    .await
+    let mut job = meet_cpu(cfg, "run", u64::from(steps), cfg.run.seed)?;
+    let session = Session::cpu(cfg)?;
+    watch_job(job.as_mut(), session.peer_abort())?;
+    let result = run_steps(session, cfg, steps, observe, ckpt, recording, backend).await;
+    end_job(job.as_ref(), &result);
+    result
 }
 
 /// The transport a run uses, and whether `auto` chose it: `copy (auto)`.

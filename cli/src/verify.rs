@@ -4,7 +4,8 @@
 use std::process::ExitCode;
 
 use overlap::config::{BackendChoice, Config};
-use overlap::Error;
+use overlap::rendezvous::Rendezvous;
+use overlap::{Error, PeerAbort};
 
 /// Prints a verification report (text, or one JSON line) and picks the exit code.
 pub(crate) fn print_verify(
@@ -94,7 +95,9 @@ pub(crate) async fn verify_cuda(
             eprintln!("verify: step {s}/{steps} done");
         }
     })
-    .await?;
+    .await;
+    end_job(Some(&world.rendezvous), &report);
+    let report = report?;
     match report {
         Some(report) => print_verify(cfg, &report, json),
         None => Ok(ExitCode::SUCCESS),
@@ -110,16 +113,21 @@ pub(crate) async fn verify_cuda(_: &Config, _: u64, _: u64, _: bool) -> Result<E
 /// (`overlap launch`, torchrun, ...), the processes still meet at the rendezvous and
 /// check that they run the same thing, so that a job that would disagree on GPUs
 /// disagrees here too.
-pub(crate) fn meet_cpu(cfg: &Config, command: &str, steps: u64, seed: u64) -> Result<(), Error> {
+pub(crate) fn meet_cpu(
+    cfg: &Config,
+    command: &str,
+    steps: u64,
+    seed: u64,
+) -> Result<Option<Rendezvous>, Error> {
     let Some(env) = overlap::dist::RankEnv::from_env()? else {
-        return Ok(());
+        return Ok(None);
     };
     if env.world_size < 2 {
-        return Ok(());
+        return Ok(None);
     }
     let what = overlap::fingerprint::Fingerprint::of_config(cfg, command, "cpu", steps, seed)?;
     let timeout = overlap::rendezvous::start_timeout(std::time::Duration::from_secs(180));
-    let mut rdv = overlap::rendezvous::Rendezvous::connect(&env, timeout)?;
+    let mut rdv = Rendezvous::connect(&env, timeout)?;
     rdv.agree(&what, timeout)?;
     if env.rank == 0 {
         eprintln!(
@@ -128,5 +136,50 @@ pub(crate) fn meet_cpu(cfg: &Config, command: &str, steps: u64, seed: u64) -> Re
             &what.digest()[..16]
         );
     }
-    Ok(())
+    Ok(Some(rdv))
+}
+
+/// How long a rank told of another rank's failure may take to stop by itself before it
+/// exits anyway (a wait the executor does not own, such as a device call).
+pub(crate) const STOP_GRACE: std::time::Duration = std::time::Duration::from_secs(30);
+
+/// Watches a multi-process job for the other ranks' failures (`rdv`, when there is
+/// one): the session's waits end at once when one fails, and if this process has not
+/// stopped [`STOP_GRACE`] later it exits with status 2 naming the failed rank.
+pub(crate) fn watch_job(rdv: Option<&mut Rendezvous>, abort: PeerAbort) -> Result<(), Error> {
+    let Some(rdv) = rdv else {
+        return Ok(());
+    };
+    rdv.watch(abort.clone())?;
+    let spawned = std::thread::Builder::new()
+        .name("peer-failure-exit".into())
+        .spawn(move || loop {
+            if let Some(f) = abort.failure() {
+                std::thread::sleep(STOP_GRACE);
+                eprintln!(
+                    "error: rank {} of the job failed: {} (this rank did not stop within {} s; exiting)",
+                    f.rank,
+                    f.reason,
+                    STOP_GRACE.as_secs()
+                );
+                crate::exit_now(2);
+            }
+            std::thread::sleep(std::time::Duration::from_millis(100));
+        });
+    spawned
+        .map(drop)
+        .map_err(|e| Error::Usage(format!("cannot start watching the job: {e}")))
+}
+
+/// Ends a watched job's command: a goodbye when it went well, the error for the other
+/// ranks when it did not (unless the error is another rank's failure, which they know).
+pub(crate) fn end_job<T>(rdv: Option<&Rendezvous>, result: &Result<T, Error>) {
+    let Some(rdv) = rdv else {
+        return;
+    };
+    match result {
+        Ok(_) => rdv.bye(),
+        Err(Error::Exec(overlap::executor::ExecError::PeerFailed { .. })) => {}
+        Err(e) => rdv.abort(&e.to_string()),
+    }
 }

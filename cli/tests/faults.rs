@@ -190,3 +190,114 @@ fn a_hung_backward_stops_the_other_ranks_waits_within_the_timeout() {
     assert!(took < Duration::from_secs(1) + HANG_SLACK, "{took:?}");
     let _ = std::fs::remove_file(config);
 }
+
+/// The processes of a job started by hand (as torchrun or Slurm would, no launcher to
+/// stop the others): `overlap run` on the CPU backend, rank `rank` of `world`, with
+/// `fault` in its environment only.
+fn rank_process(rank: u32, world: u32, port: &str, steps: u32, fault: Option<&str>) -> Command {
+    let mut c = overlap();
+    c.args([
+        "run",
+        "--config",
+        CONFIG,
+        "--backend",
+        "cpu",
+        "--steps",
+        &steps.to_string(),
+    ])
+    .env("RANK", rank.to_string())
+    .env("LOCAL_RANK", rank.to_string())
+    .env("WORLD_SIZE", world.to_string())
+    .env("LOCAL_WORLD_SIZE", world.to_string())
+    .env("MASTER_ADDR", "127.0.0.1")
+    .env("MASTER_PORT", port)
+    .env("OVERLAP_JOB_SECRET", "a secret of this test job, 32 B.")
+    .env_remove("OVERLAP_FAULT")
+    .stdout(std::process::Stdio::piped())
+    .stderr(std::process::Stdio::piped());
+    if let Some(f) = fault {
+        c.env("OVERLAP_FAULT", f);
+    }
+    c
+}
+
+#[test]
+fn a_failure_on_one_process_stops_the_others_through_the_rendezvous() {
+    let port = free_port();
+    let t0 = Instant::now();
+    // Rank 0 has 1000 steps ahead of it: only the failure of rank 1 can stop it soon.
+    let r0 = rank_process(0, 2, &port, 1000, None).spawn().unwrap();
+    let r1 = rank_process(
+        1,
+        2,
+        &port,
+        1000,
+        Some("rank=1,kind=stage1,step=2,mode=fail"),
+    )
+    .spawn()
+    .unwrap();
+    let (o1, o0) = (
+        r1.wait_with_output().unwrap(),
+        r0.wait_with_output().unwrap(),
+    );
+    let took = t0.elapsed();
+    let (e0, e1) = (stderr(&o0), stderr(&o1));
+    assert_eq!(o1.status.code(), Some(2), "{e1}");
+    assert!(e1.contains("a failure injected by OVERLAP_FAULT"), "{e1}");
+    assert_eq!(o0.status.code(), Some(2), "{e0}");
+    assert!(
+        e0.contains("error: rank 1 of the job failed: step failed:")
+            && e0.contains("a failure injected by OVERLAP_FAULT"),
+        "{e0}"
+    );
+    let steps0 = String::from_utf8_lossy(&o0.stdout).matches("step ").count();
+    eprintln!("rank 0 stopped after {steps0} steps, {took:?}");
+    assert!(steps0 < 100, "rank 0 ran on: {steps0} steps");
+    assert!(took < FAIL_BOUND, "{took:?}");
+}
+
+#[test]
+fn a_killed_process_stops_the_others_through_the_rendezvous() {
+    let port = free_port();
+    let r0 = rank_process(0, 2, &port, 100_000, None).spawn().unwrap();
+    let mut r1 = rank_process(1, 2, &port, 100_000, None).spawn().unwrap();
+    // Wait until rank 1 runs its steps, then kill it without a word.
+    let mut out1 = r1.stdout.take().unwrap();
+    let mut seen = Vec::new();
+    let mut buf = [0u8; 4096];
+    while !String::from_utf8_lossy(&seen).contains("step 2/") {
+        use std::io::Read;
+        let n = out1.read(&mut buf).unwrap();
+        assert!(n > 0, "rank 1 ended early");
+        seen.extend_from_slice(&buf[..n]);
+    }
+    let t0 = Instant::now();
+    r1.kill().unwrap();
+    r1.wait().unwrap();
+    let o0 = r0.wait_with_output().unwrap();
+    let took = t0.elapsed();
+    let e0 = stderr(&o0);
+    assert_eq!(o0.status.code(), Some(2), "{e0}");
+    assert!(
+        e0.contains("rank 1 of the job failed") && e0.contains("without a goodbye"),
+        "{e0}"
+    );
+    eprintln!("rank 0 stopped {took:?} after rank 1 was killed");
+    assert!(took < FAIL_BOUND, "{took:?}");
+}
+
+#[test]
+fn processes_that_end_well_say_goodbye_and_exit_0() {
+    for steps in [1, 3] {
+        let port = free_port();
+        let r0 = rank_process(0, 2, &port, steps, None).spawn().unwrap();
+        let r1 = rank_process(1, 2, &port, steps, None).spawn().unwrap();
+        for o in [
+            r0.wait_with_output().unwrap(),
+            r1.wait_with_output().unwrap(),
+        ] {
+            assert!(o.status.success(), "{}", stderr(&o));
+            assert!(!stderr(&o).contains("failed"), "{}", stderr(&o));
+        }
+    }
+}

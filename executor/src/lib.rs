@@ -23,6 +23,7 @@ use overlap_ops::{AdamwParams, Backend, MuonParams, OpsError, Timing};
 
 mod fault;
 pub mod hyper;
+mod peer;
 mod prepared;
 mod rank;
 
@@ -30,6 +31,7 @@ pub use fault::{Fault, FaultMode, FAULT_OP, FAULT_VAR};
 pub use hyper::{
     glob_match, GroupError, GroupRate, HyperTable, LrSchedule, ParamGroup, ScheduleKind,
 };
+pub use peer::{PeerAbort, PeerFailure};
 
 use prepared::Prepared;
 use rank::{IssueCtx, RankState};
@@ -274,6 +276,15 @@ pub enum ExecError {
     /// A bug in overlap itself.
     #[error("internal error: {0}")]
     Internal(String),
+    /// Another rank of the job failed ([`PeerAbort`]): this rank stopped waiting for
+    /// it.
+    #[error("rank {rank} of the job failed: {reason}")]
+    PeerFailed {
+        /// The rank that failed.
+        rank: u32,
+        /// Its error, or how its connection ended.
+        reason: String,
+    },
     /// The step's reduced gradients hold NaN or Inf and `[clip] on_nonfinite = "error"`:
     /// nothing was updated.
     #[error("step {step}: the reduced gradients are not finite (global norm {norm}); nothing was updated ([clip] on_nonfinite = \"error\")")]
@@ -343,6 +354,8 @@ pub struct Executor<B: Backend> {
     broken: Option<String>,
     /// The learning-rate factor the caller set, replacing the schedule's.
     lr_override: Option<f64>,
+    /// Another rank's failure, reported by whoever watches the job.
+    peer_abort: PeerAbort,
 }
 
 impl<B: Backend> Executor<B> {
@@ -366,6 +379,7 @@ impl<B: Backend> Executor<B> {
             group_error: None,
             broken: None,
             lr_override: None,
+            peer_abort: PeerAbort::new(),
             cfg,
         }
     }
@@ -619,12 +633,15 @@ impl<B: Backend> Executor<B> {
         }
     }
 
-    fn ctx(&self) -> Result<IssueCtx, ExecError> {
+    fn ctx(&mut self) -> Result<IssueCtx, ExecError> {
         if let Some(e) = &self.group_error {
             return Err(ExecError::Usage(e.clone()));
         }
         if let Some(e) = &self.broken {
             return Err(ExecError::Usage(e.clone()));
+        }
+        if let Some(f) = self.peer_abort.failure() {
+            return Err(self.peer_failed(f));
         }
         let limit = self.step_timeout();
         Ok(IssueCtx {
@@ -636,6 +653,7 @@ impl<B: Backend> Executor<B> {
             max_norm: self.cfg.clip.max_norm,
             deadline: self.step_start.unwrap_or_else(Instant::now) + limit,
             fault: self.cfg.fault,
+            peer: self.peer_abort.subscribe(),
         })
     }
 
@@ -720,6 +738,30 @@ impl<B: Backend> Executor<B> {
         err
     }
 
+    /// Another rank failed: gives up on the work in flight (the backend's communicators
+    /// are aborted, so that collectives waiting for that rank end) and refuses further
+    /// work, as after a timeout.
+    fn peer_failed(&mut self, f: PeerFailure) -> ExecError {
+        if self.broken.is_none() {
+            self.broken = Some(format!(
+                "the executor cannot be used after rank {} of the job failed: {}",
+                f.rank, f.reason
+            ));
+            self.backend.abort();
+        }
+        ExecError::PeerFailed {
+            rank: f.rank,
+            reason: f.reason,
+        }
+    }
+
+    /// The signal through which whoever watches the job (the rendezvous connection of
+    /// a multi-process job) reports another rank's failure: from then on this
+    /// executor's waits end at once with [`ExecError::PeerFailed`].
+    pub fn peer_abort(&self) -> PeerAbort {
+        self.peer_abort.clone()
+    }
+
     /// Turns a rank's timeout inside an issue into the full report.
     fn check_issued(&mut self, results: Vec<Result<(), ExecError>>) -> Result<(), ExecError> {
         if results
@@ -727,6 +769,14 @@ impl<B: Backend> Executor<B> {
             .any(|r| matches!(r, Err(ExecError::Timeout { .. })))
         {
             return Err(self.timed_out(&[]));
+        }
+        if let Some(f) = self.peer_abort.failure() {
+            if results
+                .iter()
+                .any(|r| matches!(r, Err(ExecError::PeerFailed { .. })))
+            {
+                return Err(self.peer_failed(f));
+            }
         }
         results.into_iter().collect()
     }
@@ -1050,10 +1100,15 @@ impl<B: Backend> Executor<B> {
         let deadline = self.step_start.unwrap_or_else(Instant::now) + self.step_timeout();
         let deadline = tokio::time::Instant::from_std(deadline);
         for (_, _, ev) in &waits {
-            if tokio::time::timeout_at(deadline, backend.host_wait(ev))
-                .await
-                .is_err()
-            {
+            let waited = tokio::select! {
+                biased;
+                f = peer::failed(Some(self.peer_abort.subscribe())) => Err(Some(f)),
+                r = tokio::time::timeout_at(deadline, backend.host_wait(ev)) => r.map(drop).map_err(|_| None),
+            };
+            if let Err(Some(f)) = waited {
+                return Err(self.peer_failed(f));
+            }
+            if waited.is_err() {
                 let pending: Vec<(u32, Stream)> = waits
                     .iter()
                     .filter(|(_, _, ev)| backend.status(ev) == overlap_ops::EventStatus::Pending)

@@ -86,6 +86,8 @@ pub(crate) struct IssueCtx {
     pub deadline: std::time::Instant,
     /// A fault to inject.
     pub fault: Option<crate::Fault>,
+    /// Another rank's failure ends host waits at once.
+    pub peer: tokio::sync::watch::Receiver<Option<crate::PeerFailure>>,
 }
 
 impl<B: Backend> RankState<B> {
@@ -219,7 +221,8 @@ impl<B: Backend> RankState<B> {
             ..
         } = node.op
         {
-            self.backpressure(backend, ctx.window, ctx.deadline).await?;
+            self.backpressure(backend, ctx.window, ctx.deadline, &ctx.peer)
+                .await?;
             self.in_flight.push_back((bucket, micro_batch));
             self.peak_in_flight = self.peak_in_flight.max(self.in_flight.len());
         }
@@ -251,6 +254,7 @@ impl<B: Backend> RankState<B> {
         backend: &B,
         window: usize,
         deadline: std::time::Instant,
+        peer: &tokio::sync::watch::Receiver<Option<crate::PeerFailure>>,
     ) -> Result<(), ExecError> {
         let deadline = tokio::time::Instant::from_std(deadline);
         while self.in_flight.len() >= window.max(1) {
@@ -258,7 +262,14 @@ impl<B: Backend> RankState<B> {
                 break;
             };
             for ev in self.released.remove(&key).unwrap_or_default() {
-                match tokio::time::timeout_at(deadline, backend.host_wait(&ev)).await {
+                let waited = tokio::select! {
+                    biased;
+                    f = crate::peer::failed(Some(peer.clone())) => {
+                        return Err(ExecError::PeerFailed { rank: f.rank, reason: f.reason });
+                    }
+                    r = tokio::time::timeout_at(deadline, backend.host_wait(&ev)) => r,
+                };
+                match waited {
                     Ok(Ok(())) => {}
                     // The failure is the backend's to report; keep issuing so every
                     // rank reaches the same collectives and nothing hangs.

@@ -106,6 +106,9 @@ pub async fn verify(
     let rank = world.env.rank;
     let mesh = config.plan.mesh;
     let mut gpu: Session<CudaBackend> = Session::cuda(&config, world.backend.clone())?;
+    // Another rank's failure ends this one's waits (the gather below still works).
+    world.rendezvous.watch(gpu.peer_abort())?;
+    world.backend.set_poisoned_collectives_join(false);
     let mut cpu_config = config.clone();
     cpu_config.run.backend = BackendChoice::Cpu;
     let mut cpu = Session::cpu(&cpu_config)?;

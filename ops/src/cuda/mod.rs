@@ -36,11 +36,14 @@
 //!   reference, which reduces in f32, differ), and widen the result back to f32.
 //! - **Poisoning.** Validation happens on the host at launch: a bad kernel is reported
 //!   through [`Backend::errors`] and poisons its stream (later kernels are skipped, its
-//!   records fail, and streams waiting on them are poisoned). A poisoned or invalid
-//!   member of a collective still joins the NCCL call, with scratch buffers of the right
-//!   size, so its peers never hang; unlike the CPU backend the peers cannot learn of the
-//!   failure and finish with undefined data, while the failing rank reports the root
-//!   cause. Errors the GPU reports asynchronously surface when an event is queried.
+//!   records fail, and streams waiting on them are poisoned). By default a poisoned or
+//!   invalid member of a collective still joins the NCCL call, with scratch buffers of
+//!   the right size, so its peers never hang; they cannot learn of the failure from the
+//!   collective and finish with undefined data, while the failing rank reports the root
+//!   cause. A job whose ranks tell each other of failures turns that off
+//!   ([`CudaBackend::set_poisoned_collectives_join`]): its peers then wait until the
+//!   failure reaches them. Errors the GPU reports asynchronously surface when an event
+//!   is queried.
 //! - **Copy transport.** An exchange runs on its communicator's stream as copy-engine
 //!   copies into the peers' rings and stream memory operations (flag writes and waits);
 //!   like a collective, a poisoned or invalid member still joins it (moving no data) so
@@ -242,6 +245,8 @@ struct Issue {
     combine_ctas: Option<u32>,
     /// Combines load and store with cache-streaming hints ([`CudaBackend::set_combine_streaming`]).
     combine_streaming: bool,
+    /// Whether a poisoned stream's collectives still join their peers (module docs).
+    poisoned_join: bool,
     /// One cuBLAS handle per stream, at [`Stream::index`].
     blas: Vec<Blas>,
     /// Scratch per stream, at [`Stream::index`].
@@ -345,6 +350,7 @@ impl CudaBackend {
                 in_place: HashMap::new(),
                 combine_ctas: None,
                 combine_streaming: true,
+                poisoned_join: true,
                 blas,
                 scratch: Default::default(),
                 gemm: None,
@@ -412,6 +418,17 @@ impl CudaBackend {
     /// --combine-cache normal` turns it off for comparison).
     pub fn set_combine_streaming(&self, on: bool) {
         lock(&self.issue).combine_streaming = on;
+    }
+
+    /// Whether a collective or exchange issued on a poisoned stream still joins its
+    /// peers (moving no data; the default), so that they do not wait for it. A job whose
+    /// ranks tell each other of a failure (`Rendezvous::watch` in the `overlap` crate)
+    /// turns it off: a failed rank's later collectives are then skipped, its peers wait
+    /// in them until the failure reaches them and their communicators are aborted (or
+    /// their step times out), and none of them finishes a step on data the failed rank
+    /// never produced.
+    pub fn set_poisoned_collectives_join(&self, join: bool) {
+        lock(&self.issue).poisoned_join = join;
     }
 
     /// Copies all of `src` into `dst` (the same length, this rank's) on `stream` with
@@ -952,11 +969,13 @@ impl Backend for CudaBackend {
 impl Issue {
     fn launch(&mut self, shared: &Shared, stream: Stream, tag: Tag, kernel: Kernel<CudaBuffer>) {
         let poison = self.poison[stream.index()].clone();
-        // Collectives and exchanges run even on a poisoned stream: their peers need them.
-        let collective = matches!(
-            kernel,
-            Kernel::Collective { .. } | Kernel::Exchange { .. } | Kernel::Gather { .. }
-        );
+        // Collectives and exchanges run even on a poisoned stream, unless the job is told
+        // of failures another way: their peers wait for them (`set_poisoned_collectives_join`).
+        let collective = self.poisoned_join
+            && matches!(
+                kernel,
+                Kernel::Collective { .. } | Kernel::Exchange { .. } | Kernel::Gather { .. }
+            );
         if poison.is_some() && !collective {
             // A combine that read a ring in place still acknowledges its pieces.
             if let Kernel::Combine { recv, desc, .. } = &kernel {
