@@ -84,7 +84,7 @@ pub use session::{Session, StepReport};
 // What an embedder touches, documented here as well as in its own crate.
 #[doc(inline)]
 pub use overlap_executor::{
-    Backward, ClipConfig, ExecConfig, OnNonFinite, PeerAbort, PeerFailure, StepStats,
+    Backward, ClipConfig, ExecConfig, OnNonFinite, PeerAbort, PeerFailure, StepDeadline, StepStats,
 };
 #[doc(inline)]
 pub use overlap_graph::{

@@ -344,6 +344,13 @@ impl<B: Backend> Session<B> {
         self.executor.peer_abort()
     }
 
+    /// The deadline of the step in progress (`[run] step_timeout`), readable from any
+    /// thread: a watchdog thread can end a process whose host is stuck inside a device
+    /// call past it, which the session's own deadline cannot interrupt.
+    pub fn step_deadline(&self) -> overlap_executor::StepDeadline {
+        self.executor.step_deadline()
+    }
+
     /// The planner (parameters with owners, buckets, the spec).
     pub fn planner(&self) -> &Planner {
         &self.planner

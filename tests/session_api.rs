@@ -252,3 +252,30 @@ async fn plans_are_prepared_once_and_reused_across_steps() {
     // Only the step plan stays prepared: the session let go of the others.
     assert_eq!(s.executor().prepared_plans(), 1);
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_step_deadline_is_readable_from_other_threads_during_a_step_only() {
+    let (mut s, _) = session(2, 2);
+    let deadline = s.step_deadline();
+    assert_eq!(deadline.get(), None);
+    s.begin_micro_batch(Gate::On).await.unwrap();
+    let during = std::thread::spawn(move || deadline.get()).join().unwrap();
+    let d = during.expect("a step is in progress");
+    // The first step's deadline: three times the step timeout (300 s by default).
+    let left = d.saturating_duration_since(std::time::Instant::now());
+    assert!(left > std::time::Duration::from_secs(800), "{left:?}");
+    for layer in s.layers() {
+        s.grad_ready(layer, |_, _, out| out.fill(0.5)).await.unwrap();
+    }
+    s.step().await.unwrap();
+    assert_eq!(s.step_deadline().get(), None);
+    micro_batch(&mut s, Gate::On).await.unwrap();
+    let left = s
+        .step_deadline()
+        .get()
+        .unwrap()
+        .saturating_duration_since(std::time::Instant::now());
+    assert!(left <= std::time::Duration::from_secs(300), "{left:?}");
+    s.zero_grad().await.unwrap();
+    assert_eq!(s.step_deadline().get(), None);
+}

@@ -8,7 +8,7 @@ use overlap::graph::Gate;
 use overlap::{drive, observe, Error, Session};
 
 use crate::args::{CheckpointArgs, ObserveArgs};
-use crate::verify::{end_job, meet_cpu, use_cuda, watch_job};
+use crate::verify::{end_job, meet_cpu, use_cuda, watch_host, watch_job};
 
 pub(crate) async fn run(
     cfg: &Config,
@@ -57,6 +57,7 @@ pub(crate) async fn run(
         let mut world = overlap::cuda::world(cfg, env, true, what)?;
         let session = Session::cuda(cfg, world.backend.clone())?;
         watch_job(Some(&mut world.rendezvous), session.peer_abort())?;
+        watch_host(session.step_deadline())?;
         // Peers learn of a failure through the watch: a failed rank's collectives no
         // longer join, so no peer finishes a step on data it never produced.
         world.backend.set_poisoned_collectives_join(false);

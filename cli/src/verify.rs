@@ -171,6 +171,34 @@ pub(crate) fn watch_job(rdv: Option<&mut Rendezvous>, abort: PeerAbort) -> Resul
         .map_err(|e| Error::Usage(format!("cannot start watching the job: {e}")))
 }
 
+/// How long past its step's deadline a process whose host is stuck in a device call
+/// (the executor could not report the timeout itself) lives on.
+pub(crate) const STUCK_GRACE: std::time::Duration = std::time::Duration::from_secs(15);
+
+/// A watchdog for the host itself: if a step is still in progress [`STUCK_GRACE`] after
+/// its deadline (the executor reports a timeout within seconds of it unless the issuing
+/// thread is blocked inside the driver, for instance by a launch queue full behind a
+/// kernel that never ends), the process exits with status 2 saying so.
+pub(crate) fn watch_host(deadline: overlap::StepDeadline) -> Result<(), Error> {
+    let spawned = std::thread::Builder::new()
+        .name("step-watchdog".into())
+        .spawn(move || loop {
+            if let Some(d) = deadline.get() {
+                if std::time::Instant::now() > d + STUCK_GRACE {
+                    eprintln!(
+                        "error: the step did not end within {} s of its deadline ([run] step_timeout) and the host is blocked inside a device call; exiting",
+                        STUCK_GRACE.as_secs()
+                    );
+                    crate::exit_now(2);
+                }
+            }
+            std::thread::sleep(std::time::Duration::from_millis(250));
+        });
+    spawned
+        .map(drop)
+        .map_err(|e| Error::Usage(format!("cannot start the step watchdog: {e}")))
+}
+
 /// Ends a watched job's command: a goodbye when it went well, the error for the other
 /// ranks when it did not (unless the error is another rank's failure, which they know).
 pub(crate) fn end_job<T>(rdv: Option<&Rendezvous>, result: &Result<T, Error>) {

@@ -31,7 +31,7 @@ pub use fault::{Fault, FaultMode, FAULT_OP, FAULT_VAR};
 pub use hyper::{
     glob_match, GroupError, GroupRate, HyperTable, LrSchedule, ParamGroup, ScheduleKind,
 };
-pub use peer::{PeerAbort, PeerFailure};
+pub use peer::{PeerAbort, PeerFailure, StepDeadline};
 
 use prepared::Prepared;
 use rank::{IssueCtx, RankState};
@@ -356,6 +356,8 @@ pub struct Executor<B: Backend> {
     lr_override: Option<f64>,
     /// Another rank's failure, reported by whoever watches the job.
     peer_abort: PeerAbort,
+    /// The step in progress's deadline, for watchdogs on other threads.
+    deadline: StepDeadline,
 }
 
 impl<B: Backend> Executor<B> {
@@ -380,6 +382,7 @@ impl<B: Backend> Executor<B> {
             broken: None,
             lr_override: None,
             peer_abort: PeerAbort::new(),
+            deadline: StepDeadline::new(),
             cfg,
         }
     }
@@ -563,6 +566,7 @@ impl<B: Backend> Executor<B> {
         }
         if self.step_start.is_none() {
             self.step_start = Some(t0);
+            self.deadline.set(Some(t0 + self.step_timeout()));
             self.adopt_time = Duration::ZERO;
             for r in &mut self.ranks {
                 r.begin_step();
@@ -755,6 +759,12 @@ impl<B: Backend> Executor<B> {
         }
     }
 
+    /// The deadline of the step in progress, shared with other threads (a watchdog for a
+    /// host stuck inside a device call, where this executor's own deadline cannot act).
+    pub fn step_deadline(&self) -> StepDeadline {
+        self.deadline.clone()
+    }
+
     /// The signal through which whoever watches the job (the rendezvous connection of
     /// a multi-process job) reports another rank's failure: from then on this
     /// executor's waits end at once with [`ExecError::PeerFailed`].
@@ -930,6 +940,7 @@ impl<B: Backend> Executor<B> {
         let failures = self.drain().await?;
         if !failures.is_empty() {
             self.step_start = None;
+            self.deadline.set(None);
             self.backend.reset();
             for r in &mut self.ranks {
                 r.end_step(false);
@@ -974,6 +985,7 @@ impl<B: Backend> Executor<B> {
             .take()
             .map(|s| s.elapsed().as_secs_f64())
             .unwrap_or(0.0);
+        self.deadline.set(None);
         let timings = self.backend.take_timings();
         if !failures.is_empty() {
             self.backend.reset();
@@ -1059,6 +1071,7 @@ impl<B: Backend> Executor<B> {
         if let Some(e) = &self.broken {
             return Err(ExecError::Usage(e.clone()));
         }
+        self.deadline.set(None);
         if self.step_start.take().is_none() {
             for r in &mut self.ranks {
                 r.end_step(false);
