@@ -265,7 +265,9 @@ async fn the_step_deadline_is_readable_from_other_threads_during_a_step_only() {
     let left = d.saturating_duration_since(std::time::Instant::now());
     assert!(left > std::time::Duration::from_secs(800), "{left:?}");
     for layer in s.layers() {
-        s.grad_ready(layer, |_, _, out| out.fill(0.5)).await.unwrap();
+        s.grad_ready(layer, |_, _, out| out.fill(0.5))
+            .await
+            .unwrap();
     }
     s.step().await.unwrap();
     assert_eq!(s.step_deadline().get(), None);

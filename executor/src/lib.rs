@@ -907,6 +907,17 @@ impl<B: Backend> Executor<B> {
         self.check_issued(results)
     }
 
+    /// Ends a step whose nodes failed: the backend forgets the failures, every rank
+    /// drops the step's buffers, and the error names the root causes.
+    fn failed_step(&mut self, failures: Vec<NodeFailure>) -> ExecError {
+        self.backend.reset();
+        for r in &mut self.ranks {
+            r.end_step(false);
+        }
+        self.prune_prepared();
+        ExecError::Step { failures }
+    }
+
     /// Issues the step's plan up to its optimizer and publish tail (every reduction of
     /// every micro-batch, nothing of the global norm, the clip, the optimizers or the
     /// publishes) and waits for the device, so that the reduced gradients can be read
@@ -941,12 +952,7 @@ impl<B: Backend> Executor<B> {
         if !failures.is_empty() {
             self.step_start = None;
             self.deadline.set(None);
-            self.backend.reset();
-            for r in &mut self.ranks {
-                r.end_step(false);
-            }
-            self.prune_prepared();
-            return Err(ExecError::Step { failures });
+            return Err(self.failed_step(failures));
         }
         Ok(())
     }
@@ -988,12 +994,7 @@ impl<B: Backend> Executor<B> {
         self.deadline.set(None);
         let timings = self.backend.take_timings();
         if !failures.is_empty() {
-            self.backend.reset();
-            for r in &mut self.ranks {
-                r.end_step(false);
-            }
-            self.prune_prepared();
-            return Err(ExecError::Step { failures });
+            return Err(self.failed_step(failures));
         }
         // The global norm: every rank holds the same after the norm all-reduces; one
         // download of one float per step, after the device finished (no extra sync).

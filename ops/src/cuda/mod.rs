@@ -1257,33 +1257,8 @@ impl Issue {
                 }
                 ran.map(|()| 0)
             }
-            Kernel::Adamw {
-                param,
-                grad,
-                state,
-                hp,
-                step,
-            } => {
-                self.adamw(rank, raw, (&param, &grad, &state), &hp, step, None)?;
-                Ok(0)
-            }
-            Kernel::Muon {
-                param,
-                grad,
-                momentum,
-                rows,
-                cols,
-                hp,
-            } => {
-                self.muon(
-                    shared,
-                    stream,
-                    raw,
-                    (&param, &grad, &momentum),
-                    (rows, cols),
-                    &hp,
-                    None,
-                )?;
+            k @ (Kernel::Adamw { .. } | Kernel::Muon { .. }) => {
+                self.optimizer(shared, (stream, raw), rank, k, None)?;
                 Ok(0)
             }
             Kernel::SumSquares { dst, srcs } => {
@@ -1313,49 +1288,54 @@ impl Issue {
             // The optimizer, told to read the norm on the device and do nothing when it
             // is not finite: no extra launch, no host synchronisation.
             Kernel::IfFinite { norm, kernel } => {
-                const K: &str = "if_finite";
-                expect(K, rank, "norm", &norm, 1)?;
-                match *kernel {
-                    Kernel::Adamw {
-                        param,
-                        grad,
-                        state,
-                        hp,
-                        step,
-                    } => {
-                        let bufs = (&param, &grad, &state);
-                        self.adamw(rank, raw, bufs, &hp, step, Some(&norm))?;
-                    }
-                    Kernel::Muon {
-                        param,
-                        grad,
-                        momentum,
-                        rows,
-                        cols,
-                        hp,
-                    } => {
-                        self.muon(
-                            shared,
-                            stream,
-                            raw,
-                            (&param, &grad, &momentum),
-                            (rows, cols),
-                            &hp,
-                            Some(&norm),
-                        )?;
-                    }
-                    other => {
-                        return Err(OpsError::Shape {
-                            kernel: K,
-                            reason: format!(
-                                "the CUDA backend guards optimizers (adamw, muon) only, got {}",
-                                other.name()
-                            ),
-                        })
-                    }
-                }
+                expect("if_finite", rank, "norm", &norm, 1)?;
+                self.optimizer(shared, (stream, raw), rank, *kernel, Some(&norm))?;
                 Ok(0)
             }
+        }
+    }
+
+    /// An optimizer kernel (AdamW or Muon), guarded by the global norm (`guard`: it does
+    /// nothing when the norm there is not finite) or not.
+    fn optimizer(
+        &mut self,
+        shared: &Shared,
+        (stream, raw): (Stream, sys::CUstream),
+        rank: u32,
+        kernel: Kernel<CudaBuffer>,
+        guard: Option<&CudaBuffer>,
+    ) -> Result<(), OpsError> {
+        match kernel {
+            Kernel::Adamw {
+                param,
+                grad,
+                state,
+                hp,
+                step,
+            } => self.adamw(rank, raw, (&param, &grad, &state), &hp, step, guard),
+            Kernel::Muon {
+                param,
+                grad,
+                momentum,
+                rows,
+                cols,
+                hp,
+            } => self.muon(
+                shared,
+                stream,
+                raw,
+                (&param, &grad, &momentum),
+                (rows, cols),
+                &hp,
+                guard,
+            ),
+            other => Err(OpsError::Shape {
+                kernel: "if_finite",
+                reason: format!(
+                    "the CUDA backend guards optimizers (adamw, muon) only, got {}",
+                    other.name()
+                ),
+            }),
         }
     }
 
