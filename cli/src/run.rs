@@ -68,6 +68,7 @@ pub(crate) async fn run(
     let mut job = meet_cpu(cfg, "run", u64::from(steps), cfg.run.seed)?;
     let session = Session::cpu(cfg)?;
     watch_job(job.as_mut(), session.peer_abort())?;
+    watch_host(session.step_deadline())?;
     let result = run_steps(session, cfg, steps, observe, ckpt, recording, backend).await;
     end_job(job.as_ref(), &result);
     result

@@ -175,7 +175,7 @@ pub(crate) fn watch_job(rdv: Option<&mut Rendezvous>, abort: PeerAbort) -> Resul
 /// (the executor could not report the timeout itself) lives on.
 pub(crate) const STUCK_GRACE: std::time::Duration = std::time::Duration::from_secs(15);
 
-/// A watchdog for the host itself: if a step is still in progress [`STUCK_GRACE`] after
+/// A watchdog for the host itself (both backends): if a step is still in progress [`STUCK_GRACE`] after
 /// its deadline (the executor reports a timeout within seconds of it unless the issuing
 /// thread is blocked inside the driver, for instance by a launch queue full behind a
 /// kernel that never ends), the process exits with status 2 saying so.
