@@ -147,6 +147,10 @@ struct Doc<'a> {
     file: &'a str,
 }
 
+/// What [`Doc::walk`] calls with each leaf: its dotted path, value and the value's span.
+type Leaf<'f, 't> =
+    dyn FnMut(&str, &'t DeValue<'t>, Range<usize>) -> Result<(), HardwareError> + 'f;
+
 impl Doc<'_> {
     fn err(
         &self,
@@ -182,7 +186,7 @@ impl Doc<'_> {
         &self,
         table: &'t DeTable<'t>,
         prefix: &str,
-        f: &mut dyn FnMut(&str, &'t DeValue<'t>, Range<usize>) -> Result<(), HardwareError>,
+        f: &mut Leaf<'_, 't>,
     ) -> Result<(), HardwareError> {
         for (k, v) in table.iter() {
             let path = if prefix.is_empty() {
@@ -199,7 +203,7 @@ impl Doc<'_> {
                         return Err(self.err(
                             &path,
                             Some(k.span()),
-                            "unknown table; a profile has [compute], [memory], [combine], [copy_engine], [nvlink], [nvlink.busbw_gbs], [network], [interference.nccl], [interference.combine], [interference.copy_engine] and [host]",
+                            "unknown table; a profile has [compute], [memory], [sync], [combine], [copy_engine], [nvlink], [nvlink.busbw_gbs], [network], [interference.nccl], [interference.combine], [interference.copy_engine] and [host]",
                         ));
                     }
                     self.walk(t, &path, f)?;
@@ -236,6 +240,20 @@ mod tests {
             .unwrap()
             .network
             .is_none());
+    }
+
+    #[test]
+    fn docs_simulate_md_describes_every_key() {
+        let doc =
+            std::fs::read_to_string(Path::new(env!("CARGO_MANIFEST_DIR")).join("docs/simulate.md"))
+                .unwrap();
+        for k in KEYS {
+            assert!(
+                doc.contains(&format!("`{}`", k.path)),
+                "docs/simulate.md lacks `{}`",
+                k.path
+            );
+        }
     }
 
     /// The shipped one-node profile with `line` replaced by `with`.

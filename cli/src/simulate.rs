@@ -359,10 +359,17 @@ fn report(a: &SimulateArgs, w: &Workload, p: &Profile) -> Result<SimReport, Erro
         nodes_per_step: w.plan.ranks[r as usize].nodes.len(),
         layers,
         simulate_wall_ms: wall,
-        svg: a
-            .svg
-            .as_ref()
-            .map(|_| overlap::observe::svg::render(&step, &w.plan, &analysis)),
+        svg: a.svg.as_ref().map(|_| {
+            // The renderer of a measured step, its title saying what this one is.
+            overlap::observe::svg::render(&step, &w.plan, &analysis).replacen(
+                ">overlap · step 1 · ",
+                &format!(
+                    ">overlap simulate · predicted on {} · ",
+                    overlap::observe::svg::escape(&p.name)
+                ),
+                1,
+            )
+        }),
     })
 }
 

@@ -146,13 +146,12 @@ fn simulate_is_deterministic_and_draws_the_predicted_step() {
     let busy = &r["busy_ms"];
     assert!(busy["compute"].as_f64().unwrap() > 0.0 && busy["copy"].as_f64().unwrap() > 0.0);
     // The text form.
-    let o = overlap(&[
-        "simulate",
-        "--hardware",
-        "hardware/h200-nvlink.toml",
-    ]);
+    let o = overlap(&["simulate", "--hardware", "hardware/h200-nvlink.toml"]);
     let text = String::from_utf8_lossy(&o.stdout);
-    assert!(o.status.success() && text.contains("overlap ") && text.contains("eta"), "{text}");
+    assert!(
+        o.status.success() && text.contains("overlap ") && text.contains("eta"),
+        "{text}"
+    );
 }
 
 #[test]
@@ -187,7 +186,10 @@ fn simulate_runs_configs_and_multi_node_meshes() {
     ]);
     let err = String::from_utf8_lossy(&o.stderr);
     assert_eq!(o.status.code(), Some(2), "{err}");
-    assert!(err.contains("[network]") && err.contains("shard-group"), "{err}");
+    assert!(
+        err.contains("[network]") && err.contains("shard-group"),
+        "{err}"
+    );
     // A config and the bench's flags together: refused.
     let o = overlap(&[
         "simulate",

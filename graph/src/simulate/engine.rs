@@ -107,7 +107,7 @@ pub fn simulate(plan: &Plan, profile: &Profile, opts: &Options) -> Result<Simula
         let mut issued_at = vec![0.0; n];
         let mut host = 0.0;
         let mut seen_record = vec![false; rp.events as usize];
-        let mut pos = vec![0usize; Stream::COUNT];
+        let mut pos = [0usize; Stream::COUNT];
         let mut index_of = [usize::MAX; Stream::COUNT];
         for (i, s) in rp.streams.iter().enumerate() {
             index_of[s.stream.index()] = i;

@@ -12,7 +12,8 @@
 //! member reaches runs once every member has reached its `k`-th, and ends on all of them
 //! at once; where the copy transport's combines read their exchanges in place, an
 //! exchange also waits for the combine of the exchange `copy_ring_depth` before it on
-//! every member (its ring slot). What each node costs alone is [`cost`]'s model.
+//! every member (its ring slot). What each node costs alone is the
+//! cost model of `cost.rs` (docs/simulate.md lists it).
 //!
 //! Work running at the same time shares its resources, with rates constant between
 //! events (processor sharing), per rank:

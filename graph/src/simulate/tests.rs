@@ -21,8 +21,12 @@ macro_rules! assert_close {
     }};
 }
 
+/// One rank's hand-built program: its nodes (stream and operation, ids in order), its
+/// stream programs and its number of events.
+type Program = (Vec<(Stream, Op)>, Vec<StreamProgram>, u32);
+
 /// A valid plan's tables (one `fsdp` parameter, one bucket) with the given programs.
-fn plan_with(mesh: Mesh, programs: Vec<(Vec<(Stream, Op)>, Vec<StreamProgram>, u32)>) -> Plan {
+fn plan_with(mesh: Mesh, programs: Vec<Program>) -> Plan {
     let spec = PlanSpec::new(
         mesh,
         vec![ParamSpec {
@@ -135,6 +139,12 @@ fn a_chain_on_one_stream_and_across_an_event() {
     assert_close!(s.busy(&plan, 0, Stream::Reduce), 2.0 * MS);
     assert_eq!(t(0).class, Class::Compute);
     assert_eq!(t(2).class, Class::Memory);
+    // A cross-stream wait that takes 100 µs to see its record.
+    let mut p = profile();
+    p.event_us = 100.0;
+    let s = simulate(&plan, &p, &options()).unwrap();
+    assert_close!(s.node(0, 2).start, 2.1 * MS);
+    assert_close!(s.span(0), 4.1 * MS);
 }
 
 #[test]
@@ -336,7 +346,11 @@ fn an_in_place_exchange_waits_for_its_ring_slot() {
     };
     let rank = || {
         (
-            vec![(Stream::Copy, x()), (Stream::Reduce, c), (Stream::Copy, x())],
+            vec![
+                (Stream::Copy, x()),
+                (Stream::Reduce, c),
+                (Stream::Copy, x()),
+            ],
             vec![
                 program(Stream::Copy, vec![Run(0), Record(0), Run(2)]),
                 program(Stream::Reduce, vec![Wait(0), Run(1)]),
