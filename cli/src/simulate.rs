@@ -72,8 +72,8 @@ pub(crate) struct SimReport {
     /// The bench workload's flags (absent for a config).
     #[serde(flatten)]
     pub args: Option<BenchArgs>,
-    /// Mesh, `SxR`.
-    pub mesh_ranks: u32,
+    /// Ranks in the mesh.
+    pub world: u32,
     /// The transport the plan uses.
     pub plan_transport: &'static str,
     /// Gates of the step.
@@ -100,8 +100,9 @@ pub(crate) struct SimReport {
     pub busy_ms: BTreeMap<&'static str, f64>,
     /// Nodes of the rank's step.
     pub nodes_per_step: usize,
-    /// Layers `L`.
-    pub layers: u32,
+    /// Layers `L` of a config's plan (the bench's is its `layers` flag).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub layers: Option<u32>,
     /// Host time the three simulations took (`comm_only`, `serial`, `overlap`), ms (text
     /// output only: not deterministic).
     #[serde(skip)]
@@ -327,13 +328,14 @@ fn report(a: &SimulateArgs, w: &Workload, p: &Profile) -> Result<SimReport, Erro
     let analysis = StepAnalysis::new(&step, &w.plan);
     let busy_ms = Stream::ALL
         .into_iter()
-        .map(|s| (s.name(), analysis.busy_seconds(s) * 1e3))
+        // `+ 0.0`: an idle stream reads 0, not −0.
+        .map(|s| (s.name(), analysis.busy_seconds(s) * 1e3 + 0.0))
         .collect();
     Ok(SimReport {
         workload: w.name.clone(),
         hardware: p.name.clone(),
         args: w.args,
-        mesh_ranks: world,
+        world,
         plan_transport: if w
             .plan
             .ranks
@@ -357,7 +359,7 @@ fn report(a: &SimulateArgs, w: &Workload, p: &Profile) -> Result<SimReport, Erro
         exposed_comm_ms: analysis.exposed_seconds() * 1e3,
         busy_ms,
         nodes_per_step: w.plan.ranks[r as usize].nodes.len(),
-        layers,
+        layers: w.args.is_none().then_some(layers),
         simulate_wall_ms: wall,
         svg: a.svg.as_ref().map(|_| {
             // The renderer of a measured step, its title saying what this one is.
@@ -394,7 +396,7 @@ fn render(r: &SimReport) -> String {
         ),
         None => format!(
             "{}: {} ranks, gates {}, transport {}",
-            r.workload, r.mesh_ranks, r.gates, r.plan_transport
+            r.workload, r.world, r.gates, r.plan_transport
         ),
     };
     format!(

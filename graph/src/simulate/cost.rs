@@ -268,6 +268,12 @@ pub fn node_cost(
         }
         Op::Exchange { collective, .. } | Op::Gather { collective, .. } => {
             let n = plan.mesh.group_size(collective.group);
+            if placement(plan, p, collective.group).0 > 1 {
+                // The copy transport maps its peers' memory: one node only.
+                return Err(SimError::CopyAcrossNodes {
+                    group: format!("{} ({n} ranks)", collective.group),
+                });
+            }
             let index = plan.mesh.index_in(collective.group, rank).unwrap_or(0);
             let gather = matches!(node.op, Op::Gather { .. });
             // A gather always copies what it receives out of the ring; an exchange only

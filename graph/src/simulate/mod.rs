@@ -123,6 +123,13 @@ pub enum SimError {
         /// The group.
         group: String,
     },
+    /// A copy-transport exchange or gather over a group that spans nodes (the transport
+    /// maps the peers' memory, so the backends refuse it).
+    #[error("group {group} exchanges over the copy transport but spans nodes of the hardware profile; the copy transport needs every member on one node (use transport = \"nccl\")")]
+    CopyAcrossNodes {
+        /// The group.
+        group: String,
+    },
     /// The plan is not well formed.
     #[error("plan: {0}")]
     Plan(String),

@@ -315,6 +315,13 @@ fn a_copy_engine_is_shared_by_two_exchanges() {
     let s = simulate(&turn2, &p, &options()).unwrap();
     assert_close!(s.node(0, 1).start, MS);
     assert_close!(s.node(0, 1).end, 2.0 * MS);
+    // Across nodes the copy transport cannot run.
+    p.gpus_per_node = 1;
+    assert!(matches!(
+        simulate(&one, &p, &options()),
+        Err(SimError::CopyAcrossNodes { .. })
+    ));
+    p.gpus_per_node = 2;
     // Copied out of the ring (no in-place receive): the local copy at 1 GB/s adds 1 ms.
     let out = Options {
         copy: CopyRing {
