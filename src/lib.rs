@@ -66,6 +66,7 @@ pub mod dist;
 pub mod drive;
 mod error;
 pub mod fingerprint;
+pub mod hardware;
 pub mod observe;
 pub mod rendezvous;
 pub mod resources;

@@ -7,7 +7,7 @@ use overlap::config::BackendChoice;
 use overlap::graph::Gate;
 use overlap::Error;
 
-use crate::{bench, interference};
+use crate::{bench, interference, simulate};
 
 #[derive(Parser)]
 #[command(
@@ -154,6 +154,13 @@ pub(crate) enum Command {
     BenchInterference {
         #[command(flatten)]
         args: interference::InterferenceArgs,
+    },
+    /// Predict what `overlap bench` (or a config's step) would measure on the hardware a
+    /// profile describes: a discrete-event simulation of the lowered plan, no device
+    /// (docs/simulate.md).
+    Simulate {
+        #[command(flatten)]
+        args: simulate::SimulateArgs,
     },
     /// Print this process's rank environment as JSON (for checking a launcher).
     #[command(hide = true)]

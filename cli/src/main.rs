@@ -9,6 +9,7 @@ mod gpu;
 mod interference;
 mod launch;
 mod run;
+mod simulate;
 #[cfg(feature = "cuda")]
 mod smoke;
 mod verify;
@@ -204,6 +205,7 @@ async fn dispatch(cmd: Command) -> Result<ExitCode, Error> {
         }
         Command::Env { rendezvous } => env(rendezvous),
         Command::BenchInterference { args } => bench_interference(&args).await,
+        Command::Simulate { args } => simulate::run(&args),
         Command::Bench {
             mut args,
             timeline,

@@ -1208,3 +1208,14 @@ impl<B: Backend> Executor<B> {
             .any(|r| r.rank == rank && r.holds_param(param))
     }
 }
+
+/// Which of a rank's nodes the executor runs as aliases of their input (a marker, no
+/// copy) when it issues `plan` with [`ExecConfig::aliasing`] on: what a cost model of the
+/// plan needs to know (`overlap simulate`; the rules are `prepared.rs`'s).
+pub fn aliased_nodes(plan: &Arc<Plan>, rank: u32) -> Vec<bool> {
+    Prepared::new(plan.clone(), rank, true)
+        .alias
+        .iter()
+        .map(Option::is_some)
+        .collect()
+}

@@ -1,0 +1,357 @@
+//! The cost model: what resource each node uses and how long it takes alone.
+//!
+//! - the backward (`grad_ready`): [`Backward`], on the SMs (class `Compute`);
+//! - NCCL collectives over a group of two or more (stages, the publish, the norm's
+//!   all-reduces): NCCL's ring model, `latency + bus bytes / bus bandwidth` with the
+//!   latency `base + steps within a node · nvlink.hop_us + steps across nodes ·
+//!   network.hop_us`, and for an all-reduce across nodes the faster of ring and tree
+//!   (NCCL's `src/graph/tuning.cc`); bus bytes are nccl-tests' (`(n − 1)/n` of the data
+//!   for reduce-scatter and all-gather, `2(n − 1)/n` for all-reduce, all of it for
+//!   broadcast and reduce);
+//! - copy-transport exchanges and gathers: copy-engine copies to each peer (a fixed cost
+//!   per ring-slot piece, then the bytes at `copy_engine.peer_gbs`) and, where the
+//!   receive is copied out of the ring, a local copy at `copy_engine.local_gbs`;
+//! - the combine: the bytes it reads and writes at `combine.gbs`; every other executor
+//!   kernel (pack, unpack, fold, accumulate, a group-of-one stage, the norm, the clip,
+//!   AdamW) at `memory.hbm_gbs`; Muon's Newton–Schulz at `compute.fp32_tflops`;
+//! - a node the executor aliases (it launches a marker, [`Options::aliased`]): nothing.
+
+use crate::mesh::Group;
+use crate::node::{Collective, CollectiveKind, Node, Op, OptimizerKind};
+use crate::plan::Plan;
+
+use super::profile::Profile;
+use super::{Backward, Options, SimError};
+
+/// Which resource a node's work occupies (and so what it contends with).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord)]
+pub enum Class {
+    /// Launches nothing that takes time (an aliased node, a backward of zero).
+    Marker,
+    /// The SMs, fully: the backward's GEMMs, Muon.
+    Compute,
+    /// A memory-bound kernel: the combine and the executor's other elementwise kernels.
+    Memory,
+    /// An NCCL collective (links, and SMs for its CTAs).
+    Nccl,
+    /// Copy-engine transfers (exchange, gather).
+    Copy,
+}
+
+impl Class {
+    /// Whether nodes of the class are cross-rank rendezvous (all members must reach them).
+    pub fn is_collective(self) -> bool {
+        matches!(self, Class::Nccl | Class::Copy)
+    }
+}
+
+/// A node's resource and its time alone, in seconds.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct Cost {
+    /// What it occupies.
+    pub class: Class,
+    /// Seconds alone.
+    pub seconds: f64,
+    /// Of those, seconds of copy-engine copies within the GPU (a receive copied out of
+    /// the ring), which stretch by `interference.copy_engine.local_stretch` beside the
+    /// backward instead of `stretch`.
+    pub local_seconds: f64,
+}
+
+const F32: f64 = 4.0;
+
+fn kernel(p: &Profile, bytes: f64, gbs: f64) -> Cost {
+    Cost {
+        class: Class::Memory,
+        seconds: p.kernel_us * 1e-6 + bytes / (gbs * 1e9),
+        local_seconds: 0.0,
+    }
+}
+
+/// Where a group's members sit: (nodes, most members on one node).
+fn placement(plan: &Plan, p: &Profile, group: Group) -> (u32, u32) {
+    let per = p.gpus_per_node.max(1);
+    let mut nodes: Vec<u32> = plan.mesh.members(group).iter().map(|g| g / per).collect();
+    nodes.sort_unstable();
+    let mut most = 0;
+    let mut distinct = 0;
+    let mut i = 0;
+    while i < nodes.len() {
+        let j = nodes[i..].iter().take_while(|&&x| x == nodes[i]).count();
+        most = most.max(j as u32);
+        distinct += 1;
+        i += j;
+    }
+    (distinct, most)
+}
+
+/// Seconds of one NCCL collective over a group of `n ≥ 2` members (module docs).
+pub fn nccl_seconds(plan: &Plan, p: &Profile, c: &Collective) -> Result<f64, SimError> {
+    let n = plan.mesh.group_size(c.group).max(1);
+    let (nodes, local) = placement(plan, p, c.group);
+    let nf = f64::from(n);
+    let dsize = c.dtype.size() as f64;
+    let count = c.count as f64;
+    // nccl-tests' size and the bus bytes of the ring algorithm.
+    let (size, factor, bw) = match c.kind {
+        CollectiveKind::ReduceScatter => (
+            nf * count * dsize,
+            (nf - 1.0) / nf,
+            p.nvlink_busbw.reduce_scatter,
+        ),
+        CollectiveKind::AllGather => (
+            nf * count * dsize,
+            (nf - 1.0) / nf,
+            p.nvlink_busbw.all_gather,
+        ),
+        CollectiveKind::AllReduce => (
+            count * dsize,
+            2.0 * (nf - 1.0) / nf,
+            p.nvlink_busbw.all_reduce,
+        ),
+        CollectiveKind::Broadcast => (count * dsize, 1.0, p.nvlink_busbw.broadcast),
+        CollectiveKind::Reduce => (count * dsize, 1.0, p.nvlink_busbw.reduce),
+    };
+    let steps = match c.kind {
+        CollectiveKind::AllReduce => 2 * (n - 1),
+        _ => n - 1,
+    };
+    if nodes <= 1 {
+        let lat = p.nvlink_base_us + f64::from(steps) * p.nvlink_hop_us;
+        return Ok(lat * 1e-6 + size * factor / (bw * 1e9));
+    }
+    let net = p.network.ok_or_else(|| SimError::NoNetwork {
+        group: format!("{} ({} ranks on {nodes} nodes)", c.group, n),
+    })?;
+    let inter = match c.kind {
+        CollectiveKind::AllReduce => 2 * (nodes - 1),
+        _ => nodes - 1,
+    };
+    let bus = bw.min(f64::from(local) * net.nic_gbs);
+    let ring_lat = p.nvlink_base_us
+        + f64::from(steps - inter.min(steps)) * p.nvlink_hop_us
+        + f64::from(inter) * net.hop_us;
+    let ring = ring_lat * 1e-6 + size * factor / (bus * 1e9);
+    if c.kind != CollectiveKind::AllReduce {
+        return Ok(ring);
+    }
+    // NCCL's tree: up and down a chain within each node and a binary tree across nodes,
+    // algorithm bandwidth half the bus bandwidth.
+    let levels = f64::from(32 - (nodes - 1).leading_zeros());
+    let tree_lat =
+        p.nvlink_base_us + 2.0 * (f64::from(local - 1) * p.nvlink_hop_us + levels * net.hop_us);
+    let tree = tree_lat * 1e-6 + size / (0.5 * bus * 1e9);
+    Ok(ring.min(tree))
+}
+
+/// The piece sizes and per-peer chunks of a copy-transport stage, for member `index`.
+fn chunk_bytes(c: &Collective, n: u32, index: u32) -> f64 {
+    c.member_chunk(n, index).1 as f64 * F32
+}
+
+fn pieces(bytes: f64, slot: u64) -> f64 {
+    (bytes / slot.max(1) as f64).ceil().max(1.0)
+}
+
+/// Seconds of member `index`'s side of an exchange (`gather = false`) or gather.
+pub fn copy_seconds(
+    p: &Profile,
+    c: &Collective,
+    n: u32,
+    index: u32,
+    gather: bool,
+    copy_out: bool,
+    slot: u64,
+) -> (f64, f64) {
+    let piece = p.ce_piece_us * 1e-6;
+    let peer = p.ce_peer_gbs * 1e9;
+    let local = p.ce_local_gbs * 1e9;
+    let mut t = 0.0;
+    let mut out = 0.0;
+    let mine = chunk_bytes(c, n, index);
+    for j in (0..n).filter(|&j| j != index) {
+        // An exchange sends each peer the chunk that peer reduces and receives its own
+        // from each; a gather sends its reduced chunk and receives each peer's.
+        let (sent, received) = if gather {
+            (mine, chunk_bytes(c, n, j))
+        } else {
+            (chunk_bytes(c, n, j), mine)
+        };
+        t += pieces(sent, slot) * piece + sent / peer;
+        if copy_out {
+            out += received / local;
+        }
+    }
+    (t + out, out)
+}
+
+/// The cost of a node on a rank, and for a collective the member's own side of it.
+pub fn node_cost(
+    plan: &Plan,
+    p: &Profile,
+    opts: &Options,
+    in_place: &dyn Fn(&Collective, crate::node::Stream) -> bool,
+    rank: u32,
+    node: &Node,
+) -> Result<Cost, SimError> {
+    let aliased = opts
+        .aliased
+        .get(rank as usize)
+        .and_then(|v| v.get(node.id as usize))
+        .copied()
+        .unwrap_or(false);
+    let marker = Cost {
+        class: Class::Marker,
+        seconds: 0.0,
+        local_seconds: 0.0,
+    };
+    if aliased {
+        return Ok(marker);
+    }
+    let elems = |b| plan.stage1_elems(b) as f64 * F32;
+    let hbm = p.hbm_gbs;
+    Ok(match node.op {
+        Op::GradReady { .. } => {
+            let s = match opts.backward {
+                Backward::None => 0.0,
+                Backward::Profile => p.backward_us_per_layer * 1e-6,
+                Backward::Seconds(s) => s,
+                Backward::Gemms { count, d } => {
+                    f64::from(count) * 2.0 * f64::from(d).powi(3) / (p.gemm_tflops * 1e12)
+                }
+            };
+            if s > 0.0 {
+                Cost {
+                    class: Class::Compute,
+                    seconds: s,
+                    local_seconds: 0.0,
+                }
+            } else {
+                marker
+            }
+        }
+        Op::Accumulate {
+            bucket, accumulate, ..
+        } => {
+            let n: u64 = plan
+                .bucket(bucket)
+                .params
+                .iter()
+                .map(|&q| plan.param(q).spec.numel())
+                .sum();
+            kernel(p, n as f64 * F32 * if accumulate { 3.0 } else { 2.0 }, hbm)
+        }
+        Op::Pack {
+            bucket, with_accum, ..
+        } => {
+            let send = plan.send_elems(bucket) as f64 * F32;
+            kernel(p, send * if with_accum { 3.0 } else { 2.0 }, hbm)
+        }
+        Op::Stage1 { collective, .. }
+        | Op::Stage2 { collective, .. }
+        | Op::Publish { collective, .. }
+        | Op::NormReduce { collective } => {
+            if plan.mesh.group_size(collective.group) > 1 {
+                Cost {
+                    class: Class::Nccl,
+                    seconds: nccl_seconds(plan, p, &collective)?,
+                    local_seconds: 0.0,
+                }
+            } else {
+                // A group of one: a copy of the buffer.
+                let bytes = collective.count as f64 * collective.dtype.size() as f64;
+                kernel(p, 2.0 * bytes, hbm)
+            }
+        }
+        Op::Fold { bucket, .. } | Op::FoldPartial { bucket, .. } => {
+            kernel(p, 3.0 * elems(bucket), hbm)
+        }
+        Op::Exchange { collective, .. } | Op::Gather { collective, .. } => {
+            let n = plan.mesh.group_size(collective.group);
+            if placement(plan, p, collective.group).0 > 1 {
+                // The copy transport maps its peers' memory: one node only.
+                return Err(SimError::CopyAcrossNodes {
+                    group: format!("{} ({n} ranks)", collective.group),
+                });
+            }
+            let index = plan.mesh.index_in(collective.group, rank).unwrap_or(0);
+            let gather = matches!(node.op, Op::Gather { .. });
+            // A gather always copies what it receives out of the ring; an exchange only
+            // where its combine cannot read it in place.
+            let copy_out = gather || !in_place(&collective, node.stream);
+            let (seconds, local_seconds) = copy_seconds(
+                p,
+                &collective,
+                n,
+                index,
+                gather,
+                copy_out,
+                opts.copy.slot_bytes,
+            );
+            Cost {
+                class: Class::Copy,
+                seconds,
+                local_seconds,
+            }
+        }
+        Op::Combine { collective, .. } => {
+            let n = plan.mesh.group_size(collective.group);
+            let index = plan.mesh.index_in(collective.group, rank).unwrap_or(0);
+            let chunk = chunk_bytes(&collective, n, index);
+            kernel(p, f64::from(n + 1) * chunk, p.combine_gbs)
+        }
+        Op::Unpack {
+            bucket, accumulate, ..
+        } => {
+            let n: u64 = plan
+                .unpack_segments(bucket, rank)
+                .iter()
+                .map(|s| s.len)
+                .sum();
+            kernel(p, n as f64 * F32 * if accumulate { 3.0 } else { 2.0 }, hbm)
+        }
+        Op::GradNorm => {
+            let n: u64 = plan
+                .norm_params(rank)
+                .iter()
+                .map(|&q| plan.local_elems(q, rank))
+                .sum();
+            kernel(p, n as f64 * F32, hbm)
+        }
+        Op::Clip => {
+            let n: u64 = plan
+                .held_params(rank)
+                .iter()
+                .map(|&q| plan.local_elems(q, rank))
+                .sum();
+            kernel(p, 2.0 * n as f64 * F32, hbm)
+        }
+        Op::Optimizer { param, optimizer } => match optimizer {
+            OptimizerKind::Adamw => {
+                // Reads the parameter, its gradient and two moments; writes three.
+                let n = plan.local_elems(param, rank) as f64;
+                kernel(p, 7.0 * n * F32, hbm)
+            }
+            OptimizerKind::Muon => {
+                // Momentum, five Newton–Schulz iterations on the whole matrix (the
+                // owner's), the update: mostly f32 GEMMs.
+                let shape = &plan.param(param).spec.shape;
+                let numel = plan.param(param).spec.numel() as f64;
+                let (r, c) = match shape.as_slice() {
+                    [r, c, ..] => (*r as f64, *c as f64),
+                    [n] => (1.0, *n as f64),
+                    [] => (1.0, 1.0),
+                };
+                let (m, k) = (r.min(c), r.max(c));
+                let flops = 5.0 * (4.0 * m * m * k + 2.0 * m * m * m);
+                Cost {
+                    class: Class::Compute,
+                    seconds: p.kernel_us * 1e-6
+                        + flops / (p.fp32_tflops * 1e12)
+                        + 5.0 * numel * F32 / (hbm * 1e9),
+                    local_seconds: 0.0,
+                }
+            }
+        },
+    })
+}

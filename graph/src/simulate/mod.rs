@@ -1,0 +1,260 @@
+//! A discrete-event simulation of a lowered plan on a cost model: what a step would take on
+//! the hardware a [`Profile`] describes, without running it (`overlap simulate`,
+//! `docs/simulate.md`).
+//!
+//! Every rank's stream programs run as the backends run them: a stream executes its
+//! instructions in order; a `record` marks the moment everything issued before it on its
+//! stream has completed; a `wait` holds its stream until that moment (a wait issued
+//! before any record of its event waits for nothing); a node cannot start before its
+//! rank's host has issued it (`host.issue_us_per_node` each, in the host issue order of
+//! [`crate::order::issue_order`]). A collective, exchange or gather over two or more
+//! ranks is a rendezvous of its communicator (group and stream): the `k`-th one each
+//! member reaches runs once every member has reached its `k`-th, and ends on all of them
+//! at once; where the copy transport's combines read their exchanges in place, an
+//! exchange also waits for the combine of the exchange `copy_ring_depth` before it on
+//! every member (its ring slot). What each node costs alone is the
+//! cost model of `cost.rs` (docs/simulate.md lists it).
+//!
+//! Work running at the same time shares its resources, with rates constant between
+//! events (processor sharing), per rank:
+//! - memory-bound kernels (the combine and the other elementwise kernels) share the
+//!   memory bandwidth equally, NCCL collectives share the links equally, and at most
+//!   `copy_engine.concurrency` copy-engine transfers run at full rate (more share it);
+//! - beside the backward (a `Compute` node running), a communication kernel of kind `k`
+//!   runs `interference.k.stretch` times slower, and the backward loses
+//!   `interference.k.gemm_cost` seconds per second of that kernel's own work (its rate
+//!   times the time), the kinds' losses adding up (the backward keeps at least 5 % of its
+//!   rate);
+//! - a rendezvous progresses at the slowest member's rate.
+//!
+//! Invariant: pure and deterministic: the same plan, profile and options give the same
+//! timings, bit for bit; no clock, no I/O, no threads.
+
+mod cost;
+mod engine;
+mod profile;
+#[cfg(test)]
+mod tests;
+
+use crate::node::{NodeId, Stream};
+use crate::plan::Plan;
+
+pub use cost::{copy_seconds, nccl_seconds, Class, Cost};
+pub use engine::simulate;
+pub use profile::{Beside, BusBandwidth, Key, Network, Profile, ProfileError, Rule, KEYS};
+
+/// The default copy-transport ring: 32 MiB slots (`[overlap] copy_slot_mib`).
+pub const DEFAULT_SLOT_BYTES: u64 = 32 << 20;
+/// The default ring depth (`[overlap] copy_ring_depth`).
+pub const DEFAULT_RING_DEPTH: u32 = 2;
+
+/// What a `grad_ready` node costs.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub enum Backward {
+    /// Nothing (the bench's `comm_only` variant: markers).
+    None,
+    /// The profile's `compute.backward_us_per_layer`.
+    Profile,
+    /// This many seconds per layer and micro-batch.
+    Seconds(f64),
+    /// `count` bf16 GEMMs of `d × d · d × d` at the profile's `compute.gemm_tflops`
+    /// (`overlap bench`'s synthetic backward).
+    Gemms {
+        /// GEMMs per layer.
+        count: u32,
+        /// Their size.
+        d: u32,
+    },
+}
+
+/// The copy transport's receive rings (`[overlap] copy_slot_mib`, `copy_ring_depth`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct CopyRing {
+    /// Bytes per slot: a larger message per peer moves in several pieces.
+    pub slot_bytes: u64,
+    /// Slots per peer.
+    pub depth: u32,
+    /// Whether combines may read their exchanges in place where the backend's rule
+    /// allows it (`overlap bench --no-in-place` turns it off).
+    pub in_place: bool,
+}
+
+impl Default for CopyRing {
+    fn default() -> Self {
+        CopyRing {
+            slot_bytes: DEFAULT_SLOT_BYTES,
+            depth: DEFAULT_RING_DEPTH,
+            in_place: true,
+        }
+    }
+}
+
+/// What the simulation needs besides the plan and the profile.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Options {
+    /// What the backward costs.
+    pub backward: Backward,
+    /// Per rank, per node: whether the executor runs the node as an alias (a marker, no
+    /// copy; `overlap_executor::aliased_nodes`). Missing entries are not aliased.
+    pub aliased: Vec<Vec<bool>>,
+    /// The copy transport's rings.
+    pub copy: CopyRing,
+}
+
+impl Default for Options {
+    fn default() -> Self {
+        Options {
+            backward: Backward::Profile,
+            aliased: Vec::new(),
+            copy: CopyRing::default(),
+        }
+    }
+}
+
+/// Why a plan could not be simulated.
+#[derive(Debug, Clone, PartialEq, thiserror::Error)]
+pub enum SimError {
+    /// The profile breaks a rule.
+    #[error("hardware profile: {0}")]
+    Profile(#[from] ProfileError),
+    /// A group spans nodes and the profile has no `[network]`.
+    #[error("group {group} spans nodes and the hardware profile has no [network] section")]
+    NoNetwork {
+        /// The group.
+        group: String,
+    },
+    /// A copy-transport exchange or gather over a group that spans nodes (the transport
+    /// maps the peers' memory, so the backends refuse it).
+    #[error("group {group} exchanges over the copy transport but spans nodes of the hardware profile; the copy transport needs every member on one node (use transport = \"nccl\")")]
+    CopyAcrossNodes {
+        /// The group.
+        group: String,
+    },
+    /// The plan is not well formed.
+    #[error("plan: {0}")]
+    Plan(String),
+    /// Some stream can never go on (a wait for a record that never comes, a
+    /// rendezvous a member never reaches): the plan would hang.
+    #[error("the simulated step cannot finish: {0}")]
+    Stalled(String),
+}
+
+/// When a node ran in the simulation, seconds from the step's start.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct NodeTime {
+    /// When its stream reached it (a collective's members then wait for each other).
+    pub start: f64,
+    /// When it completed.
+    pub end: f64,
+    /// Its resource.
+    pub class: Class,
+}
+
+/// The simulated step: every node's times, per rank.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Simulation {
+    /// Per rank, per node id.
+    pub ranks: Vec<Vec<NodeTime>>,
+}
+
+impl Simulation {
+    /// A node's times.
+    pub fn node(&self, rank: u32, node: NodeId) -> NodeTime {
+        self.ranks[rank as usize][node as usize]
+    }
+
+    /// A rank's device span: its first node's start to its last node's end (what
+    /// `overlap bench` times), seconds.
+    pub fn span(&self, rank: u32) -> f64 {
+        let times = &self.ranks[rank as usize];
+        let start = times.iter().map(|t| t.start).fold(f64::INFINITY, f64::min);
+        let end = times
+            .iter()
+            .map(|t| t.end)
+            .fold(f64::NEG_INFINITY, f64::max);
+        if end > start {
+            end - start
+        } else {
+            0.0
+        }
+    }
+
+    /// Seconds a stream of a rank was busy (the union of its nodes' intervals).
+    pub fn busy(&self, plan: &Plan, rank: u32, stream: Stream) -> f64 {
+        let mut iv: Vec<(f64, f64)> = plan.ranks[rank as usize]
+            .nodes
+            .iter()
+            .filter(|n| n.stream == stream)
+            .map(|n| {
+                let t = self.node(rank, n.id);
+                (t.start, t.end)
+            })
+            .filter(|(s, e)| e > s)
+            .collect();
+        iv.sort_by(|a, b| a.0.total_cmp(&b.0));
+        let mut total = 0.0;
+        let mut cur: Option<(f64, f64)> = None;
+        for (s, e) in iv {
+            match cur {
+                Some((cs, ce)) if s <= ce => cur = Some((cs, ce.max(e))),
+                Some((cs, ce)) => {
+                    total += ce - cs;
+                    cur = Some((s, e));
+                }
+                None => cur = Some((s, e)),
+            }
+        }
+        total + cur.map_or(0.0, |(s, e)| e - s)
+    }
+}
+
+/// The communicators (group and stream) of a plan whose combines read their exchanges in
+/// place in the copy ring: the rule of `overlap::cuda::in_place_comms`, on this plan. Every
+/// exchange's message per peer fits one slot, and between an exchange and its combine at
+/// most `depth − 1` other exchanges of the communicator are issued, on every rank.
+pub fn in_place_comms(plan: &Plan, ring: CopyRing) -> Vec<(crate::mesh::Group, Stream)> {
+    use crate::node::Op;
+    use std::collections::{BTreeMap, HashMap};
+    if !ring.in_place || ring.depth == 0 {
+        return Vec::new();
+    }
+    let most = ring.depth as usize - 1;
+    let mut ok: BTreeMap<(crate::mesh::Group, Stream), bool> = BTreeMap::new();
+    for rp in &plan.ranks {
+        let mut issued: HashMap<(crate::mesh::Group, Stream), usize> = HashMap::new();
+        let mut open = HashMap::new();
+        for n in &rp.nodes {
+            match n.op {
+                Op::Exchange {
+                    bucket,
+                    micro_batch,
+                    stage,
+                    collective,
+                } => {
+                    let id = (collective.group, n.stream);
+                    let size = plan.mesh.group_size(collective.group);
+                    let fits = (0..size).all(|j| {
+                        collective.member_chunk(size, j).1.saturating_mul(4) <= ring.slot_bytes
+                    });
+                    *ok.entry(id).or_insert(true) &= fits;
+                    let k = issued.entry(id).or_insert(0);
+                    open.insert((bucket, micro_batch, stage), (id, *k));
+                    *k += 1;
+                }
+                Op::Combine {
+                    bucket,
+                    micro_batch,
+                    stage,
+                    ..
+                } => {
+                    if let Some((id, at)) = open.remove(&(bucket, micro_batch, stage)) {
+                        let between = issued.get(&id).copied().unwrap_or(0) - at - 1;
+                        *ok.entry(id).or_insert(true) &= between <= most;
+                    }
+                }
+                _ => {}
+            }
+        }
+    }
+    ok.into_iter().filter(|&(_, v)| v).map(|(k, _)| k).collect()
+}
