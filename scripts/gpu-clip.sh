@@ -81,7 +81,7 @@ EOF
 {
   nvidia-smi --query-gpu=index,name,driver_version,memory.total --format=csv
   gpus=$(nvidia-smi -L 2>/dev/null | wc -l)
-  git log -1 --format='commit %H %s' 2>/dev/null
+  "$BIN" --version 2>/dev/null
 
   # 1. The kernels alone (if the test binary was built): sum of squares within one f32
   #    rounding of ops::math and bit-reproducible, clip bit-exact, guarded AdamW/Muon
