@@ -674,6 +674,7 @@ impl Doc<'_> {
             bindings,
             schedule,
             grad_norm: clip.is_some(),
+            forward: None,
         };
         // The planner's own checks, as a backstop: whatever it rejects, the config rejects;
         // then the size of a step's plan, now that the buckets and micro-batches are known.

@@ -9,16 +9,28 @@ use crate::{synthetic, Error};
 
 /// Runs one step: every micro-batch with its gate, every layer from the highest down,
 /// rank `r`'s gradient of parameter `p` in micro-batch `m` of step `step` being
-/// [`synthetic::grad`]`(seed, step, m, r, p)`.
+/// [`synthetic::grad`]`(seed, step, m, r, p)`. With the forward's gathers
+/// ([`Session::has_forward`]), each micro-batch first runs the forward of every layer
+/// and each layer's backward begins before its gradients go in.
 pub async fn synthetic_step<B: Backend>(
     session: &mut Session<B>,
     seed: u64,
     step: u64,
     gates: &[Gate],
 ) -> Result<StepReport, Error> {
+    let forward = session.has_forward();
     for (m, &gate) in gates.iter().enumerate() {
         session.begin_micro_batch(gate).await?;
+        if forward {
+            // The full parameters are gathered; a synthetic step reads nothing of them.
+            for layer in session.forward_layers() {
+                session.forward_ready(layer, |_, _, _| {}).await?;
+            }
+        }
         for layer in session.layers() {
+            if forward {
+                session.backward_ready(layer, |_, _, _| {}).await?;
+            }
             session
                 .grad_ready(layer, |rank, param, out| {
                     synthetic::grad(seed, step, m as u32, rank, param, out)

@@ -157,6 +157,10 @@ pub struct Session<B: Backend = CpuBackend> {
     gates: Vec<Gate>,
     /// Layers of the current micro-batch handed in so far.
     layers_done: usize,
+    /// Forward plans: layers of the current micro-batch whose forward began, and
+    /// whether the backward of the next layer to hand in began.
+    forward_done: usize,
+    backward_open: bool,
     /// A validated plan whose gates start with `gates` (module docs): the last step's
     /// plan between steps, adopted by the executor during a step.
     current: Option<Arc<Plan>>,
@@ -239,6 +243,8 @@ impl<B: Backend> Session<B> {
             layers,
             gates: Vec::new(),
             layers_done: 0,
+            forward_done: 0,
+            backward_open: false,
             reduced: None,
             current: None,
             step_plans: Vec::new(),
@@ -532,6 +538,8 @@ impl<B: Backend> Session<B> {
         }
         self.gates.push(gate);
         self.layers_done = 0;
+        self.forward_done = 0;
+        self.backward_open = false;
         Ok(())
     }
 
@@ -557,8 +565,146 @@ impl<B: Backend> Session<B> {
             }
             None => return Err(Error::Usage(format!("grad_ready(layer {layer}): every layer of micro-batch {m} was already handed in"))),
         }
+        if self.has_forward() && !self.backward_open {
+            return Err(Error::Usage(format!(
+                "grad_ready(layer {layer}) in micro-batch {m} before backward_ready(layer {layer}): the plan gathers the parameters the layer's backward reads ({})",
+                self.forward_flow(m)
+            )));
+        }
         self.executor.grad_ready(m as u32, layer, fill).await?;
         self.layers_done += 1;
+        self.backward_open = false;
+        Ok(())
+    }
+
+    /// Whether the session's plans gather the full parameters for the forward
+    /// ([`PlanSpec::forward`], `[forward]`): then each micro-batch runs
+    /// [`Session::forward_ready`] for every layer ascending, then per layer descending
+    /// [`Session::backward_ready`] and [`Session::grad_ready`].
+    pub fn has_forward(&self) -> bool {
+        self.planner.spec().forward.is_some()
+    }
+
+    /// Layers in the order the forward runs them (lowest first): the order of
+    /// [`Session::forward_ready`].
+    pub fn forward_layers(&self) -> Vec<u32> {
+        self.layers.iter().rev().copied().collect()
+    }
+
+    /// The order of calls in a micro-batch of a forward plan, and where micro-batch `m`
+    /// stands, for errors.
+    fn forward_flow(&self, m: usize) -> String {
+        let n = self.layers.len();
+        let at = if self.forward_done < n {
+            format!(
+                "forward_ready(layer {}) is next",
+                self.forward_layers()[self.forward_done]
+            )
+        } else if self.layers_done < n {
+            let l = self.layers[self.layers_done];
+            if self.backward_open {
+                format!("grad_ready(layer {l}) is next")
+            } else {
+                format!("backward_ready(layer {l}) is next")
+            }
+        } else {
+            "every layer was handed in".into()
+        };
+        format!(
+            "per micro-batch: forward_ready of every layer ascending {:?}, then per layer descending backward_ready and grad_ready; in micro-batch {m}, {at}",
+            self.forward_layers()
+        )
+    }
+
+    /// Forward plans: the trainer's forward of `layer` in the current micro-batch
+    /// starts. Gathers the layer's full parameters on every local rank (the plan's
+    /// `unshard` nodes, issued `prefetch` layers ahead, so usually complete already),
+    /// frees the layer before's when the plan reshards after the forward, waits until the
+    /// gathers are complete, and calls `f(rank, param, full)` once per local rank and
+    /// parameter of the layer, `full` being the whole parameter (row major, `numel`
+    /// elements) exactly as the latest optimizer step and publish left it.
+    ///
+    /// Layers come from the lowest up ([`Session::forward_layers`]), after
+    /// [`Session::begin_micro_batch`]. `full` is a host copy that lives for the call
+    /// (on the CPU backend, read from the gathered buffer; on CUDA a download): copy what
+    /// the forward needs to keep. The gathered buffer itself is freed at the next call.
+    pub async fn forward_ready(
+        &mut self,
+        layer: u32,
+        mut f: impl FnMut(u32, ParamId, &[f32]),
+    ) -> Result<(), Error> {
+        self.check_not_reduced("forward_ready")?;
+        let m = self.check_forward("forward_ready", layer)?;
+        let want = self.forward_layers().get(self.forward_done).copied();
+        if want != Some(layer) || self.layers_done > 0 {
+            return Err(Error::Usage(format!(
+                "forward_ready(layer {layer}) out of order: {}",
+                self.forward_flow(m)
+            )));
+        }
+        let full = self.executor.forward_ready(m as u32, layer).await?;
+        self.forward_done += 1;
+        self.hand_full(full, &mut f)
+    }
+
+    /// Forward plans: the trainer's backward of `layer` in the current micro-batch
+    /// starts, after the forward of every layer: hands the full parameters the backward
+    /// reads as [`Session::forward_ready`] does (gathered again, or kept from the
+    /// forward with `reshard_after_forward = false`). Then the layer's
+    /// [`Session::grad_ready`] hands in its gradients and ends its backward. Layers come
+    /// from the highest down ([`Session::layers`]).
+    pub async fn backward_ready(
+        &mut self,
+        layer: u32,
+        mut f: impl FnMut(u32, ParamId, &[f32]),
+    ) -> Result<(), Error> {
+        self.check_not_reduced("backward_ready")?;
+        let m = self.check_forward("backward_ready", layer)?;
+        let want = self.layers.get(self.layers_done).copied();
+        if self.forward_done < self.layers.len() || self.backward_open || want != Some(layer) {
+            return Err(Error::Usage(format!(
+                "backward_ready(layer {layer}) out of order: {}",
+                self.forward_flow(m)
+            )));
+        }
+        let full = self.executor.backward_ready(m as u32, layer).await?;
+        self.backward_open = true;
+        self.hand_full(full, &mut f)
+    }
+
+    /// The current micro-batch, for a forward call on a forward plan.
+    fn check_forward(&self, what: &str, layer: u32) -> Result<usize, Error> {
+        if !self.has_forward() {
+            return Err(Error::Usage(format!(
+                "{what}(layer {layer}): the session gathers no parameters for the forward; build it with PlanSpec::with_forward (a config's [forward])"
+            )));
+        }
+        self.gates
+            .len()
+            .checked_sub(1)
+            .ok_or_else(|| Error::Usage(format!("{what} before begin_micro_batch")))
+    }
+
+    /// Hands each gathered buffer's parameter to `f` as a host slice.
+    fn hand_full(
+        &self,
+        full: Vec<overlap_executor::FullParam<B>>,
+        f: &mut impl FnMut(u32, ParamId, &[f32]),
+    ) -> Result<(), Error> {
+        let backend = self.executor.backend();
+        for (rank, param, buf) in full {
+            let values = backend
+                .download(&buf)
+                .map_err(overlap_executor::ExecError::from)?;
+            let numel = self.planner.params()[param as usize].spec.numel() as usize;
+            let whole = values.get(..numel).ok_or_else(|| {
+                Error::Usage(format!(
+                    "internal: the gathered buffer of parameter {param} on rank {rank} has {} elements, fewer than its {numel}",
+                    values.len()
+                ))
+            })?;
+            f(rank, param, whole);
+        }
         Ok(())
     }
 
@@ -580,6 +726,8 @@ impl<B: Backend> Session<B> {
         self.executor.adopt(&step_plan.plan);
         self.current = Some(step_plan.plan.clone());
         self.layers_done = 0;
+        self.forward_done = 0;
+        self.backward_open = false;
         Ok((gates, step_plan))
     }
 
@@ -643,6 +791,8 @@ impl<B: Backend> Session<B> {
         self.gates.clear();
         self.reduced = None;
         self.layers_done = 0;
+        self.forward_done = 0;
+        self.backward_open = false;
         self.executor.discard().await?;
         Ok(())
     }

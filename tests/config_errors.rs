@@ -837,6 +837,7 @@ timing_every = 10
                 ..Schedule::default()
             },
             grad_norm: false,
+            forward: None,
         },
         // reduce off wins over replicate; then replicate decides.
         gates: vec![Gate::NoSync, Gate::NoSync, Gate::On, Gate::On],

@@ -209,6 +209,7 @@ fn spec(mesh: Mesh, params: Vec<ParamSpec>) -> PlanSpec {
         bindings: Bindings::default(),
         schedule: Schedule::default(),
         grad_norm: false,
+        forward: None,
     }
 }
 

@@ -299,6 +299,7 @@ impl BenchArgs {
                 combine_after_exchanges: self.combine_after_exchanges,
             },
             grad_norm: false,
+            forward: None,
         }
     }
 }
@@ -317,6 +318,7 @@ pub fn serial_bindings() -> Bindings {
         publish: Stream::Compute,
         exchange: Stream::Compute,
         combine: Stream::Compute,
+        unshard: Stream::Compute,
     }
 }
 

@@ -484,6 +484,7 @@ mod tests {
                                 combine_after_exchanges: after,
                             },
                             grad_norm: false,
+                            forward: None,
                         };
                         let ok = copy_setup(&[&spec], slot, depth, true).in_place;
                         approved += ok.len();

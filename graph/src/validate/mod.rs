@@ -39,6 +39,12 @@
 //!   `grad_norm` (over every reduced gradient it counts), one `norm_reduce` over its
 //!   shard group then one over its replicate group, and one `clip`, in that order and
 //!   before all of its optimizers; a plan without it runs none of them.
+//! - `forward-coverage`, `read-after-unshard`, `unshard-reads-latest`,
+//!   `reshard-after-last-read` (plans with the forward's parameter gathers,
+//!   `validate/forward.rs`): every micro-batch runs the trainer's forward and backward
+//!   points in order; every read of a gathered parameter follows its gather; every
+//!   gather reads the parameters of the latest optimizer step and publish; nothing reads
+//!   a gathered parameter after its free, which follows the trainer's last use.
 //!
 //! Host issue order is the serial node order: to issue node `n` the host issues the
 //! instructions of `n`'s stream up to `Run(n)`, then the records that follow it.
@@ -46,6 +52,7 @@
 mod accounting;
 mod contrib;
 mod coverage;
+mod forward;
 
 use std::collections::{BTreeMap, HashMap};
 
@@ -67,7 +74,7 @@ pub enum Mode {
 
 /// The name of every invariant the validator checks, in the order of this module's
 /// docs: every [`Violation::invariant`] is one of these (metrics label by them).
-pub const INVARIANTS: [&str; 15] = [
+pub const INVARIANTS: [&str; 19] = [
     "well-formed",
     "gate-conformance",
     "stage1-consumed-once",
@@ -83,6 +90,10 @@ pub const INVARIANTS: [&str; 15] = [
     "gradient-accounting",
     "publish-coverage",
     "clip-coverage",
+    "forward-coverage",
+    "read-after-unshard",
+    "unshard-reads-latest",
+    "reshard-after-last-read",
 ];
 
 /// Stops collecting after this many violations.
@@ -130,6 +141,7 @@ pub fn validate(plan: &Plan, mode: Mode) -> Vec<Violation> {
             coverage::optimizers(plan, rank, &rp.nodes, &mut out);
             coverage::clip(plan, rank, &rp.nodes, &mut out);
         }
+        forward::check(plan, rp, &accesses, mode, &mut out);
         if out.len() >= MAX_VIOLATIONS {
             out.truncate(MAX_VIOLATIONS);
             return out;
@@ -183,6 +195,8 @@ fn gate_conformance(plan: &Plan, rank: u32, nodes: &[Node], out: &mut Vec<Violat
         let gate = plan.gates[m as usize];
         let allowed = match (gate, n.op) {
             (_, Op::GradReady { .. }) => true,
+            // The forward's gathers and points run under every gate.
+            (_, op) if op.is_forward() => true,
             (Gate::NoSync, Op::Accumulate { .. }) => true,
             (Gate::NoSync, _) => false,
             (_, Op::Accumulate { .. }) => false,
@@ -614,7 +628,7 @@ type Subject = (&'static str, Option<u32>, Option<u32>, Option<u32>);
 
 fn subject(op: &Op) -> Subject {
     let param = match *op {
-        Op::Publish { param, .. } => Some(param),
+        Op::Publish { param, .. } | Op::Unshard { param, .. } => Some(param),
         _ => None,
     };
     (op.kind(), op.bucket(), op.micro_batch(), param)
@@ -628,7 +642,11 @@ fn describe_call(plan: &Plan, call: Option<&(NodeId, Subject, Collective)>) -> S
                     "{kind} b{b}{}",
                     mb.map(|m| format!(" m{m}")).unwrap_or_default()
                 ),
-                (_, Some(p)) => format!("{kind} {}", plan.param(*p).spec.name),
+                (_, Some(p)) => format!(
+                    "{kind} {}{}",
+                    plan.param(*p).spec.name,
+                    mb.map(|m| format!(" m{m}")).unwrap_or_default()
+                ),
                 _ => (*kind).to_string(),
             };
             format!("{what}: {c}")
