@@ -80,6 +80,7 @@ use std::sync::Arc;
 use overlap_executor::{ExecConfig, Executor, GroupRate, HyperTable, StepStats};
 use overlap_graph::{
     validate, Buffer, Collective, Gate, Mode, Op, ParamId, PlacedParam, Plan, PlanSpec, Planner,
+    RankMemory,
 };
 use overlap_ops::cpu::CpuBackend;
 use overlap_ops::Backend;
@@ -115,6 +116,13 @@ pub struct StepReport {
     /// `on_nonfinite = "skip"`): parameters, optimizer state and the step counter are
     /// untouched, and `step` is the number the next step will have again.
     pub skipped: Option<&'static str>,
+    /// The step plan's memory figures on each local rank ([`Plan::memory`]): peak
+    /// parameter bytes (the rank's pieces plus the full parameters a forward plan
+    /// gathers) and peak gradient-path bytes, along the serial order.
+    pub memory: Vec<RankMemory>,
+    /// Bytes of every parameter once ([`Plan::replica_bytes`]): a full replica's
+    /// parameters, and its gradients, on every rank.
+    pub replica_bytes: u64,
 }
 
 /// Stage-2 bytes of a step plan on the local ranks.
@@ -128,11 +136,13 @@ struct Stage2Bytes {
 /// patterns a training loop alternates between.
 pub const STEP_PLANS: usize = 8;
 
-/// A validated plan of a whole step, with the Stage-2 bytes its local ranks move and save.
+/// A validated plan of a whole step, with the Stage-2 bytes its local ranks move and
+/// save and their memory figures.
 #[derive(Clone)]
 struct StepPlan {
     plan: Arc<Plan>,
     stage2: Stage2Bytes,
+    memory: Arc<Vec<RankMemory>>,
 }
 
 /// A running gradient path over a backend's local ranks.
@@ -433,6 +443,13 @@ impl<B: Backend> Session<B> {
         let plan = self.build(gates, Mode::Step)?;
         let entry = StepPlan {
             stage2: self.stage2_bytes(&plan),
+            memory: Arc::new(
+                self.executor
+                    .local_ranks()
+                    .into_iter()
+                    .map(|r| plan.memory(r))
+                    .collect(),
+            ),
             plan,
         };
         if self.step_plans.len() >= STEP_PLANS {
@@ -756,7 +773,14 @@ impl<B: Backend> Session<B> {
     /// micro-batches stay pending until a gate-on micro-batch or [`Session::zero_grad`].
     /// After [`Session::reduce`], it runs the rest of the reduced step.
     pub async fn step(&mut self) -> Result<StepReport, Error> {
-        let (gates, StepPlan { plan, stage2 }) = match self.reduced.take() {
+        let (
+            gates,
+            StepPlan {
+                plan,
+                stage2,
+                memory,
+            },
+        ) = match self.reduced.take() {
             Some(reduced) => reduced,
             None => self.adopt_step("step()")?,
         };
@@ -780,6 +804,8 @@ impl<B: Backend> Session<B> {
             stage2_bytes_saved: stage2.saved,
             lr_factor,
             lr: self.executor.hyper().rates(lr_factor),
+            memory: memory.to_vec(),
+            replica_bytes: plan.replica_bytes(),
         };
         crate::observe::metrics::record_step(&report, &plan, || self.executor.local_ranks());
         Ok(report)

@@ -5,7 +5,7 @@
 //! column), on every mesh of the test suite, for every prefetch depth and reshard
 //! policy, step after step as the optimizers and publishes change them; the gathers
 //! leave the gradient path as it was (bit-exact with the same session without them);
-//! and the order of calls is enforced.
+//! the order of calls is enforced; and each step reports the plan's memory peaks.
 
 mod common;
 
@@ -74,9 +74,10 @@ async fn run(
     s: &mut Session<CpuBackend>,
     gates: &[Gate],
     steps: u64,
-) -> (usize, Vec<Option<Vec<f32>>>) {
+) -> (usize, Vec<Option<Vec<f32>>>, Vec<overlap::StepReport>) {
     let world = s.planner().spec().mesh.world();
     let mut checks = 0;
+    let mut reports = Vec::new();
     for step in 1..=steps {
         let want = current_params(s);
         for (m, &gate) in gates.iter().enumerate() {
@@ -117,9 +118,9 @@ async fn run(
                 assert!(seen.values().all(|&k| k == 1));
             }
         }
-        s.step().await.unwrap();
+        reports.push(s.step().await.unwrap());
     }
-    (checks, common::read_all(s))
+    (checks, common::read_all(s), reports)
 }
 
 fn policies() -> Vec<ForwardSpec> {
@@ -140,10 +141,10 @@ async fn gathers_hand_every_rank_the_current_parameters_and_change_no_gradient()
     let gates = [NoSync, Off, On];
     for (shard, replicate) in MESHES {
         let mut plain = session(spec(shard, replicate, None));
-        let (_, reference) = run(&mut plain, &gates, 3).await;
+        let (_, reference, _) = run(&mut plain, &gates, 3).await;
         for fw in policies() {
             let mut s = session(spec(shard, replicate, Some(fw)));
-            let (checks, state) = run(&mut s, &gates, 3).await;
+            let (checks, state, _) = run(&mut s, &gates, 3).await;
             let world = (shard * replicate) as usize;
             assert_eq!(
                 checks,
@@ -159,20 +160,39 @@ async fn gathers_hand_every_rank_the_current_parameters_and_change_no_gradient()
 async fn gathers_are_exact_on_the_copy_transport_and_with_other_bindings() {
     for (shard, replicate) in [(2, 2), (3, 2)] {
         let mut plain = session(spec(shard, replicate, None));
-        let (_, reference) = run(&mut plain, &[Off, On], 2).await;
+        let (_, reference, _) = run(&mut plain, &[Off, On], 2).await;
         let copy = spec(shard, replicate, Some(ForwardSpec::default())).with_schedule(Schedule {
             transport: Transport::Copy,
             ..Schedule::default()
         });
         let mut s = session(copy);
-        let (_, state) = run(&mut s, &[Off, On], 2).await;
+        let (_, state, _) = run(&mut s, &[Off, On], 2).await;
         common::assert_same_bits(&state, &reference, "copy transport");
         // The gathers on the reduce stream, beside Stage 1.
         let mut bound = spec(shard, replicate, Some(ForwardSpec::default()));
         bound.bindings.unshard = overlap::Stream::Reduce;
         let mut s = session(bound);
-        let (_, state) = run(&mut s, &[Off, On], 2).await;
+        let (_, state, _) = run(&mut s, &[Off, On], 2).await;
         common::assert_same_bits(&state, &reference, "gathers on the reduce stream");
+    }
+}
+
+#[tokio::test(flavor = "current_thread")]
+async fn steps_report_the_plans_memory_peaks_per_local_rank() {
+    for forward in [None, Some(ForwardSpec::default())] {
+        let mut s = session(spec(2, 2, forward));
+        let (_, _, reports) = run(&mut s, &[Off, On], 1).await;
+        let r = &reports[0];
+        let plan = s.step_plan(&[Off, On]).unwrap();
+        let want: Vec<_> = s.local_ranks().iter().map(|&g| plan.memory(g)).collect();
+        assert_eq!(r.memory, want);
+        assert_eq!(r.memory.len(), 4);
+        assert_eq!(r.replica_bytes, plan.replica_bytes());
+        for m in &r.memory {
+            assert!(m.shard_bytes > 0 && m.grad_peak_bytes > 0);
+            assert_eq!(m.full_peak_bytes > 0, forward.is_some(), "{m:?}");
+            assert!(m.param_peak_bytes < r.replica_bytes + m.shard_bytes);
+        }
     }
 }
 
@@ -205,7 +225,7 @@ async fn the_order_of_calls_is_enforced() {
     assert!(s.step().await.is_err());
     s.zero_grad().await.unwrap();
     // And the session still runs a whole step after that.
-    let (checks, _) = run(&mut s, &[On], 1).await;
+    let (checks, _, _) = run(&mut s, &[On], 1).await;
     assert_eq!(checks, 2 * 4 * 6);
     // A session without the forward has no forward calls.
     let mut plain = session(spec(2, 1, None));

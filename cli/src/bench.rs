@@ -651,6 +651,8 @@ fn timeline_svg(plan: &Plan, me: u32, stats: &StepStats) -> String {
         lr: Vec::new(),
         grad_norm: None,
         skipped: None,
+        memory: Vec::new(),
+        replica_bytes: 0,
     };
     let analysis = overlap::observe::StepAnalysis::new(&report, plan);
     overlap::observe::svg::render(&report, plan, &analysis)
