@@ -125,7 +125,7 @@ fn latest(plan: &Plan, rp: &RankProgram, acc: &[Access], out: &mut Vec<Violation
                         rank,
                         Some(n),
                         format!(
-                            "{} reads `{name}` after {} (node {w}) of this step wrote it: micro-batch {micro_batch}'s forward must see the parameters of the latest completed optimizer step and publish, which every holder has at the step's start",
+                            "{} reads `{name}` after {} (node {w}) of this step wrote it: micro-batch {micro_batch}'s forward and backward must see the parameters of the latest completed optimizer step and publish, which every holder has at the step's start",
                             plan.label(n),
                             plan.label(&rp.nodes[w as usize])
                         ),

@@ -39,12 +39,15 @@
 //!   `grad_norm` (over every reduced gradient it counts), one `norm_reduce` over its
 //!   shard group then one over its replicate group, and one `clip`, in that order and
 //!   before all of its optimizers; a plan without it runs none of them.
-//! - `forward-coverage`, `read-after-unshard`, `unshard-reads-latest`,
-//!   `reshard-after-last-read` (plans with the forward's parameter gathers,
-//!   `validate/forward.rs`): every micro-batch runs the trainer's forward and backward
-//!   points in order; every read of a gathered parameter follows its gather; every
-//!   gather reads the parameters of the latest optimizer step and publish; nothing reads
-//!   a gathered parameter after its free, which follows the trainer's last use.
+//! - `forward-coverage` (plans with the forward's parameter gathers, like the three
+//!   below; `validate/forward.rs`): every micro-batch runs the trainer's forward points
+//!   ascending, then each layer's backward point and `grad_ready` descending.
+//! - `read-after-unshard`: every read of a gathered parameter follows its gather, in
+//!   serial order and by stream order or events.
+//! - `unshard-reads-latest`: every gather reads the parameters of the latest optimizer
+//!   step and publish (nothing of the step wrote them before it; a supplier holds them).
+//! - `reshard-after-last-read`: nothing reads a gathered parameter after its free,
+//!   which runs once, on the stream of the trainer's last use, and before the step ends.
 //!
 //! Host issue order is the serial node order: to issue node `n` the host issues the
 //! instructions of `n`'s stream up to `Run(n)`, then the records that follow it.
