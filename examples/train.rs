@@ -516,7 +516,10 @@ impl<'a> Forward<'a> {
     /// Runs `layer` (0, 1, 2 in order) on every sample, reading `p`'s entries of that
     /// layer's parameters only.
     fn layer(&mut self, layer: u32, p: &Params) {
-        assert_eq!(layer, self.next, "the forward runs from the bottom layer up");
+        assert_eq!(
+            layer, self.next,
+            "the forward runs from the bottom layer up"
+        );
         self.next += 1;
         let act = &mut self.act;
         for s in 0..self.batch.labels.len() {

@@ -187,6 +187,18 @@ async fn steps_report_the_plans_memory_peaks_per_local_rank() {
         let want: Vec<_> = s.local_ranks().iter().map(|&g| plan.memory(g)).collect();
         assert_eq!(r.memory, want);
         assert_eq!(r.memory.len(), 4);
+        // The pictures and traces name the lane the gathers run on.
+        let publish = overlap::observe::lane_name(&plan, 0, overlap::Stream::Publish);
+        let want = if forward.is_some() {
+            "publish + unshard"
+        } else {
+            "publish"
+        };
+        assert_eq!(publish, want);
+        assert_eq!(
+            overlap::observe::lane_name(&plan, 0, overlap::Stream::Compute),
+            "compute"
+        );
         assert_eq!(r.replica_bytes, plan.replica_bytes());
         for m in &r.memory {
             assert!(m.shard_bytes > 0 && m.grad_peak_bytes > 0);
