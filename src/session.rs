@@ -3,7 +3,10 @@
 //! A trainer builds a session from a [`Config`] (or a [`PlanSpec`] in code), then per
 //! micro-batch sets the gate ([`Session::begin_micro_batch`]), hands in gradients layer
 //! by layer as backward produces them, highest layer first ([`Session::grad_ready`]),
-//! and per step runs the optimizers and publishes ([`Session::step`]).
+//! and per step runs the optimizers and publishes ([`Session::step`]). With the
+//! forward's gathers (`[forward]`) the session also hands it each layer's full
+//! parameters, for the forward lowest layer first ([`Session::forward_ready`]) and
+//! again for the backward ([`Session::backward_ready`]).
 //! [`Session::zero_grad`] discards partials and accumulations.
 //!
 //! Every plan the session runs has been validated first: a plan covering the
@@ -150,8 +153,10 @@ struct StepPlan {
 /// - **Runtime:** the methods are `async`; any tokio runtime drives them, a
 ///   current-thread one included (the backend runs its streams on its own threads).
 /// - **When to call what:** per micro-batch [`Session::begin_micro_batch`], then
-///   [`Session::grad_ready`] for every layer of [`Session::layers`] in that order; per
-///   step [`Session::step`]; [`Session::zero_grad`] at any point to drop the step in
+///   [`Session::grad_ready`] for every layer of [`Session::layers`] in that order (with
+///   the forward's gathers, [`Session::has_forward`]: first [`Session::forward_ready`]
+///   for every layer of [`Session::forward_layers`], and [`Session::backward_ready`]
+///   before each layer's `grad_ready`); per step [`Session::step`]; [`Session::zero_grad`] at any point to drop the step in
 ///   progress. [`Session::init_params`], [`Session::param_values`],
 ///   [`Session::reduced_grad`], [`Session::save`], [`Session::load`] and
 ///   [`Session::set_lr_factor`] between steps. Anything else is an [`Error::Usage`].
