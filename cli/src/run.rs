@@ -143,7 +143,7 @@ pub(crate) async fn run_steps<B: overlap::ops::Backend>(
             0.0
         };
         println!(
-            "step {}/{last}  gates {}  nodes {}  wall {:.2} ms  host {:.2} us/node  stage2 {} (saved {})  partials left {}  {}  {}{}  {}",
+            "step {}/{last}  gates {}  nodes {}  wall {:.2} ms  host {:.2} us/node  stage2 {} (saved {})  partials left {}  {}  {}  {}{}",
             r.step,
             Gate::pattern_label(&r.gates),
             r.stats.nodes,
@@ -152,10 +152,10 @@ pub(crate) async fn run_steps<B: overlap::ops::Backend>(
             bytes(r.stage2_bytes),
             bytes(r.stage2_bytes_saved),
             r.stats.partials_left,
+            memory_figures(&r),
             device_figures(&analysis),
             lr_figures(cfg, &r),
             norm_figures(&r),
-            memory_figures(&r),
         );
         if let Some(dir) = &ckpt.checkpoint {
             if r.step == last || ckpt.save_every.is_some_and(|n| r.step % n == 0) {
