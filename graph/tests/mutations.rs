@@ -1060,7 +1060,12 @@ fn forward_plans() -> Vec<(String, Plan)> {
 fn every_harmful_mutant_is_rejected() {
     let (mut total, mut harmful, mut killed_harmful, mut harmless_rejected) = (0, 0, 0, 0);
     let mut survivors: Vec<String> = Vec::new();
+    // Mutants of the plans without the forward, then of the forward plans.
+    let mut of_forward = 0;
     for (name, plan) in base_plans().into_iter().chain(forward_plans()) {
+        if plan.forward.is_some() && of_forward == 0 {
+            of_forward = total;
+        }
         let base = interpret(&plan);
         assert!(matches!(base, Outcome::Ran { .. }), "{name}: {base:?}");
         assert!(ordered(&plan), "{name}");
@@ -1084,6 +1089,10 @@ fn every_harmful_mutant_is_rejected() {
             }
         }
     }
+    println!(
+        "mutants: {total} ({of_forward} of plans without the forward, {} of forward plans)",
+        total - of_forward
+    );
     println!(
         "mutants: {total}; harmful {harmful}, rejected {killed_harmful} ({:.1}%); harmless {}, of which rejected {harmless_rejected}",
         100.0 * killed_harmful as f64 / harmful.max(1) as f64,
