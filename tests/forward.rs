@@ -247,3 +247,29 @@ async fn the_order_of_calls_is_enforced() {
     let m = usage(plain.backward_ready(3, |_, _, _| {}).await);
     assert!(m.contains("gathers no parameters"), "{m}");
 }
+
+#[tokio::test(flavor = "current_thread")]
+async fn verify_checks_every_gathered_element() {
+    let config = overlap::Config::from_toml(
+        r#"
+        [mesh]
+        shard = 2
+        replicate = 2
+        [model]
+        layers = 2
+        hidden = 8
+        vocab = 13
+        [accumulation]
+        gates = ["no_sync", "off", "on"]
+        [forward]
+        prefetch = 0
+        "#,
+        "forward.toml",
+    )
+    .unwrap();
+    let r = overlap::verify::verify(&config, 2, 5, |_| {})
+        .await
+        .unwrap();
+    assert_eq!(r.forward_mismatches, Some(0));
+    assert!(r.ok, "{r:?}");
+}
