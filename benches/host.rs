@@ -46,6 +46,7 @@ fn spec() -> PlanSpec {
         bindings: Bindings::default(),
         schedule: Default::default(),
         grad_norm: false,
+        forward: None,
     }
 }
 

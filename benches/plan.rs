@@ -54,6 +54,7 @@ fn spec() -> PlanSpec {
         bindings: Bindings::default(),
         schedule: Default::default(),
         grad_norm: false,
+        forward: None,
     }
 }
 

@@ -24,12 +24,13 @@
 //! norm (`[clip] max_norm`), which the early steps exceed.
 //!
 //! Per step, on a mesh `S×R` (HSDP 2×2 by default) with `M` micro-batches (the
-//! replicate gate off on all but the last): the trainer reads the parameters the
-//! session holds (each piece from the rank that holds it: a sharded route's shards, an
-//! owned route's whole tensor on its owner's shard column), and for each micro-batch
-//! every rank runs the forward pass of its own samples and then the backward pass layer
-//! by layer, highest first, handing each layer's gradients to `Session::grad_ready` as
-//! soon as they exist. Each micro-batch's loss is divided by `M` (the session averages
+//! replicate gate off on all but the last): for each micro-batch every rank runs the
+//! forward pass of its own samples layer by layer, lowest first, on the full parameters
+//! the session gathers for it (`Session::forward_ready`: a sharded route's shards
+//! all-gathered, an owned route's tensor broadcast from its owner's shard column), then
+//! the backward pass layer by layer, highest first, on the layer's full parameters
+//! gathered again (`Session::backward_ready`), handing each layer's gradients to
+//! `Session::grad_ready` as soon as they exist. A rank holds only the layer it runs. Each micro-batch's loss is divided by `M` (the session averages
 //! over ranks, not over micro-batches), so the optimizers consume the gradient of the
 //! mean loss over every sample of the step.
 //!
@@ -57,7 +58,7 @@ use std::sync::Arc;
 
 use clap::Parser;
 use overlap::executor::{LrSchedule, ParamGroup, ScheduleKind};
-use overlap::graph::{Buffer, OptimizerKind};
+use overlap::graph::{Buffer, ForwardSpec, OptimizerKind};
 use overlap::{
     AdamwParams, ClipConfig, CpuBackend, ExecConfig, Gate, Mesh, MuonParams, OnNonFinite,
     ParamSpec, PlanSpec, Route, Session,
@@ -412,6 +413,8 @@ const B1: usize = 4;
 const HEAD_W: usize = 5;
 const HEAD_B: usize = 6;
 const PARAMS: usize = 7;
+/// Each parameter's layer, by id (as [`param_specs`] says).
+const LAYER_OF: [u32; PARAMS] = [0, 0, 1, 1, 1, 2, 2];
 
 /// The parameters, their routes and layers (backward makes the highest layer first).
 fn param_specs() -> Vec<ParamSpec> {
@@ -474,55 +477,112 @@ struct Activations {
 
 /// The forward pass of a batch: activations and the mean cross-entropy loss.
 fn forward(p: &Params, batch: &Batch) -> (Activations, f64) {
-    let b = batch.labels.len();
-    let mut act = Activations {
-        a0: vec![0.0; b * H],
-        inv_rms: vec![0.0; b],
-        n: vec![0.0; b * H],
-        a1: vec![0.0; b * H],
-        probs: vec![0.0; b * C],
-    };
-    let mut loss = 0.0f64;
-    for s in 0..b {
-        let x = &batch.x[s * D..(s + 1) * D];
-        let a0 = &mut act.a0[s * H..(s + 1) * H];
-        affine(&p[W0], &p[B0], x, a0);
-        a0.iter_mut().for_each(|v| *v = v.tanh());
-        let ms = a0.iter().map(|v| v * v).sum::<f32>() / H as f32;
-        let inv = 1.0 / (ms + NORM_EPS).sqrt();
-        act.inv_rms[s] = inv;
-        let n = &mut act.n[s * H..(s + 1) * H];
-        for ((n, &a), &g) in n.iter_mut().zip(a0.iter()).zip(&p[NORM]) {
-            *n = g * a * inv;
-        }
-        let a1 = &mut act.a1[s * H..(s + 1) * H];
-        affine(&p[W1], &p[B1], n, a1);
-        a1.iter_mut().for_each(|v| *v = v.tanh());
-        let mut logits = [0.0f32; C];
-        affine(&p[HEAD_W], &p[HEAD_B], a1, &mut logits);
-        let max = logits.iter().copied().fold(f32::NEG_INFINITY, f32::max);
-        let probs = &mut act.probs[s * C..(s + 1) * C];
-        for (q, &l) in probs.iter_mut().zip(&logits) {
-            *q = (l - max).exp();
-        }
-        let z: f32 = probs.iter().sum();
-        probs.iter_mut().for_each(|q| *q /= z);
-        // The loss in f64 from the f32 logits: log-sum-exp − the label's logit.
-        let lse = f64::from(max)
-            + logits
-                .iter()
-                .map(|&l| (f64::from(l) - f64::from(max)).exp())
-                .sum::<f64>()
-                .ln();
-        loss += lse - f64::from(logits[batch.labels[s]]);
+    let mut pass = Forward::new(batch);
+    for layer in 0..3 {
+        pass.layer(layer, p);
     }
-    (act, loss / b as f64)
+    pass.finish()
+}
+
+/// The forward pass of one batch, one layer at a time from the bottom, as a trainer
+/// runs it while the session hands it each layer's full parameters: [`Forward::layer`]
+/// reads only that layer's parameters.
+struct Forward<'a> {
+    batch: &'a Batch,
+    act: Activations,
+    /// Sum of the samples' losses.
+    loss: f64,
+    /// The layer [`Forward::layer`] runs next.
+    next: u32,
+}
+
+impl<'a> Forward<'a> {
+    fn new(batch: &'a Batch) -> Forward<'a> {
+        let b = batch.labels.len();
+        Forward {
+            batch,
+            act: Activations {
+                a0: vec![0.0; b * H],
+                inv_rms: vec![0.0; b],
+                n: vec![0.0; b * H],
+                a1: vec![0.0; b * H],
+                probs: vec![0.0; b * C],
+            },
+            loss: 0.0,
+            next: 0,
+        }
+    }
+
+    /// Runs `layer` (0, 1, 2 in order) on every sample, reading `p`'s entries of that
+    /// layer's parameters only.
+    fn layer(&mut self, layer: u32, p: &Params) {
+        assert_eq!(
+            layer, self.next,
+            "the forward runs from the bottom layer up"
+        );
+        self.next += 1;
+        let act = &mut self.act;
+        for s in 0..self.batch.labels.len() {
+            match layer {
+                0 => {
+                    // a0 = tanh(W0·x + b0), and 1 / rms(a0) for the norm.
+                    let x = &self.batch.x[s * D..(s + 1) * D];
+                    let a0 = &mut act.a0[s * H..(s + 1) * H];
+                    affine(&p[W0], &p[B0], x, a0);
+                    a0.iter_mut().for_each(|v| *v = v.tanh());
+                    let ms = a0.iter().map(|v| v * v).sum::<f32>() / H as f32;
+                    act.inv_rms[s] = 1.0 / (ms + NORM_EPS).sqrt();
+                }
+                1 => {
+                    // n = g ⊙ a0 / rms(a0), a1 = tanh(W1·n + b1).
+                    let inv = act.inv_rms[s];
+                    let a0 = &act.a0[s * H..(s + 1) * H];
+                    let n = &mut act.n[s * H..(s + 1) * H];
+                    for ((n, &a), &g) in n.iter_mut().zip(a0.iter()).zip(&p[NORM]) {
+                        *n = g * a * inv;
+                    }
+                    let a1 = &mut act.a1[s * H..(s + 1) * H];
+                    affine(&p[W1], &p[B1], n, a1);
+                    a1.iter_mut().for_each(|v| *v = v.tanh());
+                }
+                2 => {
+                    // logits = Wh·a1 + bh, softmax, cross-entropy.
+                    let a1 = &act.a1[s * H..(s + 1) * H];
+                    let mut logits = [0.0f32; C];
+                    affine(&p[HEAD_W], &p[HEAD_B], a1, &mut logits);
+                    let max = logits.iter().copied().fold(f32::NEG_INFINITY, f32::max);
+                    let probs = &mut act.probs[s * C..(s + 1) * C];
+                    for (q, &l) in probs.iter_mut().zip(&logits) {
+                        *q = (l - max).exp();
+                    }
+                    let z: f32 = probs.iter().sum();
+                    probs.iter_mut().for_each(|q| *q /= z);
+                    // The loss in f64 from the f32 logits: log-sum-exp − the label's logit.
+                    let lse = f64::from(max)
+                        + logits
+                            .iter()
+                            .map(|&l| (f64::from(l) - f64::from(max)).exp())
+                            .sum::<f64>()
+                            .ln();
+                    self.loss += lse - f64::from(logits[self.batch.labels[s]]);
+                }
+                _ => unreachable!("the model has three layers"),
+            }
+        }
+    }
+
+    /// The activations and the mean loss, once every layer ran.
+    fn finish(self) -> (Activations, f64) {
+        assert_eq!(self.next, 3, "the forward runs every layer");
+        let b = self.batch.labels.len();
+        (self.act, self.loss / b as f64)
+    }
 }
 
 /// The backward pass of one batch, one layer at a time from the top, as a trainer's
-/// autograd produces it: [`Backward::layer`] returns that layer's parameter gradients.
+/// autograd produces it: [`Backward::layer`] returns that layer's parameter gradients,
+/// reading only that layer's parameters.
 struct Backward<'a> {
-    p: &'a Params,
     batch: &'a Batch,
     act: Activations,
     /// The loss's gradient with respect to the next layer's output, per sample.
@@ -535,7 +595,7 @@ impl<'a> Backward<'a> {
     /// The backward pass of `forward`'s batch for the loss `scale · Σ_samples loss`
     /// (`scale = 1 / (batch · micro-batches)`: the micro-batch's mean loss divided by the
     /// number of micro-batches).
-    fn new(p: &'a Params, batch: &'a Batch, act: Activations, scale: f32) -> Backward<'a> {
+    fn new(batch: &'a Batch, act: Activations, scale: f32) -> Backward<'a> {
         // d loss / d logits = (softmax − one-hot) · scale.
         let mut upstream = act.probs.clone();
         for (s, &label) in batch.labels.iter().enumerate() {
@@ -543,7 +603,6 @@ impl<'a> Backward<'a> {
         }
         upstream.iter_mut().for_each(|g| *g *= scale);
         Backward {
-            p,
             batch,
             act,
             upstream,
@@ -552,7 +611,8 @@ impl<'a> Backward<'a> {
     }
 
     /// The gradients of `layer`'s parameters `(id, gradient)`; layers must come 2, 1, 0.
-    fn layer(&mut self, layer: u32) -> Vec<(usize, Vec<f32>)> {
+    /// `p` needs the layer's parameters only.
+    fn layer(&mut self, layer: u32, p: &Params) -> Vec<(usize, Vec<f32>)> {
         assert_eq!(
             Some(layer),
             self.next,
@@ -560,7 +620,6 @@ impl<'a> Backward<'a> {
         );
         self.next = layer.checked_sub(1);
         let b = self.batch.labels.len();
-        let p = self.p;
         match layer {
             2 => {
                 // logits = Wh·a1 + bh.
@@ -770,7 +829,11 @@ struct StepLog {
 }
 
 fn new_session(task: &Task, hyper: &Hyper) -> Result<Session<CpuBackend>, Error> {
-    let spec = PlanSpec::new(task.mesh, param_specs()).with_grad_norm(true);
+    // The session gathers each layer's full parameters before its forward and again
+    // before its backward, one layer ahead ([forward]'s defaults).
+    let spec = PlanSpec::new(task.mesh, param_specs())
+        .with_grad_norm(true)
+        .with_forward(Some(ForwardSpec::default()));
     let backend = Arc::new(CpuBackend::new(task.mesh));
     Ok(Session::new(spec, backend, hyper.exec_config())?)
 }
@@ -788,30 +851,59 @@ async fn train(
     let mut curve = Vec::new();
     for _ in 0..steps {
         let step = s.steps_done() + 1;
-        // What every rank's forward pass uses: the full parameters, gathered from the
-        // ranks that hold them (what FSDP's all-gather does before the forward).
-        let params = full_params(s)?;
         let mut loss = 0.0f64;
+        // What each rank holds of the full parameters: only the layer it runs, as the
+        // session gathers it (FSDP's all-gather before each layer), dropped after.
+        let mut held: Vec<Params> = vec![vec![Vec::new(); PARAMS]; world as usize];
+        let drop_layer = |held: &mut Vec<Params>, layer: u32| {
+            for h in held.iter_mut() {
+                for (id, p) in h.iter_mut().enumerate() {
+                    if LAYER_OF[id] == layer {
+                        *p = Vec::new();
+                    }
+                }
+            }
+        };
         for m in 0..task.micro_batches {
             s.begin_micro_batch(task.gate(m)).await?;
             let batches: Vec<Batch> = (0..world).map(|r| task.batch(step, m, r)).collect();
-            let mut passes: Vec<Backward> = batches
-                .iter()
-                .map(|batch| {
-                    let (act, l) = forward(&params, batch);
+            let mut forwards: Vec<Forward> = batches.iter().map(Forward::new).collect();
+            for layer in s.forward_layers() {
+                // The layer's full parameters on every rank (a slice lives for the call),
+                // then every rank's forward of the layer.
+                s.forward_ready(layer, |rank, param, full| {
+                    held[rank as usize][param as usize] = full.to_vec();
+                })
+                .await?;
+                for (rank, pass) in forwards.iter_mut().enumerate() {
+                    pass.layer(layer, &held[rank]);
+                }
+                drop_layer(&mut held, layer);
+            }
+            let mut passes: Vec<Backward> = forwards
+                .into_iter()
+                .zip(&batches)
+                .map(|(pass, batch)| {
+                    let (act, l) = pass.finish();
                     loss += l;
-                    Backward::new(&params, batch, act, task.scale())
+                    Backward::new(batch, act, task.scale())
                 })
                 .collect();
             for layer in s.layers() {
-                // Every rank's backward of this layer, then the layer goes in.
+                // The layer's full parameters again, every rank's backward of the layer,
+                // then its gradients go in.
+                s.backward_ready(layer, |rank, param, full| {
+                    held[rank as usize][param as usize] = full.to_vec();
+                })
+                .await?;
                 let mut grads: Vec<Vec<Option<Vec<f32>>>> =
                     vec![vec![None; PARAMS]; world as usize];
                 for (rank, pass) in passes.iter_mut().enumerate() {
-                    for (id, g) in pass.layer(layer) {
+                    for (id, g) in pass.layer(layer, &held[rank]) {
                         grads[rank][id] = Some(g);
                     }
                 }
+                drop_layer(&mut held, layer);
                 s.grad_ready(layer, |rank, param, out| {
                     let g = grads[rank as usize][param as usize]
                         .as_ref()
@@ -986,9 +1078,9 @@ fn reference_run(task: &Task, hyper: &Hyper, lr_scale: f64) -> Reference {
                 let batch = task.batch(step, micro, rank);
                 let (act, l) = forward(&params, &batch);
                 loss += l;
-                let mut pass = Backward::new(&params, &batch, act, task.scale());
+                let mut pass = Backward::new(&batch, act, task.scale());
                 for layer in [2, 1, 0] {
-                    for (id, g) in pass.layer(layer) {
+                    for (id, g) in pass.layer(layer, &params) {
                         sum[id]
                             .iter_mut()
                             .zip(&g)

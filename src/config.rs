@@ -24,8 +24,8 @@ use std::str::FromStr;
 
 use overlap_executor::{ClipConfig, HyperTable, LrSchedule, OnNonFinite, ParamGroup, ScheduleKind};
 use overlap_graph::{
-    Bindings, DType, Gate, Mesh, ModelSpec, ParamSpec, PlanError, PlanSpec, Planner, ReduceOp,
-    ReduceSpec, Route, Schedule, Stream, Transport, MAX_MICRO_BATCHES,
+    Bindings, DType, ForwardSpec, Gate, Mesh, ModelSpec, ParamSpec, PlanError, PlanSpec, Planner,
+    ReduceOp, ReduceSpec, Route, Schedule, Stream, Transport, MAX_MICRO_BATCHES,
 };
 use overlap_ops::{AdamwParams, MuonParams};
 use serde::Deserialize;
@@ -159,6 +159,10 @@ impl Default for OverlapConfig {
 
 /// The largest `overlap.copy_slot_mib` (4 GiB slots).
 pub const MAX_COPY_SLOT_MIB: u32 = 4096;
+
+/// The largest `forward.prefetch`, in layers (a model's most layers: a larger one
+/// prefetches every layer all the same).
+pub const MAX_FORWARD_PREFETCH: u32 = overlap_graph::MAX_MODEL_LAYERS;
 
 /// The largest `overlap.copy_ring_depth` (the CUDA backend's `MAX_COPY_RING_DEPTH`).
 pub const MAX_COPY_RING_DEPTH: u32 = 16;
@@ -674,6 +678,7 @@ impl Doc<'_> {
             bindings,
             schedule,
             grad_norm: clip.is_some(),
+            forward: self.forward(raw.forward.as_ref())?,
         };
         // The planner's own checks, as a backstop: whatever it rejects, the config rejects;
         // then the size of a step's plan, now that the buckets and micro-batches are known.
@@ -748,6 +753,36 @@ impl Doc<'_> {
             metrics: self.metrics(raw.metrics)?,
             clip,
         })
+    }
+
+    /// `[forward]`: present, each micro-batch gathers the full parameters for the
+    /// trainer's forward and backward; `prefetch` 0 to [`MAX_FORWARD_PREFETCH`] (default
+    /// 1), `reshard_after_forward` (default true).
+    fn forward(
+        &self,
+        raw: Option<&Spanned<raw::Forward>>,
+    ) -> Result<Option<ForwardSpec>, ConfigError> {
+        let Some(f) = raw else { return Ok(None) };
+        let f = f.get_ref();
+        let d = ForwardSpec::default();
+        let prefetch = match &f.prefetch {
+            None => d.prefetch,
+            Some(v) if *v.get_ref() > MAX_FORWARD_PREFETCH => {
+                return Err(self.err(
+                    "forward.prefetch",
+                    Some(v.span()),
+                    format!(
+                        "must be between 0 and {MAX_FORWARD_PREFETCH} layers, got {}",
+                        v.get_ref()
+                    ),
+                ))
+            }
+            Some(v) => *v.get_ref(),
+        };
+        Ok(Some(ForwardSpec {
+            prefetch,
+            reshard_after_forward: f.reshard_after_forward.unwrap_or(d.reshard_after_forward),
+        }))
     }
 
     /// `[clip]`: `max_norm` finite and > 0 (absent: the norm is computed and checked,
@@ -1171,7 +1206,7 @@ impl Doc<'_> {
 
     fn bindings(&self, raw: &raw::Streams) -> Result<Bindings, ConfigError> {
         let mut b = Bindings::default();
-        let slots: [(&str, &Option<Spanned<String>>, &mut Stream); 10] = [
+        let slots: [(&str, &Option<Spanned<String>>, &mut Stream); 11] = [
             ("accumulate", &raw.accumulate, &mut b.accumulate),
             ("pack", &raw.pack, &mut b.pack),
             ("stage1", &raw.stage1, &mut b.stage1),
@@ -1182,6 +1217,7 @@ impl Doc<'_> {
             ("publish", &raw.publish, &mut b.publish),
             ("combine", &raw.combine, &mut b.combine),
             ("exchange", &raw.exchange, &mut b.exchange),
+            ("unshard", &raw.unshard, &mut b.unshard),
         ];
         for (name, value, slot) in slots {
             if let Some(v) = value {
@@ -1544,6 +1580,7 @@ mod raw {
         pub metrics: Metrics,
         pub schedule: Option<Spanned<Schedule>>,
         pub clip: Option<Spanned<Clip>>,
+        pub forward: Option<Spanned<Forward>>,
     }
 
     #[derive(Deserialize)]
@@ -1626,6 +1663,7 @@ mod raw {
         pub publish: Option<Spanned<String>>,
         pub combine: Option<Spanned<String>>,
         pub exchange: Option<Spanned<String>>,
+        pub unshard: Option<Spanned<String>>,
     }
 
     #[derive(Deserialize, Default)]
@@ -1679,6 +1717,13 @@ mod raw {
         pub momentum: Option<Spanned<f64>>,
         pub ns_steps: Option<Spanned<u32>>,
         pub weight_decay: Option<Spanned<f64>>,
+    }
+
+    #[derive(Deserialize)]
+    #[serde(deny_unknown_fields)]
+    pub struct Forward {
+        pub prefetch: Option<Spanned<u32>>,
+        pub reshard_after_forward: Option<bool>,
     }
 
     #[derive(Deserialize)]

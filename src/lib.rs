@@ -33,7 +33,12 @@
 //! - **Order of calls.** Per step: for each micro-batch, [`Session::begin_micro_batch`]
 //!   with its gate, then [`Session::grad_ready`] once per layer in [`Session::layers`]
 //!   order (highest first, as backward produces them); then [`Session::step`], which runs
-//!   the optimizers and publishes and returns a [`StepReport`]. A trainer that looks at
+//!   the optimizers and publishes and returns a [`StepReport`]. With the forward's
+//!   parameter gathers (`[forward]`, [`PlanSpec::with_forward`]) a micro-batch first runs
+//!   [`Session::forward_ready`] for every layer of [`Session::forward_layers`] (lowest
+//!   first), each handing the layer's full parameters, and each layer's
+//!   [`Session::backward_ready`] (its full parameters again) comes before its
+//!   `grad_ready`. A full parameter lives for the call that hands it. A trainer that looks at
 //!   the reduced gradients before the update splits the step in two:
 //!   [`Session::reduce`] runs every reduction and waits, [`Session::reduced_grad`] reads
 //!   them, [`Session::step`] runs the rest (`tests/two_phase.rs`). [`Session::zero_grad`]

@@ -128,6 +128,33 @@ pub fn estimate_cpu(config: &Config, planner: &Planner, sessions: u32) -> Memory
             largest_muon = largest_muon.max(numel);
         }
     }
+    // `[forward]`: every rank holds gathered full parameters too, at most `prefetch + 1`
+    // layers of them per pass (bounded here by the largest layers), or every layer when
+    // the forward's are kept for the backward.
+    if let Some(f) = config.plan.forward {
+        let mut layers: std::collections::BTreeMap<u32, u64> = std::collections::BTreeMap::new();
+        for p in planner.params() {
+            let full = if p.spec.route.is_owned() {
+                p.spec.numel()
+            } else {
+                mul(p.spec.chunk(mesh.shard), s)
+            };
+            let l = layers.entry(p.spec.layer).or_insert(0);
+            *l = l.saturating_add(full);
+        }
+        let mut sizes: Vec<u64> = layers.into_values().collect();
+        sizes.sort_unstable_by(|a, b| b.cmp(a));
+        let held = if f.reshard_after_forward {
+            (f.prefetch as usize).saturating_add(1)
+        } else {
+            sizes.len()
+        };
+        let gathered = sizes
+            .iter()
+            .take(held)
+            .fold(0u64, |acc, &x| acc.saturating_add(x));
+        params = params.saturating_add(mul(gathered, world));
+    }
     // Newton–Schulz on every rank at once: the iterate, its Gram matrix and two
     // products.
     optimizer = optimizer.saturating_add(mul(mul(largest_muon, 4), world));

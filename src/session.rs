@@ -3,7 +3,10 @@
 //! A trainer builds a session from a [`Config`] (or a [`PlanSpec`] in code), then per
 //! micro-batch sets the gate ([`Session::begin_micro_batch`]), hands in gradients layer
 //! by layer as backward produces them, highest layer first ([`Session::grad_ready`]),
-//! and per step runs the optimizers and publishes ([`Session::step`]).
+//! and per step runs the optimizers and publishes ([`Session::step`]). With the
+//! forward's gathers (`[forward]`) the session also hands it each layer's full
+//! parameters, for the forward lowest layer first ([`Session::forward_ready`]) and
+//! again for the backward ([`Session::backward_ready`]).
 //! [`Session::zero_grad`] discards partials and accumulations.
 //!
 //! Every plan the session runs has been validated first: a plan covering the
@@ -80,6 +83,7 @@ use std::sync::Arc;
 use overlap_executor::{ExecConfig, Executor, GroupRate, HyperTable, StepStats};
 use overlap_graph::{
     validate, Buffer, Collective, Gate, Mode, Op, ParamId, PlacedParam, Plan, PlanSpec, Planner,
+    RankMemory,
 };
 use overlap_ops::cpu::CpuBackend;
 use overlap_ops::Backend;
@@ -115,6 +119,13 @@ pub struct StepReport {
     /// `on_nonfinite = "skip"`): parameters, optimizer state and the step counter are
     /// untouched, and `step` is the number the next step will have again.
     pub skipped: Option<&'static str>,
+    /// The step plan's memory figures on each local rank ([`Plan::memory`]): peak
+    /// parameter bytes (the rank's pieces plus the full parameters a forward plan
+    /// gathers) and peak gradient-path bytes, along the serial order.
+    pub memory: Vec<RankMemory>,
+    /// Bytes of every parameter once ([`Plan::replica_bytes`]): a full replica's
+    /// parameters, and its gradients, on every rank.
+    pub replica_bytes: u64,
 }
 
 /// Stage-2 bytes of a step plan on the local ranks.
@@ -128,11 +139,13 @@ struct Stage2Bytes {
 /// patterns a training loop alternates between.
 pub const STEP_PLANS: usize = 8;
 
-/// A validated plan of a whole step, with the Stage-2 bytes its local ranks move and save.
+/// A validated plan of a whole step, with the Stage-2 bytes its local ranks move and
+/// save and their memory figures.
 #[derive(Clone)]
 struct StepPlan {
     plan: Arc<Plan>,
     stage2: Stage2Bytes,
+    memory: Arc<Vec<RankMemory>>,
 }
 
 /// A running gradient path over a backend's local ranks.
@@ -140,8 +153,10 @@ struct StepPlan {
 /// - **Runtime:** the methods are `async`; any tokio runtime drives them, a
 ///   current-thread one included (the backend runs its streams on its own threads).
 /// - **When to call what:** per micro-batch [`Session::begin_micro_batch`], then
-///   [`Session::grad_ready`] for every layer of [`Session::layers`] in that order; per
-///   step [`Session::step`]; [`Session::zero_grad`] at any point to drop the step in
+///   [`Session::grad_ready`] for every layer of [`Session::layers`] in that order (with
+///   the forward's gathers, [`Session::has_forward`]: first [`Session::forward_ready`]
+///   for every layer of [`Session::forward_layers`], and [`Session::backward_ready`]
+///   before each layer's `grad_ready`); per step [`Session::step`]; [`Session::zero_grad`] at any point to drop the step in
 ///   progress. [`Session::init_params`], [`Session::param_values`],
 ///   [`Session::reduced_grad`], [`Session::save`], [`Session::load`] and
 ///   [`Session::set_lr_factor`] between steps. Anything else is an [`Error::Usage`].
@@ -157,6 +172,10 @@ pub struct Session<B: Backend = CpuBackend> {
     gates: Vec<Gate>,
     /// Layers of the current micro-batch handed in so far.
     layers_done: usize,
+    /// Forward plans: layers of the current micro-batch whose forward began, and
+    /// whether the backward of the next layer to hand in began.
+    forward_done: usize,
+    backward_open: bool,
     /// A validated plan whose gates start with `gates` (module docs): the last step's
     /// plan between steps, adopted by the executor during a step.
     current: Option<Arc<Plan>>,
@@ -239,6 +258,8 @@ impl<B: Backend> Session<B> {
             layers,
             gates: Vec::new(),
             layers_done: 0,
+            forward_done: 0,
+            backward_open: false,
             reduced: None,
             current: None,
             step_plans: Vec::new(),
@@ -441,6 +462,13 @@ impl<B: Backend> Session<B> {
         let plan = self.build(gates, Mode::Step)?;
         let entry = StepPlan {
             stage2: self.stage2_bytes(&plan),
+            memory: Arc::new(
+                self.executor
+                    .local_ranks()
+                    .into_iter()
+                    .map(|r| plan.memory(r))
+                    .collect(),
+            ),
             plan,
         };
         if self.step_plans.len() >= STEP_PLANS {
@@ -546,6 +574,8 @@ impl<B: Backend> Session<B> {
         }
         self.gates.push(gate);
         self.layers_done = 0;
+        self.forward_done = 0;
+        self.backward_open = false;
         Ok(())
     }
 
@@ -571,8 +601,146 @@ impl<B: Backend> Session<B> {
             }
             None => return Err(Error::Usage(format!("grad_ready(layer {layer}): every layer of micro-batch {m} was already handed in"))),
         }
+        if self.has_forward() && !self.backward_open {
+            return Err(Error::Usage(format!(
+                "grad_ready(layer {layer}) in micro-batch {m} before backward_ready(layer {layer}): the plan gathers the parameters the layer's backward reads ({})",
+                self.forward_flow(m)
+            )));
+        }
         self.executor.grad_ready(m as u32, layer, fill).await?;
         self.layers_done += 1;
+        self.backward_open = false;
+        Ok(())
+    }
+
+    /// Whether the session's plans gather the full parameters for the forward
+    /// ([`PlanSpec::forward`], `[forward]`): then each micro-batch runs
+    /// [`Session::forward_ready`] for every layer ascending, then per layer descending
+    /// [`Session::backward_ready`] and [`Session::grad_ready`].
+    pub fn has_forward(&self) -> bool {
+        self.planner.spec().forward.is_some()
+    }
+
+    /// Layers in the order the forward runs them (lowest first): the order of
+    /// [`Session::forward_ready`].
+    pub fn forward_layers(&self) -> Vec<u32> {
+        self.layers.iter().rev().copied().collect()
+    }
+
+    /// The order of calls in a micro-batch of a forward plan, and where micro-batch `m`
+    /// stands, for errors.
+    fn forward_flow(&self, m: usize) -> String {
+        let n = self.layers.len();
+        let at = if self.forward_done < n {
+            format!(
+                "forward_ready(layer {}) is next",
+                self.forward_layers()[self.forward_done]
+            )
+        } else if self.layers_done < n {
+            let l = self.layers[self.layers_done];
+            if self.backward_open {
+                format!("grad_ready(layer {l}) is next")
+            } else {
+                format!("backward_ready(layer {l}) is next")
+            }
+        } else {
+            "every layer was handed in".into()
+        };
+        format!(
+            "per micro-batch: forward_ready of every layer ascending {:?}, then per layer descending backward_ready and grad_ready; in micro-batch {m}, {at}",
+            self.forward_layers()
+        )
+    }
+
+    /// Forward plans: the trainer's forward of `layer` in the current micro-batch
+    /// starts. Gathers the layer's full parameters on every local rank (the plan's
+    /// `unshard` nodes, issued `prefetch` layers ahead, so usually complete already),
+    /// frees the layer before's when the plan reshards after the forward, waits until the
+    /// gathers are complete, and calls `f(rank, param, full)` once per local rank and
+    /// parameter of the layer, `full` being the whole parameter (row major, `numel`
+    /// elements) exactly as the latest optimizer step and publish left it.
+    ///
+    /// Layers come from the lowest up ([`Session::forward_layers`]), after
+    /// [`Session::begin_micro_batch`]. `full` is a host copy that lives for the call
+    /// (on the CPU backend, read from the gathered buffer; on CUDA a download): copy what
+    /// the forward needs to keep. The gathered buffer itself is freed at the next call.
+    pub async fn forward_ready(
+        &mut self,
+        layer: u32,
+        mut f: impl FnMut(u32, ParamId, &[f32]),
+    ) -> Result<(), Error> {
+        self.check_not_reduced("forward_ready")?;
+        let m = self.check_forward("forward_ready", layer)?;
+        let want = self.forward_layers().get(self.forward_done).copied();
+        if want != Some(layer) || self.layers_done > 0 {
+            return Err(Error::Usage(format!(
+                "forward_ready(layer {layer}) out of order: {}",
+                self.forward_flow(m)
+            )));
+        }
+        let full = self.executor.forward_ready(m as u32, layer).await?;
+        self.forward_done += 1;
+        self.hand_full(full, &mut f)
+    }
+
+    /// Forward plans: the trainer's backward of `layer` in the current micro-batch
+    /// starts, after the forward of every layer: hands the full parameters the backward
+    /// reads as [`Session::forward_ready`] does (gathered again, or kept from the
+    /// forward with `reshard_after_forward = false`). Then the layer's
+    /// [`Session::grad_ready`] hands in its gradients and ends its backward. Layers come
+    /// from the highest down ([`Session::layers`]).
+    pub async fn backward_ready(
+        &mut self,
+        layer: u32,
+        mut f: impl FnMut(u32, ParamId, &[f32]),
+    ) -> Result<(), Error> {
+        self.check_not_reduced("backward_ready")?;
+        let m = self.check_forward("backward_ready", layer)?;
+        let want = self.layers.get(self.layers_done).copied();
+        if self.forward_done < self.layers.len() || self.backward_open || want != Some(layer) {
+            return Err(Error::Usage(format!(
+                "backward_ready(layer {layer}) out of order: {}",
+                self.forward_flow(m)
+            )));
+        }
+        let full = self.executor.backward_ready(m as u32, layer).await?;
+        self.backward_open = true;
+        self.hand_full(full, &mut f)
+    }
+
+    /// The current micro-batch, for a forward call on a forward plan.
+    fn check_forward(&self, what: &str, layer: u32) -> Result<usize, Error> {
+        if !self.has_forward() {
+            return Err(Error::Usage(format!(
+                "{what}(layer {layer}): the session gathers no parameters for the forward; build it with PlanSpec::with_forward (a config's [forward])"
+            )));
+        }
+        self.gates
+            .len()
+            .checked_sub(1)
+            .ok_or_else(|| Error::Usage(format!("{what} before begin_micro_batch")))
+    }
+
+    /// Hands each gathered buffer's parameter to `f` as a host slice.
+    fn hand_full(
+        &self,
+        full: Vec<overlap_executor::FullParam<B>>,
+        f: &mut impl FnMut(u32, ParamId, &[f32]),
+    ) -> Result<(), Error> {
+        let backend = self.executor.backend();
+        for (rank, param, buf) in full {
+            let values = backend
+                .download(&buf)
+                .map_err(overlap_executor::ExecError::from)?;
+            let numel = self.planner.params()[param as usize].spec.numel() as usize;
+            let whole = values.get(..numel).ok_or_else(|| {
+                Error::Usage(format!(
+                    "internal: the gathered buffer of parameter {param} on rank {rank} has {} elements, fewer than its {numel}",
+                    values.len()
+                ))
+            })?;
+            f(rank, param, whole);
+        }
         Ok(())
     }
 
@@ -594,6 +762,8 @@ impl<B: Backend> Session<B> {
         self.executor.adopt(&step_plan.plan);
         self.current = Some(step_plan.plan.clone());
         self.layers_done = 0;
+        self.forward_done = 0;
+        self.backward_open = false;
         Ok((gates, step_plan))
     }
 
@@ -622,7 +792,14 @@ impl<B: Backend> Session<B> {
     /// micro-batches stay pending until a gate-on micro-batch or [`Session::zero_grad`].
     /// After [`Session::reduce`], it runs the rest of the reduced step.
     pub async fn step(&mut self) -> Result<StepReport, Error> {
-        let (gates, StepPlan { plan, stage2 }) = match self.reduced.take() {
+        let (
+            gates,
+            StepPlan {
+                plan,
+                stage2,
+                memory,
+            },
+        ) = match self.reduced.take() {
             Some(reduced) => reduced,
             None => self.adopt_step("step()")?,
         };
@@ -646,6 +823,8 @@ impl<B: Backend> Session<B> {
             stage2_bytes_saved: stage2.saved,
             lr_factor,
             lr: self.executor.hyper().rates(lr_factor),
+            memory: memory.to_vec(),
+            replica_bytes: plan.replica_bytes(),
         };
         crate::observe::metrics::record_step(&report, &plan, || self.executor.local_ranks());
         Ok(report)
@@ -657,6 +836,8 @@ impl<B: Backend> Session<B> {
         self.gates.clear();
         self.reduced = None;
         self.layers_done = 0;
+        self.forward_done = 0;
+        self.backward_open = false;
         self.executor.discard().await?;
         Ok(())
     }

@@ -28,7 +28,7 @@ use overlap_graph::{DType, Gate, ParamId, ReduceOp};
 use serde::Serialize;
 
 use crate::config::Config;
-use crate::drive::{no_sync_pattern, synthetic_step};
+use crate::drive::{no_sync_pattern, synthetic_step, synthetic_step_with};
 use crate::session::Session;
 use crate::{synthetic, Error};
 
@@ -50,6 +50,12 @@ pub struct VerifyReport {
     pub update_rel_err: BTreeMap<String, f64>,
     /// Partials and accumulations left unflushed at the end of any step.
     pub partials_left: usize,
+    /// With `[forward]` (on the CPU backend): elements of the full parameters the
+    /// gathers handed the trainer, over every rank, pass and micro-batch, that differ
+    /// from the parameters the session held at the step's start (bit for bit); absent
+    /// without the forward.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub forward_mismatches: Option<u64>,
     /// Steps run.
     pub steps: u64,
     /// Ranks in the mesh.
@@ -294,8 +300,27 @@ pub async fn verify(
     let mut worst_at = String::new();
     let mut partials_left = 0;
     let mut norms = NormCheck::of(&config, steps)?;
+    let mut forward_mismatches = gated.has_forward().then_some(0u64);
     for step in 0..steps {
-        let report = synthetic_step(&mut gated, seed, step, &gates).await?;
+        // The gathers must hand every rank exactly the parameters of the step's start.
+        let current = match forward_mismatches {
+            Some(_) => current_params(&gated)?,
+            None => Vec::new(),
+        };
+        let mut differ = 0u64;
+        let report = synthetic_step_with(&mut gated, seed, step, &gates, |_, _, p, v| {
+            let want = &current[p as usize];
+            differ += v
+                .iter()
+                .zip(want)
+                .filter(|(a, b)| a.to_bits() != b.to_bits())
+                .count() as u64
+                + v.len().abs_diff(want.len()) as u64;
+        })
+        .await?;
+        if let Some(n) = forward_mismatches.as_mut() {
+            *n += differ;
+        }
         partials_left += report.stats.partials_left;
         synthetic_step(&mut reference, seed, step, &ref_gates).await?;
         let micro_batches = gates.len() as u32;
@@ -355,6 +380,7 @@ pub async fn verify(
     let ok = worst <= grad_tol
         && param_rel_err <= param_tol
         && partials_left == 0
+        && forward_mismatches.map_or(true, |n| n == 0)
         && norm.as_ref().map_or(true, |n| n.ok(grad_tol));
     Ok(VerifyReport {
         ok,
@@ -363,6 +389,7 @@ pub async fn verify(
         param_rel_err,
         update_rel_err: BTreeMap::new(),
         partials_left,
+        forward_mismatches,
         steps,
         ranks: mesh.world(),
         gates: Gate::pattern_label(&gates),
@@ -371,6 +398,24 @@ pub async fn verify(
         worst_at,
         norm,
     })
+}
+
+/// Every parameter's full tensor from the pieces the session's ranks hold (all of them:
+/// a CPU session drives the whole mesh).
+fn current_params<B: overlap_ops::Backend>(s: &Session<B>) -> Result<Vec<Vec<f32>>, Error> {
+    let mesh = s.planner().spec().mesh;
+    let mut out = Vec::new();
+    for (i, p) in s.planner().params().iter().enumerate() {
+        let mut full = vec![f32::NAN; p.spec.numel() as usize];
+        for rank in s.local_ranks() {
+            if let Some(piece) = s.param_values(rank, i as ParamId)? {
+                let r = p.spec.shard_range(mesh.shard, mesh.coord(rank).shard);
+                full[r.start as usize..r.end as usize].copy_from_slice(&piece);
+            }
+        }
+        out.push(full);
+    }
+    Ok(out)
 }
 
 /// A reference gradient and its magnitude scaled by a clip factor (as they are when it

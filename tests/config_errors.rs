@@ -837,6 +837,7 @@ timing_every = 10
                 ..Schedule::default()
             },
             grad_norm: false,
+            forward: None,
         },
         // reduce off wins over replicate; then replicate decides.
         gates: vec![Gate::NoSync, Gate::NoSync, Gate::On, Gate::On],
@@ -1191,4 +1192,45 @@ fn clip_errors_name_their_key() {
     );
     let e = err(&with_base("[clip]\nmax_nrom = 1.0\n"));
     assert!(e.to_string().contains("max_nrom"), "{e}");
+}
+
+#[test]
+fn forward_table_sets_the_gathers_and_its_absence_leaves_them_out() {
+    let c = Config::from_toml(
+        &with_base("[forward]\nprefetch = 2\nreshard_after_forward = false\n[streams]\nunshard = \"reduce\"\n"),
+        FILE,
+    )
+    .unwrap();
+    assert_eq!(
+        c.plan.forward,
+        Some(overlap::graph::ForwardSpec {
+            prefetch: 2,
+            reshard_after_forward: false
+        })
+    );
+    assert_eq!(c.plan.bindings.unshard, Stream::Reduce);
+    // An empty table: FSDP2's defaults.
+    let c = Config::from_toml(&with_base("[forward]\n"), FILE).unwrap();
+    assert_eq!(c.plan.forward, Some(overlap::graph::ForwardSpec::default()));
+    assert_eq!(c.plan.bindings.unshard, Stream::Publish);
+    let plain = Config::from_toml(BASE, FILE).unwrap();
+    assert!(plain.plan.forward.is_none());
+}
+
+#[test]
+fn forward_errors_name_their_key() {
+    expect(
+        &with_base("[forward]\nprefetch = 5000\n"),
+        "forward.prefetch",
+        Some(9),
+        "between 0 and 4096 layers",
+    );
+    let e = err(&with_base("[forward]\nreshard = true\n"));
+    assert!(e.to_string().contains("reshard"), "{e}");
+    expect(
+        &with_base("[streams]\nunshard = \"gather\"\n"),
+        "streams.unshard",
+        Some(9),
+        "unknown stream",
+    );
 }

@@ -209,6 +209,7 @@ fn spec(mesh: Mesh, params: Vec<ParamSpec>) -> PlanSpec {
         bindings: Bindings::default(),
         schedule: Schedule::default(),
         grad_norm: false,
+        forward: None,
     }
 }
 
@@ -330,6 +331,23 @@ fn an_estimate_of_terabytes_is_refused_and_a_small_job_is_not() {
     // verify's two sessions cost about twice one.
     let one = resources::estimate_cpu(&small, &Planner::new(small.plan.clone()).unwrap(), 1);
     assert!(est.total() >= 2 * one.total() - one.host, "{est} vs {one}");
+    // `[forward]` adds the gathered full parameters: a few layers of them, or every
+    // layer when the forward's are kept for the backward.
+    let mut fwd = small.clone();
+    let estimate =
+        |c: &Config| resources::estimate_cpu(c, &Planner::new(c.plan.clone()).unwrap(), 1).params;
+    fwd.plan.forward = Some(overlap::graph::ForwardSpec::default());
+    let some = estimate(&fwd);
+    fwd.plan.forward = Some(overlap::graph::ForwardSpec {
+        prefetch: 1,
+        reshard_after_forward: false,
+    });
+    let all = estimate(&fwd);
+    assert!(
+        one.params < some && some < all,
+        "{} {some} {all}",
+        one.params
+    );
 }
 
 fn example(name: &str) -> PathBuf {

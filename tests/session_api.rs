@@ -27,6 +27,7 @@ fn spec(shard: u32, replicate: u32) -> PlanSpec {
         bindings: Bindings::default(),
         schedule: Default::default(),
         grad_norm: false,
+        forward: None,
     }
 }
 

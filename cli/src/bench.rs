@@ -299,6 +299,7 @@ impl BenchArgs {
                 combine_after_exchanges: self.combine_after_exchanges,
             },
             grad_norm: false,
+            forward: None,
         }
     }
 }
@@ -317,6 +318,7 @@ pub fn serial_bindings() -> Bindings {
         publish: Stream::Compute,
         exchange: Stream::Compute,
         combine: Stream::Compute,
+        unshard: Stream::Compute,
     }
 }
 
@@ -649,6 +651,8 @@ fn timeline_svg(plan: &Plan, me: u32, stats: &StepStats) -> String {
         lr: Vec::new(),
         grad_norm: None,
         skipped: None,
+        memory: Vec::new(),
+        replica_bytes: 0,
     };
     let analysis = overlap::observe::StepAnalysis::new(&report, plan);
     overlap::observe::svg::render(&report, plan, &analysis)

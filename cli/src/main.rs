@@ -299,6 +299,8 @@ async fn dispatch(cmd: Command) -> Result<ExitCode, Error> {
                     }
                     print!("{}", export::to_text(&p));
                     print!("{}", cfg.optimizer_text());
+                    let shown: Vec<u32> = p.ranks.iter().map(|r| r.rank).collect();
+                    print!("{}", export::memory_text(&plan, &shown));
                 }
             }
             Ok(ExitCode::SUCCESS)

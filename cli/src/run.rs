@@ -146,7 +146,7 @@ pub(crate) async fn run_steps<B: overlap::ops::Backend>(
             0.0
         };
         println!(
-            "step {}/{last}  gates {}  nodes {}  wall {:.2} ms  host {:.2} us/node  stage2 {} (saved {})  partials left {}  {}  {}{}",
+            "step {}/{last}  gates {}  nodes {}  wall {:.2} ms  host {:.2} us/node  stage2 {} (saved {})  partials left {}  {}  {}  {}{}",
             r.step,
             Gate::pattern_label(&r.gates),
             r.stats.nodes,
@@ -155,6 +155,7 @@ pub(crate) async fn run_steps<B: overlap::ops::Backend>(
             bytes(r.stage2_bytes),
             bytes(r.stage2_bytes_saved),
             r.stats.partials_left,
+            memory_figures(&r),
             device_figures(&analysis),
             lr_figures(cfg, &r),
             norm_figures(&r),
@@ -205,6 +206,29 @@ pub(crate) fn norm_figures(r: &overlap::StepReport) -> String {
         out.push_str(&format!("  skipped ({why})"));
     }
     out
+}
+
+/// The step plan's peak parameter and gradient bytes, the most any local rank holds,
+/// against a full replica's (`peak/rank params 1.2 MiB grads 3.4 MiB (replica 9.6 MiB)`).
+pub(crate) fn memory_figures(r: &overlap::StepReport) -> String {
+    let params = r
+        .memory
+        .iter()
+        .map(|m| m.param_peak_bytes)
+        .max()
+        .unwrap_or(0);
+    let grads = r
+        .memory
+        .iter()
+        .map(|m| m.grad_peak_bytes)
+        .max()
+        .unwrap_or(0);
+    format!(
+        "peak/rank params {} grads {} (replica {})",
+        bytes(params),
+        bytes(grads),
+        bytes(r.replica_bytes)
+    )
 }
 
 pub(crate) fn lr_figures(cfg: &Config, r: &overlap::StepReport) -> String {

@@ -289,6 +289,8 @@ fn step_report(plan: &Plan, s: &Simulation, rank: u32) -> StepReport {
         lr: Vec::new(),
         grad_norm: None,
         skipped: None,
+        memory: Vec::new(),
+        replica_bytes: 0,
     }
 }
 

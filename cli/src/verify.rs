@@ -43,6 +43,9 @@ pub(crate) fn print_verify(
             println!("  {opt:<14} update relative error {e:.3e} (GPU vs CPU backend)");
         }
         println!("  partials left  {}", report.partials_left);
+        if let Some(n) = report.forward_mismatches {
+            println!("  forward        {n} gathered elements differ from the parameters");
+        }
         println!("{}", if report.ok { "OK" } else { "FAILED" });
     }
     Ok(if report.ok {

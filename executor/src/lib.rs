@@ -22,12 +22,14 @@ use overlap_graph::{Buffer, Op, ParamId, Plan, Stream};
 use overlap_ops::{AdamwParams, Backend, MuonParams, OpsError, Timing};
 
 mod fault;
+mod forward;
 pub mod hyper;
 mod peer;
 mod prepared;
 mod rank;
 
 pub use fault::{Fault, FaultMode, FAULT_OP, FAULT_VAR};
+pub use forward::FullParam;
 pub use hyper::{
     glob_match, GroupError, GroupRate, HyperTable, LrSchedule, ParamGroup, ScheduleKind,
 };
@@ -861,7 +863,10 @@ impl<B: Backend> Executor<B> {
                 .clone()
                 .ok_or_else(|| ExecError::Usage("grad_ready before a micro-batch began".into()))?;
             let nodes = &p.plan.rank(r.rank).nodes;
-            let here = nodes.get(r.next_node);
+            // Forward plans: what lies before the point (the backward's free and
+            // gathers) goes out with it.
+            let at = forward::next_point(nodes, r.next_node).unwrap_or(nodes.len());
+            let here = nodes.get(at);
             match here {
                 Some(n)
                     if n.op == Op::GradReady { layer } && n.micro_batch == Some(micro_batch) => {}
@@ -875,11 +880,8 @@ impl<B: Backend> Executor<B> {
                     )));
                 }
             }
-            let end = (r.next_node + 1..nodes.len())
-                .find(|&i| {
-                    matches!(nodes[i].op, Op::GradReady { .. })
-                        || nodes[i].micro_batch != Some(micro_batch)
-                })
+            let end = (at + 1..nodes.len())
+                .find(|&i| nodes[i].op.is_point() || nodes[i].micro_batch != Some(micro_batch))
                 .unwrap_or(nodes.len());
             ends.push(end);
             for (i, param) in p.plan.params.iter().enumerate() {

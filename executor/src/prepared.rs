@@ -407,6 +407,8 @@ fn overwrites(op: Op, w: &Buffer, unpack: &HashMap<BucketId, Arc<[CopySeg]>>, le
         (Op::Exchange { .. }, Buffer::Recv { .. }) => true,
         (Op::Combine { stage: 1, .. }, Buffer::Stage1Out { .. }) => true,
         (Op::Combine { stage: 2, .. }, Buffer::Stage2Out { .. }) => true,
+        // A gather writes the whole full buffer (the broadcast's root by its copy).
+        (Op::Unshard { .. }, Buffer::Full { .. }) => true,
         (Op::Fold { accumulate, .. }, Buffer::Partial { .. }) => !accumulate,
         (Op::Accumulate { accumulate, .. }, Buffer::Accum { .. }) => !accumulate,
         (

@@ -8,7 +8,9 @@ use std::collections::VecDeque;
 use rustc_hash::{FxHashMap as HashMap, FxHashSet as HashSet};
 use std::sync::Arc;
 
-use overlap_graph::{BucketId, Buffer, CopySeg, Instr, Op, OptimizerKind, ParamId, Plan, Stream};
+use overlap_graph::{
+    BucketId, Buffer, CollectiveKind, CopySeg, Instr, Op, OptimizerKind, ParamId, Plan, Stream,
+};
 use overlap_ops::{Backend, CommId, EventStatus, Kernel, OpsError, Tag};
 
 use crate::prepared::Prepared;
@@ -446,6 +448,80 @@ impl<B: Backend> RankState<B> {
         }
         match node.op {
             Op::GradReady { .. } => launch(ctx.backward.kernel()),
+            // Points of the trainer's own work, and a free (the memory goes back to the
+            // pool behind the release event recorded after it).
+            Op::Forward { .. } | Op::Backward { .. } | Op::Reshard { .. } => launch(Kernel::Marker),
+            Op::Unshard {
+                param,
+                micro_batch,
+                pass,
+                collective,
+            } => {
+                let full = self.buf(&Buffer::Full {
+                    param,
+                    micro_batch,
+                    pass,
+                })?;
+                let comm = CommId::of(&collective, stream);
+                let supplies = plan.unshard_supplies(self.rank, &collective);
+                match collective.kind {
+                    // The root holds the whole tensor: it sends it and keeps a copy.
+                    CollectiveKind::Broadcast if supplies => {
+                        let piece = self.buf(&Buffer::Param { param })?;
+                        launch(Kernel::Collective {
+                            desc: collective,
+                            comm,
+                            send: Some(piece.clone()),
+                            recv: None,
+                        });
+                        launch(Kernel::Add {
+                            dst: full,
+                            src: piece,
+                            accumulate: false,
+                        });
+                    }
+                    CollectiveKind::Broadcast => launch(Kernel::Collective {
+                        desc: collective,
+                        comm,
+                        send: None,
+                        recv: Some(full),
+                    }),
+                    // Every member sends its chunk; a shard shorter than the chunk (the
+                    // last ones) goes out zero-padded from a scratch buffer.
+                    _ => {
+                        let piece = self.buf(&Buffer::Param { param })?;
+                        let chunk = usize::try_from(collective.count).unwrap_or(usize::MAX);
+                        let local = backend.len(&piece);
+                        let send = if local == chunk {
+                            piece
+                        } else {
+                            let pad = backend.alloc_uninit(self.rank, chunk)?;
+                            let segs = if local > 0 {
+                                let seg = CopySeg {
+                                    param,
+                                    src: 0,
+                                    dst: 0,
+                                    len: local as u64,
+                                };
+                                vec![(seg, vec![piece])]
+                            } else {
+                                Vec::new()
+                            };
+                            launch(Kernel::Pack {
+                                dst: pad.clone(),
+                                segs: segs.into(),
+                            });
+                            pad
+                        };
+                        launch(Kernel::Collective {
+                            desc: collective,
+                            comm,
+                            send: Some(send),
+                            recv: Some(full),
+                        });
+                    }
+                }
+            }
             Op::Accumulate {
                 bucket,
                 micro_batch,

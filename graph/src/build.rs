@@ -4,12 +4,15 @@
 //! builds each rank's nodes in serial order for one gate pattern and lowers them to
 //! stream programs. Node order within a micro-batch follows backward: layers from the
 //! highest down, and within a layer each bucket's chain (pack, Stage 1, fold or Stage 2
-//! and unpack). The step's optimizer and publish nodes come last.
+//! and unpack). The step's optimizer and publish nodes come last. A forward plan
+//! ([`PlanSpec::forward`]) starts each micro-batch with the forward (layers ascending,
+//! each layer's gathers `prefetch` layers ahead of its `forward` point) and puts each
+//! layer's backward gathers and `backward` point before its `grad_ready`.
 
 use crate::dag::{lower_rank, Segment};
 use crate::gate::Gate;
 use crate::mesh::{Coord, Mesh};
-use crate::node::{BucketId, CollectiveKind, Node, NodeId, Op, Stream};
+use crate::node::{BucketId, CollectiveKind, Node, NodeId, Op, Pass, Stream};
 use crate::param::{ParamId, Route};
 use crate::plan::{
     Bucket, PlacedParam, Plan, PlanSpec, RankProgram, Transport, PLAN_FORMAT, PLAN_VERSION,
@@ -105,6 +108,7 @@ impl Planner {
             buckets: self.buckets.clone(),
             ranks: Vec::new(),
             grad_norm: self.spec.grad_norm,
+            forward: self.spec.forward,
         };
         let ranks: Vec<RankProgram> = self
             .spec
@@ -154,8 +158,33 @@ impl Planner {
             // held back until `combine_lag` more layers have been issued.
             let mut deferred: Vec<(usize, Vec<(Stream, Op)>)> = Vec::new();
             let last = layers.len().saturating_sub(1);
+            if let Some(fw) = self.spec.forward {
+                for (stream, op) in self.forward_pass(plan, rank, m, fw, &layers) {
+                    push(&mut nodes, mb, stream, op);
+                }
+            }
             for (li, &layer) in layers.iter().enumerate() {
+                if let Some(fw) = self.spec.forward {
+                    // The layer's backward gathers (`prefetch` layers ahead), then the
+                    // trainer's backward of the layer.
+                    if fw.reshard_after_forward {
+                        let k = fw.prefetch as usize;
+                        let due = if li == 0 { 0..=k } else { li + k..=li + k };
+                        for &l in due.filter_map(|i| layers.get(i)) {
+                            for (stream, op) in self.unshards(plan, rank, l, m, Pass::Backward) {
+                                push(&mut nodes, mb, stream, op);
+                            }
+                        }
+                    }
+                    push(&mut nodes, mb, Stream::Compute, Op::Backward { layer });
+                }
                 push(&mut nodes, mb, Stream::Compute, Op::GradReady { layer });
+                if let Some(fw) = self.spec.forward {
+                    // The backward is over when its gradients are ready.
+                    for op in self.reshards(plan, layer, m, fw.backward_pass()) {
+                        push(&mut nodes, mb, Stream::Compute, op);
+                    }
+                }
                 if li == last && sched.early_tail_gathers {
                     // The micro-batch's tail: a lagging chain that gathers (an
                     // all-reduce) goes out before the last layer's exchanges, which wait
@@ -328,6 +357,85 @@ impl Planner {
 }
 
 impl Planner {
+    /// A forward plan's forward pass of micro-batch `m`: layers ascending, each one's
+    /// `forward` point after its gathers; a layer's gathers go out `prefetch` layers
+    /// ahead, right after the freeing of the layer before (so at most `prefetch + 1`
+    /// layers are held), and with `reshard_after_forward` each layer is freed after the
+    /// trainer's forward of it (the next point issues it). `layers` is descending.
+    fn forward_pass(
+        &self,
+        plan: &Plan,
+        rank: u32,
+        m: u32,
+        fw: crate::plan::ForwardSpec,
+        layers: &[u32],
+    ) -> Vec<(Stream, Op)> {
+        let asc: Vec<u32> = layers.iter().rev().copied().collect();
+        let k = fw.prefetch as usize;
+        let mut out = Vec::new();
+        for (i, &layer) in asc.iter().enumerate() {
+            if i > 0 && fw.reshard_after_forward {
+                out.extend(
+                    self.reshards(plan, asc[i - 1], m, Pass::Forward)
+                        .into_iter()
+                        .map(|op| (Stream::Compute, op)),
+                );
+            }
+            let due = if i == 0 { 0..=k } else { i + k..=i + k };
+            for &l in due.filter_map(|j| asc.get(j)) {
+                out.extend(self.unshards(plan, rank, l, m, Pass::Forward));
+            }
+            out.push((Stream::Compute, Op::Forward { layer }));
+        }
+        if fw.reshard_after_forward {
+            if let Some(&top) = asc.last() {
+                out.extend(
+                    self.reshards(plan, top, m, Pass::Forward)
+                        .into_iter()
+                        .map(|op| (Stream::Compute, op)),
+                );
+            }
+        }
+        out
+    }
+
+    /// The gathers of a layer's parameters for one pass of micro-batch `m`.
+    fn unshards(
+        &self,
+        plan: &Plan,
+        rank: u32,
+        layer: u32,
+        m: u32,
+        pass: Pass,
+    ) -> Vec<(Stream, Op)> {
+        plan.layer_params(layer)
+            .map(|param| {
+                (
+                    self.spec.bindings.unshard,
+                    Op::Unshard {
+                        param,
+                        micro_batch: m,
+                        pass,
+                        collective: plan.unshard_collective(param, rank),
+                    },
+                )
+            })
+            .collect()
+    }
+
+    /// The frees of a layer's gathered parameters of one pass (on the trainer's stream,
+    /// after the point that read them: only stream order puts them after the trainer's
+    /// own kernels, which the plan does not see).
+    fn reshards(&self, plan: &Plan, layer: u32, m: u32, pass: Pass) -> Vec<Op> {
+        plan.layer_params(layer)
+            .map(|param| Op::Reshard {
+                param,
+                micro_batch: m,
+                pass,
+            })
+            .collect()
+    }
+
     /// Appends the nodes of one stage of a bucket: one collective, or with the copy
     /// transport over a group of more than one member, an exchange and (on the ranks
     /// that receive the result) a combine, and for an all-reduce a gather after it.
@@ -501,6 +609,7 @@ mod tests {
             bindings: Bindings::default(),
             schedule: Default::default(),
             grad_norm: false,
+            forward: None,
         }
     }
 

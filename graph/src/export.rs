@@ -51,6 +51,18 @@ pub fn to_text(plan: &Plan) -> String {
         plan.reduce.op,
         plan.reduce.dtype
     );
+    if let Some(f) = plan.forward {
+        let _ = writeln!(
+            s,
+            "forward: gathers {} layer(s) ahead, {}",
+            f.prefetch,
+            if f.reshard_after_forward {
+                "freed after the forward and gathered again for the backward"
+            } else {
+                "kept from the forward for the backward"
+            }
+        );
+    }
     let _ = writeln!(s, "params ({}):", plan.params.len());
     for (i, p) in plan.params.iter().enumerate() {
         let owner = p
@@ -107,6 +119,36 @@ pub fn to_text(plan: &Plan) -> String {
             }
         }
     }
+    s
+}
+
+/// The memory figures of a plan's ranks ([`Plan::memory`]), for `overlap plan`: per
+/// rank the peak parameter bytes (its pieces plus the gathered full parameters) and the
+/// peak gradient-path bytes along the serial order, then a full replica's.
+pub fn memory_text(plan: &Plan, ranks: &[u32]) -> String {
+    let mib = |b: u64| b as f64 / (1u64 << 20) as f64;
+    let mut s = String::new();
+    let _ = writeln!(
+        s,
+        "memory per rank (peak along the serial order, f32 buffers, MiB):"
+    );
+    for &rank in ranks {
+        let m = plan.memory(rank);
+        let _ = writeln!(
+            s,
+            "  rank {rank}: params {:.3} (pieces {:.3} + gathered {:.3}), grads {:.3}",
+            mib(m.param_peak_bytes),
+            mib(m.shard_bytes),
+            mib(m.full_peak_bytes),
+            mib(m.grad_peak_bytes)
+        );
+    }
+    let _ = writeln!(
+        s,
+        "  full replica: params {:.3}, grads {:.3}",
+        mib(plan.replica_bytes()),
+        mib(plan.replica_bytes())
+    );
     s
 }
 

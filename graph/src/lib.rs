@@ -22,6 +22,7 @@
 //!     bindings: Bindings::default(),
 //!     schedule: Schedule::default(),
 //!     grad_norm: true,
+//!     forward: None,
 //! };
 //! let plan = Planner::new(spec)?.plan(&[Gate::ReplicateOff, Gate::On])?;
 //! assert!(validate(&plan, Mode::Step).is_empty());
@@ -33,6 +34,7 @@ pub mod dag;
 mod error;
 pub mod export;
 pub mod gate;
+pub mod memory;
 pub mod mesh;
 pub mod node;
 pub mod order;
@@ -46,16 +48,17 @@ pub mod validate;
 pub use build::Planner;
 pub use error::{PlanError, Violation};
 pub use gate::Gate;
+pub use memory::RankMemory;
 pub use mesh::{Coord, Group, Mesh, MAX_WORLD};
 pub use node::{
     BucketId, Buffer, Collective, CollectiveKind, DType, EventId, Instr, Node, NodeId, Op,
-    OptimizerKind, ReduceOp, Stream,
+    OptimizerKind, Pass, ReduceOp, Stream,
 };
 pub use order::HappensBefore;
 pub use param::{ModelSpec, ParamId, ParamSpec, Route, MAX_MODEL_LAYERS, MAX_NUMEL};
 pub use plan::{
-    Access, Bindings, Bucket, CopySeg, PlacedParam, Plan, PlanSpec, RankProgram, ReduceSpec,
-    Schedule, StreamProgram, Transport, DEFAULT_BUCKET_CAP_BYTES,
+    Access, Bindings, Bucket, CopySeg, ForwardSpec, PlacedParam, Plan, PlanSpec, RankProgram,
+    ReduceSpec, Schedule, StreamProgram, Transport, DEFAULT_BUCKET_CAP_BYTES,
 };
 pub use spec::{MAX_MICRO_BATCHES, MAX_PARAMS, MAX_STEP_NODES};
 pub use validate::{validate, Mode};

@@ -116,6 +116,15 @@ pub enum Buffer {
     Param { param: ParamId },
     /// The optimizer's state for this rank's piece of the parameter.
     OptState { param: ParamId },
+    /// Forward plans: a parameter's full values on this rank, gathered by an
+    /// [`Op::Unshard`] for one micro-batch's forward or backward pass and freed by its
+    /// [`Op::Reshard`]. Sharded routes: the all-gather's `S · chunk` elements, the
+    /// parameter first and the padding after; owned routes: `numel`.
+    Full {
+        param: ParamId,
+        micro_batch: u32,
+        pass: Pass,
+    },
     /// One element: this rank's sum of squares of the reduced gradients it counts
     /// ([`Op::GradNorm`]), then, after the [`Op::NormReduce`]s, the world's sum: the
     /// squared global L2 norm of the step's gradient. Read by [`Op::Clip`] and by every
@@ -133,6 +142,7 @@ impl Buffer {
                 | Buffer::Stage1Out { .. }
                 | Buffer::Stage2Out { .. }
                 | Buffer::Recv { .. }
+                | Buffer::Full { .. }
         )
     }
 
@@ -168,7 +178,33 @@ impl std::fmt::Display for Buffer {
             Buffer::Reduced { param } => write!(f, "reduced[p{param}]"),
             Buffer::Param { param } => write!(f, "param[p{param}]"),
             Buffer::OptState { param } => write!(f, "opt_state[p{param}]"),
+            Buffer::Full {
+                param,
+                micro_batch,
+                pass,
+            } => write!(f, "full_{}[p{param},m{micro_batch}]", pass.short()),
             Buffer::Norm => f.write_str("norm"),
+        }
+    }
+}
+
+/// Which pass of a micro-batch a forward plan's gathered parameters serve.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum Pass {
+    /// The trainer's forward of the layer.
+    Forward,
+    /// The trainer's backward of the layer (gathered again when the forward's were
+    /// freed: `reshard_after_forward`).
+    Backward,
+}
+
+impl Pass {
+    /// `fwd` or `bwd`, as buffer names and labels write it.
+    pub fn short(self) -> &'static str {
+        match self {
+            Pass::Forward => "fwd",
+            Pass::Backward => "bwd",
         }
     }
 }
@@ -402,6 +438,34 @@ pub enum Op {
         micro_batch: u32,
         accumulate: bool,
     },
+    /// Forward plans: gathers parameter `param`'s full values on this rank into
+    /// [`Buffer::Full`] for micro-batch `micro_batch`'s `pass`: an all-gather of every
+    /// member's shard over the shard group (`fsdp`, `sharded_adamw`), or a broadcast
+    /// over the shard group from the owner's shard index, whose rank holds the whole
+    /// tensor (the owner, or a replica the last publish updated) (`muon`, `adamw`).
+    /// Reads the rank's `param` where it supplies values (every member of an
+    /// all-gather, the broadcast's root).
+    Unshard {
+        param: ParamId,
+        micro_batch: u32,
+        pass: Pass,
+        collective: Collective,
+    },
+    /// Forward plans: the trainer's forward of `layer` starts (reads the layer's
+    /// forward [`Buffer::Full`]s). Like `grad_ready`, a point of the trainer's own work:
+    /// its waits order the trainer's kernels after the gathers.
+    Forward { layer: u32 },
+    /// Forward plans: the trainer's backward of `layer` starts (reads the full
+    /// parameters it needs: the backward's gathers, or the forward's when they were
+    /// kept, `reshard_after_forward = false`). Its `grad_ready` ends it.
+    Backward { layer: u32 },
+    /// Forward plans: frees a [`Buffer::Full`] once the trainer's pass that read it is
+    /// over (bound to the trainer's stream, after the point that read it).
+    Reshard {
+        param: ParamId,
+        micro_batch: u32,
+        pass: Pass,
+    },
     /// Global-norm clipping, first of the step's tail: `norm = Σ x²` over the reduced
     /// gradients this rank counts ([`crate::Plan::norm_params`]: every element of every
     /// parameter once in the world, padding excluded).
@@ -433,7 +497,7 @@ impl Op {
     }
 
     /// Every kind name, at [`Op::kind_index`].
-    pub const KINDS: [&'static str; 16] = [
+    pub const KINDS: [&'static str; 20] = [
         "grad_ready",
         "accumulate",
         "pack",
@@ -450,6 +514,10 @@ impl Op {
         "grad_norm",
         "norm_reduce",
         "clip",
+        "unshard",
+        "forward",
+        "backward",
+        "reshard",
     ];
 
     /// Dense index of the kind in [`Op::KINDS`], for per-kind tables.
@@ -471,6 +539,10 @@ impl Op {
             Op::GradNorm => 13,
             Op::NormReduce { .. } => 14,
             Op::Clip => 15,
+            Op::Unshard { .. } => 16,
+            Op::Forward { .. } => 17,
+            Op::Backward { .. } => 18,
+            Op::Reshard { .. } => 19,
         }
     }
 
@@ -484,6 +556,7 @@ impl Op {
             | Op::Exchange { collective, .. }
             | Op::Gather { collective, .. }
             | Op::Publish { collective, .. }
+            | Op::Unshard { collective, .. }
             | Op::NormReduce { collective } => Some(collective),
             _ => None,
         }
@@ -492,6 +565,43 @@ impl Op {
     /// Whether the node belongs to the global-norm tail (norm, its all-reduces, clip).
     pub fn is_norm(&self) -> bool {
         matches!(self, Op::GradNorm | Op::NormReduce { .. } | Op::Clip)
+    }
+
+    /// Whether the node belongs to a forward plan's parameter gathering: an unshard, a
+    /// reshard, or a trainer's forward or backward point.
+    pub fn is_forward(&self) -> bool {
+        matches!(
+            self,
+            Op::Unshard { .. } | Op::Forward { .. } | Op::Backward { .. } | Op::Reshard { .. }
+        )
+    }
+
+    /// Whether the node is a point of the trainer's own work (`grad_ready`, `forward`,
+    /// `backward`): the executor issues the nodes up to it when the trainer reaches it.
+    pub fn is_point(&self) -> bool {
+        matches!(
+            self,
+            Op::GradReady { .. } | Op::Forward { .. } | Op::Backward { .. }
+        )
+    }
+
+    /// The layer a trainer's point names.
+    pub fn point_layer(&self) -> Option<u32> {
+        match *self {
+            Op::GradReady { layer } | Op::Forward { layer } | Op::Backward { layer } => Some(layer),
+            _ => None,
+        }
+    }
+
+    /// The parameter a node names (optimizer, publish, unshard, reshard).
+    pub fn param(&self) -> Option<ParamId> {
+        match *self {
+            Op::Optimizer { param, .. }
+            | Op::Publish { param, .. }
+            | Op::Unshard { param, .. }
+            | Op::Reshard { param, .. } => Some(param),
+            _ => None,
+        }
     }
 
     /// The collective the node's fields name: [`Op::collective`] plus the reduction an
@@ -527,7 +637,9 @@ impl Op {
             | Op::Exchange { micro_batch, .. }
             | Op::Combine { micro_batch, .. }
             | Op::Gather { micro_batch, .. }
-            | Op::Unpack { micro_batch, .. } => Some(micro_batch),
+            | Op::Unpack { micro_batch, .. }
+            | Op::Unshard { micro_batch, .. }
+            | Op::Reshard { micro_batch, .. } => Some(micro_batch),
             _ => None,
         }
     }

@@ -10,8 +10,8 @@ use serde::{Deserialize, Serialize};
 use crate::gate::Gate;
 use crate::mesh::{Coord, Group, Mesh};
 use crate::node::{
-    BucketId, Buffer, Collective, CollectiveKind, DType, Instr, Node, Op, OptimizerKind, ReduceOp,
-    Stream,
+    BucketId, Buffer, Collective, CollectiveKind, DType, Instr, Node, Op, OptimizerKind, Pass,
+    ReduceOp, Stream,
 };
 use crate::param::{ParamId, ParamSpec, Route};
 use crate::PlanError;
@@ -57,6 +57,15 @@ pub struct Bindings {
     /// The arithmetic half of a copy-transport stage ([`Op::Combine`]).
     #[serde(default = "combine_default")]
     pub combine: Stream,
+    /// Forward plans: the parameter gathers ([`Op::Unshard`]). The publish stream by
+    /// default: it is idle until the step's tail, so the gathers have it to themselves
+    /// during the micro-batches, and it already moves parameters.
+    #[serde(default = "unshard_default")]
+    pub unshard: Stream,
+}
+
+fn unshard_default() -> Stream {
+    Stream::Publish
 }
 
 fn exchange_default() -> Stream {
@@ -139,6 +148,45 @@ impl Default for Bindings {
             publish: Stream::Publish,
             exchange: Stream::Copy,
             combine: Stream::Reduce,
+            unshard: Stream::Publish,
+        }
+    }
+}
+
+/// Forward plans ([`PlanSpec::forward`], `[forward]`): each micro-batch gathers every
+/// layer's full parameters for the trainer's forward, and again (or keeps them) for its
+/// backward.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct ForwardSpec {
+    /// How many layers ahead of the one the trainer runs the gathers are issued: 0
+    /// gathers a layer right before its use; 1 (the default) gathers layer `L + 1` while
+    /// the trainer runs layer `L`. The same in the backward (layers descending). At most
+    /// `prefetch + 1` layers of full parameters are held per pass.
+    pub prefetch: u32,
+    /// Free a layer's full parameters after its forward and gather them again for its
+    /// backward (FSDP2's default), or keep them from the forward through the layer's
+    /// backward (`false`: one gather per layer and micro-batch, every layer's full
+    /// parameters held between the forward and the backward).
+    pub reshard_after_forward: bool,
+}
+
+impl Default for ForwardSpec {
+    fn default() -> Self {
+        ForwardSpec {
+            prefetch: 1,
+            reshard_after_forward: true,
+        }
+    }
+}
+
+impl ForwardSpec {
+    /// The pass whose gathers the trainer's backward reads.
+    pub fn backward_pass(&self) -> Pass {
+        if self.reshard_after_forward {
+            Pass::Backward
+        } else {
+            Pass::Forward
         }
     }
 }
@@ -161,6 +209,10 @@ pub struct PlanSpec {
     /// Whether the step computes the global L2 norm of its reduced gradients and clips
     /// by it (the `grad_norm`, `norm_reduce` and `clip` nodes before the optimizers).
     pub grad_norm: bool,
+    /// Whether each micro-batch gathers the full parameters for the trainer's forward
+    /// and backward (`unshard`, `forward`, `backward`, `reshard` nodes), and how. `None`
+    /// plans exactly what a spec without it always did.
+    pub forward: Option<ForwardSpec>,
 }
 
 /// The default bucket cap: 25 MiB, PyTorch DDP's and FSDP2's default.
@@ -192,6 +244,7 @@ impl PlanSpec {
             bindings: Bindings::default(),
             schedule: Schedule::default(),
             grad_norm: false,
+            forward: None,
         }
     }
 
@@ -222,6 +275,13 @@ impl PlanSpec {
     /// The same spec with (or without) the global-norm nodes ([`PlanSpec::grad_norm`]).
     pub fn with_grad_norm(mut self, on: bool) -> PlanSpec {
         self.grad_norm = on;
+        self
+    }
+
+    /// The same spec with (or, `None`, without) the forward's parameter gathers
+    /// ([`PlanSpec::forward`]).
+    pub fn with_forward(mut self, forward: Option<ForwardSpec>) -> PlanSpec {
+        self.forward = forward;
         self
     }
 }
@@ -346,6 +406,10 @@ pub struct Plan {
     /// before its optimizers (`clip-coverage`); absent in JSON when false.
     #[serde(default, skip_serializing_if = "std::ops::Not::not")]
     pub grad_norm: bool,
+    /// Whether each micro-batch gathers the full parameters for the trainer's forward
+    /// and backward, and how (`forward-coverage`); absent in JSON when not.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub forward: Option<ForwardSpec>,
 }
 
 /// A node's buffer accesses.
@@ -448,8 +512,64 @@ impl Plan {
                 OptimizerKind::Adamw => 2 * self.local_elems(param, rank),
                 OptimizerKind::Muon => self.local_elems(param, rank),
             },
+            Buffer::Full { param, .. } => self.full_elems(param),
             Buffer::Norm => 1,
         }
+    }
+
+    /// Elements of a parameter's [`Buffer::Full`]: what its gather writes (sharded
+    /// routes: every member's padded chunk, `S · chunk`; owned routes: `numel`).
+    pub fn full_elems(&self, p: ParamId) -> u64 {
+        let spec = &self.param(p).spec;
+        if spec.route.is_sharded() {
+            spec.chunk(self.mesh.shard)
+                .saturating_mul(u64::from(self.mesh.shard))
+        } else {
+            spec.numel()
+        }
+    }
+
+    /// The parameters of a layer, in id order.
+    pub fn layer_params(&self, layer: u32) -> impl Iterator<Item = ParamId> + '_ {
+        self.params
+            .iter()
+            .enumerate()
+            .filter(move |(_, p)| p.spec.layer == layer)
+            .map(|(i, _)| i as ParamId)
+    }
+
+    /// The gather of a parameter's full values on a rank, for a forward plan's
+    /// [`Op::Unshard`]: over the rank's shard group, an all-gather of every member's
+    /// chunk (sharded routes) or a broadcast of the whole tensor from the owner's shard
+    /// index (owned routes); f32, `sum` (which neither reduces).
+    pub fn unshard_collective(&self, p: ParamId, rank: u32) -> Collective {
+        let placed = self.param(p);
+        let group = self.mesh.shard_group(rank);
+        match placed.owner {
+            None => Collective {
+                kind: CollectiveKind::AllGather,
+                group,
+                count: placed.spec.chunk(self.mesh.shard),
+                dtype: DType::F32,
+                op: ReduceOp::Sum,
+                root: None,
+            },
+            Some(o) => Collective {
+                kind: CollectiveKind::Broadcast,
+                group,
+                count: placed.spec.numel(),
+                dtype: DType::F32,
+                op: ReduceOp::Sum,
+                root: Some(o.shard),
+            },
+        }
+    }
+
+    /// Whether a rank supplies values to an unshard's collective (and so reads its
+    /// `param`): every member of an all-gather, the root of a broadcast.
+    pub fn unshard_supplies(&self, rank: u32, c: &Collective) -> bool {
+        c.kind != CollectiveKind::Broadcast
+            || self.mesh.index_in(c.group, rank) == Some(c.root.unwrap_or(0))
     }
 
     /// Whether a rank holds a parameter's reduced gradient at the step's end (and runs
@@ -782,6 +902,44 @@ impl Plan {
                     a.writes.push(Buffer::Reduced { param });
                 }
             }
+            Op::Unshard {
+                param,
+                micro_batch,
+                pass,
+                collective,
+            } => {
+                if self.unshard_supplies(rank, &collective) {
+                    a.reads.push(Buffer::Param { param });
+                }
+                a.writes.push(Buffer::Full {
+                    param,
+                    micro_batch,
+                    pass,
+                });
+            }
+            Op::Forward { layer } | Op::Backward { layer } => {
+                let micro_batch = node.micro_batch.unwrap_or(0);
+                let pass = match node.op {
+                    Op::Forward { .. } => Pass::Forward,
+                    _ => self.forward.unwrap_or_default().backward_pass(),
+                };
+                a.reads
+                    .extend(self.layer_params(layer).map(|param| Buffer::Full {
+                        param,
+                        micro_batch,
+                        pass,
+                    }));
+            }
+            // Freeing is a write: it must wait for every reader.
+            Op::Reshard {
+                param,
+                micro_batch,
+                pass,
+            } => a.writes.push(Buffer::Full {
+                param,
+                micro_batch,
+                pass,
+            }),
         }
         a
     }
@@ -898,6 +1056,7 @@ impl Plan {
                 Some(self.stage_collective(bucket, rank, node.op.stage()?))
             }
             Op::Publish { param, .. } => self.publish_collective(param),
+            Op::Unshard { param, .. } => Some(self.unshard_collective(param, rank)),
             Op::NormReduce { collective } => {
                 Some(self.norm_collective(rank, matches!(collective.group, Group::Shard { .. })))
             }
@@ -931,6 +1090,25 @@ impl Plan {
             Op::GradNorm => "grad_norm".into(),
             Op::Clip => "clip".into(),
             Op::NormReduce { collective } => format!("norm_reduce on {}", collective.group),
+            Op::Forward { layer } => format!("forward L{layer}{mb}"),
+            Op::Backward { layer } => format!("backward L{layer}{mb}"),
+            Op::Unshard {
+                param,
+                pass,
+                collective,
+                ..
+            } => format!(
+                "unshard {}{mb} {} ({} on {})",
+                self.param(param).spec.name,
+                pass.short(),
+                collective.kind.name(),
+                collective.group
+            ),
+            Op::Reshard { param, pass, .. } => format!(
+                "reshard {}{mb} {}",
+                self.param(param).spec.name,
+                pass.short()
+            ),
             op => {
                 let b = op.bucket().unwrap_or(0);
                 match op.named_collective() {
@@ -1149,7 +1327,15 @@ impl Plan {
                         );
                     }
                 }
-                if let Op::Optimizer { param, .. } | Op::Publish { param, .. } = n.op {
+                if n.op.is_forward() && self.forward.is_none() {
+                    return mal(
+                        Some(n.stream),
+                        Some(ni as u32),
+                        at(format!("nodes[{ni}].op")),
+                        format!("{} node in a plan without `forward`", n.op.kind()),
+                    );
+                }
+                if let Some(param) = n.op.param() {
                     if u64::from(param) >= np {
                         return mal(
                             Some(n.stream),

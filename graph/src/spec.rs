@@ -80,8 +80,15 @@ impl PlanSpec {
         let mut layers: Vec<u32> = self.params.iter().map(|p| p.layer).collect();
         layers.sort_unstable();
         layers.dedup();
-        let per_mb =
+        let mut per_mb =
             (layers.len() as u64).saturating_add((buckets as u64).saturating_mul(CHAIN_NODES));
+        if self.forward.is_some() {
+            // A forward and a backward point per layer; per parameter at most two
+            // gathers and two frees.
+            per_mb = per_mb
+                .saturating_add(2 * layers.len() as u64)
+                .saturating_add(4 * self.params.len() as u64);
+        }
         let tail = (self.params.len() as u64).saturating_mul(2);
         let per_rank = per_mb
             .saturating_mul(micro_batches as u64)
@@ -161,6 +168,7 @@ mod tests {
             bindings: Bindings::default(),
             schedule: Schedule::default(),
             grad_norm: false,
+            forward: None,
         }
     }
 

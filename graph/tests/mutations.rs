@@ -3,7 +3,9 @@
 //! mutant the oracle calls harmful must be rejected by `validate`.
 //!
 //! **Mutants.** From valid plans of meshes 2x1, 1x2 and 2x2, both transports, and gate
-//! patterns with `no_sync`, `off` and `on` micro-batches: every node of the mutated ranks
+//! patterns with `no_sync`, `off` and `on` micro-batches, and forward plans (the
+//! parameter gathers before each layer's forward and backward, prefetched or not, freed
+//! after the forward or kept): every node of the mutated ranks
 //! deleted, duplicated right after itself, its flag (`accumulate`, `with_accum`)
 //! flipped, its micro-batch, bucket or parameter retargeted, its optimizer kind
 //! swapped, rebound to another stream (its `run` moved to the place of the other
@@ -22,6 +24,11 @@
 //!   before its gather yields *garbage*. The observables are what every optimizer
 //!   consumes (in order, per rank and parameter) and what every rank holding a
 //!   parameter ends the step with (the updates applied, and those received by publish).
+//!   In forward plans, a gather hands each member the whole parameter at the version its
+//!   suppliers hold (all-gather: every member holds a shard of a sharded parameter, all
+//!   at one version; broadcast: the root holds the whole owned parameter), anything else
+//!   garbage, and a freed gather reads as garbage; what each trainer's `forward` and
+//!   `backward` point reads, every time it runs, is an observable too.
 //! - *Order.* On each rank, for every two accesses of one buffer (one a write) the
 //!   later one in serial order must be reachable from the earlier through stream order
 //!   and record→wait edges (a wait binds to the latest record of its event issued before
@@ -47,8 +54,8 @@ use std::collections::{BTreeMap, HashMap};
 use common::*;
 use overlap_graph::validate::issue_order;
 use overlap_graph::{
-    validate, Buffer, CollectiveKind, Gate, Group, Instr, Mode, Node, NodeId, Op, OptimizerKind,
-    ParamId, Plan, PlanSpec, Planner, Schedule, Stream, Transport,
+    validate, Buffer, CollectiveKind, ForwardSpec, Gate, Group, Instr, Mode, Node, NodeId, Op,
+    OptimizerKind, ParamId, Pass, Plan, PlanSpec, Planner, Schedule, Stream, Transport,
 };
 
 use Gate::{NoSync, On, ReplicateOff as Off};
@@ -120,8 +127,59 @@ enum Outcome {
     Ran {
         consumed: BTreeMap<(u32, ParamId), Vec<(OptimizerKind, Val)>>,
         held: BTreeMap<(u32, ParamId), Vec<Val>>,
+        /// Forward plans: what the trainer's points read, per (rank, micro-batch,
+        /// forward 0 / backward 1, layer), once per time the point runs.
+        trainer: BTreeMap<(u32, u32, u8, u32), Vec<Vec<Full>>>,
     },
     Hangs(String),
+}
+
+/// Forward plans: a gathered parameter as the oracle sees it: parameter `p` whole, at
+/// the version that carries these updates, or garbage (a member without the values, a
+/// mix of versions, memory freed or never gathered).
+#[derive(Debug, Clone, PartialEq, Eq)]
+enum Full {
+    Garbage,
+    Whole(ParamId, Vec<Val>),
+}
+
+/// Forward plans: every rank's gathered parameters and what the trainer read.
+#[derive(Default)]
+struct Gathered {
+    full: HashMap<(u32, ParamId, u32, Pass), Full>,
+    trainer: BTreeMap<(u32, u32, u8, u32), Vec<Vec<Full>>>,
+}
+
+impl Gathered {
+    /// A point of the trainer on rank `g` reads the full values of every parameter of
+    /// its layer, of the pass the plan's forward says.
+    fn point(&mut self, plan: &Plan, g: u32, n: &Node) {
+        let m = n.micro_batch.unwrap_or(0);
+        let (which, layer, pass) = match n.op {
+            Op::Forward { layer } => (0, layer, Pass::Forward),
+            Op::Backward { layer } => {
+                let keep = plan.forward.is_some_and(|f| !f.reshard_after_forward);
+                (1, layer, if keep { Pass::Forward } else { Pass::Backward })
+            }
+            _ => unreachable!(),
+        };
+        let reads = plan
+            .params
+            .iter()
+            .enumerate()
+            .filter(|(_, p)| p.spec.layer == layer)
+            .map(|(i, _)| {
+                self.full
+                    .get(&(g, i as ParamId, m, pass))
+                    .cloned()
+                    .unwrap_or(Full::Garbage)
+            })
+            .collect();
+        self.trainer
+            .entry((g, m, which, layer))
+            .or_default()
+            .push(reads);
+    }
 }
 
 /// One rank's buffers: a value per parameter of the bucket (or one for a parameter's own
@@ -133,6 +191,7 @@ fn interpret(plan: &Plan) -> Outcome {
     let mut bufs: Vec<Buffers> = vec![HashMap::new(); world as usize];
     let mut consumed: BTreeMap<(u32, ParamId), Vec<(OptimizerKind, Val)>> = BTreeMap::new();
     let mut updates: BTreeMap<(u32, ParamId), Vec<Val>> = BTreeMap::new();
+    let mut gathered = Gathered::default();
     let mut next = vec![0usize; world as usize];
     let mut calls: HashMap<(u32, Group, Stream), u32> = HashMap::new();
     let mut waiting: HashMap<(Group, Stream, u32), Vec<(u32, NodeId)>> = HashMap::new();
@@ -173,7 +232,7 @@ fn interpret(plan: &Plan) -> Outcome {
                         m.op.micro_batch(),
                         *m.op.collective().unwrap(),
                         match m.op {
-                            Op::Publish { param, .. } => Some(param),
+                            Op::Publish { param, .. } | Op::Unshard { param, .. } => Some(param),
                             _ => None,
                         },
                     )
@@ -182,7 +241,11 @@ fn interpret(plan: &Plan) -> Outcome {
                 if members.iter().any(|&(r, id)| call(r, id) != first) {
                     return Outcome::Hangs("members issue different calls".into());
                 }
-                run_collective(plan, &mut bufs, &mut updates, &members, &read);
+                if let Op::Unshard { .. } = n.op {
+                    unshard(plan, &mut gathered, &updates, &members);
+                } else {
+                    run_collective(plan, &mut bufs, &mut updates, &members, &read);
+                }
                 for (r, _) in members {
                     next[r as usize] += 1;
                     *calls.entry((r, c.group, n.stream)).or_insert(0) += 1;
@@ -191,6 +254,24 @@ fn interpret(plan: &Plan) -> Outcome {
                     }
                 }
                 continue;
+            }
+            match n.op {
+                Op::Forward { .. } | Op::Backward { .. } => {
+                    gathered.point(plan, g, n);
+                    next[g as usize] += 1;
+                    continue;
+                }
+                Op::Reshard {
+                    param,
+                    micro_batch,
+                    pass,
+                } => {
+                    // The memory goes back: what is read there later is garbage.
+                    gathered.full.remove(&(g, param, micro_batch, pass));
+                    next[g as usize] += 1;
+                    continue;
+                }
+                _ => {}
             }
             run_local(
                 plan,
@@ -218,7 +299,65 @@ fn interpret(plan: &Plan) -> Outcome {
             }
         }
     }
-    Outcome::Ran { consumed, held }
+    Outcome::Ran {
+        consumed,
+        held,
+        trainer: gathered.trainer,
+    }
+}
+
+/// Forward plans: a gather every member reached. All-gather: every member holds a
+/// shard of a sharded parameter, all at one version, so the concatenation is the
+/// parameter; broadcast: the root holds the whole parameter (an owned one, on the
+/// owner's shard column). Anything else hands out garbage.
+fn unshard(
+    plan: &Plan,
+    gathered: &mut Gathered,
+    updates: &BTreeMap<(u32, ParamId), Vec<Val>>,
+    members: &[(u32, NodeId)],
+) {
+    let node = |r: u32, id: NodeId| &plan.rank(r).nodes[id as usize];
+    let Op::Unshard {
+        param, collective, ..
+    } = node(members[0].0, members[0].1).op
+    else {
+        unreachable!()
+    };
+    let placed = plan.param(param);
+    let version = |r: u32| updates.get(&(r, param)).cloned().unwrap_or_default();
+    let shard = plan.mesh.shard;
+    let value = match (collective.kind, placed.owner) {
+        (CollectiveKind::AllGather, None)
+            if collective.count == placed.spec.chunk(shard)
+                && members
+                    .iter()
+                    .all(|&(r, _)| version(r) == version(members[0].0)) =>
+        {
+            Full::Whole(param, version(members[0].0))
+        }
+        (CollectiveKind::Broadcast, Some(o)) if collective.count == placed.spec.numel() => {
+            let root = plan.mesh.members(collective.group)[collective.root.unwrap_or(0) as usize];
+            if plan.mesh.coord(root).shard == o.shard {
+                Full::Whole(param, version(root))
+            } else {
+                Full::Garbage
+            }
+        }
+        _ => Full::Garbage,
+    };
+    for &(r, id) in members {
+        if let Op::Unshard {
+            param,
+            micro_batch,
+            pass,
+            ..
+        } = node(r, id).op
+        {
+            gathered
+                .full
+                .insert((r, param, micro_batch, pass), value.clone());
+        }
+    }
 }
 
 fn run_local(
@@ -711,7 +850,10 @@ fn mutants(plan: &Plan, ranks: &[usize]) -> Vec<(String, Plan)> {
                 let retarget = with_op(plan, g, id, |n| {
                     let next = |x: u32, k: u32| (x + b) % k;
                     match &mut n.op {
-                        Op::Optimizer { param, .. } | Op::Publish { param, .. } => {
+                        Op::Optimizer { param, .. }
+                        | Op::Publish { param, .. }
+                        | Op::Unshard { param, .. }
+                        | Op::Reshard { param, .. } => {
                             *param = next(*param, params);
                             params > 1
                         }
@@ -827,11 +969,13 @@ fn set_micro_batch(op: &mut Op, m: u32) -> bool {
         | Op::Exchange { micro_batch, .. }
         | Op::Combine { micro_batch, .. }
         | Op::Gather { micro_batch, .. }
-        | Op::Unpack { micro_batch, .. } => {
+        | Op::Unpack { micro_batch, .. }
+        | Op::Unshard { micro_batch, .. }
+        | Op::Reshard { micro_batch, .. } => {
             *micro_batch = m;
             true
         }
-        Op::GradReady { .. } => true,
+        Op::GradReady { .. } | Op::Forward { .. } | Op::Backward { .. } => true,
         _ => false,
     }
 }
@@ -843,7 +987,8 @@ fn collective_mut(op: &mut Op) -> Option<&mut overlap_graph::Collective> {
         | Op::Exchange { collective, .. }
         | Op::Combine { collective, .. }
         | Op::Gather { collective, .. }
-        | Op::Publish { collective, .. } => Some(collective),
+        | Op::Publish { collective, .. }
+        | Op::Unshard { collective, .. } => Some(collective),
         _ => None,
     }
 }
@@ -887,11 +1032,40 @@ fn base_plans() -> Vec<(String, Plan)> {
     out
 }
 
+/// Forward plans: the gathers before each layer's forward and backward, on meshes whose
+/// shard groups all-gather (2x1, 2x2) or hold everything (1x2), with the gathers right
+/// before their use or one layer ahead, freed after the forward or kept for the backward.
+fn forward_plans() -> Vec<(String, Plan)> {
+    let mut out = Vec::new();
+    for (s, r) in [(2, 1), (1, 2), (2, 2)] {
+        for (prefetch, reshard_after_forward) in [(1, true), (0, false)] {
+            let gates = [NoSync, Off, On];
+            let spec = spec(s, r, four_routes(), 1 << 20).with_forward(Some(ForwardSpec {
+                prefetch,
+                reshard_after_forward,
+            }));
+            let plan = Planner::new(spec).unwrap().plan(&gates).unwrap();
+            let name = format!(
+                "mesh {s}x{r}, forward prefetch {prefetch} reshard {reshard_after_forward}, gates {}",
+                Gate::pattern_label(&gates)
+            );
+            assert!(validate(&plan, Mode::Step).is_empty(), "{name}");
+            out.push((name, plan));
+        }
+    }
+    out
+}
+
 #[test]
 fn every_harmful_mutant_is_rejected() {
     let (mut total, mut harmful, mut killed_harmful, mut harmless_rejected) = (0, 0, 0, 0);
     let mut survivors: Vec<String> = Vec::new();
-    for (name, plan) in base_plans() {
+    // Mutants of the plans without the forward, then of the forward plans.
+    let mut of_forward = 0;
+    for (name, plan) in base_plans().into_iter().chain(forward_plans()) {
+        if plan.forward.is_some() && of_forward == 0 {
+            of_forward = total;
+        }
         let base = interpret(&plan);
         assert!(matches!(base, Outcome::Ran { .. }), "{name}: {base:?}");
         assert!(ordered(&plan), "{name}");
@@ -915,6 +1089,10 @@ fn every_harmful_mutant_is_rejected() {
             }
         }
     }
+    println!(
+        "mutants: {total} ({of_forward} of plans without the forward, {} of forward plans)",
+        total - of_forward
+    );
     println!(
         "mutants: {total}; harmful {harmful}, rejected {killed_harmful} ({:.1}%); harmless {}, of which rejected {harmless_rejected}",
         100.0 * killed_harmful as f64 / harmful.max(1) as f64,

@@ -7,8 +7,8 @@
 //! for one; gate sequences of 1 to 5 micro-batches ending gate-on; any stream binding.
 
 use overlap_graph::{
-    validate, Bindings, DType, Gate, Mesh, Mode, ParamSpec, Plan, PlanSpec, Planner, ReduceOp,
-    ReduceSpec, Route, Schedule, Stream, Transport,
+    validate, Bindings, DType, ForwardSpec, Gate, Mesh, Mode, ParamSpec, Plan, PlanSpec, Planner,
+    ReduceOp, ReduceSpec, Route, Schedule, Stream, Transport,
 };
 use proptest::prelude::*;
 use proptest::sample::select;
@@ -72,7 +72,7 @@ fn stream() -> impl Strategy<Value = Stream> {
 fn bindings() -> impl Strategy<Value = Bindings> {
     prop_oneof![
         1 => Just(Bindings::default()),
-        3 => [stream(), stream(), stream(), stream(), stream(), stream(), stream(), stream(), stream(), stream()].prop_map(|s| Bindings {
+        3 => [stream(), stream(), stream(), stream(), stream(), stream(), stream(), stream(), stream(), stream(), stream()].prop_map(|s| Bindings {
             accumulate: s[0],
             pack: s[1],
             stage1: s[2],
@@ -83,6 +83,7 @@ fn bindings() -> impl Strategy<Value = Bindings> {
             publish: s[7],
             combine: s[8],
             exchange: s[9],
+            unshard: s[10],
         }),
     ]
 }
@@ -113,6 +114,17 @@ fn schedule() -> impl Strategy<Value = Schedule> {
         )
 }
 
+/// No forward, or the forward's gathers with any prefetch depth and reshard policy.
+fn forward() -> impl Strategy<Value = Option<ForwardSpec>> {
+    prop_oneof![
+        1 => Just(None),
+        1 => (0u32..4, any::<bool>()).prop_map(|(prefetch, reshard_after_forward)| Some(ForwardSpec {
+            prefetch,
+            reshard_after_forward,
+        })),
+    ]
+}
+
 fn plan_spec() -> impl Strategy<Value = PlanSpec> {
     (
         mesh(),
@@ -121,9 +133,10 @@ fn plan_spec() -> impl Strategy<Value = PlanSpec> {
         bucket_cap(),
         bindings(),
         schedule(),
+        forward(),
     )
         .prop_map(
-            |(mesh, params, reduce, bucket_cap_bytes, bindings, schedule)| PlanSpec {
+            |(mesh, params, reduce, bucket_cap_bytes, bindings, schedule, forward)| PlanSpec {
                 mesh,
                 params,
                 reduce,
@@ -131,6 +144,7 @@ fn plan_spec() -> impl Strategy<Value = PlanSpec> {
                 bindings,
                 schedule,
                 grad_norm: false,
+                forward,
             },
         )
 }

@@ -13,8 +13,8 @@ use std::collections::BTreeSet;
 
 use common::*;
 use overlap_graph::{
-    Bindings, Collective, CollectiveKind, DType, Gate, Group, Mesh, Op, OptimizerKind, Plan,
-    PlanSpec, Planner, ReduceOp, ReduceSpec, Route, Stream,
+    Bindings, Collective, CollectiveKind, DType, ForwardSpec, Gate, Group, Mesh, Op, OptimizerKind,
+    Pass, Plan, PlanSpec, Planner, ReduceOp, ReduceSpec, Route, Stream,
 };
 use serde::{de::DeserializeOwned, Serialize};
 use serde_json::{json, Value};
@@ -269,13 +269,18 @@ fn number(v: &Value) -> Option<i128> {
 // --- Plans to check -------------------------------------------------------------------
 
 /// A plan with a node of every kind: no_sync, gate-off and gate-on micro-batches, every
-/// route (so fold, fold_partial, stage2, unpack, optimizer and publish all appear), and
-/// the global norm (grad_norm, norm_reduce, clip).
+/// route (so fold, fold_partial, stage2, unpack, optimizer and publish all appear), the
+/// global norm (grad_norm, norm_reduce, clip) and the forward's gathers (unshard,
+/// forward, backward, reshard).
 fn every_node_kind() -> Plan {
-    Planner::new(spec(2, 2, four_routes(), 1 << 20).with_grad_norm(true))
-        .unwrap()
-        .plan(&[Gate::NoSync, Gate::ReplicateOff, Gate::On])
-        .unwrap()
+    Planner::new(
+        spec(2, 2, four_routes(), 1 << 20)
+            .with_grad_norm(true)
+            .with_forward(Some(ForwardSpec::default())),
+    )
+    .unwrap()
+    .plan(&[Gate::NoSync, Gate::ReplicateOff, Gate::On])
+    .unwrap()
 }
 
 /// The copy transport's plan (exchange and combine nodes) on a 2x2 mesh.
@@ -454,6 +459,19 @@ fn one_op_of_each_kind() -> Vec<Op> {
         Op::GradNorm,
         Op::NormReduce { collective },
         Op::Clip,
+        Op::Unshard {
+            param: 0,
+            micro_batch: 0,
+            pass: Pass::Backward,
+            collective,
+        },
+        Op::Forward { layer: 0 },
+        Op::Backward { layer: 0 },
+        Op::Reshard {
+            param: 0,
+            micro_batch: 0,
+            pass: Pass::Forward,
+        },
     ];
     for op in &ops {
         match op {
@@ -472,7 +490,11 @@ fn one_op_of_each_kind() -> Vec<Op> {
             | Op::Publish { .. }
             | Op::GradNorm
             | Op::NormReduce { .. }
-            | Op::Clip => {}
+            | Op::Clip
+            | Op::Unshard { .. }
+            | Op::Forward { .. }
+            | Op::Backward { .. }
+            | Op::Reshard { .. } => {}
         }
     }
     ops
@@ -565,6 +587,16 @@ fn schema_enums_list_exactly_the_serialised_names_of_each_rust_enum() {
         schema_enum(&s, "OptimizerKind"),
         names(&[OptimizerKind::Adamw, OptimizerKind::Muon])
     );
+    for p in [Pass::Forward, Pass::Backward] {
+        match p {
+            Pass::Forward | Pass::Backward => {}
+        }
+    }
+    assert_eq!(
+        schema_enum(&s, "Pass"),
+        names(&[Pass::Forward, Pass::Backward])
+    );
+    parse_all::<Pass>(&schema_enum(&s, "Pass"));
 
     parse_all::<Route>(&schema_enum(&s, "Route"));
     parse_all::<Stream>(&schema_enum(&s, "Stream"));

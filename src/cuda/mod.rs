@@ -103,7 +103,12 @@ pub fn world(
     open(
         env,
         mesh,
-        ops_cuda::mesh_comms(mesh, &config.plan.bindings, copy),
+        ops_cuda::mesh_comms_with_forward(
+            mesh,
+            &config.plan.bindings,
+            copy,
+            config.plan.forward.is_some(),
+        ),
         timings,
         links,
         what,
@@ -484,6 +489,7 @@ mod tests {
                                 combine_after_exchanges: after,
                             },
                             grad_norm: false,
+                            forward: None,
                         };
                         let ok = copy_setup(&[&spec], slot, depth, true).in_place;
                         approved += ok.len();
@@ -524,7 +530,12 @@ mod tests {
             },
         ];
         for (shard, replicate) in [(1, 1), (2, 1), (1, 2), (2, 2), (3, 2)] {
-            for transport in [Transport::Nccl, Transport::Copy] {
+            for (transport, forward) in [
+                (Transport::Nccl, false),
+                (Transport::Copy, false),
+                (Transport::Nccl, true),
+                (Transport::Copy, true),
+            ] {
                 for b in &bindings {
                     let mesh = Mesh::new(shard, replicate).unwrap();
                     let spec = PlanSpec::new(mesh, params.clone())
@@ -534,9 +545,10 @@ mod tests {
                             transport,
                             ..Schedule::default()
                         })
-                        .with_grad_norm(true);
+                        .with_grad_norm(true)
+                        .with_forward(forward.then(overlap_graph::ForwardSpec::default));
                     let copy = transport == Transport::Copy;
-                    let comms = ops_cuda::mesh_comms(mesh, b, copy);
+                    let comms = ops_cuda::mesh_comms_with_forward(mesh, b, copy, forward);
                     let plan = overlap_graph::Planner::new(spec)
                         .unwrap()
                         .plan(&[Gate::ReplicateOff, Gate::On])

@@ -257,6 +257,7 @@ fn merge(config: &Config, steps: u64, gates: &[Gate], figures: &[RankFigures]) -
         param_rel_err,
         update_rel_err,
         partials_left,
+        forward_mismatches: None,
         steps,
         ranks: config.plan.mesh.world(),
         gates: Gate::pattern_label(gates),

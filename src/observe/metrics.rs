@@ -86,10 +86,16 @@ pub const LEARNING_RATE: &str = "overlap_learning_rate";
 pub const GRAD_NORM: &str = "overlap_grad_norm";
 /// Steps whose optimizers did nothing, by reason (counter).
 pub const STEPS_SKIPPED: &str = "overlap_steps_skipped_total";
+/// Peak parameter bytes of a local rank in the last step's plan (gauge).
+pub const PARAM_PEAK: &str = "overlap_param_peak_bytes";
+/// Peak gradient-path bytes of a local rank in the last step's plan (gauge).
+pub const GRAD_PEAK: &str = "overlap_grad_peak_bytes";
+/// Bytes of every parameter once: a full replica's parameters (gauge).
+pub const REPLICA_BYTES: &str = "overlap_replica_bytes";
 
 /// Every metric: name, labels, and what it means. The README's table and the
 /// descriptions served on `/metrics` come from here.
-pub const METRICS: [(&str, &str, &str); 23] = [
+pub const METRICS: [(&str, &str, &str); 26] = [
     (OP_DURATION, "op, stream", "histogram of kernel durations by node kind (`grad_ready`, `pack`, `stage1`, `fold`, `fold_partial`, `stage2`, `unpack`, `optimizer`, `publish`, ...) and stream, as the backend timed them (CUDA events on GPUs)"),
     (STEPS, "", "steps completed"),
     (STEP_DURATION, "", "histogram of the host wall time of a step: first issue to the device finishing"),
@@ -113,6 +119,9 @@ pub const METRICS: [(&str, &str, &str); 23] = [
     (LEARNING_RATE, "group, optimizer", "the learning rate the last step's optimizers used: base lr × the group's `lr_scale` × the schedule's factor, per parameter group (its `match` pattern, or `base` for the parameters in no group) and optimizer (`adamw`, `muon`)"),
     (GRAD_NORM, "", "the last step's global L2 norm of the reduced gradients over every parameter and rank (`[clip]`), before clipping; NaN when the step does not compute it"),
     (STEPS_SKIPPED, "reason", "steps whose optimizers did nothing (parameters, optimizer state and step counter untouched), by reason: `nonfinite` (NaN or Inf gradients; `[clip] on_nonfinite`, skipped or refused)"),
+    (PARAM_PEAK, "rank", "peak parameter bytes of each local rank in the last step's plan, along its serial order: its shards and owned tensors, plus the full parameters `[forward]` gathers"),
+    (GRAD_PEAK, "rank", "peak bytes of each local rank's gradient path in the last step's plan, along its serial order (gradients handed in, accumulations, send, Stage-1 and Stage-2 buffers, partials, reduced gradients)"),
+    (REPLICA_BYTES, "", "bytes of every parameter once: what a full replica (DDP) holds of parameters, and of gradients, on every rank; the baseline of the two peaks above"),
 ];
 
 /// The address a rank serves metrics on: `base` for a process that is no rank of a

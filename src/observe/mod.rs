@@ -68,6 +68,23 @@ pub const COMMUNICATION_STREAMS: [Stream; 4] = [
     Stream::Copy,
 ];
 
+/// A stream's lane name in the pictures and traces of a rank: the stream's name, and
+/// `+ unshard` on the lane that runs a forward plan's parameter gathers (the forward
+/// lane: the publish stream by default, idle until the step's tail).
+pub fn lane_name(plan: &Plan, rank: u32, stream: Stream) -> String {
+    let gathers = plan.forward.is_some()
+        && plan.ranks.get(rank as usize).is_some_and(|rp| {
+            rp.nodes
+                .iter()
+                .any(|n| n.stream == stream && matches!(n.op, Op::Unshard { .. }))
+        });
+    if gathers {
+        format!("{} + unshard", stream.name())
+    } else {
+        stream.name().to_string()
+    }
+}
+
 /// Bytes per element of the buffers the executor allocates (partials, accumulations).
 const BUFFER_ELEM_BYTES: u64 = 4;
 

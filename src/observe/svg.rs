@@ -226,7 +226,7 @@ pub fn render(report: &StepReport, plan: &Plan, a: &StepAnalysis) -> String {
                 r##"<rect x="{LABEL_W}" y="{ly}" width="{plot_w}" height="{LANE_H}" fill="#f4f4f4"/><text x="{}" y="{}" text-anchor="end" fill="#333">{}</text>"##,
                 LABEL_W - 8.0,
                 ly + LANE_H - 5.0,
-                st.name()
+                super::lane_name(plan, r.rank, st)
             );
         }
         // Exposed communication: shaded over the communication lanes, solid on the strip.

@@ -132,8 +132,11 @@ impl<W: Write> ChromeTrace<W> {
         self.emit(json!({"ph": "M", "name": "process_sort_index", "pid": rank, "args": {"sort_index": rank}}))?;
         let lanes = Stream::ALL
             .iter()
-            .map(|s| (s.index() as u32, s.name()))
-            .chain([(STEPS_TID, "steps"), (EXPOSED_TID, "exposed communication")]);
+            .map(|&s| (s.index() as u32, super::lane_name(plan, rank, s)))
+            .chain([
+                (STEPS_TID, "steps".to_string()),
+                (EXPOSED_TID, "exposed communication".to_string()),
+            ]);
         for (tid, lane) in lanes {
             self.emit(json!({"ph": "M", "name": "thread_name", "pid": rank, "tid": tid, "args": {"name": lane}}))?;
             self.emit(json!({"ph": "M", "name": "thread_sort_index", "pid": rank, "tid": tid, "args": {"sort_index": tid}}))?;

@@ -32,6 +32,7 @@ pub fn mixed_spec(shard: u32, replicate: u32) -> PlanSpec {
         bindings: Bindings::default(),
         schedule: Default::default(),
         grad_norm: false,
+        forward: None,
     }
 }
 

@@ -210,16 +210,27 @@ pub fn node_cost(
     }
     let elems = |b| plan.stage1_elems(b) as f64 * F32;
     let hbm = p.hbm_gbs;
+    let backward = match opts.backward {
+        Backward::None => 0.0,
+        Backward::Profile => p.backward_us_per_layer * 1e-6,
+        Backward::Seconds(s) => s,
+        Backward::Gemms { count, d } => {
+            f64::from(count) * 2.0 * f64::from(d).powi(3) / (p.gemm_tflops * 1e12)
+        }
+    };
     Ok(match node.op {
+        // A forward plan's trainer points: a layer's forward costs half its backward
+        // (the backward computes the gradients of the inputs and of the weights, each a
+        // forward's worth of work); the backward point itself is the `grad_ready`
+        // that follows it; a free costs nothing.
+        Op::Forward { .. } if backward > 0.0 => Cost {
+            class: Class::Compute,
+            seconds: backward / 2.0,
+            local_seconds: 0.0,
+        },
+        Op::Forward { .. } | Op::Backward { .. } | Op::Reshard { .. } => marker,
         Op::GradReady { .. } => {
-            let s = match opts.backward {
-                Backward::None => 0.0,
-                Backward::Profile => p.backward_us_per_layer * 1e-6,
-                Backward::Seconds(s) => s,
-                Backward::Gemms { count, d } => {
-                    f64::from(count) * 2.0 * f64::from(d).powi(3) / (p.gemm_tflops * 1e12)
-                }
-            };
+            let s = backward;
             if s > 0.0 {
                 Cost {
                     class: Class::Compute,
@@ -250,6 +261,7 @@ pub fn node_cost(
         Op::Stage1 { collective, .. }
         | Op::Stage2 { collective, .. }
         | Op::Publish { collective, .. }
+        | Op::Unshard { collective, .. }
         | Op::NormReduce { collective } => {
             if plan.mesh.group_size(collective.group) > 1 {
                 Cost {

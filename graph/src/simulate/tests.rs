@@ -542,3 +542,41 @@ fn planned_steps_run_every_node_in_stream_order_and_deterministically() {
         assert!(a.ranks.iter().flatten().all(|t| t.end == t.start));
     }
 }
+
+/// A forward plan simulates: its layers' forwards cost half their backward each, the
+/// gathers are collectives over the shard group, and every rank's step ends.
+#[test]
+fn a_forward_plan_adds_the_forwards_and_its_gathers() {
+    let params = (0..4)
+        .map(|l| ParamSpec {
+            name: format!("l{l}.w"),
+            shape: vec![256, 256],
+            route: Route::Fsdp,
+            layer: l,
+        })
+        .collect::<Vec<_>>();
+    let mesh = Mesh::new(2, 1).unwrap();
+    let plain = PlanSpec::new(mesh, params.clone());
+    let forward = plain.clone().with_forward(Some(crate::plan::ForwardSpec {
+        prefetch: 1,
+        reshard_after_forward: true,
+    }));
+    let mut p = profile();
+    p.gpus_per_node = 2;
+    let o = Options {
+        backward: Backward::Seconds(1.0 * MS),
+        ..options()
+    };
+    let span = |spec: PlanSpec| {
+        let plan = Planner::new(spec).unwrap().plan(&[Gate::On]).unwrap();
+        let sim = simulate(&plan, &p, &o).unwrap();
+        assert_close!(sim.span(0), sim.span(1));
+        sim.span(0)
+    };
+    let (without, with) = (span(plain), span(forward));
+    // Four forwards of 0.5 ms on the compute stream, at least.
+    assert!(
+        with >= without + 4.0 * 0.5 * MS - 1e-9,
+        "{with} vs {without}"
+    );
+}

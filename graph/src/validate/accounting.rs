@@ -483,8 +483,12 @@ impl<'p> Walk<'p> {
                     self.read(rank, id, Buffer::Reduced { param }, false);
                 }
             }
+            // The forward's gathers move parameters, not gradients (`validate/forward.rs`
+            // checks them).
+            Op::Forward { .. } | Op::Backward { .. } | Op::Reshard { .. } => {}
             // Collectives are run by `collective` when every member reached them.
             Op::NormReduce { .. }
+            | Op::Unshard { .. }
             | Op::Stage1 { .. }
             | Op::Stage2 { .. }
             | Op::Exchange { .. }

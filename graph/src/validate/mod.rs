@@ -39,6 +39,15 @@
 //!   `grad_norm` (over every reduced gradient it counts), one `norm_reduce` over its
 //!   shard group then one over its replicate group, and one `clip`, in that order and
 //!   before all of its optimizers; a plan without it runs none of them.
+//! - `forward-coverage` (plans with the forward's parameter gathers, like the three
+//!   below; `validate/forward.rs`): every micro-batch runs the trainer's forward points
+//!   ascending, then each layer's backward point and `grad_ready` descending.
+//! - `read-after-unshard`: every read of a gathered parameter follows its gather, in
+//!   serial order and by stream order or events.
+//! - `unshard-reads-latest`: every gather reads the parameters of the latest optimizer
+//!   step and publish (nothing of the step wrote them before it; a supplier holds them).
+//! - `reshard-after-last-read`: nothing reads a gathered parameter after its free,
+//!   which runs once, on the stream of the trainer's last use, and before the step ends.
 //!
 //! Host issue order is the serial node order: to issue node `n` the host issues the
 //! instructions of `n`'s stream up to `Run(n)`, then the records that follow it.
@@ -46,6 +55,7 @@
 mod accounting;
 mod contrib;
 mod coverage;
+mod forward;
 
 use std::collections::{BTreeMap, HashMap};
 
@@ -67,7 +77,7 @@ pub enum Mode {
 
 /// The name of every invariant the validator checks, in the order of this module's
 /// docs: every [`Violation::invariant`] is one of these (metrics label by them).
-pub const INVARIANTS: [&str; 15] = [
+pub const INVARIANTS: [&str; 19] = [
     "well-formed",
     "gate-conformance",
     "stage1-consumed-once",
@@ -83,6 +93,10 @@ pub const INVARIANTS: [&str; 15] = [
     "gradient-accounting",
     "publish-coverage",
     "clip-coverage",
+    "forward-coverage",
+    "read-after-unshard",
+    "unshard-reads-latest",
+    "reshard-after-last-read",
 ];
 
 /// Stops collecting after this many violations.
@@ -130,6 +144,7 @@ pub fn validate(plan: &Plan, mode: Mode) -> Vec<Violation> {
             coverage::optimizers(plan, rank, &rp.nodes, &mut out);
             coverage::clip(plan, rank, &rp.nodes, &mut out);
         }
+        forward::check(plan, rp, &accesses, mode, &mut out);
         if out.len() >= MAX_VIOLATIONS {
             out.truncate(MAX_VIOLATIONS);
             return out;
@@ -183,6 +198,8 @@ fn gate_conformance(plan: &Plan, rank: u32, nodes: &[Node], out: &mut Vec<Violat
         let gate = plan.gates[m as usize];
         let allowed = match (gate, n.op) {
             (_, Op::GradReady { .. }) => true,
+            // The forward's gathers and points run under every gate.
+            (_, op) if op.is_forward() => true,
             (Gate::NoSync, Op::Accumulate { .. }) => true,
             (Gate::NoSync, _) => false,
             (_, Op::Accumulate { .. }) => false,
@@ -614,7 +631,7 @@ type Subject = (&'static str, Option<u32>, Option<u32>, Option<u32>);
 
 fn subject(op: &Op) -> Subject {
     let param = match *op {
-        Op::Publish { param, .. } => Some(param),
+        Op::Publish { param, .. } | Op::Unshard { param, .. } => Some(param),
         _ => None,
     };
     (op.kind(), op.bucket(), op.micro_batch(), param)
@@ -628,7 +645,11 @@ fn describe_call(plan: &Plan, call: Option<&(NodeId, Subject, Collective)>) -> S
                     "{kind} b{b}{}",
                     mb.map(|m| format!(" m{m}")).unwrap_or_default()
                 ),
-                (_, Some(p)) => format!("{kind} {}", plan.param(*p).spec.name),
+                (_, Some(p)) => format!(
+                    "{kind} {}{}",
+                    plan.param(*p).spec.name,
+                    mb.map(|m| format!(" m{m}")).unwrap_or_default()
+                ),
                 _ => (*kind).to_string(),
             };
             format!("{what}: {c}")

@@ -47,6 +47,7 @@ pub fn spec(shard: u32, replicate: u32, params: Vec<ParamSpec>, bucket_cap_bytes
         bindings: Bindings::default(),
         schedule: Default::default(),
         grad_norm: false,
+        forward: None,
     }
 }
 

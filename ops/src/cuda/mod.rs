@@ -191,6 +191,39 @@ pub fn mesh_comms(mesh: Mesh, bindings: &Bindings, copy: bool) -> Vec<CommId> {
     comms
 }
 
+/// [`mesh_comms`] plus, for a plan that gathers the full parameters for the forward
+/// (`PlanSpec::forward`), each shard group on the `unshard` binding's stream (the
+/// gathers' all-gathers and broadcasts), in the same global order. Without the forward
+/// it is exactly [`mesh_comms`], so such a job creates the communicators it always did.
+///
+/// ```
+/// use overlap_ops::cuda::{mesh_comms, mesh_comms_with_forward};
+/// use overlap_ops::graph::{Bindings, Mesh};
+///
+/// let mesh = Mesh { shard: 2, replicate: 1 };
+/// let b = Bindings::default();
+/// assert_eq!(mesh_comms_with_forward(mesh, &b, false, false), mesh_comms(mesh, &b, false));
+/// // plus shard(r=0)@publish
+/// assert_eq!(mesh_comms_with_forward(mesh, &b, false, true).len(), 1 + 2 * 2 + 1);
+/// ```
+pub fn mesh_comms_with_forward(
+    mesh: Mesh,
+    bindings: &Bindings,
+    copy: bool,
+    forward: bool,
+) -> Vec<CommId> {
+    let mut comms = mesh_comms(mesh, bindings, copy);
+    if forward {
+        comms.extend((0..mesh.replicate).map(|replicate| CommId {
+            group: Group::Shard { replicate },
+            stream: bindings.unshard,
+        }));
+        comms.sort();
+        comms.dedup();
+    }
+    comms
+}
+
 /// `n` fresh NCCL unique ids (rank 0 generates them for every communicator of the
 /// mesh). Fails with a clear error when the CUDA driver or NCCL cannot be loaded.
 pub fn unique_ids(n: usize) -> Result<Vec<NcclUniqueId>, OpsError> {

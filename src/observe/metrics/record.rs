@@ -295,6 +295,9 @@ fn describe() {
     describe_gauge!(LEARNING_RATE, METRICS[20].2);
     describe_gauge!(GRAD_NORM, METRICS[21].2);
     describe_counter!(STEPS_SKIPPED, Unit::Count, METRICS[22].2);
+    describe_gauge!(PARAM_PEAK, Unit::Bytes, METRICS[23].2);
+    describe_gauge!(GRAD_PEAK, Unit::Bytes, METRICS[24].2);
+    describe_gauge!(REPLICA_BYTES, Unit::Bytes, METRICS[25].2);
 }
 
 /// Records a finished step of these local ranks when recording is on
@@ -363,6 +366,12 @@ pub fn record_analysis(report: &StepReport, a: &StepAnalysis) {
         .set(rate.lr);
     }
     gauge!(GRAD_NORM).set(report.grad_norm.unwrap_or(f64::NAN));
+    for m in &report.memory {
+        let rank = m.rank.to_string();
+        gauge!(PARAM_PEAK, "rank" => rank.clone()).set(m.param_peak_bytes as f64);
+        gauge!(GRAD_PEAK, "rank" => rank).set(m.grad_peak_bytes as f64);
+    }
+    gauge!(REPLICA_BYTES).set(report.replica_bytes as f64);
     counter!(STEPS_SKIPPED, "reason" => "nonfinite").increment(u64::from(report.skipped.is_some()));
     counter!(NODES).increment(report.stats.nodes as u64);
     histogram!(HOST_ISSUE).record(report.stats.issue_seconds.max(0.0));
