@@ -48,6 +48,15 @@ const CONFIG: &str = "[mesh]\nshard = 2\nreplicate = 1\n\n[model]\nlayers = 4\nh
 /// The shipped two-GPU profile with the copy engines' bandwidth set to `peer_gbs` and
 /// NCCL's bus bandwidth within the node to `busbw_gbs`.
 fn profile(name: &str, peer_gbs: u32, busbw_gbs: u32) -> String {
+    tweaked(name, |table, key| match (table, key) {
+        ("copy_engine", "peer_gbs") => Some(peer_gbs.to_string()),
+        ("nvlink.busbw_gbs", _) => Some(busbw_gbs.to_string()),
+        _ => None,
+    })
+}
+
+/// The shipped two-GPU profile with the values `set(table, key)` returns.
+fn tweaked(name: &str, set: impl Fn(&str, &str) -> Option<String>) -> String {
     let text = std::fs::read_to_string(root().join("hardware/h200-nvlink.toml")).unwrap();
     let mut out = String::new();
     let mut table = String::new();
@@ -57,13 +66,14 @@ fn profile(name: &str, peer_gbs: u32, busbw_gbs: u32) -> String {
             table = t.trim_matches(|c| c == '[' || c == ']').to_string();
         }
         let key = t.split('=').next().unwrap_or("").trim();
-        if table == "copy_engine" && key == "peer_gbs" {
-            out.push_str(&format!("peer_gbs = {peer_gbs}\n"));
-        } else if table == "nvlink.busbw_gbs" && !key.is_empty() && t.contains('=') {
-            out.push_str(&format!("{key} = {busbw_gbs}\n"));
-        } else {
-            out.push_str(line);
-            out.push('\n');
+        match set(&table, key) {
+            Some(v) if t.contains('=') && !t.starts_with('#') => {
+                out.push_str(&format!("{key} = {v}\n"))
+            }
+            _ => {
+                out.push_str(line);
+                out.push('\n');
+            }
         }
     }
     scratch(name, &out)
@@ -97,6 +107,37 @@ fn tune_finds_the_transport_a_synthetic_profile_favours() {
         .map(|s| s["overlap_ms"].as_f64().unwrap())
         .collect();
     assert!(ms.windows(2).all(|w| w[0] <= w[1]), "{ms:?}");
+}
+
+#[test]
+fn tune_finds_the_bucket_cap_a_synthetic_profile_favours() {
+    // Eight 4 MiB parameters of one layer: one bucket each at a 1 or 4 MiB cap, four
+    // buckets at 16 MiB, one from 32 MiB up.
+    let mut text = String::from("[mesh]\nshard = 2\nreplicate = 1\n\n");
+    for i in 0..8 {
+        text.push_str(&format!(
+            "[[param]]\nname = \"w{i}\"\nshape = [1024, 1024]\nroute = \"fsdp\"\nlayer = 1\n\n"
+        ));
+    }
+    text.push_str("[accumulation]\nmicro_batches = 2\n\n[run]\nbackward_us_per_layer = 100\n");
+    let config = scratch("cap.toml", &text);
+    // Every kernel and NCCL collective costs 5 ms whatever its size: the fewest buckets
+    // win.
+    let fixed_cost = tweaked("fixed-cost.toml", |table, key| match (table, key) {
+        ("nvlink", "base_us") | ("memory", "kernel_us") => Some("5000".into()),
+        _ => None,
+    });
+    let r = json(&tune(&config, &fixed_cost, &["--json"]));
+    for s in r["top"].as_array().unwrap() {
+        assert!(
+            s["bucket_cap_bytes"].as_u64().unwrap() >= 32 << 20,
+            "{s} is not one bucket: {r}"
+        );
+    }
+    // Equal predictions go to the smaller memory, then the grid's order: the smallest
+    // cap that makes one bucket of the grid, 64 MiB.
+    assert_eq!(r["top"][0]["bucket_cap_bytes"], 64u64 << 20, "{r}");
+    assert!(r["gain_ms"].as_f64().unwrap() > 5.0, "{r}");
 }
 
 #[test]
