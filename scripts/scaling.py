@@ -38,8 +38,12 @@ def config(replicate, micro_batches):
 
 
 def run(binary, args):
+    """One JSON line of `overlap ...`, or None (with the error on stderr) if refused."""
     t0 = time.time()
-    out = subprocess.run([binary] + args, check=True, capture_output=True, text=True)
+    out = subprocess.run([binary] + args, capture_output=True, text=True)
+    if out.returncode != 0:
+        print(f"refused: {' '.join(args)}: {out.stderr.strip()}", file=sys.stderr)
+        return None, time.time() - t0
     return json.loads(out.stdout.strip().splitlines()[-1]), time.time() - t0
 
 
@@ -76,6 +80,9 @@ def main():
                 f.write(config(r, m))
             base = ["simulate", "--hardware", HARDWARE, "--config", path, "--json"]
             last, t1 = run(a.overlap, base + ["--gates", f"off*{m - 1},on" if m > 1 else "on"])
+            if last is None:
+                print(f"| 8×{r} = {8 * r} | {m} | refused (stderr says why) | | | | | | | |")
+                continue
             if m > 1:
                 every, t2 = run(a.overlap, base + ["--gates", f"on*{m}"])
             else:
@@ -110,6 +117,9 @@ def main():
             ["tune", "--hardware", HARDWARE, "--config", path, "--json"],
         )
         print(f"tune 8x{r}: {secs:.1f} s", file=sys.stderr, flush=True)
+        if t is None:
+            print(f"| 8×{r} = {8 * r} | refused (stderr says why) | | | |")
+            continue
         print(
             f"| 8×{r} = {8 * r} | {t['own_ms']:.1f} | {t['best_ms']:.1f} "
             f"| {t['gain_pct']:.1f} % | {t['top'][0]['label']} |",
