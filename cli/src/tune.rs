@@ -37,9 +37,9 @@ pub(crate) struct TuneArgs {
     /// Print one JSON line.
     #[arg(long)]
     pub(crate) json: bool,
-    /// Write the best N settings as full configs (`tune-1.toml` ... under
-    /// --confirm-dir) and print the GPU commands that measure them; tune itself runs no
-    /// GPU.
+    /// Write the best N settings (all listed, whatever --top says) as full configs
+    /// (`tune-1.toml` ... under --confirm-dir) and print the GPU commands that measure
+    /// them; tune itself runs no GPU.
     #[arg(long, value_name = "N")]
     pub(crate) confirm: Option<usize>,
     /// Where --confirm writes its configs.
@@ -76,14 +76,9 @@ pub(crate) fn run(a: &TuneArgs) -> Result<ExitCode, Error> {
         let best = best.map_or_else(|| "none yet".into(), |b| format!("{b:.3} ms"));
         eprintln!("tune: {done}/{total} settings, best {best}");
     };
-    let r = tune(
-        &mut cfg,
-        &gates,
-        &profile,
-        a.memory_gib,
-        a.top,
-        &mut progress,
-    )?;
+    // --confirm N needs the best N: list at least that many.
+    let top = a.top.max(a.confirm.unwrap_or(0));
+    let r = tune(&mut cfg, &gates, &profile, a.memory_gib, top, &mut progress)?;
     if let Some(n) = a.confirm {
         confirm(a, &text, &r, n)?;
     }
