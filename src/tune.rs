@@ -30,18 +30,26 @@ fn usage(e: impl std::fmt::Display) -> Error {
 /// A named set of stream bindings the search tries.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct Binding {
+    /// Its name in reports (`config`, `default`, `one-comm-stream`, ...).
     pub name: &'static str,
+    /// The bindings.
     pub bindings: Bindings,
 }
 
 /// One point of the grid.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct Setting {
+    /// `[buckets] cap_bytes`.
     pub cap_bytes: u64,
+    /// `[overlap] transport`.
     pub transport: Transport,
+    /// `[overlap] combine_lag` (the config's, unchanged, with NCCL).
     pub combine_lag: u32,
+    /// `[overlap] copy_ring_depth` (likewise).
     pub copy_ring_depth: u32,
+    /// `[overlap] copy_slot_mib` (likewise).
     pub copy_slot_mib: u32,
+    /// `[streams]`.
     pub binding: Binding,
 }
 
@@ -261,7 +269,7 @@ pub fn memory_bytes(cfg: &Config, plan: &Plan) -> u64 {
     base + u64::from(cfg.overlap.stage1_window) * largest_bucket + rings
 }
 
-/// The predicted `overlap` step of one rank 0, ms.
+/// The predicted `overlap` step of rank 0, ms.
 fn predict(cfg: &Config, plan: &Arc<Plan>, p: &Profile) -> Result<f64, Error> {
     let us = cfg.run.backward_us_per_layer;
     let backward = if us > 0 {
@@ -287,15 +295,25 @@ fn predict(cfg: &Config, plan: &Arc<Plan>, p: &Profile) -> Result<f64, Error> {
 /// One evaluated setting.
 #[derive(Debug, Clone, Serialize)]
 pub struct Scored {
+    /// 1 for the best.
     pub rank: usize,
+    /// The predicted step of rank 0 (`overlap simulate`'s `overlap_ms`).
     pub overlap_ms: f64,
+    /// The estimated device memory per rank ([`memory_bytes`]), GiB.
     pub memory_gib: f64,
+    /// `[buckets] cap_bytes`.
     pub bucket_cap_bytes: u64,
+    /// `nccl` or `copy`.
     pub transport: &'static str,
+    /// `combine_lag` (copy transport only).
     pub combine_lag: Option<u32>,
+    /// `copy_ring_depth` (copy transport only).
     pub copy_ring_depth: Option<u32>,
+    /// `copy_slot_mib` (copy transport only).
     pub copy_slot_mib: Option<u32>,
+    /// The bindings' name.
     pub streams: &'static str,
+    /// One line saying all of it.
     pub label: String,
     /// The setting itself.
     #[serde(skip)]
@@ -305,21 +323,37 @@ pub struct Scored {
 /// What `overlap tune` prints.
 #[derive(Debug, Clone, Serialize)]
 pub struct TuneReport {
+    /// The config's source (its file).
     pub config: String,
+    /// The profile's name.
     pub hardware: String,
+    /// Ranks in the mesh.
     pub world: u32,
+    /// The step's gates.
     pub gates: String,
+    /// Settings in the grid.
     pub settings: usize,
+    /// Settings the planner, validator or simulator refused.
     pub pruned_invalid: usize,
+    /// Settings over the memory budget.
     pub pruned_memory: usize,
+    /// The budget, GiB per rank (`None`: unbounded).
     pub memory_budget_gib: Option<f64>,
+    /// The predicted step with the config's own setting, ms.
     pub own_ms: f64,
+    /// Its estimated memory per rank, GiB.
     pub own_memory_gib: f64,
+    /// The best predicted step, ms.
     pub best_ms: f64,
+    /// `own_ms − best_ms`.
     pub gain_ms: f64,
+    /// The same in percent of `own_ms`.
     pub gain_pct: f64,
+    /// The config's `stage1_window` (kept: not modelled).
     pub stage1_window: u32,
+    /// The best settings, fastest first.
     pub top: Vec<Scored>,
+    /// The best as `[buckets]`, `[overlap]` and `[streams]` sections ([`sections`]).
     pub sections: String,
 }
 
