@@ -77,6 +77,7 @@ pub mod rendezvous;
 pub mod resources;
 pub mod session;
 pub mod synthetic;
+pub mod tune;
 pub mod verify;
 
 pub use checkpoint::Loaded;

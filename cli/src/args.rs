@@ -7,7 +7,7 @@ use overlap::config::BackendChoice;
 use overlap::graph::Gate;
 use overlap::Error;
 
-use crate::{bench, interference, simulate};
+use crate::{bench, interference, simulate, tune};
 
 #[derive(Parser)]
 #[command(
@@ -161,6 +161,13 @@ pub(crate) enum Command {
     Simulate {
         #[command(flatten)]
         args: simulate::SimulateArgs,
+    },
+    /// Search a config's scheduling levers (bucket cap, transport, combine lag, copy
+    /// rings, stream bindings) for the smallest step the simulator predicts on a hardware
+    /// profile, and print the winner as config sections (docs/simulate.md).
+    Tune {
+        #[command(flatten)]
+        args: tune::TuneArgs,
     },
     /// Print this process's rank environment as JSON (for checking a launcher).
     #[command(hide = true)]

@@ -12,6 +12,7 @@ mod run;
 mod simulate;
 #[cfg(feature = "cuda")]
 mod smoke;
+mod tune;
 mod verify;
 
 use std::path::Path;
@@ -206,6 +207,7 @@ async fn dispatch(cmd: Command) -> Result<ExitCode, Error> {
         Command::Env { rendezvous } => env(rendezvous),
         Command::BenchInterference { args } => bench_interference(&args).await,
         Command::Simulate { args } => simulate::run(&args),
+        Command::Tune { args } => tune::run(&args),
         Command::Bench {
             mut args,
             timeline,

@@ -1,0 +1,554 @@
+//! The search behind `overlap tune`: the scheduling levers of a config (`[buckets]
+//! cap_bytes`, `[overlap]` transport, `combine_lag`, `copy_ring_depth`,
+//! `copy_slot_mib`, the `[streams]` bindings) tried on a fixed grid ([`grid`]), each
+//! setting planned, validated and simulated on a hardware profile
+//! (`overlap_graph::simulate`, docs/simulate.md), within a memory budget; the winner as
+//! config sections ready to paste ([`sections`]).
+//!
+//! Settings whose plan the planner or validator refuses, or that the simulator refuses
+//! (the copy transport across nodes), are pruned, as are settings over the memory
+//! budget. Equal predictions go to the smaller memory, then the grid's order, so the
+//! result is a pure function of the config, the gates and the profile.
+//!
+//! `stage1_window` is not searched: the simulator does not model the host's
+//! backpressure (docs/simulate.md, *What is modelled*), so every window predicts the
+//! same step; the config's value is kept.
+
+use std::sync::Arc;
+
+use overlap_graph::simulate::{self, Backward, CopyRing, Options, Profile};
+use overlap_graph::{validate, Bindings, Gate, Mode, Op, Plan, Planner, Stream, Transport};
+use serde::Serialize;
+
+use crate::config::Config;
+use crate::Error;
+
+fn usage(e: impl std::fmt::Display) -> Error {
+    Error::Usage(e.to_string())
+}
+
+/// A named set of stream bindings the search tries.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Binding {
+    /// Its name in reports (`config`, `default`, `one-comm-stream`, ...).
+    pub name: &'static str,
+    /// The bindings.
+    pub bindings: Bindings,
+}
+
+/// One point of the grid.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Setting {
+    /// `[buckets] cap_bytes`.
+    pub cap_bytes: u64,
+    /// `[overlap] transport`.
+    pub transport: Transport,
+    /// `[overlap] combine_lag` (the config's, unchanged, with NCCL).
+    pub combine_lag: u32,
+    /// `[overlap] copy_ring_depth` (likewise).
+    pub copy_ring_depth: u32,
+    /// `[overlap] copy_slot_mib` (likewise).
+    pub copy_slot_mib: u32,
+    /// `[streams]`.
+    pub binding: Binding,
+}
+
+impl Setting {
+    fn label(&self) -> String {
+        let cap = if self.cap_bytes % (1 << 20) == 0 {
+            format!("{} MiB", self.cap_bytes >> 20)
+        } else {
+            format!("{} B", self.cap_bytes)
+        };
+        match self.transport {
+            Transport::Nccl => format!("cap {cap}, nccl, streams {}", self.binding.name),
+            Transport::Copy => format!(
+                "cap {cap}, copy, lag {}, ring {}x{} MiB, streams {}",
+                self.combine_lag, self.copy_ring_depth, self.copy_slot_mib, self.binding.name
+            ),
+        }
+    }
+}
+
+/// The bucket caps tried besides the config's own, MiB.
+pub const CAPS_MIB: [u64; 7] = [1, 4, 16, 25, 64, 256, 1024];
+/// `combine_lag` values tried (copy transport).
+pub const LAGS: [u32; 3] = [0, 1, 2];
+/// `copy_ring_depth` values tried (copy transport).
+pub const DEPTHS: [u32; 4] = [2, 3, 4, 8];
+/// `copy_slot_mib` values tried besides the config's own (copy transport).
+pub const SLOTS_MIB: [u32; 2] = [32, 256];
+
+/// The bindings tried: the config's, FSDP2's default, and variants of the default.
+fn bindings(own: Bindings, copy: bool) -> Vec<Binding> {
+    let d = Bindings::default();
+    let mut v = vec![
+        Binding {
+            name: "config",
+            bindings: own,
+        },
+        Binding {
+            name: "default",
+            bindings: d,
+        },
+        Binding {
+            name: "one-comm-stream",
+            bindings: Bindings {
+                stage2: Stream::Reduce,
+                unpack: Stream::Reduce,
+                ..d
+            },
+        },
+        Binding {
+            name: "pack-on-compute",
+            bindings: Bindings {
+                pack: Stream::Compute,
+                ..d
+            },
+        },
+    ];
+    if copy {
+        v.push(Binding {
+            name: "combine-on-compute",
+            bindings: Bindings {
+                combine: Stream::Compute,
+                ..d
+            },
+        });
+        v.push(Binding {
+            name: "combine-on-replicate",
+            bindings: Bindings {
+                combine: Stream::Replicate,
+                ..d
+            },
+        });
+    }
+    // Drop repeats (the config's bindings are often the default), keeping the first.
+    let mut out: Vec<Binding> = Vec::new();
+    for b in v {
+        if !out.iter().any(|o| o.bindings == b.bindings) {
+            out.push(b);
+        }
+    }
+    out
+}
+
+/// Whether every group of the mesh lies within one node of `gpus_per_node` GPUs (where
+/// the copy transport can run).
+pub fn copy_fits(cfg: &Config, gpus_per_node: u32) -> bool {
+    let m = cfg.plan.mesh;
+    let world = m.world();
+    if world <= gpus_per_node {
+        return true;
+    }
+    // Shard groups are consecutive ranks; replicate groups stride by `shard`.
+    let shard_ok = m.shard == 1 || gpus_per_node % m.shard == 0;
+    shard_ok && m.replicate == 1
+}
+
+/// The grid, in search order: for each bucket cap, NCCL then (where the mesh fits one
+/// node per group) the copy transport over lags, ring depths and slots, each with every
+/// binding.
+pub fn grid(cfg: &Config, copy: bool) -> Vec<Setting> {
+    let mut caps: Vec<u64> = CAPS_MIB.iter().map(|m| m << 20).collect();
+    caps.push(cfg.plan.bucket_cap_bytes);
+    caps.sort_unstable();
+    caps.dedup();
+    let mut slots: Vec<u32> = SLOTS_MIB.to_vec();
+    slots.push(cfg.overlap.copy_slot_mib);
+    slots.sort_unstable();
+    slots.dedup();
+    let own = cfg.plan.bindings;
+    let o = cfg.overlap;
+    let mut v = Vec::new();
+    for &cap in &caps {
+        for b in bindings(own, false) {
+            v.push(Setting {
+                cap_bytes: cap,
+                transport: Transport::Nccl,
+                combine_lag: cfg.plan.schedule.combine_lag,
+                copy_ring_depth: o.copy_ring_depth,
+                copy_slot_mib: o.copy_slot_mib,
+                binding: b,
+            });
+        }
+        if !copy {
+            continue;
+        }
+        for &lag in &LAGS {
+            for &depth in &DEPTHS {
+                for &slot in &slots {
+                    for b in bindings(own, true) {
+                        v.push(Setting {
+                            cap_bytes: cap,
+                            transport: Transport::Copy,
+                            combine_lag: lag,
+                            copy_ring_depth: depth,
+                            copy_slot_mib: slot,
+                            binding: b,
+                        });
+                    }
+                }
+            }
+        }
+    }
+    v
+}
+
+/// A setting applied to the config.
+fn apply(cfg: &Config, s: &Setting) -> Config {
+    let mut c = cfg.clone();
+    c.plan.bucket_cap_bytes = s.cap_bytes;
+    c.plan.schedule.transport = s.transport;
+    c.plan.schedule.combine_lag = s.combine_lag;
+    c.plan.bindings = s.binding.bindings;
+    c.overlap.copy_ring_depth = s.copy_ring_depth;
+    c.overlap.copy_slot_mib = s.copy_slot_mib;
+    c.overlap.transport = match s.transport {
+        Transport::Nccl => crate::config::TransportChoice::Nccl,
+        Transport::Copy => crate::config::TransportChoice::Copy,
+    };
+    c
+}
+
+/// The validated step plan of `cfg` with `gates`.
+fn plan_of(cfg: &Config, gates: &[Gate]) -> Result<Arc<Plan>, Error> {
+    let planner = Planner::new(cfg.plan.clone())?;
+    planner.check_step(gates.len())?;
+    let plan = planner.plan(gates)?;
+    let v = validate(&plan, Mode::Step);
+    if !v.is_empty() {
+        return Err(Error::Invalid(v));
+    }
+    Ok(Arc::new(plan))
+}
+
+/// Estimated device memory per rank, bytes: the CPU backend's estimate of parameters,
+/// optimizer state, gradients and partials (`crate::resources::estimate_cpu`) over
+/// the ranks, the Stage-1 buffers in flight (`stage1_window` buckets of the largest),
+/// and the copy transport's receive rings (`copy_ring_depth × slot × (n − 1)` per
+/// communicator of `n` members, twice that where it gathers). An estimate, not a
+/// measurement.
+pub fn memory_bytes(cfg: &Config, plan: &Plan) -> u64 {
+    let world = u64::from(cfg.plan.mesh.world());
+    let base = Planner::new(cfg.plan.clone())
+        .map(|p| {
+            let e = crate::resources::estimate_cpu(cfg, &p, 1);
+            (e.params + e.optimizer + e.gradients) / world.max(1)
+        })
+        .unwrap_or(0);
+    let mut largest_bucket = 0u64;
+    let mut comms: Vec<(String, u64, bool)> = Vec::new();
+    for n in &plan.ranks[0].nodes {
+        match &n.op {
+            Op::Exchange { collective, .. } | Op::Gather { collective, .. } => {
+                let key = format!("{:?}/{:?}", collective.group, n.stream);
+                let gathers = matches!(n.op, Op::Gather { .. });
+                let size = u64::from(plan.mesh.group_size(collective.group));
+                match comms.iter_mut().find(|c| c.0 == key) {
+                    Some(c) => c.2 |= gathers,
+                    None => comms.push((key, size, gathers)),
+                }
+            }
+            _ => {}
+        }
+        if let Some(c) = n.op.collective() {
+            largest_bucket = largest_bucket.max(crate::observe::collective_bytes(plan, c));
+        }
+    }
+    let slot = u64::from(cfg.overlap.copy_slot_mib) << 20;
+    let rings: u64 = comms
+        .iter()
+        .map(|(_, n, gathers)| {
+            u64::from(cfg.overlap.copy_ring_depth)
+                * slot
+                * n.saturating_sub(1)
+                * if *gathers { 2 } else { 1 }
+        })
+        .sum();
+    base + u64::from(cfg.overlap.stage1_window) * largest_bucket + rings
+}
+
+/// The predicted `overlap` step of rank 0, ms.
+fn predict(cfg: &Config, plan: &Arc<Plan>, p: &Profile) -> Result<f64, Error> {
+    let us = cfg.run.backward_us_per_layer;
+    let backward = if us > 0 {
+        Backward::Seconds(f64::from(us) * 1e-6)
+    } else {
+        Backward::Profile
+    };
+    let o = Options {
+        backward,
+        aliased: (0..plan.mesh.world())
+            .map(|r| overlap_executor::aliased_nodes(plan, r))
+            .collect(),
+        copy: CopyRing {
+            slot_bytes: u64::from(cfg.overlap.copy_slot_mib) << 20,
+            depth: cfg.overlap.copy_ring_depth,
+            in_place: true,
+        },
+    };
+    let s = simulate::simulate(plan, p, &o).map_err(usage)?;
+    Ok(s.span(0) * 1e3)
+}
+
+/// One evaluated setting.
+#[derive(Debug, Clone, Serialize)]
+pub struct Scored {
+    /// 1 for the best.
+    pub rank: usize,
+    /// The predicted step of rank 0 (`overlap simulate`'s `overlap_ms`).
+    pub overlap_ms: f64,
+    /// The estimated device memory per rank ([`memory_bytes`]), GiB.
+    pub memory_gib: f64,
+    /// `[buckets] cap_bytes`.
+    pub bucket_cap_bytes: u64,
+    /// `nccl` or `copy`.
+    pub transport: &'static str,
+    /// `combine_lag` (copy transport only).
+    pub combine_lag: Option<u32>,
+    /// `copy_ring_depth` (copy transport only).
+    pub copy_ring_depth: Option<u32>,
+    /// `copy_slot_mib` (copy transport only).
+    pub copy_slot_mib: Option<u32>,
+    /// The bindings' name.
+    pub streams: &'static str,
+    /// One line saying all of it.
+    pub label: String,
+    /// The setting itself.
+    #[serde(skip)]
+    pub setting: Setting,
+}
+
+/// What `overlap tune` prints.
+#[derive(Debug, Clone, Serialize)]
+pub struct TuneReport {
+    /// The config's source (its file).
+    pub config: String,
+    /// The profile's name.
+    pub hardware: String,
+    /// Ranks in the mesh.
+    pub world: u32,
+    /// The step's gates.
+    pub gates: String,
+    /// Settings in the grid.
+    pub settings: usize,
+    /// Settings the planner, validator or simulator refused.
+    pub pruned_invalid: usize,
+    /// Settings over the memory budget.
+    pub pruned_memory: usize,
+    /// The budget, GiB per rank (`None`: unbounded).
+    pub memory_budget_gib: Option<f64>,
+    /// The predicted step with the config's own setting, ms.
+    pub own_ms: f64,
+    /// Its estimated memory per rank, GiB.
+    pub own_memory_gib: f64,
+    /// The best predicted step, ms.
+    pub best_ms: f64,
+    /// `own_ms − best_ms`.
+    pub gain_ms: f64,
+    /// The same in percent of `own_ms`.
+    pub gain_pct: f64,
+    /// The config's `stage1_window` (kept: not modelled).
+    pub stage1_window: u32,
+    /// The best settings, fastest first.
+    pub top: Vec<Scored>,
+    /// The best as `[buckets]`, `[overlap]` and `[streams]` sections ([`sections`]).
+    pub sections: String,
+}
+
+const GIB: f64 = (1u64 << 30) as f64;
+
+/// Searches the grid for `cfg`'s step with `gates` on `p` (settling `cfg`'s `auto`
+/// transport as a GPU job would), keeping settings within `memory_gib` GiB per rank, and
+/// reports the best `top`; `progress(done, total, best_ms)` is called about 20 times.
+pub fn tune(
+    cfg: &mut Config,
+    gates: &[Gate],
+    p: &Profile,
+    memory_gib: Option<f64>,
+    top: usize,
+    progress: &mut dyn FnMut(usize, usize, Option<f64>),
+) -> Result<TuneReport, Error> {
+    let copy = copy_fits(cfg, p.gpus_per_node);
+    // The config's own setting, `auto` settled as a GPU job would.
+    cfg.settle_transport(cfg.plan.mesh.world() <= p.gpus_per_node);
+    let own_plan = plan_of(cfg, gates)?;
+    let own_ms = predict(cfg, &own_plan, p)?;
+    let own_mem = memory_bytes(cfg, &own_plan);
+    let budget = memory_gib.map(|g| (g * GIB) as u64);
+    let grid = grid(cfg, copy);
+    let total = grid.len();
+    let mut scored: Vec<(f64, u64, usize, Setting)> = Vec::new();
+    let (mut invalid, mut over) = (0usize, 0usize);
+    let every = (total / 20).max(1);
+    for (i, s) in grid.iter().enumerate() {
+        let c = apply(cfg, s);
+        match plan_of(&c, gates) {
+            Err(_) => invalid += 1,
+            Ok(plan) => {
+                let mem = memory_bytes(&c, &plan);
+                if budget.is_some_and(|b| mem > b) {
+                    over += 1;
+                } else {
+                    match predict(&c, &plan, p) {
+                        Ok(ms) => scored.push((ms, mem, i, *s)),
+                        Err(_) => invalid += 1,
+                    }
+                }
+            }
+        }
+        if (i + 1) % every == 0 || i + 1 == total {
+            let best = scored.iter().map(|x| x.0).fold(f64::INFINITY, f64::min);
+            progress(i + 1, total, best.is_finite().then_some(best));
+        }
+    }
+    if scored.is_empty() {
+        return Err(usage(format!(
+            "no setting fits: {invalid} refused by the planner or validator, {over} over --memory-gib"
+        )));
+    }
+    // Fastest first; among equal predictions the smaller memory, then grid order.
+    scored.sort_by(|x, y| x.0.total_cmp(&y.0).then(x.1.cmp(&y.1)).then(x.2.cmp(&y.2)));
+    let top: Vec<Scored> = scored
+        .iter()
+        .take(top)
+        .enumerate()
+        .map(|(k, &(ms, mem, _, s))| {
+            let copy = s.transport == Transport::Copy;
+            Scored {
+                rank: k + 1,
+                overlap_ms: ms,
+                memory_gib: mem as f64 / GIB,
+                bucket_cap_bytes: s.cap_bytes,
+                transport: s.transport.name(),
+                combine_lag: copy.then_some(s.combine_lag),
+                copy_ring_depth: copy.then_some(s.copy_ring_depth),
+                copy_slot_mib: copy.then_some(s.copy_slot_mib),
+                streams: s.binding.name,
+                label: s.label(),
+                setting: s,
+            }
+        })
+        .collect();
+    let best = top[0].setting;
+    let best_ms = top[0].overlap_ms;
+    Ok(TuneReport {
+        config: cfg.source.clone(),
+        hardware: p.name.clone(),
+        world: cfg.plan.mesh.world(),
+        gates: Gate::pattern_label(gates),
+        settings: total,
+        pruned_invalid: invalid,
+        pruned_memory: over,
+        memory_budget_gib: memory_gib,
+        own_ms,
+        own_memory_gib: own_mem as f64 / GIB,
+        best_ms,
+        gain_ms: own_ms - best_ms,
+        gain_pct: if own_ms > 0.0 {
+            (own_ms - best_ms) / own_ms * 100.0
+        } else {
+            0.0
+        },
+        stage1_window: cfg.overlap.stage1_window,
+        sections: sections(cfg, &best),
+        top,
+    })
+}
+
+/// The `[buckets]`, `[overlap]` and `[streams]` sections of `s` (with the config's
+/// `stage1_window` and `nccl_max_ctas`), ready to paste in place of the config's.
+pub fn sections(cfg: &Config, s: &Setting) -> String {
+    use std::fmt::Write;
+    let mut t = String::new();
+    let _ = writeln!(t, "[buckets]\ncap_bytes = {}\n", s.cap_bytes);
+    let _ = writeln!(t, "[overlap]");
+    let _ = writeln!(t, "transport = \"{}\"", s.transport.name());
+    let _ = writeln!(t, "stage1_window = {}", cfg.overlap.stage1_window);
+    if s.transport == Transport::Copy {
+        let _ = writeln!(t, "combine_lag = {}", s.combine_lag);
+        let _ = writeln!(t, "copy_ring_depth = {}", s.copy_ring_depth);
+        let _ = writeln!(t, "copy_slot_mib = {}", s.copy_slot_mib);
+    }
+    if let Some(n) = cfg.overlap.nccl_max_ctas {
+        let _ = writeln!(t, "nccl_max_ctas = {n}");
+    }
+    let b = s.binding.bindings;
+    let _ = writeln!(t, "\n[streams]");
+    for (k, v) in [
+        ("accumulate", b.accumulate),
+        ("pack", b.pack),
+        ("stage1", b.stage1),
+        ("fold", b.fold),
+        ("stage2", b.stage2),
+        ("unpack", b.unpack),
+        ("optimizer", b.optimizer),
+        ("publish", b.publish),
+        ("exchange", b.exchange),
+        ("combine", b.combine),
+    ] {
+        let _ = writeln!(t, "{k} = \"{}\"", v.name());
+    }
+    t
+}
+
+/// `text` with its `[buckets]`, `[overlap]` and `[streams]` tables replaced by
+/// `sections`.
+pub fn replace_sections(text: &str, sections: &str) -> String {
+    let mut out = String::new();
+    let mut skipping = false;
+    for line in text.lines() {
+        let t = line.trim();
+        if t.starts_with('[') {
+            let name = t
+                .trim_start_matches('[')
+                .split(']')
+                .next()
+                .unwrap_or("")
+                .trim();
+            skipping = !t.starts_with("[[") && matches!(name, "buckets" | "overlap" | "streams");
+        }
+        if !skipping {
+            out.push_str(line);
+            out.push('\n');
+        }
+    }
+    out.push('\n');
+    out.push_str(sections);
+    out
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    const JOB: &str = "[mesh]\nshard = 2\nreplicate = 1\n\n[model]\nlayers = 2\nhidden = 32\nvocab = 96\n\n[overlap]\ncombine_lag = 2\n\n[[param]]\nname = \"extra\"\nshape = [4, 4]\nroute = \"adamw\"\n\n[optimizer.adamw]\nlr = 0.01\n";
+
+    #[test]
+    fn the_grid_has_the_documented_size_and_no_repeats() {
+        let cfg = Config::from_toml(JOB, "job.toml").unwrap();
+        let g = grid(&cfg, true);
+        assert_eq!(g.len(), 7 * (3 + 3 * 4 * 2 * 5));
+        for (i, a) in g.iter().enumerate() {
+            assert!(!g[..i].contains(a), "{a:?} twice");
+        }
+        assert_eq!(grid(&cfg, false).len(), 7 * 3);
+    }
+
+    #[test]
+    fn replaced_sections_keep_the_other_tables() {
+        let cfg = Config::from_toml(JOB, "job.toml").unwrap();
+        let g = grid(&cfg, true);
+        let s = g
+            .iter()
+            .find(|s| s.transport == Transport::Copy && s.combine_lag == 0)
+            .unwrap();
+        let text = replace_sections(JOB, &sections(&cfg, s));
+        let back = Config::from_toml(&text, "pasted.toml").unwrap();
+        assert_eq!(back.plan.schedule.combine_lag, 0);
+        assert_eq!(back.plan.bucket_cap_bytes, s.cap_bytes);
+        assert_eq!(back.plan.params.len(), cfg.plan.params.len());
+        assert_eq!(back.adamw, cfg.adamw);
+    }
+}
