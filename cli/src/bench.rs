@@ -345,17 +345,11 @@ pub fn eta(serial: f64, actual: f64, ideal: f64) -> Option<f64> {
     (serial > ideal).then(|| (serial - actual) / (serial - ideal))
 }
 
-/// One rank's figures, milliseconds per step (mean over the timed steps).
-#[derive(Debug, Clone, Serialize)]
-pub struct BenchReport {
-    /// The workload.
-    #[serde(flatten)]
-    pub args: BenchArgs,
-    /// The rank these figures are from.
-    pub rank: u32,
-    /// Backend name.
-    pub backend: String,
-    /// GEMMs alone.
+/// What `overlap bench` measures of a workload, and `overlap simulate` predicts: each
+/// variant's step span in milliseconds, the ideal and η ([`ideal_ms`], [`eta`]).
+#[derive(Debug, Clone, Copy, PartialEq, Serialize)]
+pub struct StepFigures {
+    /// The backward alone.
     pub compute_only_ms: f64,
     /// The reduction path alone (pack, collectives, unpack).
     pub comm_only_ms: f64,
@@ -367,6 +361,48 @@ pub struct BenchReport {
     pub ideal_ms: f64,
     /// `(serial − overlap) / (serial − ideal)` (null when undefined).
     pub eta: Option<f64>,
+}
+
+impl StepFigures {
+    /// The figures of the four variants' spans over `layers` layers.
+    pub fn new(compute: f64, comm: f64, serial: f64, overlap: f64, layers: u32) -> StepFigures {
+        let ideal = ideal_ms(compute, comm, layers);
+        StepFigures {
+            compute_only_ms: compute,
+            comm_only_ms: comm,
+            serial_ms: serial,
+            overlap_ms: overlap,
+            ideal_ms: ideal,
+            eta: eta(serial, overlap, ideal),
+        }
+    }
+}
+
+/// The figures' line of the text outputs.
+impl std::fmt::Display for StepFigures {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        let eta = self.eta.map_or_else(|| "n/a".into(), |e| format!("{e:.2}"));
+        write!(
+            f,
+            "compute_only {:.3} ms  comm_only {:.3} ms  serial {:.3} ms  overlap {:.3} ms  ideal {:.3} ms  eta {eta}",
+            self.compute_only_ms, self.comm_only_ms, self.serial_ms, self.overlap_ms, self.ideal_ms
+        )
+    }
+}
+
+/// One rank's figures, milliseconds per step (mean over the timed steps).
+#[derive(Debug, Clone, Serialize)]
+pub struct BenchReport {
+    /// The workload.
+    #[serde(flatten)]
+    pub args: BenchArgs,
+    /// The rank these figures are from.
+    pub rank: u32,
+    /// Backend name.
+    pub backend: String,
+    /// The four variants' spans, the ideal and η.
+    #[serde(flatten)]
+    pub figures: StepFigures,
     /// Host time issuing the overlap plan's nodes, µs per node (StepStats).
     pub host_us_per_node: f64,
     /// The same with kernel timings off (`Backend::set_timings`), µs per node.
@@ -593,18 +629,12 @@ pub async fn run<B: Backend>(backend: Arc<B>, args: &BenchArgs) -> Result<BenchR
     let comm = mean(&steps.comm_only);
     let serial = mean(&steps.serial);
     let overlap = mean(&steps.overlap);
-    let ideal = ideal_ms(compute, comm, args.layers);
     let per_layer = |s: f64| s * 1e3 / (comm_kernels.2.max(1) as f64 * f64::from(args.layers));
     Ok(BenchReport {
         args: *args,
         rank: me,
         backend: backend.name().into(),
-        compute_only_ms: compute,
-        comm_only_ms: comm,
-        serial_ms: serial,
-        overlap_ms: overlap,
-        ideal_ms: ideal,
-        eta: eta(serial, overlap, ideal),
+        figures: StepFigures::new(compute, comm, serial, overlap, args.layers),
         host_us_per_node: if host.1 > 0 {
             host.0 * 1e6 / host.1 as f64
         } else {
@@ -1036,10 +1066,10 @@ pub async fn bench_cuda(args: &BenchArgs) -> Result<Option<BenchReport>, Error> 
         eprintln!(
             "bench rank {}: compute_only {:.3} ms, comm_only {:.3} ms, serial {:.3} ms, overlap {:.3} ms",
             world.env.rank,
-            report.compute_only_ms,
-            report.comm_only_ms,
-            report.serial_ms,
-            report.overlap_ms
+            report.figures.compute_only_ms,
+            report.figures.comm_only_ms,
+            report.figures.serial_ms,
+            report.figures.overlap_ms
         );
     }
     Ok((world.env.rank == 0).then_some(report))
@@ -1092,10 +1122,9 @@ fn no_cuda(what: &str) -> Error {
 
 /// The human-readable form of a bench report.
 pub fn render(r: &BenchReport) -> String {
-    let eta = r.eta.map_or_else(|| "n/a".into(), |e| format!("{e:.2}"));
     format!(
         "overlap bench: mesh {} ({}), {} layers, {} MiB f32 grad/layer, {} GEMMs of {}^3/layer, {} iters after {} warm-up, window {} (rank {}, backend {})\n\
-         compute_only {:.3} ms  comm_only {:.3} ms  serial {:.3} ms  overlap {:.3} ms  ideal {:.3} ms  eta {eta}\n\
+         {}\n\
          host {:.2} us/node ({} nodes/step); per layer: collective {:.3} ms, executor copies {:.3} ms",
         r.args.mesh,
         if r.args.mesh.shard > 1 { "reduce-scatter" } else { "all-reduce" },
@@ -1108,11 +1137,7 @@ pub fn render(r: &BenchReport) -> String {
         r.args.window,
         r.rank,
         r.backend,
-        r.compute_only_ms,
-        r.comm_only_ms,
-        r.serial_ms,
-        r.overlap_ms,
-        r.ideal_ms,
+        r.figures,
         r.host_us_per_node,
         r.nodes_per_step,
         r.collective_ms_per_layer,
@@ -1271,7 +1296,8 @@ mod tests {
         let r = run(backend, &a).await.unwrap();
         assert_eq!(r.steps_ms.overlap.len(), 2);
         assert_eq!(r.steps_ms.compute_only.len(), 2);
-        for x in [r.compute_only_ms, r.comm_only_ms, r.serial_ms, r.overlap_ms] {
+        let f = r.figures;
+        for x in [f.compute_only_ms, f.comm_only_ms, f.serial_ms, f.overlap_ms] {
             assert!(x > 0.0, "{r:?}");
         }
         assert!(r.host_us_per_node > 0.0 && r.nodes_per_step > 0);
@@ -1419,7 +1445,7 @@ mod tests {
         assert_ne!(plan_of(&after).ranks, plan_of(&base).ranks);
         for a in [late, after] {
             let r = run(Arc::new(CpuBackend::new(a.mesh)), &a).await.unwrap();
-            assert!(r.overlap_ms > 0.0, "{r:?}");
+            assert!(r.figures.overlap_ms > 0.0, "{r:?}");
         }
     }
 

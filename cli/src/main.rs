@@ -7,6 +7,7 @@ mod args;
 mod bench;
 mod gpu;
 mod interference;
+mod job;
 mod launch;
 mod run;
 mod simulate;
@@ -26,7 +27,8 @@ use overlap::Error;
 use args::{parse_gates, parse_ranks};
 use args::{Cli, Command, Format, TransportArg, WireDType};
 use gpu::{bench_interference, cuda_smoke, env};
-use verify::{meet_cpu, print_verify, use_cuda, verify_cuda};
+use job::meet_cpu;
+use verify::{print_verify, use_cuda, verify_cuda};
 
 fn main() -> ExitCode {
     restore_sigpipe();

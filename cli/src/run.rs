@@ -8,7 +8,8 @@ use overlap::graph::Gate;
 use overlap::{drive, observe, Error, Session};
 
 use crate::args::{CheckpointArgs, ObserveArgs};
-use crate::verify::{end_job, meet_cpu, use_cuda, watch_host, watch_job};
+use crate::job::{end_job, meet_cpu, watch_host, watch_job};
+use crate::verify::use_cuda;
 
 pub(crate) async fn run(
     cfg: &Config,

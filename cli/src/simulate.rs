@@ -82,18 +82,9 @@ pub(crate) struct SimReport {
     pub rank: u32,
     /// `simulated`.
     pub backend: &'static str,
-    /// The backward alone.
-    pub compute_only_ms: f64,
-    /// The reduction path alone.
-    pub comm_only_ms: f64,
-    /// Everything on the compute stream.
-    pub serial_ms: f64,
-    /// The plan as configured.
-    pub overlap_ms: f64,
-    /// `max(compute, comm) + comm / L`.
-    pub ideal_ms: f64,
-    /// `(serial − overlap) / (serial − ideal)`.
-    pub eta: Option<f64>,
+    /// What `overlap bench` prints: the four variants, the ideal and η.
+    #[serde(flatten)]
+    pub figures: bench::StepFigures,
     /// Communication while the compute stream idles, in the `overlap` step.
     pub exposed_comm_ms: f64,
     /// Busy time per stream in the `overlap` step.
@@ -323,9 +314,13 @@ fn report(a: &SimulateArgs, w: &Workload, p: &Profile) -> Result<SimReport, Erro
     let layers = w.plan.layers_desc().len() as u32;
     let compute = grads as f64 * w.compute_ms_per_grad;
     let comm_ms = comm.span(r) * 1e3;
-    let serial_ms = serial.span(r) * 1e3;
-    let overlap_ms = over.span(r) * 1e3;
-    let ideal = bench::ideal_ms(compute, comm_ms, layers);
+    let figures = bench::StepFigures::new(
+        compute,
+        comm_ms,
+        serial.span(r) * 1e3,
+        over.span(r) * 1e3,
+        layers,
+    );
     let step = step_report(&w.plan, &over, r);
     let analysis = StepAnalysis::new(&step, &w.plan);
     let busy_ms = Stream::ALL
@@ -352,12 +347,7 @@ fn report(a: &SimulateArgs, w: &Workload, p: &Profile) -> Result<SimReport, Erro
         gates: Gate::pattern_label(&w.plan.gates),
         rank: r,
         backend: "simulated",
-        compute_only_ms: compute,
-        comm_only_ms: comm_ms,
-        serial_ms,
-        overlap_ms,
-        ideal_ms: ideal,
-        eta: bench::eta(serial_ms, overlap_ms, ideal),
+        figures,
         exposed_comm_ms: analysis.exposed_seconds() * 1e3,
         busy_ms,
         nodes_per_step: w.plan.ranks[r as usize].nodes.len(),
@@ -379,7 +369,6 @@ fn report(a: &SimulateArgs, w: &Workload, p: &Profile) -> Result<SimReport, Erro
 
 /// The human-readable form.
 fn render(r: &SimReport) -> String {
-    let eta = r.eta.map_or_else(|| "n/a".into(), |e| format!("{e:.2}"));
     let busy: Vec<String> = r
         .busy_ms
         .iter()
@@ -403,17 +392,13 @@ fn render(r: &SimReport) -> String {
     };
     format!(
         "overlap simulate ({workload}) on {} (rank {}, {} nodes, simulated in {:.1} ms)\n\
-         compute_only {:.3} ms  comm_only {:.3} ms  serial {:.3} ms  overlap {:.3} ms  ideal {:.3} ms  eta {eta}\n\
+         {}\n\
          exposed communication {:.3} ms; busy ms: {}",
         r.hardware,
         r.rank,
         r.nodes_per_step,
         r.simulate_wall_ms,
-        r.compute_only_ms,
-        r.comm_only_ms,
-        r.serial_ms,
-        r.overlap_ms,
-        r.ideal_ms,
+        r.figures,
         r.exposed_comm_ms,
         busy.join(", ")
     )

@@ -11,7 +11,6 @@
 //! has executed on its stream (so its gathers have completed: the plan orders them
 //! before it) and hands the gathered buffers over.
 
-use futures_util::future::join_all;
 use overlap_graph::{Buffer, Node, Op, ParamId};
 use overlap_ops::Backend;
 
@@ -86,14 +85,8 @@ impl<B: Backend> Executor<B> {
             }
             at.push(i.unwrap_or(0));
         }
-        let results = join_all(
-            self.ranks
-                .iter_mut()
-                .zip(&at)
-                .map(|(r, &i)| r.issue_until(&backend, i + 1, &ctx)),
-        )
-        .await;
-        self.check_issued(results)?;
+        self.issue_until(at.iter().map(|&i| i + 1).collect(), &ctx)
+            .await?;
         // Wait until every rank's point has executed: its gathers are complete.
         let mut waits = Vec::with_capacity(self.ranks.len());
         for (r, &i) in self.ranks.iter().zip(&at) {

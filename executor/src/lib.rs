@@ -21,6 +21,7 @@ use futures_util::future::join_all;
 use overlap_graph::{Buffer, Op, ParamId, Plan, Stream};
 use overlap_ops::{AdamwParams, Backend, MuonParams, OpsError, Timing};
 
+mod deadline;
 mod fault;
 mod forward;
 pub mod hyper;
@@ -28,12 +29,13 @@ mod peer;
 mod prepared;
 mod rank;
 
+pub use deadline::StepDeadline;
 pub use fault::{Fault, FaultMode, FAULT_OP, FAULT_VAR};
 pub use forward::FullParam;
 pub use hyper::{
     glob_match, GroupError, GroupRate, HyperTable, LrSchedule, ParamGroup, ScheduleKind,
 };
-pub use peer::{PeerAbort, PeerFailure, StepDeadline};
+pub use peer::{PeerAbort, PeerFailure};
 
 use prepared::Prepared;
 use rank::{IssueCtx, RankState};
@@ -899,11 +901,23 @@ impl<B: Backend> Executor<B> {
                 );
             }
         }
+        self.issue_until(ends, &ctx).await
+    }
+
+    /// Issues every local rank's nodes up to (not including) its `ends` entry, the ranks'
+    /// issuing futures joined, and turns a rank's timeout or peer failure inside into
+    /// the full report.
+    pub(crate) async fn issue_until(
+        &mut self,
+        ends: Vec<usize>,
+        ctx: &IssueCtx,
+    ) -> Result<(), ExecError> {
+        let backend = self.backend.clone();
         let results = join_all(
             self.ranks
                 .iter_mut()
                 .zip(ends)
-                .map(|(r, end)| r.issue_until(&backend, end, &ctx)),
+                .map(|(r, end)| r.issue_until(&backend, end, ctx)),
         )
         .await;
         self.check_issued(results)
@@ -927,7 +941,6 @@ impl<B: Backend> Executor<B> {
     /// the parameters. Costs one wait for the device. The failures of the issued nodes
     /// end the step as [`Executor::finish_step`]'s do.
     pub async fn reduce_step(&mut self) -> Result<(), ExecError> {
-        let backend = self.backend.clone();
         let ctx = self.ctx()?;
         let ends: Vec<usize> = self
             .ranks
@@ -942,14 +955,7 @@ impl<B: Backend> Executor<B> {
                 })
             })
             .collect();
-        let results = join_all(
-            self.ranks
-                .iter_mut()
-                .zip(ends)
-                .map(|(r, end)| r.issue_until(&backend, end, &ctx)),
-        )
-        .await;
-        self.check_issued(results)?;
+        self.issue_until(ends, &ctx).await?;
         let failures = self.drain().await?;
         if !failures.is_empty() {
             self.step_start = None;
@@ -974,17 +980,11 @@ impl<B: Backend> Executor<B> {
                     .unwrap_or(0)
             })
             .collect();
-        let results = join_all(
-            self.ranks
-                .iter_mut()
-                .zip(ends)
-                .map(|(r, end)| r.issue_until(&backend, end, &ctx)),
-        )
-        .await;
+        let issued = self.issue_until(ends, &ctx).await;
         for r in &mut self.ranks {
             r.issue_trailing(&backend);
         }
-        self.check_issued(results)?;
+        issued?;
         let failures = self.drain().await?;
         let nodes = self.ranks.iter().map(|r| r.issued).sum();
         let partials_left = self.step_buffers_held();

@@ -80,39 +80,3 @@ pub(crate) async fn failed(rx: Option<watch::Receiver<Option<PeerFailure>>>) -> 
     // No signal (or its sender is gone, which the executor's own copy prevents).
     std::future::pending().await
 }
-
-/// The deadline of the step in progress, readable from any thread: a watchdog outside
-/// the issuing thread ends a process whose host is stuck where the executor's own
-/// deadline cannot reach it (inside a device call that waits for a kernel that never
-/// ends).
-#[derive(Debug, Clone)]
-pub struct StepDeadline {
-    base: std::time::Instant,
-    /// Nanoseconds after `base`, plus one; 0 when no step is in progress.
-    at: Arc<std::sync::atomic::AtomicU64>,
-}
-
-impl StepDeadline {
-    pub(crate) fn new() -> StepDeadline {
-        StepDeadline {
-            base: std::time::Instant::now(),
-            at: Arc::new(std::sync::atomic::AtomicU64::new(0)),
-        }
-    }
-
-    pub(crate) fn set(&self, deadline: Option<std::time::Instant>) {
-        let v = deadline.map_or(0, |d| {
-            let n = d.saturating_duration_since(self.base).as_nanos();
-            u64::try_from(n).unwrap_or(u64::MAX - 1) + 1
-        });
-        self.at.store(v, std::sync::atomic::Ordering::Release);
-    }
-
-    /// When the step in progress must have ended; `None` between steps.
-    pub fn get(&self) -> Option<std::time::Instant> {
-        match self.at.load(std::sync::atomic::Ordering::Acquire) {
-            0 => None,
-            n => Some(self.base + std::time::Duration::from_nanos(n - 1)),
-        }
-    }
-}

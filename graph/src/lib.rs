@@ -41,6 +41,7 @@ pub mod order;
 pub mod owner;
 pub mod param;
 pub mod plan;
+pub mod ring;
 pub mod simulate;
 pub mod spec;
 pub mod validate;

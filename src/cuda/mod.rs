@@ -256,55 +256,16 @@ pub fn in_place_comms(
 }
 
 /// Every communicator a planned spec exchanges on, with whether [`in_place_comms`]
-/// allows it.
+/// allows it (the rule is `overlap_graph::ring`'s).
 fn in_place_verdicts(
     plan: &overlap_graph::Plan,
     slot_bytes: usize,
     depth: usize,
 ) -> std::collections::BTreeMap<CommId, bool> {
-    use overlap_graph::Op;
-    use std::collections::{BTreeMap, HashMap};
-    let most = depth.saturating_sub(1);
-    let shallow = depth == 0;
-    let mut ok: BTreeMap<CommId, bool> = BTreeMap::new();
-    for rp in &plan.ranks {
-        // Per communicator: exchanges issued so far; per open exchange: where.
-        let mut issued: HashMap<CommId, usize> = HashMap::new();
-        let mut open: HashMap<_, (CommId, usize)> = HashMap::new();
-        for n in &rp.nodes {
-            match n.op {
-                Op::Exchange {
-                    bucket,
-                    micro_batch,
-                    stage,
-                    collective,
-                } => {
-                    let id = CommId::of(&collective, n.stream);
-                    let size = plan.mesh.group_size(collective.group);
-                    let fits = (0..size).all(|j| {
-                        collective.member_chunk(size, j).1.saturating_mul(4) <= slot_bytes as u64
-                    });
-                    *ok.entry(id).or_insert(true) &= fits && !shallow;
-                    let k = issued.entry(id).or_insert(0);
-                    open.insert((bucket, micro_batch, stage), (id, *k));
-                    *k += 1;
-                }
-                Op::Combine {
-                    bucket,
-                    micro_batch,
-                    stage,
-                    ..
-                } => {
-                    if let Some((id, at)) = open.remove(&(bucket, micro_batch, stage)) {
-                        let between = issued.get(&id).copied().unwrap_or(0) - at - 1;
-                        *ok.entry(id).or_insert(true) &= between <= most;
-                    }
-                }
-                _ => {}
-            }
-        }
-    }
-    ok
+    overlap_graph::ring::in_place_verdicts(plan, slot_bytes as u64, depth)
+        .into_iter()
+        .map(|((group, stream), ok)| (CommId { group, stream }, ok))
+        .collect()
 }
 
 /// Opens this rank's GPU and connects the job: `comms` is the global list of

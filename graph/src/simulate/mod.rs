@@ -209,52 +209,15 @@ impl Simulation {
 }
 
 /// The communicators (group and stream) of a plan whose combines read their exchanges in
-/// place in the copy ring: the rule of `overlap::cuda::in_place_comms`, on this plan. Every
-/// exchange's message per peer fits one slot, and between an exchange and its combine at
-/// most `depth − 1` other exchanges of the communicator are issued, on every rank.
+/// place in the copy ring ([`crate::ring::in_place_verdicts`], the rule the CUDA
+/// backend sets its rings up by), when the ring allows reading in place at all.
 pub fn in_place_comms(plan: &Plan, ring: CopyRing) -> Vec<(crate::mesh::Group, Stream)> {
-    use crate::node::Op;
-    use std::collections::{BTreeMap, HashMap};
-    if !ring.in_place || ring.depth == 0 {
+    if !ring.in_place {
         return Vec::new();
     }
-    let most = ring.depth as usize - 1;
-    let mut ok: BTreeMap<(crate::mesh::Group, Stream), bool> = BTreeMap::new();
-    for rp in &plan.ranks {
-        let mut issued: HashMap<(crate::mesh::Group, Stream), usize> = HashMap::new();
-        let mut open = HashMap::new();
-        for n in &rp.nodes {
-            match n.op {
-                Op::Exchange {
-                    bucket,
-                    micro_batch,
-                    stage,
-                    collective,
-                } => {
-                    let id = (collective.group, n.stream);
-                    let size = plan.mesh.group_size(collective.group);
-                    let fits = (0..size).all(|j| {
-                        collective.member_chunk(size, j).1.saturating_mul(4) <= ring.slot_bytes
-                    });
-                    *ok.entry(id).or_insert(true) &= fits;
-                    let k = issued.entry(id).or_insert(0);
-                    open.insert((bucket, micro_batch, stage), (id, *k));
-                    *k += 1;
-                }
-                Op::Combine {
-                    bucket,
-                    micro_batch,
-                    stage,
-                    ..
-                } => {
-                    if let Some((id, at)) = open.remove(&(bucket, micro_batch, stage)) {
-                        let between = issued.get(&id).copied().unwrap_or(0) - at - 1;
-                        *ok.entry(id).or_insert(true) &= between <= most;
-                    }
-                }
-                _ => {}
-            }
-        }
-    }
-    ok.into_iter().filter(|&(_, v)| v).map(|(k, _)| k).collect()
+    crate::ring::in_place_verdicts(plan, ring.slot_bytes, ring.depth as usize)
+        .into_iter()
+        .filter(|&(_, ok)| ok)
+        .map(|(id, _)| id)
+        .collect()
 }
