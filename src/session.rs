@@ -581,12 +581,59 @@ impl<B: Backend> Session<B> {
 
     /// Hands in the gradients of `layer` for the current micro-batch: `fill(rank, param,
     /// out)` writes rank `rank`'s gradient of `param` into `out` (its full shape, row
-    /// major). Layers come from the highest down ([`Session::layers`]).
+    /// major). Layers come from the highest down ([`Session::layers`]). On CUDA this
+    /// uploads from the host; a trainer whose backward runs on the GPU hands its
+    /// gradients in where they are, with [`Session::grad_ready_device`].
     pub async fn grad_ready(
         &mut self,
         layer: u32,
         fill: impl FnMut(u32, ParamId, &mut [f32]),
     ) -> Result<(), Error> {
+        let m = self.check_grad_ready(layer)?;
+        self.executor.grad_ready(m as u32, layer, fill).await?;
+        self.grad_handed_in();
+        Ok(())
+    }
+
+    /// Hands in the gradients of `layer` for the current micro-batch where the
+    /// trainer's backward wrote them, on the device: `bind(rank, param)` returns the
+    /// buffer holding rank `rank`'s gradient of `param` (its full shape, row major,
+    /// exactly `numel` elements). Nothing is uploaded, copied or synchronised: the plan
+    /// reads the buffers in place.
+    ///
+    /// Ordering: `after` holds, per local rank, an event recorded on the trainer's own
+    /// stream after the kernels that wrote the gradients (on CUDA
+    /// [`overlap_ops::cuda::CudaBackend::record_on`]); the plan's compute stream waits on
+    /// it, on the device, before the layer's nodes. A trainer that ran its backward on
+    /// the plan's compute stream ([`overlap_ops::cuda::CudaBackend::raw_stream`]) passes
+    /// none.
+    ///
+    /// Lifetime: the buffers stay the trainer's (allocate them with
+    /// [`Backend::alloc`], or bind memory the backend lent before); the plan only reads
+    /// them and never pools or reuses them. Do not write them again, nor drop the last
+    /// handle, until this step's [`Session::step`] (or [`Session::reduce`]) returned:
+    /// a micro-batch's gradients are read by its reduce-scatter, fold or accumulation,
+    /// which may run as late as the step's tail. A trainer with `M` micro-batches per
+    /// step keeps `M` sets of gradient buffers (or hands in each micro-batch's into a
+    /// fresh set).
+    pub async fn grad_ready_device(
+        &mut self,
+        layer: u32,
+        after: &[(u32, B::Event)],
+        mut bind: impl FnMut(u32, ParamId) -> B::Buffer,
+    ) -> Result<(), Error> {
+        let m = self.check_grad_ready(layer)?;
+        self.executor.follow(after)?;
+        self.executor
+            .grad_ready_bound(m as u32, layer, |rank, param| Ok(bind(rank, param)))
+            .await?;
+        self.grad_handed_in();
+        Ok(())
+    }
+
+    /// Checks that `layer`'s gradients are next in the current micro-batch (and, on a
+    /// forward plan, that its backward point was reached): the micro-batch's index.
+    fn check_grad_ready(&self, layer: u32) -> Result<usize, Error> {
         self.check_not_reduced("grad_ready")?;
         let Some(m) = self.gates.len().checked_sub(1) else {
             return Err(Error::Usage("grad_ready before begin_micro_batch".into()));
@@ -607,10 +654,13 @@ impl<B: Backend> Session<B> {
                 self.forward_flow(m)
             )));
         }
-        self.executor.grad_ready(m as u32, layer, fill).await?;
+        Ok(m)
+    }
+
+    /// A layer's gradients were handed in.
+    fn grad_handed_in(&mut self) {
         self.layers_done += 1;
         self.backward_open = false;
-        Ok(())
     }
 
     /// Whether the session's plans gather the full parameters for the forward
@@ -669,6 +719,42 @@ impl<B: Backend> Session<B> {
         layer: u32,
         mut f: impl FnMut(u32, ParamId, &[f32]),
     ) -> Result<(), Error> {
+        let full = self.forward_point(layer, &[]).await?;
+        self.hand_full(full, &mut f)
+    }
+
+    /// [`Session::forward_ready`] with the gathered parameters left on the device:
+    /// `f(rank, param, full)` gets the gathered buffer itself (its first `numel`
+    /// elements are the parameter, row major; sharded routes pad it to a multiple of
+    /// the shard group). Nothing is downloaded. The gathers have completed when `f` is
+    /// called, so any stream may read the buffer at once.
+    ///
+    /// Lifetime: the buffer holds the parameter until the trainer's next call (the
+    /// next `forward_ready*`, `backward_ready*` or `grad_ready*`), which issues its free
+    /// on the plan's compute stream; a later gather may then overwrite it. The trainer's
+    /// reads must be ordered before that free: issue them on the plan's compute stream
+    /// ([`overlap_ops::cuda::CudaBackend::raw_stream`]), or hand an event recorded after
+    /// them on the trainer's stream to the next call's `after` (as
+    /// [`Session::grad_ready_device`] describes; `after` here orders this call's frees
+    /// of the layer before).
+    pub async fn forward_ready_device(
+        &mut self,
+        layer: u32,
+        after: &[(u32, B::Event)],
+        mut f: impl FnMut(u32, ParamId, &B::Buffer),
+    ) -> Result<(), Error> {
+        let full = self.forward_point(layer, after).await?;
+        full.iter()
+            .for_each(|(rank, param, buf)| f(*rank, *param, buf));
+        Ok(())
+    }
+
+    /// Checks and runs a forward point: the gathered buffers of `layer`.
+    async fn forward_point(
+        &mut self,
+        layer: u32,
+        after: &[(u32, B::Event)],
+    ) -> Result<Vec<overlap_executor::FullParam<B>>, Error> {
         self.check_not_reduced("forward_ready")?;
         let m = self.check_forward("forward_ready", layer)?;
         let want = self.forward_layers().get(self.forward_done).copied();
@@ -678,9 +764,10 @@ impl<B: Backend> Session<B> {
                 self.forward_flow(m)
             )));
         }
+        self.executor.follow(after)?;
         let full = self.executor.forward_ready(m as u32, layer).await?;
         self.forward_done += 1;
-        self.hand_full(full, &mut f)
+        Ok(full)
     }
 
     /// Forward plans: the trainer's backward of `layer` in the current micro-batch
@@ -694,6 +781,32 @@ impl<B: Backend> Session<B> {
         layer: u32,
         mut f: impl FnMut(u32, ParamId, &[f32]),
     ) -> Result<(), Error> {
+        let full = self.backward_point(layer, &[]).await?;
+        self.hand_full(full, &mut f)
+    }
+
+    /// [`Session::backward_ready`] with the gathered parameters left on the device, as
+    /// [`Session::forward_ready_device`] hands them. They hold their values until the
+    /// layer's `grad_ready*` call, whose `after` must cover the trainer's reads when
+    /// they ran on a stream of its own.
+    pub async fn backward_ready_device(
+        &mut self,
+        layer: u32,
+        after: &[(u32, B::Event)],
+        mut f: impl FnMut(u32, ParamId, &B::Buffer),
+    ) -> Result<(), Error> {
+        let full = self.backward_point(layer, after).await?;
+        full.iter()
+            .for_each(|(rank, param, buf)| f(*rank, *param, buf));
+        Ok(())
+    }
+
+    /// Checks and runs a backward point: the gathered buffers of `layer`.
+    async fn backward_point(
+        &mut self,
+        layer: u32,
+        after: &[(u32, B::Event)],
+    ) -> Result<Vec<overlap_executor::FullParam<B>>, Error> {
         self.check_not_reduced("backward_ready")?;
         let m = self.check_forward("backward_ready", layer)?;
         let want = self.layers.get(self.layers_done).copied();
@@ -703,9 +816,10 @@ impl<B: Backend> Session<B> {
                 self.forward_flow(m)
             )));
         }
+        self.executor.follow(after)?;
         let full = self.executor.backward_ready(m as u32, layer).await?;
         self.backward_open = true;
-        self.hand_full(full, &mut f)
+        Ok(full)
     }
 
     /// The current micro-batch, for a forward call on a forward plan.

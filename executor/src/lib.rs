@@ -842,6 +842,26 @@ impl<B: Backend> Executor<B> {
         .await
     }
 
+    /// Orders the plan after work of the trainer that the plan cannot see: for each
+    /// `(rank, event)`, the rank's compute stream (where the trainer's `grad_ready`,
+    /// `forward` and `backward` points stand) waits on `event` before anything issued
+    /// after this call. A trainer that writes gradients, or reads gathered parameters,
+    /// on a stream of its own records an event there and hands it in with its next call;
+    /// one that works on the compute stream itself needs none. Only the device waits:
+    /// the host goes on at once.
+    pub fn follow(&self, after: &[(u32, B::Event)]) -> Result<(), ExecError> {
+        for (rank, event) in after {
+            if !self.ranks.iter().any(|r| r.rank == *rank) {
+                return Err(ExecError::Usage(format!(
+                    "an event for rank {rank}, which this executor does not drive (its ranks: {:?})",
+                    self.local_ranks()
+                )));
+            }
+            self.backend.wait(*rank, Stream::Compute, event);
+        }
+        Ok(())
+    }
+
     /// Checks that `layer` of `micro_batch` is next on every rank, binds each of its
     /// parameters' gradient buffer with `put`, and issues the layer's nodes.
     async fn hand_in(

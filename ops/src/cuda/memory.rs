@@ -78,6 +78,30 @@ impl CudaBuffer {
         self.mem.ptr()
     }
 
+    /// The device address of element 0, for a trainer's own kernels and library calls
+    /// (a `float*` in the device's primary context). The address is valid while a
+    /// handle of the buffer lives: a trainer that reads or writes it on a stream of its
+    /// own keeps a handle until that work has executed (the backend's pool knows only
+    /// its own streams, [`CudaBuffer`]).
+    pub fn device_ptr(&self) -> u64 {
+        self.mem.ptr()
+    }
+
+    /// The number of `f32` elements.
+    pub fn len(&self) -> usize {
+        self.len
+    }
+
+    /// Whether the buffer has no elements.
+    pub fn is_empty(&self) -> bool {
+        self.len == 0
+    }
+
+    /// The rank whose GPU holds the buffer.
+    pub fn rank(&self) -> u32 {
+        self.rank
+    }
+
     /// The device address of element `i`.
     pub(super) fn at(&self, i: u64) -> sys::CUdeviceptr {
         self.mem.ptr() + i * 4

@@ -83,6 +83,10 @@ use crate::{
     collective_roles, AdamwParams, Backend, BoxFuture, CollectiveRoles, CommId, EventStatus,
     Kernel, MuonParams, OpsError, Tag, Timing,
 };
+/// The CUDA bindings the backend is built on, for a trainer that runs its own kernels
+/// beside it in the same primary context (`examples/train.rs --backend cuda`): the same
+/// version, so its handles (`CUstream`, device addresses) are the backend's types.
+pub use cudarc;
 use device::Device;
 pub use event::CudaEvent;
 use event::{lock, EventPool, HostWait, Record, Waiter};
@@ -550,6 +554,47 @@ impl CudaBackend {
     /// The global rank this backend drives.
     pub fn rank(&self) -> u32 {
         self.shared.rank
+    }
+
+    /// The ordinal of the GPU this rank drives (among the visible devices): a trainer
+    /// opens the same device's primary context (`cudarc`'s `CudaContext::new(ordinal)`)
+    /// to run its own kernels beside the backend's.
+    pub fn ordinal(&self) -> u32 {
+        self.shared.device.ordinal
+    }
+
+    /// The driver handle of one of this rank's streams. A trainer may issue its own
+    /// work on [`Stream::Compute`] (the stream the plan's `grad_ready`, `forward` and
+    /// `backward` points stand on): then that work is ordered with the plan without
+    /// any event. The handle stays valid while the backend lives; the trainer must not
+    /// destroy or synchronise-and-reset it, and must bind the backend's context
+    /// ([`CudaBackend::ordinal`]'s primary context) on the thread that uses it.
+    pub fn raw_stream(&self, stream: Stream) -> sys::CUstream {
+        self.shared.device.stream(stream)
+    }
+
+    /// Records `event` on a stream the trainer owns, capturing the work issued on it so
+    /// far: a plan stream that then waits on the event (`Session::grad_ready_device`'s
+    /// `after`) runs only after that work. The record carries no poison (the trainer's
+    /// stream is not the plan's).
+    ///
+    /// # Safety
+    ///
+    /// `stream` must be a live stream of this device's primary context (or null, the
+    /// legacy default stream) for the duration of the call.
+    pub unsafe fn record_on(
+        &self,
+        event: &CudaEvent,
+        stream: sys::CUstream,
+    ) -> Result<(), OpsError> {
+        if event.rank != self.shared.rank {
+            return Err(OpsError::Backend(self.not_mine(event.rank)));
+        }
+        let device = &self.shared.device;
+        device.bind()?;
+        let record = Record::new(&self.shared.events, stream, None)?;
+        event.set(record);
+        Ok(())
     }
 
     /// What was found at start.
