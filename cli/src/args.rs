@@ -96,8 +96,10 @@ pub(crate) enum Command {
         plan: PathBuf,
     },
     /// Start N local ranks of a job, as torchrun does (RANK, WORLD_SIZE, LOCAL_RANK,
-    /// MASTER_ADDR, MASTER_PORT), each running `overlap <ARGS>`; their output is prefixed
-    /// with `[rank k]`, and the first rank to fail stops the others and sets the exit code.
+    /// MASTER_ADDR, MASTER_PORT), each running `overlap <ARGS>` (or, when ARGS start with
+    /// a program rather than an overlap subcommand, that program: a trainer embedding the
+    /// library); their output is prefixed with `[rank k]`, and the first rank to fail
+    /// stops the others and sets the exit code.
     Launch {
         /// Processes on this node (one per GPU).
         #[arg(long)]
@@ -114,7 +116,8 @@ pub(crate) enum Command {
         /// Port of rank 0's rendezvous.
         #[arg(long, default_value_t = overlap::dist::DEFAULT_MASTER_PORT)]
         master_port: u16,
-        /// The overlap subcommand each rank runs, after `--`.
+        /// What each rank runs, after `--`: an overlap subcommand and its options, or a
+        /// program and its arguments.
         #[arg(last = true, required = true, value_name = "ARGS")]
         args: Vec<std::ffi::OsString>,
     },

@@ -23,6 +23,7 @@
 //! waited for. No rank outlives the launcher.
 
 use std::ffi::OsString;
+use std::path::PathBuf;
 use std::io::{BufRead, BufReader, Read, Write};
 use std::process::{Child, Command, Stdio};
 use std::sync::atomic::{AtomicI32, Ordering};
@@ -79,8 +80,24 @@ pub struct LaunchSpec {
     pub master_addr: String,
     /// Port of rank 0's rendezvous.
     pub master_port: u16,
-    /// The arguments of every rank (an `overlap` subcommand and its options).
+    /// The arguments of every rank: an `overlap` subcommand and its options, or a
+    /// program and its arguments ([`LaunchSpec::program`]).
     pub args: Vec<OsString>,
+    /// When `args` start with a program rather than an `overlap` subcommand: that
+    /// program (a trainer embedding the library, `target/release/examples/train`), run
+    /// with the rest of `args`. `None`: each rank is this executable.
+    pub program: Option<PathBuf>,
+}
+
+/// Which executable the ranks run for `args`: `None` when the first argument is one of
+/// `subcommands` (the ranks run this `overlap`), else the program it names (a path, or
+/// a name looked up on `PATH` when started), torchrun's convention for a script.
+pub fn program_of(args: &[OsString], subcommands: &[String]) -> Option<PathBuf> {
+    let first = args.first()?;
+    let is_subcommand = first
+        .to_str()
+        .is_some_and(|f| subcommands.iter().any(|s| s == f));
+    (!is_subcommand).then(|| PathBuf::from(first))
 }
 
 /// Starts the ranks of this node, forwards their output and waits for them; returns
@@ -117,15 +134,22 @@ pub fn launch(spec: &LaunchSpec) -> Result<u8, DistError> {
             )))
         }
     };
-    let exe = std::env::current_exe()
-        .map_err(|e| fail(format!("cannot find the overlap executable to start: {e}")))?;
+    let (exe, args) = match &spec.program {
+        Some(p) => (p.clone(), &spec.args[1..]),
+        None => (
+            std::env::current_exe().map_err(|e| {
+                fail(format!("cannot find the overlap executable to start: {e}"))
+            })?,
+            &spec.args[..],
+        ),
+    };
     catch_signals();
     let mut children: Vec<(u32, Child)> = Vec::new();
     let mut pumps: Vec<JoinHandle<()>> = Vec::new();
     for local in 0..spec.nproc_per_node {
         let rank = spec.node_rank * spec.nproc_per_node + local;
         let mut cmd = Command::new(&exe);
-        cmd.args(&spec.args)
+        cmd.args(args)
             .env(SECRET_VAR, secret.expose())
             .env_remove(SECRET_FILE_VAR)
             .env("RANK", rank.to_string())

@@ -196,12 +196,17 @@ async fn dispatch(cmd: Command) -> Result<ExitCode, Error> {
             master_port,
             args,
         } => {
+            let subcommands: Vec<String> = <Cli as clap::CommandFactory>::command()
+                .get_subcommands()
+                .map(|c| c.get_name().to_string())
+                .collect();
             let spec = launch::LaunchSpec {
                 nproc_per_node,
                 nnodes,
                 node_rank,
                 master_addr,
                 master_port,
+                program: launch::program_of(&args, &subcommands),
                 args,
             };
             Ok(ExitCode::from(launch::launch(&spec)?))

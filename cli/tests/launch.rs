@@ -78,6 +78,42 @@ fn launch_exits_with_the_first_failure_of_its_ranks() {
 }
 
 #[test]
+fn launch_runs_a_program_that_is_not_an_overlap_subcommand_with_the_same_variables() {
+    let port = free_port().to_string();
+    let out = overlap()
+        .args([
+            "launch",
+            "--nproc-per-node",
+            "2",
+            "--master-port",
+            &port,
+            "--",
+            "sh",
+            "-c",
+            "echo trainer $RANK/$WORLD_SIZE local $LOCAL_RANK at $MASTER_ADDR:$MASTER_PORT",
+        ])
+        .output()
+        .expect("overlap runs");
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    assert!(out.status.success(), "{stdout}");
+    for rank in 0..2 {
+        let want = format!("[rank {rank}] trainer {rank}/2 local {rank} at 127.0.0.1:{port}");
+        assert!(stdout.lines().any(|l| l == want), "no `{want}` in:\n{stdout}");
+    }
+    // A program that does not exist is named.
+    let out = overlap()
+        .args(["launch", "--nproc-per-node", "1", "--", "./no-such-trainer"])
+        .output()
+        .expect("overlap runs");
+    assert_eq!(out.status.code(), Some(2));
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(
+        stderr.contains("cannot start rank 0 (./no-such-trainer)"),
+        "{stderr}"
+    );
+}
+
+#[test]
 fn launch_without_a_command_is_a_usage_error() {
     let out = overlap()
         .args(["launch", "--nproc-per-node", "2"])
