@@ -91,6 +91,11 @@ pub struct Args {
     /// Print one JSON line at the end instead of the per-step lines.
     #[arg(long)]
     pub json: bool,
+    /// Where the model runs: `cpu` (every rank simulated in this process) or `cuda`
+    /// (this process is one rank on its GPU, started by `overlap launch`; needs the
+    /// `cuda` feature): see `examples/train_cuda/model.rs`.
+    #[arg(long, default_value = "cpu", value_parser = ["cpu", "cuda"])]
+    pub backend: String,
     /// Multiplies the reference trainer's learning rates (1 in every real run): the test
     /// sets it a little off to show that the comparison notices so small a difference.
     #[arg(skip = 1.0)]
@@ -153,8 +158,23 @@ pub const TOLERANCE: f64 = 1e-5;
 
 type Error = Box<dyn std::error::Error>;
 
+#[cfg(feature = "cuda")]
+#[path = "train_cuda/model.rs"]
+mod gpu;
+
 fn main() -> ExitCode {
     let args = Args::parse();
+    if args.backend == "cuda" {
+        #[cfg(feature = "cuda")]
+        return gpu::main(&args);
+        #[cfg(not(feature = "cuda"))]
+        {
+            eprintln!(
+                "train: --backend cuda needs the `cuda` feature: cargo build --release --features cuda --example train"
+            );
+            return ExitCode::from(2);
+        }
+    }
     match run(&args) {
         Ok(report) => {
             if args.json {
@@ -819,23 +839,30 @@ impl Task {
 // The session side.
 
 /// One step as a run saw it.
-#[derive(Debug, Clone, Copy)]
+#[derive(Debug, Clone)]
 struct StepLog {
     /// Mean loss over ranks and micro-batches, at the parameters before the step.
     loss: f64,
+    /// Each rank's mean loss over its micro-batches (the CUDA run compares its rank's).
+    #[cfg_attr(not(feature = "cuda"), allow(dead_code))]
+    rank_loss: Vec<f64>,
     /// The global norm of the reduced gradients, before clipping.
     grad_norm: f64,
     clipped: bool,
 }
 
-fn new_session(task: &Task, hyper: &Hyper) -> Result<Session<CpuBackend>, Error> {
-    // The session gathers each layer's full parameters before its forward and again
-    // before its backward, one layer ahead ([forward]'s defaults).
-    let spec = PlanSpec::new(task.mesh, param_specs())
+/// The session's plan: the model's parameters on the mesh, the global norm for the
+/// clipping, and each layer's full parameters gathered before its forward and again
+/// before its backward, one layer ahead (`[forward]`'s defaults).
+fn plan_spec(task: &Task) -> PlanSpec {
+    PlanSpec::new(task.mesh, param_specs())
         .with_grad_norm(true)
-        .with_forward(Some(ForwardSpec::default()));
+        .with_forward(Some(ForwardSpec::default()))
+}
+
+fn new_session(task: &Task, hyper: &Hyper) -> Result<Session<CpuBackend>, Error> {
     let backend = Arc::new(CpuBackend::new(task.mesh));
-    Ok(Session::new(spec, backend, hyper.exec_config())?)
+    Ok(Session::new(plan_spec(task), backend, hyper.exec_config())?)
 }
 
 /// Runs `steps` steps numbered on from the session's step counter.
@@ -852,6 +879,7 @@ async fn train(
     for _ in 0..steps {
         let step = s.steps_done() + 1;
         let mut loss = 0.0f64;
+        let mut rank_loss = vec![0.0f64; world as usize];
         // What each rank holds of the full parameters: only the layer it runs, as the
         // session gathers it (FSDP's all-gather before each layer), dropped after.
         let mut held: Vec<Params> = vec![vec![Vec::new(); PARAMS]; world as usize];
@@ -883,9 +911,11 @@ async fn train(
             let mut passes: Vec<Backward> = forwards
                 .into_iter()
                 .zip(&batches)
-                .map(|(pass, batch)| {
+                .enumerate()
+                .map(|(rank, (pass, batch))| {
                     let (act, l) = pass.finish();
                     loss += l;
+                    rank_loss[rank] += l / f64::from(task.micro_batches);
                     Backward::new(batch, act, task.scale())
                 })
                 .collect();
@@ -919,6 +949,7 @@ async fn train(
             .ok_or("the plan computes the global norm")?;
         let entry = StepLog {
             loss: loss / f64::from(world * task.micro_batches),
+            rank_loss,
             grad_norm,
             clipped: f64::from(hyper.max_norm) / (grad_norm + 1e-6) < 1.0,
         };
@@ -1151,6 +1182,7 @@ fn reference_run(task: &Task, hyper: &Hyper, lr_scale: f64) -> Reference {
         }
         curve.push(StepLog {
             loss: loss / f64::from(world * task.micro_batches),
+            rank_loss: Vec::new(),
             grad_norm: norm,
             clipped,
         });

@@ -56,6 +56,13 @@ pub struct VerifyReport {
     /// without the forward.
     #[serde(skip_serializing_if = "Option::is_none")]
     pub forward_mismatches: Option<u64>,
+    /// With `[forward]`: worst relative error (of the parameter's magnitude) of the full
+    /// parameters the gathers handed the trainer, over every rank, pass and
+    /// micro-batch, against the reference's parameters at the step's start (on the CPU
+    /// backend the no_sync reference session's; on CUDA the CPU backend's run of the
+    /// same gates). Judged against the parameter tolerance; absent without the forward.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub forward_rel_err: Option<f64>,
     /// Steps run.
     pub steps: u64,
     /// Ranks in the mesh.
@@ -301,13 +308,16 @@ pub async fn verify(
     let mut partials_left = 0;
     let mut norms = NormCheck::of(&config, steps)?;
     let mut forward_mismatches = gated.has_forward().then_some(0u64);
+    let mut forward_rel_err = gated.has_forward().then_some(0.0f64);
     for step in 0..steps {
-        // The gathers must hand every rank exactly the parameters of the step's start.
-        let current = match forward_mismatches {
-            Some(_) => current_params(&gated)?,
-            None => Vec::new(),
+        // The gathers must hand every rank exactly the parameters of the step's start,
+        // and those must be the reference's within the parameter tolerance.
+        let (current, reference_now) = match forward_mismatches {
+            Some(_) => (current_params(&gated)?, current_params(&reference)?),
+            None => (Vec::new(), Vec::new()),
         };
         let mut differ = 0u64;
+        let mut forward_err = 0.0f64;
         let report = synthetic_step_with(&mut gated, seed, step, &gates, |_, _, p, v| {
             let want = &current[p as usize];
             differ += v
@@ -316,10 +326,14 @@ pub async fn verify(
                 .filter(|(a, b)| a.to_bits() != b.to_bits())
                 .count() as u64
                 + v.len().abs_diff(want.len()) as u64;
+            forward_err = forward_err.max(full_rel_err(v, &reference_now[p as usize]));
         })
         .await?;
         if let Some(n) = forward_mismatches.as_mut() {
             *n += differ;
+        }
+        if let Some(e) = forward_rel_err.as_mut() {
+            *e = e.max(forward_err);
         }
         partials_left += report.stats.partials_left;
         synthetic_step(&mut reference, seed, step, &ref_gates).await?;
@@ -381,6 +395,7 @@ pub async fn verify(
         && param_rel_err <= param_tol
         && partials_left == 0
         && forward_mismatches.map_or(true, |n| n == 0)
+        && forward_rel_err.map_or(true, |e| e <= param_tol)
         && norm.as_ref().map_or(true, |n| n.ok(grad_tol));
     Ok(VerifyReport {
         ok,
@@ -390,6 +405,7 @@ pub async fn verify(
         update_rel_err: BTreeMap::new(),
         partials_left,
         forward_mismatches,
+        forward_rel_err,
         steps,
         ranks: mesh.world(),
         gates: Gate::pattern_label(&gates),
@@ -402,7 +418,9 @@ pub async fn verify(
 
 /// Every parameter's full tensor from the pieces the session's ranks hold (all of them:
 /// a CPU session drives the whole mesh).
-fn current_params<B: overlap_ops::Backend>(s: &Session<B>) -> Result<Vec<Vec<f32>>, Error> {
+pub(crate) fn current_params<B: overlap_ops::Backend>(
+    s: &Session<B>,
+) -> Result<Vec<Vec<f32>>, Error> {
     let mesh = s.planner().spec().mesh;
     let mut out = Vec::new();
     for (i, p) in s.planner().params().iter().enumerate() {
@@ -416,6 +434,17 @@ fn current_params<B: overlap_ops::Backend>(s: &Session<B>) -> Result<Vec<Vec<f32
         out.push(full);
     }
     Ok(out)
+}
+
+/// A gathered full parameter (its `numel` values) against the reference's: the
+/// relative error of [`rel_err`] (of the reference's magnitude), `f64::MAX` when the
+/// lengths differ.
+pub fn full_rel_err(got: &[f32], want: &[f32]) -> f64 {
+    if got.len() != want.len() {
+        return f64::MAX;
+    }
+    let want: Vec<f64> = want.iter().map(|&x| f64::from(x)).collect();
+    rel_err(got, &want, &[])
 }
 
 /// A reference gradient and its magnitude scaled by a clip factor (as they are when it

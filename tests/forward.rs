@@ -271,5 +271,15 @@ async fn verify_checks_every_gathered_element() {
         .await
         .unwrap();
     assert_eq!(r.forward_mismatches, Some(0));
+    let e = r
+        .forward_rel_err
+        .expect("a forward plan reports forward_rel_err");
+    assert!(e <= r.param_tolerance, "{e:e}");
     assert!(r.ok, "{r:?}");
+    // Gathered parameters off by more than the tolerance are reported as such.
+    let want = [1.0f32, -2.0, 4.0];
+    assert_eq!(overlap::verify::full_rel_err(&want, &want), 0.0);
+    let off = [1.0f32, -2.0, 4.0 + 4e-4];
+    assert!(overlap::verify::full_rel_err(&off, &want) > r.param_tolerance);
+    assert_eq!(overlap::verify::full_rel_err(&want[..2], &want), f64::MAX);
 }

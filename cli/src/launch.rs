@@ -23,8 +23,8 @@
 //! waited for. No rank outlives the launcher.
 
 use std::ffi::OsString;
-use std::path::PathBuf;
 use std::io::{BufRead, BufReader, Read, Write};
+use std::path::PathBuf;
 use std::process::{Child, Command, Stdio};
 use std::sync::atomic::{AtomicI32, Ordering};
 use std::thread::JoinHandle;
@@ -137,9 +137,8 @@ pub fn launch(spec: &LaunchSpec) -> Result<u8, DistError> {
     let (exe, args) = match &spec.program {
         Some(p) => (p.clone(), &spec.args[1..]),
         None => (
-            std::env::current_exe().map_err(|e| {
-                fail(format!("cannot find the overlap executable to start: {e}"))
-            })?,
+            std::env::current_exe()
+                .map_err(|e| fail(format!("cannot find the overlap executable to start: {e}")))?,
             &spec.args[..],
         ),
     };

@@ -45,6 +45,12 @@ pub(crate) fn print_verify(
         if let Some(n) = report.forward_mismatches {
             println!("  forward        {n} gathered elements differ from the parameters");
         }
+        if let Some(e) = report.forward_rel_err {
+            println!(
+                "  forward        gathered parameters worst {e:.3e} against the reference's (tolerance {:.0e})",
+                report.param_tolerance
+            );
+        }
         println!("{}", if report.ok { "OK" } else { "FAILED" });
     }
     Ok(if report.ok {

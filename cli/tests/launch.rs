@@ -98,7 +98,10 @@ fn launch_runs_a_program_that_is_not_an_overlap_subcommand_with_the_same_variabl
     assert!(out.status.success(), "{stdout}");
     for rank in 0..2 {
         let want = format!("[rank {rank}] trainer {rank}/2 local {rank} at 127.0.0.1:{port}");
-        assert!(stdout.lines().any(|l| l == want), "no `{want}` in:\n{stdout}");
+        assert!(
+            stdout.lines().any(|l| l == want),
+            "no `{want}` in:\n{stdout}"
+        );
     }
     // A program that does not exist is named.
     let out = overlap()

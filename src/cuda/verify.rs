@@ -33,10 +33,11 @@ use serde::{Deserialize, Serialize};
 use super::{CudaWorld, GATHER_TIMEOUT};
 use crate::config::{BackendChoice, Config};
 use crate::dist::DistError;
-use crate::drive::synthetic_step;
+use crate::drive::{synthetic_step, synthetic_step_with};
 use crate::session::Session;
 use crate::verify::{
-    clipped, reference_grad, rel_err, NormCheck, NormFigures, StepCheck, VerifyReport,
+    clipped, current_params, full_rel_err, reference_grad, rel_err, NormCheck, NormFigures,
+    StepCheck, VerifyReport,
 };
 use crate::{synthetic, Error};
 
@@ -61,6 +62,9 @@ struct RankFigures {
     update_rel_err: BTreeMap<String, f64>,
     partials_left: usize,
     norm: Option<NormFigures>,
+    /// With `[forward]`: the worst relative error of a gathered full parameter
+    /// against the CPU backend's parameters at the step's start.
+    forward_rel_err: Option<f64>,
 }
 
 /// The optimizer a route's parameters use.
@@ -119,8 +123,22 @@ pub async fn verify(
     };
     let coord = mesh.coord(rank);
     let mut norms = NormCheck::of(&config, steps)?;
+    fig.forward_rel_err = gpu.has_forward().then_some(0.0);
     for step in 0..steps {
-        let report = synthetic_step(&mut gpu, seed, step, &gates).await?;
+        // The gathers must hand this rank the parameters of the step's start: the CPU
+        // backend's (all ranks in this process) within the parameter tolerance.
+        let cpu_now = match fig.forward_rel_err {
+            Some(_) => current_params(&cpu)?,
+            None => Vec::new(),
+        };
+        let mut forward_err = 0.0f64;
+        let report = synthetic_step_with(&mut gpu, seed, step, &gates, |_, _, p, v| {
+            forward_err = forward_err.max(full_rel_err(v, &cpu_now[p as usize]));
+        })
+        .await?;
+        if let Some(e) = fig.forward_rel_err.as_mut() {
+            *e = e.max(forward_err);
+        }
         fig.partials_left += report.stats.partials_left;
         let cpu_report = synthetic_step(&mut cpu, seed, step, &gates).await?;
         let micro_batches = gates.len() as u32;
@@ -220,7 +238,11 @@ fn merge(config: &Config, steps: u64, gates: &[Gate], figures: &[RankFigures]) -
     let (mut worst, mut worst_at, mut param_rel_err, mut partials_left) =
         (0.0f64, String::new(), 0.0f64, 0usize);
     let mut norm: Option<NormFigures> = None;
+    let mut forward_rel_err: Option<f64> = None;
     for f in figures {
+        if let Some(e) = f.forward_rel_err {
+            forward_rel_err = Some(forward_rel_err.unwrap_or(0.0).max(e));
+        }
         for (k, v) in &f.per_route {
             let slot = per_route.entry(k.clone()).or_insert(0.0);
             *slot = slot.max(*v);
@@ -249,6 +271,7 @@ fn merge(config: &Config, steps: u64, gates: &[Gate], figures: &[RankFigures]) -
         && param_rel_err <= param_tol
         && updates_ok
         && partials_left == 0
+        && forward_rel_err.map_or(true, |e| e <= param_tol)
         && norm.as_ref().map_or(true, |n| n.ok(grad_tol));
     VerifyReport {
         ok,
@@ -258,6 +281,7 @@ fn merge(config: &Config, steps: u64, gates: &[Gate], figures: &[RankFigures]) -
         update_rel_err,
         partials_left,
         forward_mismatches: None,
+        forward_rel_err,
         steps,
         ranks: config.plan.mesh.world(),
         gates: Gate::pattern_label(gates),
