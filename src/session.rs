@@ -157,7 +157,10 @@ struct StepPlan {
 ///   the forward's gathers, [`Session::has_forward`]: first [`Session::forward_ready`]
 ///   for every layer of [`Session::forward_layers`], and [`Session::backward_ready`]
 ///   before each layer's `grad_ready`); per step [`Session::step`]; [`Session::zero_grad`] at any point to drop the step in
-///   progress. [`Session::init_params`], [`Session::param_values`],
+///   progress. A GPU trainer uses the `_device` forms of the same calls
+///   ([`Session::forward_ready_device`], [`Session::backward_ready_device`],
+///   [`Session::grad_ready_device`]): buffers stay on the device, and events order the
+///   trainer's own stream with the plan. [`Session::init_params`], [`Session::param_values`],
 ///   [`Session::reduced_grad`], [`Session::save`], [`Session::load`] and
 ///   [`Session::set_lr_factor`] between steps. Anything else is an [`Error::Usage`].
 /// - **Scaling:** the optimizers consume each rank's gradients summed over the step's

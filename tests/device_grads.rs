@@ -73,7 +73,11 @@ async fn host_step(s: &mut Session<CpuBackend>, step: u32) {
 
 /// The trainer's gradient buffers of one step, by (micro-batch, rank, param), written
 /// "by its backward" (uploaded here) and kept until the step returned.
-struct Grads(Vec<((usize, u32, u32), Buf, Vec<f32>)>);
+struct Grads(Vec<Handed>);
+
+/// One gradient handed in: (micro-batch, rank, param), its buffer, and the values the
+/// trainer wrote there.
+type Handed = ((usize, u32, u32), Buf, Vec<f32>);
 
 impl Grads {
     fn get(&self, m: usize, rank: u32, param: u32) -> Buf {

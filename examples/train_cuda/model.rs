@@ -94,6 +94,9 @@ pub struct GpuReport {
     /// Mean host time of one `grad_ready_device` call, in µs (it issues the layer's
     /// nodes), over the steps after the first.
     pub grad_ready_device_us: f64,
+    /// `host_us_per_node` by node kind: µs per node of that kind, and the kind's nodes
+    /// per step.
+    pub host_us_by_kind: std::collections::BTreeMap<String, (f64, f64)>,
     /// The loss at least halved and every relative error is within [`GPU_TOLERANCE`].
     pub ok: bool,
 }
@@ -174,6 +177,7 @@ pub fn run(args: &Args) -> Result<GpuReport, Error> {
     let mut grad_ready_seconds = 0.0;
     let mut grad_ready_calls = 0u64;
     let (mut issue_seconds, mut nodes, mut wall) = (0.0, 0usize, 0.0);
+    let mut by_kind: std::collections::BTreeMap<String, (f64, usize)> = Default::default();
     let mut curve = Vec::new();
     for k in 0..args.steps {
         let started = Instant::now();
@@ -189,6 +193,11 @@ pub fn run(args: &Args) -> Result<GpuReport, Error> {
             wall += step_wall;
             grad_ready_seconds += calls.0;
             grad_ready_calls += calls.1;
+            for &(kind, secs, count) in &report.stats.issue_by_kind {
+                let slot = by_kind.entry(kind.to_string()).or_default();
+                slot.0 += secs;
+                slot.1 += count;
+            }
         }
         if log {
             println!(
@@ -269,6 +278,10 @@ pub fn run(args: &Args) -> Result<GpuReport, Error> {
         step_ms: 1e3 * wall / later,
         host_us_per_node: 1e6 * issue_seconds / nodes.max(1) as f64,
         grad_ready_device_us: 1e6 * grad_ready_seconds / grad_ready_calls.max(1) as f64,
+        host_us_by_kind: by_kind
+            .into_iter()
+            .map(|(k, (secs, n))| (k, (1e6 * secs / n.max(1) as f64, n as f64 / later)))
+            .collect(),
         ok,
     })
 }
