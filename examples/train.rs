@@ -160,7 +160,7 @@ type Error = Box<dyn std::error::Error>;
 
 #[cfg(feature = "cuda")]
 #[path = "train_cuda/model.rs"]
-mod gpu;
+pub mod gpu;
 
 fn main() -> ExitCode {
     let args = Args::parse();

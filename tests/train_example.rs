@@ -107,3 +107,52 @@ fn the_trainer_runs_on_other_meshes() {
     assert!(r.resume_bit_exact);
     assert!(r.loss_last < r.loss_first);
 }
+
+/// `--backend cuda` (with the `cuda` feature): on a machine with a GPU the trainer runs
+/// on it and matches the CPU backend; without one it fails at start with an error that
+/// names what is missing, rather than panicking inside the CUDA bindings.
+#[cfg(feature = "cuda")]
+#[test]
+fn the_gpu_trainer_matches_the_cpu_backend_or_names_what_is_missing() {
+    let args = Args {
+        backend: "cuda".into(),
+        mesh: "1x1".parse().unwrap(),
+        steps: 6,
+        json: true,
+        ..Args::default()
+    };
+    match train::gpu::run(&args) {
+        Ok(r) => {
+            assert!(r.ok, "{r:?}");
+            assert!(r.loss_rel_err <= train::gpu::GPU_TOLERANCE, "{r:?}");
+        }
+        Err(e) => {
+            let m = e.to_string();
+            assert!(
+                ["CUDA", "libcuda", "NCCL", "NVRTC", "cuBLAS", "device"]
+                    .iter()
+                    .any(|w| m.contains(w)),
+                "{m}"
+            );
+        }
+    }
+}
+
+/// The trainer's own kernels compile with NVRTC where it is installed (no GPU needed).
+#[cfg(feature = "cuda")]
+#[test]
+fn the_gpu_trainers_kernels_compile_when_nvrtc_is_available() {
+    use overlap::ops::cuda::cudarc::nvrtc::{compile_ptx_with_opts, CompileOptions};
+    if let Err(e) = overlap::ops::cuda::check_libraries() {
+        eprintln!("the CUDA libraries are not all here ({e}): skipping the compile check");
+        return;
+    }
+    let opts = CompileOptions {
+        fmad: Some(false),
+        options: vec!["--gpu-architecture=compute_90".into()],
+        ..Default::default()
+    };
+    if let Err(e) = compile_ptx_with_opts(include_str!("../examples/train_cuda/kernels.cu"), opts) {
+        panic!("examples/train_cuda/kernels.cu does not compile: {e:?}");
+    }
+}
