@@ -199,9 +199,7 @@ fn main() -> ExitCode {
 /// Trains: the reference, the session uninterrupted, and the session resumed from a
 /// mid-run checkpoint; prints progress unless `args.json`.
 pub fn run(args: &Args) -> Result<Report, Error> {
-    if args.steps < 2 || args.micro_batches == 0 || args.batch == 0 {
-        return Err("--steps must be at least 2, --micro-batches and --batch at least 1".into());
-    }
+    check_args(args)?;
     if args.mesh.world() > 64 {
         return Err(format!("--mesh {}: at most 64 ranks in this example", args.mesh).into());
     }
@@ -276,6 +274,14 @@ pub fn run(args: &Args) -> Result<Report, Error> {
         resume_bit_exact: runs.resume_bit_exact,
         ok,
     })
+}
+
+/// The flags both backends need in range.
+fn check_args(args: &Args) -> Result<(), Error> {
+    if args.steps < 2 || args.micro_batches == 0 || args.batch == 0 {
+        return Err("--steps must be at least 2, --micro-batches and --batch at least 1".into());
+    }
+    Ok(())
 }
 
 /// What the session runs found.

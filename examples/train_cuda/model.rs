@@ -149,9 +149,7 @@ struct GpuStep {
 
 /// The GPU run and the CPU run, compared.
 pub fn run(args: &Args) -> Result<GpuReport, Error> {
-    if args.steps < 2 || args.micro_batches == 0 || args.batch == 0 {
-        return Err("--steps must be at least 2, --micro-batches and --batch at least 1".into());
-    }
+    super::check_args(args)?;
     let hyper = Hyper::new(args.steps);
     let task = Task::new(args);
     let log = !args.json;
