@@ -2,10 +2,19 @@
 """Extracts `overlap bench --json` lines from logs under docs/perf/ into the rows that
 `overlap simulate` is checked against (cli/tests/data/measured.json) or calibrated on.
 
-usage: python3 scripts/simulate-replay-data.py LOG[:nccl]... > cli/tests/data/measured.json
+usage: python3 scripts/simulate-replay-data.py LOG[:nccl][@RUN,...]... > cli/tests/data/measured.json
 
 (`LOG:nccl` takes only the log's NCCL runs: a log whose copy-transport runs ran an earlier
-binary than the profile describes.)
+binary than the profile describes; `LOG@RUN,...` only the runs named, e.g. the
+`stage1_window` runs of a log whose other runs calibrated the profile.)
+
+cli/tests/data/measured.json is
+
+    python3 scripts/simulate-replay-data.py docs/perf/2026-12-01-bench-defaults.log \
+      docs/perf/2026-12-01-bench-tuned.log docs/perf/2026-12-01-levers-buckets-per-layer.log \
+      docs/perf/2026-12-01-levers-combine-lag.log docs/perf/2026-12-01-levers-combine-cache.log \
+      docs/perf/2026-12-01-levers-gather-lane-ring-depth.log:nccl \
+      docs/perf/2026-11-30-bench-nccl-no-alias.log@bench_rs_w2,bench_rs_w16
 
 Each row: the log, the run's name in it (`== NAME:`), the workload (rs, ar, rs-1, or the
 mesh and GEMMs), the `overlap simulate` flags that reproduce its `overlap bench` flags
@@ -15,7 +24,7 @@ defaults; `tuned`: docs/performance.md's tuned settings, two buckets per layer,
 any other variant) with the bound `cli/tests/simulate.rs` holds it to (10 % for default
 and tuned, 15 % for levers), and the measured figures. Runs whose flags a
 simulation does not model (`--combine-ctas`, `--nccl-max-ctas`, `--combine-cache normal`,
-`--uniform-priority`, `--no-alias`, a window other than 8) are left out.
+`--uniform-priority`, `--no-alias`) are left out.
 """
 import json
 import re
@@ -26,14 +35,16 @@ DEFAULTS = {
     "transport": "nccl", "combine_lag": 1, "combine_stream": "reduce",
     "exchange_stream": "copy", "pack_stream": "reduce", "copy_slot_mib": 32,
     "buckets_per_layer": 1, "copy_ring_depth": 2, "no_in_place": False,
-    "no_early_tail_gathers": False, "combine_after_exchanges": False,
+    "no_early_tail_gathers": False, "combine_after_exchanges": False, "window": 8,
 }
 UNMODELLED = {"combine_ctas": None, "nccl_max_ctas": None, "combine_cache": "streaming",
-              "uniform_priority": False, "no_alias": False, "window": 8}
+              "uniform_priority": False, "no_alias": False}
 FIGURES = ["compute_only_ms", "comm_only_ms", "serial_ms", "overlap_ms", "ideal_ms", "eta"]
 
 
 def rows(arg):
+    arg, _, runs = arg.partition("@")
+    runs = set(runs.split(",")) if runs else None
     path, _, only = arg.partition(":")
     name = None
     for line in open(path):
@@ -51,6 +62,8 @@ def rows(arg):
         if any(d.get(k, v) != v for k, v in UNMODELLED.items()):
             continue
         if only and d.get("transport", "nccl") != only:
+            continue
+        if runs is not None and name not in runs:
             continue
         flags = []
         for k, v in DEFAULTS.items():

@@ -1,22 +1,20 @@
 //! The search behind `overlap tune`: the scheduling levers of a config (`[buckets]
 //! cap_bytes`, `[overlap]` transport, `combine_lag`, `copy_ring_depth`,
 //! `copy_slot_mib`, the `[streams]` bindings) tried on a fixed grid ([`grid`]), each
-//! setting planned, validated and simulated on a hardware profile
-//! (`overlap_graph::simulate`, docs/simulate.md), within a memory budget; the winner as
-//! config sections ready to paste ([`sections`]).
+//! setting planned and validated once, then simulated on a hardware profile
+//! (`overlap_graph::simulate`, docs/simulate.md) with each `[overlap] stage1_window` of
+//! [`windows`] (the window changes how the host issues the plan, not the plan), within
+//! a memory budget; the winner as config sections ready to paste ([`sections`]).
 //!
 //! Settings whose plan the planner or validator refuses, or that the simulator refuses
 //! (the copy transport across nodes), are pruned, as are settings over the memory
-//! budget. Equal predictions go to the smaller memory, then the grid's order, so the
-//! result is a pure function of the config, the gates and the profile.
-//!
-//! `stage1_window` is not searched: the simulator does not model the host's
-//! backpressure (docs/simulate.md, *What is modelled*), so every window predicts the
-//! same step; the config's value is kept.
+//! budget. Equal predictions go to the smaller memory, then the grid's order (windows
+//! ascending within a grid point), so the result is a pure function of the config, the
+//! gates and the profile.
 
 use std::sync::Arc;
 
-use overlap_graph::simulate::{self, Backward, CopyRing, Options, Profile};
+use overlap_graph::simulate::{self, Backward, CopyRing, Options, Profile, Stage1Window};
 use overlap_graph::{validate, Bindings, Gate, Mode, Op, Plan, Planner, Stream, Transport};
 use serde::Serialize;
 
@@ -49,6 +47,9 @@ pub struct Setting {
     pub copy_ring_depth: u32,
     /// `[overlap] copy_slot_mib` (likewise).
     pub copy_slot_mib: u32,
+    /// `[overlap] stage1_window` ([`grid`] gives the config's; the search tries
+    /// [`windows`]).
+    pub stage1_window: u32,
     /// `[streams]`.
     pub binding: Binding,
 }
@@ -61,10 +62,17 @@ impl Setting {
             format!("{} B", self.cap_bytes)
         };
         match self.transport {
-            Transport::Nccl => format!("cap {cap}, nccl, streams {}", self.binding.name),
+            Transport::Nccl => format!(
+                "cap {cap}, nccl, window {}, streams {}",
+                self.stage1_window, self.binding.name
+            ),
             Transport::Copy => format!(
-                "cap {cap}, copy, lag {}, ring {}x{} MiB, streams {}",
-                self.combine_lag, self.copy_ring_depth, self.copy_slot_mib, self.binding.name
+                "cap {cap}, copy, lag {}, ring {}x{} MiB, window {}, streams {}",
+                self.combine_lag,
+                self.copy_ring_depth,
+                self.copy_slot_mib,
+                self.stage1_window,
+                self.binding.name
             ),
         }
     }
@@ -78,6 +86,37 @@ pub const LAGS: [u32; 3] = [0, 1, 2];
 pub const DEPTHS: [u32; 4] = [2, 3, 4, 8];
 /// `copy_slot_mib` values tried besides the config's own (copy transport).
 pub const SLOTS_MIB: [u32; 2] = [32, 256];
+/// `stage1_window` values tried besides the config's own ([`windows`]).
+pub const WINDOWS: [u32; 5] = [1, 2, 4, 8, 16];
+
+/// The `stage1_window` values tried on a plan whose ranks issue at most `packs` packs (one
+/// per Stage-1 buffer) in the step: [`WINDOWS`] and the config's `own`, ascending, of
+/// those at or above `packs` only the smallest (the host never waits with any of them:
+/// the same step).
+pub fn windows(own: u32, packs: usize) -> Vec<u32> {
+    let mut v: Vec<u32> = WINDOWS.to_vec();
+    v.push(own.max(1));
+    v.sort_unstable();
+    v.dedup();
+    match v.iter().position(|&w| w as usize >= packs) {
+        Some(i) => v[..=i].to_vec(),
+        None => v,
+    }
+}
+
+/// The most packs (Stage-1 buffers opened) any rank of `plan` issues.
+fn packs(plan: &Plan) -> usize {
+    plan.ranks
+        .iter()
+        .map(|rp| {
+            rp.nodes
+                .iter()
+                .filter(|n| matches!(n.op, Op::Pack { .. }))
+                .count()
+        })
+        .max()
+        .unwrap_or(0)
+}
 
 /// The bindings tried: the config's, FSDP2's default, and variants of the default.
 fn bindings(own: Bindings, copy: bool) -> Vec<Binding> {
@@ -169,6 +208,7 @@ pub fn grid(cfg: &Config, copy: bool) -> Vec<Setting> {
                 combine_lag: cfg.plan.schedule.combine_lag,
                 copy_ring_depth: o.copy_ring_depth,
                 copy_slot_mib: o.copy_slot_mib,
+                stage1_window: o.stage1_window,
                 binding: b,
             });
         }
@@ -185,6 +225,7 @@ pub fn grid(cfg: &Config, copy: bool) -> Vec<Setting> {
                             combine_lag: lag,
                             copy_ring_depth: depth,
                             copy_slot_mib: slot,
+                            stage1_window: o.stage1_window,
                             binding: b,
                         });
                     }
@@ -204,6 +245,7 @@ fn apply(cfg: &Config, s: &Setting) -> Config {
     c.plan.bindings = s.binding.bindings;
     c.overlap.copy_ring_depth = s.copy_ring_depth;
     c.overlap.copy_slot_mib = s.copy_slot_mib;
+    c.overlap.stage1_window = s.stage1_window;
     c.overlap.transport = match s.transport {
         Transport::Nccl => crate::config::TransportChoice::Nccl,
         Transport::Copy => crate::config::TransportChoice::Copy,
@@ -225,10 +267,10 @@ fn plan_of(cfg: &Config, gates: &[Gate]) -> Result<Arc<Plan>, Error> {
 
 /// Estimated device memory per rank, bytes: the CPU backend's estimate of parameters,
 /// optimizer state, gradients and partials (`crate::resources::estimate_cpu`) over
-/// the ranks, the Stage-1 buffers in flight (`stage1_window` buckets of the largest),
-/// and the copy transport's receive rings (`copy_ring_depth × slot × (n − 1)` per
-/// communicator of `n` members, twice that where it gathers). An estimate, not a
-/// measurement.
+/// the ranks, the Stage-1 buffers in flight (`stage1_window` buckets of the largest, at
+/// most as many as a rank packs in the step), and the copy transport's receive rings
+/// (`copy_ring_depth × slot × (n − 1)` per communicator of `n` members, twice that where
+/// it gathers). An estimate, not a measurement.
 pub fn memory_bytes(cfg: &Config, plan: &Plan) -> u64 {
     let world = u64::from(cfg.plan.mesh.world());
     let base = Planner::new(cfg.plan.clone())
@@ -266,11 +308,34 @@ pub fn memory_bytes(cfg: &Config, plan: &Plan) -> u64 {
                 * if *gathers { 2 } else { 1 }
         })
         .sum();
-    base + u64::from(cfg.overlap.stage1_window) * largest_bucket + rings
+    let in_flight = u64::from(cfg.overlap.stage1_window).min(packs(plan) as u64);
+    base + in_flight * largest_bucket + rings
+}
+
+/// What the simulation of a plan needs of the executor, whatever the window: per rank,
+/// which nodes it runs as aliases and what frees each Stage-1 buffer.
+struct Issue {
+    aliased: Vec<Vec<bool>>,
+    releases: Vec<Vec<simulate::Stage1Release>>,
+}
+
+impl Issue {
+    fn of(plan: &Arc<Plan>) -> Issue {
+        let ranks = 0..plan.mesh.world();
+        Issue {
+            aliased: ranks
+                .clone()
+                .map(|r| overlap_executor::aliased_nodes(plan, r))
+                .collect(),
+            releases: ranks
+                .map(|r| overlap_executor::stage1_releases(plan, r, true))
+                .collect(),
+        }
+    }
 }
 
 /// The predicted `overlap` step of rank 0, ms.
-fn predict(cfg: &Config, plan: &Arc<Plan>, p: &Profile) -> Result<f64, Error> {
+fn predict(cfg: &Config, plan: &Arc<Plan>, issue: &Issue, p: &Profile) -> Result<f64, Error> {
     let us = cfg.run.backward_us_per_layer;
     let backward = if us > 0 {
         Backward::Seconds(f64::from(us) * 1e-6)
@@ -279,14 +344,16 @@ fn predict(cfg: &Config, plan: &Arc<Plan>, p: &Profile) -> Result<f64, Error> {
     };
     let o = Options {
         backward,
-        aliased: (0..plan.mesh.world())
-            .map(|r| overlap_executor::aliased_nodes(plan, r))
-            .collect(),
+        aliased: issue.aliased.clone(),
         copy: CopyRing {
             slot_bytes: u64::from(cfg.overlap.copy_slot_mib) << 20,
             depth: cfg.overlap.copy_ring_depth,
             in_place: true,
         },
+        stage1: Some(Stage1Window {
+            window: cfg.overlap.stage1_window,
+            releases: issue.releases.clone(),
+        }),
     };
     let s = simulate::simulate(plan, p, &o).map_err(usage)?;
     Ok(s.span(0) * 1e3)
@@ -311,6 +378,8 @@ pub struct Scored {
     pub copy_ring_depth: Option<u32>,
     /// `copy_slot_mib` (copy transport only).
     pub copy_slot_mib: Option<u32>,
+    /// `stage1_window`.
+    pub stage1_window: u32,
     /// The bindings' name.
     pub streams: &'static str,
     /// One line saying all of it.
@@ -331,11 +400,14 @@ pub struct TuneReport {
     pub world: u32,
     /// The step's gates.
     pub gates: String,
-    /// Settings in the grid.
+    /// Settings in the grid (each planned once).
     pub settings: usize,
-    /// Settings the planner, validator or simulator refused.
+    /// Settings with their `stage1_window`s ([`windows`]) whose memory was estimated:
+    /// those simulated and those over the budget.
+    pub candidates: usize,
+    /// Settings the planner or validator refused, and candidates the simulator refused.
     pub pruned_invalid: usize,
-    /// Settings over the memory budget.
+    /// Candidates over the memory budget.
     pub pruned_memory: usize,
     /// The budget, GiB per rank (`None`: unbounded).
     pub memory_budget_gib: Option<f64>,
@@ -349,8 +421,6 @@ pub struct TuneReport {
     pub gain_ms: f64,
     /// The same in percent of `own_ms`.
     pub gain_pct: f64,
-    /// The config's `stage1_window` (kept: not modelled).
-    pub stage1_window: u32,
     /// The best settings, fastest first.
     pub top: Vec<Scored>,
     /// The best as `[buckets]`, `[overlap]` and `[streams]` sections ([`sections`]).
@@ -374,25 +444,35 @@ pub fn tune(
     // The config's own setting, `auto` settled as a GPU job would.
     cfg.settle_transport(cfg.plan.mesh.world() <= p.gpus_per_node);
     let own_plan = plan_of(cfg, gates)?;
-    let own_ms = predict(cfg, &own_plan, p)?;
+    let own_ms = predict(cfg, &own_plan, &Issue::of(&own_plan), p)?;
     let own_mem = memory_bytes(cfg, &own_plan);
     let budget = memory_gib.map(|g| (g * GIB) as u64);
     let grid = grid(cfg, copy);
     let total = grid.len();
-    let mut scored: Vec<(f64, u64, usize, Setting)> = Vec::new();
-    let (mut invalid, mut over) = (0usize, 0usize);
+    // (ms, memory, grid index, window, setting).
+    let mut scored: Vec<(f64, u64, usize, u32, Setting)> = Vec::new();
+    let (mut candidates, mut invalid, mut over) = (0usize, 0usize, 0usize);
     let every = (total / 20).max(1);
     for (i, s) in grid.iter().enumerate() {
-        let c = apply(cfg, s);
-        match plan_of(&c, gates) {
+        match plan_of(&apply(cfg, s), gates) {
             Err(_) => invalid += 1,
             Ok(plan) => {
-                let mem = memory_bytes(&c, &plan);
-                if budget.is_some_and(|b| mem > b) {
-                    over += 1;
-                } else {
-                    match predict(&c, &plan, p) {
-                        Ok(ms) => scored.push((ms, mem, i, *s)),
+                let mut issue = None;
+                for w in windows(cfg.overlap.stage1_window, packs(&plan)) {
+                    let s = Setting {
+                        stage1_window: w,
+                        ..*s
+                    };
+                    let c = apply(cfg, &s);
+                    candidates += 1;
+                    let mem = memory_bytes(&c, &plan);
+                    if budget.is_some_and(|b| mem > b) {
+                        over += 1;
+                        continue;
+                    }
+                    let issue = issue.get_or_insert_with(|| Issue::of(&plan));
+                    match predict(&c, &plan, issue, p) {
+                        Ok(ms) => scored.push((ms, mem, i, w, s)),
                         Err(_) => invalid += 1,
                     }
                 }
@@ -405,16 +485,22 @@ pub fn tune(
     }
     if scored.is_empty() {
         return Err(usage(format!(
-            "no setting fits: {invalid} refused by the planner or validator, {over} over --memory-gib"
+            "no setting fits: {invalid} refused by the planner or validator, {over} settings with their stage1_window over --memory-gib"
         )));
     }
-    // Fastest first; among equal predictions the smaller memory, then grid order.
-    scored.sort_by(|x, y| x.0.total_cmp(&y.0).then(x.1.cmp(&y.1)).then(x.2.cmp(&y.2)));
+    // Fastest first; among equal predictions the smaller memory, then grid order, then
+    // the smaller window.
+    scored.sort_by(|x, y| {
+        x.0.total_cmp(&y.0)
+            .then(x.1.cmp(&y.1))
+            .then(x.2.cmp(&y.2))
+            .then(x.3.cmp(&y.3))
+    });
     let top: Vec<Scored> = scored
         .iter()
         .take(top)
         .enumerate()
-        .map(|(k, &(ms, mem, _, s))| {
+        .map(|(k, &(ms, mem, _, _, s))| {
             let copy = s.transport == Transport::Copy;
             Scored {
                 rank: k + 1,
@@ -425,6 +511,7 @@ pub fn tune(
                 combine_lag: copy.then_some(s.combine_lag),
                 copy_ring_depth: copy.then_some(s.copy_ring_depth),
                 copy_slot_mib: copy.then_some(s.copy_slot_mib),
+                stage1_window: s.stage1_window,
                 streams: s.binding.name,
                 label: s.label(),
                 setting: s,
@@ -439,6 +526,7 @@ pub fn tune(
         world: cfg.plan.mesh.world(),
         gates: Gate::pattern_label(gates),
         settings: total,
+        candidates,
         pruned_invalid: invalid,
         pruned_memory: over,
         memory_budget_gib: memory_gib,
@@ -451,21 +539,20 @@ pub fn tune(
         } else {
             0.0
         },
-        stage1_window: cfg.overlap.stage1_window,
         sections: sections(cfg, &best),
         top,
     })
 }
 
 /// The `[buckets]`, `[overlap]` and `[streams]` sections of `s` (with the config's
-/// `stage1_window` and `nccl_max_ctas`), ready to paste in place of the config's.
+/// `nccl_max_ctas`), ready to paste in place of the config's.
 pub fn sections(cfg: &Config, s: &Setting) -> String {
     use std::fmt::Write;
     let mut t = String::new();
     let _ = writeln!(t, "[buckets]\ncap_bytes = {}\n", s.cap_bytes);
     let _ = writeln!(t, "[overlap]");
     let _ = writeln!(t, "transport = \"{}\"", s.transport.name());
-    let _ = writeln!(t, "stage1_window = {}", cfg.overlap.stage1_window);
+    let _ = writeln!(t, "stage1_window = {}", s.stage1_window);
     if s.transport == Transport::Copy {
         let _ = writeln!(t, "combine_lag = {}", s.combine_lag);
         let _ = writeln!(t, "copy_ring_depth = {}", s.copy_ring_depth);
@@ -537,6 +624,18 @@ mod tests {
     }
 
     #[test]
+    fn windows_at_or_above_the_packs_are_tried_once() {
+        assert_eq!(windows(8, 100), [1, 2, 4, 8, 16]);
+        assert_eq!(windows(3, 100), [1, 2, 3, 4, 8, 16]);
+        assert_eq!(windows(64, 100), [1, 2, 4, 8, 16, 64]);
+        // Three packs: every window from 3 up never waits; 4 stands for them.
+        assert_eq!(windows(8, 3), [1, 2, 4]);
+        assert_eq!(windows(3, 3), [1, 2, 3]);
+        assert_eq!(windows(8, 1), [1]);
+        assert_eq!(windows(8, 0), [1]);
+    }
+
+    #[test]
     fn replaced_sections_keep_the_other_tables() {
         let cfg = Config::from_toml(JOB, "job.toml").unwrap();
         let g = grid(&cfg, true);
@@ -547,6 +646,7 @@ mod tests {
         let text = replace_sections(JOB, &sections(&cfg, s));
         let back = Config::from_toml(&text, "pasted.toml").unwrap();
         assert_eq!(back.plan.schedule.combine_lag, 0);
+        assert_eq!(back.overlap.stage1_window, s.stage1_window);
         assert_eq!(back.plan.bucket_cap_bytes, s.cap_bytes);
         assert_eq!(back.plan.params.len(), cfg.plan.params.len());
         assert_eq!(back.adamw, cfg.adamw);

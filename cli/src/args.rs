@@ -166,8 +166,9 @@ pub(crate) enum Command {
         args: simulate::SimulateArgs,
     },
     /// Search a config's scheduling levers (bucket cap, transport, combine lag, copy
-    /// rings, stream bindings) for the smallest step the simulator predicts on a hardware
-    /// profile, and print the winner as config sections (docs/simulate.md).
+    /// rings, Stage-1 window, stream bindings) for the smallest step the simulator
+    /// predicts on a hardware profile, and print the winner as config sections
+    /// (docs/simulate.md).
     Tune {
         #[command(flatten)]
         args: tune::TuneArgs,

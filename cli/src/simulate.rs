@@ -25,7 +25,9 @@ use overlap::config::Config;
 use overlap::observe::StepAnalysis;
 use overlap::session::StepReport;
 use overlap::{Error, Mesh};
-use overlap_graph::simulate::{self, Backward, CopyRing, Options, Profile, Simulation};
+use overlap_graph::simulate::{
+    self, Backward, CopyRing, Options, Profile, Simulation, Stage1Window,
+};
 use overlap_graph::{validate, Bindings, Gate, Mode, Plan, Planner, Stream};
 use overlap_ops::{Tag, Timing};
 use serde::Serialize;
@@ -45,8 +47,8 @@ pub(crate) struct SimulateArgs {
     /// With --config: the gate pattern, e.g. `off*7,on` (default: the config's).
     #[arg(long, requires = "config")]
     pub(crate) gates: Option<String>,
-    /// The bench workload (`overlap bench`'s flags; --iters, --warmup and --window do
-    /// not change a simulation).
+    /// The bench workload (`overlap bench`'s flags; --iters and --warmup do not change
+    /// a simulation).
     #[command(flatten)]
     pub(crate) bench: BenchArgs,
     /// Report this rank's figures (and draw its streams).
@@ -117,6 +119,8 @@ struct Workload {
     compute_ms_per_grad: f64,
     ring: CopyRing,
     aliasing: bool,
+    /// Stage-1 buffers in flight per rank (`--window`, `[overlap] stage1_window`).
+    window: u32,
 }
 
 /// Runs `overlap simulate`.
@@ -162,6 +166,8 @@ fn bench_workload(b: &BenchArgs, p: &Profile) -> Result<Workload, Error> {
             in_place: !b.no_in_place,
         },
         aliasing: !b.no_alias,
+        // As the bench hands it to the executor.
+        window: b.window.max(1),
     })
 }
 
@@ -220,6 +226,7 @@ fn config_workload(
             in_place: true,
         },
         aliasing: true,
+        window: cfg.overlap.stage1_window,
     })
 }
 
@@ -234,6 +241,12 @@ fn options(plan: &Arc<Plan>, w: &Workload, backward: Backward) -> Options {
             Vec::new()
         },
         copy: w.ring,
+        stage1: Some(Stage1Window {
+            window: w.window,
+            releases: (0..plan.mesh.world())
+                .map(|r| overlap_executor::stage1_releases(plan, r, w.aliasing))
+                .collect(),
+        }),
     }
 }
 

@@ -1,9 +1,10 @@
 //! `overlap tune`: the command line of `overlap::tune` (the search: a fixed grid of
 //! bucket caps, transports, combine lags, copy rings and stream bindings, each setting
-//! simulated on a hardware profile; docs/simulate.md). It prints the winner as config
-//! sections ready to paste, the predicted gain over the config's own setting and the
-//! best settings, progress on stderr; `--confirm N` writes the best N as configs and
-//! prints the GPU commands that measure them (it runs no GPU itself).
+//! simulated on a hardware profile with a few Stage-1 windows; docs/simulate.md). It
+//! prints the winner as config sections ready to paste, the predicted gain over the
+//! config's own setting and the best settings, progress on stderr; `--confirm N` writes
+//! the best N as configs and prints the GPU commands that measure them (it runs no GPU
+//! itself).
 //!
 //! Invariant: stdout is a pure function of the arguments, the config and the profile.
 
@@ -130,19 +131,22 @@ fn render(r: &TuneReport) -> String {
         .map_or_else(|| "unbounded".into(), |g| format!("{g} GiB"));
     let _ = writeln!(
         t,
-        "overlap tune ({}: {} ranks, gates {}) on {}: {} settings, {} refused by the planner or placement, {} over the memory budget ({budget})",
-        r.config, r.world, r.gates, r.hardware, r.settings, r.pruned_invalid, r.pruned_memory
+        "overlap tune ({}: {} ranks, gates {}) on {}: {} settings, {} with their stage1_window, {} refused by the planner or placement, {} over the memory budget ({budget})",
+        r.config,
+        r.world,
+        r.gates,
+        r.hardware,
+        r.settings,
+        r.candidates,
+        r.pruned_invalid,
+        r.pruned_memory
     );
     let _ = writeln!(
         t,
         "predicted step: config's own setting {:.3} ms ({:.2} GiB), best {:.3} ms ({:.2} GiB): {:.3} ms ({:.1} %) less",
         r.own_ms, r.own_memory_gib, r.best_ms, r.top[0].memory_gib, r.gain_ms, r.gain_pct
     );
-    let _ = writeln!(
-        t,
-        "(stage1_window is not modelled by the simulator: kept at the config's {})\n",
-        r.stage1_window
-    );
+    let _ = writeln!(t);
     let _ = writeln!(t, "# paste in place of the config's sections:");
     t.push_str(&r.sections);
     let _ = writeln!(t, "\n# the best {} settings:", r.top.len());

@@ -154,6 +154,53 @@ fn simulate_is_deterministic_and_draws_the_predicted_step() {
     );
 }
 
+/// `--window` and a config's `[overlap] stage1_window` reach the simulation (the
+/// executor's backpressure, docs/simulate.md).
+#[test]
+fn the_stage1_window_changes_the_predicted_step() {
+    let hw = "hardware/h200-nvlink.toml";
+    let rs1 = |window: &str| {
+        let args: Vec<String> = ["--gemms", "1", "--transport", "copy", "--window", window]
+            .iter()
+            .map(|a| a.to_string())
+            .collect();
+        simulate(hw, &args)
+    };
+    let ms = |r: &serde_json::Value| r["overlap_ms"].as_f64().unwrap();
+    let (w1, w2, w8, w16) = (rs1("1"), rs1("2"), rs1("8"), rs1("16"));
+    assert_eq!(w2["window"], 2);
+    // Window 2: before each pack the host waits for the combine of the layer two back
+    // (deferred by `combine_lag = 1`, beside the next backward), which holds back the
+    // next layer's backward. Window 1 lets each buffer go before its combine was issued,
+    // so, as in the executor, it waits for nothing; from 8 the combines waited for have
+    // long completed.
+    assert!(ms(&w2) > ms(&w8) + 0.1, "{} vs {}", ms(&w2), ms(&w8));
+    assert_eq!(ms(&w1), ms(&w8));
+    // 16 layers, 16 packs: a window of 16 never waits.
+    assert_eq!(ms(&w16), ms(&w8));
+    // A config's window.
+    let text = std::fs::read_to_string(root().join("examples/hsdp_2x2.toml")).unwrap();
+    assert!(text.contains("\nstage1_window = 8\n"));
+    let config = |window: u32| {
+        let p = scratch(
+            &format!("hsdp-w{window}.toml"),
+            &text.replace(
+                "\nstage1_window = 8\n",
+                &format!("\nstage1_window = {window}\n"),
+            ),
+        );
+        ms(&json(&overlap(&[
+            "simulate",
+            "--hardware",
+            "hardware/h200-8x-400g.toml",
+            "--config",
+            p.to_str().unwrap(),
+            "--json",
+        ])))
+    };
+    assert!(config(1) > config(64), "{} vs {}", config(1), config(64));
+}
+
 #[test]
 fn simulate_runs_configs_and_multi_node_meshes() {
     let r = json(&overlap(&[

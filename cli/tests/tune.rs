@@ -1,5 +1,6 @@
 //! `overlap tune`: the known optimum of synthetic profiles (copy engines much faster or
-//! much slower than NCCL), determinism, bad inputs refused with the name of what is
+//! much slower than NCCL, a host slow enough that the Stage-1 window matters),
+//! determinism, bad inputs refused with the name of what is
 //! wrong, and the printed sections loading back as a config that plans and validates.
 
 use std::path::{Path, PathBuf};
@@ -138,6 +139,76 @@ fn tune_finds_the_bucket_cap_a_synthetic_profile_favours() {
     // cap that makes one bucket of the grid, 64 MiB.
     assert_eq!(r["top"][0]["bucket_cap_bytes"], 64u64 << 20, "{r}");
     assert!(r["gain_ms"].as_f64().unwrap() > 5.0, "{r}");
+}
+
+#[test]
+fn tune_finds_the_stage1_window_a_slow_host_favours() {
+    let config = scratch("window.toml", CONFIG);
+    // 200 µs of host time per node: the step is host-bound. With a window of 1, before
+    // each pack the host waits for the node that frees the previous Stage-1 buffer (its
+    // fold, issued just before) to run on the device, and each wait adds to the step; a
+    // window of 2 or more never waits for a node still running.
+    let slow_host = tweaked("slow-host.toml", |table, key| match (table, key) {
+        ("host", "issue_us_per_node") => Some("200".into()),
+        _ => None,
+    });
+    let all = json(&tune(&config, &slow_host, &["--json", "--top", "100000"]));
+    let top = all["top"].as_array().unwrap();
+    assert_eq!(
+        top.len() as u64,
+        all["candidates"].as_u64().unwrap(),
+        "{all}"
+    );
+    let best = &top[0];
+    // Equal steps go to the smaller memory: the smallest window that does not wait.
+    assert_eq!(best["stage1_window"], 2, "{best}");
+    assert!(
+        all["sections"]
+            .as_str()
+            .unwrap()
+            .contains("stage1_window = 2\n"),
+        "{all}"
+    );
+    // The same setting with each window: 1 is slower, the larger ones predict the same
+    // step and hold more memory.
+    let setting = |s: &serde_json::Value| {
+        let w = format!("window {}", s["stage1_window"]);
+        s["label"].as_str().unwrap().replacen(&w, "window", 1)
+    };
+    let same: Vec<&serde_json::Value> =
+        top.iter().filter(|s| setting(s) == setting(best)).collect();
+    let ms = |s: &serde_json::Value| s["overlap_ms"].as_f64().unwrap();
+    let gib = |s: &serde_json::Value| s["memory_gib"].as_f64().unwrap();
+    let mut windows: Vec<u64> = same
+        .iter()
+        .map(|s| s["stage1_window"].as_u64().unwrap())
+        .collect();
+    windows.sort_unstable();
+    assert_eq!(windows, [1, 2, 4, 8, 16], "{same:?}");
+    for s in &same {
+        match s["stage1_window"].as_u64().unwrap() {
+            1 => assert!(
+                ms(s) > ms(best) + 0.05 && gib(s) < gib(best),
+                "{s} vs {best}"
+            ),
+            2 => {}
+            _ => assert!(ms(s) == ms(best) && gib(s) > gib(best), "{s} vs {best}"),
+        }
+    }
+    // A budget between the memory of window 1 and of window 2 of that setting: the
+    // winner is the fastest setting that fits, which here holds one Stage-1 buffer.
+    let one = same.iter().find(|s| s["stage1_window"] == 1).unwrap();
+    let budget = (gib(one) + gib(best)) / 2.0;
+    let fits = top.iter().find(|s| gib(s) <= budget).unwrap();
+    let r = json(&tune(
+        &config,
+        &slow_host,
+        &["--json", "--memory-gib", &budget.to_string()],
+    ));
+    assert_eq!(r["top"][0]["label"], fits["label"], "{r}");
+    assert_eq!(r["top"][0]["stage1_window"], 1, "{r}");
+    assert!(r["pruned_memory"].as_u64().unwrap() > 0, "{r}");
+    assert!(r["best_ms"].as_f64().unwrap() > ms(best), "{r}");
 }
 
 #[test]

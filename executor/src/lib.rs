@@ -1241,3 +1241,134 @@ pub fn aliased_nodes(plan: &Arc<Plan>, rank: u32) -> Vec<bool> {
         .map(Option::is_some)
         .collect()
 }
+
+/// What frees each Stage-1 buffer of a rank when the executor issues `plan` with
+/// [`ExecConfig::aliasing`] set to `aliasing`: for every piece of transient memory that
+/// holds a Stage-1 buffer's send, output or receive names, the node whose issue records
+/// its release (the memory's last final accessor in serial order) and the final
+/// accessors whose completion frees it. That is what [`ExecConfig::stage1_window`]'s
+/// backpressure waits for before a later pack, as a cost model of the plan needs it
+/// (`overlap simulate`; the rules are `rank.rs`'s `release_after` and `backpressure`).
+pub fn stage1_releases(
+    plan: &Arc<Plan>,
+    rank: u32,
+    aliasing: bool,
+) -> Vec<overlap_graph::simulate::Stage1Release> {
+    let p = Prepared::new(plan.clone(), rank, aliasing);
+    // Every final accessor of each piece of memory, in serial order: the executor
+    // records a release event after each and waits for all of them.
+    let mut finals: rustc_hash::FxHashMap<Buffer, Vec<u32>> = Default::default();
+    for (n, list) in p.finals.iter().enumerate() {
+        for &(root, _) in list {
+            finals.entry(root).or_default().push(n as u32);
+        }
+    }
+    let mut out = Vec::new();
+    for (n, list) in p.finals.iter().enumerate() {
+        for &(root, last) in list {
+            if !last {
+                continue;
+            }
+            let mut keys: Vec<(u32, u32)> = Vec::new();
+            for b in p.names_of(&root) {
+                if let Buffer::Send {
+                    bucket,
+                    micro_batch,
+                }
+                | Buffer::Stage1Out {
+                    bucket,
+                    micro_batch,
+                }
+                | Buffer::Recv {
+                    bucket,
+                    micro_batch,
+                    ..
+                } = *b
+                {
+                    if !keys.contains(&(bucket, micro_batch)) {
+                        keys.push((bucket, micro_batch));
+                    }
+                }
+            }
+            for (bucket, micro_batch) in keys {
+                out.push(overlap_graph::simulate::Stage1Release {
+                    bucket,
+                    micro_batch,
+                    after: n as u32,
+                    nodes: finals.get(&root).cloned().unwrap_or_default(),
+                });
+            }
+        }
+    }
+    out
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use overlap_graph::{Gate, Mesh, ParamSpec, PlanSpec, Planner, Route, Schedule, Transport};
+
+    /// Mesh 2x1, three `fsdp` layers, two micro-batches.
+    fn plan(transport: Transport) -> Arc<Plan> {
+        let params = (0..3)
+            .map(|l| ParamSpec {
+                name: format!("l{l}.w"),
+                shape: vec![64, 48],
+                route: Route::Fsdp,
+                layer: l,
+            })
+            .collect();
+        let spec = PlanSpec::new(Mesh::new(2, 1).unwrap(), params).with_schedule(Schedule {
+            transport,
+            ..Schedule::default()
+        });
+        Arc::new(
+            Planner::new(spec)
+                .unwrap()
+                .plan(&[Gate::ReplicateOff, Gate::On])
+                .unwrap(),
+        )
+    }
+
+    /// Every pack's Stage-1 buffer is released after its Stage 1 (the collective, or the
+    /// exchange and its combine), by nodes that touch it, announced by the last of them.
+    #[test]
+    fn stage1_releases_free_every_buffer_after_its_stage1() {
+        for transport in [Transport::Nccl, Transport::Copy] {
+            let plan = plan(transport);
+            for aliasing in [false, true] {
+                let nodes = &plan.ranks[0].nodes;
+                let releases = stage1_releases(&plan, 0, aliasing);
+                let packs: Vec<_> = nodes
+                    .iter()
+                    .filter(|n| matches!(n.op, Op::Pack { .. }))
+                    .collect();
+                assert!(packs.len() >= 6, "{transport:?}");
+                for pack in packs {
+                    let key = (pack.op.bucket(), pack.op.micro_batch());
+                    let mine: Vec<_> = releases
+                        .iter()
+                        .filter(|r| (Some(r.bucket), Some(r.micro_batch)) == key)
+                        .collect();
+                    assert!(!mine.is_empty(), "{transport:?}: {key:?} never released");
+                    for r in &mine {
+                        assert!(r.after >= pack.id && r.nodes.contains(&r.after), "{r:?}");
+                        assert_eq!(r.nodes.iter().max(), Some(&r.after), "{r:?}");
+                    }
+                    let stage1 = nodes
+                        .iter()
+                        .find(|n| {
+                            (n.op.bucket(), n.op.micro_batch()) == key
+                                && matches!(n.op, Op::Stage1 { .. } | Op::Combine { .. })
+                        })
+                        .unwrap();
+                    assert!(
+                        mine.iter().any(|r| r.nodes.contains(&stage1.id)),
+                        "{transport:?}: {key:?} released before {}",
+                        plan.label(stage1)
+                    );
+                }
+            }
+        }
+    }
+}

@@ -9,7 +9,7 @@ use crate::plan::Plan;
 
 use super::cost::{node_cost, Class, Cost};
 use super::profile::Profile;
-use super::{in_place_comms, NodeTime, Options, SimError, Simulation};
+use super::{in_place_comms, NodeTime, Options, SimError, Simulation, Stage1Window};
 
 /// The backward keeps at least this share of its rate beside communication.
 const MIN_COMPUTE_RATE: f64 = 0.05;
@@ -29,6 +29,20 @@ struct StreamSim {
 /// A rendezvous: the communicator and the member's position on it.
 type Comm = (Group, Stream);
 
+/// One rank's host: it issues the rank's nodes in the host issue order, each costing
+/// `host.issue_us_per_node`, and before a pack the Stage-1 window holds back it waits for
+/// the completion of the nodes that free the buffer `window` packs earlier.
+struct Host {
+    /// The rank's nodes in the host issue order.
+    runs: Vec<NodeId>,
+    /// The position in `runs` of the next node to issue.
+    next: usize,
+    /// When the host issued its last node.
+    t: f64,
+    /// Per pack the window holds back: the nodes the host waits for before issuing it.
+    waits: HashMap<NodeId, Vec<NodeId>>,
+}
+
 /// Work in progress: one node, or one collective's nodes on all its members.
 struct Act {
     members: Vec<(u32, NodeId)>,
@@ -45,7 +59,9 @@ struct Sim<'a> {
     streams: Vec<Vec<StreamSim>>,
     /// Per rank, per node: its stream's index in `streams[rank]`.
     stream_of: Vec<Vec<usize>>,
+    /// Per rank, per node: when its host issued it (infinite until then).
     issued_at: Vec<Vec<f64>>,
+    hosts: Vec<Host>,
     costs: Vec<Vec<Cost>>,
     recorded: Vec<Vec<Option<f64>>>,
     times: Vec<Vec<Option<NodeTime>>>,
@@ -73,6 +89,9 @@ pub fn simulate(plan: &Plan, profile: &Profile, opts: &Options) -> Result<Simula
     plan.check_well_formed()
         .map_err(|e| SimError::Plan(e.to_string()))?;
     let world = plan.ranks.len();
+    if let Some(w) = &opts.stage1 {
+        check_window(plan, w)?;
+    }
     let in_place = in_place_comms(plan, opts.copy);
     let is_in_place = |c: &crate::node::Collective, s: Stream| in_place.contains(&(c.group, s));
     let mut sim = Sim {
@@ -81,6 +100,7 @@ pub fn simulate(plan: &Plan, profile: &Profile, opts: &Options) -> Result<Simula
         streams: Vec::with_capacity(world),
         stream_of: Vec::with_capacity(world),
         issued_at: Vec::with_capacity(world),
+        hosts: Vec::with_capacity(world),
         costs: Vec::with_capacity(world),
         recorded: Vec::with_capacity(world),
         times: Vec::with_capacity(world),
@@ -102,10 +122,10 @@ pub fn simulate(plan: &Plan, profile: &Profile, opts: &Options) -> Result<Simula
         for node in &rp.nodes {
             costs.push(node_cost(plan, profile, opts, &is_in_place, r, node)?);
         }
-        // Host issue: each node once its host has issued everything before it.
+        // Host issue: each node once its host has issued everything before it (and, past
+        // the Stage-1 window, the nodes that free an earlier buffer have completed).
         let order = issue_order(rp);
-        let mut issued_at = vec![0.0; n];
-        let mut host = 0.0;
+        let mut runs = Vec::with_capacity(n);
         let mut seen_record = vec![false; rp.events as usize];
         let mut pos = [0usize; Stream::COUNT];
         let mut index_of = [usize::MAX; Stream::COUNT];
@@ -122,10 +142,7 @@ pub fn simulate(plan: &Plan, profile: &Profile, opts: &Options) -> Result<Simula
             let at = pos[si];
             pos[si] += 1;
             match ins {
-                Instr::Run(id) => {
-                    host += profile.issue_us_per_node * 1e-6;
-                    issued_at[id as usize] = host;
-                }
+                Instr::Run(id) => runs.push(id),
                 Instr::Record(e) => seen_record[e as usize] = true,
                 Instr::Wait(e) => live[si][at] = seen_record[e as usize],
             }
@@ -177,7 +194,17 @@ pub fn simulate(plan: &Plan, profile: &Profile, opts: &Options) -> Result<Simula
         }
         sim.streams.push(streams);
         sim.stream_of.push(stream_of);
-        sim.issued_at.push(issued_at);
+        let waits = match &opts.stage1 {
+            Some(w) => window_waits(rp, &runs, w),
+            None => HashMap::new(),
+        };
+        sim.issued_at.push(vec![f64::INFINITY; n]);
+        sim.hosts.push(Host {
+            runs,
+            next: 0,
+            t: 0.0,
+            waits,
+        });
         sim.costs.push(costs);
         sim.recorded.push(vec![None; rp.events as usize]);
         sim.times.push(vec![None; n]);
@@ -203,6 +230,94 @@ pub fn simulate(plan: &Plan, profile: &Profile, opts: &Options) -> Result<Simula
             })
             .collect(),
     })
+}
+
+/// Refuses a Stage-1 window of 0 and releases that do not fit the plan.
+fn check_window(plan: &Plan, w: &Stage1Window) -> Result<(), SimError> {
+    if w.window == 0 {
+        return Err(SimError::Options(
+            "the Stage-1 window must be at least 1 buffer".into(),
+        ));
+    }
+    if w.releases.len() != plan.ranks.len() {
+        return Err(SimError::Options(format!(
+            "the Stage-1 window's releases cover {} ranks, the plan has {}",
+            w.releases.len(),
+            plan.ranks.len()
+        )));
+    }
+    for (rp, list) in plan.ranks.iter().zip(&w.releases) {
+        let n = rp.nodes.len() as u32;
+        for rel in list {
+            if let Some(bad) = std::iter::once(rel.after)
+                .chain(rel.nodes.iter().copied())
+                .find(|&m| m >= n)
+            {
+                return Err(SimError::Options(format!(
+                    "a Stage-1 release of rank {} (bucket {}, micro-batch {}) names node {bad}, but the rank has {n} nodes",
+                    rp.rank, rel.bucket, rel.micro_batch
+                )));
+            }
+        }
+    }
+    Ok(())
+}
+
+/// Per pack that the Stage-1 window holds back on rank `rp` (whose nodes the host issues
+/// in the order `runs`): the nodes the host waits for before issuing it. As the executor
+/// does (`rank.rs`, `backpressure`): the packs' buffers are in flight first in, first
+/// out; before the `k`-th pack, with `window` in flight, the host lets go of the oldest,
+/// the `(k − window)`-th, waiting for the releases of it that it has issued by then (a
+/// release issued after that pack is never waited for).
+fn window_waits(
+    rp: &crate::plan::RankProgram,
+    runs: &[NodeId],
+    w: &Stage1Window,
+) -> HashMap<NodeId, Vec<NodeId>> {
+    let mut pos = vec![usize::MAX; rp.nodes.len()];
+    for (i, &id) in runs.iter().enumerate() {
+        pos[id as usize] = i;
+    }
+    let packs: Vec<(NodeId, (u32, u32))> = runs
+        .iter()
+        .filter_map(|&id| match rp.nodes[id as usize].op {
+            Op::Pack {
+                bucket,
+                micro_batch,
+                ..
+            } => Some((id, (bucket, micro_batch))),
+            _ => None,
+        })
+        .collect();
+    let mut by_key: HashMap<(u32, u32), Vec<&super::Stage1Release>> = HashMap::new();
+    if let Some(list) = w.releases.get(rp.rank as usize) {
+        for rel in list {
+            by_key
+                .entry((rel.bucket, rel.micro_batch))
+                .or_default()
+                .push(rel);
+        }
+    }
+    let window = w.window.max(1) as usize;
+    let mut waits = HashMap::new();
+    for k in window..packs.len() {
+        let (pack, _) = packs[k];
+        let (opened, key) = packs[k - window];
+        let (from, to) = (pos[opened as usize], pos[pack as usize]);
+        let mut nodes: Vec<NodeId> = by_key
+            .get(&key)
+            .into_iter()
+            .flatten()
+            .filter(|rel| (from..to).contains(&pos[rel.after as usize]))
+            .flat_map(|rel| rel.nodes.iter().copied())
+            .collect();
+        nodes.sort_unstable();
+        nodes.dedup();
+        if !nodes.is_empty() {
+            waits.insert(pack, nodes);
+        }
+    }
+    waits
 }
 
 /// The combine of an exchange's stage on the same rank.
@@ -322,11 +437,36 @@ impl Sim<'_> {
         self.touch(r);
     }
 
+    /// Rank `r`'s host issues its nodes as far as it can (up to a pack whose Stage-1
+    /// window waits for nodes not completed yet); whether it issued any.
+    fn issue(&mut self, r: u32) -> bool {
+        let ri = r as usize;
+        let cost = self.profile.issue_us_per_node * 1e-6;
+        let host = &mut self.hosts[ri];
+        let start = host.next;
+        while let Some(&n) = host.runs.get(host.next) {
+            if let Some(wait) = host.waits.get(&n) {
+                if !wait.iter().all(|&m| self.done[ri][m as usize]) {
+                    break;
+                }
+                // The host goes on when the last of them completed (if after its clock).
+                host.t = wait
+                    .iter()
+                    .filter_map(|&m| self.times[ri][m as usize].map(|t| t.end))
+                    .fold(host.t, f64::max);
+            }
+            host.t += cost;
+            self.issued_at[ri][n as usize] = host.t;
+            host.next += 1;
+        }
+        host.next > start
+    }
+
     /// Runs rank `r`'s streams as far as they go at the current time.
     fn advance(&mut self, r: u32) -> Result<(), SimError> {
         let ri = r as usize;
         loop {
-            let mut progressed = false;
+            let mut progressed = self.issue(r);
             for si in 0..self.streams[ri].len() {
                 loop {
                     let s = &self.streams[ri][si];
@@ -357,8 +497,12 @@ impl Sim<'_> {
                         Instr::Run(n) => {
                             let at = self.issued_at[ri][n as usize];
                             if at > self.now {
-                                let w = &mut self.wake[ri];
-                                *w = Some(w.map_or(at, |x| x.min(at)));
+                                // Not issued yet (the host waits for the window): the
+                                // completion it waits for wakes the rank.
+                                if at.is_finite() {
+                                    let w = &mut self.wake[ri];
+                                    *w = Some(w.map_or(at, |x| x.min(at)));
+                                }
                                 break;
                             }
                             progressed = true;
@@ -527,6 +671,24 @@ impl Sim<'_> {
                 }
                 let what = match s.instrs[s.ip] {
                     Instr::Wait(e) => format!("waits for event {e}, never recorded"),
+                    Instr::Run(n) if !self.issued_at[r][n as usize].is_finite() => {
+                        let node = &self.plan.ranks[r].nodes[n as usize];
+                        let host = &self.hosts[r];
+                        let pack = host.runs.get(host.next).copied().unwrap_or(n);
+                        let pending: Vec<String> = host
+                            .waits
+                            .get(&pack)
+                            .into_iter()
+                            .flatten()
+                            .filter(|&&m| !self.done[r][m as usize])
+                            .map(|m| m.to_string())
+                            .collect();
+                        format!(
+                            "node {n} ({}) is not issued: the host waits for the Stage-1 window before node {pack}, for nodes {}",
+                            self.plan.label(node),
+                            pending.join(", ")
+                        )
+                    }
                     Instr::Run(n) => {
                         let node = &self.plan.ranks[r].nodes[n as usize];
                         format!(

@@ -7,7 +7,11 @@
 //! stream has completed; a `wait` holds its stream until that moment (a wait issued
 //! before any record of its event waits for nothing); a node cannot start before its
 //! rank's host has issued it (`host.issue_us_per_node` each, in the host issue order of
-//! [`crate::order::issue_order`]). A collective, exchange or gather over two or more
+//! [`crate::order::issue_order`]); with a Stage-1 window ([`Stage1Window`], the
+//! executor's `stage1_window` backpressure) the host, before it issues the pack that
+//! opens the `k`-th Stage-1 buffer, waits until the nodes that free the buffer `k −
+//! window` have completed (those it has issued by then), as the executor waits for their
+//! release events. A collective, exchange or gather over two or more
 //! ranks is a rendezvous of its communicator (group and stream): the `k`-th one each
 //! member reaches runs once every member has reached its `k`-th, and ends on all of them
 //! at once; where the copy transport's combines read their exchanges in place, an
@@ -36,7 +40,7 @@ mod profile;
 #[cfg(test)]
 mod tests;
 
-use crate::node::{NodeId, Stream};
+use crate::node::{BucketId, NodeId, Stream};
 use crate::plan::Plan;
 
 pub use cost::{copy_seconds, nccl_seconds, Class, Cost};
@@ -89,6 +93,35 @@ impl Default for CopyRing {
     }
 }
 
+/// One piece of transient memory holding a Stage-1 buffer going free in the executor:
+/// what its backpressure waits for (`overlap_executor::stage1_releases` derives these
+/// from the executor's own release rules).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Stage1Release {
+    /// The bucket whose pack opened the Stage-1 buffer.
+    pub bucket: BucketId,
+    /// The buffer's micro-batch.
+    pub micro_batch: u32,
+    /// The node whose issue records the release (the memory's last final accessor in
+    /// serial order): a backpressure wait before a later pack waits for it, one before an
+    /// earlier pack does not know of it yet and waits for nothing.
+    pub after: NodeId,
+    /// The nodes whose completion frees the memory (its final accessors: the last write
+    /// and every read after it).
+    pub nodes: Vec<NodeId>,
+}
+
+/// The executor's Stage-1 backpressure (`[overlap] stage1_window`, `overlap bench
+/// --window`): before issuing a pack, the host waits while `window` Stage-1 buffers are
+/// in flight, for the releases of the oldest one it knows of.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Stage1Window {
+    /// At most this many Stage-1 buffers in flight per rank (at least 1).
+    pub window: u32,
+    /// Per rank (one entry per rank of the plan): what frees its Stage-1 buffers.
+    pub releases: Vec<Vec<Stage1Release>>,
+}
+
 /// What the simulation needs besides the plan and the profile.
 #[derive(Debug, Clone, PartialEq)]
 pub struct Options {
@@ -99,6 +132,8 @@ pub struct Options {
     pub aliased: Vec<Vec<bool>>,
     /// The copy transport's rings.
     pub copy: CopyRing,
+    /// The Stage-1 backpressure; `None`: the host never waits (an unbounded window).
+    pub stage1: Option<Stage1Window>,
 }
 
 impl Default for Options {
@@ -107,6 +142,7 @@ impl Default for Options {
             backward: Backward::Profile,
             aliased: Vec::new(),
             copy: CopyRing::default(),
+            stage1: None,
         }
     }
 }
@@ -133,6 +169,10 @@ pub enum SimError {
     /// The plan is not well formed.
     #[error("plan: {0}")]
     Plan(String),
+    /// The options do not fit the plan (a Stage-1 window of 0, releases for another
+    /// number of ranks or naming nodes the rank does not have).
+    #[error("options: {0}")]
+    Options(String),
     /// Some stream can never go on (a wait for a record that never comes, a
     /// rendezvous a member never reaches): the plan would hang.
     #[error("the simulated step cannot finish: {0}")]

@@ -27,6 +27,11 @@ type Program = (Vec<(Stream, Op)>, Vec<StreamProgram>, u32);
 
 /// A valid plan's tables (one `fsdp` parameter, one bucket) with the given programs.
 fn plan_with(mesh: Mesh, programs: Vec<Program>) -> Plan {
+    plan_of_gates(mesh, &[Gate::On], programs)
+}
+
+/// [`plan_with`] of a step of these gates (one micro-batch each).
+fn plan_of_gates(mesh: Mesh, gates: &[Gate], programs: Vec<Program>) -> Plan {
     let spec = PlanSpec::new(
         mesh,
         vec![ParamSpec {
@@ -36,7 +41,7 @@ fn plan_with(mesh: Mesh, programs: Vec<Program>) -> Plan {
             layer: 0,
         }],
     );
-    let mut plan = Planner::new(spec).unwrap().plan(&[Gate::On]).unwrap();
+    let mut plan = Planner::new(spec).unwrap().plan(gates).unwrap();
     plan.ranks = programs
         .into_iter()
         .enumerate()
@@ -47,8 +52,9 @@ fn plan_with(mesh: Mesh, programs: Vec<Program>) -> Plan {
                 .enumerate()
                 .map(|(i, (stream, op))| Node {
                     id: i as u32,
-                    // The step's tail nodes belong to no micro-batch.
-                    micro_batch: (!op.is_norm()).then_some(0),
+                    // The micro-batch the operation names; the step's tail nodes
+                    // belong to no micro-batch.
+                    micro_batch: op.micro_batch().or((!op.is_norm()).then_some(0)),
                     stream,
                     op,
                 })
@@ -415,6 +421,137 @@ fn the_host_issues_nodes_in_turn() {
     assert_close!(s.span(0), 21e-6);
 }
 
+/// One rank of three Stage-1 buffers (micro-batches 0, 1, 2 of bucket 0), each a pack
+/// (aliased: a marker, no device time) then a 2 ms Stage-1 kernel, all on the reduce
+/// stream, in the order `order` gives (`p` a pack, `s` a Stage-1 kernel, each followed by
+/// its micro-batch). The memory of buffer `k` is freed by its Stage-1 kernel.
+fn windowed(order: &[(char, u32)]) -> (Plan, Vec<Vec<Stage1Release>>, Vec<bool>) {
+    let nodes: Vec<(Stream, Op)> = order
+        .iter()
+        .map(|&(kind, k)| {
+            let op = match kind {
+                'p' => Op::Pack {
+                    bucket: 0,
+                    micro_batch: k,
+                    with_accum: false,
+                },
+                _ => memory_kernel(2.0),
+            };
+            (Stream::Reduce, op)
+        })
+        .collect();
+    let runs = (0..order.len() as u32).map(Instr::Run).collect();
+    let plan = plan_of_gates(
+        Mesh::new(1, 1).unwrap(),
+        &[Gate::On; 3],
+        vec![(nodes, vec![program(Stream::Reduce, runs)], 0)],
+    );
+    let releases = order
+        .iter()
+        .enumerate()
+        .filter(|(_, &(kind, _))| kind == 's')
+        .map(|(i, &(_, k))| Stage1Release {
+            bucket: 0,
+            micro_batch: k,
+            after: i as u32,
+            nodes: vec![i as u32],
+        })
+        .collect();
+    let aliased = order.iter().map(|&(kind, _)| kind == 'p').collect();
+    (plan, vec![releases], aliased)
+}
+
+#[test]
+fn a_stage1_window_of_one_serialises_stage1_behind_the_host() {
+    let (plan, releases, aliased) =
+        windowed(&[('p', 0), ('s', 0), ('p', 1), ('s', 1), ('p', 2), ('s', 2)]);
+    // The host takes 1 ms per node.
+    let mut p = profile();
+    p.issue_us_per_node = 1000.0;
+    let with = |window: Option<u32>| Options {
+        aliased: vec![aliased.clone()],
+        stage1: window.map(|window| Stage1Window {
+            window,
+            releases: releases.clone(),
+        }),
+        ..options()
+    };
+    // No window: the host issues node i at i + 1 ms. s0 runs 2–4 ms; s1, issued at 4,
+    // runs 4–6; s2, issued at 6, runs 6–8: the host stays ahead of the device.
+    let free = simulate(&plan, &p, &with(None)).unwrap();
+    // Node `n` runs from `start` to `end` ms.
+    let t = |s: &Simulation, n, start: f64, end: f64| {
+        assert_close!(s.node(0, n).start, start * MS);
+        assert_close!(s.node(0, n).end, end * MS);
+    };
+    t(&free, 1, 2.0, 4.0);
+    t(&free, 3, 4.0, 6.0);
+    t(&free, 5, 6.0, 8.0);
+    // Window 1: before p1 the host lets buffer 0 go, waiting for s0 to end (4 ms); it
+    // issues p1 at 5 and s1 at 6, which runs 6–8; before p2 it waits for s1 (8 ms),
+    // issues p2 at 9 and s2 at 10, which runs 10–12. Each Stage-1 kernel waits for two
+    // host issues after the one before it.
+    let one = simulate(&plan, &p, &with(Some(1))).unwrap();
+    t(&one, 1, 2.0, 4.0);
+    t(&one, 2, 5.0, 5.0);
+    t(&one, 3, 6.0, 8.0);
+    t(&one, 4, 9.0, 9.0);
+    t(&one, 5, 10.0, 12.0);
+    assert_close!(one.span(0), 11.0 * MS);
+    assert_close!(free.span(0), 7.0 * MS);
+    // Window 2: before p2 the host waits for s0, which ended at 4 ms, when the host had
+    // just issued s1: nothing changes.
+    assert_eq!(simulate(&plan, &p, &with(Some(2))).unwrap(), free);
+    // A window of at least the number of buffers never waits: no window, bit for bit.
+    for window in [3, 4, 100] {
+        assert_eq!(simulate(&plan, &p, &with(Some(window))).unwrap(), free);
+    }
+}
+
+#[test]
+fn a_release_issued_after_the_pack_that_lets_its_buffer_go_is_not_waited_for() {
+    // p0, p1, s0, s1, p2, s2: with window 1, p1 lets buffer 0 go before the host has
+    // issued s0 (the executor knows of no release yet), so it waits for nothing; p2 lets
+    // buffer 1 go, whose release (s1) was issued: it waits for s1.
+    let (plan, releases, aliased) =
+        windowed(&[('p', 0), ('p', 1), ('s', 0), ('s', 1), ('p', 2), ('s', 2)]);
+    let mut p = profile();
+    p.issue_us_per_node = 1000.0;
+    let o = Options {
+        aliased: vec![aliased],
+        stage1: Some(Stage1Window {
+            window: 1,
+            releases,
+        }),
+        ..options()
+    };
+    let s = simulate(&plan, &p, &o).unwrap();
+    // p1 at 2 ms, s0 at 3 (runs 3–5), s1 at 4 (runs 5–7); p2 waits for s1: issued at 8,
+    // s2 at 9, runs 9–11.
+    assert_close!(s.node(0, 1).start, 2.0 * MS);
+    assert_close!(s.node(0, 3).end, 7.0 * MS);
+    assert_close!(s.node(0, 4).start, 8.0 * MS);
+    assert_close!(s.node(0, 5).end, 11.0 * MS);
+}
+
+#[test]
+fn a_stage1_window_that_does_not_fit_the_plan_is_refused() {
+    let (plan, releases, _) = windowed(&[('p', 0), ('s', 0)]);
+    let with = |window, releases| Options {
+        stage1: Some(Stage1Window { window, releases }),
+        ..options()
+    };
+    let err = |o: &Options| match simulate(&plan, &profile(), o) {
+        Err(SimError::Options(why)) => why,
+        other => panic!("expected an options error, got {other:?}"),
+    };
+    assert!(err(&with(0, releases.clone())).contains("at least 1"));
+    assert!(err(&with(1, Vec::new())).contains("cover 0 ranks, the plan has 1"));
+    let mut far = releases;
+    far[0][0].nodes.push(7);
+    assert!(err(&with(1, far)).contains("names node 7, but the rank has 2 nodes"));
+}
+
 #[test]
 fn a_rendezvous_a_member_never_reaches_stalls_the_step() {
     use Instr::*;
@@ -529,6 +666,46 @@ fn planned_steps_run_every_node_in_stream_order_and_deterministically() {
         }
         // The same input, the same timings, bit for bit.
         assert_eq!(s, simulate(&plan.clone(), &p.clone(), &o.clone()).unwrap());
+        // A Stage-1 window: each buffer freed by the last node of its bucket and
+        // micro-batch. A window of at least the packs of a rank never waits (the same
+        // step, bit for bit); a window of 1 finishes too, no sooner.
+        let releases: Vec<Vec<Stage1Release>> = plan
+            .ranks
+            .iter()
+            .map(|rp| {
+                rp.nodes
+                    .iter()
+                    .filter(|n| matches!(n.op, Op::Pack { .. }))
+                    .map(|pack| {
+                        let key = (pack.op.bucket(), pack.op.micro_batch());
+                        let last = rp
+                            .nodes
+                            .iter()
+                            .rev()
+                            .find(|n| (n.op.bucket(), n.op.micro_batch()) == key)
+                            .map_or(pack.id, |n| n.id);
+                        Stage1Release {
+                            bucket: pack.op.bucket().unwrap(),
+                            micro_batch: pack.op.micro_batch().unwrap(),
+                            after: last,
+                            nodes: vec![last],
+                        }
+                    })
+                    .collect()
+            })
+            .collect();
+        let packs = releases.iter().map(Vec::len).max().unwrap();
+        assert!(packs >= 4, "{packs} packs");
+        let window = |window| Options {
+            stage1: Some(Stage1Window {
+                window: window as u32,
+                releases: releases.clone(),
+            }),
+            ..o.clone()
+        };
+        assert_eq!(simulate(&plan, &p, &window(packs)).unwrap(), s);
+        let one = simulate(&plan, &p, &window(1)).unwrap();
+        assert!(one.span(0) >= s.span(0), "{} < {}", one.span(0), s.span(0));
         // Aliased nodes cost nothing.
         let all = Options {
             aliased: plan
