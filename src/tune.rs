@@ -606,8 +606,71 @@ pub fn replace_sections(text: &str, sections: &str) -> String {
     out
 }
 
+/// `text` (a config) with `[run] backward_us_per_layer = us`: the key replaced where the
+/// `[run]` table sets it, added to the table where it does not, or a `[run]` table
+/// appended. `tune --confirm` writes it so that a GPU run spins for the backward the
+/// simulation assumed (the profile's, when the config's is 0).
+pub fn with_backward_us(text: &str, us: u32) -> String {
+    let line = format!("backward_us_per_layer = {us}");
+    let mut out = String::new();
+    let (mut in_run, mut seen_run, mut set) = (false, false, false);
+    for l in text.lines() {
+        let t = l.trim();
+        if t.starts_with('[') {
+            if in_run && !set {
+                out.push_str(&line);
+                out.push('\n');
+                set = true;
+            }
+            in_run =
+                t == "[run]" || (t.starts_with("[run]") && t[5..].trim_start().starts_with('#'));
+            seen_run |= in_run;
+        } else if in_run && t.split('=').next().map(str::trim) == Some("backward_us_per_layer") {
+            if !set {
+                out.push_str(&line);
+                out.push('\n');
+                set = true;
+            }
+            continue;
+        }
+        out.push_str(l);
+        out.push('\n');
+    }
+    if in_run && !set {
+        out.push_str(&line);
+        out.push('\n');
+    } else if !seen_run {
+        out.push_str("\n[run]\n");
+        out.push_str(&line);
+        out.push('\n');
+    }
+    out
+}
+
 #[cfg(test)]
 mod tests {
+    #[test]
+    fn the_backward_of_the_simulation_is_written_into_the_run_table() {
+        let base =
+            "[mesh]\nshard = 1\nreplicate = 1\n[model]\nlayers = 2\nhidden = 8\nvocab = 13\n";
+        let cases = [
+            base.to_string(),
+            format!("{base}[run]\nsteps = 3\n"),
+            format!(
+                "{base}[run]\nbackward_us_per_layer = 7\nsteps = 3\n[buckets]\ncap_bytes = 1024\n"
+            ),
+        ];
+        for text in &cases {
+            let out = with_backward_us(text, 558);
+            let cfg = Config::from_toml(&out, "t.toml").unwrap_or_else(|e| panic!("{e}\n{out}"));
+            assert_eq!(cfg.run.backward_us_per_layer, 558, "{out}");
+            assert_eq!(out.matches("backward_us_per_layer").count(), 1, "{out}");
+            if text.contains("steps = 3") {
+                assert_eq!(cfg.run.steps, 3, "{out}");
+            }
+        }
+    }
+
     use super::*;
 
     const JOB: &str = "[mesh]\nshard = 2\nreplicate = 1\n\n[model]\nlayers = 2\nhidden = 32\nvocab = 96\n\n[overlap]\ncombine_lag = 2\n\n[[param]]\nname = \"extra\"\nshape = [4, 4]\nroute = \"adamw\"\n\n[optimizer.adamw]\nlr = 0.01\n";

@@ -261,10 +261,11 @@ pub(crate) fn timed(cfg: &Config, observe: &ObserveArgs, steps: u32, n: u64) -> 
 /// measured (0 would claim perfect overlap).
 pub(crate) fn device_figures(a: &observe::StepAnalysis) -> String {
     if !a.timed() {
-        return "exposed comm n/a  overlap n/a (untimed)".into();
+        return "span n/a  exposed comm n/a  overlap n/a (untimed)".into();
     }
     format!(
-        "exposed comm {:.2} ms  overlap {}",
+        "span {:.3} ms  exposed comm {:.2} ms  overlap {}",
+        a.span_seconds() * 1e3,
         a.exposed_seconds() * 1e3,
         a.efficiency()
             .map_or_else(|| "n/a".into(), |e| format!("{e:.2}")),
@@ -344,7 +345,8 @@ mod tests {
         });
         let timed = device_figures(&observe::StepAnalysis::on_ranks(&r, &plan, &local));
         assert!(
-            timed.starts_with("exposed comm ")
+            timed.starts_with("span ")
+                && timed.contains(" ms  exposed comm ")
                 && timed.contains(" ms  overlap ")
                 && !timed.contains("n/a"),
             "{timed}"
@@ -352,7 +354,7 @@ mod tests {
         r.stats.timings.clear();
         assert_eq!(
             device_figures(&observe::StepAnalysis::on_ranks(&r, &plan, &local)),
-            "exposed comm n/a  overlap n/a (untimed)"
+            "span n/a  exposed comm n/a  overlap n/a (untimed)"
         );
     }
 }

@@ -3,10 +3,13 @@
 //! simulated on a hardware profile with a few Stage-1 windows; docs/simulate.md). It
 //! prints the winner as config sections ready to paste, the predicted gain over the
 //! config's own setting and the best settings, progress on stderr; `--confirm N` writes
-//! the best N as configs and prints the GPU commands that measure them (it runs no GPU
-//! itself).
+//! the best N as configs and, in a `cuda` build, measures each on this node's GPUs
+//! (`overlap launch ... run --backend cuda`, rank 0's device span of every step after the
+//! first) and prints the prediction beside the measurement; without the `cuda` feature
+//! it prints the commands that would.
 //!
-//! Invariant: stdout is a pure function of the arguments, the config and the profile.
+//! Invariant: without `--confirm`, stdout is a pure function of the arguments, the config
+//! and the profile.
 
 use std::path::{Path, PathBuf};
 use std::process::ExitCode;
@@ -39,13 +42,17 @@ pub(crate) struct TuneArgs {
     #[arg(long)]
     pub(crate) json: bool,
     /// Write the best N settings (all listed, whatever --top says) as full configs
-    /// (`tune-1.toml` ... under --confirm-dir) and print the GPU commands that measure
-    /// them; tune itself runs no GPU.
+    /// (`tune-1.toml` ... under --confirm-dir) and measure each on this node's GPUs
+    /// (`overlap launch --nproc-per-node W -- run --backend cuda`; needs the `cuda`
+    /// feature and W GPUs), printing the prediction beside the measurement.
     #[arg(long, value_name = "N")]
     pub(crate) confirm: Option<usize>,
     /// Where --confirm writes its configs.
     #[arg(long, default_value = "tune-confirm", requires = "confirm")]
     pub(crate) confirm_dir: PathBuf,
+    /// Steps --confirm runs per config; the first (start-up) is not counted.
+    #[arg(long, default_value_t = 6, requires = "confirm", value_parser = clap::value_parser!(u32).range(2..=1000))]
+    pub(crate) confirm_steps: u32,
 }
 
 fn usage(e: impl std::fmt::Display) -> Error {
@@ -80,20 +87,62 @@ pub(crate) fn run(a: &TuneArgs) -> Result<ExitCode, Error> {
     // --confirm N needs the best N: list at least that many.
     let top = a.top.max(a.confirm.unwrap_or(0));
     let r = tune(&mut cfg, &gates, &profile, a.memory_gib, top, &mut progress)?;
-    if let Some(n) = a.confirm {
-        confirm(a, &text, &r, n)?;
-    }
+    // The backward the simulation used: the config's, else the profile's.
+    let backward_us = match cfg.run.backward_us_per_layer {
+        0 => profile.backward_us_per_layer.round() as u32,
+        us => us,
+    };
+    let confirmed = match a.confirm {
+        Some(n) => confirm(a, &text, &r, n, backward_us)?,
+        None => Vec::new(),
+    };
     if a.json {
         println!("{}", serde_json::to_string(&r).map_err(usage)?);
+        for c in &confirmed {
+            println!("{}", serde_json::to_string(c).map_err(usage)?);
+        }
     } else {
         print!("{}", render(&r));
+        if !confirmed.is_empty() {
+            println!("\n# measured on this node's GPUs (rank 0's device span, median of the steps after the first):");
+        }
+        for c in &confirmed {
+            println!(
+                "{:>2}. predicted {:.3} ms, measured {:.3} ms over {} steps: {:+.1} %  ({})",
+                c.confirm, c.predicted_ms, c.measured_ms, c.steps, c.error_pct, c.config
+            );
+        }
     }
     Ok(ExitCode::SUCCESS)
 }
 
-/// `--confirm N`: the best N settings as full configs, and the commands that measure
-/// them on GPUs.
-fn confirm(a: &TuneArgs, text: &str, r: &TuneReport, n: usize) -> Result<(), Error> {
+/// One setting `--confirm` measured: its prediction and rank 0's measured device span.
+#[derive(Debug, Clone, serde::Serialize)]
+pub(crate) struct Confirmed {
+    /// The setting's place in the ranking (1: the winner).
+    pub(crate) confirm: usize,
+    /// The config written for it.
+    pub(crate) config: String,
+    /// `overlap_ms` predicted.
+    pub(crate) predicted_ms: f64,
+    /// Median over the steps after the first of rank 0's device span (`span` of `overlap
+    /// run`'s step line: first kernel start to last kernel end, as `overlap_ms`).
+    pub(crate) measured_ms: f64,
+    /// Steps in the median.
+    pub(crate) steps: usize,
+    /// `100 · (predicted − measured) / measured`.
+    pub(crate) error_pct: f64,
+}
+
+/// `--confirm N`: the best N settings as full configs, each measured on this node's GPUs
+/// where the build can (the commands printed otherwise).
+fn confirm(
+    a: &TuneArgs,
+    text: &str,
+    r: &TuneReport,
+    n: usize,
+    backward_us: u32,
+) -> Result<Vec<Confirmed>, Error> {
     let dir: &Path = &a.confirm_dir;
     std::fs::create_dir_all(dir).map_err(|e| {
         usage(format!(
@@ -102,24 +151,120 @@ fn confirm(a: &TuneArgs, text: &str, r: &TuneReport, n: usize) -> Result<(), Err
         ))
     })?;
     let source = Config::from_toml(text, "config").map_err(usage)?;
+    let mut out = Vec::new();
     for s in r.top.iter().take(n) {
         let setting = s.setting;
-        let body = replace_sections(text, &sections(&source, &setting));
+        // The GPU run spins for the backward the simulation assumed.
+        let body = overlap::tune::with_backward_us(
+            &replace_sections(text, &sections(&source, &setting)),
+            backward_us,
+        );
         let path = dir.join(format!("tune-{}.toml", s.rank));
         // What is written must load: the pasted sections are config text.
         Config::from_toml(&body, &path.display().to_string())?;
         std::fs::write(&path, body)
             .map_err(|e| usage(format!("--confirm: cannot write {}: {e}", path.display())))?;
-        eprintln!(
-            "tune: wrote {} (predicted {:.3} ms); measure it on GPUs with: overlap launch --nproc-per-node {} -- run --config {} --backend cuda --svg {}.svg",
-            path.display(),
-            s.overlap_ms,
+        let command = format!(
+            "overlap launch --nproc-per-node {} -- run --config {} --backend cuda --steps {} --timing-every 1",
             r.world,
             path.display(),
-            path.with_extension("").display()
+            a.confirm_steps
         );
+        if !cfg!(feature = "cuda") {
+            eprintln!(
+                "tune: wrote {} (predicted {:.3} ms); this build has no `cuda` feature, so it is not measured; on GPUs: {command}",
+                path.display(),
+                s.overlap_ms,
+            );
+            continue;
+        }
+        eprintln!(
+            "tune: measuring {} on {} GPU(s), {} steps: {command}",
+            path.display(),
+            r.world,
+            a.confirm_steps
+        );
+        let spans = measure(&path, r.world, a.confirm_steps)?;
+        let measured = median(&spans);
+        let c = Confirmed {
+            confirm: s.rank,
+            config: path.display().to_string(),
+            predicted_ms: s.overlap_ms,
+            measured_ms: measured,
+            steps: spans.len(),
+            error_pct: 100.0 * (s.overlap_ms - measured) / measured,
+        };
+        eprintln!(
+            "tune: #{} predicted {:.3} ms, measured {:.3} ms ({:+.1} %)",
+            c.confirm, c.predicted_ms, c.measured_ms, c.error_pct
+        );
+        out.push(c);
     }
-    Ok(())
+    Ok(out)
+}
+
+/// Runs a written config under `overlap launch` on this node's GPUs and returns rank 0's
+/// device span of every step after the first, in ms.
+fn measure(path: &Path, world: u32, steps: u32) -> Result<Vec<f64>, Error> {
+    let exe = std::env::current_exe()
+        .map_err(|e| usage(format!("--confirm: cannot find this executable: {e}")))?;
+    let port = std::net::TcpListener::bind("127.0.0.1:0")
+        .and_then(|l| l.local_addr())
+        .map(|a| a.port())
+        .map_err(|e| usage(format!("--confirm: no free port for the job: {e}")))?;
+    let out = std::process::Command::new(exe)
+        .args(["launch", "--nproc-per-node", &world.to_string()])
+        .args(["--master-port", &port.to_string(), "--", "run", "--config"])
+        .arg(path)
+        .args(["--backend", "cuda", "--steps", &steps.to_string()])
+        .args(["--timing-every", "1"])
+        .output()
+        .map_err(|e| usage(format!("--confirm: cannot start overlap launch: {e}")))?;
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    if !out.status.success() {
+        let stderr = String::from_utf8_lossy(&out.stderr);
+        let tail: Vec<&str> = stderr.lines().rev().take(6).collect();
+        return Err(usage(format!(
+            "--confirm: measuring {} failed ({}): {}",
+            path.display(),
+            out.status,
+            tail.into_iter().rev().collect::<Vec<_>>().join(" | ")
+        )));
+    }
+    let spans = rank0_spans(&stdout);
+    if spans.is_empty() {
+        return Err(usage(format!(
+            "--confirm: the run of {} reported no timed step after the first",
+            path.display()
+        )));
+    }
+    Ok(spans)
+}
+
+/// Rank 0's `span X ms` of each step line after the first, from `overlap launch`'s
+/// output.
+fn rank0_spans(stdout: &str) -> Vec<f64> {
+    stdout
+        .lines()
+        .filter_map(|l| l.strip_prefix("[rank 0] step "))
+        .filter(|l| !l.starts_with("1/"))
+        .filter_map(|l| {
+            let rest = l.split("  span ").nth(1)?;
+            rest.split_whitespace().next()?.parse::<f64>().ok()
+        })
+        .collect()
+}
+
+/// The median of a non-empty list.
+fn median(v: &[f64]) -> f64 {
+    let mut v = v.to_vec();
+    v.sort_by(f64::total_cmp);
+    let n = v.len();
+    if n % 2 == 1 {
+        v[n / 2]
+    } else {
+        0.5 * (v[n / 2 - 1] + v[n / 2])
+    }
 }
 
 /// The human-readable form.
@@ -158,4 +303,24 @@ fn render(r: &TuneReport) -> String {
         );
     }
     t
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn the_measured_spans_are_rank_0s_after_the_first_step() {
+        let out = "\
+[rank 0] overlap run t.toml: mesh 1x1 (1 ranks), 5 params
+[rank 0] step 1/4  gates off,on  nodes 44  wall 9.1 ms  host 3.5 us/node  stage2 0 B (saved 0 B)  partials left 0  peak params 1 MiB  span 7.500 ms  exposed comm 0.10 ms  overlap 0.9
+[rank 1] step 2/4  gates off,on  nodes 44  wall 1.0 ms  host 3.5 us/node  span 9.000 ms  exposed comm 0.10 ms  overlap 0.9
+[rank 0] step 2/4  gates off,on  nodes 44  wall 1.0 ms  host 3.5 us/node  span 1.250 ms  exposed comm 0.10 ms  overlap 0.9
+[rank 0] step 3/4  gates off,on  nodes 44  wall 1.0 ms  host 3.5 us/node  span n/a  exposed comm n/a  overlap n/a (untimed)
+[rank 0] step 4/4  gates off,on  nodes 44  wall 1.0 ms  host 3.5 us/node  span 1.750 ms  exposed comm 0.10 ms  overlap 0.9
+";
+        assert_eq!(rank0_spans(out), vec![1.25, 1.75]);
+        assert_eq!(median(&[3.0, 1.0, 2.0]), 2.0);
+        assert_eq!(median(&[4.0, 1.0, 2.0, 3.0]), 2.5);
+    }
 }

@@ -294,8 +294,36 @@ fn confirm_writes_configs_that_load() {
     ok(&o);
     let err = String::from_utf8_lossy(&o.stderr);
     assert!(err.contains("overlap launch --nproc-per-node 2"), "{err}");
+    // A build without `cuda` says so rather than measuring.
+    assert!(
+        err.contains("no `cuda` feature, so it is not measured"),
+        "{err}"
+    );
     for i in 1..=2 {
         let p = dir.join(format!("tune-{i}.toml"));
-        Config::from_file(&p).unwrap_or_else(|e| panic!("{e}"));
+        let c = Config::from_file(&p).unwrap_or_else(|e| panic!("{e}"));
+        // The written config spins for the backward the simulation assumed: the
+        // config's own 100 µs per layer.
+        assert_eq!(c.run.backward_us_per_layer, 100, "{}", p.display());
     }
+    // A config without one gets the profile's (558 µs per layer in h200-nvlink).
+    let bare = scratch(
+        "confirm-bare.toml",
+        &CONFIG.replace("backward_us_per_layer = 100", "seed = 3"),
+    );
+    let dir2 = dir.join("bare");
+    let o = tune(
+        &bare,
+        "hardware/h200-nvlink.toml",
+        &[
+            "--confirm",
+            "1",
+            "--confirm-dir",
+            &dir2.display().to_string(),
+        ],
+    );
+    ok(&o);
+    let c = Config::from_file(&dir2.join("tune-1.toml")).unwrap_or_else(|e| panic!("{e}"));
+    assert_eq!(c.run.backward_us_per_layer, 558);
+    assert_eq!(c.run.seed, 3);
 }
