@@ -7,7 +7,7 @@ use overlap::config::BackendChoice;
 use overlap::graph::Gate;
 use overlap::Error;
 
-use crate::{bench, interference, simulate, tune};
+use crate::{bench, calibrate, interference, simulate, tune};
 
 #[derive(Parser)]
 #[command(
@@ -172,6 +172,16 @@ pub(crate) enum Command {
     Tune {
         #[command(flatten)]
         args: tune::TuneArgs,
+    },
+    /// Measure on GPUs what the simulator's cost model needs (collectives, copy-engine
+    /// copies, kernels, GEMMs alone and beside each kind of communication kernel) and
+    /// write a hardware profile for `overlap simulate --hardware`. One process per GPU
+    /// (`overlap launch --nproc-per-node N -- calibrate --out FILE`); on one GPU with
+    /// `--base PROFILE`, which supplies what needs two or more. Progress on stderr, a
+    /// summary on stdout; `cuda` feature (docs/simulate.md).
+    Calibrate {
+        #[command(flatten)]
+        args: calibrate::CalibrateArgs,
     },
     /// Print this process's rank environment as JSON (for checking a launcher).
     #[command(hide = true)]

@@ -739,7 +739,11 @@ fn per_node(
 
 /// Waits for `ends` (one event per local rank), then fails with the first error any
 /// stream reported (`what` names the work).
-async fn drain<B: Backend>(backend: &B, ends: &[B::Event], what: &str) -> Result<(), Error> {
+pub(crate) async fn drain<B: Backend>(
+    backend: &B,
+    ends: &[B::Event],
+    what: &str,
+) -> Result<(), Error> {
     for ev in ends {
         backend
             .host_wait(ev)
@@ -750,6 +754,57 @@ async fn drain<B: Backend>(backend: &B, ends: &[B::Event], what: &str) -> Result
         Some((_, _, _, e)) => Err(Error::Backend(format!("{what}: {e}"))),
         None => Ok(()),
     }
+}
+
+/// Issues `warmup + iters` kernels back to back on `stream` of every local rank
+/// (`issue(rank, tag)`, the tags named `op` and numbered from 0), draining after the
+/// warm-up ones and after the timed ones, and returns the timed kernels' durations on the
+/// first local rank, in seconds and in the order they ran. The backend must record
+/// kernel timings; timings left from earlier work are dropped first.
+pub async fn repeat_timed<B: Backend>(
+    backend: &B,
+    stream: Stream,
+    op: &'static str,
+    warmup: u32,
+    iters: u32,
+    issue: impl Fn(u32, Tag) -> Result<(), Error>,
+) -> Result<Vec<f64>, Error> {
+    let ranks = backend.local_ranks();
+    let me = *ranks
+        .first()
+        .ok_or_else(|| Error::Backend("the backend drives no rank".into()))?;
+    backend.take_timings();
+    let mut out = Vec::new();
+    for (timed, count) in [(false, warmup), (true, iters)] {
+        if count == 0 {
+            continue;
+        }
+        let mut ends = Vec::new();
+        for &r in &ranks {
+            for node in 0..count {
+                issue(
+                    r,
+                    Tag {
+                        node,
+                        op,
+                        micro_batch: 0,
+                    },
+                )?;
+            }
+            let ev = backend.event(r);
+            backend.record(r, stream, &ev);
+            ends.push(ev);
+        }
+        drain(backend, &ends, op).await?;
+        let timings = backend.take_timings();
+        if timed {
+            out = crate::interference::intervals(&timings, me, op)
+                .into_iter()
+                .map(|(start, end)| end - start)
+                .collect();
+        }
+    }
+    Ok(out)
 }
 
 fn span_of(timings: &[Timing], rank: u32) -> f64 {
@@ -936,44 +991,26 @@ pub async fn collectives<B: Backend>(
             group: desc.group,
             stream,
         };
-        let mut direct = Vec::new();
-        for phase in [warmup, iters] {
-            let mut ends = Vec::new();
-            for (r, send, recv) in &bufs {
-                // Meshes S×1 and 1×R have one wide group, the same on every rank.
-                let d = desc;
-                for k in 0..phase {
-                    let tag = Tag {
-                        node: k,
-                        op: "nccl",
-                        micro_batch: 0,
-                    };
-                    backend.launch(
-                        *r,
-                        stream,
-                        tag,
-                        Kernel::Collective {
-                            desc: d,
-                            comm,
-                            send: Some(send.clone()),
-                            recv: Some(recv.clone()),
-                        },
-                    );
-                }
-                let ev = backend.event(*r);
-                backend.record(*r, stream, &ev);
-                ends.push(ev);
-            }
-            drain(&*backend, &ends, &format!("direct {}", desc.kind.name())).await?;
-            let t = backend.take_timings();
-            if phase == iters {
-                direct.extend(
-                    t.iter()
-                        .filter(|t| t.tag.op == "nccl" && t.rank == me)
-                        .map(|t| t.end - t.start),
-                );
-            }
-        }
+        // Meshes S×1 and 1×R have one wide group, the same on every rank.
+        let direct = repeat_timed(&*backend, stream, "nccl", warmup, iters, |r, tag| {
+            let (_, send, recv) = bufs
+                .iter()
+                .find(|(x, _, _)| *x == r)
+                .ok_or_else(|| Error::Backend(format!("no buffers on rank {r}")))?;
+            backend.launch(
+                r,
+                stream,
+                tag,
+                Kernel::Collective {
+                    desc,
+                    comm,
+                    send: Some(send.clone()),
+                    recv: Some(recv.clone()),
+                },
+            );
+            Ok(())
+        })
+        .await?;
         let factor = overlap::observe::bus_factor(desc.kind, n);
         let bw = |sec: f64| {
             if sec > 0.0 {
@@ -1005,7 +1042,7 @@ pub async fn collectives<B: Backend>(
 /// Opens this rank's GPU for `mesh` under a launcher (`overlap launch`), with the
 /// communicators of both the default and the serial bindings and kernel timings on.
 #[cfg(feature = "cuda")]
-fn open_cuda(
+pub(crate) fn open_cuda(
     mesh: Mesh,
     bindings: Bindings,
     links: overlap::cuda::Links,
@@ -1023,7 +1060,7 @@ fn open_cuda(
 
 /// The fingerprint of a benchmark command and its arguments.
 #[cfg(feature = "cuda")]
-fn bench_fingerprint(command: &str, args: String) -> overlap::fingerprint::Fingerprint {
+pub(crate) fn bench_fingerprint(command: &str, args: String) -> overlap::fingerprint::Fingerprint {
     let mut f = overlap::fingerprint::Fingerprint::build();
     f.push("command", command);
     f.push("bench.args", args);
@@ -1113,8 +1150,9 @@ pub async fn collectives_cuda(
     Err(no_cuda("bench-collectives"))
 }
 
+/// The error of a GPU command in a build without the CUDA backend, saying how to get it.
 #[cfg(not(feature = "cuda"))]
-fn no_cuda(what: &str) -> Error {
+pub(crate) fn no_cuda(what: &str) -> Error {
     Error::Backend(format!(
         "`overlap {what}` runs on GPUs and this build has no CUDA backend: rebuild with `cargo build --release --features cuda` and run it under `overlap launch --nproc-per-node 2 -- {what} ...`"
     ))

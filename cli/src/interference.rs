@@ -28,6 +28,15 @@
 //! operands in L2 because an earlier one left them there. The variants take turns step by step (as
 //! in `overlap bench`, so a drift of the GPU's clocks weighs on all alike); each figure
 //! is the mean device span of the timed steps.
+//!
+//! [`beside`] is the probe `overlap calibrate` runs for each kind of communication
+//! kernel (combine, copy-engine copy, NCCL collective, exchange): a block of GEMMs alone,
+//! a run of the kernels back to back alone, then both at once, round after round; what
+//! the GEMMs lose and how much longer the kernels take are the simulator's
+//! `[interference.*]` figures ([`BesideTimes::gemm_cost`], [`BesideTimes::stretch`]).
+//! Cross-rank kernels run back to back rather than one per layer, so that no rank's
+//! kernel waits for a peer whose GEMMs run behind: the first of each round meets the
+//! peers, the others run in step.
 
 // Without the `cuda` feature only the tests (on the CPU backend) use the engine.
 #![cfg_attr(not(feature = "cuda"), allow(dead_code))]
@@ -36,8 +45,9 @@ use overlap_graph::{Collective, CollectiveKind, DType, Group, ReduceOp, Stream};
 use overlap_ops::{Backend, Kernel, Tag};
 use serde::Serialize;
 
-use crate::bench::span;
+use crate::bench::{drain, span};
 use overlap::Error;
+use overlap_executor::Backward;
 
 /// The probe's sizes.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, clap::Args)]
@@ -345,6 +355,202 @@ pub async fn run<B: Backend>(
     })
 }
 
+/// The GEMM block and the kernels of [`beside`].
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct BesideArgs {
+    /// GEMM launches on the compute stream per block.
+    pub layers: u32,
+    /// bf16 GEMMs per launch.
+    pub gemms: u32,
+    /// GEMM size (each is `d × d · d × d`).
+    pub d: u32,
+    /// Kernels of the probed kind per round, back to back (at least 2: the first of
+    /// each round is not counted).
+    pub ops: u32,
+    /// Untimed rounds.
+    pub warmup: u32,
+    /// Timed rounds.
+    pub iters: u32,
+}
+
+/// What [`beside`] measured, in seconds, means over the timed rounds.
+#[derive(Debug, Clone, Copy, PartialEq, Default, Serialize)]
+pub struct BesideTimes {
+    /// The GEMM block alone (first start to last end).
+    pub gemms_alone_s: f64,
+    /// The GEMM block with the kernels beside it.
+    pub gemms_beside_s: f64,
+    /// One kernel alone, back to back (the first of each round left out).
+    pub op_alone_s: f64,
+    /// One kernel wholly beside the GEMMs (the first of each round left out).
+    pub op_beside_s: f64,
+    /// Of the kernels' work (their time alone), what ran while the GEMMs ran, per round
+    /// ([`work_beside`]).
+    pub work_beside_s: f64,
+}
+
+impl BesideTimes {
+    /// Seconds the GEMMs lose per second of the kernels' work beside them (at least 0):
+    /// the simulator's `interference.*.gemm_cost`, which slows the backward by that much
+    /// times the kernel's progress rate.
+    pub fn gemm_cost(&self) -> f64 {
+        if self.work_beside_s > 0.0 {
+            ((self.gemms_beside_s - self.gemms_alone_s) / self.work_beside_s).max(0.0)
+        } else {
+            0.0
+        }
+    }
+
+    /// How many times longer a kernel takes beside the GEMMs than alone (at least 1): the
+    /// simulator's `interference.*.stretch`.
+    pub fn stretch(&self) -> f64 {
+        if self.op_alone_s > 0.0 {
+            (self.op_beside_s / self.op_alone_s).max(1.0)
+        } else {
+            1.0
+        }
+    }
+}
+
+/// The work of `ops` (each `(start, end)`, each `each` seconds of work alone) done
+/// within `window`: each kernel's work in proportion to the part of it inside.
+pub fn work_beside(ops: &[(f64, f64)], window: (f64, f64), each: f64) -> f64 {
+    ops.iter()
+        .filter(|(s, e)| e > s)
+        .map(|&(s, e)| {
+            let inside = (e.min(window.1) - s.max(window.0)).max(0.0);
+            each * inside / (e - s)
+        })
+        .sum()
+}
+
+/// The `(start, end)` of `rank`'s kernels tagged `op` among `timings`, sorted by start.
+pub fn intervals(timings: &[overlap_ops::Timing], rank: u32, op: &str) -> Vec<(f64, f64)> {
+    let mut v: Vec<(f64, f64)> = timings
+        .iter()
+        .filter(|t| t.rank == rank && t.tag.op == op)
+        .map(|t| (t.start, t.end))
+        .collect();
+    v.sort_by(|a, b| a.0.total_cmp(&b.0));
+    v
+}
+
+/// Runs one phase of [`beside`] on every local rank: the GEMM block (when `gemms`) on
+/// the compute stream, then (when `ops`) the kernels on `stream`, after the first GEMM
+/// launch when both run; drains and returns the first local rank's timings as `(gemm
+/// window, kernel intervals sorted by start)`.
+async fn beside_phase<B: Backend>(
+    backend: &B,
+    args: &BesideArgs,
+    (stream, op): (Stream, &'static str),
+    (gemms, ops): (bool, bool),
+    issue: &dyn Fn(u32, Tag) -> Result<(), Error>,
+) -> Result<((f64, f64), Vec<(f64, f64)>), Error> {
+    let ranks = backend.local_ranks();
+    let me = ranks[0];
+    let block = Backward::Gemms {
+        count: args.gemms,
+        d: args.d,
+    };
+    backend.take_timings();
+    let mut ends = Vec::new();
+    for &r in &ranks {
+        if gemms {
+            for l in 0..args.layers {
+                backend.launch(r, Stream::Compute, tag(l, "gemm"), block.kernel());
+                if l == 0 && ops {
+                    // The kernels start once the first GEMMs ran: beside the others.
+                    let first = backend.event(r);
+                    backend.record(r, Stream::Compute, &first);
+                    backend.wait(r, stream, &first);
+                }
+            }
+        }
+        if ops {
+            for k in 0..args.ops {
+                issue(r, tag(k, op))?;
+            }
+        }
+        for s in [Stream::Compute, stream] {
+            let ev = backend.event(r);
+            backend.record(r, s, &ev);
+            ends.push(ev);
+        }
+    }
+    drain(backend, &ends, op).await?;
+    let timings = backend.take_timings();
+    let mine = |name: &str| intervals(&timings, me, name);
+    let g = mine("gemm");
+    let window = (
+        g.iter().map(|x| x.0).fold(f64::INFINITY, f64::min),
+        g.iter().map(|x| x.1).fold(f64::NEG_INFINITY, f64::max),
+    );
+    Ok((window, mine(op)))
+}
+
+/// Measures what kernels of one kind (`issue(rank, tag)` launches one on `stream`, tagged
+/// `op`) and a block of GEMMs do to each other (module docs), on every local rank alike
+/// (a cross-rank kind's members all issue it); the figures are the first local rank's.
+/// Each round: the kernels alone, the GEMMs alone, then the GEMMs with the kernels
+/// beside them (started once the first GEMM launch has run, so that they start within
+/// the block).
+pub async fn beside<B: Backend>(
+    backend: &B,
+    args: &BesideArgs,
+    stream: Stream,
+    op: &'static str,
+    issue: impl Fn(u32, Tag) -> Result<(), Error>,
+) -> Result<BesideTimes, Error> {
+    if args.layers == 0 || args.gemms == 0 || args.ops < 2 || args.iters == 0 {
+        return Err(Error::Usage(
+            "beside: at least one GEMM launch, two kernels and one timed round".into(),
+        ));
+    }
+    if stream == Stream::Compute || op == "gemm" || backend.local_ranks().is_empty() {
+        return Err(Error::Usage(format!(
+            "beside: `{op}` on the {} stream cannot run beside the GEMMs",
+            stream.name()
+        )));
+    }
+    let mut sum = BesideTimes::default();
+    let (mut beside_sum, mut beside_count) = (0.0, 0usize);
+    let kind = (stream, op);
+    for round in 0..args.warmup + args.iters {
+        let (_, alone) = beside_phase(backend, args, kind, (false, true), &issue).await?;
+        let each: Vec<f64> = alone.iter().skip(1).map(|(s, e)| e - s).collect();
+        let each = each.iter().sum::<f64>() / each.len().max(1) as f64;
+        let (g, _) = beside_phase(backend, args, kind, (true, false), &issue).await?;
+        let (w, ops) = beside_phase(backend, args, kind, (true, true), &issue).await?;
+        if round < args.warmup {
+            continue;
+        }
+        sum.gemms_alone_s += g.1 - g.0;
+        sum.gemms_beside_s += w.1 - w.0;
+        sum.op_alone_s += each;
+        sum.work_beside_s += work_beside(&ops, w, each);
+        for (s, e) in ops.iter().skip(1) {
+            if *s >= w.0 && *e <= w.1 {
+                beside_sum += e - s;
+                beside_count += 1;
+            }
+        }
+    }
+    if beside_count == 0 {
+        return Err(Error::Backend(format!(
+            "beside: no `{op}` after the first of its round ran wholly beside the GEMMs ({} launches of {} GEMMs of {}³): the GEMM block is too short for {} of them",
+            args.layers, args.gemms, args.d, args.ops
+        )));
+    }
+    let rounds = f64::from(args.iters);
+    Ok(BesideTimes {
+        gemms_alone_s: sum.gemms_alone_s / rounds,
+        gemms_beside_s: sum.gemms_beside_s / rounds,
+        op_alone_s: sum.op_alone_s / rounds,
+        op_beside_s: beside_sum / beside_count as f64,
+        work_beside_s: sum.work_beside_s / rounds,
+    })
+}
+
 /// The probe on this process's GPU (`LOCAL_RANK`, else device 0), one rank.
 #[cfg(feature = "cuda")]
 pub async fn run_cuda(args: &InterferenceArgs) -> Result<InterferenceReport, Error> {
@@ -401,6 +607,78 @@ mod tests {
                 },
             );
             Ok(())
+        }
+    }
+
+    #[test]
+    fn beside_counts_the_work_inside_the_gemms_and_derives_the_model_figures() {
+        // Window (1, 10): half of the first, all of the second, half of the third, none
+        // of the fourth; an empty interval counts nothing.
+        let ops = [
+            (0.0, 2.0),
+            (2.0, 4.0),
+            (9.0, 11.0),
+            (12.0, 13.0),
+            (5.0, 5.0),
+        ];
+        assert_eq!(work_beside(&ops, (1.0, 10.0), 3.0), 1.5 + 3.0 + 1.5);
+        let t = BesideTimes {
+            gemms_alone_s: 9.0,
+            gemms_beside_s: 9.4,
+            op_alone_s: 0.1,
+            op_beside_s: 0.55,
+            work_beside_s: 1.0,
+        };
+        assert!((t.gemm_cost() - 0.4).abs() < 1e-12 && (t.stretch() - 5.5).abs() < 1e-12);
+        // Faster beside than alone, GEMMs faster with company: clamped to the model's
+        // ranges; nothing measured: no effect.
+        let t = BesideTimes {
+            gemms_beside_s: 8.9,
+            op_beside_s: 0.05,
+            ..t
+        };
+        assert_eq!((t.gemm_cost(), t.stretch()), (0.0, 1.0));
+        assert_eq!(
+            (
+                BesideTimes::default().gemm_cost(),
+                BesideTimes::default().stretch()
+            ),
+            (0.0, 1.0)
+        );
+    }
+
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn beside_runs_a_kind_of_kernel_beside_the_gemms_on_the_cpu_backend() {
+        let backend = CpuBackend::new(overlap_graph::Mesh::new(1, 1).unwrap());
+        let (src, dst) = (
+            backend.alloc(0, 256).unwrap(),
+            backend.alloc(0, 256).unwrap(),
+        );
+        // Long enough for a loaded test machine (calibrate's CPU tests use the same).
+        let args = BesideArgs {
+            layers: 8,
+            gemms: 1,
+            d: 128,
+            ops: 3,
+            warmup: 1,
+            iters: 2,
+        };
+        let copy = pack_copy(&backend);
+        let issue = |_: u32, t: Tag| copy(Stream::Copy, t, &dst, &src);
+        let t = beside(&backend, &args, Stream::Copy, "copy", issue)
+            .await
+            .unwrap();
+        assert!(t.gemms_alone_s > 0.0 && t.gemms_beside_s > 0.0, "{t:?}");
+        assert!(t.op_alone_s > 0.0 && t.op_beside_s > 0.0, "{t:?}");
+        // Every kernel started after the first GEMMs: its work all ran beside them.
+        assert!(t.work_beside_s > 0.0, "{t:?}");
+        for (bad, stream) in [
+            (BesideArgs { ops: 1, ..args }, Stream::Copy),
+            (BesideArgs { iters: 0, ..args }, Stream::Copy),
+            (args, Stream::Compute),
+        ] {
+            let e = beside(&backend, &bad, stream, "copy", issue).await;
+            assert!(matches!(e, Err(Error::Usage(_))), "{e:?}");
         }
     }
 

@@ -1,10 +1,12 @@
 //! The `overlap` command line: wires the libraries together; no logic of its own that a
 //! library user would want. The GPU benchmarks (`bench`, `bench-collectives`,
-//! `bench-interference`, `cuda-smoke`) and the launcher live here too, so that a trainer
+//! `bench-interference`, `cuda-smoke`), the GPU calibration of hardware profiles
+//! (`calibrate`) and the launcher live here too, so that a trainer
 //! linking the `overlap` library pays for none of them.
 
 mod args;
 mod bench;
+mod calibrate;
 mod gpu;
 mod interference;
 mod job;
@@ -215,6 +217,7 @@ async fn dispatch(cmd: Command) -> Result<ExitCode, Error> {
         Command::BenchInterference { args } => bench_interference(&args).await,
         Command::Simulate { args } => simulate::run(&args),
         Command::Tune { args } => tune::run(&args),
+        Command::Calibrate { args } => calibrate::run(&args).await,
         Command::Bench {
             mut args,
             timeline,
