@@ -13,8 +13,13 @@
 //!   receive is copied out of the ring, a local copy at `copy_engine.local_gbs`;
 //! - the combine: the bytes it reads and writes at `combine.gbs`; every other executor
 //!   kernel (pack, unpack, fold, accumulate, a group-of-one stage, the norm, the clip,
-//!   AdamW) at `memory.hbm_gbs`; Muon's Newton–Schulz at `compute.fp32_tflops`;
+//!   AdamW) at `memory.hbm_gbs`; Muon's Newton–Schulz at `compute.fp32_tflops`, plus
+//!   `memory.kernel_us` for each of its [`MUON_LAUNCHES`] device operations (small
+//!   matrices are launch-bound: their GEMMs take microseconds each);
 //! - a node the executor aliases (it launches a marker, [`Options::aliased`]): nothing.
+//!
+//! The host issues a node at `host.issue_us_per_node` per device operation it makes
+//! ([`launches`]): one for every node but Muon's.
 
 use crate::mesh::Group;
 use crate::node::{Collective, CollectiveKind, Node, Op, OptimizerKind};
@@ -59,6 +64,26 @@ pub struct Cost {
 }
 
 const F32: f64 = 4.0;
+
+/// Newton–Schulz iterations the cost model assumes for Muon (the default `ns_steps`).
+pub const MUON_NS_STEPS: u32 = 5;
+
+/// Device operations of one Muon node on the CUDA backend (`ops/src/cuda/muon.rs`):
+/// the momentum, the norm's two passes, the initial scaling, per Newton–Schulz iteration
+/// three SGEMMs and two copies, and the update.
+pub const MUON_LAUNCHES: u32 = 5 + 5 * MUON_NS_STEPS;
+
+/// How many device operations the host issues for `op` (each costs it
+/// `host.issue_us_per_node`): [`MUON_LAUNCHES`] for Muon, one for every other node.
+pub fn launches(op: &Op) -> u32 {
+    match op {
+        Op::Optimizer {
+            optimizer: OptimizerKind::Muon,
+            ..
+        } => MUON_LAUNCHES,
+        _ => 1,
+    }
+}
 
 fn kernel(p: &Profile, bytes: f64, gbs: f64) -> Cost {
     Cost {
@@ -355,10 +380,10 @@ pub fn node_cost(
                     [] => (1.0, 1.0),
                 };
                 let (m, k) = (r.min(c), r.max(c));
-                let flops = 5.0 * (4.0 * m * m * k + 2.0 * m * m * m);
+                let flops = f64::from(MUON_NS_STEPS) * (4.0 * m * m * k + 2.0 * m * m * m);
                 Cost {
                     class: Class::Compute,
-                    seconds: p.kernel_us * 1e-6
+                    seconds: f64::from(MUON_LAUNCHES) * p.kernel_us * 1e-6
                         + flops / (p.fp32_tflops * 1e12)
                         + 5.0 * numel * F32 / (hbm * 1e9),
                     local_seconds: 0.0,

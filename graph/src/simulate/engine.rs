@@ -61,6 +61,8 @@ struct Sim<'a> {
     stream_of: Vec<Vec<usize>>,
     /// Per rank, per node: when its host issued it (infinite until then).
     issued_at: Vec<Vec<f64>>,
+    /// Per rank, per node: the device operations its host issues (`cost::launches`).
+    launches: Vec<Vec<u32>>,
     hosts: Vec<Host>,
     costs: Vec<Vec<Cost>>,
     recorded: Vec<Vec<Option<f64>>>,
@@ -100,6 +102,7 @@ pub fn simulate(plan: &Plan, profile: &Profile, opts: &Options) -> Result<Simula
         streams: Vec::with_capacity(world),
         stream_of: Vec::with_capacity(world),
         issued_at: Vec::with_capacity(world),
+        launches: Vec::with_capacity(world),
         hosts: Vec::with_capacity(world),
         costs: Vec::with_capacity(world),
         recorded: Vec::with_capacity(world),
@@ -199,6 +202,12 @@ pub fn simulate(plan: &Plan, profile: &Profile, opts: &Options) -> Result<Simula
             None => HashMap::new(),
         };
         sim.issued_at.push(vec![f64::INFINITY; n]);
+        sim.launches.push(
+            rp.nodes
+                .iter()
+                .map(|x| super::cost::launches(&x.op))
+                .collect(),
+        );
         sim.hosts.push(Host {
             runs,
             next: 0,
@@ -455,7 +464,7 @@ impl Sim<'_> {
                     .filter_map(|&m| self.times[ri][m as usize].map(|t| t.end))
                     .fold(host.t, f64::max);
             }
-            host.t += cost;
+            host.t += cost * f64::from(self.launches[ri][n as usize]);
             self.issued_at[ri][n as usize] = host.t;
             host.next += 1;
         }

@@ -43,7 +43,7 @@ mod tests;
 use crate::node::{BucketId, NodeId, Stream};
 use crate::plan::Plan;
 
-pub use cost::{copy_seconds, nccl_seconds, Class, Cost};
+pub use cost::{copy_seconds, launches, nccl_seconds, Class, Cost, MUON_LAUNCHES, MUON_NS_STEPS};
 pub use engine::simulate;
 pub use profile::{Beside, BusBandwidth, Key, Network, Profile, ProfileError, Rule, KEYS};
 
