@@ -606,9 +606,9 @@ impl<B: Backend> Session<B> {
     ///
     /// Ordering: `after` holds, per local rank, an event recorded on the trainer's own
     /// stream after the kernels that wrote the gradients (on CUDA
-    /// [`overlap_ops::cuda::CudaBackend::record_on`]); the plan's compute stream waits on
+    /// `CudaBackend::record_on`); the plan's compute stream waits on
     /// it, on the device, before the layer's nodes. A trainer that ran its backward on
-    /// the plan's compute stream ([`overlap_ops::cuda::CudaBackend::raw_stream`]) passes
+    /// the plan's compute stream (`CudaBackend::raw_stream`) passes
     /// none.
     ///
     /// Lifetime: the buffers stay the trainer's (allocate them with
@@ -736,7 +736,7 @@ impl<B: Backend> Session<B> {
     /// next `forward_ready*`, `backward_ready*` or `grad_ready*`), which issues its free
     /// on the plan's compute stream; a later gather may then overwrite it. The trainer's
     /// reads must be ordered before that free: issue them on the plan's compute stream
-    /// ([`overlap_ops::cuda::CudaBackend::raw_stream`]), or hand an event recorded after
+    /// (`CudaBackend::raw_stream`), or hand an event recorded after
     /// them on the trainer's stream to the next call's `after` (as
     /// [`Session::grad_ready_device`] describes; `after` here orders this call's frees
     /// of the layer before).
