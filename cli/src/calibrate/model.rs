@@ -54,6 +54,7 @@ pub const NEVER_MEASURED: &[&str] = &[
     "copy_engine.concurrency",
     "network.hop_us",
     "network.nic_gbs",
+    "host.launch_us",
 ];
 
 /// The collective kinds swept, in the order of the profile's keys.
@@ -536,6 +537,8 @@ pub fn derive(
         let why = if NEVER_MEASURED.contains(&key) {
             if key.starts_with("network.") {
                 "calibrate measures the GPUs of one node, not the network between nodes"
+            } else if key == "host.launch_us" {
+                "calibrate does not time the host's further device operations of a node (Muon's)"
             } else {
                 "calibrate does not measure how many copy-engine transfers run at full rate at once"
             }
@@ -560,6 +563,8 @@ pub fn derive(
                     "Not measured, and no --base: assumed 1 (concurrent copy-engine transfers share one rate, as the H200s of docs/perf/2026-11-30-ce-probe.log showed).".into(),
                 );
             }
+            // Optional: without it the simulation charges `host.issue_us_per_node`.
+            None if key == "host.launch_us" => {}
             None => {
                 return Err(bad(
                     key,
@@ -830,7 +835,7 @@ pub fn derive(
         .filter_map(|k| notes.iter().find(|n| n.key == k.path).cloned())
         .collect();
     if let Some(k) = KEYS.iter().find(|k| {
-        (k.required || profile.network.is_some()) && !notes.iter().any(|n| n.key == k.path)
+        (k.required || profile.get(k.path).is_some()) && !notes.iter().any(|n| n.key == k.path)
     }) {
         return Err(bad(k.path, "no figure was derived for it"));
     }

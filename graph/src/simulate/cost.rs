@@ -18,8 +18,8 @@
 //!   matrices are launch-bound: their GEMMs take microseconds each);
 //! - a node the executor aliases (it launches a marker, [`Options::aliased`]): nothing.
 //!
-//! The host issues a node at `host.issue_us_per_node` per device operation it makes
-//! ([`launches`]): one for every node but Muon's.
+//! The host issues a node in `host.issue_us_per_node`, plus `host.launch_us` for each
+//! further device operation it makes ([`launches`]: one for every node but Muon's).
 
 use crate::mesh::Group;
 use crate::node::{Collective, CollectiveKind, Node, Op, OptimizerKind};
@@ -73,8 +73,9 @@ pub const MUON_NS_STEPS: u32 = 5;
 /// three SGEMMs and two copies, and the update.
 pub const MUON_LAUNCHES: u32 = 5 + 5 * MUON_NS_STEPS;
 
-/// How many device operations the host issues for `op` (each costs it
-/// `host.issue_us_per_node`): [`MUON_LAUNCHES`] for Muon, one for every other node.
+/// How many device operations the host issues for `op` (the first costs it
+/// `host.issue_us_per_node`, each further one `host.launch_us`): [`MUON_LAUNCHES`] for
+/// Muon, one for every other node.
 pub fn launches(op: &Op) -> u32 {
     match op {
         Op::Optimizer {

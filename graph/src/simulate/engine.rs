@@ -450,7 +450,10 @@ impl Sim<'_> {
     /// window waits for nodes not completed yet); whether it issued any.
     fn issue(&mut self, r: u32) -> bool {
         let ri = r as usize;
-        let cost = self.profile.issue_us_per_node * 1e-6;
+        let (first, further) = (
+            self.profile.issue_us_per_node * 1e-6,
+            self.profile.launch_us() * 1e-6,
+        );
         let host = &mut self.hosts[ri];
         let start = host.next;
         while let Some(&n) = host.runs.get(host.next) {
@@ -464,7 +467,7 @@ impl Sim<'_> {
                     .filter_map(|&m| self.times[ri][m as usize].map(|t| t.end))
                     .fold(host.t, f64::max);
             }
-            host.t += cost * f64::from(self.launches[ri][n as usize]);
+            host.t += first + further * f64::from(self.launches[ri][n as usize] - 1);
             self.issued_at[ri][n as usize] = host.t;
             host.next += 1;
         }

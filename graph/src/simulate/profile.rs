@@ -122,6 +122,8 @@ pub const KEYS: &[Key] = &[
         doc: "the same for copies within the GPU (a receive copied out of the ring)" },
     Key { path: "host.issue_us_per_node", rule: Rule::NonNegative, required: true,
         doc: "host time to issue one node (its launch, records and waits): a node cannot start before its rank's host has issued it" },
+    Key { path: "host.launch_us", rule: Rule::NonNegative, required: false,
+        doc: "host time of each further device operation of a node (Muon's 29 after its first: cuBLAS calls, copies, kernels); absent: `host.issue_us_per_node`" },
 ];
 
 /// Bus bandwidth by collective kind, GB/s.
@@ -205,6 +207,9 @@ pub struct Profile {
     pub copy_local_stretch: f64,
     /// Host time to issue a node, µs.
     pub issue_us_per_node: f64,
+    /// Host time of each device operation of a node after its first, µs (`None`:
+    /// [`Profile::issue_us_per_node`]); see [`Profile::launch_us`].
+    pub launch_us: Option<f64>,
 }
 
 /// A profile key at fault and why.
@@ -255,7 +260,14 @@ impl Profile {
             copy_beside: none,
             copy_local_stretch: 1.0,
             issue_us_per_node: 0.0,
+            launch_us: None,
         }
+    }
+
+    /// Host time of each device operation of a node after its first, µs: `host.launch_us`,
+    /// or `host.issue_us_per_node` where the profile has none.
+    pub fn launch_us(&self) -> f64 {
+        self.launch_us.unwrap_or(self.issue_us_per_node)
     }
 
     /// The number field at a plain dotted path (not `gpus_per_node`,
@@ -301,6 +313,7 @@ impl Profile {
             "copy_engine.concurrency" => self.ce_concurrency = v as u32,
             "network.hop_us" => self.network.get_or_insert(NEUTRAL_NETWORK).hop_us = v,
             "network.nic_gbs" => self.network.get_or_insert(NEUTRAL_NETWORK).nic_gbs = v,
+            "host.launch_us" => self.launch_us = Some(v),
             _ => match self.field(path) {
                 Some(f) => *f = v,
                 None => return false,
@@ -317,6 +330,7 @@ impl Profile {
             "copy_engine.concurrency" => Some(f64::from(self.ce_concurrency)),
             "network.hop_us" => self.network.map(|n| n.hop_us),
             "network.nic_gbs" => self.network.map(|n| n.nic_gbs),
+            "host.launch_us" => self.launch_us,
             _ => self.clone().field(path).map(|f| *f),
         }
     }
