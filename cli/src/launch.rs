@@ -90,13 +90,15 @@ pub struct LaunchSpec {
 }
 
 /// Which executable the ranks run for `args`: `None` when the first argument is one of
-/// `subcommands` (the ranks run this `overlap`), else the program it names (a path, or
-/// a name looked up on `PATH` when started), torchrun's convention for a script.
+/// `subcommands` or a flag (the ranks run this `overlap`), else the program it names (a
+/// path, or a name looked up on `PATH` when started), torchrun's convention for a
+/// script.
 pub fn program_of(args: &[OsString], subcommands: &[String]) -> Option<PathBuf> {
     let first = args.first()?;
+    // A flag first (`-- --help`) is overlap's to answer, not a program to start.
     let is_subcommand = first
         .to_str()
-        .is_some_and(|f| subcommands.iter().any(|s| s == f));
+        .is_some_and(|f| f.starts_with('-') || subcommands.iter().any(|s| s == f));
     (!is_subcommand).then(|| PathBuf::from(first))
 }
 
@@ -328,4 +330,29 @@ fn pump(rank: u32, from: impl Read + Send + 'static, to_stderr: bool) -> JoinHan
             }
         }
     })
+}
+
+#[cfg(test)]
+mod program_tests {
+    use super::*;
+
+    #[test]
+    fn program_of_tells_subcommands_from_programs() {
+        let subs = vec!["run".to_string(), "verify".to_string()];
+        let args = |v: &[&str]| v.iter().map(OsString::from).collect::<Vec<_>>();
+        assert_eq!(program_of(&args(&["run", "--config", "f"]), &subs), None);
+        assert_eq!(program_of(&args(&["--help"]), &subs), None);
+        assert_eq!(program_of(&[], &subs), None);
+        assert_eq!(
+            program_of(
+                &args(&["target/release/examples/train", "--backend", "cuda"]),
+                &subs
+            ),
+            Some(PathBuf::from("target/release/examples/train"))
+        );
+        assert_eq!(
+            program_of(&args(&["python3", "train.py"]), &subs),
+            Some(PathBuf::from("python3"))
+        );
+    }
 }
