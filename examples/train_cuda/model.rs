@@ -97,8 +97,58 @@ pub struct GpuReport {
     /// `host_us_per_node` by node kind: µs per node of that kind, and the kind's nodes
     /// per step.
     pub host_us_by_kind: std::collections::BTreeMap<String, (f64, f64)>,
+    /// The overlap figures of `docs/performance.md` with the trainer's own kernels as
+    /// the compute ([`Overlap`]).
+    #[serde(flatten)]
+    pub overlap: Overlap,
     /// The loss at least halved and every relative error is within [`GPU_TOLERANCE`].
     pub ok: bool,
+}
+
+/// How well the gradient path hides behind the trainer's own forward and backward,
+/// in `docs/performance.md`'s terms, from host wall times of whole steps (median over
+/// [`OVERLAP_STEPS`] after one warm-up each):
+///
+/// - `compute_only_ms`: the trainer's kernels of a step alone (every micro-batch's
+///   forward and backward on parameters uploaded once, no session), then a
+///   synchronisation;
+/// - `comm_only_ms`: a step of the session alone (the same calls, with the gradients of
+///   the step before handed in at once and no trainer kernel);
+/// - `overlap_ms`: the training steps' `step_ms`;
+/// - `serial_ms = compute + comm` (the bench measures it with everything on one
+///   stream; here it is their sum), `ideal_ms = max(compute, comm) + comm / L` with `L`
+///   the model's three layers, and `eta = (serial − overlap) / (serial − ideal)`
+///   (`None` where serial is not above ideal).
+///
+/// On one GPU the "communication" is the plan's own work (copies for groups of one, the
+/// optimizers), so `eta` says little there; on two GPUs it is the overlap figure of the
+/// trainer's real run.
+#[derive(Debug, Clone, Serialize)]
+pub struct Overlap {
+    /// See [`Overlap`].
+    pub compute_only_ms: f64,
+    /// See [`Overlap`].
+    pub comm_only_ms: f64,
+    /// See [`Overlap`].
+    pub serial_ms: f64,
+    /// See [`Overlap`].
+    pub ideal_ms: f64,
+    /// See [`Overlap`].
+    pub eta: Option<f64>,
+}
+
+/// Steps timed for each of the overlap variants (after one warm-up step).
+pub const OVERLAP_STEPS: usize = 5;
+
+/// The median of a non-empty list.
+fn median(mut v: Vec<f64>) -> f64 {
+    v.sort_by(f64::total_cmp);
+    let n = v.len();
+    if n % 2 == 1 {
+        v[n / 2]
+    } else {
+        0.5 * (v[n / 2 - 1] + v[n / 2])
+    }
 }
 
 /// `--backend cuda`: trains on this rank's GPU and compares with the CPU backend.
@@ -114,7 +164,7 @@ pub fn main(args: &Args) -> ExitCode {
                 println!(
                     "rank {} on {}: loss {:.4} -> {:.4}; against the CPU backend (relative): loss {:.2e}, \
                      gradient norm {:.2e}, parameters {:.2e}; step {:.2} ms, host {:.2} µs/node, \
-                     grad_ready_device {:.1} µs; {}",
+                     grad_ready_device {:.1} µs; compute_only {:.2} ms, comm_only {:.2} ms, eta {}; {}",
                     r.rank,
                     r.gpu,
                     r.loss_first,
@@ -125,6 +175,9 @@ pub fn main(args: &Args) -> ExitCode {
                     r.step_ms,
                     r.host_us_per_node,
                     r.grad_ready_device_us,
+                    r.overlap.compute_only_ms,
+                    r.overlap.comm_only_ms,
+                    r.overlap.eta.map_or_else(|| "n/a".into(), |e| format!("{e:.2}")),
                     if r.ok { "ok" } else { "FAILED" }
                 );
             }
@@ -210,7 +263,16 @@ pub fn run(args: &Args) -> Result<GpuReport, Error> {
     let pieces: Vec<Option<Vec<f32>>> = (0..PARAMS as ParamId)
         .map(|p| session.param_values(rank, p))
         .collect::<Result<_, _>>()?;
+    // The overlap variants, after the compared run (comm_only's steps update the
+    // parameters with stale gradients).
+    let mut comm = Vec::new();
+    for _ in 0..=OVERLAP_STEPS {
+        let started = Instant::now();
+        runtime.block_on(model.comm_only_step(&mut session, &task))?;
+        comm.push(1e3 * started.elapsed().as_secs_f64());
+    }
     drop(session);
+    let compute = model.compute_only(&backend, &task, rank)?;
 
     // The same example on the CPU backend, every rank simulated.
     let (cpu_curve, cpu_pieces) = runtime.block_on(async {
@@ -254,6 +316,17 @@ pub fn run(args: &Args) -> Result<GpuReport, Error> {
         }
     }
     let later = (args.steps - 1) as f64;
+    let step_ms = 1e3 * wall / later;
+    let (compute_only_ms, comm_only_ms) = (median(compute), median(comm[1..].to_vec()));
+    let serial_ms = compute_only_ms + comm_only_ms;
+    let ideal_ms = compute_only_ms.max(comm_only_ms) + comm_only_ms / 3.0;
+    let overlap = Overlap {
+        compute_only_ms,
+        comm_only_ms,
+        serial_ms,
+        ideal_ms,
+        eta: (serial_ms > ideal_ms).then(|| (serial_ms - step_ms) / (serial_ms - ideal_ms)),
+    };
     let (loss_first, loss_last) = (curve[0].loss, curve[curve.len() - 1].loss);
     let ok = loss_last <= 0.5 * loss_first
         && loss_rel_err <= GPU_TOLERANCE
@@ -273,13 +346,14 @@ pub fn run(args: &Args) -> Result<GpuReport, Error> {
         loss_rel_err,
         grad_norm_rel_err,
         param_rel_err,
-        step_ms: 1e3 * wall / later,
+        step_ms,
         host_us_per_node: 1e6 * issue_seconds / nodes.max(1) as f64,
         grad_ready_device_us: 1e6 * grad_ready_seconds / grad_ready_calls.max(1) as f64,
         host_us_by_kind: by_kind
             .into_iter()
             .map(|(k, (secs, n))| (k, (1e6 * secs / n.max(1) as f64, n as f64 / later)))
             .collect(),
+        overlap,
         ok,
     })
 }
@@ -470,6 +544,68 @@ impl Model {
         let report = s.step().await?;
         self.full = vec![None; PARAMS];
         Ok((report, (seconds, calls)))
+    }
+
+    /// A step of the session alone: the same calls as [`Model::step`], with the
+    /// gradients of the step before handed in at once and no kernel of the trainer.
+    async fn comm_only_step(
+        &mut self,
+        s: &mut Session<CudaBackend>,
+        task: &Task,
+    ) -> Result<overlap::StepReport, Error> {
+        for m in 0..task.micro_batches {
+            s.begin_micro_batch(task.gate(m)).await?;
+            for layer in s.forward_layers() {
+                s.forward_ready_device(layer, &[], |_, _, _| {}).await?;
+            }
+            for layer in s.layers() {
+                s.backward_ready_device(layer, &[], |_, _, _| {}).await?;
+                let grads = &self.grads[m as usize];
+                s.grad_ready_device(layer, &[], |_, p| grads[p as usize].clone())
+                    .await?;
+            }
+        }
+        Ok(s.step().await?)
+    }
+
+    /// The trainer's kernels of a step alone, [`OVERLAP_STEPS`] times after a warm-up:
+    /// every micro-batch's forward and backward on the initial parameters uploaded once
+    /// (no session), then a synchronisation. Milliseconds per step.
+    fn compute_only(
+        &mut self,
+        backend: &CudaBackend,
+        task: &Task,
+        rank: u32,
+    ) -> Result<Vec<f64>, Error> {
+        let mut full = Vec::with_capacity(PARAMS);
+        for values in &task.init {
+            let buf = backend.alloc(rank, values.len())?;
+            backend.upload(&buf, values)?;
+            full.push(Some(buf));
+        }
+        self.full = full;
+        let mut out = Vec::new();
+        for k in 0..=OVERLAP_STEPS {
+            let started = Instant::now();
+            for m in 0..task.micro_batches {
+                let batch = task.batch(1, m, rank);
+                let labels: Vec<i32> = batch.labels.iter().map(|&l| l as i32).collect();
+                self.stream.memcpy_htod(&batch.x, &mut self.x)?;
+                self.stream.memcpy_htod(&labels, &mut self.labels)?;
+                for layer in 0..3 {
+                    self.forward(layer, m as usize)?;
+                }
+                for layer in (0..3).rev() {
+                    self.backward(layer, m as usize, task.scale())?;
+                }
+            }
+            self.stream.synchronize()?;
+            if k > 0 {
+                out.push(1e3 * started.elapsed().as_secs_f64());
+            }
+        }
+        self.full = vec![None; PARAMS];
+        Ok(out)
     }
 
     /// The full parameter `id` of the layer in use.
