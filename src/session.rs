@@ -128,6 +128,27 @@ pub struct StepReport {
     pub replica_bytes: u64,
 }
 
+impl StepReport {
+    /// The report of step 1 known only by its gates and executor figures: a step that
+    /// was simulated, or measured outside a session (`overlap bench`), for the observe
+    /// module's analysis and pictures. No optimizer, byte or memory figures.
+    pub fn of_stats(gates: Vec<Gate>, stats: StepStats) -> StepReport {
+        StepReport {
+            step: 1,
+            gates,
+            stats,
+            stage2_bytes_saved: 0,
+            stage2_bytes: 0,
+            lr_factor: 1.0,
+            lr: Vec::new(),
+            grad_norm: None,
+            skipped: None,
+            memory: Vec::new(),
+            replica_bytes: 0,
+        }
+    }
+}
+
 /// Stage-2 bytes of a step plan on the local ranks.
 #[derive(Debug, Clone, Copy, Default)]
 struct Stage2Bytes {

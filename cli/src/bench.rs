@@ -462,19 +462,7 @@ pub struct VariantSteps {
 
 /// The device span of a set of kernel timings, seconds (last end − first start).
 pub fn span(timings: &[Timing]) -> f64 {
-    let start = timings
-        .iter()
-        .map(|t| t.start)
-        .fold(f64::INFINITY, f64::min);
-    let end = timings
-        .iter()
-        .map(|t| t.end)
-        .fold(f64::NEG_INFINITY, f64::max);
-    if end > start {
-        end - start
-    } else {
-        0.0
-    }
+    overlap_graph::simulate::span_of(timings.iter().map(|t| (t.start, t.end)))
 }
 
 fn ops(e: overlap_ops::OpsError) -> Error {
@@ -671,19 +659,7 @@ pub async fn run<B: Backend>(backend: Arc<B>, args: &BenchArgs) -> Result<BenchR
 fn timeline_svg(plan: &Plan, me: u32, stats: &StepStats) -> String {
     let mut stats = stats.clone();
     stats.timings.retain(|t| t.rank == me);
-    let report = overlap::session::StepReport {
-        step: 1,
-        gates: plan.gates.clone(),
-        stats,
-        stage2_bytes_saved: 0,
-        stage2_bytes: 0,
-        lr_factor: 1.0,
-        lr: Vec::new(),
-        grad_norm: None,
-        skipped: None,
-        memory: Vec::new(),
-        replica_bytes: 0,
-    };
+    let report = overlap::session::StepReport::of_stats(plan.gates.clone(), stats);
     let analysis = overlap::observe::StepAnalysis::new(&report, plan);
     overlap::observe::svg::render(&report, plan, &analysis)
 }

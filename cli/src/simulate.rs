@@ -279,23 +279,14 @@ fn step_report(plan: &Plan, s: &Simulation, rank: u32) -> StepReport {
             }
         })
         .collect();
-    StepReport {
-        step: 1,
-        gates: plan.gates.clone(),
-        stats: overlap::StepStats {
+    StepReport::of_stats(
+        plan.gates.clone(),
+        overlap::StepStats {
             nodes: plan.ranks[rank as usize].nodes.len(),
             timings,
             ..Default::default()
         },
-        stage2_bytes_saved: 0,
-        stage2_bytes: 0,
-        lr_factor: 1.0,
-        lr: Vec::new(),
-        grad_norm: None,
-        skipped: None,
-        memory: Vec::new(),
-        replica_bytes: 0,
-    }
+    )
 }
 
 fn report(a: &SimulateArgs, w: &Workload, p: &Profile) -> Result<SimReport, Error> {

@@ -1270,24 +1270,9 @@ pub fn stage1_releases(
                 continue;
             }
             let mut keys: Vec<(u32, u32)> = Vec::new();
-            for b in p.names_of(&root) {
-                if let Buffer::Send {
-                    bucket,
-                    micro_batch,
-                }
-                | Buffer::Stage1Out {
-                    bucket,
-                    micro_batch,
-                }
-                | Buffer::Recv {
-                    bucket,
-                    micro_batch,
-                    ..
-                } = *b
-                {
-                    if !keys.contains(&(bucket, micro_batch)) {
-                        keys.push((bucket, micro_batch));
-                    }
+            for key in p.names_of(&root).iter().filter_map(rank::stage1_key) {
+                if !keys.contains(&key) {
+                    keys.push(key);
                 }
             }
             for (bucket, micro_batch) in keys {

@@ -810,26 +810,13 @@ impl<B: Backend> RankState<B> {
                 if let Some(buf) = self.buffers.remove(b) {
                     mem.get_or_insert(buf);
                 }
-                if let Buffer::Send {
-                    bucket,
-                    micro_batch,
-                }
-                | Buffer::Stage1Out {
-                    bucket,
-                    micro_batch,
-                }
-                | Buffer::Recv {
-                    bucket,
-                    micro_batch,
-                    ..
-                } = *b
-                {
+                if let Some(key) = stage1_key(b) {
                     // Only while the pack is still counted in flight: a key backpressure
                     // already let go of (a combine deferred past it) would stay here
                     // until the step's end, one per deferred chain.
-                    if self.in_flight.contains(&(bucket, micro_batch)) {
+                    if self.in_flight.contains(&key) {
                         self.released
-                            .entry((bucket, micro_batch))
+                            .entry(key)
                             .or_default()
                             .extend(release.iter().cloned());
                     }
@@ -879,6 +866,28 @@ impl<B: Backend> RankState<B> {
 }
 
 /// A bucket's pack or unpack copies (none when the plan has no such node for it).
+/// The Stage-1 buffer (bucket, micro-batch) a name belongs to: its send, output or
+/// receive. `stage1_window`'s backpressure counts these in flight and waits for their
+/// memory's release (here, and as `overlap_executor::stage1_releases` tells a cost model).
+pub(crate) fn stage1_key(b: &Buffer) -> Option<(BucketId, u32)> {
+    match *b {
+        Buffer::Send {
+            bucket,
+            micro_batch,
+        }
+        | Buffer::Stage1Out {
+            bucket,
+            micro_batch,
+        }
+        | Buffer::Recv {
+            bucket,
+            micro_batch,
+            ..
+        } => Some((bucket, micro_batch)),
+        _ => None,
+    }
+}
+
 fn segments(table: &HashMap<BucketId, Arc<[CopySeg]>>, bucket: BucketId) -> Arc<[CopySeg]> {
     table
         .get(&bucket)

@@ -197,6 +197,22 @@ pub struct Simulation {
     pub ranks: Vec<Vec<NodeTime>>,
 }
 
+/// The span of a set of `(start, end)` intervals: the last end minus the first start, 0
+/// when there are none. A simulated step's device span, and a measured one's (`overlap
+/// bench` over its kernel timings).
+pub fn span_of(intervals: impl IntoIterator<Item = (f64, f64)>) -> f64 {
+    let (start, end) = intervals
+        .into_iter()
+        .fold((f64::INFINITY, f64::NEG_INFINITY), |(s, e), (a, b)| {
+            (s.min(a), e.max(b))
+        });
+    if end > start {
+        end - start
+    } else {
+        0.0
+    }
+}
+
 impl Simulation {
     /// A node's times.
     pub fn node(&self, rank: u32, node: NodeId) -> NodeTime {
@@ -206,17 +222,7 @@ impl Simulation {
     /// A rank's device span: its first node's start to its last node's end (what
     /// `overlap bench` times), seconds.
     pub fn span(&self, rank: u32) -> f64 {
-        let times = &self.ranks[rank as usize];
-        let start = times.iter().map(|t| t.start).fold(f64::INFINITY, f64::min);
-        let end = times
-            .iter()
-            .map(|t| t.end)
-            .fold(f64::NEG_INFINITY, f64::max);
-        if end > start {
-            end - start
-        } else {
-            0.0
-        }
+        span_of(self.ranks[rank as usize].iter().map(|t| (t.start, t.end)))
     }
 
     /// Seconds a stream of a rank was busy (the union of its nodes' intervals).
