@@ -405,7 +405,35 @@ impl Config {
     /// Parses and checks config text; `source` names it in errors (a file name, or
     /// `"<inline>"`).
     pub fn from_toml(text: &str, source: &str) -> Result<Config, ConfigError> {
-        let doc = Doc { text, file: source };
+        let doc = Doc {
+            text,
+            file: source,
+            external: None,
+        };
+        let table = DeTable::parse(text).map_err(|e| doc.syntax_error(&e))?;
+        let raw = raw::Root::deserialize(toml::de::Deserializer::from(table))
+            .map_err(|e| doc.serde_error(&e))?;
+        doc.build(raw)
+    }
+
+    /// Parses and checks config text whose parameters come from the trainer's model
+    /// rather than the file: `params` take the place of `[model]` and `[[param]]`, which
+    /// the text must not have (an error names the key). Everything else (mesh, buckets,
+    /// gates, groups, schedule, clipping, `[forward]`) is read and checked as
+    /// [`Config::from_toml`] does, against these parameters: a group whose pattern
+    /// matches none of them is an error, and so is a parameter the planner rejects
+    /// (named, with the reason). Framework integrations such as `overlap-candle` build
+    /// their config this way.
+    pub fn from_toml_with_params(
+        text: &str,
+        source: &str,
+        params: Vec<ParamSpec>,
+    ) -> Result<Config, ConfigError> {
+        let doc = Doc {
+            text,
+            file: source,
+            external: Some(params),
+        };
         let table = DeTable::parse(text).map_err(|e| doc.syntax_error(&e))?;
         let raw = raw::Root::deserialize(toml::de::Deserializer::from(table))
             .map_err(|e| doc.serde_error(&e))?;
@@ -417,6 +445,9 @@ impl Config {
 struct Doc<'a> {
     text: &'a str,
     file: &'a str,
+    /// Parameters given in code ([`Config::from_toml_with_params`]) instead of the
+    /// file's `[model]` and `[[param]]`.
+    external: Option<Vec<ParamSpec>>,
 }
 
 impl Doc<'_> {
@@ -631,7 +662,10 @@ impl Doc<'_> {
             ));
         };
         let mesh = self.mesh(&raw_mesh)?;
-        let params = self.params(raw.model.as_ref(), &raw.param)?;
+        let params = match &self.external {
+            Some(external) => self.external_params(raw.model.as_ref(), &raw.param, external)?,
+            None => self.params(raw.model.as_ref(), &raw.param)?,
+        };
         let reduce = ReduceSpec {
             op: raw
                 .reduce
@@ -949,6 +983,45 @@ impl Doc<'_> {
     }
 
     /// The `[model]`'s parameters, then the explicit ones, each checked; names unique.
+    /// The parameters given in code: checked one by one (names unique), with the file
+    /// holding none of its own.
+    fn external_params(
+        &self,
+        model: Option<&Spanned<raw::Model>>,
+        explicit: &[Spanned<raw::Param>],
+        external: &[ParamSpec],
+    ) -> Result<Vec<ParamSpec>, ConfigError> {
+        let from_code = "the parameters come from the trainer's model; remove it from the config";
+        if let Some(m) = model {
+            return Err(self.err("model", Some(m.span()), from_code));
+        }
+        if let Some(p) = explicit.first() {
+            return Err(self.err("param[0]", Some(p.span()), from_code));
+        }
+        let mut seen = HashMap::new();
+        for (i, spec) in external.iter().enumerate() {
+            let name = overlap_graph::export::printable(&spec.name);
+            spec.check().map_err(|e| {
+                self.err(
+                    format!("parameter `{name}`"),
+                    None,
+                    plan_reason(e),
+                )
+            })?;
+            if let Some(j) = seen.insert(spec.name.as_str(), i) {
+                return Err(self.err(
+                    format!("parameter `{name}`"),
+                    None,
+                    format!("duplicate parameter name: parameters {j} and {i} both have it; names must be unique"),
+                ));
+            }
+        }
+        if external.is_empty() {
+            return Err(self.err("param", None, "no parameters: the model has none"));
+        }
+        Ok(external.to_vec())
+    }
+
     fn params(
         &self,
         model: Option<&Spanned<raw::Model>>,
@@ -1062,6 +1135,11 @@ impl Doc<'_> {
                     Some(explicit[i].span()),
                     plan_reason(e),
                 ),
+                None if self.external.is_some() => self.err(
+                format!("parameter `{}`", overlap_graph::export::printable(name)),
+                None,
+                plan_reason(e),
+            ),
                 None => self.err("model", model.map(Spanned::span), plan_reason(e)),
             },
             PlanError::Model(_) => self.err("model", model.map(Spanned::span), plan_reason(e)),

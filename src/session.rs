@@ -991,6 +991,66 @@ impl<B: Backend> Session<B> {
         Ok(self.executor.read(rank, Buffer::Param { param })?)
     }
 
+    /// A parameter's whole tensor (row major, `numel` elements), put together from the
+    /// pieces the local ranks hold: each shard of a sharded route from a rank of its
+    /// shard index, an owned route's tensor from its owner's shard column. Between steps
+    /// this is what the last step's optimizers and publishes left, the same on every
+    /// replica.
+    ///
+    /// It needs local ranks that cover the parameter: the CPU backend's in-process mesh
+    /// always does, as does a job of one rank. A rank of a multi-process job holds only
+    /// its pieces: there the forward's gathers (`[forward]`, [`Session::forward_ready`])
+    /// hand each layer's full parameters, and asking here is an [`Error::Usage`] naming
+    /// the elements no local rank holds. Replicas of a piece that disagree are an
+    /// [`Error::Usage`] too (they never do unless the backend is broken).
+    pub fn full_param(&self, param: ParamId) -> Result<Vec<f32>, Error> {
+        let mesh = self.planner.spec().mesh;
+        let p = self.planner.params().get(param as usize).ok_or_else(|| {
+            Error::Usage(format!(
+                "full_param({param}): the session has {} parameters",
+                self.planner.params().len()
+            ))
+        })?;
+        let numel = p.spec.numel() as usize;
+        let mut full = vec![0.0f32; numel];
+        let mut seen = vec![false; numel];
+        for rank in self.executor.local_ranks() {
+            let Some(piece) = self.param_values(rank, param)? else {
+                continue;
+            };
+            let range = p.spec.shard_range(mesh.shard, mesh.coord(rank).shard);
+            let range = range.start as usize..range.end as usize;
+            if piece.len() != range.len() {
+                return Err(Error::Usage(format!(
+                    "internal: rank {rank} holds {} elements of `{}`, its piece has {}",
+                    piece.len(),
+                    p.spec.name,
+                    range.len()
+                )));
+            }
+            for (i, v) in range.zip(piece) {
+                if seen[i] && full[i].to_bits() != v.to_bits() {
+                    return Err(Error::Usage(format!(
+                        "internal: replicas of `{}` disagree at element {i} (rank {rank})",
+                        p.spec.name
+                    )));
+                }
+                full[i] = v;
+                seen[i] = true;
+            }
+        }
+        if let Some(i) = seen.iter().position(|&x| !x) {
+            let missing = seen.iter().filter(|&&x| !x).count();
+            return Err(Error::Usage(format!(
+                "full_param(`{}`): no local rank holds element {i} ({missing} of {numel} missing); \
+                 a rank of a multi-process job holds only its pieces: read full parameters \
+                 from the forward's gathers ([forward], forward_ready)",
+                p.spec.name
+            )));
+        }
+        Ok(full)
+    }
+
     /// The reduced gradient of a parameter on a rank (its shard, or the whole tensor on
     /// the owner): after [`Session::reduce`], what the optimizer is about to consume
     /// (before clipping); after a step, what the last step's optimizer consumed (after
