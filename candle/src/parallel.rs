@@ -18,7 +18,9 @@ use std::sync::Arc;
 use candle_core::backprop::GradStore;
 use candle_core::{DType, Device, Storage, Tensor, Var};
 use candle_nn::VarMap;
-use overlap::{AdamwParams, Backend, Config, CpuBackend, Gate, ParamId, ParamSpec, Session, StepReport};
+use overlap::{
+    AdamwParams, Backend, Config, CpuBackend, Gate, ParamId, ParamSpec, Session, StepReport,
+};
 
 use crate::{Error, Rules};
 
@@ -237,8 +239,12 @@ pub struct DataParallel<B: Backend = CpuBackend> {
     /// A buffer of no elements, bound should the session ask for a gradient this crate
     /// did not hand in (it then names the parameter).
     empty: B::Buffer,
-    pub(crate) copies: Copies,
-    last: Copies,
+    pub(crate) step_copies: Copies,
+    last_copies: Copies,
+    /// Seconds spent handing gradients in (copies and session calls) in this step, and
+    /// in the last completed one.
+    hand_in: f64,
+    last_hand_in: f64,
 }
 
 impl DataParallel<CpuBackend> {
@@ -266,7 +272,11 @@ impl<B: Backend> DataParallel<B> {
         let mut first = None;
         session.init_params(|id, p| {
             let var = &params[id as usize].var;
-            match var.as_tensor().flatten_all().and_then(|t| t.to_vec1::<f32>()) {
+            match var
+                .as_tensor()
+                .flatten_all()
+                .and_then(|t| t.to_vec1::<f32>())
+            {
                 Ok(v) => v,
                 Err(e) => {
                     first.get_or_insert(Error::from(e));
@@ -308,8 +318,10 @@ impl<B: Backend> DataParallel<B> {
             begun: 0,
             open: false,
             empty,
-            copies: Copies::default(),
-            last: Copies::default(),
+            step_copies: Copies::default(),
+            last_copies: Copies::default(),
+            hand_in: 0.0,
+            last_hand_in: 0.0,
         })
     }
 
@@ -349,7 +361,14 @@ impl<B: Backend> DataParallel<B> {
 
     /// The copies of the last completed step.
     pub fn copies(&self) -> Copies {
-        self.last
+        self.last_copies
+    }
+
+    /// Seconds the last completed step spent handing gradients in: copying them into
+    /// the session's buffers and the session's calls (the trainer's forward and
+    /// backward excluded).
+    pub fn hand_in_seconds(&self) -> f64 {
+        self.last_hand_in
     }
 
     /// Starts the step's next micro-batch with its gate from `[accumulation]`. With
@@ -417,8 +436,8 @@ impl<B: Backend> DataParallel<B> {
                     return;
                 }
                 let var = &params[id as usize].var;
-                let written = Tensor::from_slice(full, var.shape(), &Device::Cpu)
-                    .and_then(|t| var.set(&t));
+                let written =
+                    Tensor::from_slice(full, var.shape(), &Device::Cpu).and_then(|t| var.set(&t));
                 match written {
                     Ok(()) => {
                         copies += 2;
@@ -430,8 +449,8 @@ impl<B: Backend> DataParallel<B> {
         if let Some(e) = failed {
             return Err(e.into());
         }
-        self.copies.params += copies;
-        self.copies.param_bytes += bytes;
+        self.step_copies.params += copies;
+        self.step_copies.param_bytes += bytes;
         Ok(())
     }
 
@@ -523,6 +542,18 @@ impl<B: Backend> DataParallel<B> {
         &mut self,
         m: usize,
         i: usize,
+        grad: impl FnMut(usize, ParamId) -> Option<Tensor>,
+    ) -> Result<(), Error> {
+        let started = std::time::Instant::now();
+        let result = self.hand_layer_timed(m, i, grad);
+        self.hand_in += started.elapsed().as_secs_f64();
+        result
+    }
+
+    fn hand_layer_timed(
+        &mut self,
+        m: usize,
+        i: usize,
         mut grad: impl FnMut(usize, ParamId) -> Option<Tensor>,
     ) -> Result<(), Error> {
         let (layer, ids) = &self.layers[i];
@@ -557,8 +588,8 @@ impl<B: Backend> DataParallel<B> {
                     });
                 }
                 with_f32_slice(&g, |s| self.backend.upload(&buf, s))?.map_err(to_exec)?;
-                self.copies.grads += 1;
-                self.copies.grad_bytes += 4 * numel as u64;
+                self.step_copies.grads += 1;
+                self.step_copies.grad_bytes += 4 * numel as u64;
             }
         }
         let bufs = &self.grad_bufs[m];
@@ -594,7 +625,8 @@ impl<B: Backend> DataParallel<B> {
         if !self.session.has_forward() {
             self.sync_vars()?;
         }
-        self.last = std::mem::take(&mut self.copies);
+        self.last_copies = std::mem::take(&mut self.step_copies);
+        self.last_hand_in = std::mem::take(&mut self.hand_in);
         Ok(report)
     }
 
@@ -605,9 +637,10 @@ impl<B: Backend> DataParallel<B> {
         for (id, p) in self.params.iter().enumerate() {
             let full = self.session.full_param(id as ParamId)?;
             let bytes = 4 * full.len() as u64;
-            p.var.set(&Tensor::from_vec(full, p.var.shape(), &Device::Cpu)?)?;
-            self.copies.params += 3;
-            self.copies.param_bytes += 3 * bytes;
+            p.var
+                .set(&Tensor::from_vec(full, p.var.shape(), &Device::Cpu)?)?;
+            self.step_copies.params += 3;
+            self.step_copies.param_bytes += 3 * bytes;
         }
         Ok(())
     }
@@ -618,7 +651,8 @@ impl<B: Backend> DataParallel<B> {
         self.runtime.block_on(self.session.zero_grad())?;
         self.begun = 0;
         self.open = false;
-        self.copies = Copies::default();
+        self.step_copies = Copies::default();
+        self.hand_in = 0.0;
         Ok(())
     }
 }

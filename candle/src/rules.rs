@@ -174,22 +174,21 @@ impl Rules {
             .map(|&(name, shape)| {
                 let block = self.block_of(name);
                 let any = |globs: &[String]| globs.iter().any(|g| glob_match(g, name));
-                let layer = if let Some((_, l)) =
-                    self.layers.iter().find(|(g, _)| glob_match(g, name))
-                {
-                    *l
-                } else if let Some(k) = block {
-                    k + 1
-                } else if any(&self.stem) {
-                    0
-                } else if any(&self.head) {
-                    blocks + 1
-                } else {
-                    return Err(Error::NoRule {
-                        name: name.to_string(),
-                        rules: self.describe(),
-                    });
-                };
+                let layer =
+                    if let Some((_, l)) = self.layers.iter().find(|(g, _)| glob_match(g, name)) {
+                        *l
+                    } else if let Some(k) = block {
+                        k + 1
+                    } else if any(&self.stem) {
+                        0
+                    } else if any(&self.head) {
+                        blocks + 1
+                    } else {
+                        return Err(Error::NoRule {
+                            name: name.to_string(),
+                            rules: self.describe(),
+                        });
+                    };
                 let route = match self.routes.iter().find(|(g, _)| glob_match(g, name)) {
                     Some((_, r)) => *r,
                     None => match self.block_matrices {

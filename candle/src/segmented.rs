@@ -133,15 +133,15 @@ impl<B: Backend> DataParallel<B> {
                 outputs: Vec::with_capacity(segments),
             })
             .collect();
-        for s in 0..segments {
-            if self.session.has_forward() && layer_index[s].is_some() {
+        for (s, layer) in layer_index.iter().enumerate() {
+            if self.session.has_forward() && layer.is_some() {
                 self.gather_into_vars(s as u32)?;
             }
             for (ri, pass) in passes.iter_mut().enumerate() {
                 let input = inputs[order[ri]].1;
                 let x = match pass.outputs.last() {
                     Some(prev) => {
-                        self.copies.activations += 1;
+                        self.step_copies.activations += 1;
                         Some(Var::from_tensor(&prev.detach())?)
                     }
                     None => None,

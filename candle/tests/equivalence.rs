@@ -86,7 +86,11 @@ impl Case {
             self.shard,
             self.replicate,
             self.micro,
-            if self.segmented { ", segmented" } else { ", simple" },
+            if self.segmented {
+                ", segmented"
+            } else {
+                ", simple"
+            },
             if self.tied { ", tied" } else { "" },
             if self.muon { ", muon" } else { "" },
             if self.forward { ", [forward]" } else { "" }
@@ -180,8 +184,13 @@ fn train_reference(case: &Case) -> Result<Run, Error> {
             ..ParamsAdamW::default()
         },
     )?;
-    let mut momentum: Vec<Vec<f64>> = muon.iter().map(|(_, v)| vec![0.0; v.elem_count()]).collect();
-    let micro = case.gates.map_or(case.micro, |g| g.matches('"').count() / 2);
+    let mut momentum: Vec<Vec<f64>> = muon
+        .iter()
+        .map(|(_, v)| vec![0.0; v.elem_count()])
+        .collect();
+    let micro = case
+        .gates
+        .map_or(case.micro, |g| g.matches('"').count() / 2);
     let world = case.shard * case.replicate;
     let mut curve = Vec::new();
     for step in 0..case.steps {
@@ -225,7 +234,13 @@ fn muon_f64(p: &[f32], g: &[f32], buf: &mut [f64], rows: usize, cols: usize) -> 
     // X is m × n with m ≤ n.
     let tall = rows > cols;
     let (m, n) = if tall { (cols, rows) } else { (rows, cols) };
-    let at = |i: usize, j: usize| if tall { u[j * cols + i] } else { u[i * cols + j] };
+    let at = |i: usize, j: usize| {
+        if tall {
+            u[j * cols + i]
+        } else {
+            u[i * cols + j]
+        }
+    };
     let mut x: Vec<Vec<f64>> = (0..m).map(|i| (0..n).map(|j| at(i, j)).collect()).collect();
     let norm = x.iter().flatten().map(|v| v * v).sum::<f64>().sqrt() + 1e-7;
     x.iter_mut().flatten().for_each(|v| *v /= norm);
@@ -243,7 +258,11 @@ fn muon_f64(p: &[f32], g: &[f32], buf: &mut [f64], rows: usize, cols: usize) -> 
         let a = mul(&x, &xt);
         let aa = mul(&a, &a);
         let b: Vec<Vec<f64>> = (0..m)
-            .map(|i| (0..m).map(|j| -4.7750 * a[i][j] + 2.0315 * aa[i][j]).collect())
+            .map(|i| {
+                (0..m)
+                    .map(|j| -4.7750 * a[i][j] + 2.0315 * aa[i][j])
+                    .collect()
+            })
             .collect();
         let bx = mul(&b, &x);
         for i in 0..m {
@@ -265,12 +284,11 @@ fn muon_f64(p: &[f32], g: &[f32], buf: &mut [f64], rows: usize, cols: usize) -> 
 /// Worst relative difference of the loss curves and of the final parameters (each
 /// parameter's difference over its magnitude, as Frobenius norms).
 fn compare(a: &Run, b: &Run) -> (f64, f64, String) {
-    let loss = a
-        .0
-        .iter()
-        .zip(&b.0)
-        .map(|(x, y)| (x - y).abs() / y.abs())
-        .fold(0.0, f64::max);
+    let loss =
+        a.0.iter()
+            .zip(&b.0)
+            .map(|(x, y)| (x - y).abs() / y.abs())
+            .fold(0.0, f64::max);
     let mut worst = (0.0, String::new());
     for (name, x) in &a.1 {
         let y = &b.1[name];
@@ -386,7 +404,10 @@ fn a_tied_weight_placed_above_a_segment_that_uses_it_is_refused_by_name() {
         .cpu()
         .unwrap();
     let batch = corpus().slice(0, 0, 0, BATCH, TIME, &dev).unwrap();
-    let e = dp.micro_batch(&model, &[(0, &batch)]).unwrap_err().to_string();
+    let e = dp
+        .micro_batch(&model, &[(0, &batch)])
+        .unwrap_err()
+        .to_string();
     assert!(e.contains("`wte.weight`") && e.contains("segment 0"), "{e}");
     // The failed micro-batch was dropped: the next one runs.
     let mut dp = DataParallel::builder(&vars)
@@ -409,7 +430,10 @@ fn misuse_is_refused_by_name() {
     let batch = corpus().slice(0, 0, 0, BATCH, TIME, &dev).unwrap();
     let e = dp.step().unwrap_err().to_string();
     assert!(e.contains("0 of the step's 2 micro-batches"), "{e}");
-    let e = dp.micro_batch(&model, &[(0, &batch)]).unwrap_err().to_string();
+    let e = dp
+        .micro_batch(&model, &[(0, &batch)])
+        .unwrap_err()
+        .to_string();
     assert!(e.contains("nothing for rank 1"), "{e}");
     let e = dp
         .micro_batch(&model, &[(0, &batch), (1, &batch), (5, &batch)])
@@ -422,14 +446,20 @@ fn misuse_is_refused_by_name() {
     let e = dp.begin_micro_batch().unwrap_err().to_string();
     assert!(e.contains("micro-batch 0 still waits"), "{e}");
     // A config with parameters of its own, and a name no rule places.
-    let with_params = format!("{}[[param]]\nname = \"x\"\nshape = [2]\nroute = \"fsdp\"\n", case.config());
+    let with_params = format!(
+        "{}[[param]]\nname = \"x\"\nshape = [2]\nroute = \"fsdp\"\n",
+        case.config()
+    );
     let e = DataParallel::builder(&vars)
         .config_toml(with_params, "params.toml")
         .cpu()
         .err()
         .unwrap()
         .to_string();
-    assert!(e.contains("param[0]") && e.contains("come from the trainer's model"), "{e}");
+    assert!(
+        e.contains("param[0]") && e.contains("come from the trainer's model"),
+        "{e}"
+    );
     let stray = Var::zeros(3, candle_core::DType::F32, &dev).unwrap();
     let e = DataParallel::builder_from_vars(vec![("stray.weight".into(), stray)])
         .config_toml(case.config(), "stray.toml")
