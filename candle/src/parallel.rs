@@ -233,6 +233,8 @@ pub struct DataParallel<B: Backend = CpuBackend> {
     begun: usize,
     /// Whether the micro-batch begun last still waits for its gradients.
     open: bool,
+    /// Per local rank, whether its gradients of the open micro-batch were copied.
+    copied: Vec<bool>,
     /// Gradient buffers of each micro-batch index, by (rank, parameter), reused every
     /// step: the session reads them until the step ends.
     grad_bufs: Vec<HashMap<(u32, ParamId), B::Buffer>>,
@@ -298,6 +300,7 @@ impl<B: Backend> DataParallel<B> {
             })
             .collect();
         let ranks = session.local_ranks();
+        let copied = vec![false; ranks.len()];
         let runtime = tokio::runtime::Builder::new_current_thread()
             .enable_all()
             .build()
@@ -317,6 +320,7 @@ impl<B: Backend> DataParallel<B> {
             runtime,
             begun: 0,
             open: false,
+            copied,
             empty,
             step_copies: Copies::default(),
             last_copies: Copies::default(),
@@ -420,6 +424,7 @@ impl<B: Backend> DataParallel<B> {
 
     pub(crate) fn close_micro_batch(&mut self) {
         self.open = false;
+        self.copied.fill(false);
     }
 
     /// The forward's gathers of `layer` (`[forward]`), written into the `Var`s: once per
@@ -464,39 +469,89 @@ impl<B: Backend> DataParallel<B> {
         Ok(())
     }
 
-    /// Ends the open micro-batch with each local rank's loss: runs `(loss / M).backward()`
-    /// per rank (`M` micro-batches per step, so the step's gradient is the mean over its
-    /// micro-batches, as with PyTorch's gradient accumulation) and hands the gradients
-    /// in. `losses` holds every local rank once.
+    /// Ends the open micro-batch with each local rank's loss: [`DataParallel::backward_rank`]
+    /// for each, then [`DataParallel::end_micro_batch`]. `losses` holds every local rank
+    /// once.
     pub fn backward(&mut self, losses: &[(u32, Tensor)]) -> Result<(), Error> {
         self.open_micro_batch("backward")?;
+        self.rank_order(losses.iter().map(|(r, _)| *r), "backward")?;
+        for (rank, loss) in losses {
+            self.backward_rank(*rank, loss)?;
+        }
+        self.end_micro_batch()
+    }
+
+    /// Runs rank `rank`'s backward of the open micro-batch, `(loss / M).backward()` (`M`
+    /// micro-batches per step, so the step's gradient is the mean over its
+    /// micro-batches, as with PyTorch's gradient accumulation), and copies its gradients
+    /// into the session's buffers at once, so candle's gradients and graph are freed
+    /// before the next rank's forward. [`DataParallel::end_micro_batch`] hands them in.
+    pub fn backward_rank(&mut self, rank: u32, loss: &Tensor) -> Result<(), Error> {
+        self.open_micro_batch("backward_rank")?;
         let scale = 1.0 / self.gates.len() as f64;
-        let stores = losses
-            .iter()
-            .map(|(rank, loss)| Ok((*rank, loss.affine(scale, 0.0)?.backward()?)))
-            .collect::<Result<Vec<_>, Error>>()?;
-        self.grads(&stores)
+        let store = loss.affine(scale, 0.0)?.backward()?;
+        self.grads_rank(rank, &store)
+    }
+
+    /// Copies rank `rank`'s gradients of the open micro-batch, as `loss.backward()`
+    /// returned them, into the session's buffers (scale the loss yourself: divide it by
+    /// the micro-batches per step for a mean). A parameter the store has no gradient for
+    /// contributes zeros. [`DataParallel::end_micro_batch`] hands them in.
+    pub fn grads_rank(&mut self, rank: u32, store: &GradStore) -> Result<(), Error> {
+        let m = self.open_micro_batch("grads_rank")?;
+        let ri = self.ranks.iter().position(|&r| r == rank).ok_or_else(|| {
+            Error::Usage(format!(
+                "grads_rank: rank {rank} is not a local rank of this process ({:?})",
+                self.ranks
+            ))
+        })?;
+        if self.copied[ri] {
+            return Err(Error::Usage(format!(
+                "grads_rank: rank {rank}'s gradients of micro-batch {m} were given already"
+            )));
+        }
+        let started = std::time::Instant::now();
+        for id in 0..self.params.len() as ParamId {
+            let g = store.get(self.params[id as usize].var.as_tensor()).cloned();
+            self.copy_grad(m, ri, id, g)?;
+        }
+        self.copied[ri] = true;
+        self.hand_in += started.elapsed().as_secs_f64();
+        Ok(())
     }
 
     /// Ends the open micro-batch with each local rank's gradients, as `loss.backward()`
-    /// returned them (scale the loss yourself: divide it by the micro-batches per step
-    /// for a mean). `stores` holds every local rank once. The gradients are handed to
-    /// the session layer by layer, highest first; a parameter a rank's store has no
-    /// gradient for contributes zeros.
+    /// returned them: [`DataParallel::grads_rank`] for each, then
+    /// [`DataParallel::end_micro_batch`]. `stores` holds every local rank once.
     pub fn grads(&mut self, stores: &[(u32, GradStore)]) -> Result<(), Error> {
-        let m = self.open_micro_batch("grads")?;
-        let order = self.rank_order(stores.iter().map(|(r, _)| *r), "grads")?;
-        let vars: Vec<Tensor> = self
-            .params
+        self.open_micro_batch("grads")?;
+        self.rank_order(stores.iter().map(|(r, _)| *r), "grads")?;
+        for (rank, store) in stores {
+            self.grads_rank(*rank, store)?;
+        }
+        self.end_micro_batch()
+    }
+
+    /// Hands the open micro-batch's gradients to the session, layer by layer, highest
+    /// first, once every local rank's were given ([`DataParallel::backward_rank`] or
+    /// [`DataParallel::grads_rank`]).
+    pub fn end_micro_batch(&mut self) -> Result<(), Error> {
+        let m = self.open_micro_batch("end_micro_batch")?;
+        let missing: Vec<u32> = self
+            .ranks
             .iter()
-            .map(|p| p.var.as_tensor().clone())
+            .zip(&self.copied)
+            .filter(|(_, &c)| !c)
+            .map(|(&r, _)| r)
             .collect();
+        if !missing.is_empty() {
+            return Err(Error::Usage(format!(
+                "end_micro_batch: micro-batch {m} has no gradients of ranks {missing:?} yet (backward_rank or grads_rank)"
+            )));
+        }
         for i in 0..self.layers.len() {
-            let layer = self.layers[i].0;
-            self.backward_point(layer)?;
-            self.hand_layer(m, i, |ri, id| {
-                stores[order[ri]].1.get(&vars[id as usize]).cloned()
-            })?;
+            self.backward_point(self.layers[i].0)?;
+            self.submit(m, i)?;
         }
         self.close_micro_batch();
         Ok(())
@@ -535,69 +590,77 @@ impl<B: Backend> DataParallel<B> {
         Ok(order)
     }
 
-    /// Copies every local rank's gradients of the `i`-th layer of the hand-in order into
-    /// the micro-batch's buffers and hands them to the session. `grad(ri, id)` is the
-    /// gradient of parameter `id` on the `ri`-th local rank, `None` for zeros.
+    /// Copies the `i`-th layer's gradients of every local rank into the micro-batch's
+    /// buffers and hands them to the session. `grad(ri, id)` is the gradient of
+    /// parameter `id` on the `ri`-th local rank, `None` for zeros.
     pub(crate) fn hand_layer(
-        &mut self,
-        m: usize,
-        i: usize,
-        grad: impl FnMut(usize, ParamId) -> Option<Tensor>,
-    ) -> Result<(), Error> {
-        let started = std::time::Instant::now();
-        let result = self.hand_layer_timed(m, i, grad);
-        self.hand_in += started.elapsed().as_secs_f64();
-        result
-    }
-
-    fn hand_layer_timed(
         &mut self,
         m: usize,
         i: usize,
         mut grad: impl FnMut(usize, ParamId) -> Option<Tensor>,
     ) -> Result<(), Error> {
-        let (layer, ids) = &self.layers[i];
-        let to_exec = |e: overlap::ops::OpsError| {
-            Error::from(overlap::Error::from(overlap::executor::ExecError::from(e)))
-        };
-        for (ri, &rank) in self.ranks.iter().enumerate() {
-            for &id in ids {
-                let var = &self.params[id as usize].var;
-                let numel = var.elem_count();
-                let buf = match self.grad_bufs[m].get(&(rank, id)) {
-                    Some(b) => b.clone(),
-                    None => {
-                        let b = self.backend.alloc_uninit(rank, numel).map_err(to_exec)?;
-                        self.grad_bufs[m].insert((rank, id), b.clone());
-                        b
-                    }
-                };
-                let g = match grad(ri, id) {
-                    Some(g) => g,
-                    None => Tensor::zeros(var.shape(), DType::F32, &Device::Cpu)?,
-                };
-                if g.dims() != var.dims() || g.dtype() != DType::F32 {
-                    return Err(Error::Param {
-                        name: self.params[id as usize].name.clone(),
-                        reason: format!(
-                            "rank {rank}'s gradient is {:?} {:?}, the parameter f32 {:?}",
-                            g.dtype(),
-                            g.dims(),
-                            var.dims()
-                        ),
-                    });
-                }
-                with_f32_slice(&g, |s| self.backend.upload(&buf, s))?.map_err(to_exec)?;
-                self.step_copies.grads += 1;
-                self.step_copies.grad_bytes += 4 * numel as u64;
+        let started = std::time::Instant::now();
+        for ri in 0..self.ranks.len() {
+            for k in 0..self.layers[i].1.len() {
+                let id = self.layers[i].1[k];
+                self.copy_grad(m, ri, id, grad(ri, id))?;
             }
         }
+        self.hand_in += started.elapsed().as_secs_f64();
+        self.submit(m, i)
+    }
+
+    /// Copies one gradient (zeros for `None`) into its buffer of micro-batch `m`.
+    fn copy_grad(
+        &mut self,
+        m: usize,
+        ri: usize,
+        id: ParamId,
+        grad: Option<Tensor>,
+    ) -> Result<(), Error> {
+        let rank = self.ranks[ri];
+        let var = &self.params[id as usize].var;
+        let numel = var.elem_count();
+        let buf = match self.grad_bufs[m].get(&(rank, id)) {
+            Some(b) => b.clone(),
+            None => {
+                let b = self.backend.alloc_uninit(rank, numel).map_err(ops_error)?;
+                self.grad_bufs[m].insert((rank, id), b.clone());
+                b
+            }
+        };
+        let g = match grad {
+            Some(g) => g,
+            None => Tensor::zeros(var.shape(), DType::F32, &Device::Cpu)?,
+        };
+        if g.dims() != var.dims() || g.dtype() != DType::F32 {
+            return Err(Error::Param {
+                name: self.params[id as usize].name.clone(),
+                reason: format!(
+                    "rank {rank}'s gradient is {:?} {:?}, the parameter f32 {:?}",
+                    g.dtype(),
+                    g.dims(),
+                    var.dims()
+                ),
+            });
+        }
+        with_f32_slice(&g, |s| self.backend.upload(&buf, s))?.map_err(ops_error)?;
+        self.step_copies.grads += 1;
+        self.step_copies.grad_bytes += 4 * numel as u64;
+        Ok(())
+    }
+
+    /// Hands the `i`-th layer's buffers of micro-batch `m` to the session.
+    fn submit(&mut self, m: usize, i: usize) -> Result<(), Error> {
+        let started = std::time::Instant::now();
+        let layer = self.layers[i].0;
         let bufs = &self.grad_bufs[m];
         let empty = &self.empty;
         self.runtime
-            .block_on(self.session.grad_ready_device(*layer, &[], |rank, id| {
+            .block_on(self.session.grad_ready_device(layer, &[], |rank, id| {
                 bufs.get(&(rank, id)).unwrap_or(empty).clone()
             }))?;
+        self.hand_in += started.elapsed().as_secs_f64();
         Ok(())
     }
 
@@ -650,11 +713,16 @@ impl<B: Backend> DataParallel<B> {
     pub fn zero_grad(&mut self) -> Result<(), Error> {
         self.runtime.block_on(self.session.zero_grad())?;
         self.begun = 0;
-        self.open = false;
+        self.close_micro_batch();
         self.step_copies = Copies::default();
         self.hand_in = 0.0;
         Ok(())
     }
+}
+
+/// A backend's error as the crate's.
+fn ops_error(e: overlap::ops::OpsError) -> Error {
+    Error::from(overlap::Error::from(overlap::executor::ExecError::from(e)))
 }
 
 /// Runs `f` over a tensor's elements as one `f32` slice (made contiguous first if it is

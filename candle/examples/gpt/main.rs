@@ -21,7 +21,7 @@ mod model;
 
 use std::time::Instant;
 
-use candle_core::{Device, Tensor};
+use candle_core::Device;
 use candle_nn::{AdamW, Optimizer, ParamsAdamW};
 use clap::Parser;
 use model::{Batch, Corpus, Gpt, GptConfig};
@@ -163,16 +163,16 @@ fn micro_batch(
     simple: bool,
 ) -> Result<f64, Error> {
     if simple {
+        // Each rank's forward and backward in turn; its gradients are copied into the
+        // session's buffers at once, so its graph is freed before the next rank's.
         dp.begin_micro_batch()?;
-        let losses = batches
-            .iter()
-            .map(|(r, b)| Ok((*r, model.loss(b)?)))
-            .collect::<Result<Vec<(u32, Tensor)>, Error>>()?;
-        let sum = losses
-            .iter()
-            .map(|(_, l)| l.to_scalar::<f32>().map(f64::from))
-            .sum::<candle_core::Result<f64>>()?;
-        dp.backward(&losses)?;
+        let mut sum = 0.0;
+        for (rank, batch) in batches {
+            let loss = model.loss(batch)?;
+            sum += f64::from(loss.to_scalar::<f32>()?);
+            dp.backward_rank(*rank, &loss)?;
+        }
+        dp.end_micro_batch()?;
         Ok(sum)
     } else {
         let refs: Vec<(u32, &Batch)> = batches.iter().map(|(r, b)| (*r, b)).collect();
