@@ -445,6 +445,16 @@ fn misuse_is_refused_by_name() {
     dp.begin_micro_batch().unwrap();
     let e = dp.begin_micro_batch().unwrap_err().to_string();
     assert!(e.contains("micro-batch 0 still waits"), "{e}");
+    let loss = model.loss(&batch).unwrap();
+    dp.backward_rank(1, &loss).unwrap();
+    let e = dp.backward_rank(1, &loss).unwrap_err().to_string();
+    assert!(e.contains("rank 1's gradients of micro-batch 0 were given already"), "{e}");
+    let e = dp.end_micro_batch().unwrap_err().to_string();
+    assert!(e.contains("no gradients of ranks [0]"), "{e}");
+    let e = dp.backward_rank(3, &loss).unwrap_err().to_string();
+    assert!(e.contains("rank 3 is not a local rank"), "{e}");
+    dp.backward_rank(0, &loss).unwrap();
+    dp.end_micro_batch().unwrap();
     // A config with parameters of its own, and a name no rule places.
     let with_params = format!(
         "{}[[param]]\nname = \"x\"\nshape = [2]\nroute = \"fsdp\"\n",
