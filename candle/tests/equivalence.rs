@@ -448,7 +448,10 @@ fn misuse_is_refused_by_name() {
     let loss = model.loss(&batch).unwrap();
     dp.backward_rank(1, &loss).unwrap();
     let e = dp.backward_rank(1, &loss).unwrap_err().to_string();
-    assert!(e.contains("rank 1's gradients of micro-batch 0 were given already"), "{e}");
+    assert!(
+        e.contains("rank 1's gradients of micro-batch 0 were given already"),
+        "{e}"
+    );
     let e = dp.end_micro_batch().unwrap_err().to_string();
     assert!(e.contains("no gradients of ranks [0]"), "{e}");
     let e = dp.backward_rank(3, &loss).unwrap_err().to_string();

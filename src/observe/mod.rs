@@ -27,8 +27,10 @@
 //!   hide);
 //! - *overlap efficiency* `η = (serial − actual) / (serial − ideal)`: 1 when the step took
 //!   the ideal time, 0 when it took as long as running everything serially. It is
-//!   undefined (`None`) when `serial − ideal` ≤ [`MIN_HIDEABLE_SECONDS`] (no
-//!   communication, or no compute to hide it behind). It is not clamped: below 0 the step
+//!   undefined (`None`) when `serial − ideal` is at most [`MIN_HIDEABLE_SECONDS`] or
+//!   [`MIN_HIDEABLE_FRACTION`] of `serial` (no communication worth the name, as on one
+//!   GPU where only copies and the publish's no-ops run on communication streams, or no
+//!   compute to hide it behind): a ratio of two tiny differences says nothing. It is not clamped: below 0 the step
 //!   was longer than serial execution (idle gaps: the host issued too slowly), above 1
 //!   it beat the model of `ideal`.
 //!
@@ -59,6 +61,14 @@ pub mod trace;
 /// Below this many seconds of hideable communication (`serial − ideal`), `η` is
 /// undefined.
 pub const MIN_HIDEABLE_SECONDS: f64 = 1e-9;
+
+/// Below this fraction of `serial` of hideable communication, `η` is undefined.
+pub const MIN_HIDEABLE_FRACTION: f64 = 0.01;
+
+/// Whether `serial − ideal = hideable` is enough for `η` to mean something.
+fn hideable(hideable: f64, serial: f64) -> bool {
+    hideable > MIN_HIDEABLE_SECONDS.max(MIN_HIDEABLE_FRACTION * serial)
+}
 
 /// The streams whose work counts as communication.
 pub const COMMUNICATION_STREAMS: [Stream; 4] = [
@@ -200,7 +210,7 @@ impl RankAnalysis {
     /// `η`, or `None` where it is undefined (see the module docs).
     pub fn efficiency(&self, layers: u32) -> Option<f64> {
         let (num, den) = self.efficiency_terms(layers);
-        (den > MIN_HIDEABLE_SECONDS).then(|| num / den)
+        hideable(den, self.serial_seconds()).then(|| num / den)
     }
 }
 
@@ -348,13 +358,18 @@ impl StepAnalysis {
     /// `η` of the step: the summed numerators over the summed denominators of the ranks
     /// where it is defined; `None` where it is undefined on every rank.
     pub fn efficiency(&self) -> Option<f64> {
-        let (num, den) = self
+        let (num, den, serial) = self
             .ranks
             .iter()
-            .map(|r| r.efficiency_terms(self.layers))
-            .filter(|&(_, d)| d > MIN_HIDEABLE_SECONDS)
-            .fold((0.0, 0.0), |(n, d), (a, b)| (n + a, d + b));
-        (den > MIN_HIDEABLE_SECONDS).then(|| num / den)
+            .map(|r| {
+                let (n, d) = r.efficiency_terms(self.layers);
+                (n, d, r.serial_seconds())
+            })
+            .filter(|&(_, d, s)| hideable(d, s))
+            .fold((0.0, 0.0, 0.0), |(n, d, s), (a, b, c)| {
+                (n + a, d + b, s + c)
+            });
+        hideable(den, serial).then(|| num / den)
     }
 
     /// Start of the step on the device: the earliest kernel start over local ranks.
@@ -772,6 +787,17 @@ pub(crate) mod tests {
         assert_eq!(rank(vec![(0.0, 4.0)], vec![]).efficiency(4), None);
         // One layer, no compute: ideal = K + K = 2K > serial = K.
         assert_eq!(rank(vec![], vec![(0.0, 1.0)]).efficiency(1), None);
+    }
+
+    #[test]
+    fn efficiency_is_undefined_when_communication_is_a_sliver_of_the_step() {
+        // One GPU: 50 ms of compute, 10 µs of copies on a communication stream, and a
+        // step 5 ms longer than serial: a ratio of tiny differences (-500), not η.
+        let r = rank(vec![(0.0, 0.050)], vec![(0.055, 0.055_01)]);
+        assert_eq!(r.efficiency(4), None);
+        // A millisecond of it over four layers (1.5 % of serial to hide) is enough.
+        let r = rank(vec![(0.0, 0.050)], vec![(0.050, 0.051)]);
+        assert!(r.efficiency(4).is_some());
     }
 
     #[test]
