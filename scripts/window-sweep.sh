@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The backpressure sweep behind the default `[overlap] stage1_window = 8` (README,
+# The backpressure sweep behind the default `[overlap] stage1_window = 8` (docs/observe.md,
 # "Pictures and timelines"): runs examples/hsdp_2x2.toml with each window on the CPU
 # backend and prints the overlap efficiency of the last four steps.
 #

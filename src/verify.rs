@@ -274,9 +274,9 @@ pub fn rel_err(a: &[f32], b: &[f64], magnitude: &[f64]) -> f64 {
     }
 }
 
-/// Tolerances for a reduce dtype: (gradients, parameters). f32 is the documented 1e-6 bound (README, `overlap verify`);
+/// Tolerances for a reduce dtype: (gradients, parameters). f32 is the documented 1e-6 bound (docs/cli.md, `overlap verify`);
 /// bf16 inputs carry 8 bits of mantissa, so its bound is that of one rounding per
-/// reduction stage (measured on `examples/pure_fsdp_4x1.toml`: 4.6e-3; README, *Verification*).
+/// reduction stage (measured on `examples/pure_fsdp_4x1.toml`: 4.6e-3; docs/cli.md, *Verification*).
 pub fn tolerances(dtype: DType) -> (f64, f64) {
     match dtype {
         DType::F32 => (1e-6, 1e-5),

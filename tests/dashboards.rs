@@ -194,11 +194,11 @@ fn provisioning_points_at_the_dashboards_folder() {
     assert_eq!(yaml_value(&dash, "type"), Some("file"));
     let path = yaml_value(&dash, "path").expect("options.path");
     assert!(path.ends_with("/dashboards"), "{path}");
-    // The README mounts the repository's dashboards/ folder at that path.
-    let readme = std::fs::read_to_string(root().join("README.md")).unwrap();
+    // docs/observe.md mounts the repository's dashboards/ folder at that path.
+    let readme = std::fs::read_to_string(root().join("docs/observe.md")).unwrap();
     assert!(
         readme.contains(&format!("dashboards:{path}")),
-        "README does not mount dashboards/ at {path}"
+        "docs/observe.md does not mount dashboards/ at {path}"
     );
     let ds = std::fs::read_to_string(dir.join("datasources.yaml")).unwrap();
     assert_eq!(yaml_value(&ds, "type"), Some("prometheus"));

@@ -3,8 +3,8 @@
 //! the root cause: the injected node, or for a hang the streams and nodes the timed-out
 //! step was waiting on (`[run] step_timeout`).
 //!
-//! The bounds asserted here are loose (debug build on a shared machine); README's
-//! "When a rank fails or hangs" gives the measured figures.
+//! The bounds asserted here are loose (debug build on a shared machine); docs/gpus.md,
+//! "When a rank fails or hangs", gives the measured figures.
 
 use std::net::TcpListener;
 use std::path::PathBuf;

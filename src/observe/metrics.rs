@@ -93,7 +93,7 @@ pub const GRAD_PEAK: &str = "overlap_grad_peak_bytes";
 /// Bytes of every parameter once: a full replica's parameters (gauge).
 pub const REPLICA_BYTES: &str = "overlap_replica_bytes";
 
-/// Every metric: name, labels, and what it means. The README's table and the
+/// Every metric: name, labels, and what it means. The table in docs/observe.md and the
 /// descriptions served on `/metrics` come from here.
 pub const METRICS: [(&str, &str, &str); 26] = [
     (OP_DURATION, "op, stream", "histogram of kernel durations by node kind (`grad_ready`, `pack`, `stage1`, `fold`, `fold_partial`, `stage2`, `unpack`, `optimizer`, `publish`, ...) and stream, as the backend timed them (CUDA events on GPUs)"),

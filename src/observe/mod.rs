@@ -1,7 +1,7 @@
 //! Observing the executed schedule: what each step did on each stream, and whether
 //! communication hid behind compute.
 //!
-//! This module owns the *analysis* of a step (README, *Observing a run*; `docs/performance.md`): from a [`StepReport`]'s
+//! This module owns the *analysis* of a step (`docs/observe.md`; `docs/performance.md`): from a [`StepReport`]'s
 //! kernel [`Timing`]s and the step's [`Plan`] it derives, per local rank, how long each
 //! stream was busy, when communication ran while compute did not (exposed
 //! communication), the overlap efficiency `η`, the bytes and bus bandwidth of every kind
