@@ -60,7 +60,7 @@ use clap::Parser;
 use overlap::executor::{LrSchedule, ParamGroup, ScheduleKind};
 use overlap::graph::{Buffer, ForwardSpec, OptimizerKind};
 use overlap::{
-    AdamwParams, ClipConfig, CpuBackend, ExecConfig, Gate, Mesh, MuonParams, OnNonFinite,
+    AdamwParams, ClipConfig, CpuBackend, ExecConfig, Gate, Mesh, MuonParams, NsDtype, OnNonFinite,
     ParamSpec, PlanSpec, Route, Session,
 };
 use serde::Serialize;
@@ -402,6 +402,9 @@ impl Hyper {
                 momentum: self.momentum,
                 ns_steps: self.ns_steps,
                 weight_decay: self.weight_decay,
+                // Full f32: the GPU run is checked against the CPU backend's f64
+                // Newton–Schulz within 1e-4.
+                ns_dtype: NsDtype::F32,
             },
             groups: vec![no_decay("*.bias"), no_decay("*.norm")],
             schedule: LrSchedule {

@@ -27,7 +27,7 @@ use overlap_graph::{
     Bindings, DType, ForwardSpec, Gate, Mesh, ModelSpec, ParamSpec, PlanError, PlanSpec, Planner,
     ReduceOp, ReduceSpec, Route, Schedule, Stream, Transport, MAX_MICRO_BATCHES,
 };
-use overlap_ops::{AdamwParams, MuonParams};
+use overlap_ops::{AdamwParams, MuonParams, NsDtype};
 use serde::Deserialize;
 use serde_spanned::Spanned;
 use toml::de::{DeTable, DeValue};
@@ -881,6 +881,7 @@ impl Doc<'_> {
                 eps: opt("eps", &r.eps, Bound::Positive)?,
                 momentum: opt("momentum", &r.momentum, Bound::Fraction)?,
                 ns_steps: self.between(&k("ns_steps"), &r.ns_steps, MAX_NS_STEPS, " iterations")?,
+                ns_dtype: self.ns_dtype(&k("ns_dtype"), &r.ns_dtype)?,
             });
         }
         HyperTable::resolve(adamw, muon, &groups, params).map_err(|e| match e {
@@ -1001,13 +1002,8 @@ impl Doc<'_> {
         let mut seen = HashMap::new();
         for (i, spec) in external.iter().enumerate() {
             let name = overlap_graph::export::printable(&spec.name);
-            spec.check().map_err(|e| {
-                self.err(
-                    format!("parameter `{name}`"),
-                    None,
-                    plan_reason(e),
-                )
-            })?;
+            spec.check()
+                .map_err(|e| self.err(format!("parameter `{name}`"), None, plan_reason(e)))?;
             if let Some(j) = seen.insert(spec.name.as_str(), i) {
                 return Err(self.err(
                     format!("parameter `{name}`"),
@@ -1136,10 +1132,10 @@ impl Doc<'_> {
                     plan_reason(e),
                 ),
                 None if self.external.is_some() => self.err(
-                format!("parameter `{}`", overlap_graph::export::printable(name)),
-                None,
-                plan_reason(e),
-            ),
+                    format!("parameter `{}`", overlap_graph::export::printable(name)),
+                    None,
+                    plan_reason(e),
+                ),
                 None => self.err("model", model.map(Spanned::span), plan_reason(e)),
             },
             PlanError::Model(_) => self.err("model", model.map(Spanned::span), plan_reason(e)),
@@ -1417,6 +1413,28 @@ impl Doc<'_> {
                 d.weight_decay,
                 Bound::NonNegative,
             )?,
+            ns_dtype: self
+                .ns_dtype(&k("ns_dtype"), &raw.ns_dtype)?
+                .unwrap_or(d.ns_dtype),
+        })
+    }
+
+    /// Newton–Schulz's precision on a GPU (`"bf16"`, `"tf32"` or `"f32"`), if set.
+    fn ns_dtype(
+        &self,
+        key: &str,
+        v: &Option<Spanned<String>>,
+    ) -> Result<Option<NsDtype>, ConfigError> {
+        let Some(v) = v else { return Ok(None) };
+        NsDtype::parse(v.get_ref()).map(Some).ok_or_else(|| {
+            self.err(
+                key,
+                Some(v.span()),
+                format!(
+                    "must be \"bf16\", \"tf32\" or \"f32\", got \"{}\"",
+                    v.get_ref()
+                ),
+            )
         })
     }
 
@@ -1767,6 +1785,7 @@ mod raw {
         pub eps: Option<Spanned<f64>>,
         pub momentum: Option<Spanned<f64>>,
         pub ns_steps: Option<Spanned<u32>>,
+        pub ns_dtype: Option<Spanned<String>>,
     }
 
     #[derive(Deserialize)]
@@ -1795,6 +1814,7 @@ mod raw {
         pub momentum: Option<Spanned<f64>>,
         pub ns_steps: Option<Spanned<u32>>,
         pub weight_decay: Option<Spanned<f64>>,
+        pub ns_dtype: Option<Spanned<String>>,
     }
 
     #[derive(Deserialize)]

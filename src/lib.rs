@@ -99,4 +99,4 @@ pub use overlap_graph::{
     Planner, ReduceOp, ReduceSpec, Route, Schedule, Stream, Transport, Violation,
 };
 #[doc(inline)]
-pub use overlap_ops::{cpu::CpuBackend, AdamwParams, Backend, MuonParams};
+pub use overlap_ops::{cpu::CpuBackend, AdamwParams, Backend, MuonParams, NsDtype};

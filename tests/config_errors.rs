@@ -646,6 +646,16 @@ fn other_hyper_parameters_out_of_range() {
 }
 
 #[test]
+fn an_unknown_newton_schulz_precision() {
+    expect(
+        &with_base("[optimizer.muon]\nns_dtype = \"fp8\"\n"),
+        "optimizer.muon.ns_dtype",
+        Some(9),
+        "must be \"bf16\", \"tf32\" or \"f32\", got \"fp8\"",
+    );
+}
+
+#[test]
 fn bad_metrics_listen_address() {
     let e = expect(
         &with_base("[metrics]\nlisten = \"localhost\"\n"),

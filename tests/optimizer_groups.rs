@@ -155,6 +155,19 @@ fn the_first_matching_group_wins() {
 }
 
 #[test]
+fn newton_schulz_runs_in_bf16_unless_the_base_or_a_group_says_otherwise() {
+    let cfg = config("[[optimizer.group]]\nmatch = \"w\"\nns_dtype = \"tf32\"\n");
+    assert_eq!(cfg.muon.ns_dtype, overlap::NsDtype::Bf16);
+    assert_eq!(cfg.groups[0].ns_dtype, Some(overlap::NsDtype::Tf32));
+    let base = Config::from_toml(
+        &BASE.replace("[optimizer.muon]", "[optimizer.muon]\nns_dtype = \"f32\""),
+        "<inline>",
+    )
+    .unwrap();
+    assert_eq!(base.muon.ns_dtype, overlap::NsDtype::F32);
+}
+
+#[test]
 fn a_groups_ns_steps_and_momentum_reach_the_muon_kernel() {
     let cfg = config("[[optimizer.group]]\nmatch = \"w\"\nns_steps = 1\nmomentum = 0.5\n");
     runtime().block_on(async {
@@ -174,6 +187,7 @@ fn a_groups_ns_steps_and_momentum_reach_the_muon_kernel() {
                 momentum,
                 ns_steps,
                 weight_decay: 0.05,
+                ..MuonParams::default()
             };
             math::muon(&mut p, &g, &mut buf, 6, 5, &hp);
             p
@@ -393,7 +407,9 @@ fn the_example_with_groups_and_a_schedule_verifies() {
 fn an_executor_used_directly_resolves_its_groups_from_the_first_plan() {
     use overlap::executor::{ExecError, Executor};
     let planner = overlap::graph::Planner::new(spec()).unwrap();
-    let plan = Arc::new(planner.plan(&[Gate::On]).unwrap());
+    let plan = planner
+        .plan_checked(&[Gate::On], overlap::graph::Mode::Step)
+        .unwrap();
     let backend = Arc::new(CpuBackend::new(Mesh::new(2, 1).unwrap()));
     let exec = |pattern: &str| ExecConfig {
         groups: vec![ParamGroup::new(pattern)],

@@ -152,6 +152,12 @@ pub(crate) enum Command {
         #[arg(long, default_value_t = 3)]
         warmup: u32,
     },
+    /// GPU benchmark of the step's optimizer tail (AdamW, Muon) on one GPU, on the
+    /// shapes of a model (`cuda` feature; docs/performance.md).
+    BenchOptimizer {
+        #[command(flatten)]
+        args: crate::bench_optim::BenchOptimizerArgs,
+    },
     /// GPU probe of what a copy-transport combine costs the GEMMs beside it, on one GPU
     /// without communication (`cuda` feature; docs/performance.md).
     BenchInterference {

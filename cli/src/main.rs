@@ -6,6 +6,9 @@
 
 mod args;
 mod bench;
+mod bench_optim;
+#[cfg(feature = "cuda")]
+mod bench_optim_gpu;
 mod calibrate;
 mod gpu;
 mod interference;
@@ -15,6 +18,8 @@ mod run;
 mod simulate;
 #[cfg(feature = "cuda")]
 mod smoke;
+#[cfg(feature = "cuda")]
+mod smoke_optim;
 mod tune;
 mod verify;
 
@@ -31,6 +36,26 @@ use args::{Cli, Command, Format, TransportArg, WireDType};
 use gpu::{bench_interference, cuda_smoke, env};
 use job::meet_cpu;
 use verify::{print_verify, use_cuda, verify_cuda};
+
+/// `overlap bench-optimizer`: the report as text or JSON.
+fn bench_optimizer(args: &bench_optim::BenchOptimizerArgs) -> Result<ExitCode, Error> {
+    #[cfg(feature = "cuda")]
+    {
+        let r = bench_optim_gpu::run(args)?;
+        if args.json {
+            let line = serde_json::to_string(&r).map_err(|e| Error::Usage(e.to_string()))?;
+            println!("{line}");
+        } else {
+            print!("{}", bench_optim::render(&r));
+        }
+        Ok(ExitCode::SUCCESS)
+    }
+    #[cfg(not(feature = "cuda"))]
+    {
+        let _ = bench_optim::shape_set(&args.shapes)?;
+        Err(bench::no_cuda("bench-optimizer"))
+    }
+}
 
 fn main() -> ExitCode {
     restore_sigpipe();
@@ -274,6 +299,7 @@ async fn dispatch(cmd: Command) -> Result<ExitCode, Error> {
             Ok(ExitCode::SUCCESS)
         }
         Command::CudaSmoke { mib, iters } => cuda_smoke(&mib, iters).await,
+        Command::BenchOptimizer { args } => bench_optimizer(&args),
         Command::Plan {
             config,
             format,
@@ -293,11 +319,7 @@ async fn dispatch(cmd: Command) -> Result<ExitCode, Error> {
                     params,
                 });
             }
-            let plan = planner.plan(&gates)?;
-            let v = validate(&plan, Mode::Step);
-            if !v.is_empty() {
-                return Err(Error::Invalid(v));
-            }
+            let plan = planner.plan_checked(&gates, Mode::Step)?;
             let ranks = ranks
                 .map(|r| parse_ranks(&r, plan.mesh.world()))
                 .transpose()?;
@@ -305,7 +327,7 @@ async fn dispatch(cmd: Command) -> Result<ExitCode, Error> {
                 Format::Json => println!("{}", plan.to_json()),
                 Format::Dot => print!("{}", export::to_dot(&plan, ranks.as_deref())),
                 Format::Text => {
-                    let mut p = plan.clone();
+                    let mut p = Plan::clone(&plan);
                     if let Some(rs) = &ranks {
                         p.ranks.retain(|r| rs.contains(&r.rank));
                     }

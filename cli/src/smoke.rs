@@ -16,7 +16,7 @@ use std::time::Instant;
 use overlap_graph::{Collective, CollectiveKind, CopySeg, DType, Group, ReduceOp, Stream};
 use overlap_ops::cuda::CudaBackend;
 use overlap_ops::math::pseudo_random as random;
-use overlap_ops::{math, AdamwParams, Backend, CommId, Kernel, MuonParams, Tag};
+use overlap_ops::{math, AdamwParams, Backend, CommId, Kernel, Tag};
 use serde::Serialize;
 
 use overlap::cuda::CudaWorld;
@@ -83,7 +83,7 @@ pub struct Bandwidth {
     pub busbw_gbs: f64,
 }
 
-fn tag(node: u32, op: &'static str) -> Tag {
+pub(crate) fn tag(node: u32, op: &'static str) -> Tag {
     Tag {
         node,
         op,
@@ -92,7 +92,7 @@ fn tag(node: u32, op: &'static str) -> Tag {
 }
 
 /// Launches `kernel` on `stream`, waits for it, and returns the backend's errors.
-async fn run(
+pub(crate) async fn run(
     b: &CudaBackend,
     stream: Stream,
     kernel: Kernel<<CudaBackend as Backend>::Buffer>,
@@ -114,26 +114,35 @@ async fn run(
     waited.map_err(|e| e.to_string())
 }
 
-fn ops(e: overlap_ops::OpsError) -> Error {
+pub(crate) fn ops(e: overlap_ops::OpsError) -> Error {
     Error::Backend(e.to_string())
 }
 
-fn alloc(b: &CudaBackend, len: usize) -> Result<<CudaBackend as Backend>::Buffer, Error> {
+pub(crate) fn alloc(
+    b: &CudaBackend,
+    len: usize,
+) -> Result<<CudaBackend as Backend>::Buffer, Error> {
     b.alloc(b.rank(), len).map_err(ops)
 }
 
-fn download(b: &CudaBackend, buf: &<CudaBackend as Backend>::Buffer) -> Result<Vec<f32>, Error> {
+pub(crate) fn download(
+    b: &CudaBackend,
+    buf: &<CudaBackend as Backend>::Buffer,
+) -> Result<Vec<f32>, Error> {
     b.download(buf).map_err(ops)
 }
 
-fn buffer(b: &CudaBackend, data: &[f32]) -> Result<<CudaBackend as Backend>::Buffer, Error> {
+pub(crate) fn buffer(
+    b: &CudaBackend,
+    data: &[f32],
+) -> Result<<CudaBackend as Backend>::Buffer, Error> {
     let buf = alloc(b, data.len())?;
     b.upload(&buf, data).map_err(ops)?;
     Ok(buf)
 }
 
 /// `max |a - b| / max |b|`.
-fn rel(a: &[f32], b: &[f32]) -> f64 {
+pub(crate) fn rel(a: &[f32], b: &[f32]) -> f64 {
     let num = a
         .iter()
         .zip(b)
@@ -155,6 +164,7 @@ pub async fn smoke(world: &mut CudaWorld, sizes: &[u64], iters: u32) -> Result<S
     let mut checks = Vec::new();
     collectives(&b, world.env.world_size, &mut checks).await?;
     kernels(&b, &mut checks).await?;
+    crate::smoke_optim::optimizer_batches(&b, &mut checks).await?;
     let bandwidth = bandwidth(&b, world.env.world_size, sizes, iters).await?;
     let host_costs = b
         .host_costs(500)
@@ -444,42 +454,6 @@ async fn kernels(b: &CudaBackend, checks: &mut Vec<Check>) -> Result<(), Error> 
             rel(&got_p, &p)
         ),
     );
-
-    // Muon on a wide and a tall matrix: update vs the f64 reference.
-    for (rows, cols) in [(96usize, 40usize), (40, 96), (256, 768)] {
-        let k = rows * cols;
-        let (p0, g, buf0) = (random(k, 9), random(k, 10), random(k, 11));
-        let hp = MuonParams {
-            weight_decay: 0.1,
-            ..MuonParams::default()
-        };
-        let (pb, gb, mb) = (buffer(b, &p0)?, buffer(b, &g)?, buffer(b, &buf0)?);
-        let r = run(
-            b,
-            Stream::Compute,
-            Kernel::Muon {
-                param: pb.clone(),
-                grad: gb,
-                momentum: mb.clone(),
-                rows,
-                cols,
-                hp,
-            },
-        )
-        .await;
-        let (mut p, mut buf) = (p0.clone(), buf0.clone());
-        math::muon(&mut p, &g, &mut buf, rows, cols, &hp);
-        let got = download(b, &pb)?;
-        let du_gpu: Vec<f32> = got.iter().zip(&p0).map(|(a, b)| a - b).collect();
-        let du_ref: Vec<f32> = p.iter().zip(&p0).map(|(a, b)| a - b).collect();
-        let e = rel(&du_gpu, &du_ref);
-        let momentum_exact = download(b, &mb)? == buf;
-        push(
-            &format!("muon {rows}x{cols} vs ops::math::muon"),
-            r.is_ok() && e <= 1e-4 && momentum_exact,
-            format!("{r:?}, update rel err {e:.2e} (tolerance 1e-4), momentum bit-exact: {momentum_exact}"),
-        );
-    }
 
     // combine (copy transport): members of groups of 3 and 2, vector (n % 4 == 0) and
     // scalar paths, full grid with and without cache-streaming hints (the streaming

@@ -20,12 +20,12 @@
 use std::fmt;
 
 use overlap_graph::{OptimizerKind, ParamId, ParamSpec, Route};
-use overlap_ops::{AdamwParams, MuonParams};
+use overlap_ops::{AdamwParams, MuonParams, NsDtype};
 
 /// Optimizer settings for the parameters whose names match `pattern` (the first group
 /// that matches a parameter wins). Settings left `None` keep the base value; each
 /// applies to the parameters of the optimizer it belongs to (`beta1`, `beta2`, `eps`:
-/// AdamW; `momentum`, `ns_steps`: Muon; `lr_scale` and `weight_decay`: both).
+/// AdamW; `momentum`, `ns_steps`, `ns_dtype`: Muon; `lr_scale` and `weight_decay`: both).
 #[derive(Debug, Clone, PartialEq)]
 pub struct ParamGroup {
     /// A glob over the parameter name: `*` any run of characters (dots too), `?` one
@@ -45,6 +45,8 @@ pub struct ParamGroup {
     pub momentum: Option<f32>,
     /// Muon's Newton–Schulz iterations (≥ 1).
     pub ns_steps: Option<u32>,
+    /// The precision of Muon's Newton–Schulz on a GPU.
+    pub ns_dtype: Option<NsDtype>,
 }
 
 impl ParamGroup {
@@ -60,6 +62,7 @@ impl ParamGroup {
             eps: None,
             momentum: None,
             ns_steps: None,
+            ns_dtype: None,
         }
     }
 
@@ -118,6 +121,9 @@ impl ParamGroup {
         }
         if let Some(n) = self.ns_steps {
             out.push(("ns_steps", n.to_string()));
+        }
+        if let Some(d) = self.ns_dtype {
+            out.push(("ns_dtype", d.name().to_string()));
         }
         out
     }
@@ -467,6 +473,7 @@ impl HyperTable {
             adamw.eps = g.eps.unwrap_or(adamw.eps);
             muon.momentum = g.momentum.unwrap_or(muon.momentum);
             muon.ns_steps = g.ns_steps.unwrap_or(muon.ns_steps);
+            muon.ns_dtype = g.ns_dtype.unwrap_or(muon.ns_dtype);
         }
         let base = match optimizer {
             OptimizerKind::Adamw => adamw.lr,

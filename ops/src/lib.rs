@@ -309,6 +309,39 @@ impl Default for AdamwParams {
     }
 }
 
+/// The precision Newton–Schulz runs in on a GPU (`ns_dtype` in a config). The CPU
+/// backend always runs the exact `f64` reference ([`math::newton_schulz`]).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Default)]
+pub enum NsDtype {
+    /// bfloat16 operands and results, f32 accumulation on the tensor cores, as Muon's
+    /// reference implementation and `torch.optim.Muon` run it (the default).
+    #[default]
+    Bf16,
+    /// f32 operands rounded to TF32 inside the GEMMs (tensor cores), f32 results.
+    Tf32,
+    /// Full f32 GEMMs (no tensor cores).
+    F32,
+}
+
+impl NsDtype {
+    /// Every precision, in order.
+    pub const ALL: [NsDtype; 3] = [NsDtype::Bf16, NsDtype::Tf32, NsDtype::F32];
+
+    /// The name a config uses: `bf16`, `tf32` or `f32`.
+    pub fn name(self) -> &'static str {
+        match self {
+            NsDtype::Bf16 => "bf16",
+            NsDtype::Tf32 => "tf32",
+            NsDtype::F32 => "f32",
+        }
+    }
+
+    /// The precision a config names, or `None`.
+    pub fn parse(name: &str) -> Option<NsDtype> {
+        NsDtype::ALL.into_iter().find(|d| d.name() == name)
+    }
+}
+
 /// Muon hyper-parameters.
 #[derive(Debug, Clone, Copy, PartialEq)]
 pub struct MuonParams {
@@ -320,6 +353,8 @@ pub struct MuonParams {
     pub ns_steps: u32,
     /// Decoupled weight decay.
     pub weight_decay: f32,
+    /// The precision of Newton–Schulz on a GPU (the CPU backend ignores it).
+    pub ns_dtype: NsDtype,
 }
 
 impl Default for MuonParams {
@@ -329,6 +364,7 @@ impl Default for MuonParams {
             momentum: 0.95,
             ns_steps: 5,
             weight_decay: 0.0,
+            ns_dtype: NsDtype::Bf16,
         }
     }
 }

@@ -412,6 +412,7 @@ mod tests {
             momentum: 0.5,
             ns_steps: 5,
             weight_decay: 0.2,
+            ..MuonParams::default()
         };
         let g = random(rows * cols, 3);
         let mut buf = random(rows * cols, 5);

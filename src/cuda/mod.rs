@@ -30,7 +30,7 @@ use crate::rendezvous::Rendezvous;
 use crate::session::{exec_config, Session};
 use crate::Error;
 
-pub use verify::verify;
+pub use verify::{muon_update_tolerance, verify};
 
 /// How long ranks wait for each other at start (and rank 0 for the others' status),
 /// unless `OVERLAP_RENDEZVOUS_TIMEOUT_S` says otherwise.

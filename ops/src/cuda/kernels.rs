@@ -22,6 +22,12 @@ use crate::OpsError;
 /// The CUDA C source of every kernel.
 pub(super) const SOURCE: &str = include_str!("kernels.cu");
 
+/// `kernels.cu` followed by the batched optimizer kernels (`optim.cu`), which use its
+/// helpers: the one module NVRTC compiles.
+pub(super) fn full_source() -> String {
+    format!("{SOURCE}\n{}", super::optim::SOURCE)
+}
+
 /// Threads per block of every kernel (the reductions need exactly this many).
 const THREADS: u32 = 256;
 /// Blocks of the sum-of-squares pass (its partials are summed by one block).
@@ -154,26 +160,22 @@ pub(super) struct Kernels {
     combine4: sys::CUfunction,
     combine4s: sys::CUfunction,
     combine4n: sys::CUfunction,
-    adamw: sys::CUfunction,
-    muon_momentum: sys::CUfunction,
-    sumsq_partial: sys::CUfunction,
-    norm_final: sys::CUfunction,
     sumsq_spans: sys::CUfunction,
     sumsq_final: sys::CUfunction,
     clip: sys::CUfunction,
-    ns_init: sys::CUfunction,
-    muon_update: sys::CUfunction,
     spin: sys::CUfunction,
+    /// The optimizer tail's batched kernels (`optim.cu`).
+    pub(super) optim: super::optim::OptimFns,
 }
 
 /// Kernel arguments, each stored 8-byte aligned until the launch copies them.
 #[derive(Default)]
-struct Args {
+pub(super) struct Args {
     slots: Vec<Box<[u64]>>,
 }
 
 impl Args {
-    fn push<T: Copy>(mut self, value: T) -> Self {
+    pub(super) fn push<T: Copy>(mut self, value: T) -> Self {
         let words = std::mem::size_of::<T>().div_ceil(8).max(1);
         let mut slot = vec![0u64; words].into_boxed_slice();
         // SAFETY: `slot` has room for `size_of::<T>()` bytes and `T: Copy` is plain data.
@@ -211,7 +213,7 @@ impl Kernels {
             name: Some("overlap_kernels.cu".into()),
             ..Default::default()
         };
-        let ptx = nvrtc::compile_ptx_with_opts(SOURCE, opts).map_err(|e| {
+        let ptx = nvrtc::compile_ptx_with_opts(full_source(), opts).map_err(|e| {
             OpsError::Backend(format!(
                 "NVRTC could not compile the backend's kernels for compute capability {major}.{minor}: {e:?}"
             ))
@@ -247,16 +249,11 @@ impl Kernels {
             combine4: get("ov_combine4")?,
             combine4s: get("ov_combine4s")?,
             combine4n: get("ov_combine4n")?,
-            adamw: get("ov_adamw")?,
-            muon_momentum: get("ov_muon_momentum")?,
-            sumsq_partial: get("ov_sumsq_partial")?,
-            norm_final: get("ov_norm_final")?,
             sumsq_spans: get("ov_sumsq_spans")?,
             sumsq_final: get("ov_sumsq_final")?,
             clip: get("ov_clip")?,
-            ns_init: get("ov_ns_init")?,
-            muon_update: get("ov_muon_update")?,
             spin: get("ov_spin")?,
+            optim: super::optim::OptimFns::load(&get)?,
         })
     }
 
@@ -277,7 +274,7 @@ impl Kernels {
     }
 
     /// [`Kernels::launch`] with `threads` per block.
-    fn launch_with(
+    pub(super) fn launch_with(
         kernel: &'static str,
         f: sys::CUfunction,
         grid: (u32, u32),
@@ -460,144 +457,6 @@ impl Kernels {
         }
     }
 
-    /// AdamW on `n` elements; `m` and `v` are the two halves of the state buffer.
-    /// `guard`: the squared global norm of [`crate::Kernel::IfFinite`] (the kernel does
-    /// nothing when it is not finite), or 0 (unguarded).
-    #[allow(clippy::too_many_arguments)]
-    pub(super) fn adamw(
-        &self,
-        stream: sys::CUstream,
-        (p, g, m, v): (
-            sys::CUdeviceptr,
-            sys::CUdeviceptr,
-            sys::CUdeviceptr,
-            sys::CUdeviceptr,
-        ),
-        n: u64,
-        hp: &crate::AdamwParams,
-        step: u64,
-        guard: sys::CUdeviceptr,
-    ) -> Result<(), OpsError> {
-        if n == 0 {
-            return Ok(());
-        }
-        // Exactly ops::math::adamw's host-side scalars.
-        let lr = f64::from(hp.lr);
-        let (b1, b2) = (f64::from(hp.beta1), f64::from(hp.beta2));
-        let decay = 1.0 - lr * f64::from(hp.weight_decay);
-        let bc1 = 1.0 - b1.powf(step as f64);
-        let bc2 = 1.0 - b2.powf(step as f64);
-        let args = Args::default()
-            .push(p)
-            .push(g)
-            .push(m)
-            .push(v)
-            .push(n)
-            .push(b1)
-            .push(b2)
-            .push(f64::from(hp.eps))
-            .push(lr)
-            .push(decay)
-            .push(bc1)
-            .push(bc2)
-            .push(guard);
-        Self::launch("adamw", self.adamw, (blocks(n), 1), stream, args)
-    }
-
-    /// Muon's momentum: `buf = μ·buf + g`, `u = g + μ·buf`; `guard` as for
-    /// [`Kernels::adamw`] (a skipped step writes neither).
-    pub(super) fn muon_momentum(
-        &self,
-        stream: sys::CUstream,
-        (buf, g, u): (sys::CUdeviceptr, sys::CUdeviceptr, sys::CUdeviceptr),
-        n: u64,
-        mu: f64,
-        guard: sys::CUdeviceptr,
-    ) -> Result<(), OpsError> {
-        if n == 0 {
-            return Ok(());
-        }
-        let args = Args::default()
-            .push(buf)
-            .push(g)
-            .push(u)
-            .push(n)
-            .push(mu)
-            .push(guard);
-        Self::launch("muon", self.muon_momentum, (blocks(n), 1), stream, args)
-    }
-
-    /// `norm = sqrt(Σ x²) + 1e-7` over `n` elements, through `partial` (room for
-    /// [`SUMSQ_BLOCKS`] doubles).
-    pub(super) fn norm(
-        &self,
-        stream: sys::CUstream,
-        x: sys::CUdeviceptr,
-        n: u64,
-        partial: sys::CUdeviceptr,
-        norm: sys::CUdeviceptr,
-    ) -> Result<(), OpsError> {
-        let grid = blocks(n).min(SUMSQ_BLOCKS);
-        let args = Args::default().push(x).push(n).push(partial);
-        Self::launch("muon", self.sumsq_partial, (grid, 1), stream, args)?;
-        let args = Args::default().push(partial).push(grid).push(norm);
-        Self::launch("muon", self.norm_final, (1, 1), stream, args)
-    }
-
-    /// The normalised working matrix of Newton–Schulz.
-    #[allow(clippy::too_many_arguments)]
-    pub(super) fn ns_init(
-        &self,
-        stream: sys::CUstream,
-        u: sys::CUdeviceptr,
-        x: sys::CUdeviceptr,
-        rows: u64,
-        cols: u64,
-        transposed: bool,
-        norm: sys::CUdeviceptr,
-    ) -> Result<(), OpsError> {
-        let args = Args::default()
-            .push(u)
-            .push(x)
-            .push(rows)
-            .push(cols)
-            .push(i32::from(transposed))
-            .push(norm);
-        Self::launch("muon", self.ns_init, (blocks(rows * cols), 1), stream, args)
-    }
-
-    /// The scaled Muon update of the parameter; `guard` as for [`Kernels::adamw`].
-    #[allow(clippy::too_many_arguments)]
-    pub(super) fn muon_update(
-        &self,
-        stream: sys::CUstream,
-        p: sys::CUdeviceptr,
-        x: sys::CUdeviceptr,
-        rows: u64,
-        cols: u64,
-        transposed: bool,
-        decay: f64,
-        scale: f64,
-        guard: sys::CUdeviceptr,
-    ) -> Result<(), OpsError> {
-        let args = Args::default()
-            .push(p)
-            .push(x)
-            .push(rows)
-            .push(cols)
-            .push(i32::from(transposed))
-            .push(decay)
-            .push(scale)
-            .push(guard);
-        Self::launch(
-            "muon",
-            self.muon_update,
-            (blocks(rows * cols), 1),
-            stream,
-            args,
-        )
-    }
-
     /// `dst[0] = Σ x²` over every element of `spans` (non-empty, as
     /// [`sumsq_launches`] laid them out in `launches`), stored as f32: the first pass
     /// writes one double per block into `partial` (room for the doubles
@@ -678,11 +537,12 @@ mod tests {
     /// GPU, not fail to compile).
     #[test]
     fn launchers_push_what_the_kernels_declare() {
+        let source = full_source();
         let params = |name: &str| -> Vec<String> {
-            let at = SOURCE
+            let at = source
                 .find(&format!("void {name}("))
                 .unwrap_or_else(|| panic!("{name} is not in kernels.cu"));
-            let rest = &SOURCE[at..];
+            let rest = &source[at..];
             let open = rest.find('(').unwrap();
             let close = rest.find(')').unwrap();
             rest[open + 1..close]
@@ -703,16 +563,24 @@ mod tests {
             ["const Spans p", "const float* norm", "float max_norm"]
         );
         // The guard is the last parameter of every kernel that writes an optimizer's
-        // persistent state.
-        for (name, count) in [
-            ("ov_adamw", 13),
-            ("ov_muon_momentum", 6),
-            ("ov_muon_update", 8),
-        ] {
+        // persistent state (the multi-tensor AdamW's is in its table).
+        for (name, count) in [("ov_mb_momentum", 5), ("ov_mb_update", 9)] {
             let p = params(name);
             assert_eq!(p.len(), count, "{name}: {p:?}");
             assert_eq!(p.last().unwrap(), "const float* guard", "{name}");
         }
+        assert_eq!(
+            params("ov_mb_init"),
+            [
+                "const float* u",
+                "void* x",
+                "u64 rows",
+                "u64 cols",
+                "int transposed",
+                "const double* norms",
+                "int bf16"
+            ]
+        );
         for name in [
             "ov_add",
             "ov_segments",
@@ -721,19 +589,19 @@ mod tests {
             "ov_combine",
             "ov_combine4",
             "ov_combine4s",
-            "ov_adamw",
-            "ov_muon_momentum",
-            "ov_sumsq_partial",
-            "ov_norm_final",
             "ov_sumsq_spans",
             "ov_sumsq_final",
             "ov_clip",
-            "ov_ns_init",
-            "ov_muon_update",
             "ov_spin",
+            "ov_adamw_multi",
+            "ov_mb_momentum",
+            "ov_mb_sumsq",
+            "ov_mb_norm",
+            "ov_mb_init",
+            "ov_mb_update",
         ] {
             assert!(
-                SOURCE.contains(&format!("extern \"C\" __global__ void {name}(")),
+                source.contains(&format!("extern \"C\" __global__ void {name}(")),
                 "{name}"
             );
         }
@@ -813,7 +681,7 @@ mod tests {
             options: vec!["--gpu-architecture=compute_90".into()],
             ..Default::default()
         };
-        if let Err(e) = nvrtc::compile_ptx_with_opts(SOURCE, opts) {
+        if let Err(e) = nvrtc::compile_ptx_with_opts(full_source(), opts) {
             panic!("kernels.cu does not compile: {e:?}");
         }
     }

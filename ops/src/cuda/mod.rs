@@ -60,6 +60,7 @@
 //! Invariant: the backend adds no ordering the plan did not ask for, and every CUDA call
 //! is made with the context bound on the calling thread.
 
+mod defer;
 mod device;
 mod event;
 mod exchange;
@@ -68,6 +69,7 @@ mod loader;
 mod memory;
 mod muon;
 mod nccl;
+mod optim;
 
 use std::collections::HashMap;
 use std::sync::{Arc, Mutex};
@@ -80,13 +82,14 @@ use overlap_graph::{
 };
 
 use crate::{
-    collective_roles, AdamwParams, Backend, BoxFuture, CollectiveRoles, CommId, EventStatus,
-    Kernel, MuonParams, OpsError, Tag, Timing,
+    collective_roles, Backend, BoxFuture, CollectiveRoles, CommId, EventStatus, Kernel, OpsError,
+    Tag, Timing,
 };
 /// The CUDA bindings the backend is built on, for a trainer that runs its own kernels
 /// beside it in the same primary context (`examples/train.rs --backend cuda`): the same
 /// version, so its handles (`CUstream`, device addresses) are the backend's types.
 pub use cudarc;
+use defer::{Held, Pending};
 use device::Device;
 pub use event::CudaEvent;
 use event::{lock, EventPool, HostWait, Record, Waiter};
@@ -99,7 +102,7 @@ use kernels::{Kernels, Seg, Span};
 pub use loader::check as check_libraries;
 pub use memory::CudaBuffer;
 use memory::{DevMem, Memory};
-use muon::{Blas, Layout, MuonArgs};
+use muon::Blas;
 use nccl::Comm;
 pub use nccl::NcclUniqueId;
 
@@ -292,6 +295,9 @@ struct Issue {
     /// pseudo-random values, with their `(m, n, k)`.
     gemm: Option<((u32, u32, u32), Arc<DevMem>)>,
     timings: Timings,
+    /// Optimizer kernels validated and held per stream, at [`Stream::index`], until
+    /// the stream is flushed (`defer.rs`).
+    pending: [Pending; Stream::COUNT],
 }
 
 /// Kernel timings: a timing event recorded before and after each kernel.
@@ -396,6 +402,7 @@ impl CudaBackend {
                     epoch,
                     pending: Vec::new(),
                 },
+                pending: Default::default(),
             }),
             waiter: Some(waiter),
             info,
@@ -570,6 +577,11 @@ impl CudaBackend {
     /// destroy or synchronise-and-reset it, and must bind the backend's context
     /// ([`CudaBackend::ordinal`]'s primary context) on the thread that uses it.
     pub fn raw_stream(&self, stream: Stream) -> sys::CUstream {
+        // Optimizer kernels held on the stream go first (`defer.rs`).
+        let mut st = lock(&self.issue);
+        if !st.pending[stream.index()].is_empty() && self.shared.device.bind().is_ok() {
+            st.flush(&self.shared, stream);
+        }
         self.shared.device.stream(stream)
     }
 
@@ -797,6 +809,7 @@ impl Backend for CudaBackend {
         }
         let device = &self.shared.device;
         device.bind()?;
+        lock(&self.issue).flush_all(&self.shared);
         // SAFETY: the buffer holds `data.len()` floats and no stream uses it (the
         // trait's contract); the host stream is synchronised before `data` is released.
         unsafe {
@@ -819,6 +832,7 @@ impl Backend for CudaBackend {
         }
         let device = &self.shared.device;
         device.bind()?;
+        lock(&self.issue).flush_all(&self.shared);
         // SAFETY: `out` holds `buf.len` floats and outlives the synchronised copy.
         unsafe {
             sys::cuMemcpyDtoHAsync_v2(
@@ -853,8 +867,11 @@ impl Backend for CudaBackend {
     }
 
     fn record(&self, rank: u32, stream: Stream, event: &CudaEvent) {
-        let st = lock(&self.issue);
+        let mut st = lock(&self.issue);
         let device = &self.shared.device;
+        if !st.pending[stream.index()].is_empty() && device.bind().is_ok() {
+            st.flush(&self.shared, stream);
+        }
         let mut failed = st.poison[stream.index()].clone();
         if rank != self.shared.rank || event.rank != self.shared.rank {
             let reason = self.not_mine(if rank != self.shared.rank {
@@ -884,6 +901,9 @@ impl Backend for CudaBackend {
             return;
         }
         let mut st = lock(&self.issue);
+        if !st.pending[stream.index()].is_empty() && self.shared.device.bind().is_ok() {
+            st.flush(&self.shared, stream);
+        }
         if let Some(cause) = &record.failed {
             let cancel = match cause {
                 OpsError::Cancelled(_) => cause.clone(),
@@ -1006,6 +1026,9 @@ impl Backend for CudaBackend {
     /// operation reports it again, and the process should exit.
     fn reset(&self) {
         let mut st = lock(&self.issue);
+        if self.shared.device.bind().is_ok() {
+            st.flush_all(&self.shared);
+        }
         st.poison = Default::default();
         lock(&self.shared.errors).clear();
         // In-place receives whose combine never came (a failed or discarded step):
@@ -1046,6 +1069,18 @@ impl Backend for CudaBackend {
 
 impl Issue {
     fn launch(&mut self, shared: &Shared, stream: Stream, tag: Tag, kernel: Kernel<CudaBuffer>) {
+        // An optimizer kernel is validated now and held (`defer.rs`); anything else
+        // issues the held ones first, keeping the stream's order.
+        let held = match &kernel {
+            Kernel::Adamw { .. } | Kernel::Muon { .. } => true,
+            Kernel::IfFinite { kernel, .. } => {
+                matches!(**kernel, Kernel::Adamw { .. } | Kernel::Muon { .. })
+            }
+            _ => false,
+        };
+        if !held {
+            self.flush(shared, stream);
+        }
         let poison = self.poison[stream.index()].clone();
         // Collectives and exchanges run even on a poisoned stream, unless the job is told
         // of failures another way: their peers wait for them (`set_poisoned_collectives_join`).
@@ -1081,12 +1116,12 @@ impl Issue {
             }
             return;
         }
-        let start = if self.timings.on && poison.is_none() {
+        let start = if self.timings.on && poison.is_none() && !held {
             self.timing_event(shared, raw)
         } else {
             None
         };
-        let result = self.run(shared, stream, raw, kernel, poison);
+        let result = self.run(shared, (stream, raw, tag), kernel, poison);
         self.end_timing(
             shared,
             (stream, raw),
@@ -1164,8 +1199,7 @@ impl Issue {
     fn run(
         &mut self,
         shared: &Shared,
-        stream: Stream,
-        raw: sys::CUstream,
+        (stream, raw, tag): (Stream, sys::CUstream, Tag),
         kernel: Kernel<CudaBuffer>,
         poison: Option<OpsError>,
     ) -> Result<u64, OpsError> {
@@ -1336,7 +1370,7 @@ impl Issue {
                 ran.map(|()| 0)
             }
             k @ (Kernel::Adamw { .. } | Kernel::Muon { .. }) => {
-                self.optimizer(shared, (stream, raw), rank, k, None)?;
+                self.optimizer(shared, (stream, tag), rank, k, None)?;
                 Ok(0)
             }
             Kernel::SumSquares { dst, srcs } => {
@@ -1367,30 +1401,40 @@ impl Issue {
             // is not finite: no extra launch, no host synchronisation.
             Kernel::IfFinite { norm, kernel } => {
                 expect("if_finite", rank, "norm", &norm, 1)?;
-                self.optimizer(shared, (stream, raw), rank, *kernel, Some(&norm))?;
+                self.optimizer(shared, (stream, tag), rank, *kernel, Some(&norm))?;
                 Ok(0)
             }
         }
     }
 
     /// An optimizer kernel (AdamW or Muon), guarded by the global norm (`guard`: it does
-    /// nothing when the norm there is not finite) or not.
+    /// nothing when the norm there is not finite) or not: validated, then held on the
+    /// stream until its next flush (`defer.rs`).
     fn optimizer(
         &mut self,
         shared: &Shared,
-        (stream, raw): (Stream, sys::CUstream),
+        (stream, tag): (Stream, Tag),
         rank: u32,
         kernel: Kernel<CudaBuffer>,
         guard: Option<&CudaBuffer>,
     ) -> Result<(), OpsError> {
-        match kernel {
+        let held = match kernel {
             Kernel::Adamw {
                 param,
                 grad,
                 state,
                 hp,
                 step,
-            } => self.adamw(rank, raw, (&param, &grad, &state), &hp, step, guard),
+            } => {
+                check_adamw(rank, (&param, &grad, &state), step, guard)?;
+                Held::Adamw {
+                    param,
+                    grad,
+                    state,
+                    hp,
+                    step,
+                }
+            }
             Kernel::Muon {
                 param,
                 grad,
@@ -1398,23 +1442,32 @@ impl Issue {
                 rows,
                 cols,
                 hp,
-            } => self.muon(
-                shared,
-                stream,
-                raw,
-                (&param, &grad, &momentum),
-                (rows, cols),
-                &hp,
-                guard,
-            ),
-            other => Err(OpsError::Shape {
-                kernel: "if_finite",
-                reason: format!(
-                    "the CUDA backend guards optimizers (adamw, muon) only, got {}",
-                    other.name()
-                ),
-            }),
-        }
+            } => {
+                check_muon(rank, (&param, &grad, &momentum), (rows, cols), guard)?;
+                if rows == 0 || cols == 0 {
+                    return Ok(());
+                }
+                Held::Muon {
+                    param,
+                    grad,
+                    momentum,
+                    rows,
+                    cols,
+                    hp,
+                }
+            }
+            other => {
+                return Err(OpsError::Shape {
+                    kernel: "if_finite",
+                    reason: format!(
+                        "the CUDA backend guards optimizers (adamw, muon) only, got {}",
+                        other.name()
+                    ),
+                })
+            }
+        };
+        self.hold(shared, stream, tag, held, guard);
+        Ok(())
     }
 
     /// [`Kernel::SumSquares`]: validated as the CPU backend does, then two passes
@@ -1452,88 +1505,6 @@ impl Issue {
         let partial = self.scratch(shared, stream, bytes.max(8))?;
         self.kernels
             .sum_squares(raw, &spans, (&launches, partials), partial, dst.ptr())
-    }
-
-    /// AdamW; `guard`: the norm of [`Kernel::IfFinite`] (checked by the caller).
-    #[allow(clippy::too_many_arguments)]
-    fn adamw(
-        &self,
-        rank: u32,
-        raw: sys::CUstream,
-        (param, grad, state): (&CudaBuffer, &CudaBuffer, &CudaBuffer),
-        hp: &AdamwParams,
-        step: u64,
-        guard: Option<&CudaBuffer>,
-    ) -> Result<(), OpsError> {
-        const K: &str = "adamw";
-        let n = param.len;
-        expect(K, rank, "param", param, n)?;
-        expect(K, rank, "grad", grad, n)?;
-        expect(K, rank, "state (m then v)", state, 2 * n)?;
-        distinct(K, &[param, grad, state])?;
-        guarded(K, guard, &[param, state])?;
-        if step == 0 {
-            return Err(OpsError::Shape {
-                kernel: K,
-                reason: "step is 1-based, got 0".into(),
-            });
-        }
-        let v = state.at(n as u64);
-        self.kernels.adamw(
-            raw,
-            (param.ptr(), grad.ptr(), state.ptr(), v),
-            n as u64,
-            hp,
-            step,
-            guard.map_or(0, CudaBuffer::ptr),
-        )
-    }
-
-    /// Muon; `guard`: the norm of [`Kernel::IfFinite`] (checked by the caller).
-    #[allow(clippy::too_many_arguments)]
-    fn muon(
-        &mut self,
-        shared: &Shared,
-        stream: Stream,
-        raw: sys::CUstream,
-        (param, grad, momentum): (&CudaBuffer, &CudaBuffer, &CudaBuffer),
-        (rows, cols): (usize, usize),
-        hp: &MuonParams,
-        guard: Option<&CudaBuffer>,
-    ) -> Result<(), OpsError> {
-        const K: &str = "muon";
-        let too_big = || OpsError::Shape {
-            kernel: K,
-            reason: format!("a {rows} × {cols} matrix has more elements than fit in memory"),
-        };
-        let n = rows.checked_mul(cols).ok_or_else(too_big)?;
-        expect(K, shared.rank, "param (rows × cols)", param, n)?;
-        expect(K, shared.rank, "grad (rows × cols)", grad, n)?;
-        expect(K, shared.rank, "momentum (rows × cols)", momentum, n)?;
-        distinct(K, &[param, grad, momentum])?;
-        guarded(K, guard, &[param, momentum])?;
-        if n == 0 {
-            return Ok(());
-        }
-        let layout = Layout::new(rows, cols).ok_or_else(too_big)?;
-        let scratch = self.scratch(shared, stream, layout.bytes)?;
-        let args = MuonArgs {
-            param: param.ptr(),
-            grad: grad.ptr(),
-            momentum: momentum.ptr(),
-            rows,
-            cols,
-            guard: guard.map_or(0, CudaBuffer::ptr),
-        };
-        muon::run(
-            &self.kernels,
-            &self.blas[stream.index()],
-            raw,
-            scratch,
-            &layout,
-            &args,
-            hp,
-        )
     }
 
     /// `count` bf16 GEMMs `C = A·B` on `stream` (the synthetic backward of `overlap
@@ -1865,6 +1836,7 @@ impl Drop for CudaBackend {
         if shared.device.bind().is_err() {
             return;
         }
+        st.flush_all(&shared);
         // Every peer's last acknowledgement must land in our rings before they go.
         for ring in &st.copy {
             let _ = ring.await_acks(shared.device.stream(ring.comm().stream));
@@ -2019,6 +1991,55 @@ fn check_combine(
         )));
     }
     Ok((c, at))
+}
+
+/// Validates a [`Kernel::Adamw`] (`guard`: the norm of [`Kernel::IfFinite`], checked by
+/// the caller).
+fn check_adamw(
+    rank: u32,
+    (param, grad, state): (&CudaBuffer, &CudaBuffer, &CudaBuffer),
+    step: u64,
+    guard: Option<&CudaBuffer>,
+) -> Result<(), OpsError> {
+    const K: &str = "adamw";
+    let n = param.len;
+    expect(K, rank, "param", param, n)?;
+    expect(K, rank, "grad", grad, n)?;
+    expect(K, rank, "state (m then v)", state, 2 * n)?;
+    distinct(K, &[param, grad, state])?;
+    guarded(K, guard, &[param, state])?;
+    if step == 0 {
+        return Err(OpsError::Shape {
+            kernel: K,
+            reason: "step is 1-based, got 0".into(),
+        });
+    }
+    Ok(())
+}
+
+/// Validates a [`Kernel::Muon`] (`guard` as for [`check_adamw`]), including that its
+/// batch's scratch can be laid out.
+fn check_muon(
+    rank: u32,
+    (param, grad, momentum): (&CudaBuffer, &CudaBuffer, &CudaBuffer),
+    (rows, cols): (usize, usize),
+    guard: Option<&CudaBuffer>,
+) -> Result<(), OpsError> {
+    const K: &str = "muon";
+    let too_big = || OpsError::Shape {
+        kernel: K,
+        reason: format!("a {rows} × {cols} matrix has more elements than fit in memory"),
+    };
+    let n = rows.checked_mul(cols).ok_or_else(too_big)?;
+    expect(K, rank, "param (rows × cols)", param, n)?;
+    expect(K, rank, "grad (rows × cols)", grad, n)?;
+    expect(K, rank, "momentum (rows × cols)", momentum, n)?;
+    distinct(K, &[param, grad, momentum])?;
+    guarded(K, guard, &[param, momentum])?;
+    if n > 0 && muon::BatchLayout::new((rows, cols), 1, crate::NsDtype::F32).is_none() {
+        return Err(too_big());
+    }
+    Ok(())
 }
 
 /// Checks that `buf` lives on `rank` and holds `len` elements.

@@ -30,9 +30,10 @@ use cudarc::cublas::result as blas;
 use cudarc::cublas::sys as blas_sys;
 use cudarc::driver::sys;
 
-use super::kernels::{Kernels, SUMSQ_BLOCKS};
+use super::kernels::Kernels;
 use super::memory::{DevMem, Memory};
-use crate::{MuonParams, OpsError};
+use super::optim::{MuonMats, MB_SUMSQ_BLOCKS};
+use crate::{MuonParams, NsDtype, OpsError};
 
 /// Quintic coefficients, as in [`crate::math::newton_schulz`].
 const NS_A: f32 = 3.4445;
@@ -138,16 +139,22 @@ impl Blas {
         })
     }
 
+    /// `count` GEMMs `C_i = alpha·op(A_i)·op(B_i) + beta·C_i` (column-major, as
+    /// cuBLAS), the operands `stride` elements apart, in `dtype`'s data and compute
+    /// types: bf16 data with f32 accumulation, or f32 data with TF32 or full f32
+    /// arithmetic.
     #[allow(clippy::too_many_arguments)]
-    fn sgemm(
+    fn gemm_batched(
         &self,
+        dtype: NsDtype,
         (ta, tb): (bool, bool),
         (m, n, k): (i32, i32, i32),
         alpha: f32,
-        (a, lda): (u64, i32),
-        (b, ldb): (u64, i32),
+        (a, lda, sa): (u64, i32, i64),
+        (b, ldb, sb): (u64, i32, i64),
         beta: f32,
-        (c, ldc): (u64, i32),
+        (c, ldc, sc): (u64, i32, i64),
+        count: i32,
     ) -> Result<(), OpsError> {
         let op = |t: bool| {
             if t {
@@ -156,124 +163,165 @@ impl Blas {
                 blas_sys::cublasOperation_t::CUBLAS_OP_N
             }
         };
-        // SAFETY: the caller passes device matrices of the stated shapes in scratch it
-        // owns on this handle's stream; alpha and beta are host scalars read at the call.
+        let (data, compute) = match dtype {
+            NsDtype::Bf16 => (
+                blas_sys::cudaDataType::CUDA_R_16BF,
+                blas_sys::cublasComputeType_t::CUBLAS_COMPUTE_32F,
+            ),
+            NsDtype::Tf32 => (
+                blas_sys::cudaDataType::CUDA_R_32F,
+                blas_sys::cublasComputeType_t::CUBLAS_COMPUTE_32F_FAST_TF32,
+            ),
+            NsDtype::F32 => (
+                blas_sys::cudaDataType::CUDA_R_32F,
+                blas_sys::cublasComputeType_t::CUBLAS_COMPUTE_32F,
+            ),
+        };
+        // SAFETY: the caller passes `count` device matrices of the stated shapes and
+        // strides in scratch it owns on this handle's stream; alpha and beta are host
+        // scalars of the compute type's scale type (f32), read at the call.
         unsafe {
-            blas::sgemm(
+            blas::gemm_strided_batched_ex(
                 self.handle,
                 op(ta),
                 op(tb),
                 m,
                 n,
                 k,
-                &alpha,
-                a as *const f32,
+                (&alpha as *const f32).cast(),
+                a as *const std::ffi::c_void,
+                data,
                 lda,
-                b as *const f32,
+                sa,
+                b as *const std::ffi::c_void,
+                data,
                 ldb,
-                &beta,
-                c as *mut f32,
+                sb,
+                (&beta as *const f32).cast(),
+                c as *mut std::ffi::c_void,
+                data,
                 ldc,
+                sc,
+                count,
+                compute,
+                blas_sys::cublasGemmAlgo_t::CUBLAS_GEMM_DFALT,
             )
         }
         .map_err(|e| OpsError::Failed {
             kernel: "muon",
-            reason: format!("cublasSgemm: {:?}", e.0),
+            reason: format!("cublasGemmStridedBatchedEx: {:?}", e.0),
         })
     }
 }
 
-/// Where each scratch region of one Muon call lies, as byte offsets.
-pub(super) struct Layout {
+/// Where each scratch region of one batched Muon step lies, as byte offsets: `count`
+/// matrices of `rows × cols`, the working matrices in the Newton–Schulz precision.
+pub(super) struct BatchLayout {
+    /// `count` Nesterov inputs `U`, f32, back to back.
+    u: usize,
     y: usize,
     z: usize,
     a: usize,
     b: usize,
     partial: usize,
-    norm: usize,
+    norms: usize,
+    rows: usize,
+    cols: usize,
+    count: usize,
+    dtype: NsDtype,
     /// Total bytes.
     pub(super) bytes: usize,
 }
 
-impl Layout {
-    /// The scratch a `rows × cols` Muon step needs, or `None` if it overflows.
-    pub(super) fn new(rows: usize, cols: usize) -> Option<Layout> {
+impl BatchLayout {
+    /// The scratch of `count` `rows × cols` Muon steps in `dtype`, or `None` if it
+    /// overflows.
+    pub(super) fn new((rows, cols): (usize, usize), count: usize, dtype: NsDtype) -> Option<Self> {
         let (m, n) = (rows.min(cols), rows.max(cols));
+        let esize = if dtype == NsDtype::Bf16 { 2 } else { 4 };
         let mut at = 0usize;
         let mut region = |bytes: usize| -> Option<usize> {
             let start = at;
             at = at.checked_add(bytes.checked_next_multiple_of(ALIGN)?)?;
             Some(start)
         };
-        let mn = m.checked_mul(n)?.checked_mul(4)?;
-        let mm = m.checked_mul(m)?.checked_mul(4)?;
-        Some(Layout {
-            y: region(mn)?,
-            z: region(mn)?,
-            a: region(mm)?,
-            b: region(mm)?,
-            partial: region(SUMSQ_BLOCKS as usize * 8)?,
-            norm: region(8)?,
+        let mn = m.checked_mul(n)?.checked_mul(count)?;
+        let mm = m.checked_mul(m)?.checked_mul(count)?;
+        Some(BatchLayout {
+            u: region(mn.checked_mul(4)?)?,
+            y: region(mn.checked_mul(esize)?)?,
+            z: region(mn.checked_mul(esize)?)?,
+            a: region(mm.checked_mul(esize)?)?,
+            b: region(mm.checked_mul(esize)?)?,
+            partial: region(count.checked_mul(MB_SUMSQ_BLOCKS as usize * 8)?)?,
+            norms: region(count.checked_mul(8)?)?,
+            rows,
+            cols,
+            count,
+            dtype,
             bytes: at,
         })
     }
+
+    fn esize(&self) -> usize {
+        if self.dtype == NsDtype::Bf16 {
+            2
+        } else {
+            4
+        }
+    }
 }
 
-/// The device buffers of one Muon step.
-pub(super) struct MuonArgs {
-    pub param: u64,
-    pub grad: u64,
-    pub momentum: u64,
-    pub rows: usize,
-    pub cols: usize,
-    /// The squared global norm guarding the step ([`crate::Kernel::IfFinite`]), or 0.
-    pub guard: u64,
-}
-
-/// Runs one Muon step on `stream` with `scratch` laid out by [`Layout::new`].
-pub(super) fn run(
+/// Runs the Muon steps of `mats` (all of `layout`'s shape) on `stream` with `scratch`
+/// laid out by `layout`: the momentum of every matrix in one launch, the norms in two,
+/// the working matrices in one, each Newton–Schulz GEMM once for the whole batch
+/// (strided-batched), the updates in one. `guard`: the squared global norm of
+/// [`crate::Kernel::IfFinite`], or 0.
+pub(super) fn run_batch(
     kernels: &Kernels,
     blas: &Blas,
     stream: sys::CUstream,
-    scratch: u64,
-    layout: &Layout,
-    args: &MuonArgs,
+    (scratch, layout): (u64, &BatchLayout),
+    mats: &MuonMats,
     hp: &MuonParams,
+    guard: u64,
 ) -> Result<(), OpsError> {
-    let (rows, cols) = (args.rows, args.cols);
-    if rows == 0 || cols == 0 {
+    let (rows, cols, count) = (layout.rows, layout.cols, layout.count);
+    if rows == 0 || cols == 0 || count == 0 {
         return Ok(());
     }
-    let transposed = rows > cols;
     let (m, n) = (rows.min(cols), rows.max(cols));
     let too_big = || OpsError::Shape {
         kernel: "muon",
-        reason: format!("a {rows} × {cols} matrix exceeds cuBLAS's 32-bit dimensions"),
+        reason: format!(
+            "a batch of {count} {rows} × {cols} matrices exceeds cuBLAS's 32-bit dimensions"
+        ),
     };
     let mi = i32::try_from(m).map_err(|_| too_big())?;
     let ni = i32::try_from(n).map_err(|_| too_big())?;
+    let ci = i32::try_from(count).map_err(|_| too_big())?;
+    let (smn, smm) = ((m * n) as i64, (m * m) as i64);
     let at = |off: usize| scratch + off as u64;
-    let (mut y, mut z) = (at(layout.y), at(layout.z));
+    let (u, mut y, mut z) = (at(layout.u), at(layout.y), at(layout.z));
     let (a, b) = (at(layout.a), at(layout.b));
     let numel = (rows * cols) as u64;
+    let bf16 = layout.dtype == NsDtype::Bf16;
+    let fns = &kernels.optim;
 
-    // u = g + μ·(μ·buf + g), into Z; then X = u / (‖u‖ + 1e-7) into Y.
-    kernels.muon_momentum(
+    // U = g + μ·(μ·buf + g); X = U / (‖U‖ + 1e-7) into Y, in the working precision.
+    fns.mb_momentum(stream, mats, (u, numel), f64::from(hp.momentum), guard)?;
+    fns.mb_norms(
         stream,
-        (args.momentum, args.grad, z),
-        numel,
-        f64::from(hp.momentum),
-        args.guard,
+        (u, numel, ci as u32),
+        at(layout.partial),
+        at(layout.norms),
     )?;
-    kernels.norm(stream, z, numel, at(layout.partial), at(layout.norm))?;
-    kernels.ns_init(
+    fns.mb_init(
         stream,
-        z,
-        y,
-        rows as u64,
-        cols as u64,
-        transposed,
-        at(layout.norm),
+        (u, y),
+        (rows as u64, cols as u64, ci as u32),
+        at(layout.norms),
+        bf16,
     )?;
     let copy = |dst: u64, src: u64, bytes: usize| -> Result<(), OpsError> {
         // SAFETY: both regions lie in this call's scratch and hold `bytes` bytes.
@@ -281,54 +329,59 @@ pub(super) fn run(
             .result()
             .map_err(|e| super::device::failed("muon", e))
     };
+    let (e, dt) = (layout.esize(), layout.dtype);
     for _ in 0..hp.ns_steps {
         // A = Yᵀ·Y
-        blas.sgemm(
+        blas.gemm_batched(
+            dt,
             (true, false),
             (mi, mi, ni),
             1.0,
-            (y, ni),
-            (y, ni),
+            (y, ni, smn),
+            (y, ni, smn),
             0.0,
-            (a, mi),
+            (a, mi, smm),
+            ci,
         )?;
         // B = b·A + c·A·A
-        copy(b, a, m * m * 4)?;
-        blas.sgemm(
+        copy(b, a, count * m * m * e)?;
+        blas.gemm_batched(
+            dt,
             (false, false),
             (mi, mi, mi),
             NS_C,
-            (a, mi),
-            (a, mi),
+            (a, mi, smm),
+            (a, mi, smm),
             NS_B,
-            (b, mi),
+            (b, mi, smm),
+            ci,
         )?;
         // Z = a·Y + Y·Bᵀ
-        copy(z, y, m * n * 4)?;
-        blas.sgemm(
+        copy(z, y, count * m * n * e)?;
+        blas.gemm_batched(
+            dt,
             (false, true),
             (ni, mi, mi),
             1.0,
-            (y, ni),
-            (b, mi),
+            (y, ni, smn),
+            (b, mi, smm),
             NS_A,
-            (z, ni),
+            (z, ni, smn),
+            ci,
         )?;
         std::mem::swap(&mut y, &mut z);
     }
     let lr = f64::from(hp.lr);
     let decay = 1.0 - lr * f64::from(hp.weight_decay);
     let scale = lr * MUON_SCALE * (rows.max(cols) as f64).sqrt();
-    kernels.muon_update(
+    fns.mb_update(
         stream,
-        args.param,
+        mats,
         y,
-        rows as u64,
-        cols as u64,
-        transposed,
-        decay,
-        scale,
-        args.guard,
+        (rows as u64, cols as u64),
+        (decay, scale),
+        bf16,
+        guard,
     )
 }
 
@@ -337,23 +390,28 @@ mod tests {
     use super::*;
 
     #[test]
-    fn scratch_regions_are_aligned_and_disjoint() {
-        let l = Layout::new(33, 7).expect("fits");
-        let regions = [
-            (l.y, 7 * 33 * 4),
-            (l.z, 7 * 33 * 4),
-            (l.a, 7 * 7 * 4),
-            (l.b, 7 * 7 * 4),
-            (l.partial, SUMSQ_BLOCKS as usize * 8),
-            (l.norm, 8),
-        ];
-        for (i, &(start, len)) in regions.iter().enumerate() {
-            assert_eq!(start % ALIGN, 0);
-            assert!(start + len <= l.bytes);
-            for &(other, olen) in &regions[i + 1..] {
-                assert!(start + len <= other || other + olen <= start);
+    fn batch_scratch_regions_are_aligned_and_disjoint() {
+        for dtype in NsDtype::ALL {
+            let l = BatchLayout::new((33, 7), 5, dtype).expect("fits");
+            let e = l.esize();
+            let regions = [
+                (l.u, 5 * 7 * 33 * 4),
+                (l.y, 5 * 7 * 33 * e),
+                (l.z, 5 * 7 * 33 * e),
+                (l.a, 5 * 7 * 7 * e),
+                (l.b, 5 * 7 * 7 * e),
+                (l.partial, 5 * MB_SUMSQ_BLOCKS as usize * 8),
+                (l.norms, 5 * 8),
+            ];
+            for (i, &(start, len)) in regions.iter().enumerate() {
+                assert_eq!(start % ALIGN, 0);
+                assert!(start + len <= l.bytes);
+                for &(other, olen) in &regions[i + 1..] {
+                    assert!(start + len <= other || other + olen <= start);
+                }
             }
         }
-        assert!(Layout::new(usize::MAX, 2).is_none());
+        assert!(BatchLayout::new((usize::MAX, 2), 1, NsDtype::F32).is_none());
+        assert!(BatchLayout::new((1 << 31, 1 << 31), 1 << 10, NsDtype::Bf16).is_none());
     }
 }

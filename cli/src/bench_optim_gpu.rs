@@ -1,0 +1,283 @@
+//! `overlap bench-optimizer` on the GPU (`cuda` feature): opens device 0 as the one rank
+//! of a `1 × 1` mesh, allocates every parameter, gradient and optimizer state of the
+//! shape set, and times the tail as the executor issues it (one kernel per parameter,
+//! on the compute stream) between CUDA timing events.
+//!
+//! Invariant: runs on one host thread (the context stays bound on it), and every timed
+//! interval starts and ends with an event recorded on the stream the kernels run on,
+//! after the backend issued what it held (`CudaBackend::raw_stream`).
+
+use std::time::Instant;
+
+use overlap::Error;
+use overlap_graph::{Mesh, Stream};
+use overlap_ops::cuda::cudarc::driver::{result as cu, sys};
+use overlap_ops::cuda::{CudaBackend, CudaBuffer, CudaOptions};
+use overlap_ops::{AdamwParams, Backend, Kernel, MuonParams, NsDtype, Tag};
+
+use crate::bench_optim::{ns_flops, shape_set, BenchOptimizerArgs, OptimReport, TailRow, Tensor};
+
+fn driver(what: &str, e: impl std::fmt::Debug) -> Error {
+    Error::Backend(format!("bench-optimizer: {what}: {e:?}"))
+}
+
+/// A parameter's buffers: values, gradient, optimizer state (AdamW `2n`, Muon `n`).
+struct Slot {
+    tensor: Tensor,
+    param: CudaBuffer,
+    grad: CudaBuffer,
+    adamw: CudaBuffer,
+    muon: Option<CudaBuffer>,
+}
+
+/// Two timing events on the compute stream.
+struct Timer {
+    stream: sys::CUstream,
+    start: sys::CUevent,
+    end: sys::CUevent,
+}
+
+impl Timer {
+    fn new(b: &CudaBackend) -> Result<Timer, Error> {
+        let flags = sys::CUevent_flags::CU_EVENT_DEFAULT;
+        Ok(Timer {
+            stream: b.raw_stream(Stream::Compute),
+            start: cu::event::create(flags).map_err(|e| driver("cuEventCreate", e))?,
+            end: cu::event::create(flags).map_err(|e| driver("cuEventCreate", e))?,
+        })
+    }
+
+    fn mark(&self, b: &CudaBackend, end: bool) -> Result<(), Error> {
+        // `raw_stream` first issues what the backend holds on the stream.
+        let stream = b.raw_stream(Stream::Compute);
+        debug_assert_eq!(stream, self.stream);
+        let ev = if end { self.end } else { self.start };
+        // SAFETY: a live event and stream of the context bound on this thread.
+        unsafe { cu::event::record(ev, stream) }.map_err(|e| driver("cuEventRecord", e))
+    }
+
+    /// Milliseconds from start to end, once end has executed.
+    fn elapsed(&self) -> Result<f64, Error> {
+        // SAFETY: both events were recorded on a live stream.
+        unsafe {
+            cu::event::synchronize(self.end).map_err(|e| driver("cuEventSynchronize", e))?;
+            cu::event::elapsed(self.start, self.end)
+                .map(f64::from)
+                .map_err(|e| driver("cuEventElapsedTime", e))
+        }
+    }
+}
+
+impl Drop for Timer {
+    fn drop(&mut self) {
+        // SAFETY: events created by `Timer::new`, no longer used.
+        unsafe {
+            let _ = cu::event::destroy(self.start);
+            let _ = cu::event::destroy(self.end);
+        }
+    }
+}
+
+fn ops(e: overlap_ops::OpsError) -> Error {
+    Error::Backend(e.to_string())
+}
+
+/// A buffer of `n` values tiled from one pseudo-random block.
+fn filled(b: &CudaBackend, n: usize, block: &[f32]) -> Result<CudaBuffer, Error> {
+    let buf = b.alloc(0, n).map_err(ops)?;
+    let data: Vec<f32> = block.iter().copied().cycle().take(n).collect();
+    b.upload(&buf, &data).map_err(ops)?;
+    Ok(buf)
+}
+
+/// The device-to-device copy bandwidth (bytes read plus written per second), GB/s.
+fn copy_gbps(b: &CudaBackend, timer: &Timer) -> Result<f64, Error> {
+    let n = 256usize << 20;
+    let (src, dst) = (b.alloc(0, n).map_err(ops)?, b.alloc(0, n).map_err(ops)?);
+    let iters = 10;
+    let copy = || {
+        // SAFETY: both buffers hold `n` floats and no other work uses them.
+        unsafe {
+            sys::cuMemcpyDtoDAsync_v2(dst.device_ptr(), src.device_ptr(), n * 4, timer.stream)
+        }
+        .result()
+        .map_err(|e| driver("cuMemcpyDtoDAsync", e))
+    };
+    copy()?;
+    timer.mark(b, false)?;
+    for _ in 0..iters {
+        copy()?;
+    }
+    timer.mark(b, true)?;
+    let ms = timer.elapsed()?;
+    Ok(2.0 * (n * 4) as f64 * f64::from(iters) / (ms * 1e-3) / 1e9)
+}
+
+/// One step's kernels: AdamW on every slot, or Muon (in `ns`) on the Muon ones.
+fn step_kernels(slots: &[Slot], ns: Option<NsDtype>, step: u64) -> Vec<Kernel<CudaBuffer>> {
+    slots
+        .iter()
+        .map(|s| match (ns, &s.muon) {
+            (Some(ns_dtype), Some(momentum)) => Kernel::Muon {
+                param: s.param.clone(),
+                grad: s.grad.clone(),
+                momentum: momentum.clone(),
+                rows: s.tensor.dims[0],
+                cols: s.tensor.dims[1],
+                hp: MuonParams {
+                    ns_dtype,
+                    ..MuonParams::default()
+                },
+            },
+            _ => Kernel::Adamw {
+                param: s.param.clone(),
+                grad: s.grad.clone(),
+                state: s.adamw.clone(),
+                hp: AdamwParams::default(),
+                step,
+            },
+        })
+        .collect()
+}
+
+fn launch_all(b: &CudaBackend, kernels: Vec<Kernel<CudaBuffer>>) {
+    for (i, k) in kernels.into_iter().enumerate() {
+        let tag = Tag {
+            node: i as u32,
+            op: "optimizer",
+            micro_batch: u32::MAX,
+        };
+        b.launch(0, Stream::Compute, tag, k);
+    }
+}
+
+fn median(mut v: Vec<f64>) -> f64 {
+    v.sort_by(f64::total_cmp);
+    v.get(v.len() / 2).copied().unwrap_or(0.0)
+}
+
+/// Times one tail: steps alone (median), then `iters` back to back.
+fn time_tail(
+    b: &CudaBackend,
+    timer: &Timer,
+    slots: &[Slot],
+    ns: Option<NsDtype>,
+    (iters, warmup): (u32, u32),
+) -> Result<(f64, f64, f64), Error> {
+    let (mut alone, mut host) = (Vec::new(), Vec::new());
+    let mut step = 1;
+    for i in 0..warmup + iters {
+        let kernels = step_kernels(slots, ns, step);
+        step += 1;
+        timer.mark(b, false)?;
+        let t0 = Instant::now();
+        launch_all(b, kernels);
+        timer.mark(b, true)?;
+        let us = t0.elapsed().as_secs_f64() * 1e6;
+        let ms = timer.elapsed()?;
+        if i >= warmup {
+            alone.push(ms);
+            host.push(us);
+        }
+    }
+    timer.mark(b, false)?;
+    for _ in 0..iters {
+        let kernels = step_kernels(slots, ns, step);
+        step += 1;
+        launch_all(b, kernels);
+    }
+    timer.mark(b, true)?;
+    let b2b = timer.elapsed()? / f64::from(iters.max(1));
+    let errors = b.errors();
+    if !errors.is_empty() {
+        return Err(Error::Backend(format!("bench-optimizer: {errors:?}")));
+    }
+    Ok((median(alone), b2b, median(host)))
+}
+
+/// Runs the benchmark (blocking: call it on a thread of its own).
+pub fn run(args: &BenchOptimizerArgs) -> Result<OptimReport, Error> {
+    let tensors = shape_set(&args.shapes)?;
+    let dtypes = args
+        .ns_dtype
+        .split(',')
+        .map(|d| {
+            NsDtype::parse(d.trim())
+                .ok_or_else(|| Error::Usage(format!("--ns-dtype: `{d}` is not bf16, tf32 or f32")))
+        })
+        .collect::<Result<Vec<_>, _>>()?;
+    let b = CudaBackend::new(CudaOptions {
+        mesh: Mesh::new(1, 1).map_err(|e| Error::Usage(e.to_string()))?,
+        rank: 0,
+        device: 0,
+        timings: false,
+        uniform_priority: false,
+    })
+    .map_err(ops)?;
+    let block = overlap_ops::math::pseudo_random(1 << 20, 7);
+    let mut slots = Vec::with_capacity(tensors.len());
+    for t in tensors {
+        let n = t.numel();
+        let muon = (args.muon && t.muon)
+            .then(|| b.alloc(0, n).map_err(ops))
+            .transpose()?;
+        slots.push(Slot {
+            param: filled(&b, n, &block)?,
+            grad: filled(&b, n, &block[1..])?,
+            adamw: b.alloc(0, 2 * n).map_err(ops)?,
+            muon,
+            tensor: t,
+        });
+    }
+    let timer = Timer::new(&b)?;
+    let copy = copy_gbps(&b, &timer)?;
+    let limit = |on_adamw: usize| 28.0 * on_adamw as f64 / (copy * 1e9) * 1e3;
+    let values: usize = slots.iter().map(|s| s.tensor.numel()).sum();
+    let mut rows = Vec::new();
+    let (alone_ms, back_to_back_ms, host_us) =
+        time_tail(&b, &timer, &slots, None, (args.iters, args.warmup))?;
+    rows.push(TailRow {
+        tail: "adamw".into(),
+        alone_ms,
+        back_to_back_ms,
+        host_us,
+        adamw_limit_ms: limit(values),
+        ns_tflop: 0.0,
+    });
+    let on_muon: Vec<&Tensor> = slots
+        .iter()
+        .filter(|s| s.muon.is_some())
+        .map(|s| &s.tensor)
+        .collect();
+    let muon_values: usize = on_muon.iter().map(|t| t.numel()).sum();
+    let flops: f64 = on_muon
+        .iter()
+        .map(|t| ns_flops(t.dims[0], t.dims[1], MuonParams::default().ns_steps))
+        .sum();
+    if !on_muon.is_empty() {
+        for &dtype in &dtypes {
+            let (alone_ms, back_to_back_ms, host_us) =
+                time_tail(&b, &timer, &slots, Some(dtype), (args.iters, args.warmup))?;
+            rows.push(TailRow {
+                tail: format!("muon-{}", dtype.name()),
+                alone_ms,
+                back_to_back_ms,
+                host_us,
+                adamw_limit_ms: limit(values - muon_values),
+                ns_tflop: flops / 1e12,
+            });
+        }
+    }
+    let info = b.info();
+    Ok(OptimReport {
+        shapes: args.shapes.clone(),
+        device: info.name.clone(),
+        tensors: slots.len(),
+        values,
+        muon_matrices: on_muon.len(),
+        copy_gbps: copy,
+        iters: args.iters,
+        warmup: args.warmup,
+        rows,
+    })
+}

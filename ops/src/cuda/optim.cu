@@ -1,0 +1,206 @@
+// The optimizer tail's batched kernels, compiled with kernels.cu (appended to it, so
+// ov_skip, ov_f2bf and ov_block_sum are in scope; see optim.rs).
+//
+// AdamW over many tensors in one launch (ov_adamw_multi), and Muon over a batch of
+// matrices of one shape (ov_mb_*: the momentum, the per-matrix norm, the working
+// matrices in the Newton-Schulz precision, and the update). The element-wise math is
+// ops::math::adamw's and ops::math::muon's momentum and update, operation for operation
+// (double, one float rounding per stored value, --fmad=false), so the results are the
+// reference's bits; only the schedule over the elements differs.
+
+// One tensor of a multi-tensor AdamW launch: p, g, m, v hold n floats; the tensor's
+// chunks are blocks block0 .. next tensor's block0 - 1 of the grid.
+struct AdamwTensor {
+    float* p;
+    const float* g;
+    float* m;
+    float* v;
+    u64 n;
+    u64 block0;
+};
+
+#define OV_ADAMW_TENSORS 64
+#define OV_ADAMW_UNROLL 4
+// Elements per block: every thread takes OV_ADAMW_UNROLL float4s of each operand.
+#define OV_ADAMW_CHUNK (OV_REDUCE_THREADS * 4 * OV_ADAMW_UNROLL)
+
+// Up to OV_ADAMW_TENSORS tensors sharing their hyper-parameters and guard. The scalars
+// are computed on the host in double exactly as ops::math::adamw does: decay =
+// 1 - lr*wd, bc1 = 1 - b1^step, bc2 = 1 - b2^step. `guard`: ov_skip.
+struct AdamwTable {
+    AdamwTensor t[OV_ADAMW_TENSORS];
+    double b1, b2, eps, lr, decay, bc1, bc2;
+    const float* guard;
+    u64 count;
+};
+
+// ops::math::adamw's arithmetic on one element.
+__device__ __forceinline__ void ov_adamw_elem(float& p, float g, float& m, float& v,
+                                              const AdamwTable& t) {
+    double gd = (double)g;
+    double m_new = t.b1 * (double)m + (1.0 - t.b1) * gd;
+    double v_new = t.b2 * (double)v + (1.0 - t.b2) * gd * gd;
+    m = (float)m_new;
+    v = (float)v_new;
+    double update = t.lr * (m_new / t.bc1) / (sqrt(v_new / t.bc2) + t.eps);
+    p = (float)((double)p * t.decay - update);
+}
+
+__device__ __forceinline__ void ov_adamw_elem4(float4& p, float4 g, float4& m, float4& v,
+                                               const AdamwTable& t) {
+    ov_adamw_elem(p.x, g.x, m.x, v.x, t);
+    ov_adamw_elem(p.y, g.y, m.y, v.y, t);
+    ov_adamw_elem(p.z, g.z, m.z, v.z, t);
+    ov_adamw_elem(p.w, g.w, m.w, v.w, t);
+}
+
+// Block b updates chunk (b - block0) of the tensor whose blocks hold b: moments and
+// parameter in one pass, 16-byte loads and stores when the four operands are aligned
+// and the chunk is whole (every load of the chunk issued before any is used), one float
+// at a time otherwise. Every block reads the guard first (ov_skip).
+extern "C" __global__ void ov_adamw_multi(const __grid_constant__ AdamwTable t) {
+    if (ov_skip(t.guard)) return;
+    const u64 b = blockIdx.x;
+    u32 lo = 0, hi = (u32)t.count;
+    while (hi - lo > 1) {
+        const u32 mid = (lo + hi) / 2;
+        if (t.t[mid].block0 <= b) lo = mid; else hi = mid;
+    }
+    const AdamwTensor& s = t.t[lo];
+    const u64 start = (b - s.block0) * OV_ADAMW_CHUNK;
+    if (start >= s.n) return;
+    const u64 end = min(start + (u64)OV_ADAMW_CHUNK, s.n);
+    const u64 aligned = ((u64)s.p | (u64)s.g | (u64)s.m | (u64)s.v) & 15;
+    if (aligned == 0 && end - start == OV_ADAMW_CHUNK) {
+        float4* p4 = (float4*)(s.p + start);
+        const float4* g4 = (const float4*)(s.g + start);
+        float4* m4 = (float4*)(s.m + start);
+        float4* v4 = (float4*)(s.v + start);
+        float4 p[OV_ADAMW_UNROLL], g[OV_ADAMW_UNROLL], m[OV_ADAMW_UNROLL], v[OV_ADAMW_UNROLL];
+#pragma unroll
+        for (int u = 0; u < OV_ADAMW_UNROLL; ++u) {
+            const u32 e = u * OV_REDUCE_THREADS + threadIdx.x;
+            g[u] = g4[e];
+            m[u] = m4[e];
+            v[u] = v4[e];
+            p[u] = p4[e];
+        }
+#pragma unroll
+        for (int u = 0; u < OV_ADAMW_UNROLL; ++u) ov_adamw_elem4(p[u], g[u], m[u], v[u], t);
+#pragma unroll
+        for (int u = 0; u < OV_ADAMW_UNROLL; ++u) {
+            const u32 e = u * OV_REDUCE_THREADS + threadIdx.x;
+            m4[e] = m[u];
+            v4[e] = v[u];
+            p4[e] = p[u];
+        }
+    } else {
+        for (u64 i = start + threadIdx.x; i < end; i += OV_REDUCE_THREADS) {
+            float p = s.p[i], m = s.m[i], v = s.v[i];
+            ov_adamw_elem(p, s.g[i], m, v, t);
+            s.m[i] = m;
+            s.v[i] = v;
+            s.p[i] = p;
+        }
+    }
+}
+
+#define OV_MUON_MATS 64
+
+// The matrices of a batched Muon launch: parameter, momentum buffer and gradient of
+// each, `count` of them, all rows x cols.
+struct MuonMats {
+    float* p[OV_MUON_MATS];
+    float* buf[OV_MUON_MATS];
+    const float* g[OV_MUON_MATS];
+    u64 count;
+};
+
+// Matrix blockIdx.y: buf = mu*buf + g (stored as float), u = g + mu*buf
+// (ops::math::muon) into u + y*numel. `guard`: ov_skip (a skipped step writes neither
+// buf nor u: Newton-Schulz then runs on stale scratch, and its result is discarded by
+// ov_mb_update's own guard).
+extern "C" __global__ void ov_mb_momentum(const __grid_constant__ MuonMats t, float* u,
+                                          u64 numel, double mu, const float* guard) {
+    if (ov_skip(guard)) return;
+    const u32 y = blockIdx.y;
+    float* buf = t.buf[y];
+    const float* g = t.g[y];
+    float* uy = u + (u64)y * numel;
+    GRID_STRIDE(i, numel) {
+        double gd = (double)g[i];
+        float b = (float)(mu * (double)buf[i] + gd);
+        buf[i] = b;
+        uy[i] = (float)(gd + mu * (double)b);
+    }
+}
+
+// Block (x, y): the sum of squares of its grid-stride share of matrix y (numel floats
+// at u + y*numel), in double, to partial[y * gridDim.x + x].
+extern "C" __global__ void ov_mb_sumsq(const float* u, u64 numel, double* partial) {
+    const float* uy = u + (u64)blockIdx.y * numel;
+    double acc = 0.0;
+    GRID_STRIDE(i, numel) {
+        double v = (double)uy[i];
+        acc += v * v;
+    }
+    double sum = ov_block_sum(acc);
+    if (threadIdx.x == 0) partial[(u64)blockIdx.y * gridDim.x + blockIdx.x] = sum;
+}
+
+// Block y: norms[y] = sqrt(sum of partial[y*count .. y*count + count]) + 1e-7.
+extern "C" __global__ void ov_mb_norm(const double* partial, u32 count, double* norms) {
+    const double* py = partial + (u64)blockIdx.y * count;
+    double acc = 0.0;
+    for (u32 i = threadIdx.x; i < count; i += OV_REDUCE_THREADS) acc += py[i];
+    double sum = ov_block_sum(acc);
+    if (threadIdx.x == 0) norms[blockIdx.y] = sqrt(sum) + 1e-7;
+}
+
+// Matrix y's working matrix X_y = U_y / norms[y] as the row-major m x n matrix (m <= n):
+// U_y itself, or its transpose when rows > cols (then m = cols, n = rows); stored as
+// float or, with bf16, rounded to bfloat16 (u16), at element offset y*numel of x.
+extern "C" __global__ void ov_mb_init(const float* u, void* x, u64 rows, u64 cols,
+                                      int transposed, const double* norms, int bf16) {
+    const u64 numel = rows * cols;
+    const u32 y = blockIdx.y;
+    const float* uy = u + (u64)y * numel;
+    const double d = norms[y];
+    GRID_STRIDE(k, numel) {
+        float v;
+        if (transposed) {
+            u64 a = k / rows, b = k % rows;  // X[a][b] = U[b][a]
+            v = uy[b * cols + a];
+        } else {
+            v = uy[k];
+        }
+        const float r = (float)((double)v / d);
+        if (bf16) {
+            ((u16*)x)[(u64)y * numel + k] = ov_f2bf(r);
+        } else {
+            ((float*)x)[(u64)y * numel + k] = r;
+        }
+    }
+}
+
+// Matrix y: p = p*decay - scale*O, O the working matrix y of x (float or bf16),
+// transposed back if needed. `guard`: ov_skip.
+extern "C" __global__ void ov_mb_update(const __grid_constant__ MuonMats t, const void* x,
+                                        u64 rows, u64 cols, int transposed, double decay,
+                                        double scale, int bf16, const float* guard) {
+    if (ov_skip(guard)) return;
+    const u64 numel = rows * cols;
+    const u32 y = blockIdx.y;
+    float* p = t.p[y];
+    GRID_STRIDE(k, numel) {
+        u64 at = k;
+        if (transposed) {
+            u64 r = k / cols, c = k % cols;  // O[r][c] = X[c][r]
+            at = c * rows + r;
+        }
+        at += (u64)y * numel;
+        const float o = bf16 ? __uint_as_float(((u32)((const u16*)x)[at]) << 16)
+                             : ((const float*)x)[at];
+        p[k] = (float)((double)p[k] * decay - scale * (double)o);
+    }
+}
