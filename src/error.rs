@@ -66,6 +66,15 @@ pub enum Error {
     },
 }
 
+impl From<overlap_graph::Rejected> for Error {
+    fn from(e: overlap_graph::Rejected) -> Self {
+        match e {
+            overlap_graph::Rejected::Plan(e) => Error::Plan(e),
+            overlap_graph::Rejected::Invalid(v) => Error::Invalid(v),
+        }
+    }
+}
+
 fn names(params: &[String]) -> String {
     const SHOWN: usize = 8;
     let mut s = params

@@ -82,8 +82,8 @@ use std::sync::Arc;
 
 use overlap_executor::{ExecConfig, Executor, GroupRate, HyperTable, StepStats};
 use overlap_graph::{
-    validate, Buffer, Collective, Gate, Mode, Op, ParamId, PlacedParam, Plan, PlanSpec, Planner,
-    RankMemory,
+    Buffer, Collective, Gate, Mode, Op, ParamId, PlacedParam, Plan, PlanSpec, Planner, RankMemory,
+    Rejected, Validated,
 };
 use overlap_ops::cpu::CpuBackend;
 use overlap_ops::Backend;
@@ -164,7 +164,7 @@ pub const STEP_PLANS: usize = 8;
 /// save and their memory figures.
 #[derive(Clone)]
 struct StepPlan {
-    plan: Arc<Plan>,
+    plan: Validated,
     stage2: Stage2Bytes,
     memory: Arc<Vec<RankMemory>>,
 }
@@ -202,7 +202,7 @@ pub struct Session<B: Backend = CpuBackend> {
     backward_open: bool,
     /// A validated plan whose gates start with `gates` (module docs): the last step's
     /// plan between steps, adopted by the executor during a step.
-    current: Option<Arc<Plan>>,
+    current: Option<Validated>,
     /// Validated step plans, most recently used last (at most [`STEP_PLANS`]).
     step_plans: Vec<StepPlan>,
     /// Plans planned and validated so far.
@@ -459,7 +459,7 @@ impl<B: Backend> Session<B> {
 
     /// The validated plan of a whole step with these gates (cached).
     pub fn step_plan(&mut self, gates: &[Gate]) -> Result<Arc<Plan>, Error> {
-        self.cached_step_plan(gates).map(|p| p.plan)
+        self.cached_step_plan(gates).map(|p| p.plan.plan().clone())
     }
 
     /// Plans this session has planned and validated so far (step plans and the plans it
@@ -504,37 +504,20 @@ impl<B: Backend> Session<B> {
 
     /// Plans and validates `gates` as a whole step or as a prefix; a rejection is
     /// counted in the metrics and returned.
-    fn build(&mut self, gates: &[Gate], mode: Mode) -> Result<Arc<Plan>, Error> {
-        let v = self.try_build(gates, mode)?;
-        v.map_err(|v| {
-            crate::observe::metrics::record_rejection(&v);
-            Error::Invalid(v)
-        })
-    }
-
-    /// Plans and validates `gates`: the plan, or the validator's violations.
-    fn try_build(
-        &mut self,
-        gates: &[Gate],
-        mode: Mode,
-    ) -> Result<Result<Arc<Plan>, Vec<overlap_graph::Violation>>, Error> {
-        let plan = match mode {
-            Mode::Step => self.planner.plan(gates)?,
-            Mode::Prefix => self.planner.plan_prefix(gates)?,
-        };
+    fn build(&mut self, gates: &[Gate], mode: Mode) -> Result<Validated, Error> {
         self.plans_built += 1;
-        let v = validate(&plan, mode);
-        Ok(if v.is_empty() {
-            Ok(Arc::new(plan))
-        } else {
-            Err(v)
+        self.planner.plan_checked(gates, mode).map_err(|e| {
+            if let Rejected::Invalid(v) = &e {
+                crate::observe::metrics::record_rejection(v);
+            }
+            Error::from(e)
         })
     }
 
     /// A validated plan whose gates start with the step's gates so far and then `gate`
     /// (module docs): a cached step plan that goes on that way, else the gates continued
     /// to twice their number, else (if that guess is rejected) exactly these gates.
-    fn plan_ahead(&mut self, gate: Gate) -> Result<Arc<Plan>, Error> {
+    fn plan_ahead(&mut self, gate: Gate) -> Result<Validated, Error> {
         let k = self.gates.len();
         let extends =
             |p: &Plan| p.gates.len() > k && p.gates[k] == gate && p.gates[..k] == self.gates[..];
@@ -546,9 +529,10 @@ impl<B: Backend> Session<B> {
         let mut exact = self.gates.clone();
         exact.push(gate);
         let ahead = continued(&exact, 2 * exact.len());
-        match self.try_build(&ahead, Mode::Prefix) {
-            Ok(Ok(plan)) => Ok(plan),
-            _ => self.build(&exact, Mode::Prefix),
+        self.plans_built += 1;
+        match self.planner.plan_checked(&ahead, Mode::Prefix) {
+            Ok(plan) => Ok(plan),
+            Err(_) => self.build(&exact, Mode::Prefix),
         }
     }
 

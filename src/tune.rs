@@ -15,7 +15,7 @@
 use std::sync::Arc;
 
 use overlap_graph::simulate::{self, Backward, CopyRing, Options, Profile, Stage1Window};
-use overlap_graph::{validate, Bindings, Gate, Mode, Op, Plan, Planner, Stream, Transport};
+use overlap_graph::{Bindings, Gate, Mode, Op, Plan, Planner, Stream, Transport};
 use serde::Serialize;
 
 use crate::config::Config;
@@ -257,12 +257,7 @@ fn apply(cfg: &Config, s: &Setting) -> Config {
 fn plan_of(cfg: &Config, gates: &[Gate]) -> Result<Arc<Plan>, Error> {
     let planner = Planner::new(cfg.plan.clone())?;
     planner.check_step(gates.len())?;
-    let plan = planner.plan(gates)?;
-    let v = validate(&plan, Mode::Step);
-    if !v.is_empty() {
-        return Err(Error::Invalid(v));
-    }
-    Ok(Arc::new(plan))
+    Ok(planner.plan_checked(gates, Mode::Step)?.plan().clone())
 }
 
 /// Estimated device memory per rank, bytes: the CPU backend's estimate of parameters,

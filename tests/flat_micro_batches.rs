@@ -7,7 +7,7 @@ use std::sync::Arc;
 
 use overlap::drive::synthetic_step;
 use overlap::executor::{ExecConfig, Executor};
-use overlap::graph::{validate, Buffer, Mode, ParamId, Planner, Schedule, Transport};
+use overlap::graph::{Buffer, Mode, ParamId, Planner, Schedule, Transport};
 use overlap::ops::cpu::CpuBackend;
 use overlap::{synthetic, Gate, Mesh, ParamSpec, PlanSpec, Route, Session};
 use Gate::{NoSync as N, On as O, ReplicateOff as F};
@@ -138,14 +138,9 @@ impl Fresh {
     /// Hands in `gates`' micro-batches of step `step` on the plan of exactly them
     /// (`whole`: the step's, else the prefix's), the last one up to `last_layers` layers.
     async fn issue(&mut self, step: u64, gates: &[Gate], whole: bool, last_layers: usize) {
-        let plan = if whole {
-            self.planner.plan(gates).unwrap()
-        } else {
-            self.planner.plan_prefix(gates).unwrap()
-        };
         let mode = if whole { Mode::Step } else { Mode::Prefix };
-        assert!(validate(&plan, mode).is_empty());
-        self.exec.adopt(&Arc::new(plan));
+        let plan = self.planner.plan_checked(gates, mode).unwrap();
+        self.exec.adopt(&plan);
         for m in 0..gates.len() as u32 {
             let n = if m as usize + 1 == gates.len() {
                 last_layers

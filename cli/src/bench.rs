@@ -35,8 +35,8 @@ use std::sync::Arc;
 
 use overlap_executor::{Backward, ExecConfig, Executor, StepStats};
 use overlap_graph::{
-    validate, Bindings, Gate, Mode, ParamSpec, Plan, PlanSpec, Planner, ReduceSpec, Route,
-    Schedule, Stream, Transport,
+    Bindings, Gate, Mode, ParamSpec, Plan, PlanSpec, Planner, ReduceSpec, Route, Schedule, Stream,
+    Transport, Validated,
 };
 use overlap_ops::{Backend, Kernel, Tag, Timing};
 use serde::Serialize;
@@ -323,14 +323,9 @@ pub fn serial_bindings() -> Bindings {
 }
 
 /// The validated plan of one gate-`on` micro-batch without the optimizer tail.
-pub fn bench_plan(args: &BenchArgs, bindings: Bindings) -> Result<Plan, Error> {
+pub fn bench_plan(args: &BenchArgs, bindings: Bindings) -> Result<Validated, Error> {
     let planner = Planner::new(args.spec(bindings))?;
-    let plan = planner.plan_prefix(&[Gate::On])?;
-    let v = validate(&plan, Mode::Prefix);
-    if !v.is_empty() {
-        return Err(Error::Invalid(v));
-    }
-    Ok(plan)
+    Ok(planner.plan_checked(&[Gate::On], Mode::Prefix)?)
 }
 
 /// `ideal = max(compute, comm) + comm / L` (`docs/performance.md`: the last layer's reduction
@@ -486,8 +481,8 @@ pub async fn run<B: Backend>(backend: Arc<B>, args: &BenchArgs) -> Result<BenchR
     let me = *ranks
         .first()
         .ok_or_else(|| Error::Backend("the backend drives no rank".into()))?;
-    let overlap_plan = Arc::new(bench_plan(args, Bindings::default())?);
-    let serial_plan = Arc::new(bench_plan(args, serial_bindings())?);
+    let overlap_plan = bench_plan(args, Bindings::default())?;
+    let serial_plan = bench_plan(args, serial_bindings())?;
     // The gradients: one device buffer per (rank, parameter), handed in by reference.
     let n = args.param_elems() as usize;
     let mut grads = Vec::new();
@@ -792,7 +787,7 @@ fn span_of(timings: &[Timing], rank: u32) -> f64 {
 /// first) with its device gradient, then the device drained.
 pub async fn plan_step<B: Backend>(
     ex: &mut Executor<B>,
-    plan: &Arc<Plan>,
+    plan: &Validated,
     grads: &[(u32, Vec<B::Buffer>)],
 ) -> Result<StepStats, Error> {
     ex.adopt(plan);
@@ -894,7 +889,7 @@ pub async fn collectives<B: Backend>(
             ..BenchArgs::new(mesh)
         };
         args.check()?;
-        let plan = Arc::new(bench_plan(&args, Bindings::default())?);
+        let plan = bench_plan(&args, Bindings::default())?;
         let wide = plan
             .rank(me)
             .nodes
@@ -921,7 +916,7 @@ pub async fn collectives<B: Backend>(
             layers: warmup + iters,
             ..args
         };
-        let plan = Arc::new(bench_plan(&layered, Bindings::default())?);
+        let plan = bench_plan(&layered, Bindings::default())?;
         let mut grads = Vec::new();
         for &r in &ranks {
             let mut row = Vec::new();

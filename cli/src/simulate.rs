@@ -28,7 +28,7 @@ use overlap::{Error, Mesh};
 use overlap_graph::simulate::{
     self, Backward, CopyRing, Options, Profile, Simulation, Stage1Window,
 };
-use overlap_graph::{validate, Bindings, Gate, Mode, Plan, Planner, Stream};
+use overlap_graph::{Bindings, Gate, Mode, Plan, Planner, Stream};
 use overlap_ops::{Tag, Timing};
 use serde::Serialize;
 
@@ -145,8 +145,10 @@ pub(crate) fn run(a: &SimulateArgs) -> Result<ExitCode, Error> {
 
 fn bench_workload(b: &BenchArgs, p: &Profile) -> Result<Workload, Error> {
     b.check()?;
-    let plan = Arc::new(bench::bench_plan(b, Bindings::default())?);
-    let serial = Arc::new(bench::bench_plan(b, bench::serial_bindings())?);
+    let plan = bench::bench_plan(b, Bindings::default())?.plan().clone();
+    let serial = bench::bench_plan(b, bench::serial_bindings())?
+        .plan()
+        .clone();
     let backward = Backward::Gemms {
         count: b.gemms,
         d: b.d,
@@ -195,12 +197,7 @@ fn config_workload(
         }
         let planner = Planner::new(spec)?;
         planner.check_step(gates.len())?;
-        let plan = planner.plan(&gates)?;
-        let v = validate(&plan, Mode::Step);
-        if !v.is_empty() {
-            return Err(Error::Invalid(v));
-        }
-        Ok(Arc::new(plan))
+        Ok(planner.plan_checked(&gates, Mode::Step)?.plan().clone())
     };
     let backward_us = cfg.run.backward_us_per_layer;
     let backward = if backward_us > 0 {

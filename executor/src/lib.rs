@@ -557,8 +557,10 @@ impl<B: Backend> Executor<B> {
     /// rank prepares for a node depends only on the plan up to the end of that node's
     /// micro-batch (`prepared.rs`), and nothing past the last node issued is ever issued.
     /// Adopting the plan already adopted costs nothing; one prepared before (and still
-    /// cached) costs a lookup.
-    pub fn adopt(&mut self, plan: &Arc<Plan>) {
+    /// cached) costs a lookup. Only a plan the validator accepted can be adopted
+    /// ([`overlap_graph::Validated`]).
+    pub fn adopt(&mut self, plan: &overlap_graph::Validated) {
+        let plan = plan.plan();
         let t0 = Instant::now();
         if !self.resolved {
             let specs: Vec<&overlap_graph::ParamSpec> =

@@ -83,6 +83,21 @@ impl Planner {
         self.build(gates, false)
     }
 
+    /// Plans `gates` (a whole step with [`crate::Mode::Step`], the micro-batches issued
+    /// so far with [`crate::Mode::Prefix`]) and validates the plan in that mode: the one
+    /// path from gates to a plan an executor may run.
+    pub fn plan_checked(
+        &self,
+        gates: &[Gate],
+        mode: crate::Mode,
+    ) -> Result<crate::Validated, crate::Rejected> {
+        let plan = match mode {
+            crate::Mode::Step => self.plan(gates)?,
+            crate::Mode::Prefix => self.plan_prefix(gates)?,
+        };
+        crate::Validated::check(plan, mode).map_err(crate::Rejected::Invalid)
+    }
+
     fn build(&self, gates: &[Gate], tail: bool) -> Result<Plan, PlanError> {
         if gates.is_empty() {
             return Err(PlanError::Input {

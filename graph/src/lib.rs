@@ -62,4 +62,4 @@ pub use plan::{
     ReduceSpec, Schedule, StreamProgram, Transport, DEFAULT_BUCKET_CAP_BYTES,
 };
 pub use spec::{MAX_MICRO_BATCHES, MAX_PARAMS, MAX_STEP_NODES};
-pub use validate::{validate, Mode};
+pub use validate::{validate, Mode, Rejected, Validated};

@@ -102,6 +102,62 @@ pub const INVARIANTS: [&str; 19] = [
 /// Stops collecting after this many violations.
 const MAX_VIOLATIONS: usize = 64;
 
+/// A plan the validator accepted in a mode: the only kind of plan an executor runs.
+///
+/// [`Validated::check`] (or [`crate::Planner::plan_checked`]) is the only way to make
+/// one, so a function that takes a `Validated` needs no check of its own, and a plan
+/// cannot be run without having been validated in the mode it is run in.
+#[derive(Debug, Clone)]
+pub struct Validated {
+    plan: std::sync::Arc<Plan>,
+    mode: Mode,
+}
+
+impl Validated {
+    /// Validates `plan` in `mode`: the plan, or every violation found (at most
+    /// [`MAX_VIOLATIONS`]).
+    pub fn check(plan: Plan, mode: Mode) -> Result<Validated, Vec<Violation>> {
+        let v = validate(&plan, mode);
+        if v.is_empty() {
+            Ok(Validated {
+                plan: std::sync::Arc::new(plan),
+                mode,
+            })
+        } else {
+            Err(v)
+        }
+    }
+
+    /// The plan, shared.
+    pub fn plan(&self) -> &std::sync::Arc<Plan> {
+        &self.plan
+    }
+
+    /// The mode it was validated in: a whole step, or a prefix of one.
+    pub fn mode(&self) -> Mode {
+        self.mode
+    }
+}
+
+impl std::ops::Deref for Validated {
+    type Target = Plan;
+
+    fn deref(&self) -> &Plan {
+        &self.plan
+    }
+}
+
+/// Why [`crate::Planner::plan_checked`] made no plan.
+#[derive(Debug, Clone, PartialEq, thiserror::Error)]
+pub enum Rejected {
+    /// The planner's input (gates, sizes) is wrong.
+    #[error(transparent)]
+    Plan(#[from] PlanError),
+    /// The planned plan breaks invariants: a planner bug, reported as such.
+    #[error("the plan breaks {} invariant(s); the first: {}", .0.len(), .0.first().map(|v| v.to_string()).unwrap_or_default())]
+    Invalid(Vec<Violation>),
+}
+
 /// Validates a plan; an empty list means every invariant holds.
 pub fn validate(plan: &Plan, mode: Mode) -> Vec<Violation> {
     if let Err(e) = plan.check_well_formed() {
