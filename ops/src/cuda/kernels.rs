@@ -564,7 +564,7 @@ mod tests {
         );
         // The guard is the last parameter of every kernel that writes an optimizer's
         // persistent state (the multi-tensor AdamW's is in its table).
-        for (name, count) in [("ov_mb_momentum", 5), ("ov_mb_update", 9)] {
+        for (name, count) in [("ov_mb_momentum", 5), ("ov_mb_update", 7)] {
             let p = params(name);
             assert_eq!(p.len(), count, "{name}: {p:?}");
             assert_eq!(p.last().unwrap(), "const float* guard", "{name}");
@@ -574,9 +574,7 @@ mod tests {
             [
                 "const float* u",
                 "void* x",
-                "u64 rows",
-                "u64 cols",
-                "int transposed",
+                "u64 numel",
                 "const double* norms",
                 "int bf16"
             ]

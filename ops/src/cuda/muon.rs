@@ -1,19 +1,25 @@
-//! Muon on the GPU: momentum and Nesterov input (element-wise, as the reference), then
-//! Newton–Schulz with cuBLAS SGEMMs in f32, then the scaled update.
+//! Muon on the GPU, a batch of same-shape matrices at a time: momentum and Nesterov
+//! input (element-wise, as the reference, one launch for the batch), the per-matrix
+//! norms, the working matrices in the Newton–Schulz precision ([`crate::NsDtype`]),
+//! each quintic iteration as three strided-batched cuBLAS GEMMs over the whole batch,
+//! then the scaled updates.
 //!
-//! The working matrix `X` is `m × n` row-major with `m ≤ n` (the gradient, or its
-//! transpose when `rows > cols`, as in [`crate::math::newton_schulz`]). cuBLAS is
-//! column-major, so the buffer holding `X` row-major is `Y = Xᵀ` (`n × m`, leading
-//! dimension `n`) to cuBLAS, and each quintic iteration is three GEMMs:
+//! The working matrix `X` is `m × n` with `m ≤ n` (the gradient, or its transpose when
+//! `rows > cols`, as in [`crate::math::newton_schulz`]). A matrix is never transposed
+//! in memory: cuBLAS is column-major, so the buffer holding a wide matrix row-major is
+//! `Y = Xᵀ` (`n × m`, leading dimension `n`) to cuBLAS, and the buffer holding a tall
+//! one row-major is `X` itself (`m × n`, leading dimension `m`). Each iteration, for a
+//! wide matrix (a tall one uses the mirrored operations on `X`):
 //!
-//! - `A = X·Xᵀ = Yᵀ·Y` (`m × m`): `sgemm(T, N, m, m, n, 1, Y, Y, 0, A)`;
-//! - `B = b·A + c·A·A`: `B := A`, then `sgemm(N, N, m, m, m, c, A, A, b, B)`;
+//! - `A = X·Xᵀ = Yᵀ·Y` (`m × m`): `gemm(T, N, m, m, n, 1, Y, Y, 0, A)`;
+//! - `B = b·A + c·A·A`: `B := A`, then `gemm(N, N, m, m, m, c, A, A, b, B)`;
 //! - `X' = a·X + B·X`, i.e. `Y' = a·Y + Y·Bᵀ`: `Z := Y`, then
-//!   `sgemm(N, T, n, m, m, 1, Y, B, a, Z)`, and `Y, Z` swap.
+//!   `gemm(N, T, n, m, m, 1, Y, B, a, Z)`, and `Y, Z` swap.
 //!
-//! The math mode is cuBLAS's default (full f32, no TF32), so the only difference from the
-//! reference is f32 rather than f64 arithmetic in the iteration; the tolerance this
-//! allows is measured in `docs/gpu-validation.md`.
+//! In bf16 the operands and results are bfloat16 and the products accumulate in f32 on
+//! the tensor cores (as `torch.optim.Muon`); in TF32 the f32 operands are rounded to
+//! TF32 inside the products; in f32 the products are full f32. The distance of each
+//! from the f64 reference is measured in `docs/performance.md`.
 //!
 //! Guarded by [`crate::Kernel::IfFinite`], the two kernels that write persistent state
 //! (the momentum, then the parameter) read the squared global norm on the device and do
@@ -316,13 +322,7 @@ pub(super) fn run_batch(
         at(layout.partial),
         at(layout.norms),
     )?;
-    fns.mb_init(
-        stream,
-        (u, y),
-        (rows as u64, cols as u64, ci as u32),
-        at(layout.norms),
-        bf16,
-    )?;
+    fns.mb_init(stream, (u, y), (numel, ci as u32), at(layout.norms), bf16)?;
     let copy = |dst: u64, src: u64, bytes: usize| -> Result<(), OpsError> {
         // SAFETY: both regions lie in this call's scratch and hold `bytes` bytes.
         unsafe { sys::cuMemcpyDtoDAsync_v2(dst, src, bytes, stream) }
@@ -330,15 +330,24 @@ pub(super) fn run_batch(
             .map_err(|e| super::device::failed("muon", e))
     };
     let (e, dt) = (layout.esize(), layout.dtype);
+    // The buffer holds the row-major `rows × cols` matrix: to cuBLAS (column-major),
+    // `Y = Xᵀ` (`n × m`, ld `n`) for a wide one, `X` itself (`m × n`, ld `m`) for a
+    // tall one (whose `X` is `Gᵀ`), so neither is ever transposed in memory.
+    let tall = rows > cols;
     for _ in 0..hp.ns_steps {
-        // A = Yᵀ·Y
+        // A = X·Xᵀ: Yᵀ·Y (wide) or X·Xᵀ (tall).
+        let (ta, tb, ld) = if tall {
+            (false, true, mi)
+        } else {
+            (true, false, ni)
+        };
         blas.gemm_batched(
             dt,
-            (true, false),
+            (ta, tb),
             (mi, mi, ni),
             1.0,
-            (y, ni, smn),
-            (y, ni, smn),
+            (y, ld, smn),
+            (y, ld, smn),
             0.0,
             (a, mi, smm),
             ci,
@@ -356,33 +365,39 @@ pub(super) fn run_batch(
             (b, mi, smm),
             ci,
         )?;
-        // Z = a·Y + Y·Bᵀ
+        // X' = a·X + B·X: Z = a·Y + Y·Bᵀ (wide) or Z = a·X + B·X (tall).
         copy(z, y, count * m * n * e)?;
-        blas.gemm_batched(
-            dt,
-            (false, true),
-            (ni, mi, mi),
-            1.0,
-            (y, ni, smn),
-            (b, mi, smm),
-            NS_A,
-            (z, ni, smn),
-            ci,
-        )?;
+        if tall {
+            blas.gemm_batched(
+                dt,
+                (false, false),
+                (mi, ni, mi),
+                1.0,
+                (b, mi, smm),
+                (y, mi, smn),
+                NS_A,
+                (z, mi, smn),
+                ci,
+            )?;
+        } else {
+            blas.gemm_batched(
+                dt,
+                (false, true),
+                (ni, mi, mi),
+                1.0,
+                (y, ni, smn),
+                (b, mi, smm),
+                NS_A,
+                (z, ni, smn),
+                ci,
+            )?;
+        }
         std::mem::swap(&mut y, &mut z);
     }
     let lr = f64::from(hp.lr);
     let decay = 1.0 - lr * f64::from(hp.weight_decay);
     let scale = lr * MUON_SCALE * (rows.max(cols) as f64).sqrt();
-    fns.mb_update(
-        stream,
-        mats,
-        y,
-        (rows as u64, cols as u64),
-        (decay, scale),
-        bf16,
-        guard,
-    )
+    fns.mb_update(stream, (mats, y, numel), (decay, scale), bf16, guard)
 }
 
 #[cfg(test)]

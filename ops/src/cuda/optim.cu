@@ -157,24 +157,17 @@ extern "C" __global__ void ov_mb_norm(const double* partial, u32 count, double* 
     if (threadIdx.x == 0) norms[blockIdx.y] = sqrt(sum) + 1e-7;
 }
 
-// Matrix y's working matrix X_y = U_y / norms[y] as the row-major m x n matrix (m <= n):
-// U_y itself, or its transpose when rows > cols (then m = cols, n = rows); stored as
-// float or, with bf16, rounded to bfloat16 (u16), at element offset y*numel of x.
-extern "C" __global__ void ov_mb_init(const float* u, void* x, u64 rows, u64 cols,
-                                      int transposed, const double* norms, int bf16) {
-    const u64 numel = rows * cols;
+// Matrix y's working matrix X_y = U_y / norms[y], element by element in U's own
+// (row-major) layout, stored as float or, with bf16, rounded to bfloat16 (u16), at
+// element offset y*numel of x. (A tall matrix is not transposed: muon.rs reads the same
+// buffer as the column-major transpose.)
+extern "C" __global__ void ov_mb_init(const float* u, void* x, u64 numel,
+                                      const double* norms, int bf16) {
     const u32 y = blockIdx.y;
     const float* uy = u + (u64)y * numel;
     const double d = norms[y];
     GRID_STRIDE(k, numel) {
-        float v;
-        if (transposed) {
-            u64 a = k / rows, b = k % rows;  // X[a][b] = U[b][a]
-            v = uy[b * cols + a];
-        } else {
-            v = uy[k];
-        }
-        const float r = (float)((double)v / d);
+        const float r = (float)((double)uy[k] / d);
         if (bf16) {
             ((u16*)x)[(u64)y * numel + k] = ov_f2bf(r);
         } else {
@@ -183,22 +176,16 @@ extern "C" __global__ void ov_mb_init(const float* u, void* x, u64 rows, u64 col
     }
 }
 
-// Matrix y: p = p*decay - scale*O, O the working matrix y of x (float or bf16),
-// transposed back if needed. `guard`: ov_skip.
+// Matrix y: p = p*decay - scale*O, O the working matrix y of x (float or bf16), in the
+// parameter's layout. `guard`: ov_skip.
 extern "C" __global__ void ov_mb_update(const __grid_constant__ MuonMats t, const void* x,
-                                        u64 rows, u64 cols, int transposed, double decay,
-                                        double scale, int bf16, const float* guard) {
+                                        u64 numel, double decay, double scale, int bf16,
+                                        const float* guard) {
     if (ov_skip(guard)) return;
-    const u64 numel = rows * cols;
     const u32 y = blockIdx.y;
     float* p = t.p[y];
     GRID_STRIDE(k, numel) {
-        u64 at = k;
-        if (transposed) {
-            u64 r = k / cols, c = k % cols;  // O[r][c] = X[c][r]
-            at = c * rows + r;
-        }
-        at += (u64)y * numel;
+        const u64 at = k + (u64)y * numel;
         const float o = bf16 ? __uint_as_float(((u32)((const u16*)x)[at]) << 16)
                              : ((const float*)x)[at];
         p[k] = (float)((double)p[k] * decay - scale * (double)o);

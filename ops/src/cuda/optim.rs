@@ -222,38 +222,32 @@ impl OptimFns {
         Kernels::launch_with("muon", self.mb_norm, (1, count), 256, stream, args)
     }
 
-    /// The working matrices `X_y = U_y / norms[y]` (transposed when `rows > cols`), in
-    /// f32 or bf16 at `x`.
-    #[allow(clippy::too_many_arguments)]
+    /// The working matrices `X_y = U_y / norms[y]` (in `U`'s layout), in f32 or bf16
+    /// at `x`.
     pub(super) fn mb_init(
         &self,
         stream: sys::CUstream,
         (u, x): (sys::CUdeviceptr, sys::CUdeviceptr),
-        (rows, cols, count): (u64, u64, u32),
+        (numel, count): (u64, u32),
         norms: sys::CUdeviceptr,
         bf16: bool,
     ) -> Result<(), OpsError> {
         let args = Args::default()
             .push(u)
             .push(x)
-            .push(rows)
-            .push(cols)
-            .push(i32::from(rows > cols))
+            .push(numel)
             .push(norms)
             .push(i32::from(bf16));
-        let grid = (mb_blocks(rows * cols), count);
+        let grid = (mb_blocks(numel), count);
         Kernels::launch_with("muon", self.mb_init, grid, 256, stream, args)
     }
 
     /// Every parameter `p_y = p_y·decay − scale·O_y`, `O_y` the working matrix `y` of
-    /// `x` (f32 or bf16); `guard` as for AdamW.
-    #[allow(clippy::too_many_arguments)]
+    /// `x` (f32 or bf16, in the parameter's layout); `guard` as for AdamW.
     pub(super) fn mb_update(
         &self,
         stream: sys::CUstream,
-        mats: &MuonMats,
-        x: sys::CUdeviceptr,
-        (rows, cols): (u64, u64),
+        (mats, x, numel): (&MuonMats, sys::CUdeviceptr, u64),
         (decay, scale): (f64, f64),
         bf16: bool,
         guard: sys::CUdeviceptr,
@@ -261,14 +255,12 @@ impl OptimFns {
         let args = Args::default()
             .push(*mats)
             .push(x)
-            .push(rows)
-            .push(cols)
-            .push(i32::from(rows > cols))
+            .push(numel)
             .push(decay)
             .push(scale)
             .push(i32::from(bf16))
             .push(guard);
-        let grid = (mb_blocks(rows * cols), mats.count());
+        let grid = (mb_blocks(numel), mats.count());
         Kernels::launch_with("muon", self.mb_update, grid, 256, stream, args)
     }
 }
