@@ -27,12 +27,12 @@ use std::path::Path;
 use std::process::ExitCode;
 
 use clap::Parser;
-use overlap::config::Config;
+use overlap::config::{BackendChoice, Config};
 use overlap::graph::{export, validate, Gate, Mode, Plan, Planner};
 use overlap::Error;
 
 use args::{parse_gates, parse_ranks};
-use args::{Cli, Command, Format, TransportArg, WireDType};
+use args::{CheckpointArgs, Cli, Command, Format, ObserveArgs, TransportArg, WireDType};
 use gpu::{bench_interference, cuda_smoke, env};
 use job::meet_cpu;
 use verify::{print_verify, use_cuda, verify_cuda};
@@ -145,6 +145,8 @@ fn load(path: &Path) -> Result<Config, Error> {
     Ok(Config::from_file(path)?)
 }
 
+/// Runs one subcommand: each arm hands the command's arguments to the function that
+/// carries it out.
 async fn dispatch(cmd: Command) -> Result<ExitCode, Error> {
     match cmd {
         Command::Run {
@@ -154,22 +156,7 @@ async fn dispatch(cmd: Command) -> Result<ExitCode, Error> {
             seed,
             observe,
             checkpoint,
-        } => {
-            let mut cfg = load(&config)?;
-            if let Some(b) = backend {
-                cfg.run.backend = b;
-            }
-            if let Some(s) = seed {
-                cfg.run.seed = s;
-            }
-            if let Some(addr) = observe.metrics {
-                cfg.metrics.listen = Some(addr);
-            }
-            if let Some(n) = observe.timing_every {
-                cfg.metrics.timing_every = n;
-            }
-            run::run(&cfg, steps.unwrap_or(cfg.run.steps), &observe, &checkpoint).await
-        }
+        } => run_steps(&config, steps, backend, seed, &observe, &checkpoint).await,
         Command::Verify {
             config,
             steps,
@@ -180,40 +167,8 @@ async fn dispatch(cmd: Command) -> Result<ExitCode, Error> {
             dtype,
             transport,
         } => {
-            let mut cfg = load(&config)?;
-            if let Some(t) = transport {
-                cfg.plan.schedule.transport = t.into();
-                cfg.overlap.transport = match t {
-                    TransportArg::Nccl => overlap::config::TransportChoice::Nccl,
-                    TransportArg::Copy => overlap::config::TransportChoice::Copy,
-                };
-            }
-            if let Some(g) = gates {
-                cfg.gates = parse_gates(&g)?;
-            }
-            if let Some(d) = dtype {
-                cfg.plan.reduce.dtype = match d {
-                    WireDType::F32 => overlap::graph::DType::F32,
-                    WireDType::Bf16 => overlap::graph::DType::Bf16,
-                };
-            }
-            let steps = u64::from(steps.unwrap_or(cfg.run.steps));
-            let seed = seed.unwrap_or(cfg.run.seed);
-            if let Some(b) = backend {
-                cfg.run.backend = b;
-            }
-            if use_cuda(cfg.run.backend)? {
-                return verify_cuda(&cfg, steps, seed, json).await;
-            }
-            // The processes of a CPU job each verify the whole mesh: they meet to agree.
-            let _job = meet_cpu(&cfg, "verify", steps, seed)?;
-            let report = overlap::verify::verify(&cfg, steps, seed, |s| {
-                if !json {
-                    eprintln!("verify: step {s}/{steps} done");
-                }
-            })
-            .await?;
-            print_verify(&cfg, &report, json)
+            let cfg = verify_config(&config, transport, gates.as_deref(), dtype, backend)?;
+            verify_steps(&cfg, steps, seed, json).await
         }
         Command::Launch {
             nproc_per_node,
@@ -222,82 +177,30 @@ async fn dispatch(cmd: Command) -> Result<ExitCode, Error> {
             master_addr,
             master_port,
             args,
-        } => {
-            let subcommands: Vec<String> = <Cli as clap::CommandFactory>::command()
-                .get_subcommands()
-                .map(|c| c.get_name().to_string())
-                .collect();
-            let spec = launch::LaunchSpec {
-                nproc_per_node,
-                nnodes,
-                node_rank,
-                master_addr,
-                master_port,
-                program: launch::program_of(&args, &subcommands),
-                args,
-            };
-            Ok(ExitCode::from(launch::launch(&spec)?))
-        }
+        } => launch_ranks(
+            nproc_per_node,
+            nnodes,
+            node_rank,
+            master_addr,
+            master_port,
+            args,
+        ),
         Command::Env { rendezvous } => env(rendezvous),
         Command::BenchInterference { args } => bench_interference(&args).await,
         Command::Simulate { args } => simulate::run(&args),
         Command::Tune { args } => tune::run(&args),
         Command::Calibrate { args } => calibrate::run(&args).await,
         Command::Bench {
-            mut args,
+            args,
             timeline,
             json,
-        } => {
-            args.timeline = timeline.is_some();
-            args.check()?;
-            if let Some(r) = bench::bench_cuda(&args).await? {
-                if let (Some(path), Some(svg), Some(lines)) =
-                    (&timeline, &r.timeline_svg, &r.timeline_json)
-                {
-                    let write = |p: &std::path::Path, text: &str| {
-                        std::fs::write(p, text).map_err(|e| {
-                            Error::Usage(format!("--timeline: cannot write {}: {e}", p.display()))
-                        })
-                    };
-                    write(path, svg)?;
-                    write(&path.with_extension("jsonl"), lines)?;
-                }
-                if json {
-                    println!(
-                        "{}",
-                        serde_json::to_string(&r).map_err(|e| Error::Usage(e.to_string()))?
-                    );
-                } else {
-                    println!("{}", bench::render(&r));
-                }
-            }
-            Ok(ExitCode::SUCCESS)
-        }
+        } => bench_step(args, timeline.as_deref(), json).await,
         Command::BenchCollectives {
             mesh,
             mib,
             iters,
             warmup,
-        } => {
-            let mesh = bench::parse_mesh(&mesh)?;
-            let sizes = mib
-                .split(',')
-                .map(|m| {
-                    m.trim().parse::<u32>().map_err(|_| {
-                        Error::Usage(format!("--mib: `{m}` is not a whole number of MiB"))
-                    })
-                })
-                .collect::<Result<Vec<_>, _>>()?;
-            if let Some(rows) = bench::collectives_cuda(mesh, &sizes, iters, warmup).await? {
-                for r in rows {
-                    println!(
-                        "{}",
-                        serde_json::to_string(&r).map_err(|e| Error::Usage(e.to_string()))?
-                    );
-                }
-            }
-            Ok(ExitCode::SUCCESS)
-        }
+        } => bench_collectives(&mesh, &mib, iters, warmup).await,
         Command::CudaSmoke { mib, iters } => cuda_smoke(&mib, iters).await,
         Command::BenchOptimizer { args } => bench_optimizer(&args),
         Command::Plan {
@@ -305,69 +208,248 @@ async fn dispatch(cmd: Command) -> Result<ExitCode, Error> {
             format,
             gates,
             ranks,
-        } => {
-            let cfg = load(&config)?;
-            let gates = match gates {
-                Some(g) => parse_gates(&g)?,
-                None => cfg.gates.clone(),
-            };
-            let planner = Planner::new(cfg.plan.clone())?;
-            planner.check_step(gates.len())?;
-            if let Some(params) = overlap::session::unflushed(&planner, &gates) {
-                return Err(Error::Unflushed {
-                    gates: Gate::pattern_label(&gates),
-                    params,
-                });
-            }
-            let plan = planner.plan_checked(&gates, Mode::Step)?;
-            let ranks = ranks
-                .map(|r| parse_ranks(&r, plan.mesh.world()))
-                .transpose()?;
-            match format {
-                Format::Json => println!("{}", plan.to_json()),
-                Format::Dot => print!("{}", export::to_dot(&plan, ranks.as_deref())),
-                Format::Text => {
-                    let mut p = Plan::clone(&plan);
-                    if let Some(rs) = &ranks {
-                        p.ranks.retain(|r| rs.contains(&r.rank));
-                    }
-                    print!("{}", export::to_text(&p));
-                    print!("{}", cfg.optimizer_text());
-                    let shown: Vec<u32> = p.ranks.iter().map(|r| r.rank).collect();
-                    print!("{}", export::memory_text(&plan, &shown));
-                }
-            }
-            Ok(ExitCode::SUCCESS)
+        } => print_plan(&config, format, gates.as_deref(), ranks.as_deref()),
+        Command::Check { plan } => check_plan(&plan),
+    }
+}
+
+/// `overlap run`: the config with the command line's overrides, run for its steps.
+async fn run_steps(
+    config: &Path,
+    steps: Option<u32>,
+    backend: Option<BackendChoice>,
+    seed: Option<u64>,
+    observe: &ObserveArgs,
+    checkpoint: &CheckpointArgs,
+) -> Result<ExitCode, Error> {
+    let mut cfg = load(config)?;
+    if let Some(b) = backend {
+        cfg.run.backend = b;
+    }
+    if let Some(s) = seed {
+        cfg.run.seed = s;
+    }
+    if let Some(addr) = observe.metrics {
+        cfg.metrics.listen = Some(addr);
+    }
+    if let Some(n) = observe.timing_every {
+        cfg.metrics.timing_every = n;
+    }
+    run::run(&cfg, steps.unwrap_or(cfg.run.steps), observe, checkpoint).await
+}
+
+/// `overlap verify`'s config: the file with the transport, gates, wire dtype and
+/// backend the command line overrides.
+fn verify_config(
+    config: &Path,
+    transport: Option<TransportArg>,
+    gates: Option<&str>,
+    dtype: Option<WireDType>,
+    backend: Option<BackendChoice>,
+) -> Result<Config, Error> {
+    let mut cfg = load(config)?;
+    if let Some(t) = transport {
+        cfg.plan.schedule.transport = t.into();
+        cfg.overlap.transport = match t {
+            TransportArg::Nccl => overlap::config::TransportChoice::Nccl,
+            TransportArg::Copy => overlap::config::TransportChoice::Copy,
+        };
+    }
+    if let Some(g) = gates {
+        cfg.gates = parse_gates(g)?;
+    }
+    if let Some(d) = dtype {
+        cfg.plan.reduce.dtype = match d {
+            WireDType::F32 => overlap::graph::DType::F32,
+            WireDType::Bf16 => overlap::graph::DType::Bf16,
+        };
+    }
+    if let Some(b) = backend {
+        cfg.run.backend = b;
+    }
+    Ok(cfg)
+}
+
+/// `overlap verify`: the steps run on the config's backend and compared with the serial
+/// reference, reported as text or JSON.
+async fn verify_steps(
+    cfg: &Config,
+    steps: Option<u32>,
+    seed: Option<u64>,
+    json: bool,
+) -> Result<ExitCode, Error> {
+    let steps = u64::from(steps.unwrap_or(cfg.run.steps));
+    let seed = seed.unwrap_or(cfg.run.seed);
+    if use_cuda(cfg.run.backend)? {
+        return verify_cuda(cfg, steps, seed, json).await;
+    }
+    // The processes of a CPU job each verify the whole mesh: they meet to agree.
+    let _job = meet_cpu(cfg, "verify", steps, seed)?;
+    let report = overlap::verify::verify(cfg, steps, seed, |s| {
+        if !json {
+            eprintln!("verify: step {s}/{steps} done");
         }
-        Command::Check { plan } => {
-            let name = plan.display().to_string();
-            let text = std::fs::read_to_string(&plan).map_err(|source| Error::Io {
-                path: name.clone(),
-                source,
-            })?;
-            let plan = match Plan::from_json(&text) {
-                Ok(p) => p,
-                Err(e) => {
-                    let e = export::printable(&e.to_string()).into_owned();
-                    eprintln!("{name}: invariant `well-formed` violated: {e}");
-                    return Ok(ExitCode::from(1));
-                }
-            };
-            let v = validate(&plan, Mode::Step);
-            if v.is_empty() {
-                let nodes: usize = plan.ranks.iter().map(|r| r.nodes.len()).sum();
-                println!(
-                    "{name}: valid ({} ranks, {nodes} nodes, gates {})",
-                    plan.ranks.len(),
-                    Gate::pattern_label(&plan.gates)
-                );
-                Ok(ExitCode::SUCCESS)
-            } else {
-                for x in &v {
-                    eprintln!("{name}: {}", export::printable(&x.to_string()));
-                }
-                Ok(ExitCode::from(1))
-            }
+    })
+    .await?;
+    print_verify(cfg, &report, json)
+}
+
+/// `overlap launch`: starts the ranks of this node and waits for them.
+fn launch_ranks(
+    nproc_per_node: u32,
+    nnodes: u32,
+    node_rank: u32,
+    master_addr: String,
+    master_port: u16,
+    args: Vec<std::ffi::OsString>,
+) -> Result<ExitCode, Error> {
+    let subcommands: Vec<String> = <Cli as clap::CommandFactory>::command()
+        .get_subcommands()
+        .map(|c| c.get_name().to_string())
+        .collect();
+    let spec = launch::LaunchSpec {
+        nproc_per_node,
+        nnodes,
+        node_rank,
+        master_addr,
+        master_port,
+        program: launch::program_of(&args, &subcommands),
+        args,
+    };
+    Ok(ExitCode::from(launch::launch(&spec)?))
+}
+
+/// `overlap bench`: the benchmark's report as text or JSON, and its timeline written
+/// where `--timeline` says.
+async fn bench_step(
+    mut args: bench::BenchArgs,
+    timeline: Option<&Path>,
+    json: bool,
+) -> Result<ExitCode, Error> {
+    args.timeline = timeline.is_some();
+    args.check()?;
+    if let Some(r) = bench::bench_cuda(&args).await? {
+        if let (Some(path), Some(svg), Some(lines)) = (timeline, &r.timeline_svg, &r.timeline_json)
+        {
+            write_timeline(path, svg)?;
+            write_timeline(&path.with_extension("jsonl"), lines)?;
         }
+        if json {
+            println!(
+                "{}",
+                serde_json::to_string(&r).map_err(|e| Error::Usage(e.to_string()))?
+            );
+        } else {
+            println!("{}", bench::render(&r));
+        }
+    }
+    Ok(ExitCode::SUCCESS)
+}
+
+/// Writes one file of `overlap bench --timeline`.
+fn write_timeline(path: &Path, text: &str) -> Result<(), Error> {
+    std::fs::write(path, text)
+        .map_err(|e| Error::Usage(format!("--timeline: cannot write {}: {e}", path.display())))
+}
+
+/// `overlap bench-collectives`: one JSON line per collective and size.
+async fn bench_collectives(
+    mesh: &str,
+    mib: &str,
+    iters: u32,
+    warmup: u32,
+) -> Result<ExitCode, Error> {
+    let mesh = bench::parse_mesh(mesh)?;
+    let sizes = mib
+        .split(',')
+        .map(|m| {
+            m.trim()
+                .parse::<u32>()
+                .map_err(|_| Error::Usage(format!("--mib: `{m}` is not a whole number of MiB")))
+        })
+        .collect::<Result<Vec<_>, _>>()?;
+    if let Some(rows) = bench::collectives_cuda(mesh, &sizes, iters, warmup).await? {
+        for r in rows {
+            println!(
+                "{}",
+                serde_json::to_string(&r).map_err(|e| Error::Usage(e.to_string()))?
+            );
+        }
+    }
+    Ok(ExitCode::SUCCESS)
+}
+
+/// `overlap plan`: the config's checked plan for a gate pattern, as text (with the
+/// optimizers and memory), DOT or JSON, optionally for some ranks only.
+fn print_plan(
+    config: &Path,
+    format: Format,
+    gates: Option<&str>,
+    ranks: Option<&str>,
+) -> Result<ExitCode, Error> {
+    let cfg = load(config)?;
+    let gates = match gates {
+        Some(g) => parse_gates(g)?,
+        None => cfg.gates.clone(),
+    };
+    let planner = Planner::new(cfg.plan.clone())?;
+    planner.check_step(gates.len())?;
+    if let Some(params) = overlap::session::unflushed(&planner, &gates) {
+        return Err(Error::Unflushed {
+            gates: Gate::pattern_label(&gates),
+            params,
+        });
+    }
+    let plan = planner.plan_checked(&gates, Mode::Step)?;
+    let ranks = ranks
+        .map(|r| parse_ranks(r, plan.mesh.world()))
+        .transpose()?;
+    match format {
+        Format::Json => println!("{}", plan.to_json()),
+        Format::Dot => print!("{}", export::to_dot(&plan, ranks.as_deref())),
+        Format::Text => {
+            let mut p = Plan::clone(&plan);
+            if let Some(rs) = &ranks {
+                p.ranks.retain(|r| rs.contains(&r.rank));
+            }
+            print!("{}", export::to_text(&p));
+            print!("{}", cfg.optimizer_text());
+            let shown: Vec<u32> = p.ranks.iter().map(|r| r.rank).collect();
+            print!("{}", export::memory_text(&plan, &shown));
+        }
+    }
+    Ok(ExitCode::SUCCESS)
+}
+
+/// `overlap check`: validates a plan file, printing each violated invariant; exit code 1
+/// when there is one.
+fn check_plan(path: &Path) -> Result<ExitCode, Error> {
+    let name = path.display().to_string();
+    let text = std::fs::read_to_string(path).map_err(|source| Error::Io {
+        path: name.clone(),
+        source,
+    })?;
+    let plan = match Plan::from_json(&text) {
+        Ok(p) => p,
+        Err(e) => {
+            let e = export::printable(&e.to_string()).into_owned();
+            eprintln!("{name}: invariant `well-formed` violated: {e}");
+            return Ok(ExitCode::from(1));
+        }
+    };
+    let v = validate(&plan, Mode::Step);
+    if v.is_empty() {
+        let nodes: usize = plan.ranks.iter().map(|r| r.nodes.len()).sum();
+        println!(
+            "{name}: valid ({} ranks, {nodes} nodes, gates {})",
+            plan.ranks.len(),
+            Gate::pattern_label(&plan.gates)
+        );
+        Ok(ExitCode::SUCCESS)
+    } else {
+        for x in &v {
+            eprintln!("{name}: {}", export::printable(&x.to_string()));
+        }
+        Ok(ExitCode::from(1))
     }
 }
