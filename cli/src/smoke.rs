@@ -317,14 +317,20 @@ async fn collectives(b: &CudaBackend, world: u32, checks: &mut Vec<Check>) -> Re
 
 /// The rank-local kernels against the reference math.
 async fn kernels(b: &CudaBackend, checks: &mut Vec<Check>) -> Result<(), Error> {
-    let mut push = |name: &str, ok: bool, detail: String| {
-        checks.push(Check {
-            name: name.into(),
-            ok,
-            detail,
-        })
-    };
-    // add: copy, then accumulate onto itself.
+    checks.push(add_check(b).await?);
+    let (g1, g3) = (random(40, 2), random(30, 4));
+    let (pack, packed, want) = pack_check(b, &g1, &g3).await?;
+    checks.push(pack);
+    checks.push(unpack_check(b, &packed, &want, &g1, &g3).await?);
+    checks.push(adamw_check(b).await?);
+    combine_checks(b, checks).await?;
+    checks.push(combine_chunk_check(b).await?);
+    checks.push(spin_check(b).await);
+    Ok(())
+}
+
+/// add: copy, then accumulate onto itself.
+async fn add_check(b: &CudaBackend) -> Result<Check, Error> {
     let a = random(5000, 1);
     let src = buffer(b, &a)?;
     let dst = alloc(b, a.len())?;
@@ -352,22 +358,33 @@ async fn kernels(b: &CudaBackend, checks: &mut Vec<Check>) -> Result<(), Error> 
     }
     let want: Vec<f32> = a.iter().map(|v| v + v).collect();
     let got = download(b, &dst)?;
-    push(
-        "add (copy, then in place)",
-        r.is_ok() && got == want,
-        format!("{r:?}, exact: {}", got == want),
-    );
+    Ok(Check {
+        name: "add (copy, then in place)".into(),
+        ok: r.is_ok() && got == want,
+        detail: format!("{r:?}, exact: {}", got == want),
+    })
+}
 
-    // pack: two sources summed into one segment, one source into another, zero between.
-    let (g1, g2, g3) = (random(40, 2), random(40, 3), random(30, 4));
-    let (b1, b2, b3) = (buffer(b, &g1)?, buffer(b, &g2)?, buffer(b, &g3)?);
-    let packed = buffer(b, &vec![9.0; 100])?;
-    let seg = |param, src, dst, len| CopySeg {
+/// A copy segment of parameter `param`: `len` elements from `src` to `dst`.
+fn seg(param: u32, src: u64, dst: u64, len: u64) -> CopySeg {
+    CopySeg {
         param,
         src,
         dst,
         len,
-    };
+    }
+}
+
+/// pack: two sources summed into one segment (`g1` and a third input), `g3` into
+/// another, zero between; returns the check, the packed buffer and its expected values.
+async fn pack_check(
+    b: &CudaBackend,
+    g1: &[f32],
+    g3: &[f32],
+) -> Result<(Check, <CudaBackend as Backend>::Buffer, Vec<f32>), Error> {
+    let g2 = random(40, 3);
+    let (b1, b2, b3) = (buffer(b, g1)?, buffer(b, &g2)?, buffer(b, g3)?);
+    let packed = buffer(b, &vec![9.0; 100])?;
     let segs = vec![
         (seg(0, 3, 0, 20), vec![b1.clone(), b2.clone()]),
         (seg(1, 0, 50, 30), vec![b3.clone()]),
@@ -387,14 +404,24 @@ async fn kernels(b: &CudaBackend, checks: &mut Vec<Check>) -> Result<(), Error> 
     }
     want[50..80].copy_from_slice(&g3.iter().map(|v| 0.0 + v).collect::<Vec<_>>());
     let got = download(b, &packed)?;
-    push(
-        "pack (zero, sum of sources)",
-        r.is_ok() && got == want,
-        format!("{r:?}, exact: {}", got == want),
-    );
+    let check = Check {
+        name: "pack (zero, sum of sources)".into(),
+        ok: r.is_ok() && got == want,
+        detail: format!("{r:?}, exact: {}", got == want),
+    };
+    Ok((check, packed, want))
+}
 
-    // unpack with accumulate into two destinations.
-    let (d1, d2) = (buffer(b, &g1)?, buffer(b, &g3)?);
+/// unpack with accumulate into two destinations (holding `g1` and `g3`) from the
+/// packed buffer, whose values are `packed_v`.
+async fn unpack_check(
+    b: &CudaBackend,
+    packed: &<CudaBackend as Backend>::Buffer,
+    packed_v: &[f32],
+    g1: &[f32],
+    g3: &[f32],
+) -> Result<Check, Error> {
+    let (d1, d2) = (buffer(b, g1)?, buffer(b, g3)?);
     let segs = vec![
         (seg(0, 0, 5, 20), d1.clone()),
         (seg(1, 50, 0, 30), d2.clone()),
@@ -409,19 +436,25 @@ async fn kernels(b: &CudaBackend, checks: &mut Vec<Check>) -> Result<(), Error> 
         },
     )
     .await;
-    let mut w1 = g1.clone();
+    let mut w1 = g1.to_vec();
     for i in 0..20 {
-        w1[5 + i] += want[i];
+        w1[5 + i] += packed_v[i];
     }
-    let w2: Vec<f32> = g3.iter().zip(&want[50..80]).map(|(a, b)| a + b).collect();
+    let w2: Vec<f32> = g3
+        .iter()
+        .zip(&packed_v[50..80])
+        .map(|(a, b)| a + b)
+        .collect();
     let ok = download(b, &d1)? == w1 && download(b, &d2)? == w2;
-    push(
-        "unpack (accumulate)",
-        r.is_ok() && ok,
-        format!("{r:?}, exact: {ok}"),
-    );
+    Ok(Check {
+        name: "unpack (accumulate)".into(),
+        ok: r.is_ok() && ok,
+        detail: format!("{r:?}, exact: {ok}"),
+    })
+}
 
-    // AdamW, step 3: the reference's bits.
+/// AdamW, step 3: the reference's bits.
+async fn adamw_check(b: &CudaBackend) -> Result<Check, Error> {
     let n = 10_007;
     let (p0, g) = (random(n, 5), random(n, 6));
     let m0: Vec<f32> = random(n, 7).iter().map(|v| v * 0.1).collect();
@@ -446,20 +479,22 @@ async fn kernels(b: &CudaBackend, checks: &mut Vec<Check>) -> Result<(), Error> 
     let got_p = download(b, &pb)?;
     let got_s = download(b, &sb)?;
     let exact = got_p == p && got_s[..n] == m[..] && got_s[n..] == v[..];
-    push(
-        "adamw (step 3) vs ops::math::adamw",
-        r.is_ok() && exact,
-        format!(
+    Ok(Check {
+        name: "adamw (step 3) vs ops::math::adamw".into(),
+        ok: r.is_ok() && exact,
+        detail: format!(
             "{r:?}, bit-exact: {exact}, param rel err {:.2e}",
             rel(&got_p, &p)
         ),
-    );
+    })
+}
 
-    // combine (copy transport): members of groups of 3 and 2, vector (n % 4 == 0) and
-    // scalar paths, full grid with and without cache-streaming hints (the streaming
-    // kernel's group-of-two path loads both operands first), and capped at 3 CTAs
-    // (`combine_ctas`: the wide, unrolled kernel, which loops over 70,000 elements
-    // several times), against the order of operations of the CPU backend, bit for bit.
+/// combine (copy transport): members of groups of 3 and 2, vector (n % 4 == 0) and
+/// scalar paths, full grid with and without cache-streaming hints (the streaming
+/// kernel's group-of-two path loads both operands first), and capped at 3 CTAs
+/// (`combine_ctas`: the wide, unrolled kernel, which loops over 70,000 elements
+/// several times), against the order of operations of the CPU backend, bit for bit.
+async fn combine_checks(b: &CudaBackend, checks: &mut Vec<Check>) -> Result<(), Error> {
     for (n, ctas, streaming, size, index) in [
         (1000usize, None, true, 3u32, 1u32),
         (1003, None, true, 3, 1),
@@ -479,149 +514,182 @@ async fn kernels(b: &CudaBackend, checks: &mut Vec<Check>) -> Result<(), Error> 
             (DType::F32, ReduceOp::Sum),
             (DType::Bf16, ReduceOp::Avg),
         ] {
-            let others = size as usize - 1;
-            let own_v = random(n, 40 + n as u64);
-            let recv_v = random(others * n, 41 + n as u64);
-            let (own, recv, dst) = (buffer(b, &own_v)?, buffer(b, &recv_v)?, alloc(b, n)?);
-            // A reduce to member `index`, which combines the whole count (an
-            // all-reduce's member combines only its chunk: checked below, and by
-            // `verify --transport copy`).
-            let desc = Collective {
-                kind: CollectiveKind::Reduce,
-                group: Group::Shard { replicate: 0 },
-                count: n as u64,
-                dtype,
-                op,
-                root: Some(index),
-            };
-            let r = run(
-                b,
-                Stream::Compute,
-                Kernel::Combine {
-                    desc,
-                    size,
-                    index,
-                    own,
-                    own_offset: 0,
-                    recv,
-                    dst: dst.clone(),
-                },
-            )
-            .await;
-            let round = |x: f32| {
-                if dtype == DType::Bf16 {
-                    math::round_bf16(x)
-                } else {
-                    x
-                }
-            };
-            let want: Vec<f32> = (0..n)
-                .map(|e| {
-                    // Members in order, from member 0's value.
-                    let x = |j: u32| match j.cmp(&index) {
-                        std::cmp::Ordering::Equal => own_v[e],
-                        std::cmp::Ordering::Less => recv_v[j as usize * n + e],
-                        std::cmp::Ordering::Greater => recv_v[(j as usize - 1) * n + e],
-                    };
-                    let sum = (1..size).fold(round(x(0)), |acc, j| acc + round(x(j)));
-                    if op == ReduceOp::Avg {
-                        sum / size as f32
-                    } else {
-                        sum
-                    }
-                })
-                .collect();
-            let got = download(b, &dst)?;
-            let exact = got
-                .iter()
-                .zip(&want)
-                .all(|(a, w)| a.to_bits() == w.to_bits());
-            push(
-                &format!(
+            let (r, exact) = combine_member(b, n, size, index, dtype, op).await?;
+            checks.push(Check {
+                name: format!(
                     "combine {n} {dtype:?} {op:?} (member {index} of {size}, {})",
-                    // The kernel the backend picks: vectors when n is a multiple of 4
-                    // (the buffers are aligned), streaming only with the full grid.
-                    match (ctas, n % 4 == 0, streaming) {
-                        (Some(c), true, _) => format!("{c} CTAs, wide vector kernel"),
-                        (Some(c), false, _) => format!("{c} CTAs, scalar kernel"),
-                        (None, true, true) => "full grid, streaming vector kernel".into(),
-                        (None, true, false) => "full grid, vector kernel".into(),
-                        (None, false, _) => "full grid, scalar kernel".into(),
-                    }
+                    combine_kernel(ctas, n, streaming)
                 ),
-                r.is_ok() && exact,
-                format!("{r:?}, bit-exact: {exact}"),
-            );
+                ok: r.is_ok() && exact,
+                detail: format!("{r:?}, bit-exact: {exact}"),
+            });
         }
     }
-
     b.set_combine_ctas(None);
     b.set_combine_streaming(true);
+    Ok(())
+}
 
-    // An all-reduce's combine writes its member's chunk only, in place in the whole
-    // output: member 1 of 3 of 1000 elements owns [384, 768) (chunks of 384); the rest
-    // of dst keeps its values.
-    {
-        let n = 1000usize;
-        let own_v = random(n, 77);
-        let recv_v = random(2 * 384, 78);
-        let sentinel = vec![-7.5f32; n];
-        let (own, recv, dst) = (
-            buffer(b, &own_v)?,
-            buffer(b, &recv_v)?,
-            buffer(b, &sentinel)?,
-        );
-        let desc = Collective {
-            kind: CollectiveKind::AllReduce,
-            group: Group::Shard { replicate: 0 },
-            count: n as u64,
-            dtype: DType::F32,
-            op: ReduceOp::Sum,
-            root: None,
-        };
-        let (at, k) = desc.member_chunk(3, 1);
-        let (at, k) = (at as usize, k as usize);
-        let r = run(
-            b,
-            Stream::Compute,
-            Kernel::Combine {
-                desc,
-                size: 3,
-                index: 1,
-                own,
-                own_offset: at,
-                recv,
-                dst: dst.clone(),
-            },
-        )
-        .await;
-        let got = download(b, &dst)?;
-        let exact = (0..n).all(|e| {
-            let want = if (at..at + k).contains(&e) {
-                let i = e - at;
-                recv_v[i] + own_v[e] + recv_v[k + i]
-            } else {
-                -7.5
+/// One combine of `n` elements as member `index` of `size`: the launch's result and
+/// whether its output equals the CPU backend's bit for bit.
+async fn combine_member(
+    b: &CudaBackend,
+    n: usize,
+    size: u32,
+    index: u32,
+    dtype: DType,
+    op: ReduceOp,
+) -> Result<(Result<(), String>, bool), Error> {
+    let others = size as usize - 1;
+    let own_v = random(n, 40 + n as u64);
+    let recv_v = random(others * n, 41 + n as u64);
+    let (own, recv, dst) = (buffer(b, &own_v)?, buffer(b, &recv_v)?, alloc(b, n)?);
+    // A reduce to member `index`, which combines the whole count (an
+    // all-reduce's member combines only its chunk: checked below, and by
+    // `verify --transport copy`).
+    let desc = Collective {
+        kind: CollectiveKind::Reduce,
+        group: Group::Shard { replicate: 0 },
+        count: n as u64,
+        dtype,
+        op,
+        root: Some(index),
+    };
+    let r = run(
+        b,
+        Stream::Compute,
+        Kernel::Combine {
+            desc,
+            size,
+            index,
+            own,
+            own_offset: 0,
+            recv,
+            dst: dst.clone(),
+        },
+    )
+    .await;
+    let want = combine_reference(&own_v, &recv_v, size, index, dtype, op);
+    let got = download(b, &dst)?;
+    let exact = got
+        .iter()
+        .zip(&want)
+        .all(|(a, w)| a.to_bits() == w.to_bits());
+    Ok((r, exact))
+}
+
+/// What member `index` of `size` combines from its own values and those it received,
+/// in the CPU backend's order of operations: members in order, from member 0's value.
+fn combine_reference(
+    own_v: &[f32],
+    recv_v: &[f32],
+    size: u32,
+    index: u32,
+    dtype: DType,
+    op: ReduceOp,
+) -> Vec<f32> {
+    let n = own_v.len();
+    let round = |x: f32| {
+        if dtype == DType::Bf16 {
+            math::round_bf16(x)
+        } else {
+            x
+        }
+    };
+    (0..n)
+        .map(|e| {
+            // Members in order, from member 0's value.
+            let x = |j: u32| match j.cmp(&index) {
+                std::cmp::Ordering::Equal => own_v[e],
+                std::cmp::Ordering::Less => recv_v[j as usize * n + e],
+                std::cmp::Ordering::Greater => recv_v[(j as usize - 1) * n + e],
             };
-            got[e].to_bits() == want.to_bits()
-        });
-        push(
-            "combine all_reduce chunk (member 1 of 3, elements 384..768 of 1000)",
-            r.is_ok() && exact,
-            format!("{r:?}, bit-exact and rest untouched: {exact}"),
-        );
-    }
+            let sum = (1..size).fold(round(x(0)), |acc, j| acc + round(x(j)));
+            if op == ReduceOp::Avg {
+                sum / size as f32
+            } else {
+                sum
+            }
+        })
+        .collect()
+}
 
-    // Spin: the stream stays busy for the time asked.
+/// The combine kernel the backend picks: vectors when n is a multiple of 4 (the
+/// buffers are aligned), streaming only with the full grid.
+fn combine_kernel(ctas: Option<u32>, n: usize, streaming: bool) -> String {
+    match (ctas, n % 4 == 0, streaming) {
+        (Some(c), true, _) => format!("{c} CTAs, wide vector kernel"),
+        (Some(c), false, _) => format!("{c} CTAs, scalar kernel"),
+        (None, true, true) => "full grid, streaming vector kernel".into(),
+        (None, true, false) => "full grid, vector kernel".into(),
+        (None, false, _) => "full grid, scalar kernel".into(),
+    }
+}
+
+/// An all-reduce's combine writes its member's chunk only, in place in the whole
+/// output: member 1 of 3 of 1000 elements owns [384, 768) (chunks of 384); the rest
+/// of dst keeps its values.
+async fn combine_chunk_check(b: &CudaBackend) -> Result<Check, Error> {
+    let n = 1000usize;
+    let own_v = random(n, 77);
+    let recv_v = random(2 * 384, 78);
+    let sentinel = vec![-7.5f32; n];
+    let (own, recv, dst) = (
+        buffer(b, &own_v)?,
+        buffer(b, &recv_v)?,
+        buffer(b, &sentinel)?,
+    );
+    let desc = Collective {
+        kind: CollectiveKind::AllReduce,
+        group: Group::Shard { replicate: 0 },
+        count: n as u64,
+        dtype: DType::F32,
+        op: ReduceOp::Sum,
+        root: None,
+    };
+    let (at, k) = desc.member_chunk(3, 1);
+    let (at, k) = (at as usize, k as usize);
+    let r = run(
+        b,
+        Stream::Compute,
+        Kernel::Combine {
+            desc,
+            size: 3,
+            index: 1,
+            own,
+            own_offset: at,
+            recv,
+            dst: dst.clone(),
+        },
+    )
+    .await;
+    let got = download(b, &dst)?;
+    let exact = (0..n).all(|e| {
+        let want = if (at..at + k).contains(&e) {
+            let i = e - at;
+            recv_v[i] + own_v[e] + recv_v[k + i]
+        } else {
+            -7.5
+        };
+        got[e].to_bits() == want.to_bits()
+    });
+    Ok(Check {
+        name: "combine all_reduce chunk (member 1 of 3, elements 384..768 of 1000)".into(),
+        ok: r.is_ok() && exact,
+        detail: format!("{r:?}, bit-exact and rest untouched: {exact}"),
+    })
+}
+
+/// Spin: the stream stays busy for the time asked.
+async fn spin_check(b: &CudaBackend) -> Check {
     let t0 = Instant::now();
     let r = run(b, Stream::Compute, Kernel::Spin { micros: 20_000 }).await;
     let ms = t0.elapsed().as_secs_f64() * 1e3;
-    push(
-        "spin 20 ms",
-        r.is_ok() && (20.0..200.0).contains(&ms),
-        format!("{r:?}, host saw {ms:.2} ms"),
-    );
-    Ok(())
+    Check {
+        name: "spin 20 ms".into(),
+        ok: r.is_ok() && (20.0..200.0).contains(&ms),
+        detail: format!("{r:?}, host saw {ms:.2} ms"),
+    }
 }
 
 /// All-reduce (f32 sum) bandwidth per size, from timing events.
