@@ -21,6 +21,7 @@ use futures_util::future::join_all;
 use overlap_graph::{Buffer, Op, ParamId, Plan, Stream};
 use overlap_ops::{AdamwParams, Backend, MuonParams, OpsError, Timing};
 
+mod bind;
 mod deadline;
 mod fault;
 mod forward;

@@ -8,11 +8,10 @@ use std::collections::VecDeque;
 use rustc_hash::{FxHashMap as HashMap, FxHashSet as HashSet};
 use std::sync::Arc;
 
-use overlap_graph::{
-    BucketId, Buffer, CollectiveKind, CopySeg, Instr, Op, OptimizerKind, ParamId, Plan, Stream,
-};
+use overlap_graph::{Access, BucketId, Buffer, CopySeg, Instr, Op, ParamId, Plan, Stream};
 use overlap_ops::{Backend, CommId, EventStatus, Kernel, OpsError, Tag};
 
+use crate::bind::{Buffers, Settings};
 use crate::prepared::Prepared;
 use crate::ExecError;
 
@@ -92,6 +91,54 @@ pub(crate) struct IssueCtx {
     pub peer: tokio::sync::watch::Receiver<Option<crate::PeerFailure>>,
 }
 
+impl IssueCtx {
+    /// What binding a node to its kernels needs of these settings.
+    fn settings(&self) -> Settings<'_> {
+        Settings {
+            hyper: &self.hyper,
+            lr_factor: self.lr_factor,
+            step: self.step,
+            backward: self.backward,
+            max_norm: self.max_norm,
+        }
+    }
+}
+
+/// A rank's buffers as binding looks them up; scratch memory comes from the backend.
+struct RankBuffers<'a, B: Backend> {
+    rank: u32,
+    buffers: &'a HashMap<Buffer, B::Buffer>,
+    backend: &'a B,
+}
+
+impl<B: Backend> Buffers for RankBuffers<'_, B> {
+    type Buf = B::Buffer;
+
+    fn get(&self, name: &Buffer) -> Result<B::Buffer, ExecError> {
+        buffer(self.rank, self.buffers, name)
+    }
+
+    fn len(&self, buf: &B::Buffer) -> usize {
+        self.backend.len(buf)
+    }
+
+    fn scratch(&self, len: usize) -> Result<B::Buffer, ExecError> {
+        Ok(self.backend.alloc_uninit(self.rank, len)?)
+    }
+}
+
+/// The memory `name` has on `rank`; an internal error when it has none.
+fn buffer<T: Clone>(
+    rank: u32,
+    buffers: &HashMap<Buffer, T>,
+    name: &Buffer,
+) -> Result<T, ExecError> {
+    buffers
+        .get(name)
+        .cloned()
+        .ok_or_else(|| ExecError::Internal(format!("rank {rank}: buffer {name} is not allocated")))
+}
+
 impl<B: Backend> RankState<B> {
     pub fn new(rank: u32) -> Self {
         RankState {
@@ -164,9 +211,7 @@ impl<B: Backend> RankState<B> {
     }
 
     fn buf(&self, b: &Buffer) -> Result<B::Buffer, ExecError> {
-        self.buffers.get(b).cloned().ok_or_else(|| {
-            ExecError::Internal(format!("rank {}: buffer {b} is not allocated", self.rank))
-        })
+        buffer(self.rank, &self.buffers, b)
     }
 
     /// Issues nodes `next_node..end` of the current plan.
@@ -368,6 +413,10 @@ impl<B: Backend> RankState<B> {
         })
     }
 
+    /// Issues node `n`'s kernels on its stream, in the node's phases: its outputs get
+    /// memory (an alias of its input, or a new or pooled buffer), partials are tracked,
+    /// the node is bound to its kernels (`bind.rs`; an aliasing node launches a marker),
+    /// they are launched and timed, and the buffers whose last reader it is are released.
     fn run(
         &mut self,
         backend: &B,
@@ -375,16 +424,43 @@ impl<B: Backend> RankState<B> {
         n: usize,
         ctx: &IssueCtx,
     ) -> Result<(), ExecError> {
-        let plan = &p.plan;
-        let node = &plan.rank(self.rank).nodes[n];
-        let access = &p.access[n];
-        // An aliasing node's output is its input's memory (prepared.rs).
-        let aliased = p.alias[n];
-        if let Some((a, b)) = aliased {
+        let node = &p.plan.rank(self.rank).nodes[n];
+        self.alias_or_allocate(backend, p, n)?;
+        self.track_partials(&p.access[n]);
+        let stream = node.stream;
+        self.last_issued[stream.index()] = Some(n as u32);
+        self.inject(backend, &p.plan, (n as u32, node.op.kind(), stream), ctx);
+        let kernels = if p.alias[n].is_some() {
+            self.aliased += 1;
+            vec![Kernel::Marker]
+        } else {
+            let bufs = RankBuffers {
+                rank: self.rank,
+                buffers: &self.buffers,
+                backend,
+            };
+            crate::bind::bind(p, self.rank, n, &ctx.settings(), &bufs)?
+        };
+        let tag = Tag {
+            node: n as u32,
+            op: node.op.kind(),
+            micro_batch: node.micro_batch.unwrap_or(u32::MAX),
+        };
+        self.launch_timed(backend, stream, tag, node.op.kind_index(), kernels);
+        self.release_after(backend, p, n, stream);
+        Ok(())
+    }
+
+    /// Gives node `n`'s outputs their memory: an aliasing node's output is its input's
+    /// memory (`prepared.rs`); the new memory it writes first is allocated, from the pool
+    /// or the backend, zeroed where its first access does not write all of it.
+    fn alias_or_allocate(&mut self, backend: &B, p: &Prepared, n: usize) -> Result<(), ExecError> {
+        if let Some((a, b)) = p.alias[n] {
             let buf = self.buf(&a)?;
             self.buffers.insert(b, buf);
         }
-        // Allocate the new memory the node writes first.
+        let plan = &p.plan;
+        let node = &plan.rank(self.rank).nodes[n];
         for &(w, how) in &p.allocs[n] {
             if self.buffers.contains_key(&w) {
                 continue;
@@ -412,7 +488,11 @@ impl<B: Backend> RankState<B> {
             };
             self.buffers.insert(w, buf);
         }
-        // Track partials and accumulations: a read flushes, a write (re)fills.
+        Ok(())
+    }
+
+    /// Tracks partials and no_sync accumulations: a read flushes, a write (re)fills.
+    fn track_partials(&mut self, access: &Access) {
         for r in &access.reads {
             self.live_partials.remove(r);
         }
@@ -423,369 +503,25 @@ impl<B: Backend> RankState<B> {
         {
             self.live_partials.insert(*w);
         }
-        let tag = Tag {
-            node: n as u32,
-            op: node.op.kind(),
-            micro_batch: node.micro_batch.unwrap_or(u32::MAX),
-        };
-        let stream = node.stream;
-        self.last_issued[stream.index()] = Some(n as u32);
-        self.inject(backend, plan, (n as u32, node.op.kind(), stream), ctx);
-        // Time inside the backend, for `launch_by_kind`.
-        let spent = std::cell::Cell::new(0.0f64);
-        let launch = |k: Kernel<B::Buffer>| {
+    }
+
+    /// Launches `kernels` in order on `stream`, adding the time spent inside the backend
+    /// to `launch_by_kind` at `kind`.
+    fn launch_timed(
+        &mut self,
+        backend: &B,
+        stream: Stream,
+        tag: Tag,
+        kind: usize,
+        kernels: Vec<Kernel<B::Buffer>>,
+    ) {
+        let mut spent = 0.0f64;
+        for k in kernels {
             let t0 = std::time::Instant::now();
             backend.launch(self.rank, stream, tag, k);
-            spent.set(spent.get() + t0.elapsed().as_secs_f64());
-        };
-        let kind = node.op.kind_index();
-        if aliased.is_some() {
-            self.aliased += 1;
-            launch(Kernel::Marker);
-            self.launch_by_kind[kind] += spent.get();
-            self.release_after(backend, p, n, stream);
-            return Ok(());
+            spent += t0.elapsed().as_secs_f64();
         }
-        match node.op {
-            Op::GradReady { .. } => launch(ctx.backward.kernel()),
-            // Points of the trainer's own work, and a free (the memory goes back to the
-            // pool behind the release event recorded after it).
-            Op::Forward { .. } | Op::Backward { .. } | Op::Reshard { .. } => launch(Kernel::Marker),
-            Op::Unshard {
-                param,
-                micro_batch,
-                pass,
-                collective,
-            } => {
-                let full = self.buf(&Buffer::Full {
-                    param,
-                    micro_batch,
-                    pass,
-                })?;
-                let comm = CommId::of(&collective, stream);
-                let supplies = plan.unshard_supplies(self.rank, &collective);
-                match collective.kind {
-                    // The root holds the whole tensor: it sends it and keeps a copy.
-                    CollectiveKind::Broadcast if supplies => {
-                        let piece = self.buf(&Buffer::Param { param })?;
-                        launch(Kernel::Collective {
-                            desc: collective,
-                            comm,
-                            send: Some(piece.clone()),
-                            recv: None,
-                        });
-                        launch(Kernel::Add {
-                            dst: full,
-                            src: piece,
-                            accumulate: false,
-                        });
-                    }
-                    CollectiveKind::Broadcast => launch(Kernel::Collective {
-                        desc: collective,
-                        comm,
-                        send: None,
-                        recv: Some(full),
-                    }),
-                    // Every member sends its chunk; a shard shorter than the chunk (the
-                    // last ones) goes out zero-padded from a scratch buffer.
-                    _ => {
-                        let piece = self.buf(&Buffer::Param { param })?;
-                        let chunk = usize::try_from(collective.count).unwrap_or(usize::MAX);
-                        let local = backend.len(&piece);
-                        let send = if local == chunk {
-                            piece
-                        } else {
-                            let pad = backend.alloc_uninit(self.rank, chunk)?;
-                            let segs = if local > 0 {
-                                let seg = CopySeg {
-                                    param,
-                                    src: 0,
-                                    dst: 0,
-                                    len: local as u64,
-                                };
-                                vec![(seg, vec![piece])]
-                            } else {
-                                Vec::new()
-                            };
-                            launch(Kernel::Pack {
-                                dst: pad.clone(),
-                                segs: segs.into(),
-                            });
-                            pad
-                        };
-                        launch(Kernel::Collective {
-                            desc: collective,
-                            comm,
-                            send: Some(send),
-                            recv: Some(full),
-                        });
-                    }
-                }
-            }
-            Op::Accumulate {
-                bucket,
-                micro_batch,
-                accumulate,
-            } => {
-                for &param in &plan.bucket(bucket).params {
-                    let src = self.buf(&Buffer::Grad { param, micro_batch })?;
-                    let dst = self.buf(&Buffer::Accum { param })?;
-                    launch(Kernel::Add {
-                        dst,
-                        src,
-                        accumulate,
-                    });
-                }
-            }
-            Op::Pack {
-                bucket,
-                micro_batch,
-                with_accum,
-            } => {
-                let segs = segments(&p.pack, bucket);
-                let mut bound = Vec::with_capacity(segs.len());
-                for s in segs.iter() {
-                    let mut srcs = vec![self.buf(&Buffer::Grad {
-                        param: s.param,
-                        micro_batch,
-                    })?];
-                    if with_accum {
-                        srcs.push(self.buf(&Buffer::Accum { param: s.param })?);
-                    }
-                    bound.push((*s, srcs));
-                }
-                launch(Kernel::Pack {
-                    dst: self.buf(&Buffer::Send {
-                        bucket,
-                        micro_batch,
-                    })?,
-                    segs: bound.into(),
-                });
-            }
-            // A collective of either stage: its input to the stage's output, where this
-            // rank receives one.
-            Op::Stage1 {
-                bucket,
-                micro_batch,
-                collective,
-            }
-            | Op::Stage2 {
-                bucket,
-                micro_batch,
-                collective,
-            } => {
-                let stage = node.op.stage().unwrap_or(1);
-                let (src, holds) = plan.stage_input(bucket, micro_batch, stage, self.rank);
-                let recv = if holds {
-                    Some(self.buf(&Plan::stage_output(bucket, micro_batch, stage))?)
-                } else {
-                    None
-                };
-                launch(Kernel::Collective {
-                    desc: collective,
-                    comm: CommId::of(&collective, stream),
-                    send: Some(self.buf(&src)?),
-                    recv,
-                });
-            }
-            Op::Fold {
-                bucket,
-                micro_batch,
-                accumulate,
-            } => {
-                let src = self.buf(&Buffer::Stage1Out {
-                    bucket,
-                    micro_batch,
-                })?;
-                launch(Kernel::Add {
-                    dst: self.buf(&Buffer::Partial { bucket })?,
-                    src,
-                    accumulate,
-                });
-            }
-            Op::FoldPartial {
-                bucket,
-                micro_batch,
-            } => {
-                let src = self.buf(&Buffer::Partial { bucket })?;
-                launch(Kernel::Add {
-                    dst: self.buf(&Buffer::Stage1Out {
-                        bucket,
-                        micro_batch,
-                    })?,
-                    src,
-                    accumulate: true,
-                });
-            }
-            Op::Exchange {
-                bucket,
-                micro_batch,
-                stage,
-                collective,
-            } => {
-                let (src, holds) = plan.stage_input(bucket, micro_batch, stage, self.rank);
-                let recv = if holds {
-                    Some(self.buf(&Buffer::Recv {
-                        bucket,
-                        micro_batch,
-                        stage,
-                    })?)
-                } else {
-                    None
-                };
-                launch(Kernel::Exchange {
-                    desc: collective,
-                    comm: CommId::of(&collective, stream),
-                    send: Some(self.buf(&src)?),
-                    recv,
-                });
-            }
-            Op::Combine {
-                bucket,
-                micro_batch,
-                stage,
-                collective,
-            } => {
-                let (src, _) = plan.stage_input(bucket, micro_batch, stage, self.rank);
-                let size = plan.mesh.group_size(collective.group);
-                let index = plan.mesh.index_in(collective.group, self.rank).unwrap_or(0);
-                let own_offset =
-                    usize::try_from(collective.member_chunk(size, index).0).unwrap_or(usize::MAX);
-                let dst = Plan::stage_output(bucket, micro_batch, stage);
-                launch(Kernel::Combine {
-                    desc: collective,
-                    size,
-                    index,
-                    own: self.buf(&src)?,
-                    own_offset,
-                    recv: self.buf(&Buffer::Recv {
-                        bucket,
-                        micro_batch,
-                        stage,
-                    })?,
-                    dst: self.buf(&dst)?,
-                });
-            }
-            Op::Gather {
-                bucket,
-                micro_batch,
-                stage,
-                collective,
-            } => {
-                launch(Kernel::Gather {
-                    desc: collective,
-                    comm: CommId::of(&collective, stream),
-                    buf: Some(self.buf(&Plan::stage_output(bucket, micro_batch, stage))?),
-                });
-            }
-            Op::Unpack {
-                bucket,
-                micro_batch,
-                accumulate,
-            } => {
-                let segs = segments(&p.unpack, bucket);
-                let mut bound = Vec::with_capacity(segs.len());
-                for s in segs.iter() {
-                    bound.push((*s, self.buf(&Buffer::Reduced { param: s.param })?));
-                }
-                launch(Kernel::Unpack {
-                    src: self.buf(&Buffer::Stage2Out {
-                        bucket,
-                        micro_batch,
-                    })?,
-                    segs: bound.into(),
-                    accumulate,
-                });
-            }
-            Op::Optimizer { param, optimizer } => {
-                let pb = self.buf(&Buffer::Param { param })?;
-                let grad = self.buf(&Buffer::Reduced { param })?;
-                let state = self.buf(&Buffer::OptState { param })?;
-                let kernel = match optimizer {
-                    OptimizerKind::Adamw => Kernel::Adamw {
-                        param: pb,
-                        grad,
-                        state,
-                        hp: ctx.hyper.adamw(param, ctx.lr_factor),
-                        step: ctx.step,
-                    },
-                    OptimizerKind::Muon => {
-                        let (rows, cols) = plan.param(param).spec.matrix_dims();
-                        Kernel::Muon {
-                            param: pb,
-                            grad,
-                            momentum: state,
-                            rows: rows as usize,
-                            cols: cols as usize,
-                            hp: ctx.hyper.muon(param, ctx.lr_factor),
-                        }
-                    }
-                };
-                // With the global norm, a step whose gradients are not finite is skipped.
-                if plan.grad_norm {
-                    launch(Kernel::IfFinite {
-                        norm: self.buf(&Buffer::Norm)?,
-                        kernel: Box::new(kernel),
-                    });
-                } else {
-                    launch(kernel);
-                }
-            }
-            Op::GradNorm => {
-                let srcs = plan
-                    .norm_params(self.rank)
-                    .into_iter()
-                    .map(|param| self.buf(&Buffer::Reduced { param }))
-                    .collect::<Result<Vec<_>, _>>()?;
-                launch(Kernel::SumSquares {
-                    dst: self.buf(&Buffer::Norm)?,
-                    srcs: srcs.into(),
-                });
-            }
-            Op::NormReduce { collective } => {
-                let norm = self.buf(&Buffer::Norm)?;
-                launch(Kernel::Collective {
-                    desc: collective,
-                    comm: CommId::of(&collective, stream),
-                    send: Some(norm.clone()),
-                    recv: Some(norm),
-                });
-            }
-            Op::Clip => match ctx.max_norm {
-                Some(max_norm) => {
-                    let bufs = plan
-                        .held_params(self.rank)
-                        .into_iter()
-                        .map(|param| self.buf(&Buffer::Reduced { param }))
-                        .collect::<Result<Vec<_>, _>>()?;
-                    launch(Kernel::Clip {
-                        norm: self.buf(&Buffer::Norm)?,
-                        bufs: bufs.into(),
-                        max_norm,
-                    });
-                }
-                // The norm without clipping (`[clip] on_nonfinite` alone).
-                None => launch(Kernel::Marker),
-            },
-            Op::Publish { param, collective } => {
-                let buf = self.buf(&Buffer::Param { param })?;
-                let is_root = plan.mesh.index_in(collective.group, self.rank) == collective.root;
-                let (send, recv) = if is_root {
-                    (Some(buf), None)
-                } else {
-                    (None, Some(buf))
-                };
-                launch(Kernel::Collective {
-                    desc: collective,
-                    comm: CommId::of(&collective, stream),
-                    send,
-                    recv,
-                });
-            }
-        }
-        self.launch_by_kind[kind] += spent.get();
-        self.release_after(backend, p, n, stream);
-        Ok(())
+        self.launch_by_kind[kind] += spent;
     }
 
     /// Records a release event after node `n` for every transient buffer it is a final
@@ -865,7 +601,6 @@ impl<B: Backend> RankState<B> {
     }
 }
 
-/// A bucket's pack or unpack copies (none when the plan has no such node for it).
 /// The Stage-1 buffer (bucket, micro-batch) a name belongs to: its send, output or
 /// receive. `stage1_window`'s backpressure counts these in flight and waits for their
 /// memory's release (here, and as `overlap_executor::stage1_releases` tells a cost model).
@@ -886,11 +621,4 @@ pub(crate) fn stage1_key(b: &Buffer) -> Option<(BucketId, u32)> {
         } => Some((bucket, micro_batch)),
         _ => None,
     }
-}
-
-fn segments(table: &HashMap<BucketId, Arc<[CopySeg]>>, bucket: BucketId) -> Arc<[CopySeg]> {
-    table
-        .get(&bucket)
-        .cloned()
-        .unwrap_or_else(|| Arc::from(Vec::new()))
 }
