@@ -46,7 +46,7 @@ pub enum Error {
     /// The multi-process set-up failed: launcher variables, the rendezvous, `overlap
     /// launch`, or another rank.
     #[error(transparent)]
-    Dist(#[from] crate::dist::DistError),
+    Dist(#[from] DistError),
     /// A checkpoint could not be saved, or was refused when loading (missing, truncated
     /// or corrupted file, another model, a newer format); nothing was loaded.
     #[error("checkpoint {path}: {reason}")]
@@ -87,4 +87,38 @@ fn names(params: &[String]) -> String {
         s.push_str(&format!(" and {} more", params.len() - SHOWN));
     }
     s
+}
+
+/// Errors of the distributed set-up: environment, rendezvous and launch.
+#[derive(Debug, thiserror::Error)]
+pub enum DistError {
+    /// A launcher variable is missing or malformed.
+    #[error("environment variable {var}: {reason}")]
+    Env {
+        /// The variable.
+        var: String,
+        /// What is wrong with it.
+        reason: String,
+    },
+    /// The variables disagree with each other or with the job.
+    #[error("{0}")]
+    Inconsistent(String),
+    /// The TCP rendezvous failed (a rank did not arrive, a peer spoke another protocol).
+    #[error("rendezvous: {0}")]
+    Rendezvous(String),
+    /// Another rank failed; this one stops too.
+    #[error("rank {rank} failed: {reason}")]
+    Peer {
+        /// The rank that failed.
+        rank: u32,
+        /// Its error.
+        reason: String,
+    },
+    /// `overlap launch` could not start or watch its ranks.
+    #[error("launch: {0}")]
+    Launch(String),
+    /// The ranks would run different things (configs, builds): their fingerprints
+    /// differ (`overlap_dist::fingerprint`). The message names two ranks and the field.
+    #[error("{0}")]
+    Disagree(String),
 }

@@ -56,10 +56,10 @@
 //!   [`Error::Invalid`] naming the invariant); a step that would leave partials unflushed
 //!   is an [`Error::Unflushed`] naming the parameters.
 //!
-//! Multi-process jobs (one process per GPU): [`dist`] reads a rank's place in the job
-//! from the launcher's environment, [`rendezvous`] connects the ranks over TCP (authenticated with the job's secret)
-//! and [`fingerprint`] lets them check that they will run the same thing,
-//! and `cuda` (with the `cuda` feature) runs sessions on the CUDA + NCCL backend. The
+//! Multi-process jobs (one process per GPU) are the control plane's, the `overlap-dist`
+//! crate: the launcher's environment, the authenticated rendezvous, the fingerprints
+//! ranks compare before the first step, the job watch and the CUDA world set-up. Here,
+//! `cuda` (with the `cuda` feature) runs a session on a rank's CUDA + NCCL backend. The
 //! `overlap` command line, its launcher and the GPU benchmarks are the `overlap-cli`
 //! crate, not part of this library.
 
@@ -67,13 +67,10 @@ pub mod checkpoint;
 pub mod config;
 #[cfg(feature = "cuda")]
 pub mod cuda;
-pub mod dist;
 pub mod drive;
 mod error;
-pub mod fingerprint;
 pub mod hardware;
 pub mod observe;
-pub mod rendezvous;
 pub mod resources;
 pub mod session;
 pub mod synthetic;
@@ -82,7 +79,7 @@ pub mod verify;
 
 pub use checkpoint::Loaded;
 pub use config::{Config, ConfigError};
-pub use error::Error;
+pub use error::{DistError, Error};
 pub use overlap_executor as executor;
 pub use overlap_graph as graph;
 pub use overlap_ops as ops;

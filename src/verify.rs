@@ -416,24 +416,12 @@ pub async fn verify(
     })
 }
 
-/// Every parameter's full tensor from the pieces the session's ranks hold (all of them:
-/// a CPU session drives the whole mesh).
-pub(crate) fn current_params<B: overlap_ops::Backend>(
-    s: &Session<B>,
-) -> Result<Vec<Vec<f32>>, Error> {
-    let mesh = s.planner().spec().mesh;
-    let mut out = Vec::new();
-    for (i, p) in s.planner().params().iter().enumerate() {
-        let mut full = vec![f32::NAN; p.spec.numel() as usize];
-        for rank in s.local_ranks() {
-            if let Some(piece) = s.param_values(rank, i as ParamId)? {
-                let r = p.spec.shard_range(mesh.shard, mesh.coord(rank).shard);
-                full[r.start as usize..r.end as usize].copy_from_slice(&piece);
-            }
-        }
-        out.push(full);
-    }
-    Ok(out)
+/// Every parameter's full tensor from the pieces the session's ranks hold
+/// ([`Session::full_param`]; a CPU session drives the whole mesh).
+pub fn current_params<B: overlap_ops::Backend>(s: &Session<B>) -> Result<Vec<Vec<f32>>, Error> {
+    (0..s.planner().params().len() as ParamId)
+        .map(|id| s.full_param(id))
+        .collect()
 }
 
 /// A gathered full parameter (its `numel` values) against the reference's: the

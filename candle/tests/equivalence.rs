@@ -311,6 +311,10 @@ fn check(case: Case, tolerance: f64) {
     let ours = train_overlap(&case).unwrap_or_else(|e| panic!("{}: {e}", case.name()));
     let reference = train_reference(&case).unwrap();
     let (loss, params, worst) = compare(&ours, &reference);
+    eprintln!(
+        "{}: loss curve {loss:.2e}, parameters {params:.2e} (worst `{worst}`)",
+        case.name()
+    );
     assert!(
         ours.0.last() < ours.0.first(),
         "{}: the loss did not fall: {:?}",
@@ -384,7 +388,7 @@ fn muon_on_the_block_matrices_equals_an_f64_muon_reference() {
             muon: true,
             ..Case::new(shard, replicate, micro)
         };
-        check(case, 1e-4);
+        check(case, 5e-5);
     }
 }
 

@@ -114,7 +114,7 @@ pub(crate) enum Command {
         #[arg(long, default_value = "127.0.0.1")]
         master_addr: String,
         /// Port of rank 0's rendezvous.
-        #[arg(long, default_value_t = overlap::dist::DEFAULT_MASTER_PORT)]
+        #[arg(long, default_value_t = overlap_dist::env::DEFAULT_MASTER_PORT)]
         master_port: u16,
         /// What each rank runs, after `--`: an overlap subcommand and its options, or a
         /// program and its arguments.

@@ -1016,23 +1016,23 @@ pub async fn collectives<B: Backend>(
 pub(crate) fn open_cuda(
     mesh: Mesh,
     bindings: Bindings,
-    links: overlap::cuda::Links,
-    what: overlap::fingerprint::Fingerprint,
-) -> Result<overlap::cuda::CudaWorld, Error> {
+    links: overlap_dist::cuda::Links,
+    what: overlap_dist::fingerprint::Fingerprint,
+) -> Result<overlap_dist::cuda::CudaWorld, Error> {
     use overlap_ops::cuda::mesh_comms;
-    let env = overlap::cuda::rank_env(mesh)?;
+    let env = overlap_dist::cuda::rank_env(mesh)?;
     let copy = links.copy.is_some();
     let mut comms = mesh_comms(mesh, &bindings, copy);
     comms.extend(mesh_comms(mesh, &serial_bindings(), copy));
     comms.sort();
     comms.dedup();
-    overlap::cuda::open(env, mesh, comms, true, links, what)
+    overlap_dist::cuda::open(env, mesh, comms, true, links, what)
 }
 
 /// The fingerprint of a benchmark command and its arguments.
 #[cfg(feature = "cuda")]
-pub(crate) fn bench_fingerprint(command: &str, args: String) -> overlap::fingerprint::Fingerprint {
-    let mut f = overlap::fingerprint::Fingerprint::build();
+pub(crate) fn bench_fingerprint(command: &str, args: String) -> overlap_dist::fingerprint::Fingerprint {
+    let mut f = overlap_dist::fingerprint::Fingerprint::build();
     f.push("command", command);
     f.push("bench.args", args);
     f
@@ -1046,9 +1046,9 @@ pub async fn bench_cuda(args: &BenchArgs) -> Result<Option<BenchReport>, Error> 
     // Both plans the bench runs (the serial one's exchanges are on the compute stream,
     // so on rings of their own).
     let specs = [args.spec(Bindings::default()), args.spec(serial_bindings())];
-    let links = overlap::cuda::Links {
+    let links = overlap_dist::cuda::Links {
         copy: (args.transport == Transport::Copy).then(|| {
-            overlap::cuda::copy_setup(
+            overlap_dist::cuda::copy_setup(
                 &[&specs[0], &specs[1]],
                 (args.copy_slot_mib as usize) << 20,
                 args.copy_ring_depth as usize,
@@ -1478,7 +1478,7 @@ mod tests {
 mod cuda_tests {
     use super::BenchArgs;
     use overlap::config::Config;
-    use overlap::cuda::{copy_setup, gathering_comms, in_place_comms};
+    use overlap_dist::cuda::{copy_setup, gathering_comms, in_place_comms};
     use overlap::Mesh;
     use overlap_ops::cuda as ops_cuda;
     use overlap_ops::CommId;

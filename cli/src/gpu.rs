@@ -14,14 +14,14 @@ use overlap::config::BackendChoice;
 
 /// `overlap env`: the detected rank environment, and optionally a rendezvous.
 pub(crate) fn env(rendezvous: bool) -> Result<ExitCode, Error> {
-    let env = overlap::dist::RankEnv::from_env()?.unwrap_or_else(overlap::dist::RankEnv::single);
+    let env = overlap_dist::env::RankEnv::from_env()?.unwrap_or_else(overlap_dist::env::RankEnv::single);
     println!(
         "{}",
         serde_json::to_string(&env).map_err(|e| Error::Usage(e.to_string()))?
     );
     if rendezvous {
-        let timeout = overlap::rendezvous::start_timeout(std::time::Duration::from_secs(60));
-        let mut rdv = overlap::rendezvous::Rendezvous::connect(&env, timeout)?;
+        let timeout = overlap_dist::rendezvous::start_timeout(std::time::Duration::from_secs(60));
+        let mut rdv = overlap_dist::rendezvous::Rendezvous::connect(&env, timeout)?;
         let me = format!("rank {} pid {}", env.rank, std::process::id());
         if let Some(all) = rdv.gather(me.as_bytes(), timeout)? {
             let names: Vec<String> = all
@@ -70,16 +70,16 @@ pub(crate) async fn cuda_smoke(mib: &str, iters: u32) -> Result<ExitCode, Error>
                 .map_err(|_| Error::Usage(format!("--mib: `{m}` is not a whole number of MiB")))
         })
         .collect::<Result<Vec<_>, _>>()?;
-    let env = overlap::dist::RankEnv::from_env()?.unwrap_or_else(overlap::dist::RankEnv::single);
+    let env = overlap_dist::env::RankEnv::from_env()?.unwrap_or_else(overlap_dist::env::RankEnv::single);
     let mesh = overlap::Mesh {
         shard: 1,
         replicate: env.world_size,
     };
     let comms = overlap::ops::cuda::mesh_comms(mesh, &overlap::graph::Bindings::default(), false);
-    let mut what = overlap::fingerprint::Fingerprint::build();
+    let mut what = overlap_dist::fingerprint::Fingerprint::build();
     what.push("command", "cuda-smoke");
     what.push("cuda_smoke.args", format!("MiB {mib}, iters {iters}"));
-    let mut world = overlap::cuda::open(env, mesh, comms, false, Default::default(), what)?;
+    let mut world = overlap_dist::cuda::open(env, mesh, comms, false, Default::default(), what)?;
     let report = smoke::smoke(&mut world, &sizes, iters).await?;
     println!(
         "{}",

@@ -5,7 +5,7 @@
 use std::time::{Duration, Instant};
 
 use overlap::config::Config;
-use overlap::rendezvous::Rendezvous;
+use overlap_dist::rendezvous::Rendezvous;
 use overlap::{Error, PeerAbort, StepDeadline};
 
 /// On the CPU backend every process runs the whole mesh; started as ranks of a job
@@ -18,14 +18,14 @@ pub(crate) fn meet_cpu(
     steps: u64,
     seed: u64,
 ) -> Result<Option<Rendezvous>, Error> {
-    let Some(env) = overlap::dist::RankEnv::from_env()? else {
+    let Some(env) = overlap_dist::env::RankEnv::from_env()? else {
         return Ok(None);
     };
     if env.world_size < 2 {
         return Ok(None);
     }
-    let what = overlap::fingerprint::Fingerprint::of_config(cfg, command, "cpu", steps, seed)?;
-    let timeout = overlap::rendezvous::start_timeout(std::time::Duration::from_secs(180));
+    let what = overlap_dist::fingerprint::Fingerprint::of_config(cfg, command, "cpu", steps, seed)?;
+    let timeout = overlap_dist::rendezvous::start_timeout(std::time::Duration::from_secs(180));
     let mut rdv = Rendezvous::connect(&env, timeout)?;
     rdv.agree(&what, timeout)?;
     if env.rank == 0 {

@@ -3,11 +3,11 @@
 //! Each rank is a copy of the running executable with the given arguments and the
 //! torchrun variables set (`RANK`, `WORLD_SIZE`, `LOCAL_RANK`, `LOCAL_WORLD_SIZE`,
 //! `GROUP_RANK`, `MASTER_ADDR`, `MASTER_PORT`), so every subcommand that understands
-//! [`overlap::dist::RankEnv`] runs as one rank of the job. Each line a rank writes to
+//! [`overlap_dist::env::RankEnv`] runs as one rank of the job. Each line a rank writes to
 //! stdout or stderr is forwarded to the same stream prefixed with `[rank k] `.
 //!
 //! The ranks authenticate each other at the rendezvous with the job's secret
-//! ([`overlap::rendezvous::JobSecret`]): the launcher passes `OVERLAP_JOB_SECRET` on from
+//! ([`overlap_dist::rendezvous::JobSecret`]): the launcher passes `OVERLAP_JOB_SECRET` on from
 //! its own environment (or `OVERLAP_JOB_SECRET_FILE`), and on one node without either
 //! generates a random one per job; it never prints it. A job of several nodes needs the
 //! same secret on every node, so there it must be set.
@@ -30,8 +30,8 @@ use std::sync::atomic::{AtomicI32, Ordering};
 use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
 
-use overlap::dist::DistError;
-use overlap::rendezvous::{JobSecret, SECRET_ADVICE, SECRET_FILE_VAR, SECRET_VAR};
+use overlap_dist::DistError;
+use overlap_dist::rendezvous::{JobSecret, SECRET_ADVICE, SECRET_FILE_VAR, SECRET_VAR};
 
 /// The variable that sets how long ranks get to exit after a forwarded signal, in
 /// seconds.

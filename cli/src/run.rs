@@ -25,7 +25,7 @@ pub(crate) async fn run(
     }
     // In a multi-process job only rank 0 writes the trace and picture, and each rank
     // serves metrics on the base port plus its local rank.
-    let rank_env = overlap::dist::RankEnv::from_env()?;
+    let rank_env = overlap_dist::env::RankEnv::from_env()?;
     let primary = rank_env.as_ref().map_or(true, |e| e.rank == 0);
     if let Some(n) = observe.svg_step.filter(|&n| n == 0 || n > u64::from(steps)) {
         return Err(Error::Usage(format!(
@@ -44,18 +44,18 @@ pub(crate) async fn run(
     }
     #[cfg(feature = "cuda")]
     if cuda {
-        let env = overlap::cuda::rank_env(cfg.plan.mesh)?;
+        let env = overlap_dist::cuda::rank_env(cfg.plan.mesh)?;
         let mut cfg = cfg.clone();
         cfg.settle_transport(env.one_node());
         let cfg = &cfg;
-        let what = overlap::fingerprint::Fingerprint::of_config(
+        let what = overlap_dist::fingerprint::Fingerprint::of_config(
             cfg,
             "run",
             backend,
             u64::from(steps),
             cfg.run.seed,
         )?;
-        let mut world = overlap::cuda::world(cfg, env, true, what)?;
+        let mut world = overlap_dist::cuda::world(cfg, env, true, what)?;
         let session = Session::cuda(cfg, world.backend.clone())?;
         watch_job(Some(&mut world.rendezvous), session.peer_abort())?;
         watch_host(session.step_deadline())?;

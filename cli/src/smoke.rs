@@ -19,7 +19,7 @@ use overlap_ops::math::pseudo_random as random;
 use overlap_ops::{math, AdamwParams, Backend, CommId, Kernel, Tag};
 use serde::Serialize;
 
-use overlap::cuda::CudaWorld;
+use overlap_dist::cuda::CudaWorld;
 use overlap::Error;
 
 /// What one rank found.

@@ -12,7 +12,7 @@ use overlap_ops::math::pseudo_random as random;
 use overlap_ops::{math, AdamwParams, Backend, Kernel, MuonParams, NsDtype};
 
 use crate::smoke::{buffer, download, rel, tag, Check};
-use overlap::cuda::muon_update_tolerance;
+use overlap_dist::cuda::muon_update_tolerance;
 use overlap::Error;
 
 type Buf = <CudaBackend as Backend>::Buffer;

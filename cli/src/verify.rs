@@ -76,7 +76,7 @@ pub(crate) fn use_cuda(choice: BackendChoice) -> Result<bool, Error> {
 
 #[cfg(feature = "cuda")]
 pub(crate) fn auto_cuda() -> bool {
-    matches!(overlap::dist::RankEnv::from_env(), Ok(Some(_)))
+    matches!(overlap_dist::env::RankEnv::from_env(), Ok(Some(_)))
         && overlap::ops::cuda::check_libraries().is_ok()
 }
 
@@ -92,13 +92,13 @@ pub(crate) async fn verify_cuda(
     seed: u64,
     json: bool,
 ) -> Result<ExitCode, Error> {
-    let env = overlap::cuda::rank_env(cfg.plan.mesh)?;
+    let env = overlap_dist::cuda::rank_env(cfg.plan.mesh)?;
     let mut cfg = cfg.clone();
     cfg.settle_transport(env.one_node());
     let cfg = &cfg;
-    let what = overlap::fingerprint::Fingerprint::of_config(cfg, "verify", "cuda", steps, seed)?;
-    let mut world = overlap::cuda::world(cfg, env, false, what)?;
-    let report = overlap::cuda::verify(cfg, steps, seed, &mut world, |s| {
+    let what = overlap_dist::fingerprint::Fingerprint::of_config(cfg, "verify", "cuda", steps, seed)?;
+    let mut world = overlap_dist::cuda::world(cfg, env, false, what)?;
+    let report = overlap_dist::cuda::verify(cfg, steps, seed, &mut world, |s| {
         if !json {
             eprintln!("verify: step {s}/{steps} done");
         }

@@ -14,7 +14,7 @@ fn root() -> PathBuf {
     Path::new(env!("CARGO_MANIFEST_DIR")).join("..")
 }
 
-/// The launcher variables `overlap::dist::RankEnv` reads: removed, so that the command
+/// The launcher variables `overlap_dist::env::RankEnv` reads: removed, so that the command
 /// sees a job of one process unless a test sets them.
 const LAUNCHER_VARS: &[&str] = &[
     "RANK",

@@ -19,42 +19,10 @@ use std::fmt;
 
 use serde::Serialize;
 
+use crate::DistError;
+
 /// The rendezvous port when a launcher other than torchrun does not set `MASTER_PORT`.
 pub const DEFAULT_MASTER_PORT: u16 = 29500;
-
-/// Errors of the distributed set-up: environment, rendezvous and launch.
-#[derive(Debug, thiserror::Error)]
-pub enum DistError {
-    /// A launcher variable is missing or malformed.
-    #[error("environment variable {var}: {reason}")]
-    Env {
-        /// The variable.
-        var: String,
-        /// What is wrong with it.
-        reason: String,
-    },
-    /// The variables disagree with each other or with the job.
-    #[error("{0}")]
-    Inconsistent(String),
-    /// The TCP rendezvous failed (a rank did not arrive, a peer spoke another protocol).
-    #[error("rendezvous: {0}")]
-    Rendezvous(String),
-    /// Another rank failed; this one stops too.
-    #[error("rank {rank} failed: {reason}")]
-    Peer {
-        /// The rank that failed.
-        rank: u32,
-        /// Its error.
-        reason: String,
-    },
-    /// `overlap launch` could not start or watch its ranks.
-    #[error("launch: {0}")]
-    Launch(String),
-    /// The ranks would run different things (configs, builds): their fingerprints
-    /// differ ([`crate::fingerprint`]). The message names two ranks and the field.
-    #[error("{0}")]
-    Disagree(String),
-}
 
 /// Which launcher's variables described this process.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize)]
@@ -112,14 +80,14 @@ impl RankEnv {
     /// Reads the variables through `get` (the environment, or a map in tests).
     ///
     /// ```
-    /// use overlap::dist::RankEnv;
+    /// use overlap_dist::env::RankEnv;
     ///
     /// let vars = [("RANK", "1"), ("WORLD_SIZE", "2"), ("LOCAL_RANK", "1"),
     ///             ("MASTER_ADDR", "127.0.0.1"), ("MASTER_PORT", "29500")];
     /// let get = |k: &str| vars.iter().find(|(n, _)| *n == k).map(|(_, v)| v.to_string());
     /// let env = RankEnv::from_vars(get)?.expect("torchrun variables are set");
     /// assert_eq!((env.rank, env.world_size, env.local_rank), (1, 2, 1));
-    /// # Ok::<(), overlap::dist::DistError>(())
+    /// # Ok::<(), overlap_dist::DistError>(())
     /// ```
     pub fn from_vars(get: impl Fn(&str) -> Option<String>) -> Result<Option<RankEnv>, DistError> {
         let has = |k: &str| get(k).is_some();

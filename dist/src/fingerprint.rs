@@ -18,8 +18,8 @@
 use serde_json::Value;
 use sha2::{Digest, Sha256};
 
-use crate::config::Config;
-use crate::Error;
+use overlap::config::Config;
+use overlap::Error;
 
 /// Longest value shown in a disagreement message.
 const SHOWN: usize = 160;
@@ -229,7 +229,7 @@ mod tests {
     use super::*;
 
     fn config(extra: &str) -> Config {
-        let base = include_str!("../examples/hsdp_2x2.toml");
+        let base = include_str!("../../examples/hsdp_2x2.toml");
         Config::from_toml(&format!("{base}\n{extra}"), "hsdp_2x2.toml").unwrap()
     }
 

@@ -38,8 +38,9 @@ use std::time::{Duration, Instant};
 use hmac::{Hmac, Mac};
 use sha2::Sha256;
 
-use crate::dist::{DistError, RankEnv};
+use crate::env::RankEnv;
 use crate::fingerprint::Fingerprint;
+use crate::DistError;
 use overlap_executor::{PeerAbort, PeerFailure};
 
 type HmacSha256 = Hmac<Sha256>;
@@ -1359,7 +1360,7 @@ mod tests {
             local_world_size: None,
             master_addr: "127.0.0.1".into(),
             master_port: 29500,
-            launcher: crate::dist::Launcher::Torchrun,
+            launcher: crate::env::Launcher::Torchrun,
         };
         // Whether or not another test set the variable, one rank always has a secret.
         assert!(JobSecret::for_job(&env).is_ok());

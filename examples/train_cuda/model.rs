@@ -6,7 +6,7 @@
 //! overlap launch --nproc-per-node 1 -- target/release/examples/train --backend cuda --mesh 1x1 --json
 //! ```
 //!
-//! Each process opens its rank's GPU through `overlap::cuda::open` (the rendezvous, the
+//! Each process opens its rank's GPU through `overlap_dist::cuda::open` (the rendezvous, the
 //! NCCL communicators) and a [`Session`] over the CUDA backend. Its model is the CPU
 //! model's, run on the device: the affine maps are cuBLAS SGEMMs, the rest a few NVRTC
 //! kernels (`kernels.cu`), all on a stream of the trainer's own, in the device's primary
@@ -32,8 +32,8 @@ use std::process::ExitCode;
 use std::sync::Arc;
 use std::time::Instant;
 
-use overlap::cuda::{open, rank_env, Links};
-use overlap::fingerprint::Fingerprint;
+use overlap_dist::cuda::{open, rank_env, Links};
+use overlap_dist::fingerprint::Fingerprint;
 use overlap::ops::cuda::cudarc::cublas::{result as cublas, sys as cublas_sys, CudaBlas};
 use overlap::ops::cuda::cudarc::driver::{
     sys as cu_sys, CudaContext, CudaFunction, CudaSlice, CudaStream, DevicePtr, LaunchConfig,

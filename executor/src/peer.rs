@@ -1,7 +1,7 @@
 //! Stopping a rank because another rank of its job failed.
 //!
 //! A multi-process job learns of a failure on another rank through its rendezvous
-//! connection (`overlap::rendezvous`), on a thread of its own; [`PeerAbort::trigger`]
+//! connection (`overlap_dist::rendezvous`), on a thread of its own; [`PeerAbort::trigger`]
 //! hands it to the executor, whose host waits (the end-of-step drain, the Stage-1
 //! backpressure) end at once with [`ExecError::PeerFailed`](crate::ExecError::PeerFailed)
 //! instead of waiting for collectives whose peer will never come. The executor then aborts

@@ -682,7 +682,7 @@ pub async fn run_cuda(
     command: String,
 ) -> Result<Option<Measurements>, Error> {
     use overlap_graph::{Bindings, Transport};
-    let env = overlap::dist::RankEnv::from_env()?.unwrap_or_else(overlap::dist::RankEnv::single);
+    let env = overlap_dist::env::RankEnv::from_env()?.unwrap_or_else(overlap_dist::env::RankEnv::single);
     let sweep = Sweep::gpu(env.world_size, mib, warmup, iters)?;
     let mesh = sweep.bench.mesh;
     // A ring on the copy stream for the exchanges; no receive stays in place (the
@@ -692,9 +692,9 @@ pub async fn run_cuda(
         ..sweep.bench
     }
     .spec(Bindings::default());
-    let links = overlap::cuda::Links {
+    let links = overlap_dist::cuda::Links {
         copy: (sweep.world >= 2).then(|| {
-            overlap::cuda::copy_setup(
+            overlap_dist::cuda::copy_setup(
                 &[&copy_spec],
                 sweep.slot_bytes as usize,
                 overlap_ops::cuda::DEFAULT_COPY_RING_DEPTH,

@@ -113,7 +113,7 @@ pub(crate) async fn run(args: &CalibrateArgs) -> Result<ExitCode, Error> {
         )),
         None => None,
     };
-    let env = overlap::dist::RankEnv::from_env()?.unwrap_or_else(overlap::dist::RankEnv::single);
+    let env = overlap_dist::env::RankEnv::from_env()?.unwrap_or_else(overlap_dist::env::RankEnv::single);
     model::check_job(env.world_size, env.local_world_size, base.is_some())?;
     let command = std::iter::once("overlap".to_string())
         .chain(std::env::args().skip(1))

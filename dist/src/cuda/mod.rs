@@ -23,12 +23,13 @@ use overlap_graph::Mesh;
 use overlap_ops::cuda::{self as ops_cuda, CudaBackend, CudaOptions, NcclUniqueId};
 use overlap_ops::CommId;
 
-use crate::config::Config;
-use crate::dist::{DistError, RankEnv};
+use overlap::config::Config;
+use overlap::Error;
+
+use crate::env::RankEnv;
 use crate::fingerprint::Fingerprint;
 use crate::rendezvous::Rendezvous;
-use crate::session::{exec_config, Session};
-use crate::Error;
+use crate::DistError;
 
 pub use verify::{muon_update_tolerance, verify};
 
@@ -387,17 +388,6 @@ fn decode(payload: &[u8], n: usize) -> Result<Vec<NcclUniqueId>, Error> {
     }
 }
 
-impl Session<CudaBackend> {
-    /// A session on this rank's GPU, parameters initialised from the config's seed
-    /// exactly as [`Session::cpu`] does (each rank keeps its piece).
-    pub fn cuda(config: &Config, backend: Arc<CudaBackend>) -> Result<Self, Error> {
-        let mut s = Session::new(config.plan.clone(), backend, exec_config(config)?)?;
-        let seed = config.run.seed;
-        s.init_params(|i, p| crate::synthetic::init(seed, i, p.spec.numel() as usize))?;
-        Ok(s)
-    }
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -536,7 +526,7 @@ mod tests {
 
     #[test]
     fn the_configs_ring_bounds_are_the_backends() {
-        let c = crate::config::OverlapConfig::default();
+        let c = overlap::config::OverlapConfig::default();
         assert_eq!(
             c.copy_ring_depth as usize,
             ops_cuda::DEFAULT_COPY_RING_DEPTH
@@ -546,7 +536,7 @@ mod tests {
             ops_cuda::DEFAULT_COPY_SLOT_BYTES
         );
         assert_eq!(
-            crate::config::MAX_COPY_RING_DEPTH as usize,
+            overlap::config::MAX_COPY_RING_DEPTH as usize,
             ops_cuda::MAX_COPY_RING_DEPTH
         );
     }

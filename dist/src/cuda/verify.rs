@@ -5,14 +5,14 @@
 //! schedule on the CPU backend (all ranks as threads: the reference implementation,
 //! [`Session::cpu`]), from the same seeded parameters and gradients. After every step it
 //! compares the reduced gradient of each piece it holds with
-//! [`crate::verify::reference_grad`] (f64); after the last step, its parameters with the
+//! [`overlap::verify::reference_grad`] (f64); after the last step, its parameters with the
 //! CPU session's (`param_rel_err`), and each optimizer's accumulated update
 //! (`p_last - p_0`) with the CPU one (`update_rel_err`, per optimizer). Rank 0 gathers
 //! every rank's figures over the rendezvous and builds one [`VerifyReport`].
 //!
 //! With `[clip]` the GPU's global norm is also compared, step by step, with the exact
 //! reference's and with the CPU session's, and the gradient comparison uses the
-//! reference scaled by its clip factor ([`crate::verify::NormCheck`]); a step skipped as
+//! reference scaled by its clip factor ([`overlap::verify::NormCheck`]); a step skipped as
 //! non-finite (an `OVERLAP_FAULT` NaN) must be skipped by both, and its gradients are not
 //! compared.
 //!
@@ -35,20 +35,21 @@ use overlap_ops::NsDtype;
 use serde::{Deserialize, Serialize};
 
 use super::{CudaWorld, GATHER_TIMEOUT};
-use crate::config::{BackendChoice, Config};
-use crate::dist::DistError;
-use crate::drive::{synthetic_step, synthetic_step_with};
-use crate::session::Session;
-use crate::verify::{
+use overlap::config::{BackendChoice, Config};
+use overlap::drive::{synthetic_step, synthetic_step_with};
+use overlap::session::Session;
+use overlap::verify::{
     clipped, current_params, full_rel_err, reference_grad, rel_err, NormCheck, NormFigures,
     StepCheck, VerifyReport,
 };
-use crate::{synthetic, Error};
+use overlap::{synthetic, Error};
+
+use crate::DistError;
 
 /// Tolerances on the GPU: (gradients, parameters, updates per optimizer; `None`: not
 /// judged), for a reduction in `dtype` and Newton–Schulz no finer than `ns`.
 pub fn tolerances(dtype: DType, ns: NsDtype) -> (f64, f64, Option<[(&'static str, f64); 2]>) {
-    let (grad, param) = crate::verify::tolerances(dtype);
+    let (grad, param) = overlap::verify::tolerances(dtype);
     let muon = muon_update_tolerance(ns);
     let param = if ns == NsDtype::F32 {
         param
