@@ -217,23 +217,66 @@ pub async fn measure<B: Backend>(
         return Err(Error::Backend("the backend drives no rank".into()));
     }
     b.set_timings(true);
-    let (warmup, iters) = (sweep.warmup, sweep.iters);
-    let n = sweep.world;
+    let (gemm, host_us_per_node) = bench_gemms(backend.clone(), sweep, say).await?;
+    let combine = combine_pieces(b, sweep, hooks, say).await?;
+    let (elementwise, local_copy) = copy_sweeps(b, sweep, hooks, say).await?;
+    let muon = muon_alone(b, sweep, say).await?;
+    let event_gap = event_gap(b, sweep.event_elems, sweep.warmup, sweep.iters).await?;
+    say(format!(
+        "event wait across streams: {:.2} µs between kernels, {:.2} µs on one stream",
+        event_gap.0 * 1e6,
+        event_gap.1 * 1e6
+    ));
+    let (combine_beside, local_copy_beside) = beside_gemms(b, sweep, hooks, say).await?;
+    let cross = if sweep.world >= 2 {
+        Some(cross_gpu(b, sweep, say).await?)
+    } else {
+        None
+    };
+    Ok(Measurements {
+        env,
+        gemm,
+        host_us_per_node,
+        combine,
+        elementwise,
+        local_copy,
+        muon,
+        event_gap,
+        combine_beside,
+        local_copy_beside,
+        cross,
+    })
+}
 
-    // The GEMMs alone and the host's cost per node: `overlap bench` on the job's mesh.
+/// The GEMMs alone and the host's cost per node: `overlap bench` on the job's mesh;
+/// returns [`Measurements::gemm`] and the host's µs per node.
+async fn bench_gemms<B: Backend>(
+    backend: Arc<B>,
+    sweep: &Sweep,
+    say: &dyn Fn(String),
+) -> Result<((u32, u32, u32, f64), f64), Error> {
     let a = &sweep.bench;
     say(format!(
         "bench on mesh {} ({} layers of {} GEMMs of {}³, {} MiB gradients)...",
         a.mesh, a.layers, a.gemms, a.d, a.grad_mib
     ));
-    let r = bench::run(backend.clone(), a).await?;
+    let r = bench::run(backend, a).await?;
     say(format!(
         "bench: compute_only {:.3} ms, host {:.2} µs per node",
         r.figures.compute_only_ms, r.host_us_per_node
     ));
     let gemm = (a.layers, a.gemms, a.d, r.figures.compute_only_ms / 1e3);
+    Ok((gemm, r.host_us_per_node))
+}
 
-    // A kernel's fixed cost and the combine's rate: the combine in pieces.
+/// A kernel's fixed cost and the combine's rate: the combine in pieces; returns
+/// [`Measurements::combine`].
+async fn combine_pieces<B: Backend>(
+    b: &B,
+    sweep: &Sweep,
+    hooks: &Hooks<'_, B>,
+    say: &dyn Fn(String),
+) -> Result<(f64, Vec<(u32, f64)>), Error> {
     let ia = sweep.interference;
     let first = b.local_ranks()[0];
     let combine_bytes = 3.0 * f64::from(ia.grad_mib) * f64::from(1u32 << 20) / 2.0;
@@ -255,8 +298,18 @@ pub async fn measure<B: Backend>(
         ));
         pieces.push((p, per));
     }
+    Ok((combine_bytes, pieces))
+}
 
-    // The executor's copy kernel and the copy engines within the GPU.
+/// The executor's copy kernel and the copy engines within the GPU, per size of the
+/// sweep; returns [`Measurements::elementwise`] and [`Measurements::local_copy`].
+async fn copy_sweeps<B: Backend>(
+    b: &B,
+    sweep: &Sweep,
+    hooks: &Hooks<'_, B>,
+    say: &dyn Fn(String),
+) -> Result<(Vec<Sample>, Vec<Sample>), Error> {
+    let (warmup, iters) = (sweep.warmup, sweep.iters);
     let mut elementwise = Vec::new();
     let mut local_copy = Vec::new();
     for &size in &sweep.sizes {
@@ -304,8 +357,15 @@ pub async fn measure<B: Backend>(
             seconds: s,
         });
     }
+    Ok((elementwise, local_copy))
+}
 
-    // Muon alone.
+/// Muon alone on the sweep's matrix; returns [`Measurements::muon`].
+async fn muon_alone<B: Backend>(
+    b: &B,
+    sweep: &Sweep,
+    say: &dyn Fn(String),
+) -> Result<(u64, u64, f64), Error> {
     let (rows, cols) = sweep.muon;
     let numel = rows * cols;
     let bufs = alloc_all(b, |_| vec![Some(numel); 3])?;
@@ -319,31 +379,40 @@ pub async fn measure<B: Backend>(
                 .map_err(|e| Error::Backend(e.to_string()))?;
         }
     }
-    let t = repeat_timed(b, Stream::Compute, "muon", warmup, iters, |r, t| {
-        let v = of::<B>(&bufs, r)?;
-        let kernel = Kernel::Muon {
-            param: buf::<B>(v, 0)?,
-            grad: buf::<B>(v, 1)?,
-            momentum: buf::<B>(v, 2)?,
-            rows,
-            cols,
-            hp: MuonParams::default(),
-        };
-        launch(b, r, Stream::Compute, t, kernel)
-    })
+    let t = repeat_timed(
+        b,
+        Stream::Compute,
+        "muon",
+        sweep.warmup,
+        sweep.iters,
+        |r, t| {
+            let v = of::<B>(&bufs, r)?;
+            let kernel = Kernel::Muon {
+                param: buf::<B>(v, 0)?,
+                grad: buf::<B>(v, 1)?,
+                momentum: buf::<B>(v, 2)?,
+                rows,
+                cols,
+                hp: MuonParams::default(),
+            };
+            launch(b, r, Stream::Compute, t, kernel)
+        },
+    )
     .await?;
     drop(bufs);
     let muon_s = mean(&t, "Muon")?;
     say(format!("Muon on {rows}×{cols}: {:.3} ms", muon_s * 1e3));
+    Ok((rows as u64, cols as u64, muon_s))
+}
 
-    let event_gap = event_gap(b, sweep.event_elems, warmup, iters).await?;
-    say(format!(
-        "event wait across streams: {:.2} µs between kernels, {:.2} µs on one stream",
-        event_gap.0 * 1e6,
-        event_gap.1 * 1e6
-    ));
-
-    // Beside the GEMMs: the combine, a copy within the GPU.
+/// Beside the GEMMs: the combine, a copy within the GPU; returns
+/// [`Measurements::combine_beside`] and [`Measurements::local_copy_beside`].
+async fn beside_gemms<B: Backend>(
+    b: &B,
+    sweep: &Sweep,
+    hooks: &Hooks<'_, B>,
+    say: &dyn Fn(String),
+) -> Result<(BesideProbe, BesideProbe), Error> {
     let chunk = (sweep.beside_bytes / 8) as usize;
     let ops = sweep.beside.ops as usize;
     let bufs = alloc_all(b, |_| vec![Some(chunk); 3 * ops])?;
@@ -381,26 +450,7 @@ pub async fn measure<B: Backend>(
     .await?;
     drop(bufs);
     say(beside_line(&what, &times));
-    let local_copy_beside = BesideProbe { what, times };
-
-    let cross = if n >= 2 {
-        Some(cross_gpu(b, sweep, say).await?)
-    } else {
-        None
-    };
-    Ok(Measurements {
-        env,
-        gemm,
-        host_us_per_node: r.host_us_per_node,
-        combine: (combine_bytes, pieces),
-        elementwise,
-        local_copy,
-        muon: (rows as u64, cols as u64, muon_s),
-        event_gap,
-        combine_beside,
-        local_copy_beside,
-        cross,
-    })
+    Ok((combine_beside, BesideProbe { what, times }))
 }
 
 fn beside_line(what: &str, t: &interference::BesideTimes) -> String {
