@@ -164,6 +164,19 @@ pub async fn run<B: Backend>(
     streaming: impl Fn(bool),
     engine_copy: impl Fn(Stream, Tag, &B::Buffer, &B::Buffer) -> Result<(), Error>,
 ) -> Result<InterferenceReport, Error> {
+    let chunk = checked_chunk(args)?;
+    let rank = *backend
+        .local_ranks()
+        .first()
+        .ok_or_else(|| Error::Backend("the backend drives no rank".into()))?;
+    let probe = Probe::new(backend, rank, args, chunk, engine_copy)?;
+    let sums = probe.time_variants(&streaming).await?;
+    Ok(report(backend.name(), args, &sums))
+}
+
+/// The elements of a layer's group-of-two chunk (half the gradient), once the sizes are
+/// checked.
+fn checked_chunk(args: &InterferenceArgs) -> Result<u64, Error> {
     let chunk = u64::from(args.grad_mib) << 17;
     if args.layers == 0
         || args.iters == 0
@@ -176,39 +189,83 @@ pub async fn run<B: Backend>(
             "--layers and --iters at least 1, --grad-mib between 1 and 4096, --pieces dividing the chunk".into(),
         ));
     }
-    let rank = *backend
-        .local_ranks()
-        .first()
-        .ok_or_else(|| Error::Backend("the backend drives no rank".into()))?;
-    let ops = |e: overlap_ops::OpsError| Error::Backend(e.to_string());
-    // Per layer and piece: a group of two's chunk (half the gradient) in `pieces`.
-    let n = (chunk / u64::from(args.pieces)) as usize;
-    let mut bufs = Vec::new();
-    for _ in 0..args.layers * args.pieces {
-        let mut layer_bufs = Vec::new();
-        // own, received, combined, and where the copy variants copy own to.
-        for _ in 0..4 {
-            layer_bufs.push(backend.alloc(rank, n).map_err(ops)?);
+    Ok(chunk)
+}
+
+/// A backend's error as the probe's.
+fn backend_error(e: overlap_ops::OpsError) -> Error {
+    Error::Backend(e.to_string())
+}
+
+/// The probe's buffers and kernels on one rank.
+struct Probe<'a, B: Backend, C> {
+    backend: &'a B,
+    rank: u32,
+    args: &'a InterferenceArgs,
+    /// Per layer and piece: own, received, combined, and where the copy variants copy
+    /// own to.
+    bufs: Vec<Vec<B::Buffer>>,
+    /// A piece's combine.
+    desc: Collective,
+    engine_copy: C,
+}
+
+impl<'a, B, C> Probe<'a, B, C>
+where
+    B: Backend,
+    C: Fn(Stream, Tag, &B::Buffer, &B::Buffer) -> Result<(), Error>,
+{
+    /// Allocates every layer's buffers: a group of two's chunk of `chunk` elements in
+    /// `pieces`.
+    fn new(
+        backend: &'a B,
+        rank: u32,
+        args: &'a InterferenceArgs,
+        chunk: u64,
+        engine_copy: C,
+    ) -> Result<Self, Error> {
+        let n = (chunk / u64::from(args.pieces)) as usize;
+        let mut bufs = Vec::new();
+        for _ in 0..args.layers * args.pieces {
+            let mut layer_bufs = Vec::new();
+            for _ in 0..4 {
+                layer_bufs.push(backend.alloc(rank, n).map_err(backend_error)?);
+            }
+            bufs.push(layer_bufs);
         }
-        bufs.push(layer_bufs);
+        let desc = Collective {
+            kind: CollectiveKind::Reduce,
+            group: Group::Shard { replicate: 0 },
+            count: n as u64,
+            dtype: DType::F32,
+            op: ReduceOp::Avg,
+            root: Some(0),
+        };
+        Ok(Probe {
+            backend,
+            rank,
+            args,
+            bufs,
+            desc,
+            engine_copy,
+        })
     }
-    let desc = Collective {
-        kind: CollectiveKind::Reduce,
-        group: Group::Shard { replicate: 0 },
-        count: n as u64,
-        dtype: DType::F32,
-        op: ReduceOp::Avg,
-        root: Some(0),
-    };
-    let combine = |stream: Stream, l: u32| {
-        for p in 0..args.pieces {
-            let b = &bufs[(l * args.pieces + p) as usize];
-            backend.launch(
-                rank,
+
+    /// Layer `l`'s buffers of piece `p`.
+    fn piece(&self, l: u32, p: u32) -> &[B::Buffer] {
+        &self.bufs[(l * self.args.pieces + p) as usize]
+    }
+
+    /// Launches layer `l`'s combine, in its pieces, on `stream`.
+    fn combine(&self, stream: Stream, l: u32) {
+        for p in 0..self.args.pieces {
+            let b = self.piece(l, p);
+            self.backend.launch(
+                self.rank,
                 stream,
                 tag(l, "combine"),
                 Kernel::Combine {
-                    desc,
+                    desc: self.desc,
                     size: 2,
                     index: 0,
                     own: b[0].clone(),
@@ -218,113 +275,155 @@ pub async fn run<B: Backend>(
                 },
             );
         }
-    };
-    // The copy engines' share of an exchange: the layer's own chunk copied, on `copy`.
-    let copy = |l: u32| -> Result<(), Error> {
-        for p in 0..args.pieces {
-            let b = &bufs[(l * args.pieces + p) as usize];
-            engine_copy(Stream::Copy, tag(l, "exchange"), &b[3], &b[0])?;
+    }
+
+    /// The copy engines' share of an exchange: the layer's own chunk copied, on `copy`.
+    fn copy(&self, l: u32) -> Result<(), Error> {
+        for p in 0..self.args.pieces {
+            let b = self.piece(l, p);
+            (self.engine_copy)(Stream::Copy, tag(l, "exchange"), &b[3], &b[0])?;
         }
         Ok(())
-    };
-    let gemm = |l: u32| {
-        backend.launch(
-            rank,
+    }
+
+    /// Launches layer `l`'s GEMMs on the compute stream.
+    fn gemm(&self, l: u32) {
+        let d = self.args.d;
+        self.backend.launch(
+            self.rank,
             Stream::Compute,
             tag(l, "grad_ready"),
             Kernel::Gemm {
-                m: args.d,
-                n: args.d,
-                k: args.d,
-                count: args.gemms,
+                m: d,
+                n: d,
+                k: d,
+                count: self.args.gemms,
             },
         )
-    };
-    // Layer `l`'s combine and/or copy once `ready` (its GEMMs) has run.
-    let behind =
-        |variant: Variant, beside: Stream, ready: &B::Event, l: u32| -> Result<(), Error> {
-            if variant != Variant::CopyBeside {
-                backend.wait(rank, beside, ready);
-            }
-            if matches!(
-                variant,
-                Variant::CopyBeside | Variant::BothBeside | Variant::CopyThenCombine
-            ) {
-                backend.wait(rank, Stream::Copy, ready);
-                copy(l)?;
-                if variant == Variant::CopyThenCombine {
-                    let copied = backend.event(rank);
-                    backend.record(rank, Stream::Copy, &copied);
-                    backend.wait(rank, beside, &copied);
-                }
-            }
-            if variant != Variant::CopyBeside {
-                combine(beside, l);
-            }
-            Ok(())
-        };
-    let mut sums = [0.0f64; VARIANTS.len()];
-    backend.set_timings(true);
-    for i in 0..args.warmup + args.iters {
-        for (v, &variant) in VARIANTS.iter().enumerate() {
-            backend.take_timings();
-            streaming(variant != Variant::BesideNormal);
-            let mut ready = Vec::new();
-            let beside = if variant == Variant::BesideLow {
-                Stream::Publish
-            } else {
-                Stream::Reduce
-            };
-            for l in 0..args.layers {
-                if variant != Variant::Combines {
-                    gemm(l);
-                }
-                match variant {
-                    Variant::Combines => combine(Stream::Reduce, l),
-                    Variant::Serial => combine(Stream::Compute, l),
-                    Variant::Beside
-                    | Variant::BesideNormal
-                    | Variant::BesideLow
-                    | Variant::CopyBeside
-                    | Variant::BothBeside
-                    | Variant::CopyThenCombine => {
-                        let ev = backend.event(rank);
-                        backend.record(rank, Stream::Compute, &ev);
-                        ready.push(ev);
-                        // The previous layer's combine or copy, beside this layer's
-                        // GEMMs.
-                        if l > 0 {
-                            behind(variant, beside, &ready[l as usize - 1], l - 1)?;
-                        }
-                    }
-                    Variant::Gemms => {}
-                }
-            }
-            if let Some(last) = ready.last() {
-                behind(variant, beside, last, args.layers - 1)?;
-            }
-            for s in [
-                Stream::Compute,
-                Stream::Reduce,
-                Stream::Publish,
-                Stream::Copy,
-            ] {
-                let end = backend.event(rank);
-                backend.record(rank, s, &end);
-                backend.host_wait(&end).await.map_err(ops)?;
-            }
-            let timings = backend.take_timings();
-            if let Some((_, _, _, e)) = backend.errors().into_iter().next() {
-                backend.reset();
-                streaming(true);
-                return Err(Error::Backend(e.to_string()));
-            }
-            if i >= args.warmup {
-                sums[v] += span(&timings) * 1e3;
+    }
+
+    /// Layer `l`'s combine and/or copy once `ready` (its GEMMs) has run.
+    fn behind(
+        &self,
+        variant: Variant,
+        beside: Stream,
+        ready: &B::Event,
+        l: u32,
+    ) -> Result<(), Error> {
+        let (backend, rank) = (self.backend, self.rank);
+        if variant != Variant::CopyBeside {
+            backend.wait(rank, beside, ready);
+        }
+        if matches!(
+            variant,
+            Variant::CopyBeside | Variant::BothBeside | Variant::CopyThenCombine
+        ) {
+            backend.wait(rank, Stream::Copy, ready);
+            self.copy(l)?;
+            if variant == Variant::CopyThenCombine {
+                let copied = backend.event(rank);
+                backend.record(rank, Stream::Copy, &copied);
+                backend.wait(rank, beside, &copied);
             }
         }
+        if variant != Variant::CopyBeside {
+            self.combine(beside, l);
+        }
+        Ok(())
     }
-    streaming(true);
+
+    /// Issues one step of `variant`: every layer's GEMMs and its combines or copies.
+    fn issue(&self, variant: Variant) -> Result<(), Error> {
+        let (backend, rank) = (self.backend, self.rank);
+        let mut ready = Vec::new();
+        let beside = if variant == Variant::BesideLow {
+            Stream::Publish
+        } else {
+            Stream::Reduce
+        };
+        for l in 0..self.args.layers {
+            if variant != Variant::Combines {
+                self.gemm(l);
+            }
+            match variant {
+                Variant::Combines => self.combine(Stream::Reduce, l),
+                Variant::Serial => self.combine(Stream::Compute, l),
+                Variant::Beside
+                | Variant::BesideNormal
+                | Variant::BesideLow
+                | Variant::CopyBeside
+                | Variant::BothBeside
+                | Variant::CopyThenCombine => {
+                    let ev = backend.event(rank);
+                    backend.record(rank, Stream::Compute, &ev);
+                    ready.push(ev);
+                    // The previous layer's combine or copy, beside this layer's
+                    // GEMMs.
+                    if l > 0 {
+                        self.behind(variant, beside, &ready[l as usize - 1], l - 1)?;
+                    }
+                }
+                Variant::Gemms => {}
+            }
+        }
+        if let Some(last) = ready.last() {
+            self.behind(variant, beside, last, self.args.layers - 1)?;
+        }
+        Ok(())
+    }
+
+    /// Waits on the host for everything issued on the probe's streams.
+    async fn drain_streams(&self) -> Result<(), Error> {
+        for s in [
+            Stream::Compute,
+            Stream::Reduce,
+            Stream::Publish,
+            Stream::Copy,
+        ] {
+            let end = self.backend.event(self.rank);
+            self.backend.record(self.rank, s, &end);
+            self.backend.host_wait(&end).await.map_err(backend_error)?;
+        }
+        Ok(())
+    }
+
+    /// Runs the variants in turn, step by step; returns, per variant of [`VARIANTS`],
+    /// the sum of the timed steps' spans, ms.
+    async fn time_variants(
+        &self,
+        streaming: &impl Fn(bool),
+    ) -> Result<[f64; VARIANTS.len()], Error> {
+        let backend = self.backend;
+        let mut sums = [0.0f64; VARIANTS.len()];
+        backend.set_timings(true);
+        for i in 0..self.args.warmup + self.args.iters {
+            for (v, &variant) in VARIANTS.iter().enumerate() {
+                backend.take_timings();
+                streaming(variant != Variant::BesideNormal);
+                self.issue(variant)?;
+                self.drain_streams().await?;
+                let timings = backend.take_timings();
+                if let Some((_, _, _, e)) = backend.errors().into_iter().next() {
+                    backend.reset();
+                    streaming(true);
+                    return Err(Error::Backend(e.to_string()));
+                }
+                if i >= self.args.warmup {
+                    sums[v] += span(&timings) * 1e3;
+                }
+            }
+        }
+        streaming(true);
+        Ok(sums)
+    }
+}
+
+/// The report from the sums of [`Probe::time_variants`].
+fn report(
+    backend: &str,
+    args: &InterferenceArgs,
+    sums: &[f64; VARIANTS.len()],
+) -> InterferenceReport {
     let mean = |v: Variant| {
         let i = VARIANTS.iter().position(|&x| x == v).unwrap_or(0);
         sums[i] / f64::from(args.iters)
@@ -332,9 +431,9 @@ pub async fn run<B: Backend>(
     let layers = f64::from(args.layers);
     let (gemms, combines) = (mean(Variant::Gemms), mean(Variant::Combines));
     let (beside, serial) = (mean(Variant::Beside), mean(Variant::Serial));
-    Ok(InterferenceReport {
+    InterferenceReport {
         args: *args,
-        backend: backend.name().into(),
+        backend: backend.into(),
         gemms_ms: gemms,
         combines_ms: combines,
         beside_ms: beside,
@@ -352,7 +451,7 @@ pub async fn run<B: Backend>(
             - gemms
             - combines / layers)
             / layers,
-    })
+    }
 }
 
 /// The GEMM block and the kernels of [`beside`].
@@ -373,44 +472,7 @@ pub struct BesideArgs {
     pub iters: u32,
 }
 
-/// What [`beside`] measured, in seconds, means over the timed rounds.
-#[derive(Debug, Clone, Copy, PartialEq, Default, Serialize)]
-pub struct BesideTimes {
-    /// The GEMM block alone (first start to last end).
-    pub gemms_alone_s: f64,
-    /// The GEMM block with the kernels beside it.
-    pub gemms_beside_s: f64,
-    /// One kernel alone, back to back (the first of each round left out).
-    pub op_alone_s: f64,
-    /// One kernel wholly beside the GEMMs (the first of each round left out).
-    pub op_beside_s: f64,
-    /// Of the kernels' work (their time alone), what ran while the GEMMs ran, per round
-    /// ([`work_beside`]).
-    pub work_beside_s: f64,
-}
-
-impl BesideTimes {
-    /// Seconds the GEMMs lose per second of the kernels' work beside them (at least 0):
-    /// the simulator's `interference.*.gemm_cost`, which slows the backward by that much
-    /// times the kernel's progress rate.
-    pub fn gemm_cost(&self) -> f64 {
-        if self.work_beside_s > 0.0 {
-            ((self.gemms_beside_s - self.gemms_alone_s) / self.work_beside_s).max(0.0)
-        } else {
-            0.0
-        }
-    }
-
-    /// How many times longer a kernel takes beside the GEMMs than alone (at least 1): the
-    /// simulator's `interference.*.stretch`.
-    pub fn stretch(&self) -> f64 {
-        if self.op_alone_s > 0.0 {
-            (self.op_beside_s / self.op_alone_s).max(1.0)
-        } else {
-            1.0
-        }
-    }
-}
+pub use overlap_sim::calibrate::BesideTimes;
 
 /// The work of `ops` (each `(start, end)`, each `each` seconds of work alone) done
 /// within `window`: each kernel's work in proportion to the part of it inside.
