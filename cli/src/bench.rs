@@ -483,109 +483,116 @@ pub async fn run<B: Backend>(backend: Arc<B>, args: &BenchArgs) -> Result<BenchR
         .ok_or_else(|| Error::Backend("the backend drives no rank".into()))?;
     let overlap_plan = bench_plan(args, Bindings::default())?;
     let serial_plan = bench_plan(args, serial_bindings())?;
-    // The gradients: one device buffer per (rank, parameter), handed in by reference.
+    let grads = alloc_grads(&*backend, &ranks, args)?;
+    let mut tally = Tally::default();
+    let plans = [&overlap_plan, &serial_plan];
+    timed_steps(&backend, &ranks, me, args, plans, &grads, &mut tally).await?;
+    untimed_steps(&backend, args, &overlap_plan, &grads, &mut tally).await?;
+    Ok(tally.report(backend.name(), args, &ranks, me, &overlap_plan))
+}
+
+/// Per local rank, its gradient buffers by parameter.
+type Grads<B> = Vec<(u32, Vec<<B as Backend>::Buffer>)>;
+
+/// The gradients: one device buffer per (rank, parameter), handed in by reference.
+fn alloc_grads<B: Backend>(
+    backend: &B,
+    ranks: &[u32],
+    args: &BenchArgs,
+) -> Result<Grads<B>, Error> {
     let n = args.param_elems() as usize;
     let mut grads = Vec::new();
-    for &r in &ranks {
+    for &r in ranks {
         let mut row = Vec::new();
         for _ in 0..args.layers * args.buckets_per_layer.max(1) {
             row.push(backend.alloc(r, n).map_err(ops)?);
         }
         grads.push((r, row));
     }
-    let gemms = Backward::Gemms {
+    Ok(grads)
+}
+
+/// The trainer's backward of the `serial` and `overlap` variants: each layer's GEMMs.
+fn gemms_backward(args: &BenchArgs) -> Backward {
+    Backward::Gemms {
         count: args.gemms,
         d: args.d,
-    };
-    let exec = |backward| ExecConfig {
+    }
+}
+
+/// The executor's settings of every variant, with `backward` as the trainer's.
+fn exec_config(args: &BenchArgs, backward: Backward) -> ExecConfig {
+    ExecConfig {
         backward,
         stage1_window: args.window.max(1) as usize,
         aliasing: !args.no_alias,
         ..ExecConfig::default()
-    };
-    let total = (args.warmup + args.iters) as usize;
-    let mut steps = VariantSteps::default();
+    }
+}
 
-    let mut comm_kernels = (0.0, 0.0, 0usize);
-    let mut host = (0.0, 0usize);
-    let mut comm_host = (0.0, 0usize);
-    // Per variant (overlap, comm_only, comm_only untimed): by kind, (seconds, nodes,
-    // seconds in the backend).
-    let mut by_kind: [std::collections::BTreeMap<String, (f64, usize, f64)>; 3] =
-        Default::default();
-    let mut add_kinds = |i: usize, stats: &StepStats| {
-        for (&(kind, secs, n), &(_, inside)) in
-            stats.issue_by_kind.iter().zip(&stats.launch_by_kind)
-        {
-            let e = by_kind[i].entry(kind.to_string()).or_insert((0.0, 0, 0.0));
-            e.0 += secs;
-            e.1 += n;
-            e.2 += inside;
-        }
-    };
+/// Runs the warm-up and timed steps of every variant and adds the timed ones to
+/// `tally`; `plans` are the overlap and the serial plan, `me` the rank whose spans count.
+async fn timed_steps<B: Backend>(
+    backend: &Arc<B>,
+    ranks: &[u32],
+    me: u32,
+    args: &BenchArgs,
+    plans: [&Validated; 2],
+    grads: &[(u32, Vec<B::Buffer>)],
+    tally: &mut Tally,
+) -> Result<(), Error> {
+    let gemms = gemms_backward(args);
     // The variants take turns, one step each, so that a drift of the GPU's clocks over
     // the run (sustained GEMMs heat it) weighs on every variant alike.
     let variants = [
-        ("comm_only", &overlap_plan, Backward::None),
-        ("serial", &serial_plan, gemms),
-        ("overlap", &overlap_plan, gemms),
+        ("comm_only", plans[0], Backward::None),
+        ("serial", plans[1], gemms),
+        ("overlap", plans[0], gemms),
     ];
     let mut executors: Vec<Executor<B>> = variants
         .iter()
-        .map(|&(_, _, backward)| Executor::new(backend.clone(), exec(backward)))
+        .map(|&(_, _, backward)| Executor::new(backend.clone(), exec_config(args, backward)))
         .collect();
-    let mut last_overlap: Option<StepStats> = None;
-    for i in 0..total {
+    for i in 0..(args.warmup + args.iters) as usize {
         let timed = i >= args.warmup as usize;
         // compute_only: the backward's kernels alone.
-        let t = gemms_only(&*backend, &ranks, args, gemms).await?;
+        let t = gemms_only(&**backend, ranks, args, gemms).await?;
         if timed {
-            steps.compute_only.push(span_of(&t, me) * 1e3);
+            tally.steps.compute_only.push(span_of(&t, me) * 1e3);
         }
         for ((variant, plan, _), ex) in variants.iter().zip(&mut executors) {
-            let stats = plan_step(ex, plan, &grads).await?;
+            let stats = plan_step(ex, plan, grads).await?;
             if !timed {
                 continue;
             }
             let ms = span_of(&stats.timings, me) * 1e3;
             match *variant {
-                "comm_only" => {
-                    steps.comm_only.push(ms);
-                    comm_host.0 += stats.issue_seconds;
-                    comm_host.1 += stats.nodes;
-                    add_kinds(1, &stats);
-                    for t in stats.timings.iter().filter(|t| t.rank == me) {
-                        let d = t.end - t.start;
-                        if t.bytes > 0 && is_wide(plan, t) {
-                            comm_kernels.0 += d;
-                        } else if t.tag.op != "grad_ready" {
-                            comm_kernels.1 += d;
-                        }
-                    }
-                    comm_kernels.2 += 1;
-                }
-                "serial" => steps.serial.push(ms),
-                _ => {
-                    steps.overlap.push(ms);
-                    host.0 += stats.issue_seconds;
-                    host.1 += stats.nodes;
-                    add_kinds(0, &stats);
-                    if args.timeline {
-                        last_overlap = Some(stats);
-                    }
-                }
+                "comm_only" => tally.comm_only(ms, &stats, plan, me),
+                "serial" => tally.steps.serial.push(ms),
+                _ => tally.overlap(ms, stats, args.timeline),
             }
         }
     }
-    drop(executors);
-    // The host cost without timing events (two event records per kernel on the CUDA
-    // backend): the overlap plan again, then comm_only, `iters` steps each, timings off.
+    Ok(())
+}
+
+/// The host cost without timing events (two event records per kernel on the CUDA
+/// backend): the overlap plan again, then comm_only, `iters` steps each, timings off.
+async fn untimed_steps<B: Backend>(
+    backend: &Arc<B>,
+    args: &BenchArgs,
+    overlap_plan: &Validated,
+    grads: &[(u32, Vec<B::Buffer>)],
+    tally: &mut Tally,
+) -> Result<(), Error> {
     backend.set_timings(false);
-    let mut untimed = [(0.0, 0usize); 2];
-    for (v, backward) in [gemms, Backward::None].into_iter().enumerate() {
-        let mut ex = Executor::new(backend.clone(), exec(backward));
+    for (v, backward) in [gemms_backward(args), Backward::None]
+        .into_iter()
+        .enumerate()
+    {
+        let mut ex = Executor::new(backend.clone(), exec_config(args, backward));
         for _ in 0..args.iters {
-            let stats = plan_step(&mut ex, &overlap_plan, &grads).await;
+            let stats = plan_step(&mut ex, overlap_plan, grads).await;
             let stats = match stats {
                 Ok(s) => s,
                 Err(e) => {
@@ -593,60 +600,143 @@ pub async fn run<B: Backend>(backend: Arc<B>, args: &BenchArgs) -> Result<BenchR
                     return Err(e);
                 }
             };
-            untimed[v].0 += stats.issue_seconds;
-            untimed[v].1 += stats.nodes;
+            tally.untimed[v].0 += stats.issue_seconds;
+            tally.untimed[v].1 += stats.nodes;
             if v == 1 {
-                add_kinds(2, &stats);
+                tally.add_kinds(2, &stats);
             }
         }
     }
     backend.set_timings(true);
-    let per_node_of = |(secs, n): (f64, usize)| {
-        if n > 0 {
-            secs * 1e6 / n as f64
-        } else {
-            0.0
+    Ok(())
+}
+
+/// What the bench's steps add up to, before the means of [`BenchReport`].
+#[derive(Default)]
+struct Tally {
+    /// Every variant's per-step spans, ms.
+    steps: VariantSteps,
+    /// `comm_only`'s kernel seconds on the first rank (transfers over groups of two or
+    /// more, the other reduction kernels) and its steps.
+    comm_kernels: (f64, f64, usize),
+    /// The `overlap` variant's host seconds issuing, and its nodes.
+    host: (f64, usize),
+    /// The same of `comm_only`.
+    comm_host: (f64, usize),
+    /// Per variant (overlap, comm_only, comm_only untimed): by kind, (seconds, nodes,
+    /// seconds in the backend).
+    by_kind: [std::collections::BTreeMap<String, (f64, usize, f64)>; 3],
+    /// Host seconds and nodes with timings off: overlap, comm_only.
+    untimed: [(f64, usize); 2],
+    /// The last timed `overlap` step, kept for the timeline.
+    last_overlap: Option<StepStats>,
+}
+
+impl Tally {
+    /// Adds a step's host time by node kind to variant `i`'s of [`Tally::by_kind`].
+    fn add_kinds(&mut self, i: usize, stats: &StepStats) {
+        for (&(kind, secs, n), &(_, inside)) in
+            stats.issue_by_kind.iter().zip(&stats.launch_by_kind)
+        {
+            let e = self.by_kind[i]
+                .entry(kind.to_string())
+                .or_insert((0.0, 0, 0.0));
+            e.0 += secs;
+            e.1 += n;
+            e.2 += inside;
         }
-    };
-    let compute = mean(&steps.compute_only);
-    let comm = mean(&steps.comm_only);
-    let serial = mean(&steps.serial);
-    let overlap = mean(&steps.overlap);
-    let per_layer = |s: f64| s * 1e3 / (comm_kernels.2.max(1) as f64 * f64::from(args.layers));
-    Ok(BenchReport {
-        args: *args,
-        rank: me,
-        backend: backend.name().into(),
-        figures: StepFigures::new(compute, comm, serial, overlap, args.layers),
-        host_us_per_node: if host.1 > 0 {
-            host.0 * 1e6 / host.1 as f64
-        } else {
-            0.0
-        },
-        host_us_per_node_untimed: per_node_of(untimed[0]),
-        host_us_per_node_comm_only_untimed: per_node_of(untimed[1]),
-        host_us_by_kind_comm_only_untimed: per_node(&by_kind[2], |k| k.0),
-        host_us_in_backend_by_kind_comm_only_untimed: per_node(&by_kind[2], |k| k.2),
-        host_us_by_kind: per_node(&by_kind[0], |k| k.0),
-        host_us_by_kind_comm_only: per_node(&by_kind[1], |k| k.0),
-        host_us_in_backend_by_kind: per_node(&by_kind[0], |k| k.2),
-        host_us_in_backend_by_kind_comm_only: per_node(&by_kind[1], |k| k.2),
-        host_us_per_node_comm_only: if comm_host.1 > 0 {
-            comm_host.0 * 1e6 / comm_host.1 as f64
-        } else {
-            0.0
-        },
-        nodes_per_step: host.1 / (args.iters as usize * ranks.len()).max(1),
-        collective_ms_per_layer: per_layer(comm_kernels.0),
-        copies_ms_per_layer: per_layer(comm_kernels.1),
-        steps_ms: steps,
-        timeline_svg: last_overlap
-            .as_ref()
-            .map(|st| timeline_svg(&overlap_plan, me, st)),
-        timeline_json: last_overlap
-            .as_ref()
-            .map(|st| timeline_json(&overlap_plan, me, st)),
-    })
+    }
+
+    /// Adds a timed `comm_only` step of `plan` (span `ms`) with rank `me`'s kernels.
+    fn comm_only(&mut self, ms: f64, stats: &StepStats, plan: &Plan, me: u32) {
+        self.steps.comm_only.push(ms);
+        self.comm_host.0 += stats.issue_seconds;
+        self.comm_host.1 += stats.nodes;
+        self.add_kinds(1, stats);
+        for t in stats.timings.iter().filter(|t| t.rank == me) {
+            let d = t.end - t.start;
+            if t.bytes > 0 && is_wide(plan, t) {
+                self.comm_kernels.0 += d;
+            } else if t.tag.op != "grad_ready" {
+                self.comm_kernels.1 += d;
+            }
+        }
+        self.comm_kernels.2 += 1;
+    }
+
+    /// Adds a timed `overlap` step (span `ms`), kept when a timeline is asked for.
+    fn overlap(&mut self, ms: f64, stats: StepStats, timeline: bool) {
+        self.steps.overlap.push(ms);
+        self.host.0 += stats.issue_seconds;
+        self.host.1 += stats.nodes;
+        self.add_kinds(0, &stats);
+        if timeline {
+            self.last_overlap = Some(stats);
+        }
+    }
+
+    /// The report of rank `me`'s figures (of `ranks`, the local ranks), the timeline
+    /// drawn from `overlap_plan`.
+    fn report(
+        self,
+        backend: &str,
+        args: &BenchArgs,
+        ranks: &[u32],
+        me: u32,
+        overlap_plan: &Plan,
+    ) -> BenchReport {
+        let (host, comm_host, comm_kernels) = (self.host, self.comm_host, self.comm_kernels);
+        let (by_kind, untimed) = (&self.by_kind, self.untimed);
+        let per_node_of = |(secs, n): (f64, usize)| {
+            if n > 0 {
+                secs * 1e6 / n as f64
+            } else {
+                0.0
+            }
+        };
+        let steps = self.steps;
+        let compute = mean(&steps.compute_only);
+        let comm = mean(&steps.comm_only);
+        let serial = mean(&steps.serial);
+        let overlap = mean(&steps.overlap);
+        let per_layer = |s: f64| s * 1e3 / (comm_kernels.2.max(1) as f64 * f64::from(args.layers));
+        BenchReport {
+            args: *args,
+            rank: me,
+            backend: backend.into(),
+            figures: StepFigures::new(compute, comm, serial, overlap, args.layers),
+            host_us_per_node: if host.1 > 0 {
+                host.0 * 1e6 / host.1 as f64
+            } else {
+                0.0
+            },
+            host_us_per_node_untimed: per_node_of(untimed[0]),
+            host_us_per_node_comm_only_untimed: per_node_of(untimed[1]),
+            host_us_by_kind_comm_only_untimed: per_node(&by_kind[2], |k| k.0),
+            host_us_in_backend_by_kind_comm_only_untimed: per_node(&by_kind[2], |k| k.2),
+            host_us_by_kind: per_node(&by_kind[0], |k| k.0),
+            host_us_by_kind_comm_only: per_node(&by_kind[1], |k| k.0),
+            host_us_in_backend_by_kind: per_node(&by_kind[0], |k| k.2),
+            host_us_in_backend_by_kind_comm_only: per_node(&by_kind[1], |k| k.2),
+            host_us_per_node_comm_only: if comm_host.1 > 0 {
+                comm_host.0 * 1e6 / comm_host.1 as f64
+            } else {
+                0.0
+            },
+            nodes_per_step: host.1 / (args.iters as usize * ranks.len()).max(1),
+            collective_ms_per_layer: per_layer(comm_kernels.0),
+            copies_ms_per_layer: per_layer(comm_kernels.1),
+            steps_ms: steps,
+            timeline_svg: self
+                .last_overlap
+                .as_ref()
+                .map(|st| timeline_svg(overlap_plan, me, st)),
+            timeline_json: self
+                .last_overlap
+                .as_ref()
+                .map(|st| timeline_json(overlap_plan, me, st)),
+        }
+    }
 }
 
 /// One bench step as the observe module draws a step of `overlap run` (rank `me`'s
