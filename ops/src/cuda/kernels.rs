@@ -597,6 +597,7 @@ mod tests {
             "ov_mb_norm",
             "ov_mb_init",
             "ov_mb_update",
+            "ov_mb_diag",
         ] {
             assert!(
                 source.contains(&format!("extern \"C\" __global__ void {name}(")),

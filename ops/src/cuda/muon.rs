@@ -13,8 +13,8 @@
 //!
 //! - `A = X·Xᵀ = Yᵀ·Y` (`m × m`): `gemm(T, N, m, m, n, 1, Y, Y, 0, A)`;
 //! - `B = b·A + c·A·A`: `B := A`, then `gemm(N, N, m, m, m, c, A, A, b, B)`;
-//! - `X' = a·X + B·X`, i.e. `Y' = a·Y + Y·Bᵀ`: `Z := Y`, then
-//!   `gemm(N, T, n, m, m, 1, Y, B, a, Z)`, and `Y, Z` swap.
+//! - `X' = a·X + B·X = (B + a·I)·X`: `a` added to `B`'s diagonal, then
+//!   `Y' = Y·(B + a·I)ᵀ`: `gemm(N, T, n, m, m, 1, Y, B, 0, Z)`, and `Y, Z` swap.
 //!
 //! In bf16 the operands and results are bfloat16 and the products accumulate in f32 on
 //! the tensor cores (as `torch.optim.Muon`); in TF32 the f32 operands are rounded to
@@ -365,8 +365,9 @@ pub(super) fn run_batch(
             (b, mi, smm),
             ci,
         )?;
-        // X' = a·X + B·X: Z = a·Y + Y·Bᵀ (wide) or Z = a·X + B·X (tall).
-        copy(z, y, count * m * n * e)?;
+        // X' = a·X + B·X = (B + a·I)·X: Z = Y·B'ᵀ (wide) or Z = B'·X (tall), one
+        // product that reads X once and writes Z without a copy of X first.
+        fns.mb_diag(stream, (b, m as u64, ci as u32), NS_A, bf16)?;
         if tall {
             blas.gemm_batched(
                 dt,
@@ -375,7 +376,7 @@ pub(super) fn run_batch(
                 1.0,
                 (b, mi, smm),
                 (y, mi, smn),
-                NS_A,
+                0.0,
                 (z, mi, smn),
                 ci,
             )?;
@@ -387,7 +388,7 @@ pub(super) fn run_batch(
                 1.0,
                 (y, ni, smn),
                 (b, mi, smm),
-                NS_A,
+                0.0,
                 (z, ni, smn),
                 ci,
             )?;

@@ -176,6 +176,22 @@ extern "C" __global__ void ov_mb_init(const float* u, void* x, u64 numel,
     }
 }
 
+// Matrix y's m x m block of b (float or bf16): every diagonal element plus `shift`
+// (B' = B + a*I, so that Newton-Schulz's a*X + B*X is one product B'*X).
+extern "C" __global__ void ov_mb_diag(void* b, u64 m, float shift, int bf16) {
+    const u64 base = (u64)blockIdx.y * m * m;
+    GRID_STRIDE(i, m) {
+        const u64 at = base + i * m + i;
+        if (bf16) {
+            u16* p = (u16*)b;
+            p[at] = ov_f2bf(__uint_as_float(((u32)p[at]) << 16) + shift);
+        } else {
+            float* p = (float*)b;
+            p[at] = p[at] + shift;
+        }
+    }
+}
+
 // Matrix y: p = p*decay - scale*O, O the working matrix y of x (float or bf16), in the
 // parameter's layout. `guard`: ov_skip.
 extern "C" __global__ void ov_mb_update(const __grid_constant__ MuonMats t, const void* x,

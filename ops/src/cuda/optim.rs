@@ -148,6 +148,7 @@ pub(super) struct OptimFns {
     mb_norm: sys::CUfunction,
     mb_init: sys::CUfunction,
     mb_update: sys::CUfunction,
+    mb_diag: sys::CUfunction,
 }
 
 /// The width of a batched Muon grid for `numel` elements per matrix.
@@ -170,6 +171,7 @@ impl OptimFns {
             mb_norm: get("ov_mb_norm")?,
             mb_init: get("ov_mb_init")?,
             mb_update: get("ov_mb_update")?,
+            mb_diag: get("ov_mb_diag")?,
         })
     }
 
@@ -240,6 +242,24 @@ impl OptimFns {
             .push(i32::from(bf16));
         let grid = (mb_blocks(numel), count);
         Kernels::launch_with("muon", self.mb_init, grid, 256, stream, args)
+    }
+
+    /// Adds `shift` to the diagonal of each of the `count` `m × m` matrices at `b` (f32
+    /// or bf16).
+    pub(super) fn mb_diag(
+        &self,
+        stream: sys::CUstream,
+        (b, m, count): (sys::CUdeviceptr, u64, u32),
+        shift: f32,
+        bf16: bool,
+    ) -> Result<(), OpsError> {
+        let args = Args::default()
+            .push(b)
+            .push(m)
+            .push(shift)
+            .push(i32::from(bf16));
+        let grid = (mb_blocks(m), count);
+        Kernels::launch_with("muon", self.mb_diag, grid, 256, stream, args)
     }
 
     /// Every parameter `p_y = p_y·decay − scale·O_y`, `O_y` the working matrix `y` of
