@@ -25,7 +25,7 @@ use std::path::{Path, PathBuf};
 use std::time::{SystemTime, UNIX_EPOCH};
 
 use overlap_executor::Executor;
-use overlap_graph::{Buffer, Coord, Mesh, ParamId, Planner, Route};
+use overlap_graph::{Buffer, Coord, Mesh, ParamId, ParamSpec, PlacedParam, Planner, Route};
 use overlap_ops::Backend;
 use safetensors::{Dtype, SafeTensors};
 use serde::{Deserialize, Serialize};
@@ -561,83 +561,18 @@ pub(crate) fn read(dir: &Path, planner: &Planner) -> Result<Restored, Error> {
     let ckpt = resolve(dir)?;
     let manifest_path = ckpt.join(MANIFEST);
     let m = read_manifest(&manifest_path)?;
-    // The model's parameters against the checkpoint's, by name.
     let by_name: HashMap<&str, usize> = m
         .params
         .iter()
         .enumerate()
         .map(|(i, p)| (p.name.as_str(), i))
         .collect();
-    let mut of_session = vec![usize::MAX; m.params.len()];
-    for (id, p) in planner.params().iter().enumerate() {
-        let name = &p.spec.name;
-        let Some(&i) = by_name.get(name.as_str()) else {
-            return Err(err(
-                &manifest_path,
-                format!("parameter `{name}` of this model is not in the checkpoint"),
-            ));
-        };
-        let saved = &m.params[i];
-        if saved.shape != p.spec.shape {
-            return Err(err(
-                &manifest_path,
-                format!(
-                    "parameter `{name}` has shape {:?} in the checkpoint, {:?} in this model",
-                    saved.shape, p.spec.shape
-                ),
-            ));
-        }
-        if saved.route != p.spec.route {
-            return Err(err(
-                &manifest_path,
-                format!(
-                    "parameter `{name}` has route {} in the checkpoint, {} in this model: its \
-                     optimizer state does not convert",
-                    saved.route, p.spec.route
-                ),
-            ));
-        }
-        of_session[i] = id;
-    }
-    if let Some(i) = of_session.iter().position(|&id| id == usize::MAX) {
-        return Err(err(
-            &manifest_path,
-            format!(
-                "the checkpoint's parameter `{}` is not in this model",
-                m.params[i].name
-            ),
-        ));
-    }
-    // Full tensors, and which of their elements some file covered.
+    let of_session = session_ids(&manifest_path, &m, &by_name, planner)?;
     let params = planner.params();
-    let mut full: Vec<[Option<Vec<f32>>; 4]> = vec![Default::default(); params.len()];
-    let mut covered: Vec<[Vec<bool>; 4]> = vec![Default::default(); params.len()];
+    let mut asm = Assembly::new(params.len());
     for f in &m.files {
         let path = ckpt.join(&f.file);
-        let bytes = fs::read(&path).map_err(|e| err(&path, format!("cannot be read: {e}")))?;
-        let len = bytes.len() as u64;
-        if len < f.bytes {
-            return Err(err(
-                &path,
-                format!("truncated: {len} bytes, the manifest says {}", f.bytes),
-            ));
-        }
-        if len > f.bytes {
-            return Err(err(
-                &path,
-                format!("{len} bytes, the manifest says {}", f.bytes),
-            ));
-        }
-        let sum = sha256(&bytes);
-        if sum != f.sha256 {
-            return Err(err(
-                &path,
-                format!(
-                    "corrupted: its sha256 is {sum}, the manifest says {}",
-                    f.sha256
-                ),
-            ));
-        }
+        let bytes = read_rank_file(&path, f)?;
         let st = SafeTensors::deserialize(&bytes)
             .map_err(|e| err(&path, format!("not a valid safetensors file: {e}")))?;
         for t in &f.tensors {
@@ -651,95 +586,11 @@ pub(crate) fn read(dir: &Path, planner: &Planner) -> Result<Restored, Error> {
                 ));
             };
             let id = of_session[i];
-            let spec = &params[id].spec;
-            if !t.kind.fits(spec.route) {
-                return Err(err(
-                    &manifest_path,
-                    format!(
-                        "{}'s tensor `{}` holds {} of `{}`, whose route {} has none",
-                        f.file,
-                        t.name,
-                        t.kind.name(),
-                        t.param,
-                        spec.route
-                    ),
-                ));
-            }
-            let numel = spec.numel();
-            if t.start > t.end || t.end > numel {
-                return Err(err(
-                    &manifest_path,
-                    format!(
-                        "{}'s tensor `{}` claims elements {}..{} of `{}`, which has {numel}",
-                        f.file, t.name, t.start, t.end, t.param
-                    ),
-                ));
-            }
-            let view = st
-                .tensor(&t.name)
-                .map_err(|e| err(&path, format!("tensor `{}`: {e}", t.name)))?;
-            let n = (t.end - t.start) as usize;
-            if view.dtype() != Dtype::F32 || view.shape() != [n] {
-                return Err(err(
-                    &path,
-                    format!(
-                        "tensor `{}` is {:?} of shape {:?}; the manifest says F32 of shape [{n}]",
-                        t.name,
-                        view.dtype(),
-                        view.shape()
-                    ),
-                ));
-            }
-            let k = t.kind.index();
-            let dst = full[id][k].get_or_insert_with(|| vec![0.0; numel as usize]);
-            let cov = &mut covered[id][k];
-            if cov.is_empty() {
-                cov.resize(numel as usize, false);
-            }
-            let range = t.start as usize..t.end as usize;
-            for (x, b) in dst[range.clone()]
-                .iter_mut()
-                .zip(view.data().chunks_exact(4))
-            {
-                *x = f32::from_le_bytes([b[0], b[1], b[2], b[3]]);
-            }
-            cov[range].iter_mut().for_each(|c| *c = true);
+            check_tensor_entry(&manifest_path, f, t, &params[id].spec)?;
+            asm.place(&path, &st, t, id, params[id].spec.numel())?;
         }
     }
-    // Every element of every parameter, and of every state present, from some file.
-    for (id, p) in params.iter().enumerate() {
-        for kind in StateKind::ALL {
-            if !kind.fits(p.spec.route) {
-                continue;
-            }
-            let cov = &covered[id][kind.index()];
-            let present = !cov.is_empty();
-            if !present && kind != StateKind::Param {
-                continue;
-            }
-            if let Some(gap) =
-                (0..p.spec.numel() as usize).find(|&e| !cov.get(e).is_some_and(|&c| c))
-            {
-                return Err(err(
-                    &manifest_path,
-                    format!(
-                        "{} of `{}`: element {gap} is in no rank's file (incomplete checkpoint)",
-                        kind.name(),
-                        p.spec.name
-                    ),
-                ));
-            }
-        }
-        if p.spec.route != Route::Muon {
-            let has = |k: StateKind| full[id][k.index()].is_some();
-            if has(StateKind::AdamwM) != has(StateKind::AdamwV) {
-                return Err(err(
-                    &manifest_path,
-                    format!("`{}` has only one of AdamW's two moments", p.spec.name),
-                ));
-            }
-        }
-    }
+    asm.check_complete(&manifest_path, params)?;
     Ok(Restored {
         loaded: Loaded {
             path: ckpt,
@@ -747,8 +598,221 @@ pub(crate) fn read(dir: &Path, planner: &Planner) -> Result<Restored, Error> {
             seed: m.rng.seed,
             saved_mesh: m.mesh,
         },
-        full,
+        full: asm.full,
     })
+}
+
+/// The model's parameters against the checkpoint's, by name (`by_name`: the manifest's
+/// index of each name): per manifest parameter, the session's id; every parameter on
+/// each side must be on the other with the same shape and route.
+fn session_ids(
+    manifest_path: &Path,
+    m: &Manifest,
+    by_name: &HashMap<&str, usize>,
+    planner: &Planner,
+) -> Result<Vec<usize>, Error> {
+    let mut of_session = vec![usize::MAX; m.params.len()];
+    for (id, p) in planner.params().iter().enumerate() {
+        let name = &p.spec.name;
+        let Some(&i) = by_name.get(name.as_str()) else {
+            return Err(err(
+                manifest_path,
+                format!("parameter `{name}` of this model is not in the checkpoint"),
+            ));
+        };
+        let saved = &m.params[i];
+        if saved.shape != p.spec.shape {
+            return Err(err(
+                manifest_path,
+                format!(
+                    "parameter `{name}` has shape {:?} in the checkpoint, {:?} in this model",
+                    saved.shape, p.spec.shape
+                ),
+            ));
+        }
+        if saved.route != p.spec.route {
+            return Err(err(
+                manifest_path,
+                format!(
+                    "parameter `{name}` has route {} in the checkpoint, {} in this model: its \
+                     optimizer state does not convert",
+                    saved.route, p.spec.route
+                ),
+            ));
+        }
+        of_session[i] = id;
+    }
+    if let Some(i) = of_session.iter().position(|&id| id == usize::MAX) {
+        return Err(err(
+            manifest_path,
+            format!(
+                "the checkpoint's parameter `{}` is not in this model",
+                m.params[i].name
+            ),
+        ));
+    }
+    Ok(of_session)
+}
+
+/// A rank's file, read whole and checked against the manifest's size and sha256.
+fn read_rank_file(path: &Path, f: &RankFile) -> Result<Vec<u8>, Error> {
+    let bytes = fs::read(path).map_err(|e| err(path, format!("cannot be read: {e}")))?;
+    let len = bytes.len() as u64;
+    if len < f.bytes {
+        return Err(err(
+            path,
+            format!("truncated: {len} bytes, the manifest says {}", f.bytes),
+        ));
+    }
+    if len > f.bytes {
+        return Err(err(
+            path,
+            format!("{len} bytes, the manifest says {}", f.bytes),
+        ));
+    }
+    let sum = sha256(&bytes);
+    if sum != f.sha256 {
+        return Err(err(
+            path,
+            format!(
+                "corrupted: its sha256 is {sum}, the manifest says {}",
+                f.sha256
+            ),
+        ));
+    }
+    Ok(bytes)
+}
+
+/// Checks that a tensor of rank file `f` holds a state the parameter `spec`'s route has,
+/// within its elements.
+fn check_tensor_entry(
+    manifest_path: &Path,
+    f: &RankFile,
+    t: &TensorEntry,
+    spec: &ParamSpec,
+) -> Result<(), Error> {
+    if !t.kind.fits(spec.route) {
+        return Err(err(
+            manifest_path,
+            format!(
+                "{}'s tensor `{}` holds {} of `{}`, whose route {} has none",
+                f.file,
+                t.name,
+                t.kind.name(),
+                t.param,
+                spec.route
+            ),
+        ));
+    }
+    let numel = spec.numel();
+    if t.start > t.end || t.end > numel {
+        return Err(err(
+            manifest_path,
+            format!(
+                "{}'s tensor `{}` claims elements {}..{} of `{}`, which has {numel}",
+                f.file, t.name, t.start, t.end, t.param
+            ),
+        ));
+    }
+    Ok(())
+}
+
+/// The full tensors being rebuilt from the rank files, per session parameter and
+/// [`StateKind::index`], and which of their elements some file covered.
+struct Assembly {
+    full: Vec<[Option<Vec<f32>>; 4]>,
+    covered: Vec<[Vec<bool>; 4]>,
+}
+
+impl Assembly {
+    /// Nothing yet of `params` parameters.
+    fn new(params: usize) -> Assembly {
+        Assembly {
+            full: vec![Default::default(); params],
+            covered: vec![Default::default(); params],
+        }
+    }
+
+    /// Copies tensor `t` of the safetensors file at `path` into parameter `id` (of
+    /// `numel` elements), after checking its dtype and shape.
+    fn place(
+        &mut self,
+        path: &Path,
+        st: &SafeTensors<'_>,
+        t: &TensorEntry,
+        id: usize,
+        numel: u64,
+    ) -> Result<(), Error> {
+        let view = st
+            .tensor(&t.name)
+            .map_err(|e| err(path, format!("tensor `{}`: {e}", t.name)))?;
+        let n = (t.end - t.start) as usize;
+        if view.dtype() != Dtype::F32 || view.shape() != [n] {
+            return Err(err(
+                path,
+                format!(
+                    "tensor `{}` is {:?} of shape {:?}; the manifest says F32 of shape [{n}]",
+                    t.name,
+                    view.dtype(),
+                    view.shape()
+                ),
+            ));
+        }
+        let k = t.kind.index();
+        let dst = self.full[id][k].get_or_insert_with(|| vec![0.0; numel as usize]);
+        let cov = &mut self.covered[id][k];
+        if cov.is_empty() {
+            cov.resize(numel as usize, false);
+        }
+        let range = t.start as usize..t.end as usize;
+        for (x, b) in dst[range.clone()]
+            .iter_mut()
+            .zip(view.data().chunks_exact(4))
+        {
+            *x = f32::from_le_bytes([b[0], b[1], b[2], b[3]]);
+        }
+        cov[range].iter_mut().for_each(|c| *c = true);
+        Ok(())
+    }
+
+    /// Every element of every parameter, and of every state present, from some file;
+    /// both AdamW moments or neither.
+    fn check_complete(&self, manifest_path: &Path, params: &[PlacedParam]) -> Result<(), Error> {
+        for (id, p) in params.iter().enumerate() {
+            for kind in StateKind::ALL {
+                if !kind.fits(p.spec.route) {
+                    continue;
+                }
+                let cov = &self.covered[id][kind.index()];
+                let present = !cov.is_empty();
+                if !present && kind != StateKind::Param {
+                    continue;
+                }
+                if let Some(gap) =
+                    (0..p.spec.numel() as usize).find(|&e| !cov.get(e).is_some_and(|&c| c))
+                {
+                    return Err(err(
+                        manifest_path,
+                        format!(
+                            "{} of `{}`: element {gap} is in no rank's file (incomplete checkpoint)",
+                            kind.name(),
+                            p.spec.name
+                        ),
+                    ));
+                }
+            }
+            if p.spec.route != Route::Muon {
+                let has = |k: StateKind| self.full[id][k.index()].is_some();
+                if has(StateKind::AdamwM) != has(StateKind::AdamwV) {
+                    return Err(err(
+                        manifest_path,
+                        format!("`{}` has only one of AdamW's two moments", p.spec.name),
+                    ));
+                }
+            }
+        }
+        Ok(())
+    }
 }
 
 /// Hands each local rank its piece of a verified checkpoint under the session's mesh,
