@@ -12,7 +12,7 @@ use std::fmt::Write;
 
 use overlap_graph::{NodeId, Plan, Stream};
 
-use super::{StepAnalysis, COMMUNICATION_STREAMS};
+use super::{RankAnalysis, StepAnalysis, COMMUNICATION_STREAMS};
 use crate::session::StepReport;
 
 const WIDTH: f64 = 1400.0;
@@ -108,9 +108,62 @@ fn tick_label(t: f64, step: f64) -> String {
     }
 }
 
+/// Each node's span per `(rank, node)`: its stream, first start and last end over its
+/// kernels.
+type Spans = HashMap<(u32, NodeId), (Stream, f64, f64)>;
+
+/// Where times and ranks go on the picture.
+struct Frame {
+    /// The step's first start, seconds.
+    t0: f64,
+    /// The step's span, seconds (positive).
+    span: f64,
+    /// The plot's width, right of the lane labels.
+    plot_w: f64,
+    /// One rank's height: its header, lanes and exposed strip.
+    rank_h: f64,
+    /// The picture's height.
+    height: f64,
+}
+
+impl Frame {
+    /// The x coordinate of time `t`.
+    fn x(&self, t: f64) -> f64 {
+        LABEL_W + (t - self.t0) / self.span * self.plot_w
+    }
+
+    /// The width of an interval from `start` to `end`, at least a hairline.
+    fn width(&self, start: f64, end: f64) -> f64 {
+        ((end - start) / self.span * self.plot_w).max(0.8)
+    }
+}
+
 /// Renders one step. Lanes are the local ranks' streams, in rank order.
 pub fn render(report: &StepReport, plan: &Plan, a: &StepAnalysis) -> String {
-    let mut spans: HashMap<(u32, NodeId), (Stream, f64, f64)> = HashMap::new();
+    let spans = node_spans(report);
+    let (t0, t1) = (a.start(), a.end());
+    let rank_h = RANK_HEADER + Stream::COUNT as f64 * (LANE_H + LANE_GAP) + STRIP_H + RANK_GAP;
+    let f = Frame {
+        t0,
+        span: if t1 > t0 { t1 - t0 } else { 1e-6 },
+        plot_w: WIDTH - LABEL_W - RIGHT,
+        rank_h,
+        height: TOP + rank_h * a.ranks.len().max(1) as f64 + 10.0,
+    };
+    let mut s = String::new();
+    title(&mut s, report, plan, a, f.height);
+    legend(&mut s, report);
+    time_axis(&mut s, &f);
+    for (i, r) in a.ranks.iter().enumerate() {
+        rank_lanes(&mut s, plan, r, TOP + i as f64 * f.rank_h, &f, &spans);
+    }
+    s.push_str("</svg>\n");
+    s
+}
+
+/// Each node's span from the report's kernel timings.
+fn node_spans(report: &StepReport) -> Spans {
+    let mut spans = Spans::new();
     for t in &report.stats.timings {
         let e = spans
             .entry((t.rank, t.tag.node))
@@ -118,14 +171,11 @@ pub fn render(report: &StepReport, plan: &Plan, a: &StepAnalysis) -> String {
         e.1 = e.1.min(t.start);
         e.2 = e.2.max(t.end);
     }
-    let (t0, t1) = (a.start(), a.end());
-    let span = if t1 > t0 { t1 - t0 } else { 1e-6 };
-    let plot_w = WIDTH - LABEL_W - RIGHT;
-    let x = |t: f64| LABEL_W + (t - t0) / span * plot_w;
-    let rank_h = RANK_HEADER + Stream::COUNT as f64 * (LANE_H + LANE_GAP) + STRIP_H + RANK_GAP;
-    let height = TOP + rank_h * a.ranks.len().max(1) as f64 + 10.0;
+    spans
+}
 
-    let mut s = String::new();
+/// The SVG element, its background, and the title and summary lines.
+fn title(s: &mut String, report: &StepReport, plan: &Plan, a: &StepAnalysis, height: f64) {
     let _ = writeln!(
         s,
         r#"<svg xmlns="http://www.w3.org/2000/svg" width="{WIDTH}" height="{height}" viewBox="0 0 {WIDTH} {height}" font-family="DejaVu Sans, Helvetica, Arial, sans-serif" font-size="12">"#
@@ -161,8 +211,10 @@ pub fn render(report: &StepReport, plan: &Plan, a: &StepAnalysis) -> String {
         a.ranks.len(),
         a.layers
     );
+}
 
-    // Legend: the kinds present in this step, then exposed communication.
+/// Legend: the kinds present in this step, then exposed communication.
+fn legend(s: &mut String, report: &StepReport) {
     let present: Vec<&str> = report.stats.timings.iter().map(|t| t.tag.op).collect();
     let mut lx = 16.0;
     let ly = 66.0;
@@ -182,97 +234,117 @@ pub fn render(report: &StepReport, plan: &Plan, a: &StepAnalysis) -> String {
         lx + 16.0,
         ly + 10.5
     );
+}
 
-    // Time axis and grid.
-    let step = tick_step(span, 10.0);
+/// Time axis and grid.
+fn time_axis(s: &mut String, f: &Frame) {
+    let step = tick_step(f.span, 10.0);
     let axis_y = TOP - 14.0;
     let _ = writeln!(
         s,
         r##"<line x1="{LABEL_W}" y1="{axis_y}" x2="{}" y2="{axis_y}" stroke="#555"/>"##,
-        LABEL_W + plot_w
+        LABEL_W + f.plot_w
     );
     let mut k = 0.0;
-    while k * step <= span * 1.0001 {
-        let tx = x(t0 + k * step);
+    while k * step <= f.span * 1.0001 {
+        let tx = f.x(f.t0 + k * step);
         let _ = writeln!(
             s,
             r##"<line x1="{tx:.1}" y1="{}" x2="{tx:.1}" y2="{}" stroke="#e3e3e3"/><line x1="{tx:.1}" y1="{}" x2="{tx:.1}" y2="{axis_y}" stroke="#555"/><text x="{tx:.1}" y="{}" text-anchor="middle" fill="#333">{}</text>"##,
             axis_y,
-            height - 10.0,
+            f.height - 10.0,
             axis_y - 4.0,
             axis_y - 7.0,
             tick_label(k * step, step)
         );
         k += 1.0;
     }
+}
 
-    for (i, r) in a.ranks.iter().enumerate() {
-        let header_y = TOP + i as f64 * rank_h;
-        let y0 = header_y + RANK_HEADER;
-        let lane_y = |st: Stream| y0 + st.index() as f64 * (LANE_H + LANE_GAP);
-        let c = plan.mesh.coord(r.rank);
+/// One rank from `header_y` down: its header, a lane per stream, exposed communication
+/// and its nodes' bars.
+fn rank_lanes(
+    s: &mut String,
+    plan: &Plan,
+    r: &RankAnalysis,
+    header_y: f64,
+    f: &Frame,
+    spans: &Spans,
+) {
+    let y0 = header_y + RANK_HEADER;
+    let lane_y = |st: Stream| y0 + st.index() as f64 * (LANE_H + LANE_GAP);
+    let c = plan.mesh.coord(r.rank);
+    let _ = writeln!(
+        s,
+        r#"<text x="12" y="{}" font-weight="bold">rank {} (s={}, r={})</text>"#,
+        header_y + RANK_HEADER - 5.0,
+        r.rank,
+        c.shard,
+        c.replicate
+    );
+    for st in Stream::ALL {
+        let ly = lane_y(st);
         let _ = writeln!(
             s,
-            r#"<text x="12" y="{}" font-weight="bold">rank {} (s={}, r={})</text>"#,
-            header_y + RANK_HEADER - 5.0,
-            r.rank,
-            c.shard,
-            c.replicate
-        );
-        for st in Stream::ALL {
-            let ly = lane_y(st);
-            let _ = writeln!(
-                s,
-                r##"<rect x="{LABEL_W}" y="{ly}" width="{plot_w}" height="{LANE_H}" fill="#f4f4f4"/><text x="{}" y="{}" text-anchor="end" fill="#333">{}</text>"##,
-                LABEL_W - 8.0,
-                ly + LANE_H - 5.0,
-                super::lane_name(plan, r.rank, st)
-            );
-        }
-        // Exposed communication: shaded over the communication lanes, solid on the strip.
-        let comm_top = lane_y(COMMUNICATION_STREAMS[0]);
-        let last = Stream::ALL[Stream::COUNT - 1];
-        let comm_h = lane_y(last) + LANE_H - comm_top;
-        let strip_y = lane_y(last) + LANE_H + LANE_GAP;
-        for &(es, ee) in &r.exposed {
-            let (ex, ew) = (x(es), ((ee - es) / span * plot_w).max(0.8));
-            let _ = writeln!(
-                s,
-                r#"<rect x="{ex:.2}" y="{comm_top}" width="{ew:.2}" height="{comm_h}" fill="{EXPOSED}" fill-opacity="0.16"/><rect x="{ex:.2}" y="{strip_y}" width="{ew:.2}" height="{STRIP_H}" fill="{EXPOSED}"/>"#
-            );
-        }
-        // Nodes.
-        let mut nodes: Vec<(&NodeId, &(Stream, f64, f64))> = spans
-            .iter()
-            .filter(|((rank, _), _)| *rank == r.rank)
-            .map(|((_, n), v)| (n, v))
-            .collect();
-        nodes.sort_by_key(|(n, _)| **n);
-        let rp = plan.ranks.get(r.rank as usize);
-        for (node, &(st, ns, ne)) in nodes {
-            let Some(n) = rp.and_then(|rp| rp.nodes.get(*node as usize)) else {
-                continue;
-            };
-            let (bx, bw) = (x(ns), ((ne - ns) / span * plot_w).max(0.8));
-            let _ = writeln!(
-                s,
-                r##"<rect x="{bx:.2}" y="{:.1}" width="{bw:.2}" height="{}" fill="{}" stroke="#ffffff" stroke-width="0.3"><title>{} · {}</title></rect>"##,
-                lane_y(st) + 1.0,
-                LANE_H - 2.0,
-                colour(n.op.kind()),
-                escape(&plan.label(n)),
-                ms(ne - ns)
-            );
-        }
-        let _ = writeln!(
-            s,
-            r##"<text x="{}" y="{}" text-anchor="end" fill="{EXPOSED}" font-size="10">exposed</text>"##,
+            r##"<rect x="{LABEL_W}" y="{ly}" width="{}" height="{LANE_H}" fill="#f4f4f4"/><text x="{}" y="{}" text-anchor="end" fill="#333">{}</text>"##,
+            f.plot_w,
             LABEL_W - 8.0,
-            strip_y + STRIP_H
+            ly + LANE_H - 5.0,
+            super::lane_name(plan, r.rank, st)
         );
     }
-    s.push_str("</svg>\n");
-    s
+    // Exposed communication: shaded over the communication lanes, solid on the strip.
+    let comm_top = lane_y(COMMUNICATION_STREAMS[0]);
+    let last = Stream::ALL[Stream::COUNT - 1];
+    let comm_h = lane_y(last) + LANE_H - comm_top;
+    let strip_y = lane_y(last) + LANE_H + LANE_GAP;
+    for &(es, ee) in &r.exposed {
+        let (ex, ew) = (f.x(es), f.width(es, ee));
+        let _ = writeln!(
+            s,
+            r#"<rect x="{ex:.2}" y="{comm_top}" width="{ew:.2}" height="{comm_h}" fill="{EXPOSED}" fill-opacity="0.16"/><rect x="{ex:.2}" y="{strip_y}" width="{ew:.2}" height="{STRIP_H}" fill="{EXPOSED}"/>"#
+        );
+    }
+    node_bars(s, plan, r.rank, f, spans, &lane_y);
+    let _ = writeln!(
+        s,
+        r##"<text x="{}" y="{}" text-anchor="end" fill="{EXPOSED}" font-size="10">exposed</text>"##,
+        LABEL_W - 8.0,
+        strip_y + STRIP_H
+    );
+}
+
+/// Rank `rank`'s nodes as bars on their streams' lanes (at `lane_y`), in node order.
+fn node_bars(
+    s: &mut String,
+    plan: &Plan,
+    rank: u32,
+    f: &Frame,
+    spans: &Spans,
+    lane_y: &dyn Fn(Stream) -> f64,
+) {
+    let mut nodes: Vec<(&NodeId, &(Stream, f64, f64))> = spans
+        .iter()
+        .filter(|((r, _), _)| *r == rank)
+        .map(|((_, n), v)| (n, v))
+        .collect();
+    nodes.sort_by_key(|(n, _)| **n);
+    let rp = plan.ranks.get(rank as usize);
+    for (node, &(st, ns, ne)) in nodes {
+        let Some(n) = rp.and_then(|rp| rp.nodes.get(*node as usize)) else {
+            continue;
+        };
+        let (bx, bw) = (f.x(ns), f.width(ns, ne));
+        let _ = writeln!(
+            s,
+            r##"<rect x="{bx:.2}" y="{:.1}" width="{bw:.2}" height="{}" fill="{}" stroke="#ffffff" stroke-width="0.3"><title>{} · {}</title></rect>"##,
+            lane_y(st) + 1.0,
+            LANE_H - 2.0,
+            colour(n.op.kind()),
+            escape(&plan.label(n)),
+            ms(ne - ns)
+        );
+    }
 }
 
 #[cfg(test)]
