@@ -69,12 +69,10 @@ pub mod config;
 pub mod cuda;
 pub mod drive;
 mod error;
-pub mod hardware;
 pub mod observe;
 pub mod resources;
 pub mod session;
 pub mod synthetic;
-pub mod tune;
 pub mod verify;
 
 pub use checkpoint::Loaded;

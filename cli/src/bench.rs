@@ -457,7 +457,7 @@ pub struct VariantSteps {
 
 /// The device span of a set of kernel timings, seconds (last end − first start).
 pub fn span(timings: &[Timing]) -> f64 {
-    overlap_graph::simulate::span_of(timings.iter().map(|t| (t.start, t.end)))
+    overlap_sim::simulate::span_of(timings.iter().map(|t| (t.start, t.end)))
 }
 
 fn ops(e: overlap_ops::OpsError) -> Error {
@@ -1121,7 +1121,10 @@ pub(crate) fn open_cuda(
 
 /// The fingerprint of a benchmark command and its arguments.
 #[cfg(feature = "cuda")]
-pub(crate) fn bench_fingerprint(command: &str, args: String) -> overlap_dist::fingerprint::Fingerprint {
+pub(crate) fn bench_fingerprint(
+    command: &str,
+    args: String,
+) -> overlap_dist::fingerprint::Fingerprint {
     let mut f = overlap_dist::fingerprint::Fingerprint::build();
     f.push("command", command);
     f.push("bench.args", args);
@@ -1568,8 +1571,8 @@ mod tests {
 mod cuda_tests {
     use super::BenchArgs;
     use overlap::config::Config;
-    use overlap_dist::cuda::{copy_setup, gathering_comms, in_place_comms};
     use overlap::Mesh;
+    use overlap_dist::cuda::{copy_setup, gathering_comms, in_place_comms};
     use overlap_ops::cuda as ops_cuda;
     use overlap_ops::CommId;
 

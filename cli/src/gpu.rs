@@ -14,7 +14,8 @@ use overlap::config::BackendChoice;
 
 /// `overlap env`: the detected rank environment, and optionally a rendezvous.
 pub(crate) fn env(rendezvous: bool) -> Result<ExitCode, Error> {
-    let env = overlap_dist::env::RankEnv::from_env()?.unwrap_or_else(overlap_dist::env::RankEnv::single);
+    let env =
+        overlap_dist::env::RankEnv::from_env()?.unwrap_or_else(overlap_dist::env::RankEnv::single);
     println!(
         "{}",
         serde_json::to_string(&env).map_err(|e| Error::Usage(e.to_string()))?
@@ -70,7 +71,8 @@ pub(crate) async fn cuda_smoke(mib: &str, iters: u32) -> Result<ExitCode, Error>
                 .map_err(|_| Error::Usage(format!("--mib: `{m}` is not a whole number of MiB")))
         })
         .collect::<Result<Vec<_>, _>>()?;
-    let env = overlap_dist::env::RankEnv::from_env()?.unwrap_or_else(overlap_dist::env::RankEnv::single);
+    let env =
+        overlap_dist::env::RankEnv::from_env()?.unwrap_or_else(overlap_dist::env::RankEnv::single);
     let mesh = overlap::Mesh {
         shard: 1,
         replicate: env.world_size,

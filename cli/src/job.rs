@@ -5,8 +5,8 @@
 use std::time::{Duration, Instant};
 
 use overlap::config::Config;
-use overlap_dist::rendezvous::Rendezvous;
 use overlap::{Error, PeerAbort, StepDeadline};
+use overlap_dist::rendezvous::Rendezvous;
 
 /// On the CPU backend every process runs the whole mesh; started as ranks of a job
 /// (`overlap launch`, torchrun, ...), the processes still meet at the rendezvous and

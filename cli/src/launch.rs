@@ -30,8 +30,8 @@ use std::sync::atomic::{AtomicI32, Ordering};
 use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
 
-use overlap_dist::DistError;
 use overlap_dist::rendezvous::{JobSecret, SECRET_ADVICE, SECRET_FILE_VAR, SECRET_VAR};
+use overlap_dist::DistError;
 
 /// The variable that sets how long ranks get to exit after a forwarded signal, in
 /// seconds.

@@ -1,6 +1,6 @@
 //! `overlap simulate`: what `overlap bench` (or a config's step) would measure on the
 //! hardware a profile describes, predicted by the discrete-event simulation of the lowered
-//! plan (`overlap_graph::simulate`, `docs/simulate.md`), with no device.
+//! plan (`overlap_sim::simulate`, `docs/simulate.md`), with no device.
 //!
 //! The bench workload's four variants are simulated as `overlap bench` runs them: the
 //! GEMMs alone (`compute_only`), the plan with markers for the backward (`comm_only`),
@@ -25,7 +25,7 @@ use overlap::config::Config;
 use overlap::observe::StepAnalysis;
 use overlap::session::StepReport;
 use overlap::{Error, Mesh};
-use overlap_graph::simulate::{
+use overlap_sim::simulate::{
     self, Backward, CopyRing, Options, Profile, Simulation, Stage1Window,
 };
 use overlap_graph::{Bindings, Gate, Mode, Plan, Planner, Stream};
@@ -125,7 +125,7 @@ struct Workload {
 
 /// Runs `overlap simulate`.
 pub(crate) fn run(a: &SimulateArgs) -> Result<ExitCode, Error> {
-    let profile = overlap::hardware::from_file(&a.hardware).map_err(usage)?;
+    let profile = overlap_sim::hardware::from_file(&a.hardware).map_err(usage)?;
     let w = match &a.config {
         Some(path) => config_workload(a, path, &profile)?,
         None => bench_workload(&a.bench, &profile)?,

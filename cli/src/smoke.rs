@@ -19,8 +19,8 @@ use overlap_ops::math::pseudo_random as random;
 use overlap_ops::{math, AdamwParams, Backend, CommId, Kernel, Tag};
 use serde::Serialize;
 
-use overlap_dist::cuda::CudaWorld;
 use overlap::Error;
+use overlap_dist::cuda::CudaWorld;
 
 /// What one rank found.
 #[derive(Debug, Clone, Serialize)]

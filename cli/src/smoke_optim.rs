@@ -12,8 +12,8 @@ use overlap_ops::math::pseudo_random as random;
 use overlap_ops::{math, AdamwParams, Backend, Kernel, MuonParams, NsDtype};
 
 use crate::smoke::{buffer, download, rel, tag, Check};
-use overlap_dist::cuda::muon_update_tolerance;
 use overlap::Error;
+use overlap_dist::cuda::muon_update_tolerance;
 
 type Buf = <CudaBackend as Backend>::Buffer;
 

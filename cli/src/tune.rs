@@ -1,4 +1,4 @@
-//! `overlap tune`: the command line of `overlap::tune` (the search: a fixed grid of
+//! `overlap tune`: the command line of `overlap_sim::tune` (the search: a fixed grid of
 //! bucket caps, transports, combine lags, copy rings and stream bindings, each setting
 //! simulated on a hardware profile with a few Stage-1 windows; docs/simulate.md). It
 //! prints the winner as config sections ready to paste, the predicted gain over the
@@ -15,7 +15,7 @@ use std::path::{Path, PathBuf};
 use std::process::ExitCode;
 
 use overlap::config::Config;
-use overlap::tune::{replace_sections, sections, tune, TuneReport};
+use overlap_sim::tune::{replace_sections, sections, tune, TuneReport};
 use overlap::Error;
 use overlap_graph::Gate;
 
@@ -72,7 +72,7 @@ pub(crate) fn run(a: &TuneArgs) -> Result<ExitCode, Error> {
     if a.confirm == Some(0) {
         return Err(usage("--confirm: must be at least 1"));
     }
-    let profile = overlap::hardware::from_file(&a.hardware).map_err(usage)?;
+    let profile = overlap_sim::hardware::from_file(&a.hardware).map_err(usage)?;
     let text = std::fs::read_to_string(&a.config)
         .map_err(|e| usage(format!("--config: cannot read {}: {e}", a.config.display())))?;
     let mut cfg = Config::from_toml(&text, &a.config.display().to_string())?;
@@ -155,7 +155,7 @@ fn confirm(
     for s in r.top.iter().take(n) {
         let setting = s.setting;
         // The GPU run spins for the backward the simulation assumed.
-        let body = overlap::tune::with_backward_us(
+        let body = overlap_sim::tune::with_backward_us(
             &replace_sections(text, &sections(&source, &setting)),
             backward_us,
         );

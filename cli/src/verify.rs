@@ -96,7 +96,8 @@ pub(crate) async fn verify_cuda(
     let mut cfg = cfg.clone();
     cfg.settle_transport(env.one_node());
     let cfg = &cfg;
-    let what = overlap_dist::fingerprint::Fingerprint::of_config(cfg, "verify", "cuda", steps, seed)?;
+    let what =
+        overlap_dist::fingerprint::Fingerprint::of_config(cfg, "verify", "cuda", steps, seed)?;
     let mut world = overlap_dist::cuda::world(cfg, env, false, what)?;
     let report = overlap_dist::cuda::verify(cfg, steps, seed, &mut world, |s| {
         if !json {

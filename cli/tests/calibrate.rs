@@ -2,7 +2,7 @@
 //! command exists, refuses bad arguments naming the flag, refuses a job of one GPU
 //! without `--base` naming what one GPU cannot measure, and otherwise says that it needs
 //! `--features cuda`, writing nothing. (The derivation of a profile from measurements is
-//! unit-tested in `cli/src/calibrate/model/tests.rs`; the measurements themselves run on
+//! unit-tested in `sim/src/calibrate/tests.rs`; the measurements themselves run on
 //! the CPU backend in `cli/src/calibrate/measure.rs`.)
 
 #![cfg(not(feature = "cuda"))]

@@ -32,8 +32,6 @@ use std::process::ExitCode;
 use std::sync::Arc;
 use std::time::Instant;
 
-use overlap_dist::cuda::{open, rank_env, Links};
-use overlap_dist::fingerprint::Fingerprint;
 use overlap::ops::cuda::cudarc::cublas::{result as cublas, sys as cublas_sys, CudaBlas};
 use overlap::ops::cuda::cudarc::driver::{
     sys as cu_sys, CudaContext, CudaFunction, CudaSlice, CudaStream, DevicePtr, LaunchConfig,
@@ -43,6 +41,8 @@ use overlap::ops::cuda::cudarc::nvrtc::{self, CompileOptions};
 use overlap::ops::cuda::{mesh_comms_with_forward, CudaBackend, CudaBuffer, CudaEvent};
 use overlap::ops::Backend;
 use overlap::{ParamId, Session};
+use overlap_dist::cuda::{open, rank_env, Links};
+use overlap_dist::fingerprint::Fingerprint;
 use serde::Serialize;
 
 use super::{

@@ -1234,6 +1234,24 @@ impl<B: Backend> Executor<B> {
     }
 }
 
+/// One piece of transient memory holding a Stage-1 buffer going free in the executor:
+/// what its backpressure waits for ([`stage1_releases`] derives these from the executor's
+/// own release rules).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Stage1Release {
+    /// The bucket whose pack opened the Stage-1 buffer.
+    pub bucket: overlap_graph::BucketId,
+    /// The buffer's micro-batch.
+    pub micro_batch: u32,
+    /// The node whose issue records the release (the memory's last final accessor in
+    /// serial order): a backpressure wait before a later pack waits for it, one before an
+    /// earlier pack does not know of it yet and waits for nothing.
+    pub after: overlap_graph::NodeId,
+    /// The nodes whose completion frees the memory (its final accessors: the last write
+    /// and every read after it).
+    pub nodes: Vec<overlap_graph::NodeId>,
+}
+
 /// Which of a rank's nodes the executor runs as aliases of their input (a marker, no
 /// copy) when it issues `plan` with [`ExecConfig::aliasing`] on: what a cost model of the
 /// plan needs to know (`overlap simulate`; the rules are `prepared.rs`'s).
@@ -1252,11 +1270,7 @@ pub fn aliased_nodes(plan: &Arc<Plan>, rank: u32) -> Vec<bool> {
 /// accessors whose completion frees it. That is what [`ExecConfig::stage1_window`]'s
 /// backpressure waits for before a later pack, as a cost model of the plan needs it
 /// (`overlap simulate`; the rules are `rank.rs`'s `release_after` and `backpressure`).
-pub fn stage1_releases(
-    plan: &Arc<Plan>,
-    rank: u32,
-    aliasing: bool,
-) -> Vec<overlap_graph::simulate::Stage1Release> {
+pub fn stage1_releases(plan: &Arc<Plan>, rank: u32, aliasing: bool) -> Vec<Stage1Release> {
     let p = Prepared::new(plan.clone(), rank, aliasing);
     // Every final accessor of each piece of memory, in serial order: the executor
     // records a release event after each and waits for all of them.
@@ -1279,7 +1293,7 @@ pub fn stage1_releases(
                 }
             }
             for (bucket, micro_batch) in keys {
-                out.push(overlap_graph::simulate::Stage1Release {
+                out.push(Stage1Release {
                     bucket,
                     micro_batch,
                     after: n as u32,

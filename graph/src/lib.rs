@@ -42,7 +42,6 @@ pub mod owner;
 pub mod param;
 pub mod plan;
 pub mod ring;
-pub mod simulate;
 pub mod spec;
 pub mod validate;
 

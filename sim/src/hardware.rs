@@ -2,7 +2,7 @@
 //! (`hardware/*.toml`, `docs/simulate.md`), parsed into the simulator's typed
 //! [`Profile`].
 //!
-//! Every key of [`overlap_graph::simulate::KEYS`] is a number (the `network.*` keys are
+//! Every key of [`crate::simulate::KEYS`] is a number (the `network.*` keys are
 //! required together, and only in a `[network]` table), `name` a string. An unknown key,
 //! a value of the wrong type or out of its range, a missing key or a TOML syntax error is
 //! refused as a [`HardwareError`] naming the file, the dotted key, its line and column
@@ -14,7 +14,7 @@ use std::fmt;
 use std::ops::Range;
 use std::path::Path;
 
-use overlap_graph::simulate::{Profile, KEYS};
+use crate::simulate::{Profile, KEYS};
 use toml::de::{DeTable, DeValue};
 
 /// Why a hardware profile was refused. Displays as `{file}:{line}:{column}: `{key}`:
@@ -221,7 +221,7 @@ mod tests {
 
     fn shipped(name: &str) -> String {
         let path = Path::new(env!("CARGO_MANIFEST_DIR"))
-            .join("hardware")
+            .join("../hardware")
             .join(name);
         std::fs::read_to_string(path).unwrap()
     }
@@ -244,9 +244,10 @@ mod tests {
 
     #[test]
     fn docs_simulate_md_describes_every_key() {
-        let doc =
-            std::fs::read_to_string(Path::new(env!("CARGO_MANIFEST_DIR")).join("docs/simulate.md"))
-                .unwrap();
+        let doc = std::fs::read_to_string(
+            Path::new(env!("CARGO_MANIFEST_DIR")).join("../docs/simulate.md"),
+        )
+        .unwrap();
         for k in KEYS {
             assert!(
                 doc.contains(&format!("`{}`", k.path)),

@@ -2,7 +2,7 @@
 //! cap_bytes`, `[overlap]` transport, `combine_lag`, `copy_ring_depth`,
 //! `copy_slot_mib`, the `[streams]` bindings) tried on a fixed grid ([`grid`]), each
 //! setting planned and validated once, then simulated on a hardware profile
-//! (`overlap_graph::simulate`, docs/simulate.md) with each `[overlap] stage1_window` of
+//! (`crate::simulate`, docs/simulate.md) with each `[overlap] stage1_window` of
 //! [`windows`] (the window changes how the host issues the plan, not the plan), within
 //! a memory budget; the winner as config sections ready to paste ([`sections`]).
 //!
@@ -14,12 +14,12 @@
 
 use std::sync::Arc;
 
-use overlap_graph::simulate::{self, Backward, CopyRing, Options, Profile, Stage1Window};
+use crate::simulate::{self, Backward, CopyRing, Options, Profile, Stage1Window};
 use overlap_graph::{Bindings, Gate, Mode, Op, Plan, Planner, Stream, Transport};
 use serde::Serialize;
 
-use crate::config::Config;
-use crate::Error;
+use overlap::config::Config;
+use overlap::Error;
 
 fn usage(e: impl std::fmt::Display) -> Error {
     Error::Usage(e.to_string())
@@ -247,8 +247,8 @@ fn apply(cfg: &Config, s: &Setting) -> Config {
     c.overlap.copy_slot_mib = s.copy_slot_mib;
     c.overlap.stage1_window = s.stage1_window;
     c.overlap.transport = match s.transport {
-        Transport::Nccl => crate::config::TransportChoice::Nccl,
-        Transport::Copy => crate::config::TransportChoice::Copy,
+        Transport::Nccl => overlap::config::TransportChoice::Nccl,
+        Transport::Copy => overlap::config::TransportChoice::Copy,
     };
     c
 }
@@ -261,7 +261,7 @@ fn plan_of(cfg: &Config, gates: &[Gate]) -> Result<Arc<Plan>, Error> {
 }
 
 /// Estimated device memory per rank, bytes: the CPU backend's estimate of parameters,
-/// optimizer state, gradients and partials (`crate::resources::estimate_cpu`) over
+/// optimizer state, gradients and partials (`overlap::resources::estimate_cpu`) over
 /// the ranks, the Stage-1 buffers in flight (`stage1_window` buckets of the largest, at
 /// most as many as a rank packs in the step), and the copy transport's receive rings
 /// (`copy_ring_depth × slot × (n − 1)` per communicator of `n` members, twice that where
@@ -270,7 +270,7 @@ pub fn memory_bytes(cfg: &Config, plan: &Plan) -> u64 {
     let world = u64::from(cfg.plan.mesh.world());
     let base = Planner::new(cfg.plan.clone())
         .map(|p| {
-            let e = crate::resources::estimate_cpu(cfg, &p, 1);
+            let e = overlap::resources::estimate_cpu(cfg, &p, 1);
             (e.params + e.optimizer + e.gradients) / world.max(1)
         })
         .unwrap_or(0);
@@ -290,7 +290,7 @@ pub fn memory_bytes(cfg: &Config, plan: &Plan) -> u64 {
             _ => {}
         }
         if let Some(c) = n.op.collective() {
-            largest_bucket = largest_bucket.max(crate::observe::collective_bytes(plan, c));
+            largest_bucket = largest_bucket.max(overlap::observe::collective_bytes(plan, c));
         }
     }
     let slot = u64::from(cfg.overlap.copy_slot_mib) << 20;

@@ -1,4 +1,4 @@
-//! `overlap calibrate`'s measurements: every figure [`super::model::derive`] needs, taken
+//! `overlap calibrate`'s measurements: every figure [`overlap_sim::calibrate::derive`] needs, taken
 //! on the job's backend ([`measure`]), and on GPUs under `overlap launch` ([`run_cuda`],
 //! the `cuda` feature).
 //!
@@ -22,7 +22,7 @@ use overlap::{Error, Mesh};
 use overlap_graph::{Collective, CollectiveKind, DType, Group, ReduceOp, Stream};
 use overlap_ops::{collective_roles, exchange_roles, Backend, CommId, Kernel, MuonParams, Tag};
 
-use super::model::{
+use overlap_sim::calibrate::{
     size_text, BesideProbe, CollectiveSample, CrossGpu, Environment, ExchangeSample, Measurements,
     Sample, KINDS,
 };
@@ -732,7 +732,8 @@ pub async fn run_cuda(
     command: String,
 ) -> Result<Option<Measurements>, Error> {
     use overlap_graph::{Bindings, Transport};
-    let env = overlap_dist::env::RankEnv::from_env()?.unwrap_or_else(overlap_dist::env::RankEnv::single);
+    let env =
+        overlap_dist::env::RankEnv::from_env()?.unwrap_or_else(overlap_dist::env::RankEnv::single);
     let sweep = Sweep::gpu(env.world_size, mib, warmup, iters)?;
     let mesh = sweep.bench.mesh;
     // A ring on the copy stream for the exchanges; no receive stays in place (the
@@ -771,7 +772,7 @@ pub async fn run_cuda(
         gpu: info.name.clone(),
         driver: info.driver.clone(),
         nccl: info.nccl.clone(),
-        date: super::model::date_utc(now),
+        date: overlap_sim::calibrate::date_utc(now),
         command,
         world: sweep.world,
         warmup,

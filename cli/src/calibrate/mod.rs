@@ -9,11 +9,11 @@
 //!
 //! Invariant: everything that can be refused without a GPU is refused before one is
 //! opened (flags, the base profile, a job of one GPU without a base, a job across
-//! nodes), and the file written parses back through `overlap::hardware` to the very
+//! nodes), and the file written parses back through `overlap_sim::hardware` to the very
 //! figures printed.
 
 pub(crate) mod measure;
-pub(crate) mod model;
+use overlap_sim::calibrate as model;
 
 use std::path::{Path, PathBuf};
 use std::process::ExitCode;
@@ -108,12 +108,13 @@ pub(crate) async fn run(args: &CalibrateArgs) -> Result<ExitCode, Error> {
     let sizes = args.check()?;
     let base = match &args.base {
         Some(path) => Some((
-            overlap::hardware::from_file(path).map_err(|e| Error::Usage(format!("--base: {e}")))?,
+            overlap_sim::hardware::from_file(path).map_err(|e| Error::Usage(format!("--base: {e}")))?,
             path.display().to_string(),
         )),
         None => None,
     };
-    let env = overlap_dist::env::RankEnv::from_env()?.unwrap_or_else(overlap_dist::env::RankEnv::single);
+    let env =
+        overlap_dist::env::RankEnv::from_env()?.unwrap_or_else(overlap_dist::env::RankEnv::single);
     model::check_job(env.world_size, env.local_world_size, base.is_some())?;
     let command = std::iter::once("overlap".to_string())
         .chain(std::env::args().skip(1))
@@ -130,7 +131,7 @@ pub(crate) async fn run(args: &CalibrateArgs) -> Result<ExitCode, Error> {
     let text = model::to_toml(&calibrated);
     let out = args.out.display().to_string();
     // What is written must read back as the figures printed.
-    let back = overlap::hardware::from_toml(&text, &out).map_err(|e| {
+    let back = overlap_sim::hardware::from_toml(&text, &out).map_err(|e| {
         Error::Backend(format!(
             "calibrate: the written profile does not parse: {e}"
         ))

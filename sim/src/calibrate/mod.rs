@@ -4,7 +4,7 @@
 //! Each key of [`KEYS`] is, in the profile this module derives, one of:
 //!
 //! - **measured**: fitted or computed from the measurements, by the cost model's own
-//!   formula inverted (`graph/src/simulate/cost.rs`): collectives as `latency + bus
+//!   formula inverted (`sim/src/simulate/cost.rs`, beside this module): collectives as `latency + bus
 //!   bytes / bus bandwidth` (least squares per kind, then the latencies as `base + ring
 //!   steps · hop`), copy-engine copies as `pieces · piece_us + bytes / rate`, kernels as
 //!   `kernel_us + bytes / rate`, the slowdowns beside the GEMMs as the model applies them;
@@ -18,17 +18,17 @@
 //! Invariants: a [`Calibrated`] profile passes [`Profile::check`]; every figure is
 //! rounded to four significant digits before anything uses it, and [`to_toml`] writes it
 //! in Rust's shortest round-trip form, so the text parses back
-//! (`overlap::hardware::from_toml`) to the same profile bit for bit; every written key
+//! ([`crate::hardware::from_toml`]) to the same profile bit for bit; every written key
 //! has a comment saying which of the four it is and how it was obtained. Nothing here
 //! reads a clock, a file or a device.
 
 use std::fmt::Write as _;
 
-use overlap::Error;
-use overlap_graph::simulate::{Profile, Rule, KEYS};
-use overlap_graph::CollectiveKind;
+use serde::Serialize;
 
-use crate::interference::BesideTimes;
+use crate::simulate::{Profile, Rule, KEYS};
+use overlap::Error;
+use overlap_graph::CollectiveKind;
 
 /// The keys one GPU cannot measure: they need two or more GPUs of one node.
 pub const CROSS_GPU: &[&str] = &[
@@ -357,7 +357,6 @@ pub fn round4(v: f64) -> f64 {
 }
 
 /// The calendar day (UTC, `YYYY-MM-DD`) of `secs` seconds after the Unix epoch.
-#[cfg_attr(not(feature = "cuda"), allow(dead_code))]
 pub fn date_utc(secs: u64) -> String {
     // Howard Hinnant's `civil_from_days`.
     let z = (secs / 86_400) as i64 + 719_468;
@@ -644,8 +643,8 @@ pub fn derive(
     // Muon: the model's time inverted for the f32 GEMM rate.
     let (rows, cols, muon_s) = m.muon;
     let (mm, kk) = (rows.min(cols) as f64, rows.max(cols) as f64);
-    let ns = f64::from(overlap_graph::simulate::MUON_NS_STEPS);
-    let launches = overlap_graph::simulate::MUON_LAUNCHES;
+    let ns = f64::from(crate::simulate::MUON_NS_STEPS);
+    let launches = crate::simulate::MUON_LAUNCHES;
     let flops = ns * (4.0 * mm * mm * kk + 2.0 * mm * mm * mm);
     let traffic = 5.0 * (rows * cols) as f64 * 4.0;
     let gemm_s = muon_s - f64::from(launches) * kernel_us * 1e-6 - traffic / (hbm * 1e9);
@@ -1069,6 +1068,45 @@ pub fn summary(c: &Calibrated) -> String {
         }
     }
     out
+}
+
+/// What `overlap calibrate`'s probe of a kernel beside the GEMMs measured, in seconds, means over the timed rounds.
+#[derive(Debug, Clone, Copy, PartialEq, Default, Serialize)]
+pub struct BesideTimes {
+    /// The GEMM block alone (first start to last end).
+    pub gemms_alone_s: f64,
+    /// The GEMM block with the kernels beside it.
+    pub gemms_beside_s: f64,
+    /// One kernel alone, back to back (the first of each round left out).
+    pub op_alone_s: f64,
+    /// One kernel wholly beside the GEMMs (the first of each round left out).
+    pub op_beside_s: f64,
+    /// Of the kernels' work (their time alone), what ran while the GEMMs ran, per round
+    /// (`work_beside` in the command line).
+    pub work_beside_s: f64,
+}
+
+impl BesideTimes {
+    /// Seconds the GEMMs lose per second of the kernels' work beside them (at least 0):
+    /// the simulator's `interference.*.gemm_cost`, which slows the backward by that much
+    /// times the kernel's progress rate.
+    pub fn gemm_cost(&self) -> f64 {
+        if self.work_beside_s > 0.0 {
+            ((self.gemms_beside_s - self.gemms_alone_s) / self.work_beside_s).max(0.0)
+        } else {
+            0.0
+        }
+    }
+
+    /// How many times longer a kernel takes beside the GEMMs than alone (at least 1): the
+    /// simulator's `interference.*.stretch`.
+    pub fn stretch(&self) -> f64 {
+        if self.op_alone_s > 0.0 {
+            (self.op_beside_s / self.op_alone_s).max(1.0)
+        } else {
+            1.0
+        }
+    }
 }
 
 #[cfg(test)]

@@ -13,7 +13,7 @@ fn shipped(name: &str) -> Profile {
     let path = Path::new(env!("CARGO_MANIFEST_DIR"))
         .join("../hardware")
         .join(name);
-    overlap::hardware::from_file(&path).unwrap()
+    crate::hardware::from_file(&path).unwrap()
 }
 
 /// The figures the synthetic measurements are made from: four significant digits or
@@ -75,7 +75,7 @@ fn synthetic(t: &Profile, world: u32) -> Measurements {
     let step = 48.0 * ops / (t.gemm_tflops * 1e12);
     let combine_bytes = 3.0 * 32.0 * MIB;
     let numel = 4096.0 * 4096.0;
-    let muon = f64::from(overlap_graph::simulate::MUON_LAUNCHES) * t.kernel_us * 1e-6
+    let muon = f64::from(crate::simulate::MUON_LAUNCHES) * t.kernel_us * 1e-6
         + 5.0 * (6.0 * 4096f64.powi(3)) / (t.fp32_tflops * 1e12)
         + 5.0 * numel * 4.0 / (t.hbm_gbs * 1e9);
     let slot = 32.0 * MIB;
@@ -289,7 +289,7 @@ fn the_written_profile_parses_back_to_the_same_figures_and_simulates() {
         )
         .unwrap();
         let text = to_toml(&c);
-        let back = overlap::hardware::from_toml(&text, "calibrated.toml")
+        let back = crate::hardware::from_toml(&text, "calibrated.toml")
             .unwrap_or_else(|e| panic!("{e}\n{text}"));
         assert_eq!(back, c.profile, "{text}");
         back.check().unwrap();
@@ -311,11 +311,18 @@ fn the_written_profile_parses_back_to_the_same_figures_and_simulates() {
         }
         assert!(text.lines().all(|l| l.chars().count() <= 100), "{text}");
         assert_eq!(back.network.is_some(), base.is_some());
-        // The simulator takes it: the bench workload of two ranks.
-        let args = crate::bench::BenchArgs::new(overlap::Mesh::new(2, 1).unwrap());
-        let plan = crate::bench::bench_plan(&args, overlap_graph::Bindings::default()).unwrap();
-        let opts = overlap_graph::simulate::Options::default();
-        let sim = overlap_graph::simulate::simulate(&plan, &back, &opts).unwrap();
+        // The simulator takes it: a step of two ranks.
+        let config = overlap::Config::from_toml(
+            "[mesh]\nshard = 2\nreplicate = 1\n[[param]]\nname = \"w\"\nshape = [1024, 1024]\nroute = \"fsdp\"\n",
+            "inline",
+        )
+        .unwrap();
+        let plan = overlap_graph::Planner::new(config.plan.clone())
+            .unwrap()
+            .plan(&[overlap_graph::Gate::On])
+            .unwrap();
+        let opts = crate::simulate::Options::default();
+        let sim = crate::simulate::simulate(&plan, &back, &opts).unwrap();
         assert!(sim.span(0) > 0.0);
     }
 }
@@ -449,4 +456,32 @@ fn small_helpers() {
         assert!(s.contains(k.path), "{}", k.path);
     }
     assert!(s.contains("assumed") && s.contains("derived") && s.contains("measured"));
+}
+
+proptest::proptest! {
+    #![proptest_config(proptest::test_runner::Config::with_cases(32))]
+
+    /// The round trip as a property: any profile near the test's truth (every measured
+    /// figure scaled by 0.5 to 2, a stretch's excess over 1 likewise), run forwards
+    /// through the cost model into measurements, fits back to itself.
+    #[test]
+    fn any_profile_comes_back_from_the_measurements_it_predicts(
+        factors in proptest::collection::vec(0.5f64..2.0, KEYS.len()),
+    ) {
+        let mut t = truth();
+        let fixed = ["gpus_per_node", "copy_engine.concurrency", "host.launch_us", "compute.backward_us_per_layer"];
+        for (k, f) in KEYS.iter().zip(&factors) {
+            if fixed.contains(&k.path) || k.path.starts_with("network.") {
+                continue;
+            }
+            let Some(v) = t.get(k.path) else { continue };
+            let v = if k.path.ends_with("stretch") { 1.0 + (v - 1.0) * f } else { v * f };
+            proptest::prop_assert!(t.set(k.path, round4(v)), "{}", k.path);
+        }
+        let c = derive(&synthetic(&t, 4), None, None).unwrap();
+        for note in c.notes.iter().filter(|n| n.source == Source::Measured) {
+            let (got, want) = (c.profile.get(note.key).unwrap(), t.get(note.key).unwrap());
+            proptest::prop_assert!(close(got, want), "{}: {} against {}", note.key, got, want);
+        }
+    }
 }

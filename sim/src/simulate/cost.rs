@@ -21,9 +21,9 @@
 //! The host issues a node in `host.issue_us_per_node`, plus `host.launch_us` for each
 //! further device operation it makes ([`launches`]: one for every node but Muon's).
 
-use crate::mesh::Group;
-use crate::node::{Collective, CollectiveKind, Node, Op, OptimizerKind};
-use crate::plan::Plan;
+use overlap_graph::mesh::Group;
+use overlap_graph::node::{Collective, CollectiveKind, Node, Op, OptimizerKind};
+use overlap_graph::plan::Plan;
 
 use super::profile::Profile;
 use super::{Backward, Options, SimError};
@@ -216,7 +216,7 @@ pub fn node_cost(
     plan: &Plan,
     p: &Profile,
     opts: &Options,
-    in_place: &dyn Fn(&Collective, crate::node::Stream) -> bool,
+    in_place: &dyn Fn(&Collective, overlap_graph::node::Stream) -> bool,
     rank: u32,
     node: &Node,
 ) -> Result<Cost, SimError> {

@@ -2,10 +2,10 @@
 
 use std::collections::HashMap;
 
-use crate::mesh::Group;
-use crate::node::{Instr, NodeId, Op, Stream};
-use crate::order::issue_order;
-use crate::plan::Plan;
+use overlap_graph::mesh::Group;
+use overlap_graph::node::{Instr, NodeId, Op, Stream};
+use overlap_graph::order::issue_order;
+use overlap_graph::plan::Plan;
 
 use super::cost::{node_cost, Class, Cost};
 use super::profile::Profile;
@@ -95,7 +95,8 @@ pub fn simulate(plan: &Plan, profile: &Profile, opts: &Options) -> Result<Simula
         check_window(plan, w)?;
     }
     let in_place = in_place_comms(plan, opts.copy);
-    let is_in_place = |c: &crate::node::Collective, s: Stream| in_place.contains(&(c.group, s));
+    let is_in_place =
+        |c: &overlap_graph::node::Collective, s: Stream| in_place.contains(&(c.group, s));
     let mut sim = Sim {
         plan,
         profile,
@@ -279,7 +280,7 @@ fn check_window(plan: &Plan, w: &Stage1Window) -> Result<(), SimError> {
 /// the `(k − window)`-th, waiting for the releases of it that it has issued by then (a
 /// release issued after that pack is never waited for).
 fn window_waits(
-    rp: &crate::plan::RankProgram,
+    rp: &overlap_graph::plan::RankProgram,
     runs: &[NodeId],
     w: &Stage1Window,
 ) -> HashMap<NodeId, Vec<NodeId>> {
@@ -330,7 +331,10 @@ fn window_waits(
 }
 
 /// The combine of an exchange's stage on the same rank.
-fn combine_of(rp: &crate::plan::RankProgram, exchange: &crate::node::Node) -> Option<NodeId> {
+fn combine_of(
+    rp: &overlap_graph::plan::RankProgram,
+    exchange: &overlap_graph::node::Node,
+) -> Option<NodeId> {
     let Op::Exchange {
         bucket,
         micro_batch,

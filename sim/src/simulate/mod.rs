@@ -7,7 +7,7 @@
 //! stream has completed; a `wait` holds its stream until that moment (a wait issued
 //! before any record of its event waits for nothing); a node cannot start before its
 //! rank's host has issued it (`host.issue_us_per_node` each, in the host issue order of
-//! [`crate::order::issue_order`]); with a Stage-1 window ([`Stage1Window`], the
+//! [`overlap_graph::order::issue_order`]); with a Stage-1 window ([`Stage1Window`], the
 //! executor's `stage1_window` backpressure) the host, before it issues the pack that
 //! opens the `k`-th Stage-1 buffer, waits until the nodes that free the buffer `k −
 //! window` have completed (those it has issued by then), as the executor waits for their
@@ -40,8 +40,8 @@ mod profile;
 #[cfg(test)]
 mod tests;
 
-use crate::node::{BucketId, NodeId, Stream};
-use crate::plan::Plan;
+use overlap_graph::node::{NodeId, Stream};
+use overlap_graph::plan::Plan;
 
 pub use cost::{copy_seconds, launches, nccl_seconds, Class, Cost, MUON_LAUNCHES, MUON_NS_STEPS};
 pub use engine::simulate;
@@ -93,23 +93,7 @@ impl Default for CopyRing {
     }
 }
 
-/// One piece of transient memory holding a Stage-1 buffer going free in the executor:
-/// what its backpressure waits for (`overlap_executor::stage1_releases` derives these
-/// from the executor's own release rules).
-#[derive(Debug, Clone, PartialEq, Eq)]
-pub struct Stage1Release {
-    /// The bucket whose pack opened the Stage-1 buffer.
-    pub bucket: BucketId,
-    /// The buffer's micro-batch.
-    pub micro_batch: u32,
-    /// The node whose issue records the release (the memory's last final accessor in
-    /// serial order): a backpressure wait before a later pack waits for it, one before an
-    /// earlier pack does not know of it yet and waits for nothing.
-    pub after: NodeId,
-    /// The nodes whose completion frees the memory (its final accessors: the last write
-    /// and every read after it).
-    pub nodes: Vec<NodeId>,
-}
+pub use overlap_executor::Stage1Release;
 
 /// The executor's Stage-1 backpressure (`[overlap] stage1_window`, `overlap bench
 /// --window`): before issuing a pack, the host waits while `window` Stage-1 buffers are
@@ -255,13 +239,13 @@ impl Simulation {
 }
 
 /// The communicators (group and stream) of a plan whose combines read their exchanges in
-/// place in the copy ring ([`crate::ring::in_place_verdicts`], the rule the CUDA
+/// place in the copy ring ([`overlap_graph::ring::in_place_verdicts`], the rule the CUDA
 /// backend sets its rings up by), when the ring allows reading in place at all.
-pub fn in_place_comms(plan: &Plan, ring: CopyRing) -> Vec<(crate::mesh::Group, Stream)> {
+pub fn in_place_comms(plan: &Plan, ring: CopyRing) -> Vec<(overlap_graph::mesh::Group, Stream)> {
     if !ring.in_place {
         return Vec::new();
     }
-    crate::ring::in_place_verdicts(plan, ring.slot_bytes, ring.depth as usize)
+    overlap_graph::ring::in_place_verdicts(plan, ring.slot_bytes, ring.depth as usize)
         .into_iter()
         .filter(|&(_, ok)| ok)
         .map(|(id, _)| id)

@@ -1,6 +1,6 @@
 //! The hardware profile: the figures the cost model reads ([`Profile`]), and the table of
 //! its keys ([`KEYS`]) with the rule each value must satisfy, which both a parser of
-//! profile files (`overlap::hardware`) and [`Profile::check`] apply.
+//! profile files (`crate::hardware`) and [`Profile::check`] apply.
 //!
 //! Units are in the key names: `_us` microseconds, `_gbs` GB/s (10⁹ bytes per second),
 //! `_tflops` 10¹² floating-point operations per second.

@@ -2,11 +2,11 @@
 //! determinism.
 
 use super::*;
-use crate::mesh::{Group, Mesh};
-use crate::node::{Collective, CollectiveKind, DType, Instr, Node, Op, ReduceOp, Stream};
-use crate::param::{ParamSpec, Route};
-use crate::plan::{PlanSpec, RankProgram, StreamProgram};
-use crate::{Gate, Planner, Schedule, Transport};
+use overlap_graph::mesh::{Group, Mesh};
+use overlap_graph::node::{Collective, CollectiveKind, DType, Instr, Node, Op, ReduceOp, Stream};
+use overlap_graph::param::{ParamSpec, Route};
+use overlap_graph::plan::{PlanSpec, RankProgram, StreamProgram};
+use overlap_graph::{Gate, Planner, Schedule, Transport};
 
 const MS: f64 = 1e-3;
 
@@ -734,10 +734,12 @@ fn a_forward_plan_adds_the_forwards_and_its_gathers() {
         .collect::<Vec<_>>();
     let mesh = Mesh::new(2, 1).unwrap();
     let plain = PlanSpec::new(mesh, params.clone());
-    let forward = plain.clone().with_forward(Some(crate::plan::ForwardSpec {
-        prefetch: 1,
-        reshard_after_forward: true,
-    }));
+    let forward = plain
+        .clone()
+        .with_forward(Some(overlap_graph::plan::ForwardSpec {
+            prefetch: 1,
+            reshard_after_forward: true,
+        }));
     let mut p = profile();
     p.gpus_per_node = 2;
     let o = Options {
