@@ -531,21 +531,63 @@ pub fn derive(
         notes: Vec::new(),
     };
     b.profile.network = None;
-    let kept = |key: &str| base.and_then(|(p, file)| p.get(key).map(|v| (v, file)));
-    let base_note = |key: &str, file: &str| {
-        let why = if NEVER_MEASURED.contains(&key) {
-            if key.starts_with("network.") {
-                "calibrate measures the GPUs of one node, not the network between nodes"
-            } else if key == "host.launch_us" {
-                "calibrate does not time the host's further device operations of a node (Muon's)"
-            } else {
-                "calibrate does not measure how many copy-engine transfers run at full rate at once"
-            }
+    keep_unmeasured(&mut b, base, world)?;
+    let gemm_tflops = gemms(&mut b, m, &reps)?;
+    let (kernel_us, hbm, combine_gbs) = kernels(&mut b, m, &reps)?;
+    muon(&mut b, m, &reps, kernel_us, hbm)?;
+    backward(&mut b, m, gemm_tflops);
+    event_gap(&mut b, m, &reps);
+    b.set(
+        "combine.gbs",
+        combine_gbs,
+        Source::Measured,
+        format!(
+            "The combine's rate beyond its launch, from the fit of `memory.kernel_us`: it reads two chunks and writes one ({} a whole combine).",
+            size_text(m.combine.0)
+        ),
+    );
+    let local_gbs = local_copies(&mut b, m, &reps)?;
+    if let Some(c) = &m.cross {
+        peer_copies(&mut b, c, world, local_gbs, &reps)?;
+        nvlink(&mut b, c, world, &reps)?;
+    }
+    interference(&mut b, m, local_gbs);
+    b.set(
+        "host.issue_us_per_node",
+        m.host_us_per_node,
+        Source::Measured,
+        format!(
+            "Host time per node issuing `overlap bench`'s `overlap` variant on mesh {world}x1 with timing events on ({reps} steps): {:.2} µs.",
+            m.host_us_per_node
+        ),
+    );
+    finish(b, env)
+}
+
+/// The comment of a key kept from the base profile `file`: why it was not measured.
+fn base_note(key: &str, file: &str) -> String {
+    let why = if NEVER_MEASURED.contains(&key) {
+        if key.starts_with("network.") {
+            "calibrate measures the GPUs of one node, not the network between nodes"
+        } else if key == "host.launch_us" {
+            "calibrate does not time the host's further device operations of a node (Muon's)"
         } else {
-            "one GPU cannot measure it (it needs two or more GPUs of one node)"
-        };
-        format!("Not measured: {why}; kept from --base {file}.")
+            "calibrate does not measure how many copy-engine transfers run at full rate at once"
+        }
+    } else {
+        "one GPU cannot measure it (it needs two or more GPUs of one node)"
     };
+    format!("Not measured: {why}; kept from --base {file}.")
+}
+
+/// The keys a job of `world` GPUs does not measure: kept from `base`, assumed, left out
+/// when optional, or refused; the `[network]` keys only from a base that has them.
+fn keep_unmeasured(
+    b: &mut Builder,
+    base: Option<(&Profile, &str)>,
+    world: u32,
+) -> Result<(), Error> {
+    let kept = |key: &str| base.and_then(|(p, file)| p.get(key).map(|v| (v, file)));
     for key in unmeasured(world)
         .into_iter()
         .filter(|k| !k.starts_with("network."))
@@ -580,15 +622,19 @@ pub fn derive(
             }
         }
     }
+    Ok(())
+}
 
-    // GEMMs: the bench's compute_only.
+/// `compute.gemm_tflops` from the bench's compute_only; returns the figure set.
+fn gemms(b: &mut Builder, m: &Measurements, reps: &str) -> Result<f64, Error> {
+    let world = m.env.world;
     let (layers, gemms, d, step) = m.gemm;
     let per_gemm_ops = 2.0 * f64::from(d).powi(3);
     let launched = f64::from(layers) * f64::from(gemms);
     if step.is_nan() || step <= 0.0 || launched == 0.0 {
         return Err(bad("compute.gemm_tflops", "the GEMMs took no time"));
     }
-    let gemm_tflops = b.set(
+    Ok(b.set(
         "compute.gemm_tflops",
         per_gemm_ops * launched / step / 1e12,
         Source::Measured,
@@ -598,9 +644,12 @@ pub fn derive(
             launched,
             ms(step)
         ),
-    );
+    ))
+}
 
-    // Kernels: the combine in pieces, then the copy kernel.
+/// `memory.hbm_gbs` from the copy kernel and `memory.kernel_us` from the combine in
+/// pieces; returns those two as set and the combine's rate (`combine.gbs`, not yet set).
+fn kernels(b: &mut Builder, m: &Measurements, reps: &str) -> Result<(f64, f64, f64), Error> {
     let (combine_bytes, pieces) = &m.combine;
     let points: Vec<(f64, f64)> = pieces
         .iter()
@@ -639,8 +688,18 @@ pub fn derive(
             if line.intercept < 0.0 { "; the intercept, below 0, is taken as 0" } else { "" }
         ),
     );
+    Ok((kernel_us, hbm, combine_gbs))
+}
 
-    // Muon: the model's time inverted for the f32 GEMM rate.
+/// `compute.fp32_tflops`: Muon's measured time inverted through the model, less its
+/// launches (`kernel_us` each) and its memory traffic at `hbm` GB/s.
+fn muon(
+    b: &mut Builder,
+    m: &Measurements,
+    reps: &str,
+    kernel_us: f64,
+    hbm: f64,
+) -> Result<(), Error> {
     let (rows, cols, muon_s) = m.muon;
     let (mm, kk) = (rows.min(cols) as f64, rows.max(cols) as f64);
     let ns = f64::from(crate::simulate::MUON_NS_STEPS);
@@ -668,6 +727,13 @@ pub fn derive(
             ms(gemm_s)
         ),
     );
+    Ok(())
+}
+
+/// `compute.backward_us_per_layer`, derived: the bench's layer of GEMMs at `gemm_tflops`.
+fn backward(b: &mut Builder, m: &Measurements, gemm_tflops: f64) {
+    let (_, gemms, d, _) = m.gemm;
+    let per_gemm_ops = 2.0 * f64::from(d).powi(3);
     let layer_us = f64::from(gemms) * per_gemm_ops / (gemm_tflops * 1e12) * 1e6;
     b.set(
         "compute.backward_us_per_layer",
@@ -678,7 +744,10 @@ pub fn derive(
             layer_us / f64::from(gemms.max(1))
         ),
     );
+}
 
+/// `sync.event_us`: the gap between kernels across two streams less the gap on one.
+fn event_gap(b: &mut Builder, m: &Measurements, reps: &str) {
     let (cross_s, same_s) = m.event_gap;
     b.set(
         "sync.event_us",
@@ -690,20 +759,12 @@ pub fn derive(
             us(same_s)
         ),
     );
-    b.set(
-        "combine.gbs",
-        combine_gbs,
-        Source::Measured,
-        format!(
-            "The combine's rate beyond its launch, from the fit of `memory.kernel_us`: it reads two chunks and writes one ({} a whole combine).",
-            size_text(*combine_bytes)
-        ),
-    );
+}
 
-    // Copy engines within the GPU, then into the peers (less the copy out of the ring
-    // at the rate just set).
+/// `copy_engine.local_gbs` from the copies within the GPU; returns the figure set.
+fn local_copies(b: &mut Builder, m: &Measurements, reps: &str) -> Result<f64, Error> {
     let (local, local_gbs) = fit_samples("copy_engine.local_gbs", &m.local_copy)?;
-    let local_gbs = b.set(
+    Ok(b.set(
         "copy_engine.local_gbs",
         local_gbs,
         Source::Measured,
@@ -714,55 +775,67 @@ pub fn derive(
             local_gbs,
             local.rms * 100.0
         ),
-    );
-    let cross = m.cross.as_ref();
-    if let Some(c) = cross {
-        b.set(
-            "gpus_per_node",
-            f64::from(world),
-            Source::Measured,
-            format!(
-                "The job's {world} GPUs, on one node: the collectives and exchanges below ran over all of them."
-            ),
-        );
-        let peers = f64::from(world - 1);
-        let pts: Vec<(f64, f64, f64)> = c
-            .exchanges
-            .iter()
-            .map(|e| {
-                let y = e.seconds / peers - e.message_bytes / (local_gbs * 1e9);
-                (f64::from(e.pieces), e.message_bytes, y)
-            })
-            .collect();
-        let (piece_s, inv, rms) = fit_two(&pts).map_err(|e| bad("copy_engine.peer_gbs", e))?;
-        let peer = rate("copy_engine.peer_gbs", inv)?;
-        b.set(
-            "copy_engine.peer_gbs",
-            peer,
-            Source::Measured,
-            format!(
-                "Copy-transport exchanges (a reduce-scatter's) over the job's {world} GPUs with {} per peer ({reps} each), each receive copied out of the ring (slots of {}): each exchange's time per peer ({} of them), less the copy out at `copy_engine.local_gbs`, fitted by least squares as pieces × piece_us + bytes / peer_gbs: {:.2} µs a piece, {:.1} GB/s (RMS residual {:.1} %).",
-                sizes_text(c.exchanges.iter().map(|e| e.message_bytes)),
-                size_text(c.slot_bytes as f64),
-                world - 1,
-                us(piece_s),
-                peer,
-                rms * 100.0
-            ),
-        );
-        b.set(
-            "copy_engine.piece_us",
-            us(piece_s).max(0.0),
-            Source::Measured,
-            format!(
-                "Fixed cost per ring-slot piece (its copy and flag round trip), from the fit of `copy_engine.peer_gbs`{}.",
-                if piece_s < 0.0 { "; below 0 there, taken as 0" } else { "" }
-            ),
-        );
-        nvlink(&mut b, c, world, &reps)?;
-    }
+    ))
+}
 
-    // Beside the GEMMs.
+/// `gpus_per_node`, `copy_engine.peer_gbs` and `copy_engine.piece_us` from the exchange
+/// sweep, less each receive's copy out of the ring at `local_gbs`.
+fn peer_copies(
+    b: &mut Builder,
+    c: &CrossGpu,
+    world: u32,
+    local_gbs: f64,
+    reps: &str,
+) -> Result<(), Error> {
+    b.set(
+        "gpus_per_node",
+        f64::from(world),
+        Source::Measured,
+        format!(
+            "The job's {world} GPUs, on one node: the collectives and exchanges below ran over all of them."
+        ),
+    );
+    let peers = f64::from(world - 1);
+    let pts: Vec<(f64, f64, f64)> = c
+        .exchanges
+        .iter()
+        .map(|e| {
+            let y = e.seconds / peers - e.message_bytes / (local_gbs * 1e9);
+            (f64::from(e.pieces), e.message_bytes, y)
+        })
+        .collect();
+    let (piece_s, inv, rms) = fit_two(&pts).map_err(|e| bad("copy_engine.peer_gbs", e))?;
+    let peer = rate("copy_engine.peer_gbs", inv)?;
+    b.set(
+        "copy_engine.peer_gbs",
+        peer,
+        Source::Measured,
+        format!(
+            "Copy-transport exchanges (a reduce-scatter's) over the job's {world} GPUs with {} per peer ({reps} each), each receive copied out of the ring (slots of {}): each exchange's time per peer ({} of them), less the copy out at `copy_engine.local_gbs`, fitted by least squares as pieces × piece_us + bytes / peer_gbs: {:.2} µs a piece, {:.1} GB/s (RMS residual {:.1} %).",
+            sizes_text(c.exchanges.iter().map(|e| e.message_bytes)),
+            size_text(c.slot_bytes as f64),
+            world - 1,
+            us(piece_s),
+            peer,
+            rms * 100.0
+        ),
+    );
+    b.set(
+        "copy_engine.piece_us",
+        us(piece_s).max(0.0),
+        Source::Measured,
+        format!(
+            "Fixed cost per ring-slot piece (its copy and flag round trip), from the fit of `copy_engine.peer_gbs`{}.",
+            if piece_s < 0.0 { "; below 0 there, taken as 0" } else { "" }
+        ),
+    );
+    Ok(())
+}
+
+/// The `interference.*` keys from the probes beside the GEMMs (NCCL and the copy
+/// engine's peer copies only with two or more GPUs).
+fn interference(b: &mut Builder, m: &Measurements, local_gbs: f64) {
+    let cross = m.cross.as_ref();
     if let Some(c) = cross {
         b.beside(
             ("interference.nccl.gemm_cost", "interference.nccl.stretch"),
@@ -779,37 +852,7 @@ pub fn derive(
     let (_, local_note) = beside_notes(&m.local_copy_beside);
     let local_stretch = round4(m.local_copy_beside.times.stretch());
     if let Some(c) = cross {
-        let (probe, message) = &c.exchange;
-        let (gemm_cost, _) = beside_notes(probe);
-        b.set(
-            "interference.copy_engine.gemm_cost",
-            probe.times.gemm_cost(),
-            Source::Measured,
-            gemm_cost,
-        );
-        // The exchange copies its receive out of the ring: that part stretches by
-        // `local_stretch`; the rest is the peer copies' stretch.
-        let t = &probe.times;
-        let whole = t.op_alone_s;
-        let out = (f64::from(world) - 1.0) * message / (local_gbs * 1e9);
-        let factor = t.op_beside_s / whole.max(f64::MIN_POSITIVE);
-        let stretch = if whole > out {
-            (factor * whole - out * local_stretch) / (whole - out)
-        } else {
-            factor
-        };
-        b.set(
-            "interference.copy_engine.stretch",
-            stretch.max(1.0),
-            Source::Measured,
-            format!(
-                "Beside the GEMMs one exchange lasted {:.1} µs against {:.1} µs alone ({factor:.2} times longer); less its copy out of the ring ({:.1} µs alone, stretched by `interference.copy_engine.local_stretch`), its copies into the peers took {:.2} times longer (at least 1).",
-                us(t.op_beside_s),
-                us(whole),
-                us(out),
-                stretch
-            ),
-        );
+        exchange_beside(b, c, m.env.world, local_gbs, local_stretch);
     }
     b.set(
         "interference.copy_engine.local_stretch",
@@ -817,15 +860,47 @@ pub fn derive(
         Source::Measured,
         local_note,
     );
+}
+
+/// `interference.copy_engine.gemm_cost` and `.stretch` from the exchange beside the
+/// GEMMs, its copy out of the ring (at `local_gbs`) stretched by `local_stretch`.
+fn exchange_beside(b: &mut Builder, c: &CrossGpu, world: u32, local_gbs: f64, local_stretch: f64) {
+    let (probe, message) = &c.exchange;
+    let (gemm_cost, _) = beside_notes(probe);
     b.set(
-        "host.issue_us_per_node",
-        m.host_us_per_node,
+        "interference.copy_engine.gemm_cost",
+        probe.times.gemm_cost(),
+        Source::Measured,
+        gemm_cost,
+    );
+    // The exchange copies its receive out of the ring: that part stretches by
+    // `local_stretch`; the rest is the peer copies' stretch.
+    let t = &probe.times;
+    let whole = t.op_alone_s;
+    let out = (f64::from(world) - 1.0) * message / (local_gbs * 1e9);
+    let factor = t.op_beside_s / whole.max(f64::MIN_POSITIVE);
+    let stretch = if whole > out {
+        (factor * whole - out * local_stretch) / (whole - out)
+    } else {
+        factor
+    };
+    b.set(
+        "interference.copy_engine.stretch",
+        stretch.max(1.0),
         Source::Measured,
         format!(
-            "Host time per node issuing `overlap bench`'s `overlap` variant on mesh {world}x1 with timing events on ({reps} steps): {:.2} µs.",
-            m.host_us_per_node
+            "Beside the GEMMs one exchange lasted {:.1} µs against {:.1} µs alone ({factor:.2} times longer); less its copy out of the ring ({:.1} µs alone, stretched by `interference.copy_engine.local_stretch`), its copies into the peers took {:.2} times longer (at least 1).",
+            us(t.op_beside_s),
+            us(whole),
+            us(out),
+            stretch
         ),
     );
+}
+
+/// The calibrated profile: notes in [`KEYS`] order, one for every key it has, the
+/// profile checked, and the header written.
+fn finish(b: Builder, env: &Environment) -> Result<Calibrated, Error> {
     // The figures were set in the order they depend on each other; the notes go in KEYS
     // order, and every key the profile has must have one.
     let Builder { profile, notes } = b;
@@ -844,6 +919,18 @@ pub fn derive(
             format!("{}; the measurements do not make a valid profile", e.reason),
         )
     })?;
+    let header = header(env, &profile);
+    Ok(Calibrated {
+        profile,
+        notes,
+        header,
+    })
+}
+
+/// The header's paragraphs: where and how `env` measured, and whether `profile` has a
+/// `[network]`.
+fn header(env: &Environment, profile: &Profile) -> Vec<String> {
+    let world = env.world;
     let mut header = vec![
         format!(
             "Written by `overlap calibrate` on {}: {} × {world} ({}), driver {}, NCCL {}.",
@@ -862,11 +949,7 @@ pub fn derive(
                 .into(),
         );
     }
-    Ok(Calibrated {
-        profile,
-        notes,
-        header,
-    })
+    header
 }
 
 /// The comments of a probe's `gemm_cost` and `stretch`.
