@@ -1649,11 +1649,11 @@ mod raw {
     use serde_spanned::Spanned;
 
     /// A list of strings with the span of the list and of each element.
-    pub type Names = Spanned<Vec<Spanned<String>>>;
+    pub(super) type Names = Spanned<Vec<Spanned<String>>>;
 
     #[derive(Deserialize)]
     #[serde(deny_unknown_fields)]
-    pub struct Root {
+    pub(super) struct Root {
         pub mesh: Option<Spanned<Mesh>>,
         pub model: Option<Spanned<Model>>,
         #[serde(default)]
@@ -1681,14 +1681,14 @@ mod raw {
 
     #[derive(Deserialize)]
     #[serde(deny_unknown_fields)]
-    pub struct Mesh {
+    pub(super) struct Mesh {
         pub shard: Spanned<u32>,
         pub replicate: Spanned<u32>,
     }
 
     #[derive(Deserialize)]
     #[serde(deny_unknown_fields)]
-    pub struct Model {
+    pub(super) struct Model {
         pub layers: Spanned<u32>,
         pub hidden: Spanned<u64>,
         pub vocab: Spanned<u64>,
@@ -1696,7 +1696,7 @@ mod raw {
 
     #[derive(Deserialize)]
     #[serde(deny_unknown_fields)]
-    pub struct Param {
+    pub(super) struct Param {
         pub name: Spanned<String>,
         pub shape: Spanned<Vec<u64>>,
         pub route: Spanned<String>,
@@ -1705,13 +1705,13 @@ mod raw {
 
     #[derive(Deserialize, Default)]
     #[serde(deny_unknown_fields)]
-    pub struct Buckets {
+    pub(super) struct Buckets {
         pub cap_bytes: Option<Spanned<u64>>,
     }
 
     #[derive(Deserialize, Default)]
     #[serde(deny_unknown_fields)]
-    pub struct Accumulation {
+    pub(super) struct Accumulation {
         pub micro_batches: Option<Spanned<u32>>,
         pub replicate_gate: Option<Names>,
         pub reduce_gate: Option<Names>,
@@ -1720,14 +1720,14 @@ mod raw {
 
     #[derive(Deserialize, Default)]
     #[serde(deny_unknown_fields)]
-    pub struct Reduce {
+    pub(super) struct Reduce {
         pub op: Option<Spanned<ReduceOp>>,
         pub dtype: Option<Spanned<DType>>,
     }
 
     #[derive(Deserialize, Default)]
     #[serde(deny_unknown_fields)]
-    pub struct Run {
+    pub(super) struct Run {
         pub steps: Option<Spanned<u32>>,
         pub seed: Option<u64>,
         pub backend: Option<Spanned<String>>,
@@ -1737,7 +1737,7 @@ mod raw {
 
     #[derive(Deserialize, Default)]
     #[serde(deny_unknown_fields)]
-    pub struct Overlap {
+    pub(super) struct Overlap {
         pub stage1_window: Option<Spanned<u32>>,
         pub transport: Option<Spanned<String>>,
         pub combine_lag: Option<Spanned<u32>>,
@@ -1748,7 +1748,7 @@ mod raw {
 
     #[derive(Deserialize, Default)]
     #[serde(deny_unknown_fields)]
-    pub struct Streams {
+    pub(super) struct Streams {
         pub accumulate: Option<Spanned<String>>,
         pub pack: Option<Spanned<String>>,
         pub stage1: Option<Spanned<String>>,
@@ -1764,7 +1764,7 @@ mod raw {
 
     #[derive(Deserialize, Default)]
     #[serde(deny_unknown_fields)]
-    pub struct Optimizer {
+    pub(super) struct Optimizer {
         #[serde(default)]
         pub adamw: Adamw,
         #[serde(default)]
@@ -1775,7 +1775,7 @@ mod raw {
 
     #[derive(Deserialize)]
     #[serde(deny_unknown_fields)]
-    pub struct Group {
+    pub(super) struct Group {
         #[serde(rename = "match")]
         pub pattern: Spanned<String>,
         pub lr_scale: Option<Spanned<f64>>,
@@ -1790,7 +1790,7 @@ mod raw {
 
     #[derive(Deserialize)]
     #[serde(deny_unknown_fields)]
-    pub struct Schedule {
+    pub(super) struct Schedule {
         pub kind: Spanned<String>,
         pub warmup_steps: Option<Spanned<u64>>,
         pub total_steps: Option<Spanned<u64>>,
@@ -1799,7 +1799,7 @@ mod raw {
 
     #[derive(Deserialize, Default)]
     #[serde(deny_unknown_fields)]
-    pub struct Adamw {
+    pub(super) struct Adamw {
         pub lr: Option<Spanned<f64>>,
         pub beta1: Option<Spanned<f64>>,
         pub beta2: Option<Spanned<f64>>,
@@ -1809,7 +1809,7 @@ mod raw {
 
     #[derive(Deserialize, Default)]
     #[serde(deny_unknown_fields)]
-    pub struct Muon {
+    pub(super) struct Muon {
         pub lr: Option<Spanned<f64>>,
         pub momentum: Option<Spanned<f64>>,
         pub ns_steps: Option<Spanned<u32>>,
@@ -1819,21 +1819,21 @@ mod raw {
 
     #[derive(Deserialize)]
     #[serde(deny_unknown_fields)]
-    pub struct Forward {
+    pub(super) struct Forward {
         pub prefetch: Option<Spanned<u32>>,
         pub reshard_after_forward: Option<bool>,
     }
 
     #[derive(Deserialize)]
     #[serde(deny_unknown_fields)]
-    pub struct Clip {
+    pub(super) struct Clip {
         pub max_norm: Option<Spanned<f64>>,
         pub on_nonfinite: Option<Spanned<String>>,
     }
 
     #[derive(Deserialize, Default)]
     #[serde(deny_unknown_fields)]
-    pub struct Metrics {
+    pub(super) struct Metrics {
         pub listen: Option<Spanned<String>>,
         pub timing_every: Option<Spanned<u32>>,
     }

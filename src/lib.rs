@@ -63,6 +63,9 @@
 //! `overlap` command line, its launcher and the GPU benchmarks are the `overlap-cli`
 //! crate, not part of this library.
 
+#![forbid(unsafe_code)]
+#![warn(missing_docs, unreachable_pub)]
+
 pub mod checkpoint;
 pub mod config;
 #[cfg(feature = "cuda")]

@@ -50,6 +50,9 @@
 //! `docs/candle.md` in the repository is the guide: the rules, the segmented backward,
 //! what is copied, memory per rank, and launching on many processes.
 
+#![forbid(unsafe_code)]
+#![warn(missing_docs, unreachable_pub)]
+
 mod error;
 mod parallel;
 mod rules;

@@ -18,6 +18,9 @@
 //! proved the job's secret and runs the same thing (equal fingerprints); a rank that
 //! fails makes every other rank stop within the watch's bound.
 
+#![forbid(unsafe_code)]
+#![warn(missing_docs, unreachable_pub)]
+
 #[cfg(feature = "cuda")]
 pub mod cuda;
 pub mod env;

@@ -26,7 +26,7 @@ pub const FAULT_VAR: &str = "OVERLAP_FAULT";
 pub const FAULT_OP: &str = "injected_fault";
 
 /// The node kind a [`FaultMode::Nan`] fault names.
-pub const NAN_KIND: &str = "grad_norm";
+pub(crate) const NAN_KIND: &str = "grad_norm";
 
 /// What an injected fault does.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]

@@ -14,6 +14,9 @@
 //! Ranks issue concurrently on one host task (their futures are joined), so a rank
 //! waiting on backpressure never stops another rank from reaching a collective.
 
+#![forbid(unsafe_code)]
+#![warn(missing_docs, unreachable_pub)]
+
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 

@@ -107,7 +107,7 @@ fn covers<'a>(segs: impl Iterator<Item = &'a CopySeg>, len: u64) -> bool {
 }
 
 impl Prepared {
-    pub fn new(plan: Arc<Plan>, rank: u32, aliasing: bool) -> Prepared {
+    pub(crate) fn new(plan: Arc<Plan>, rank: u32, aliasing: bool) -> Prepared {
         let rp = plan.rank(rank);
         let access: Vec<Access> = rp.nodes.iter().map(|n| plan.access(rank, n)).collect();
         let issue = issue_order(rp);
@@ -241,13 +241,13 @@ impl Prepared {
     }
 
     /// The slice of the issue order that issues node `n`.
-    pub fn group(&self, n: usize) -> std::ops::Range<usize> {
+    pub(crate) fn group(&self, n: usize) -> std::ops::Range<usize> {
         let start = if n == 0 { 0 } else { self.issue_end[n - 1] };
         start..self.issue_end[n]
     }
 
     /// Every name of the memory a group's first name stands for.
-    pub fn names_of<'a>(&'a self, root: &'a Buffer) -> &'a [Buffer] {
+    pub(crate) fn names_of<'a>(&'a self, root: &'a Buffer) -> &'a [Buffer] {
         self.names
             .get(root)
             .map_or(std::slice::from_ref(root), Vec::as_slice)

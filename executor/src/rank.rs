@@ -140,7 +140,7 @@ fn buffer<T: Clone>(
 }
 
 impl<B: Backend> RankState<B> {
-    pub fn new(rank: u32) -> Self {
+    pub(crate) fn new(rank: u32) -> Self {
         RankState {
             rank,
             buffers: HashMap::default(),
@@ -167,7 +167,7 @@ impl<B: Backend> RankState<B> {
 
     /// Switches to a plan whose programs extend the current one (a longer gate prefix,
     /// or the whole step).
-    pub fn adopt(&mut self, backend: &B, prepared: Arc<Prepared>) {
+    pub(crate) fn adopt(&mut self, backend: &B, prepared: Arc<Prepared>) {
         let need = prepared.plan.rank(self.rank).events as usize;
         while self.events.len() < need {
             self.events.push(backend.event(self.rank));
@@ -185,7 +185,12 @@ impl<B: Backend> RankState<B> {
     /// release event on every take. The price: a buffer released behind a slow stream
     /// can hold up the reuse of newer completed ones, so a length's pool may grow to as
     /// many buffers as one step takes (every step ends drained, so it stops there).
-    pub fn take(&mut self, backend: &B, len: usize, zero: bool) -> Result<B::Buffer, OpsError> {
+    pub(crate) fn take(
+        &mut self,
+        backend: &B,
+        len: usize,
+        zero: bool,
+    ) -> Result<B::Buffer, OpsError> {
         if zero {
             return backend.alloc(self.rank, len);
         }
@@ -206,7 +211,7 @@ impl<B: Backend> RankState<B> {
     }
 
     /// Buffers held in the pool (for tests and metrics).
-    pub fn pooled(&self) -> usize {
+    pub(crate) fn pooled(&self) -> usize {
         self.pool.values().map(VecDeque::len).sum()
     }
 
@@ -215,7 +220,7 @@ impl<B: Backend> RankState<B> {
     }
 
     /// Issues nodes `next_node..end` of the current plan.
-    pub async fn issue_until(
+    pub(crate) async fn issue_until(
         &mut self,
         backend: &B,
         end: usize,
@@ -237,7 +242,7 @@ impl<B: Backend> RankState<B> {
     /// Issues what is left of the plan's instructions after its last node, once every
     /// node was issued: a plan adopted beyond what the step issued (a guess at more
     /// micro-batches) keeps the rest, which belongs to nodes that never ran.
-    pub fn issue_trailing(&mut self, backend: &B) {
+    pub(crate) fn issue_trailing(&mut self, backend: &B) {
         let Some(prepared) = self.prepared.clone() else {
             return;
         };
@@ -569,7 +574,7 @@ impl<B: Backend> RankState<B> {
 
     /// Forgets the step's state: accumulations, partials, in-flight bookkeeping. Reduced
     /// gradients are kept until the next step starts (so they can be inspected).
-    pub fn end_step(&mut self, keep_reduced: bool) {
+    pub(crate) fn end_step(&mut self, keep_reduced: bool) {
         self.buffers.retain(|b, _| {
             b.is_persistent()
                 || (keep_reduced && matches!(b, Buffer::Reduced { .. } | Buffer::Norm))
@@ -584,7 +589,7 @@ impl<B: Backend> RankState<B> {
     }
 
     /// Drops reduced gradients kept from the previous step.
-    pub fn begin_step(&mut self) {
+    pub(crate) fn begin_step(&mut self) {
         self.buffers.retain(|b, _| b.is_persistent());
         self.issued = 0;
         self.aliased = 0;
@@ -596,7 +601,7 @@ impl<B: Backend> RankState<B> {
     }
 
     /// Whether a parameter's values are held on this rank.
-    pub fn holds_param(&self, param: ParamId) -> bool {
+    pub(crate) fn holds_param(&self, param: ParamId) -> bool {
         self.buffers.contains_key(&Buffer::Param { param })
     }
 }

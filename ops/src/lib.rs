@@ -15,6 +15,8 @@
 //!   recorded on it fail, streams waiting on a failed event are poisoned in turn, and a
 //!   collective with a poisoned member fails on every member (nothing hangs).
 
+#![warn(missing_docs, unreachable_pub)]
+
 use std::future::Future;
 use std::pin::Pin;
 use std::sync::Arc;
