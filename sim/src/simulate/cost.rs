@@ -22,7 +22,8 @@
 //! further device operation it makes ([`launches`]: one for every node but Muon's).
 
 use overlap_graph::mesh::Group;
-use overlap_graph::node::{Collective, CollectiveKind, Node, Op, OptimizerKind};
+use overlap_graph::node::{BucketId, Collective, CollectiveKind, Node, Op, OptimizerKind};
+use overlap_graph::param::ParamId;
 use overlap_graph::plan::Plan;
 
 use super::profile::Profile;
@@ -220,124 +221,44 @@ pub fn node_cost(
     rank: u32,
     node: &Node,
 ) -> Result<Cost, SimError> {
-    let aliased = opts
-        .aliased
-        .get(rank as usize)
-        .and_then(|v| v.get(node.id as usize))
-        .copied()
-        .unwrap_or(false);
-    let marker = Cost {
-        class: Class::Marker,
-        seconds: 0.0,
-        local_seconds: 0.0,
-    };
-    if aliased {
-        return Ok(marker);
+    if aliased(opts, rank, node) {
+        return Ok(Cost::MARKER);
     }
-    let elems = |b| plan.stage1_elems(b) as f64 * F32;
     let hbm = p.hbm_gbs;
-    let backward = match opts.backward {
-        Backward::None => 0.0,
-        Backward::Profile => p.backward_us_per_layer * 1e-6,
-        Backward::Seconds(s) => s,
-        Backward::Gemms { count, d } => {
-            f64::from(count) * 2.0 * f64::from(d).powi(3) / (p.gemm_tflops * 1e12)
-        }
-    };
+    let backward = backward_seconds(p, opts);
     Ok(match node.op {
         // A forward plan's trainer points: a layer's forward costs half its backward
         // (the backward computes the gradients of the inputs and of the weights, each a
         // forward's worth of work); the backward point itself is the `grad_ready`
         // that follows it; a free costs nothing.
-        Op::Forward { .. } if backward > 0.0 => Cost {
-            class: Class::Compute,
-            seconds: backward / 2.0,
-            local_seconds: 0.0,
-        },
-        Op::Forward { .. } | Op::Backward { .. } | Op::Reshard { .. } => marker,
-        Op::GradReady { .. } => {
-            let s = backward;
-            if s > 0.0 {
-                Cost {
-                    class: Class::Compute,
-                    seconds: s,
-                    local_seconds: 0.0,
-                }
-            } else {
-                marker
-            }
-        }
+        Op::Forward { .. } if backward > 0.0 => Cost::compute(backward / 2.0),
+        Op::Forward { .. } | Op::Backward { .. } | Op::Reshard { .. } => Cost::MARKER,
+        Op::GradReady { .. } if backward > 0.0 => Cost::compute(backward),
+        Op::GradReady { .. } => Cost::MARKER,
         Op::Accumulate {
             bucket, accumulate, ..
         } => {
-            let n: u64 = plan
-                .bucket(bucket)
-                .params
-                .iter()
-                .map(|&q| plan.param(q).spec.numel())
-                .sum();
-            kernel(p, n as f64 * F32 * if accumulate { 3.0 } else { 2.0 }, hbm)
+            let n = bucket_numel(plan, bucket);
+            kernel(p, n as f64 * F32 * passes(accumulate), hbm)
         }
         Op::Pack {
             bucket, with_accum, ..
         } => {
             let send = plan.send_elems(bucket) as f64 * F32;
-            kernel(p, send * if with_accum { 3.0 } else { 2.0 }, hbm)
+            kernel(p, send * passes(with_accum), hbm)
         }
         Op::Stage1 { collective, .. }
         | Op::Stage2 { collective, .. }
         | Op::Publish { collective, .. }
         | Op::Unshard { collective, .. }
-        | Op::NormReduce { collective } => {
-            if plan.mesh.group_size(collective.group) > 1 {
-                Cost {
-                    class: Class::Nccl,
-                    seconds: nccl_seconds(plan, p, &collective)?,
-                    local_seconds: 0.0,
-                }
-            } else {
-                // A group of one: a copy of the buffer.
-                let bytes = collective.count as f64 * collective.dtype.size() as f64;
-                kernel(p, 2.0 * bytes, hbm)
-            }
-        }
+        | Op::NormReduce { collective } => collective_cost(plan, p, &collective)?,
         Op::Fold { bucket, .. } | Op::FoldPartial { bucket, .. } => {
-            kernel(p, 3.0 * elems(bucket), hbm)
+            kernel(p, 3.0 * (plan.stage1_elems(bucket) as f64 * F32), hbm)
         }
         Op::Exchange { collective, .. } | Op::Gather { collective, .. } => {
-            let n = plan.mesh.group_size(collective.group);
-            if placement(plan, p, collective.group).0 > 1 {
-                // The copy transport maps its peers' memory: one node only.
-                return Err(SimError::CopyAcrossNodes {
-                    group: format!("{} ({n} ranks)", collective.group),
-                });
-            }
-            let index = plan.mesh.index_in(collective.group, rank).unwrap_or(0);
-            let gather = matches!(node.op, Op::Gather { .. });
-            // A gather always copies what it receives out of the ring; an exchange only
-            // where its combine cannot read it in place.
-            let copy_out = gather || !in_place(&collective, node.stream);
-            let (seconds, local_seconds) = copy_seconds(
-                p,
-                &collective,
-                n,
-                index,
-                gather,
-                copy_out,
-                opts.copy.slot_bytes,
-            );
-            Cost {
-                class: Class::Copy,
-                seconds,
-                local_seconds,
-            }
+            copy_cost(plan, p, opts, in_place, rank, node, &collective)?
         }
-        Op::Combine { collective, .. } => {
-            let n = plan.mesh.group_size(collective.group);
-            let index = plan.mesh.index_in(collective.group, rank).unwrap_or(0);
-            let chunk = chunk_bytes(&collective, n, index);
-            kernel(p, f64::from(n + 1) * chunk, p.combine_gbs)
-        }
+        Op::Combine { collective, .. } => combine_cost(plan, p, rank, &collective),
         Op::Unpack {
             bucket, accumulate, ..
         } => {
@@ -346,22 +267,14 @@ pub fn node_cost(
                 .iter()
                 .map(|s| s.len)
                 .sum();
-            kernel(p, n as f64 * F32 * if accumulate { 3.0 } else { 2.0 }, hbm)
+            kernel(p, n as f64 * F32 * passes(accumulate), hbm)
         }
         Op::GradNorm => {
-            let n: u64 = plan
-                .norm_params(rank)
-                .iter()
-                .map(|&q| plan.local_elems(q, rank))
-                .sum();
+            let n = local_numel(plan, &plan.norm_params(rank), rank);
             kernel(p, n as f64 * F32, hbm)
         }
         Op::Clip => {
-            let n: u64 = plan
-                .held_params(rank)
-                .iter()
-                .map(|&q| plan.local_elems(q, rank))
-                .sum();
+            let n = local_numel(plan, &plan.held_params(rank), rank);
             kernel(p, 2.0 * n as f64 * F32, hbm)
         }
         Op::Optimizer { param, optimizer } => match optimizer {
@@ -370,26 +283,153 @@ pub fn node_cost(
                 let n = plan.local_elems(param, rank) as f64;
                 kernel(p, 7.0 * n * F32, hbm)
             }
-            OptimizerKind::Muon => {
-                // Momentum, five Newton–Schulz iterations on the whole matrix (the
-                // owner's), the update: mostly f32 GEMMs.
-                let shape = &plan.param(param).spec.shape;
-                let numel = plan.param(param).spec.numel() as f64;
-                let (r, c) = match shape.as_slice() {
-                    [r, c, ..] => (*r as f64, *c as f64),
-                    [n] => (1.0, *n as f64),
-                    [] => (1.0, 1.0),
-                };
-                let (m, k) = (r.min(c), r.max(c));
-                let flops = f64::from(MUON_NS_STEPS) * (4.0 * m * m * k + 2.0 * m * m * m);
-                Cost {
-                    class: Class::Compute,
-                    seconds: f64::from(MUON_LAUNCHES) * p.kernel_us * 1e-6
-                        + flops / (p.fp32_tflops * 1e12)
-                        + 5.0 * numel * F32 / (hbm * 1e9),
-                    local_seconds: 0.0,
-                }
-            }
+            OptimizerKind::Muon => muon_cost(plan, p, param),
         },
     })
+}
+
+impl Cost {
+    /// What a node that launches nothing costs.
+    const MARKER: Cost = Cost {
+        class: Class::Marker,
+        seconds: 0.0,
+        local_seconds: 0.0,
+    };
+
+    /// `seconds` on the SMs.
+    fn compute(seconds: f64) -> Cost {
+        Cost {
+            class: Class::Compute,
+            seconds,
+            local_seconds: 0.0,
+        }
+    }
+}
+
+/// Whether the executor aliases `node` on `rank` ([`Options::aliased`]; no by default).
+fn aliased(opts: &Options, rank: u32, node: &Node) -> bool {
+    opts.aliased
+        .get(rank as usize)
+        .and_then(|v| v.get(node.id as usize))
+        .copied()
+        .unwrap_or(false)
+}
+
+/// Seconds of one layer's backward, as [`Options::backward`] says (0 for none).
+fn backward_seconds(p: &Profile, opts: &Options) -> f64 {
+    match opts.backward {
+        Backward::None => 0.0,
+        Backward::Profile => p.backward_us_per_layer * 1e-6,
+        Backward::Seconds(s) => s,
+        Backward::Gemms { count, d } => {
+            f64::from(count) * 2.0 * f64::from(d).powi(3) / (p.gemm_tflops * 1e12)
+        }
+    }
+}
+
+/// Passes over the bytes of a kernel that reads and writes, with an accumulator read
+/// too where `accumulate`: 3 or 2.
+fn passes(accumulate: bool) -> f64 {
+    if accumulate {
+        3.0
+    } else {
+        2.0
+    }
+}
+
+/// Elements of the whole parameters of `bucket`.
+fn bucket_numel(plan: &Plan, bucket: BucketId) -> u64 {
+    plan.bucket(bucket)
+        .params
+        .iter()
+        .map(|&q| plan.param(q).spec.numel())
+        .sum()
+}
+
+/// Elements of `params` that `rank` holds.
+fn local_numel(plan: &Plan, params: &[ParamId], rank: u32) -> u64 {
+    params.iter().map(|&q| plan.local_elems(q, rank)).sum()
+}
+
+/// A stage, publish, unshard or norm reduction: NCCL over a group of two or more, a
+/// copy of the buffer over a group of one.
+fn collective_cost(plan: &Plan, p: &Profile, collective: &Collective) -> Result<Cost, SimError> {
+    Ok(if plan.mesh.group_size(collective.group) > 1 {
+        Cost {
+            class: Class::Nccl,
+            seconds: nccl_seconds(plan, p, collective)?,
+            local_seconds: 0.0,
+        }
+    } else {
+        // A group of one: a copy of the buffer.
+        let bytes = collective.count as f64 * collective.dtype.size() as f64;
+        kernel(p, 2.0 * bytes, p.hbm_gbs)
+    })
+}
+
+/// An exchange's or a gather's member side on the copy transport (one node only), its
+/// receives copied out of the ring unless an exchange's combine reads them in place.
+fn copy_cost(
+    plan: &Plan,
+    p: &Profile,
+    opts: &Options,
+    in_place: &dyn Fn(&Collective, overlap_graph::node::Stream) -> bool,
+    rank: u32,
+    node: &Node,
+    collective: &Collective,
+) -> Result<Cost, SimError> {
+    let n = plan.mesh.group_size(collective.group);
+    if placement(plan, p, collective.group).0 > 1 {
+        // The copy transport maps its peers' memory: one node only.
+        return Err(SimError::CopyAcrossNodes {
+            group: format!("{} ({n} ranks)", collective.group),
+        });
+    }
+    let index = plan.mesh.index_in(collective.group, rank).unwrap_or(0);
+    let gather = matches!(node.op, Op::Gather { .. });
+    // A gather always copies what it receives out of the ring; an exchange only
+    // where its combine cannot read it in place.
+    let copy_out = gather || !in_place(collective, node.stream);
+    let (seconds, local_seconds) = copy_seconds(
+        p,
+        collective,
+        n,
+        index,
+        gather,
+        copy_out,
+        opts.copy.slot_bytes,
+    );
+    Ok(Cost {
+        class: Class::Copy,
+        seconds,
+        local_seconds,
+    })
+}
+
+/// The combine of `rank`'s chunk: its `n` received chunks and its own read, one written,
+/// at `combine.gbs`.
+fn combine_cost(plan: &Plan, p: &Profile, rank: u32, collective: &Collective) -> Cost {
+    let n = plan.mesh.group_size(collective.group);
+    let index = plan.mesh.index_in(collective.group, rank).unwrap_or(0);
+    let chunk = chunk_bytes(collective, n, index);
+    kernel(p, f64::from(n + 1) * chunk, p.combine_gbs)
+}
+
+/// Muon on `param`'s whole matrix (the owner's): its launches, the momentum, five
+/// Newton–Schulz iterations (mostly f32 GEMMs) and the update's memory traffic.
+fn muon_cost(plan: &Plan, p: &Profile, param: ParamId) -> Cost {
+    let shape = &plan.param(param).spec.shape;
+    let numel = plan.param(param).spec.numel() as f64;
+    let (r, c) = match shape.as_slice() {
+        [r, c, ..] => (*r as f64, *c as f64),
+        [n] => (1.0, *n as f64),
+        [] => (1.0, 1.0),
+    };
+    let (m, k) = (r.min(c), r.max(c));
+    let flops = f64::from(MUON_NS_STEPS) * (4.0 * m * m * k + 2.0 * m * m * m);
+    Cost::compute(
+        f64::from(MUON_LAUNCHES) * p.kernel_us * 1e-6
+            + flops / (p.fp32_tflops * 1e12)
+            + 5.0 * numel * F32 / (p.hbm_gbs * 1e9),
+    )
 }
