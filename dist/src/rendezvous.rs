@@ -1225,8 +1225,27 @@ mod tests {
         let peers: Vec<_> = peers.into_iter().map(|p| p.join().unwrap()).collect();
         drop(peers);
         root.bye();
-        std::thread::sleep(Duration::from_millis(100));
+        // Every watch thread of rank 0 has ended (its inbox is disconnected) once it read
+        // its peer's goodbye: whatever it would report, it has reported.
+        watches_ended(&root);
         assert!(a0.failure().is_none(), "{:?}", a0.failure());
+    }
+
+    /// Waits until every watch thread of `r` has ended: each drops its inbox's sender.
+    fn watches_ended(r: &Rendezvous) {
+        let Role::Root(peers) = &r.role else {
+            panic!("rank 0 expected")
+        };
+        for c in peers {
+            let inbox = c.inbox.as_ref().expect("watched");
+            loop {
+                match inbox.recv_timeout(Duration::from_secs(10)) {
+                    Ok(_) => continue,
+                    Err(mpsc::RecvTimeoutError::Disconnected) => break,
+                    Err(mpsc::RecvTimeoutError::Timeout) => panic!("a watch thread did not end"),
+                }
+            }
+        }
     }
 
     #[test]
