@@ -5,7 +5,7 @@ use std::collections::HashMap;
 use overlap_graph::mesh::Group;
 use overlap_graph::node::{Instr, NodeId, Op, Stream};
 use overlap_graph::order::issue_order;
-use overlap_graph::plan::Plan;
+use overlap_graph::plan::{Plan, RankProgram};
 
 use super::cost::{node_cost, Class, Cost};
 use super::profile::Profile;
@@ -90,156 +90,215 @@ pub fn simulate(plan: &Plan, profile: &Profile, opts: &Options) -> Result<Simula
     profile.check()?;
     plan.check_well_formed()
         .map_err(|e| SimError::Plan(e.to_string()))?;
-    let world = plan.ranks.len();
     if let Some(w) = &opts.stage1 {
         check_window(plan, w)?;
     }
     let in_place = in_place_comms(plan, opts.copy);
     let is_in_place =
         |c: &overlap_graph::node::Collective, s: Stream| in_place.contains(&(c.group, s));
-    let mut sim = Sim {
-        plan,
-        profile,
-        streams: Vec::with_capacity(world),
-        stream_of: Vec::with_capacity(world),
-        issued_at: Vec::with_capacity(world),
-        launches: Vec::with_capacity(world),
-        hosts: Vec::with_capacity(world),
-        costs: Vec::with_capacity(world),
-        recorded: Vec::with_capacity(world),
-        times: Vec::with_capacity(world),
-        done: Vec::with_capacity(world),
-        seq: Vec::with_capacity(world),
-        slot_after: Vec::with_capacity(world),
-        arrived: HashMap::new(),
-        blocked: Vec::new(),
-        acts: Vec::new(),
-        now: 0.0,
-        wake: vec![None; world],
-        dirty: vec![true; world],
-        work: (0..world as u32).collect(),
-    };
+    let mut sim = Sim::new(plan, profile);
     for rp in &plan.ranks {
-        let r = rp.rank;
-        let n = rp.nodes.len();
-        let mut costs = Vec::with_capacity(n);
-        for node in &rp.nodes {
-            costs.push(node_cost(plan, profile, opts, &is_in_place, r, node)?);
-        }
-        // Host issue: each node once its host has issued everything before it (and, past
-        // the Stage-1 window, the nodes that free an earlier buffer have completed).
-        let order = issue_order(rp);
-        let mut runs = Vec::with_capacity(n);
-        let mut seen_record = vec![false; rp.events as usize];
-        let mut pos = [0usize; Stream::COUNT];
-        let mut index_of = [usize::MAX; Stream::COUNT];
-        for (i, s) in rp.streams.iter().enumerate() {
-            index_of[s.stream.index()] = i;
-        }
-        let mut live: Vec<Vec<bool>> = rp
-            .streams
+        let costs = rp
+            .nodes
             .iter()
-            .map(|s| vec![true; s.instrs.len()])
-            .collect();
-        for &(s, ins) in &order {
-            let si = index_of[s.index()];
-            let at = pos[si];
-            pos[si] += 1;
-            match ins {
-                Instr::Run(id) => runs.push(id),
-                Instr::Record(e) => seen_record[e as usize] = true,
-                Instr::Wait(e) => live[si][at] = seen_record[e as usize],
-            }
+            .map(|node| node_cost(plan, profile, opts, &is_in_place, rp.rank, node))
+            .collect::<Result<Vec<Cost>, SimError>>()?;
+        sim.add_rank(rp, costs, opts, &in_place);
+    }
+    sim.run()?;
+    Ok(sim.into_simulation())
+}
+
+impl<'a> Sim<'a> {
+    /// A simulation of `plan`'s ranks, none added yet, at time 0 with every rank to look at.
+    fn new(plan: &'a Plan, profile: &'a Profile) -> Sim<'a> {
+        let world = plan.ranks.len();
+        Sim {
+            plan,
+            profile,
+            streams: Vec::with_capacity(world),
+            stream_of: Vec::with_capacity(world),
+            issued_at: Vec::with_capacity(world),
+            launches: Vec::with_capacity(world),
+            hosts: Vec::with_capacity(world),
+            costs: Vec::with_capacity(world),
+            recorded: Vec::with_capacity(world),
+            times: Vec::with_capacity(world),
+            done: Vec::with_capacity(world),
+            seq: Vec::with_capacity(world),
+            slot_after: Vec::with_capacity(world),
+            arrived: HashMap::new(),
+            blocked: Vec::new(),
+            acts: Vec::new(),
+            now: 0.0,
+            wake: vec![None; world],
+            dirty: vec![true; world],
+            work: (0..world as u32).collect(),
         }
-        let mut stream_of = vec![0usize; n];
-        let mut seq = vec![None; n];
-        let mut counters: HashMap<Comm, u32> = HashMap::new();
-        let mut exchanges: HashMap<Comm, Vec<NodeId>> = HashMap::new();
-        let mut streams = Vec::new();
-        for (si, sp) in rp.streams.iter().enumerate() {
-            for ins in &sp.instrs {
-                if let Instr::Run(id) = *ins {
-                    stream_of[id as usize] = si;
-                    let node = &rp.nodes[id as usize];
-                    if costs[id as usize].class.is_collective() {
-                        if let Some(c) = node.op.collective() {
-                            let comm = (c.group, sp.stream);
-                            let k = counters.entry(comm).or_insert(0);
-                            seq[id as usize] = Some((comm, *k));
-                            *k += 1;
-                            if matches!(node.op, Op::Exchange { .. }) {
-                                exchanges.entry(comm).or_default().push(id);
-                            }
-                        }
-                    }
-                }
-            }
-            streams.push(StreamSim {
-                stream: sp.stream,
-                instrs: sp.instrs.clone(),
-                live: std::mem::take(&mut live[si]),
-                ip: 0,
-                busy: false,
-            });
-        }
-        // Ring slots: the exchange `depth` later than an exchange waits for its combine.
-        let mut slot_after = HashMap::new();
-        let depth = opts.copy.depth as usize;
-        for (comm, list) in &exchanges {
-            if !in_place.contains(comm) {
-                continue;
-            }
-            for (k, &x) in list.iter().enumerate().skip(depth) {
-                let earlier = &rp.nodes[list[k - depth] as usize];
-                if let Some(c) = combine_of(rp, earlier) {
-                    slot_after.insert(x, c);
-                }
-            }
-        }
-        sim.streams.push(streams);
-        sim.stream_of.push(stream_of);
+    }
+
+    /// Adds rank `rp`, its nodes costing `costs`: its streams, its host's issue order
+    /// and Stage-1 waits, its rendezvous and its ring slots (`in_place`: the
+    /// communicators whose combines read their exchanges in place).
+    fn add_rank(&mut self, rp: &RankProgram, costs: Vec<Cost>, opts: &Options, in_place: &[Comm]) {
+        let n = rp.nodes.len();
+        let (runs, live) = host_issue(rp);
+        let (streams, stream_of) = stream_sims(rp, live);
+        let (seq, exchanges) = rendezvous(rp, &costs);
+        let slot_after = ring_slots(rp, &exchanges, in_place, opts.copy.depth as usize);
+        self.streams.push(streams);
+        self.stream_of.push(stream_of);
         let waits = match &opts.stage1 {
             Some(w) => window_waits(rp, &runs, w),
             None => HashMap::new(),
         };
-        sim.issued_at.push(vec![f64::INFINITY; n]);
-        sim.launches.push(
+        self.issued_at.push(vec![f64::INFINITY; n]);
+        self.launches.push(
             rp.nodes
                 .iter()
                 .map(|x| super::cost::launches(&x.op))
                 .collect(),
         );
-        sim.hosts.push(Host {
+        self.hosts.push(Host {
             runs,
             next: 0,
             t: 0.0,
             waits,
         });
-        sim.costs.push(costs);
-        sim.recorded.push(vec![None; rp.events as usize]);
-        sim.times.push(vec![None; n]);
-        sim.done.push(vec![false; n]);
-        sim.seq.push(seq);
-        sim.slot_after.push(slot_after);
+        self.costs.push(costs);
+        self.recorded.push(vec![None; rp.events as usize]);
+        self.times.push(vec![None; n]);
+        self.done.push(vec![false; n]);
+        self.seq.push(seq);
+        self.slot_after.push(slot_after);
     }
-    sim.run()?;
-    Ok(Simulation {
-        ranks: sim
-            .times
-            .into_iter()
-            .map(|v| {
-                v.into_iter()
-                    .map(|t| {
-                        t.unwrap_or(NodeTime {
-                            start: 0.0,
-                            end: 0.0,
-                            class: Class::Marker,
+
+    /// The simulated step: every node's times (a node that never ran: a marker at 0).
+    fn into_simulation(self) -> Simulation {
+        Simulation {
+            ranks: self
+                .times
+                .into_iter()
+                .map(|v| {
+                    v.into_iter()
+                        .map(|t| {
+                            t.unwrap_or(NodeTime {
+                                start: 0.0,
+                                end: 0.0,
+                                class: Class::Marker,
+                            })
                         })
-                    })
-                    .collect()
-            })
-            .collect(),
-    })
+                        .collect()
+                })
+                .collect(),
+        }
+    }
+}
+
+/// Rank `rp`'s host issue: its nodes in the order the host issues them (each once its
+/// host has issued everything before it and, past the Stage-1 window, the nodes that
+/// free an earlier buffer have completed), and per stream, per instruction whether it
+/// is live (a wait is when its event's record was issued before it).
+fn host_issue(rp: &RankProgram) -> (Vec<NodeId>, Vec<Vec<bool>>) {
+    let order = issue_order(rp);
+    let mut runs = Vec::with_capacity(rp.nodes.len());
+    let mut seen_record = vec![false; rp.events as usize];
+    let mut pos = [0usize; Stream::COUNT];
+    let mut index_of = [usize::MAX; Stream::COUNT];
+    for (i, s) in rp.streams.iter().enumerate() {
+        index_of[s.stream.index()] = i;
+    }
+    let mut live: Vec<Vec<bool>> = rp
+        .streams
+        .iter()
+        .map(|s| vec![true; s.instrs.len()])
+        .collect();
+    for &(s, ins) in &order {
+        let si = index_of[s.index()];
+        let at = pos[si];
+        pos[si] += 1;
+        match ins {
+            Instr::Run(id) => runs.push(id),
+            Instr::Record(e) => seen_record[e as usize] = true,
+            Instr::Wait(e) => live[si][at] = seen_record[e as usize],
+        }
+    }
+    (runs, live)
+}
+
+/// Rank `rp`'s streams at their start, given each one's `live` instructions, and per
+/// node the index of its stream.
+fn stream_sims(rp: &RankProgram, mut live: Vec<Vec<bool>>) -> (Vec<StreamSim>, Vec<usize>) {
+    let mut stream_of = vec![0usize; rp.nodes.len()];
+    let mut streams = Vec::new();
+    for (si, sp) in rp.streams.iter().enumerate() {
+        for ins in &sp.instrs {
+            if let Instr::Run(id) = *ins {
+                stream_of[id as usize] = si;
+            }
+        }
+        streams.push(StreamSim {
+            stream: sp.stream,
+            instrs: sp.instrs.clone(),
+            live: std::mem::take(&mut live[si]),
+            ip: 0,
+            busy: false,
+        });
+    }
+    (streams, stream_of)
+}
+
+/// Rank `rp`'s rendezvous: per node whose cost is a collective's, its communicator and
+/// sequence number on it (in stream order), and per communicator its exchanges in order.
+type Rendezvous = (Vec<Option<(Comm, u32)>>, HashMap<Comm, Vec<NodeId>>);
+
+/// [`Rendezvous`] of rank `rp`, whose nodes cost `costs`.
+fn rendezvous(rp: &RankProgram, costs: &[Cost]) -> Rendezvous {
+    let mut seq = vec![None; rp.nodes.len()];
+    let mut counters: HashMap<Comm, u32> = HashMap::new();
+    let mut exchanges: HashMap<Comm, Vec<NodeId>> = HashMap::new();
+    for sp in &rp.streams {
+        for ins in &sp.instrs {
+            let Instr::Run(id) = *ins else { continue };
+            let node = &rp.nodes[id as usize];
+            if !costs[id as usize].class.is_collective() {
+                continue;
+            }
+            if let Some(c) = node.op.collective() {
+                let comm = (c.group, sp.stream);
+                let k = counters.entry(comm).or_insert(0);
+                seq[id as usize] = Some((comm, *k));
+                *k += 1;
+                if matches!(node.op, Op::Exchange { .. }) {
+                    exchanges.entry(comm).or_default().push(id);
+                }
+            }
+        }
+    }
+    (seq, exchanges)
+}
+
+/// Rank `rp`'s ring slots: on each in-place communicator, the exchange `depth` later
+/// than an exchange waits for that exchange's combine (exchange → combine).
+fn ring_slots(
+    rp: &RankProgram,
+    exchanges: &HashMap<Comm, Vec<NodeId>>,
+    in_place: &[Comm],
+    depth: usize,
+) -> HashMap<NodeId, NodeId> {
+    let mut slot_after = HashMap::new();
+    for (comm, list) in exchanges {
+        if !in_place.contains(comm) {
+            continue;
+        }
+        for (k, &x) in list.iter().enumerate().skip(depth) {
+            let earlier = &rp.nodes[list[k - depth] as usize];
+            if let Some(c) = combine_of(rp, earlier) {
+                slot_after.insert(x, c);
+            }
+        }
+    }
+    slot_after
 }
 
 /// Refuses a Stage-1 window of 0 and releases that do not fit the plan.
