@@ -48,7 +48,10 @@ use crate::DistError;
 
 /// Tolerances on the GPU: (gradients, parameters, updates per optimizer; `None`: not
 /// judged), for a reduction in `dtype` and Newton–Schulz no finer than `ns`.
-pub fn tolerances(dtype: DType, ns: NsDtype) -> (f64, f64, Option<[(&'static str, f64); 2]>) {
+pub(crate) fn tolerances(
+    dtype: DType,
+    ns: NsDtype,
+) -> (f64, f64, Option<[(&'static str, f64); 2]>) {
     let (grad, param) = overlap::verify::tolerances(dtype);
     let muon = muon_update_tolerance(ns);
     let param = if ns == NsDtype::F32 {

@@ -19,7 +19,7 @@ struct AdamwTensor {
     u64 block0;
 };
 
-#define OV_ADAMW_TENSORS 64
+#define OV_ADAMW_TENSORS 256
 #define OV_ADAMW_UNROLL 4
 // Elements per block: every thread takes OV_ADAMW_UNROLL float4s of each operand.
 #define OV_ADAMW_CHUNK (OV_REDUCE_THREADS * 4 * OV_ADAMW_UNROLL)
