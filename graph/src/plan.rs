@@ -1146,15 +1146,36 @@ impl Plan {
 
     /// Structural checks that make every other method safe to call.
     pub fn check_well_formed(&self) -> Result<(), PlanError> {
-        let bad = |key: String, reason: String| Err(PlanError::Input { key, reason });
+        self.check_header()?;
+        self.check_params()?;
+        self.check_buckets()?;
+        if self.ranks.len() as u64 != u64::from(self.mesh.world()) {
+            return bad_input(
+                "ranks".into(),
+                format!(
+                    "mesh {} has {} ranks, the plan has {} programs",
+                    self.mesh,
+                    self.mesh.world(),
+                    self.ranks.len()
+                ),
+            );
+        }
+        for (ri, rp) in self.ranks.iter().enumerate() {
+            self.check_rank(ri, rp)?;
+        }
+        Ok(())
+    }
+
+    /// The format tag, the version, the mesh, and at least one micro-batch.
+    fn check_header(&self) -> Result<(), PlanError> {
         if self.format != PLAN_FORMAT {
-            return bad(
+            return bad_input(
                 "format".into(),
                 format!("expected \"{PLAN_FORMAT}\", got {:?}", self.format),
             );
         }
         if self.version != PLAN_VERSION {
-            return bad(
+            return bad_input(
                 "version".into(),
                 format!(
                     "this build reads version {PLAN_VERSION}, got {}",
@@ -1164,22 +1185,27 @@ impl Plan {
         }
         self.mesh.check()?;
         if self.gates.is_empty() {
-            return bad(
+            return bad_input(
                 "gates".into(),
                 "a step needs at least one micro-batch".into(),
             );
         }
+        Ok(())
+    }
+
+    /// Every parameter's spec, and an owner inside the mesh exactly for owned routes.
+    fn check_params(&self) -> Result<(), PlanError> {
         for (i, p) in self.params.iter().enumerate() {
             p.spec.check()?;
             match (p.spec.route.is_owned(), p.owner) {
                 (true, None) => {
-                    return bad(
+                    return bad_input(
                         format!("params[{i}].owner"),
                         format!("owned route {} needs an owner", p.spec.route),
                     )
                 }
                 (false, Some(_)) => {
-                    return bad(
+                    return bad_input(
                         format!("params[{i}].owner"),
                         format!("sharded route {} has no owner", p.spec.route),
                     )
@@ -1187,7 +1213,7 @@ impl Plan {
                 (_, Some(o))
                     if o.shard >= self.mesh.shard || o.replicate >= self.mesh.replicate =>
                 {
-                    return bad(
+                    return bad_input(
                         format!("params[{i}].owner"),
                         format!(
                             "owner ({}, {}) is outside mesh {}",
@@ -1198,23 +1224,29 @@ impl Plan {
                 _ => {}
             }
         }
+        Ok(())
+    }
+
+    /// Bucket ids in order; every bucket's parameters exist and share its layer, route
+    /// and owner.
+    fn check_buckets(&self) -> Result<(), PlanError> {
         let np = self.params.len() as u64;
         for (i, b) in self.buckets.iter().enumerate() {
             if b.id as usize != i {
-                return bad(
+                return bad_input(
                     format!("buckets[{i}].id"),
                     format!("expected {i}, got {}", b.id),
                 );
             }
             if b.params.is_empty() {
-                return bad(
+                return bad_input(
                     format!("buckets[{i}].params"),
                     "a bucket needs at least one parameter".into(),
                 );
             }
             for &p in &b.params {
                 if u64::from(p) >= np {
-                    return bad(
+                    return bad_input(
                         format!("buckets[{i}].params"),
                         format!("parameter {p} does not exist ({np} parameters)"),
                     );
@@ -1222,7 +1254,7 @@ impl Plan {
                 let spec = &self.param(p);
                 if spec.spec.route != b.route || spec.spec.layer != b.layer || spec.owner != b.owner
                 {
-                    return bad(
+                    return bad_input(
                         format!("buckets[{i}].params"),
                         format!(
                             "parameter `{}` does not share the bucket's layer, route and owner",
@@ -1232,209 +1264,193 @@ impl Plan {
                 }
             }
         }
-        if self.ranks.len() as u64 != u64::from(self.mesh.world()) {
-            return bad(
-                "ranks".into(),
-                format!(
-                    "mesh {} has {} ranks, the plan has {} programs",
-                    self.mesh,
-                    self.mesh.world(),
-                    self.ranks.len()
-                ),
+        Ok(())
+    }
+
+    /// Rank `ri`'s program: its rank number, every node, then its stream programs.
+    fn check_rank(&self, ri: usize, rp: &RankProgram) -> Result<(), PlanError> {
+        if rp.rank as usize != ri {
+            return malformed(
+                ri,
+                None,
+                None,
+                "rank".into(),
+                format!("expected {ri}, got {}", rp.rank),
             );
         }
-        let nb = self.buckets.len() as u64;
-        for (ri, rp) in self.ranks.iter().enumerate() {
-            let at = |what: String| format!("ranks[{ri}].{what}");
-            let mal = |stream: Option<Stream>, node: Option<u32>, path: String, reason: String| {
-                Err(PlanError::Malformed {
-                    path,
-                    reason,
-                    rank: ri as u32,
-                    stream,
-                    node,
-                })
-            };
-            if rp.rank as usize != ri {
-                return mal(
-                    None,
-                    None,
-                    at("rank".into()),
-                    format!("expected {ri}, got {}", rp.rank),
+        for (ni, n) in rp.nodes.iter().enumerate() {
+            if let Err((field, reason)) = self.check_node(ni, n) {
+                let path = format!("nodes[{ni}].{field}");
+                return malformed(ri, Some(n.stream), Some(ni as u32), path, reason);
+            }
+        }
+        check_stream_programs(ri, rp)
+    }
+
+    /// Node `ni` of a rank: its id, micro-batch, stage and the ids it names (bucket,
+    /// parameter, group, root) in range. An error names the field and why.
+    fn check_node(&self, ni: usize, n: &Node) -> Result<(), (&'static str, String)> {
+        let (np, nb) = (self.params.len() as u64, self.buckets.len() as u64);
+        if n.id as usize != ni {
+            return Err(("id", format!("expected {ni}, got {}", n.id)));
+        }
+        if let Some(m) = n.micro_batch {
+            if m >= self.micro_batches() {
+                let reason = format!(
+                    "{m} is past the step's {} micro-batches",
+                    self.micro_batches()
                 );
+                return Err(("micro_batch", reason));
             }
-            for (ni, n) in rp.nodes.iter().enumerate() {
-                if n.id as usize != ni {
-                    return mal(
-                        Some(n.stream),
-                        Some(ni as u32),
-                        at(format!("nodes[{ni}].id")),
-                        format!("expected {ni}, got {}", n.id),
-                    );
-                }
-                if let Some(m) = n.micro_batch {
-                    if m >= self.micro_batches() {
-                        return mal(
-                            Some(n.stream),
-                            Some(ni as u32),
-                            at(format!("nodes[{ni}].micro_batch")),
-                            format!(
-                                "{m} is past the step's {} micro-batches",
-                                self.micro_batches()
-                            ),
-                        );
-                    }
-                }
-                if n.op.micro_batch().is_some_and(|m| Some(m) != n.micro_batch) {
-                    return mal(
-                        Some(n.stream),
-                        Some(ni as u32),
-                        at(format!("nodes[{ni}].micro_batch")),
-                        "differs from the micro-batch its operation names".into(),
-                    );
-                }
-                if (matches!(n.op, Op::Optimizer { .. } | Op::Publish { .. }) || n.op.is_norm())
-                    != n.micro_batch.is_none()
-                {
-                    return mal(
-                        Some(n.stream),
-                        Some(ni as u32),
-                        at(format!("nodes[{ni}].micro_batch")),
-                        "optimizer, publish and norm (grad_norm, norm_reduce, clip) nodes, and only they, belong to the step (null)"
-                            .into(),
-                    );
-                }
-                if let Op::Exchange { stage, .. }
-                | Op::Combine { stage, .. }
-                | Op::Gather { stage, .. } = n.op
-                {
-                    if stage != 1 && stage != 2 {
-                        return mal(
-                            Some(n.stream),
-                            Some(ni as u32),
-                            at(format!("nodes[{ni}].stage")),
-                            format!("stage {stage} does not exist (1 or 2)"),
-                        );
-                    }
-                }
-                if let Some(b) = n.op.bucket() {
-                    if u64::from(b) >= nb {
-                        return mal(
-                            Some(n.stream),
-                            Some(ni as u32),
-                            at(format!("nodes[{ni}].bucket")),
-                            format!("bucket {b} does not exist ({nb} buckets)"),
-                        );
-                    }
-                }
-                if n.op.is_forward() && self.forward.is_none() {
-                    return mal(
-                        Some(n.stream),
-                        Some(ni as u32),
-                        at(format!("nodes[{ni}].op")),
-                        format!("{} node in a plan without `forward`", n.op.kind()),
-                    );
-                }
-                if let Some(param) = n.op.param() {
-                    if u64::from(param) >= np {
-                        return mal(
-                            Some(n.stream),
-                            Some(ni as u32),
-                            at(format!("nodes[{ni}].param")),
-                            format!("parameter {param} does not exist ({np} parameters)"),
-                        );
-                    }
-                }
-                if let Some(c) = n.op.named_collective() {
-                    if !self.mesh.has_group(c.group) {
-                        return mal(
-                            Some(n.stream),
-                            Some(ni as u32),
-                            at(format!("nodes[{ni}].collective.group")),
-                            format!("{} is not a group of mesh {}", c.group, self.mesh),
-                        );
-                    }
-                    if let Some(root) = c.root {
-                        if root >= self.mesh.group_size(c.group) {
-                            return mal(
-                                Some(n.stream),
-                                Some(ni as u32),
-                                at(format!("nodes[{ni}].collective.root")),
-                                format!("root {root} is outside {}", c.group),
-                            );
-                        }
-                    }
-                }
+        }
+        if n.op.micro_batch().is_some_and(|m| Some(m) != n.micro_batch) {
+            let reason = "differs from the micro-batch its operation names".into();
+            return Err(("micro_batch", reason));
+        }
+        if (matches!(n.op, Op::Optimizer { .. } | Op::Publish { .. }) || n.op.is_norm())
+            != n.micro_batch.is_none()
+        {
+            let reason = "optimizer, publish and norm (grad_norm, norm_reduce, clip) nodes, and only they, belong to the step (null)".into();
+            return Err(("micro_batch", reason));
+        }
+        if let Op::Exchange { stage, .. } | Op::Combine { stage, .. } | Op::Gather { stage, .. } =
+            n.op
+        {
+            if stage != 1 && stage != 2 {
+                return Err(("stage", format!("stage {stage} does not exist (1 or 2)")));
             }
-            // Executors allocate an entry per event up front: more events than the
-            // rank's instructions could ever record is a malformed count, not a plan.
-            let instrs: u64 = rp.streams.iter().map(|sp| sp.instrs.len() as u64).sum();
-            if u64::from(rp.events) > instrs {
-                return mal(
-                    None,
-                    None,
-                    at("events".into()),
-                    format!(
-                        "{} events, more than the rank's {instrs} instructions can record",
-                        rp.events
-                    ),
-                );
+        }
+        if let Some(b) = n.op.bucket() {
+            if u64::from(b) >= nb {
+                return Err((
+                    "bucket",
+                    format!("bucket {b} does not exist ({nb} buckets)"),
+                ));
             }
-            let mut seen = vec![false; rp.nodes.len()];
-            let mut streams_seen = [false; Stream::COUNT];
-            for (si, sp) in rp.streams.iter().enumerate() {
-                if std::mem::replace(&mut streams_seen[sp.stream.index()], true) {
-                    return mal(
-                        Some(sp.stream),
-                        None,
-                        at(format!("streams[{si}]")),
-                        format!("stream {} appears twice", sp.stream),
-                    );
-                }
-                for (ii, ins) in sp.instrs.iter().enumerate() {
-                    let here = || at(format!("streams[{si}].instrs[{ii}]"));
-                    let st = Some(sp.stream);
-                    match *ins {
-                        Instr::Run(n) => {
-                            let Some(node) = rp.nodes.get(n as usize) else {
-                                return mal(st, None, here(), format!("node {n} does not exist"));
-                            };
-                            if node.stream != sp.stream {
-                                return mal(
-                                    st,
-                                    Some(n),
-                                    here(),
-                                    format!(
-                                        "node {n} is bound to stream {} but listed on {}",
-                                        node.stream, sp.stream
-                                    ),
-                                );
-                            }
-                            if std::mem::replace(&mut seen[n as usize], true) {
-                                return mal(st, Some(n), here(), format!("node {n} runs twice"));
-                            }
-                        }
-                        Instr::Record(e) | Instr::Wait(e) if e >= rp.events => {
-                            return mal(
-                                st,
-                                None,
-                                here(),
-                                format!("event {e} is past the program's {} events", rp.events),
-                            );
-                        }
-                        _ => {}
-                    }
-                }
+        }
+        if n.op.is_forward() && self.forward.is_none() {
+            let reason = format!("{} node in a plan without `forward`", n.op.kind());
+            return Err(("op", reason));
+        }
+        if let Some(param) = n.op.param() {
+            if u64::from(param) >= np {
+                let reason = format!("parameter {param} does not exist ({np} parameters)");
+                return Err(("param", reason));
             }
-            if let Some(n) = seen.iter().position(|s| !s) {
-                return mal(
-                    rp.nodes.get(n).map(|x| x.stream),
-                    Some(n as u32),
-                    at(format!("nodes[{n}]")),
-                    "the node is never run by any stream".into(),
-                );
+        }
+        if let Some(c) = n.op.named_collective() {
+            if !self.mesh.has_group(c.group) {
+                let reason = format!("{} is not a group of mesh {}", c.group, self.mesh);
+                return Err(("collective.group", reason));
+            }
+            if let Some(root) = c.root {
+                if root >= self.mesh.group_size(c.group) {
+                    let reason = format!("root {root} is outside {}", c.group);
+                    return Err(("collective.root", reason));
+                }
             }
         }
         Ok(())
     }
+}
+
+/// A [`PlanError::Input`] at `key`.
+fn bad_input(key: String, reason: String) -> Result<(), PlanError> {
+    Err(PlanError::Input { key, reason })
+}
+
+/// A [`PlanError::Malformed`] at `ranks[rank].path`, naming the stream and node if known.
+fn malformed(
+    rank: usize,
+    stream: Option<Stream>,
+    node: Option<u32>,
+    path: String,
+    reason: String,
+) -> Result<(), PlanError> {
+    Err(PlanError::Malformed {
+        path: format!("ranks[{rank}].{path}"),
+        reason,
+        rank: rank as u32,
+        stream,
+        node,
+    })
+}
+
+/// Rank `ri`'s stream programs: an event count its instructions could record, each stream
+/// once, every `Run` of an existing node on its own stream, every node run exactly once,
+/// every event in range.
+fn check_stream_programs(ri: usize, rp: &RankProgram) -> Result<(), PlanError> {
+    // Executors allocate an entry per event up front: more events than the
+    // rank's instructions could ever record is a malformed count, not a plan.
+    let instrs: u64 = rp.streams.iter().map(|sp| sp.instrs.len() as u64).sum();
+    if u64::from(rp.events) > instrs {
+        return malformed(
+            ri,
+            None,
+            None,
+            "events".into(),
+            format!(
+                "{} events, more than the rank's {instrs} instructions can record",
+                rp.events
+            ),
+        );
+    }
+    let mal = |stream: Option<Stream>, node: Option<u32>, path: String, reason: String| {
+        malformed(ri, stream, node, path, reason)
+    };
+    let mut seen = vec![false; rp.nodes.len()];
+    let mut streams_seen = [false; Stream::COUNT];
+    for (si, sp) in rp.streams.iter().enumerate() {
+        if std::mem::replace(&mut streams_seen[sp.stream.index()], true) {
+            return mal(
+                Some(sp.stream),
+                None,
+                format!("streams[{si}]"),
+                format!("stream {} appears twice", sp.stream),
+            );
+        }
+        for (ii, ins) in sp.instrs.iter().enumerate() {
+            let here = || format!("streams[{si}].instrs[{ii}]");
+            let st = Some(sp.stream);
+            match *ins {
+                Instr::Run(n) => {
+                    let Some(node) = rp.nodes.get(n as usize) else {
+                        return mal(st, None, here(), format!("node {n} does not exist"));
+                    };
+                    if node.stream != sp.stream {
+                        return mal(
+                            st,
+                            Some(n),
+                            here(),
+                            format!(
+                                "node {n} is bound to stream {} but listed on {}",
+                                node.stream, sp.stream
+                            ),
+                        );
+                    }
+                    if std::mem::replace(&mut seen[n as usize], true) {
+                        return mal(st, Some(n), here(), format!("node {n} runs twice"));
+                    }
+                }
+                Instr::Record(e) | Instr::Wait(e) if e >= rp.events => {
+                    return mal(
+                        st,
+                        None,
+                        here(),
+                        format!("event {e} is past the program's {} events", rp.events),
+                    );
+                }
+                _ => {}
+            }
+        }
+    }
+    if let Some(n) = seen.iter().position(|s| !s) {
+        return mal(
+            rp.nodes.get(n).map(|x| x.stream),
+            Some(n as u32),
+            format!("nodes[{n}]"),
+            "the node is never run by any stream".into(),
+        );
+    }
+    Ok(())
 }
