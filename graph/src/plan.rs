@@ -708,6 +708,30 @@ impl Plan {
     /// What a node reads and writes on a rank. `GradReady` writes the gradients of its
     /// layer; a collective's output exists only on the ranks that receive it.
     pub fn access(&self, rank: u32, node: &Node) -> Access {
+        match node.op {
+            Op::GradReady { .. } | Op::Accumulate { .. } | Op::Pack { .. } => {
+                self.gradient_access(node)
+            }
+            Op::Stage1 { .. }
+            | Op::Stage2 { .. }
+            | Op::Exchange { .. }
+            | Op::Combine { .. }
+            | Op::Gather { .. } => self.stage_access(rank, node),
+            Op::Fold { .. } | Op::FoldPartial { .. } | Op::Unpack { .. } => self.fold_access(node),
+            Op::Optimizer { .. }
+            | Op::Publish { .. }
+            | Op::GradNorm
+            | Op::NormReduce { .. }
+            | Op::Clip => self.step_tail_access(rank, node),
+            Op::Unshard { .. } | Op::Forward { .. } | Op::Backward { .. } | Op::Reshard { .. } => {
+                self.gathered_access(rank, node)
+            }
+        }
+    }
+
+    /// [`Plan::access`] of the nodes that take in gradients: `grad_ready`, `accumulate`
+    /// and `pack`.
+    fn gradient_access(&self, node: &Node) -> Access {
         let mut a = Access::default();
         let params_of = |b: BucketId| self.bucket(b).params.iter().copied();
         match node.op {
@@ -757,6 +781,16 @@ impl Plan {
                     micro_batch,
                 });
             }
+            op => unreachable!("{} does not take in gradients", op.kind()),
+        }
+        a
+    }
+
+    /// [`Plan::access`] of the nodes of a stage: a collective (`stage1`, `stage2`), or
+    /// the copy transport's `exchange`, `combine` and `gather`.
+    fn stage_access(&self, rank: u32, node: &Node) -> Access {
+        let mut a = Access::default();
+        match node.op {
             Op::Stage1 {
                 bucket,
                 micro_batch,
@@ -774,34 +808,6 @@ impl Plan {
                     a.writes
                         .push(Plan::stage_output(bucket, micro_batch, stage));
                 }
-            }
-            Op::Fold {
-                bucket,
-                micro_batch,
-                accumulate,
-            } => {
-                a.reads.push(Buffer::Stage1Out {
-                    bucket,
-                    micro_batch,
-                });
-                if accumulate {
-                    a.reads.push(Buffer::Partial { bucket });
-                }
-                a.writes.push(Buffer::Partial { bucket });
-            }
-            Op::FoldPartial {
-                bucket,
-                micro_batch,
-            } => {
-                a.reads.push(Buffer::Partial { bucket });
-                a.reads.push(Buffer::Stage1Out {
-                    bucket,
-                    micro_batch,
-                });
-                a.writes.push(Buffer::Stage1Out {
-                    bucket,
-                    micro_batch,
-                });
             }
             Op::Exchange {
                 bucket,
@@ -846,6 +852,45 @@ impl Plan {
                 a.reads.push(out);
                 a.writes.push(out);
             }
+            op => unreachable!("{} is not a stage's node", op.kind()),
+        }
+        a
+    }
+
+    /// [`Plan::access`] of the local arithmetic on a stage's output: `fold` into the
+    /// partial, `fold_partial` back into Stage 1's output, and `unpack` into the reduced
+    /// gradients.
+    fn fold_access(&self, node: &Node) -> Access {
+        let mut a = Access::default();
+        match node.op {
+            Op::Fold {
+                bucket,
+                micro_batch,
+                accumulate,
+            } => {
+                a.reads.push(Buffer::Stage1Out {
+                    bucket,
+                    micro_batch,
+                });
+                if accumulate {
+                    a.reads.push(Buffer::Partial { bucket });
+                }
+                a.writes.push(Buffer::Partial { bucket });
+            }
+            Op::FoldPartial {
+                bucket,
+                micro_batch,
+            } => {
+                a.reads.push(Buffer::Partial { bucket });
+                a.reads.push(Buffer::Stage1Out {
+                    bucket,
+                    micro_batch,
+                });
+                a.writes.push(Buffer::Stage1Out {
+                    bucket,
+                    micro_batch,
+                });
+            }
             Op::Unpack {
                 bucket,
                 micro_batch,
@@ -855,13 +900,23 @@ impl Plan {
                     bucket,
                     micro_batch,
                 });
-                for p in params_of(bucket) {
+                for &p in &self.bucket(bucket).params {
                     if accumulate {
                         a.reads.push(Buffer::Reduced { param: p });
                     }
                     a.writes.push(Buffer::Reduced { param: p });
                 }
             }
+            op => unreachable!("{} is not a fold or an unpack", op.kind()),
+        }
+        a
+    }
+
+    /// [`Plan::access`] of the step's tail: the global norm (`grad_norm`, `norm_reduce`,
+    /// `clip`), `optimizer` and `publish`.
+    fn step_tail_access(&self, rank: u32, node: &Node) -> Access {
+        let mut a = Access::default();
+        match node.op {
             Op::Optimizer { param, .. } => {
                 if self.grad_norm {
                     // Skips the update when the global norm is not finite.
@@ -902,6 +957,16 @@ impl Plan {
                     a.writes.push(Buffer::Reduced { param });
                 }
             }
+            op => unreachable!("{} is not in the step's tail", op.kind()),
+        }
+        a
+    }
+
+    /// [`Plan::access`] of a forward plan's gathered parameters: `unshard`, the trainer's
+    /// `forward` and `backward` points that read them, and `reshard`.
+    fn gathered_access(&self, rank: u32, node: &Node) -> Access {
+        let mut a = Access::default();
+        match node.op {
             Op::Unshard {
                 param,
                 micro_batch,
@@ -940,6 +1005,7 @@ impl Plan {
                 micro_batch,
                 pass,
             }),
+            op => unreachable!("{} does not touch gathered parameters", op.kind()),
         }
         a
     }
