@@ -143,231 +143,287 @@ impl Planner {
         Ok(plan)
     }
 
+    /// A rank's nodes in serial order and their segments: one per micro-batch, then
+    /// (with `tail`) the step's tail.
     fn rank_nodes(&self, plan: &Plan, rank: u32, tail: bool) -> (Vec<Node>, Vec<Segment>) {
-        let mesh = self.spec.mesh;
-        let b = &self.spec.bindings;
-        let me = mesh.coord(rank);
-        let mut nodes: Vec<Node> = Vec::new();
+        let mut nodes = SerialNodes::default();
         let mut segments = Vec::new();
-        let push = |nodes: &mut Vec<Node>, mb: Option<u32>, stream: Stream, op: Op| {
-            let id = nodes.len() as u32;
-            nodes.push(Node {
-                id,
-                micro_batch: mb,
-                stream,
-                op,
-            });
-        };
-        // Per bucket: has a no_sync accumulation / a partial / a reduced gradient started.
-        let nb = self.buckets.len();
-        let mut accum = vec![false; nb];
-        let mut partial = vec![false; nb];
-        let mut reduced = vec![false; nb];
+        let mut buckets = BucketState::new(self.buckets.len());
         let layers = plan.layers_desc();
-        let sched = self.spec.schedule;
-        for (m, &gate) in plan.gates.iter().enumerate() {
-            let m = m as u32;
-            let mb = Some(m);
-            let start = nodes.len();
-            // Copy transport: the part of each bucket's chain from its first combine on,
-            // held back until `combine_lag` more layers have been issued.
-            let mut deferred: Vec<(usize, Vec<(Stream, Op)>)> = Vec::new();
-            let last = layers.len().saturating_sub(1);
-            if let Some(fw) = self.spec.forward {
-                for (stream, op) in self.forward_pass(plan, rank, m, fw, &layers) {
-                    push(&mut nodes, mb, stream, op);
-                }
-            }
-            for (li, &layer) in layers.iter().enumerate() {
-                if let Some(fw) = self.spec.forward {
-                    // The layer's backward gathers (`prefetch` layers ahead), then the
-                    // trainer's backward of the layer.
-                    if fw.reshard_after_forward {
-                        let k = fw.prefetch as usize;
-                        let due = if li == 0 { 0..=k } else { li + k..=li + k };
-                        for &l in due.filter_map(|i| layers.get(i)) {
-                            for (stream, op) in self.unshards(plan, rank, l, m, Pass::Backward) {
-                                push(&mut nodes, mb, stream, op);
-                            }
-                        }
-                    }
-                    push(&mut nodes, mb, Stream::Compute, Op::Backward { layer });
-                }
-                push(&mut nodes, mb, Stream::Compute, Op::GradReady { layer });
-                if let Some(fw) = self.spec.forward {
-                    // The backward is over when its gradients are ready.
-                    for op in self.reshards(plan, layer, m, fw.backward_pass()) {
-                        push(&mut nodes, mb, Stream::Compute, op);
-                    }
-                }
-                if li == last && sched.early_tail_gathers {
-                    // The micro-batch's tail: a lagging chain that gathers (an
-                    // all-reduce) goes out before the last layer's exchanges, which wait
-                    // for its backward; behind them on the exchange stream, its gather
-                    // would move only after that backward, in the step's exposed tail.
-                    // So does every lagging chain when combines wait for the exchanges
-                    // before them: behind the last exchange, it would wait for it too.
-                    let (early, keep): (Vec<_>, Vec<_>) =
-                        deferred.into_iter().partition(|(_, ops)| {
-                            sched.combine_after_exchanges
-                                || ops.iter().any(|(_, op)| matches!(op, Op::Gather { .. }))
-                        });
-                    deferred = keep;
-                    for (stream, op) in early.into_iter().flat_map(|(_, ops)| ops) {
-                        push(&mut nodes, mb, stream, op);
-                    }
-                }
-                for bucket in self.buckets.iter().filter(|x| x.layer == layer) {
-                    let id = bucket.id;
-                    let i = id as usize;
-                    if gate == Gate::NoSync {
-                        push(
-                            &mut nodes,
-                            mb,
-                            b.accumulate,
-                            Op::Accumulate {
-                                bucket: id,
-                                micro_batch: m,
-                                accumulate: accum[i],
-                            },
-                        );
-                        accum[i] = true;
-                        continue;
-                    }
-                    let mut chain: Vec<(Stream, Op)> = Vec::new();
-                    chain.push((
-                        b.pack,
-                        Op::Pack {
-                            bucket: id,
-                            micro_batch: m,
-                            with_accum: accum[i],
-                        },
-                    ));
-                    accum[i] = false;
-                    self.stage(plan, rank, id, m, 1, &mut chain);
-                    if plan.holds_stage1(id, rank) {
-                        if gate == Gate::ReplicateOff {
-                            chain.push((
-                                b.fold,
-                                Op::Fold {
-                                    bucket: id,
-                                    micro_batch: m,
-                                    accumulate: partial[i],
-                                },
-                            ));
-                            partial[i] = true;
-                        } else {
-                            if partial[i] {
-                                chain.push((
-                                    b.fold,
-                                    Op::FoldPartial {
-                                        bucket: id,
-                                        micro_batch: m,
-                                    },
-                                ));
-                                partial[i] = false;
-                            }
-                            self.stage(plan, rank, id, m, 2, &mut chain);
-                            if plan.holds_stage2(id, rank) {
-                                chain.push((
-                                    b.unpack,
-                                    Op::Unpack {
-                                        bucket: id,
-                                        micro_batch: m,
-                                        accumulate: reduced[i],
-                                    },
-                                ));
-                                reduced[i] = true;
-                            }
-                        }
-                    }
-                    let split = chain
-                        .iter()
-                        .position(|(_, op)| matches!(op, Op::Combine { .. }))
-                        .filter(|_| sched.combine_lag > 0)
-                        .unwrap_or(chain.len());
-                    let later = chain.split_off(split);
-                    for (stream, op) in chain {
-                        push(&mut nodes, mb, stream, op);
-                    }
-                    if !later.is_empty() {
-                        deferred.push((li + sched.combine_lag as usize, later));
-                    }
-                }
-                let (due, keep): (Vec<_>, Vec<_>) =
-                    deferred.into_iter().partition(|(at, _)| *at <= li);
-                deferred = keep;
-                for (stream, op) in due.into_iter().flat_map(|(_, ops)| ops) {
-                    push(&mut nodes, mb, stream, op);
-                }
-            }
-            for (stream, op) in deferred.into_iter().flat_map(|(_, ops)| ops) {
-                push(&mut nodes, mb, stream, op);
-            }
+        for m in 0..plan.gates.len() as u32 {
+            let start = nodes.0.len();
+            self.micro_batch_nodes(plan, rank, m, &layers, &mut buckets, &mut nodes);
             segments.push(Segment {
                 start,
-                end: nodes.len(),
+                end: nodes.0.len(),
                 tail: false,
             });
         }
-        if !tail {
-            return (nodes, segments);
+        if tail {
+            let start = nodes.0.len();
+            self.tail_nodes(plan, rank, &mut nodes);
+            segments.push(Segment {
+                start,
+                end: nodes.0.len(),
+                tail: true,
+            });
         }
-        let start = nodes.len();
+        (nodes.0, segments)
+    }
+
+    /// Micro-batch `m`'s nodes: in a forward plan its forward pass first, then per layer
+    /// (descending) the layer's backward and each of its buckets' chains, the lagging
+    /// parts of the chains issued when they fall due.
+    fn micro_batch_nodes(
+        &self,
+        plan: &Plan,
+        rank: u32,
+        m: u32,
+        layers: &[u32],
+        buckets: &mut BucketState,
+        nodes: &mut SerialNodes,
+    ) {
+        let mb = Some(m);
+        let gate = plan.gates[m as usize];
+        let sched = self.spec.schedule;
+        let mut lagging = Lagging::default();
+        let last = layers.len().saturating_sub(1);
+        if let Some(fw) = self.spec.forward {
+            nodes.extend(mb, self.forward_pass(plan, rank, m, fw, layers));
+        }
+        for (li, &layer) in layers.iter().enumerate() {
+            self.layer_backward(plan, rank, m, li, layers, nodes);
+            if li == last && sched.early_tail_gathers {
+                // The micro-batch's tail: a lagging chain that gathers (an
+                // all-reduce) goes out before the last layer's exchanges, which wait
+                // for its backward; behind them on the exchange stream, its gather
+                // would move only after that backward, in the step's exposed tail.
+                // So does every lagging chain when combines wait for the exchanges
+                // before them: behind the last exchange, it would wait for it too.
+                let early = lagging.take(|_, ops| {
+                    sched.combine_after_exchanges
+                        || ops.iter().any(|(_, op)| matches!(op, Op::Gather { .. }))
+                });
+                nodes.extend(mb, early);
+            }
+            for bucket in self.buckets.iter().filter(|x| x.layer == layer) {
+                let mut chain = buckets.chain(self, plan, rank, bucket.id, m, gate);
+                let split = chain
+                    .iter()
+                    .position(|(_, op)| matches!(op, Op::Combine { .. }))
+                    .filter(|_| sched.combine_lag > 0)
+                    .unwrap_or(chain.len());
+                let later = chain.split_off(split);
+                nodes.extend(mb, chain);
+                lagging.hold(li + sched.combine_lag as usize, later);
+            }
+            nodes.extend(mb, lagging.take(|due, _| due <= li));
+        }
+        nodes.extend(mb, lagging.take(|_, _| true));
+    }
+
+    /// The backward of layer `layers[li]` in micro-batch `m`: in a forward plan the
+    /// backward gathers due there (`prefetch` layers ahead) and the trainer's `backward`
+    /// point, then `grad_ready`, then (forward plan) the frees of the layer's gathers.
+    fn layer_backward(
+        &self,
+        plan: &Plan,
+        rank: u32,
+        m: u32,
+        li: usize,
+        layers: &[u32],
+        nodes: &mut SerialNodes,
+    ) {
+        let (mb, layer) = (Some(m), layers[li]);
+        if let Some(fw) = self.spec.forward {
+            // The layer's backward gathers (`prefetch` layers ahead), then the
+            // trainer's backward of the layer.
+            if fw.reshard_after_forward {
+                let k = fw.prefetch as usize;
+                let due = if li == 0 { 0..=k } else { li + k..=li + k };
+                for &l in due.filter_map(|i| layers.get(i)) {
+                    nodes.extend(mb, self.unshards(plan, rank, l, m, Pass::Backward));
+                }
+            }
+            nodes.push(mb, Stream::Compute, Op::Backward { layer });
+        }
+        nodes.push(mb, Stream::Compute, Op::GradReady { layer });
+        if let Some(fw) = self.spec.forward {
+            // The backward is over when its gradients are ready.
+            for op in self.reshards(plan, layer, m, fw.backward_pass()) {
+                nodes.push(mb, Stream::Compute, op);
+            }
+        }
+    }
+
+    /// The step's tail on a rank: with the global norm, its `grad_norm`, the two
+    /// `norm_reduce`s and the `clip`; then the optimizer of every parameter the rank
+    /// updates, and the publish of every owned parameter of the rank's shard column.
+    fn tail_nodes(&self, plan: &Plan, rank: u32, nodes: &mut SerialNodes) {
+        let b = &self.spec.bindings;
+        let me = self.spec.mesh.coord(rank);
         if self.spec.grad_norm {
             // The global norm before any optimizer: the local sum of squares, summed over
             // the shard group then the replicate group (the world), then the clip.
-            push(&mut nodes, None, b.optimizer, Op::GradNorm);
+            nodes.push(None, b.optimizer, Op::GradNorm);
             for (stream, shard) in [(b.stage1, true), (b.stage2, false)] {
                 let collective = plan.norm_collective(rank, shard);
-                push(&mut nodes, None, stream, Op::NormReduce { collective });
+                nodes.push(None, stream, Op::NormReduce { collective });
             }
-            push(&mut nodes, None, b.optimizer, Op::Clip);
+            nodes.push(None, b.optimizer, Op::Clip);
         }
         for (i, p) in self.params.iter().enumerate() {
             let param = i as ParamId;
-            let kind = plan.optimizer_kind(param);
+            let optimizer = Op::Optimizer {
+                param,
+                optimizer: plan.optimizer_kind(param),
+            };
             match p.owner {
-                None => push(
-                    &mut nodes,
-                    None,
-                    b.optimizer,
-                    Op::Optimizer {
-                        param,
-                        optimizer: kind,
-                    },
-                ),
+                None => nodes.push(None, b.optimizer, optimizer),
                 Some(o) if o.shard != me.shard => {}
                 Some(o) => {
                     if o == me {
-                        push(
-                            &mut nodes,
-                            None,
-                            b.optimizer,
-                            Op::Optimizer {
-                                param,
-                                optimizer: kind,
-                            },
-                        );
+                        nodes.push(None, b.optimizer, optimizer);
                     }
                     let Some(collective) = plan.publish_collective(param) else {
                         continue;
                     };
-                    push(
-                        &mut nodes,
-                        None,
-                        b.publish,
-                        Op::Publish { param, collective },
-                    );
+                    nodes.push(None, b.publish, Op::Publish { param, collective });
                 }
             }
         }
-        segments.push(Segment {
-            start,
-            end: nodes.len(),
-            tail: true,
+    }
+}
+
+/// A rank's nodes in serial order, each numbered by its place.
+#[derive(Default)]
+struct SerialNodes(Vec<Node>);
+
+impl SerialNodes {
+    /// Appends a node of micro-batch `mb` (`None`: the step's tail) bound to `stream`.
+    fn push(&mut self, mb: Option<u32>, stream: Stream, op: Op) {
+        let id = self.0.len() as u32;
+        self.0.push(Node {
+            id,
+            micro_batch: mb,
+            stream,
+            op,
         });
-        (nodes, segments)
+    }
+
+    /// Appends nodes of micro-batch `mb`, in order.
+    fn extend(&mut self, mb: Option<u32>, ops: impl IntoIterator<Item = (Stream, Op)>) {
+        for (stream, op) in ops {
+            self.push(mb, stream, op);
+        }
+    }
+}
+
+/// Per bucket, along the step: whether a no_sync accumulation, a partial and a reduced
+/// gradient have started (the next node adds to it instead of initialising it).
+struct BucketState {
+    accum: Vec<bool>,
+    partial: Vec<bool>,
+    reduced: Vec<bool>,
+}
+
+impl BucketState {
+    /// The state at the start of the step: nothing started.
+    fn new(buckets: usize) -> BucketState {
+        BucketState {
+            accum: vec![false; buckets],
+            partial: vec![false; buckets],
+            reduced: vec![false; buckets],
+        }
+    }
+
+    /// Bucket `id`'s chain in micro-batch `m` under `gate`: a no_sync `accumulate`; or
+    /// its pack and Stage 1, then where the rank holds Stage 1's output either a fold
+    /// into the partial (replicate gate off) or the partial's fold, Stage 2 and unpack.
+    fn chain(
+        &mut self,
+        planner: &Planner,
+        plan: &Plan,
+        rank: u32,
+        id: BucketId,
+        m: u32,
+        gate: Gate,
+    ) -> Vec<(Stream, Op)> {
+        let b = &planner.spec.bindings;
+        let i = id as usize;
+        if gate == Gate::NoSync {
+            let accumulate = std::mem::replace(&mut self.accum[i], true);
+            let op = Op::Accumulate {
+                bucket: id,
+                micro_batch: m,
+                accumulate,
+            };
+            return vec![(b.accumulate, op)];
+        }
+        let with_accum = std::mem::replace(&mut self.accum[i], false);
+        let pack = Op::Pack {
+            bucket: id,
+            micro_batch: m,
+            with_accum,
+        };
+        let mut chain = vec![(b.pack, pack)];
+        planner.stage(plan, rank, id, m, 1, &mut chain);
+        if !plan.holds_stage1(id, rank) {
+            return chain;
+        }
+        if gate == Gate::ReplicateOff {
+            let accumulate = std::mem::replace(&mut self.partial[i], true);
+            let fold = Op::Fold {
+                bucket: id,
+                micro_batch: m,
+                accumulate,
+            };
+            chain.push((b.fold, fold));
+            return chain;
+        }
+        if std::mem::replace(&mut self.partial[i], false) {
+            let fold = Op::FoldPartial {
+                bucket: id,
+                micro_batch: m,
+            };
+            chain.push((b.fold, fold));
+        }
+        planner.stage(plan, rank, id, m, 2, &mut chain);
+        if plan.holds_stage2(id, rank) {
+            let accumulate = std::mem::replace(&mut self.reduced[i], true);
+            let unpack = Op::Unpack {
+                bucket: id,
+                micro_batch: m,
+                accumulate,
+            };
+            chain.push((b.unpack, unpack));
+        }
+        chain
+    }
+}
+
+/// Copy transport: the parts of bucket chains from their first combine on, held back
+/// until `combine_lag` more layers have been issued, each with the layer index it is
+/// due at.
+#[derive(Default)]
+struct Lagging(Vec<(usize, Vec<(Stream, Op)>)>);
+
+impl Lagging {
+    /// Holds a chain's lagging part until layer index `due` (an empty part is dropped).
+    fn hold(&mut self, due: usize, ops: Vec<(Stream, Op)>) {
+        if !ops.is_empty() {
+            self.0.push((due, ops));
+        }
+    }
+
+    /// Takes out, in the order held, the nodes of the parts `pick` selects (by their due
+    /// layer index and nodes), keeping the others.
+    fn take(&mut self, mut pick: impl FnMut(usize, &[(Stream, Op)]) -> bool) -> Vec<(Stream, Op)> {
+        let (out, keep): (Vec<_>, Vec<_>) = std::mem::take(&mut self.0)
+            .into_iter()
+            .partition(|(due, ops)| pick(*due, ops));
+        self.0 = keep;
+        out.into_iter().flat_map(|(_, ops)| ops).collect()
     }
 }
 
