@@ -30,7 +30,7 @@ use std::collections::HashMap;
 use super::contrib::Contribs;
 use super::{violation, Mode};
 use crate::mesh::Group;
-use crate::node::{Buffer, Node, NodeId, Op, Stream};
+use crate::node::{BucketId, Buffer, Node, NodeId, Op, Stream};
 use crate::param::ParamId;
 use crate::plan::Plan;
 use crate::Violation;
@@ -284,193 +284,43 @@ impl<'p> Walk<'p> {
         self.write(rank, dst, next);
     }
 
+    /// Runs a local node of `rank`: moves values between the rank's buffers.
     fn local(&mut self, rank: u32, n: &'p Node) {
         let plan = self.plan;
         let id = n.id;
         match n.op {
-            Op::GradReady { layer } => {
-                let mb = n.micro_batch.unwrap_or(0);
-                for (i, _) in plan
-                    .params
-                    .iter()
-                    .enumerate()
-                    .filter(|(_, p)| p.spec.layer == layer)
-                {
-                    let grad = Buffer::Grad {
-                        param: i as ParamId,
-                        micro_batch: mb,
-                    };
-                    let value = Value {
-                        level: Level::Local,
-                        set: Contribs::one(self.world, mb, rank),
-                        twice: Contribs::empty(self.world),
-                    };
-                    self.write(rank, grad, value);
-                }
-            }
+            Op::GradReady { layer } => self.grad_ready(rank, n.micro_batch.unwrap_or(0), layer),
             Op::Accumulate {
                 bucket,
                 micro_batch,
                 accumulate,
-            } => {
-                for &p in &plan.bucket(bucket).params {
-                    let grad = Buffer::Grad {
-                        param: p,
-                        micro_batch,
-                    };
-                    if let Some(g) = self.read(rank, id, grad, true) {
-                        self.store(rank, id, Buffer::Accum { param: p }, g, accumulate);
-                    }
-                }
-            }
+            } => self.accumulate(rank, id, bucket, micro_batch, accumulate),
             Op::Pack {
                 bucket,
                 micro_batch,
                 with_accum,
-            } => {
-                let mut packed: Option<Value> = None;
-                for &p in &plan.bucket(bucket).params {
-                    let grad = Buffer::Grad {
-                        param: p,
-                        micro_batch,
-                    };
-                    let Some(g) = self.read(rank, id, grad, true) else {
-                        continue;
-                    };
-                    let accum = Buffer::Accum { param: p };
-                    let t = if with_accum {
-                        match self.read(rank, id, accum, true) {
-                            Some(a) => self.sum(rank, id, &a, &g, SumInto::Buffer(accum)),
-                            None => g,
-                        }
-                    } else {
-                        if let Some(a) = self.live(rank, &accum) {
-                            let detail = format!(
-                                "leaves the no_sync accumulation {} of `{}` behind",
-                                a.describe(),
-                                plan.param(p).spec.name
-                            );
-                            self.report(ACCOUNTING, rank, id, detail);
-                        }
-                        g
-                    };
-                    match &packed {
-                        Some(b) if *b != t => {
-                            let detail = format!(
-                                "packs parameters carrying different gradients ({} and {})",
-                                b.describe(),
-                                t.describe()
-                            );
-                            self.report(ACCOUNTING, rank, id, detail);
-                        }
-                        Some(_) => {}
-                        None => packed = Some(t),
-                    }
-                }
-                if let Some(t) = packed {
-                    let send = Buffer::Send {
-                        bucket,
-                        micro_batch,
-                    };
-                    self.write(rank, send, t);
-                }
-            }
+            } => self.pack(rank, id, bucket, micro_batch, with_accum),
             Op::Fold {
                 bucket,
                 micro_batch,
                 accumulate,
-            } => {
-                let s1 = Buffer::Stage1Out {
-                    bucket,
-                    micro_batch,
-                };
-                if let Some(v) = self.read(rank, id, s1, true) {
-                    self.store(rank, id, Buffer::Partial { bucket }, v, accumulate);
-                }
-            }
+            } => self.fold(rank, id, bucket, micro_batch, accumulate),
             Op::FoldPartial {
                 bucket,
                 micro_batch,
-            } => {
-                let partial = Buffer::Partial { bucket };
-                if let Some(p) = self.read(rank, id, partial, true) {
-                    let s1 = Buffer::Stage1Out {
-                        bucket,
-                        micro_batch,
-                    };
-                    self.store(rank, id, s1, p, true);
-                }
-            }
+            } => self.fold_partial(rank, id, bucket, micro_batch),
             Op::Combine {
                 bucket,
                 micro_batch,
                 stage,
                 ..
-            } => {
-                let (src, holds) = plan.stage_input(bucket, micro_batch, stage, rank);
-                if !holds {
-                    return; // `exchange-combined-once` reports it.
-                }
-                let (from, to) = Level::of_stage(stage);
-                let recv = Buffer::Recv {
-                    bucket,
-                    micro_batch,
-                    stage,
-                };
-                let own = self.read(rank, id, src, true);
-                let others = self.read(rank, id, recv, true);
-                let mut sum: Option<Value> = None;
-                for v in [own, others].into_iter().flatten() {
-                    if v.level != from {
-                        let detail =
-                            format!("reduces {}, which is not {}", v.describe(), from.describe());
-                        self.report(ACCOUNTING, rank, id, detail);
-                    }
-                    sum = Some(match sum {
-                        Some(acc) => {
-                            self.sum(rank, id, &acc, &v, SumInto::Text("the chunks it combines"))
-                        }
-                        None => v,
-                    });
-                }
-                if let Some(v) = sum {
-                    let out = Plan::stage_output(bucket, micro_batch, stage);
-                    self.write(rank, out, Value { level: to, ..v });
-                }
-            }
+            } => self.combine(rank, id, bucket, micro_batch, stage),
             Op::Unpack {
                 bucket,
                 micro_batch,
                 accumulate,
-            } => {
-                let s2 = Buffer::Stage2Out {
-                    bucket,
-                    micro_batch,
-                };
-                if let Some(v) = self.read(rank, id, s2, true) {
-                    for &p in &plan.bucket(bucket).params {
-                        self.store(
-                            rank,
-                            id,
-                            Buffer::Reduced { param: p },
-                            v.clone(),
-                            accumulate,
-                        );
-                    }
-                }
-            }
-            Op::Optimizer { param, .. } => {
-                let reduced = Buffer::Reduced { param };
-                let got = self.read(rank, id, reduced, true);
-                if plan.param(param).owner.is_some() {
-                    self.ranks[rank as usize]
-                        .versions
-                        .insert(param, Version::Updated);
-                }
-                if self.mode == Mode::Step {
-                    self.check_consumed(rank, id, param, got);
-                }
-            }
+            } => self.unpack(rank, id, bucket, micro_batch, accumulate),
+            Op::Optimizer { param, .. } => self.optimizer(rank, id, param),
             // The norm and the clip read the reduced gradients without handing them on;
             // a clip scales them without changing whose contributions they hold.
             Op::GradNorm | Op::Clip => {
@@ -494,6 +344,218 @@ impl<'p> Walk<'p> {
             | Op::Exchange { .. }
             | Op::Gather { .. }
             | Op::Publish { .. } => {}
+        }
+    }
+
+    /// `grad_ready`: each parameter of `layer` gets this rank's gradient of micro-batch
+    /// `mb`, unreduced.
+    fn grad_ready(&mut self, rank: u32, mb: u32, layer: u32) {
+        for (i, _) in self
+            .plan
+            .params
+            .iter()
+            .enumerate()
+            .filter(|(_, p)| p.spec.layer == layer)
+        {
+            let grad = Buffer::Grad {
+                param: i as ParamId,
+                micro_batch: mb,
+            };
+            let value = Value {
+                level: Level::Local,
+                set: Contribs::one(self.world, mb, rank),
+                twice: Contribs::empty(self.world),
+            };
+            self.write(rank, grad, value);
+        }
+    }
+
+    /// `accumulate` (no_sync): hands each gradient of the bucket on to (or into) its
+    /// no_sync accumulation.
+    fn accumulate(
+        &mut self,
+        rank: u32,
+        id: NodeId,
+        bucket: BucketId,
+        micro_batch: u32,
+        accumulate: bool,
+    ) {
+        for &p in &self.plan.bucket(bucket).params {
+            let grad = Buffer::Grad {
+                param: p,
+                micro_batch,
+            };
+            if let Some(g) = self.read(rank, id, grad, true) {
+                self.store(rank, id, Buffer::Accum { param: p }, g, accumulate);
+            }
+        }
+    }
+
+    /// `pack`: the send buffer gets the bucket's gradients (plus, `with_accum`, their
+    /// no_sync accumulations), which must all carry the same contributions.
+    fn pack(
+        &mut self,
+        rank: u32,
+        id: NodeId,
+        bucket: BucketId,
+        micro_batch: u32,
+        with_accum: bool,
+    ) {
+        let mut packed: Option<Value> = None;
+        for &p in &self.plan.bucket(bucket).params {
+            let Some(t) = self.packed_gradient(rank, id, p, micro_batch, with_accum) else {
+                continue;
+            };
+            match &packed {
+                Some(b) if *b != t => {
+                    let detail = format!(
+                        "packs parameters carrying different gradients ({} and {})",
+                        b.describe(),
+                        t.describe()
+                    );
+                    self.report(ACCOUNTING, rank, id, detail);
+                }
+                Some(_) => {}
+                None => packed = Some(t),
+            }
+        }
+        if let Some(t) = packed {
+            let send = Buffer::Send {
+                bucket,
+                micro_batch,
+            };
+            self.write(rank, send, t);
+        }
+    }
+
+    /// What a pack takes of one parameter: its gradient, plus (`with_accum`) its no_sync
+    /// accumulation; without, a live accumulation left behind is a violation.
+    fn packed_gradient(
+        &mut self,
+        rank: u32,
+        id: NodeId,
+        p: ParamId,
+        micro_batch: u32,
+        with_accum: bool,
+    ) -> Option<Value> {
+        let grad = Buffer::Grad {
+            param: p,
+            micro_batch,
+        };
+        let g = self.read(rank, id, grad, true)?;
+        let accum = Buffer::Accum { param: p };
+        if with_accum {
+            return Some(match self.read(rank, id, accum, true) {
+                Some(a) => self.sum(rank, id, &a, &g, SumInto::Buffer(accum)),
+                None => g,
+            });
+        }
+        if let Some(a) = self.live(rank, &accum) {
+            let detail = format!(
+                "leaves the no_sync accumulation {} of `{}` behind",
+                a.describe(),
+                self.plan.param(p).spec.name
+            );
+            self.report(ACCOUNTING, rank, id, detail);
+        }
+        Some(g)
+    }
+
+    /// `fold` (replicate gate off): hands Stage 1's output on to (or into) the partial.
+    fn fold(
+        &mut self,
+        rank: u32,
+        id: NodeId,
+        bucket: BucketId,
+        micro_batch: u32,
+        accumulate: bool,
+    ) {
+        let s1 = Buffer::Stage1Out {
+            bucket,
+            micro_batch,
+        };
+        if let Some(v) = self.read(rank, id, s1, true) {
+            self.store(rank, id, Buffer::Partial { bucket }, v, accumulate);
+        }
+    }
+
+    /// `fold_partial`: hands the partial on into Stage 1's output, before Stage 2.
+    fn fold_partial(&mut self, rank: u32, id: NodeId, bucket: BucketId, micro_batch: u32) {
+        let partial = Buffer::Partial { bucket };
+        if let Some(p) = self.read(rank, id, partial, true) {
+            let s1 = Buffer::Stage1Out {
+                bucket,
+                micro_batch,
+            };
+            self.store(rank, id, s1, p, true);
+        }
+    }
+
+    /// `combine` (copy transport): the stage's output is the sum of the rank's own input
+    /// and the chunks its exchange received, both of the level the stage reduces from.
+    fn combine(&mut self, rank: u32, id: NodeId, bucket: BucketId, micro_batch: u32, stage: u8) {
+        let (src, holds) = self.plan.stage_input(bucket, micro_batch, stage, rank);
+        if !holds {
+            return; // `exchange-combined-once` reports it.
+        }
+        let (from, to) = Level::of_stage(stage);
+        let recv = Buffer::Recv {
+            bucket,
+            micro_batch,
+            stage,
+        };
+        let own = self.read(rank, id, src, true);
+        let others = self.read(rank, id, recv, true);
+        let mut sum: Option<Value> = None;
+        for v in [own, others].into_iter().flatten() {
+            if v.level != from {
+                let detail = format!("reduces {}, which is not {}", v.describe(), from.describe());
+                self.report(ACCOUNTING, rank, id, detail);
+            }
+            sum = Some(match sum {
+                Some(acc) => self.sum(rank, id, &acc, &v, SumInto::Text("the chunks it combines")),
+                None => v,
+            });
+        }
+        if let Some(v) = sum {
+            let out = Plan::stage_output(bucket, micro_batch, stage);
+            self.write(rank, out, Value { level: to, ..v });
+        }
+    }
+
+    /// `unpack`: hands Stage 2's output on to (or into) each parameter's reduced gradient.
+    fn unpack(
+        &mut self,
+        rank: u32,
+        id: NodeId,
+        bucket: BucketId,
+        micro_batch: u32,
+        accumulate: bool,
+    ) {
+        let s2 = Buffer::Stage2Out {
+            bucket,
+            micro_batch,
+        };
+        if let Some(v) = self.read(rank, id, s2, true) {
+            for &p in &self.plan.bucket(bucket).params {
+                let reduced = Buffer::Reduced { param: p };
+                self.store(rank, id, reduced, v.clone(), accumulate);
+            }
+        }
+    }
+
+    /// `optimizer`: consumes the reduced gradient (in `Step` mode it must be the no_sync
+    /// reference) and, for an owned parameter, marks the rank's copy updated.
+    fn optimizer(&mut self, rank: u32, id: NodeId, param: ParamId) {
+        let reduced = Buffer::Reduced { param };
+        let got = self.read(rank, id, reduced, true);
+        if self.plan.param(param).owner.is_some() {
+            self.ranks[rank as usize]
+                .versions
+                .insert(param, Version::Updated);
+        }
+        if self.mode == Mode::Step {
+            self.check_consumed(rank, id, param, got);
         }
     }
 
