@@ -358,179 +358,208 @@ fn stage1_consumed_once(plan: &Plan, rank: u32, nodes: &[Node], out: &mut Vec<Vi
     }
 }
 
-/// Counts one more use of what `key` opened, or calls `missing` when nothing did.
-fn tally<K: Ord, V>(open: &mut BTreeMap<K, (V, u32)>, key: K, missing: impl FnOnce()) {
+/// Counts one more use of what `key` opened; false when nothing did.
+fn tally<K: Ord, V>(open: &mut BTreeMap<K, (V, u32)>, key: K) -> bool {
     match open.get_mut(&key) {
-        Some((_, k)) => *k += 1,
-        None => missing(),
+        Some((_, k)) => {
+            *k += 1;
+            true
+        }
+        None => false,
     }
 }
 
+/// `exchange-combined-once` on one rank: its copy-transport stages followed in serial
+/// order.
 fn exchange_combined_once(plan: &Plan, rank: u32, nodes: &[Node], out: &mut Vec<Violation>) {
-    // (bucket, micro-batch, stage) -> the exchange seen so far, and how often combined.
-    let mut open: BTreeMap<(u32, u32, u8), (&Node, u32)> = BTreeMap::new();
-    // The same for all-reduce combines, and how often gathered.
-    let mut reduced: BTreeMap<(u32, u32, u8), (&Node, u32)> = BTreeMap::new();
-    // All-reduce outputs combined but not yet gathered: only this rank's chunk is there.
-    let mut partial: BTreeMap<Buffer, &Node> = BTreeMap::new();
+    let mut walk = CopyStages {
+        plan,
+        rank,
+        open: BTreeMap::new(),
+        reduced: BTreeMap::new(),
+        partial: BTreeMap::new(),
+        out,
+    };
     for n in nodes {
-        if !partial.is_empty() && !matches!(n.op, Op::Gather { .. }) {
-            for b in plan.access(rank, n).reads {
-                if let Some(c) = partial.get(&b) {
-                    out.push(violation(
-                        "exchange-combined-once",
-                        rank,
-                        Some(n),
-                        format!(
-                            "{} reads {} between {} and its gather: only this rank's chunk is reduced there yet",
-                            plan.label(n),
-                            b,
-                            plan.label(c)
-                        ),
-                    ));
-                }
-            }
-        }
+        walk.check_reads_before_gather(n);
         match n.op {
             Op::Gather {
                 bucket,
                 micro_batch,
                 stage,
                 collective,
-            } => {
-                partial.remove(&Plan::stage_output(bucket, micro_batch, stage));
-                // A gather moves on its exchange's communicator (the copy rings are there).
-                if let Some((x, _)) = open.get(&(bucket, micro_batch, stage)) {
-                    if x.stream != n.stream {
-                        out.push(violation(
-                            "exchange-combined-once",
-                            rank,
-                            Some(n),
-                            format!(
-                                "{} runs on the {} stream, but its exchange {} on {}: a gather moves on its exchange's communicator",
-                                plan.label(n),
-                                n.stream,
-                                plan.label(x),
-                                x.stream
-                            ),
-                        ));
-                    }
-                }
-                if collective.kind != CollectiveKind::AllReduce {
-                    out.push(violation(
-                        "exchange-combined-once",
-                        rank,
-                        Some(n),
-                        format!(
-                            "{} gathers the result of a {}; only an all-reduce's chunks are gathered",
-                            plan.label(n),
-                            collective.kind.name()
-                        ),
-                    ));
-                    continue;
-                }
-                tally(&mut reduced, (bucket, micro_batch, stage), || {
-                    out.push(violation(
-                        "exchange-combined-once",
-                        rank,
-                        Some(n),
-                        format!(
-                            "{} hands out a chunk no earlier combine reduced",
-                            plan.label(n)
-                        ),
-                    ))
-                });
-            }
+            } => walk.gather(n, (bucket, micro_batch, stage), collective),
             Op::Exchange {
                 bucket,
                 micro_batch,
                 stage,
                 ..
-            } => {
-                let (_, holds) = plan.stage_input(bucket, micro_batch, stage, rank);
-                if holds {
-                    if let Some((prev, _)) = open.insert((bucket, micro_batch, stage), (n, 0)) {
-                        out.push(violation(
-                            "exchange-combined-once",
-                            rank,
-                            Some(n),
-                            format!(
-                                "{} exchanges again what {} already exchanged",
-                                plan.label(n),
-                                plan.label(prev)
-                            ),
-                        ));
-                    }
-                }
-            }
+            } => walk.exchange(n, (bucket, micro_batch, stage)),
             Op::Combine {
                 bucket,
                 micro_batch,
                 stage,
-                ..
-            } => {
-                let (_, holds) = plan.stage_input(bucket, micro_batch, stage, rank);
-                if !holds {
-                    out.push(violation(
-                        "exchange-combined-once",
-                        rank,
-                        Some(n),
-                        format!(
-                            "{} runs on rank {rank}, which does not receive the stage's result",
-                            plan.label(n)
-                        ),
-                    ));
-                    continue;
-                }
-                tally(&mut open, (bucket, micro_batch, stage), || {
-                    out.push(violation(
-                        "exchange-combined-once",
-                        rank,
-                        Some(n),
-                        format!(
-                            "{} combines chunks no earlier exchange received",
-                            plan.label(n)
-                        ),
-                    ))
-                });
-                if let Op::Combine { collective, .. } = n.op {
-                    if collective.kind == CollectiveKind::AllReduce {
-                        reduced.insert((bucket, micro_batch, stage), (n, 0));
-                        partial.insert(Plan::stage_output(bucket, micro_batch, stage), n);
-                    }
-                }
-            }
+                collective,
+            } => walk.combine(n, (bucket, micro_batch, stage), collective),
             _ => {}
         }
     }
-    for (x, k) in open.into_values() {
-        if k != 1 {
-            let what = if k == 0 {
-                "is never combined: the chunks it received would be lost".to_string()
-            } else {
-                format!("is combined {k} times: its chunks would be counted {k} times")
-            };
-            out.push(violation(
-                "exchange-combined-once",
-                rank,
-                Some(x),
-                format!("{} {what}", plan.label(x)),
-            ));
+    walk.finish();
+}
+
+/// A copy-transport stage: (bucket, micro-batch, stage).
+type StageKey = (u32, u32, u8);
+
+/// One rank's exchanges, combines and gathers seen so far, for `exchange-combined-once`.
+struct CopyStages<'a, 'o> {
+    plan: &'a Plan,
+    rank: u32,
+    /// Each stage's exchange seen so far, and how often it was combined.
+    open: BTreeMap<StageKey, (&'a Node, u32)>,
+    /// The same for all-reduce combines, and how often each was gathered.
+    reduced: BTreeMap<StageKey, (&'a Node, u32)>,
+    /// All-reduce outputs combined but not yet gathered: only this rank's chunk is there.
+    partial: BTreeMap<Buffer, &'a Node>,
+    out: &'o mut Vec<Violation>,
+}
+
+impl<'a> CopyStages<'a, '_> {
+    /// Reports a violation of `exchange-combined-once` at node `n`.
+    fn flag(&mut self, n: &Node, detail: String) {
+        self.out.push(violation(
+            "exchange-combined-once",
+            self.rank,
+            Some(n),
+            detail,
+        ));
+    }
+
+    /// Nothing but its gather reads an all-reduce's output between its combine and the
+    /// gather: only this rank's chunk is reduced there yet.
+    fn check_reads_before_gather(&mut self, n: &Node) {
+        if self.partial.is_empty() || matches!(n.op, Op::Gather { .. }) {
+            return;
+        }
+        for b in self.plan.access(self.rank, n).reads {
+            if let Some(c) = self.partial.get(&b) {
+                let detail = format!(
+                    "{} reads {} between {} and its gather: only this rank's chunk is reduced there yet",
+                    self.plan.label(n),
+                    b,
+                    self.plan.label(c)
+                );
+                self.flag(n, detail);
+            }
         }
     }
-    for (c, k) in reduced.into_values() {
-        if k != 1 {
-            let what = if k == 0 {
-                "is never gathered: the other replicas would miss the chunk it reduced".to_string()
-            } else {
-                format!("is gathered {k} times")
-            };
-            out.push(violation(
-                "exchange-combined-once",
-                rank,
-                Some(c),
-                format!("{} {what}", plan.label(c)),
-            ));
+
+    /// A gather: on its exchange's stream, of an all-reduce, after a combine reduced the
+    /// chunk it hands out.
+    fn gather(&mut self, n: &'a Node, key: StageKey, collective: Collective) {
+        let plan = self.plan;
+        let (bucket, micro_batch, stage) = key;
+        self.partial
+            .remove(&Plan::stage_output(bucket, micro_batch, stage));
+        // A gather moves on its exchange's communicator (the copy rings are there).
+        if let Some(&(x, _)) = self.open.get(&key) {
+            if x.stream != n.stream {
+                let detail = format!(
+                    "{} runs on the {} stream, but its exchange {} on {}: a gather moves on its exchange's communicator",
+                    plan.label(n),
+                    n.stream,
+                    plan.label(x),
+                    x.stream
+                );
+                self.flag(n, detail);
+            }
+        }
+        if collective.kind != CollectiveKind::AllReduce {
+            let detail = format!(
+                "{} gathers the result of a {}; only an all-reduce's chunks are gathered",
+                plan.label(n),
+                collective.kind.name()
+            );
+            self.flag(n, detail);
+            return;
+        }
+        if !tally(&mut self.reduced, key) {
+            let detail = format!(
+                "{} hands out a chunk no earlier combine reduced",
+                plan.label(n)
+            );
+            self.flag(n, detail);
+        }
+    }
+
+    /// An exchange on a rank that receives the stage's result opens the stage, once.
+    fn exchange(&mut self, n: &'a Node, key: StageKey) {
+        let (bucket, micro_batch, stage) = key;
+        let (_, holds) = self.plan.stage_input(bucket, micro_batch, stage, self.rank);
+        if holds {
+            if let Some((prev, _)) = self.open.insert(key, (n, 0)) {
+                let detail = format!(
+                    "{} exchanges again what {} already exchanged",
+                    self.plan.label(n),
+                    self.plan.label(prev)
+                );
+                self.flag(n, detail);
+            }
+        }
+    }
+
+    /// A combine: on a rank that receives the stage's result, after its exchange; an
+    /// all-reduce's combine opens its gather.
+    fn combine(&mut self, n: &'a Node, key: StageKey, collective: Collective) {
+        let (bucket, micro_batch, stage) = key;
+        let (_, holds) = self.plan.stage_input(bucket, micro_batch, stage, self.rank);
+        if !holds {
+            let detail = format!(
+                "{} runs on rank {}, which does not receive the stage's result",
+                self.plan.label(n),
+                self.rank
+            );
+            self.flag(n, detail);
+            return;
+        }
+        if !tally(&mut self.open, key) {
+            let detail = format!(
+                "{} combines chunks no earlier exchange received",
+                self.plan.label(n)
+            );
+            self.flag(n, detail);
+        }
+        if collective.kind == CollectiveKind::AllReduce {
+            self.reduced.insert(key, (n, 0));
+            self.partial
+                .insert(Plan::stage_output(bucket, micro_batch, stage), n);
+        }
+    }
+
+    /// At the end of the rank: every exchange combined exactly once, every all-reduce
+    /// combine gathered exactly once.
+    fn finish(mut self) {
+        for (x, k) in std::mem::take(&mut self.open).into_values() {
+            if k != 1 {
+                let what = if k == 0 {
+                    "is never combined: the chunks it received would be lost".to_string()
+                } else {
+                    format!("is combined {k} times: its chunks would be counted {k} times")
+                };
+                let detail = format!("{} {what}", self.plan.label(x));
+                self.flag(x, detail);
+            }
+        }
+        for (c, k) in std::mem::take(&mut self.reduced).into_values() {
+            if k != 1 {
+                let what = if k == 0 {
+                    "is never gathered: the other replicas would miss the chunk it reduced"
+                        .to_string()
+                } else {
+                    format!("is gathered {k} times")
+                };
+                let detail = format!("{} {what}", self.plan.label(c));
+                self.flag(c, detail);
+            }
         }
     }
 }
