@@ -4,8 +4,9 @@
 //! stream, and every rank's parameters, optimizer state, gradients and plans in this
 //! process's memory. [`check_cpu`] refuses a job the backend cannot drive (more than
 //! [`MAX_RANKS`](overlap_ops::cpu::MAX_RANKS) ranks) or the machine cannot hold (an [`estimate_cpu`] above the
-//! memory the kernel says is available), with an error that names the estimate and
-//! what is available. `overlap run` and `overlap verify` call it before starting a
+//! memory available to the process: the smallest of what the kernel says is available,
+//! what its address-space limit leaves, and what its cgroup's memory limit leaves), with
+//! an error that names the estimate, what is available and which bound decided it. `overlap run` and `overlap verify` call it before starting a
 //! session; a trainer that builds a [`Session::cpu`](crate::Session::cpu) can too.
 //!
 //! The estimate is an upper bound of the steady state, not a measurement: every
@@ -187,11 +188,101 @@ pub fn estimate_cpu(config: &Config, planner: &Planner, sessions: u32) -> Memory
     }
 }
 
-/// The memory available to new allocations, in bytes: `MemAvailable` of
-/// `/proc/meminfo` on Linux; `None` where it cannot be read (then nothing is refused).
+/// Address space a stream thread reserves beyond what it touches: its stack (2 MiB, the
+/// standard library's default) and, for the first threads, an allocator arena (glibc
+/// reserves 64 MiB of address space per arena, at most 8 per core). Only a limit on the
+/// address space (`ulimit -v`, `prlimit --as`) counts it.
+pub const THREAD_ADDRESS_BYTES: u64 = 2 << 20;
+/// Address space one allocator arena reserves (glibc's `HEAP_MAX_SIZE` on 64-bit).
+pub const ARENA_ADDRESS_BYTES: u64 = 64 << 20;
+
+/// What bounds the memory a job may take, and how much of it is left.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Available {
+    /// Bytes left.
+    pub bytes: u64,
+    /// Which bound: `MemAvailable in /proc/meminfo`, `the address-space limit (ulimit
+    /// -v)`, or `the cgroup's memory.max`.
+    pub bound: &'static str,
+    /// Whether the bound counts address space reserved but not touched.
+    pub address_space: bool,
+}
+
+/// The memory available to new allocations, in bytes: the smallest of `MemAvailable` of
+/// `/proc/meminfo`, what the process's address-space limit leaves, and what its cgroup's
+/// memory limit leaves; `None` where none can be read (then nothing is refused).
 pub fn available_memory() -> Option<u64> {
-    let text = std::fs::read_to_string("/proc/meminfo").ok()?;
-    meminfo_available(&text)
+    available().map(|a| a.bytes)
+}
+
+/// [`available_memory`], with the bound that decides it.
+pub fn available() -> Option<Available> {
+    let read = |path: &str| std::fs::read_to_string(path).ok();
+    let meminfo = read("/proc/meminfo")
+        .and_then(|t| meminfo_available(&t))
+        .map(|bytes| Available {
+            bytes,
+            bound: "MemAvailable in /proc/meminfo",
+            address_space: false,
+        });
+    let address = read("/proc/self/limits")
+        .and_then(|t| address_space_limit(&t))
+        .map(|limit| {
+            let used = read("/proc/self/status")
+                .and_then(|t| status_kib(&t, "VmSize:"))
+                .unwrap_or(0);
+            Available {
+                bytes: limit.saturating_sub(used),
+                bound: "the address-space limit (ulimit -v)",
+                address_space: true,
+            }
+        });
+    let cgroup = cgroup_left(&read).map(|bytes| Available {
+        bytes,
+        bound: "the cgroup's memory.max",
+        address_space: false,
+    });
+    [meminfo, address, cgroup]
+        .into_iter()
+        .flatten()
+        .min_by_key(|a| a.bytes)
+}
+
+/// The soft `Max address space` of a `/proc/self/limits` text, in bytes; `None` when
+/// unlimited or unreadable.
+pub fn address_space_limit(limits: &str) -> Option<u64> {
+    let line = limits
+        .lines()
+        .find(|l| l.starts_with("Max address space"))?;
+    line["Max address space".len()..]
+        .split_whitespace()
+        .next()?
+        .parse()
+        .ok()
+}
+
+/// A `kB` field of a `/proc/self/status` text (`VmSize:`), in bytes.
+pub fn status_kib(status: &str, field: &str) -> Option<u64> {
+    let line = status.lines().find(|l| l.starts_with(field))?;
+    let kib: u64 = line[field.len()..]
+        .split_whitespace()
+        .next()?
+        .parse()
+        .ok()?;
+    kib.checked_mul(1024)
+}
+
+/// What the process's cgroup (v2) still allows: `memory.max − memory.current` of the
+/// cgroup `/proc/self/cgroup` names; `None` without a limit (`max`) or a cgroup v2.
+fn cgroup_left(read: &dyn Fn(&str) -> Option<String>) -> Option<u64> {
+    let cgroups = read("/proc/self/cgroup")?;
+    let path = cgroups.lines().find_map(|l| l.strip_prefix("0::"))?;
+    let dir = format!("/sys/fs/cgroup{}", path.trim_end());
+    let max: u64 = read(&format!("{dir}/memory.max"))?.trim().parse().ok()?;
+    let current: u64 = read(&format!("{dir}/memory.current"))
+        .and_then(|t| t.trim().parse().ok())
+        .unwrap_or(0);
+    Some(max.saturating_sub(current))
 }
 
 /// `MemAvailable` of a `/proc/meminfo` text, in bytes.
@@ -205,19 +296,56 @@ pub fn meminfo_available(text: &str) -> Option<u64> {
     }
 }
 
-/// Refuses a job whose estimate passes what is available (`None`: unknown, accepted).
+/// Refuses a job whose estimate passes what is available (`None`: unknown, accepted),
+/// read as `MemAvailable` of `/proc/meminfo`.
 pub fn check_memory(
     estimate: &MemoryEstimate,
     available: Option<u64>,
     what: &str,
 ) -> Result<(), Error> {
-    match available {
-        Some(avail) if estimate.total() > avail => Err(Error::Resources(format!(
-            "{what} needs about {estimate}, but this machine has {} available (MemAvailable in /proc/meminfo); use a smaller model, mesh or fewer micro-batches",
-            human(avail)
-        ))),
-        _ => Ok(()),
+    let available = available.map(|bytes| Available {
+        bytes,
+        bound: "MemAvailable in /proc/meminfo",
+        address_space: false,
+    });
+    check_within(estimate, 0, available, what)
+}
+
+/// Refuses a job whose estimate (plus `reserved` bytes of address space its threads
+/// reserve, where the bound counts address space) passes what is available, naming
+/// the bound.
+pub fn check_within(
+    estimate: &MemoryEstimate,
+    reserved: u64,
+    available: Option<Available>,
+    what: &str,
+) -> Result<(), Error> {
+    let Some(a) = available else { return Ok(()) };
+    let extra = if a.address_space { reserved } else { 0 };
+    let needs = estimate.total().saturating_add(extra);
+    if needs <= a.bytes {
+        return Ok(());
     }
+    let reserve = if extra > 0 {
+        format!(" and {} of address space its threads reserve", human(extra))
+    } else {
+        String::new()
+    };
+    Err(Error::Resources(format!(
+        "{what} needs about {estimate}{reserve}, but this machine has {} available ({}); use a smaller model, mesh or fewer micro-batches",
+        human(a.bytes),
+        a.bound
+    )))
+}
+
+/// Address space that `threads` stream threads reserve beyond what they touch
+/// ([`THREAD_ADDRESS_BYTES`] each, and an allocator arena for up to 8 per core).
+pub fn thread_address_bytes(threads: u64) -> u64 {
+    let cores = std::thread::available_parallelism().map_or(1, |n| n.get() as u64);
+    let arenas = threads.min(8 * cores);
+    threads
+        .saturating_mul(THREAD_ADDRESS_BYTES)
+        .saturating_add(arenas.saturating_mul(ARENA_ADDRESS_BYTES))
 }
 
 /// Checks, before anything is allocated, that the CPU backend can run `sessions`
@@ -244,12 +372,55 @@ pub fn check_cpu(config: &Config, sessions: u32) -> Result<MemoryEstimate, Error
             String::new()
         }
     );
-    check_memory(&estimate, available_memory(), &what)?;
+    let threads = u64::from(config.plan.mesh.world())
+        .saturating_mul(Stream::ALL.len() as u64)
+        .saturating_mul(u64::from(sessions));
+    check_within(&estimate, thread_address_bytes(threads), available(), &what)?;
     Ok(estimate)
 }
 
 #[cfg(test)]
 mod tests {
+    #[test]
+    fn the_address_space_limit_and_the_process_size_are_read_from_proc() {
+        let limits = "Limit                     Soft Limit           Hard Limit           Units\nMax stack size            8388608              unlimited            bytes\nMax address space         4294967296           unlimited            bytes\n";
+        assert_eq!(super::address_space_limit(limits), Some(4 << 30));
+        let unlimited =
+            "Max address space         unlimited            unlimited            bytes\n";
+        assert_eq!(super::address_space_limit(unlimited), None);
+        assert_eq!(
+            super::status_kib("VmPeak:  9 kB\nVmSize:   2048 kB\n", "VmSize:"),
+            Some(2 << 20)
+        );
+        assert_eq!(super::status_kib("VmSize: x kB\n", "VmSize:"), None);
+    }
+
+    #[test]
+    fn an_address_space_bound_counts_what_threads_reserve_and_names_itself() {
+        let e = super::MemoryEstimate {
+            params: 1 << 30,
+            ..Default::default()
+        };
+        let a = super::Available {
+            bytes: (1 << 30) + (1 << 20),
+            bound: "the address-space limit (ulimit -v)",
+            address_space: true,
+        };
+        let msg = super::check_within(&e, 64 << 20, Some(a), "job")
+            .unwrap_err()
+            .to_string();
+        assert!(
+            msg.contains("ulimit -v") && msg.contains("address space its threads reserve"),
+            "{msg}"
+        );
+        // The same bytes of physical memory are enough: reservations cost nothing there.
+        let m = super::Available {
+            address_space: false,
+            ..a
+        };
+        assert!(super::check_within(&e, 64 << 20, Some(m), "job").is_ok());
+    }
+
     use super::*;
 
     #[test]

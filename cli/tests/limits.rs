@@ -73,6 +73,39 @@ fn cli_refuses_a_job_the_machine_cannot_hold_with_the_estimate() {
     }
 }
 
+/// `verify` of a 2x1 job with a 400 MB parameter under a 4 GiB address-space limit
+/// (`prlimit --as`, `ulimit -v`): it would take about 9 GB, and used to abort on a failed
+/// allocation (signal 6); it is exit 2 naming the limit, before any allocation.
+#[cfg(target_os = "linux")]
+#[test]
+fn cli_respects_the_address_space_limit() {
+    use std::os::unix::process::CommandExt;
+    let f = scratch(
+        "address.toml",
+        "[mesh]\nshard = 2\nreplicate = 1\n[[param]]\nname = \"w\"\nshape = [100000000]\nroute = \"fsdp\"\n",
+    );
+    for cmd in ["verify", "run"] {
+        let mut c = Command::new(env!("CARGO_BIN_EXE_overlap"));
+        c.args([cmd, "--config", &f, "--backend", "cpu"]);
+        // SAFETY: setrlimit is async-signal-safe, and the closure touches nothing else.
+        unsafe {
+            c.pre_exec(|| {
+                let lim = libc::rlimit {
+                    rlim_cur: 4 << 30,
+                    rlim_max: 4 << 30,
+                };
+                if libc::setrlimit(libc::RLIMIT_AS, &lim) == 0 {
+                    Ok(())
+                } else {
+                    Err(std::io::Error::last_os_error())
+                }
+            });
+        }
+        let o = c.output().expect("the binary runs");
+        exits(&o, 2, &["needs about", "address-space limit (ulimit -v)"]);
+    }
+}
+
 #[test]
 fn cli_config_limits_are_exit_2_naming_the_key() {
     for (name, text, key) in [
