@@ -1,0 +1,194 @@
+//! The CUDA backend's held optimizer kernels on a real GPU (`ops/src/cuda/defer.rs`):
+//! what the backend holds is issued before anything the caller issues after it, so the
+//! results are those of the kernels run one by one in launch order, bit for bit against
+//! the reference math.
+//!
+//! Needs a GPU: without one every test says so and passes, unless `OVERLAP_GPU_TESTS=1`
+//! is set, when failing to open the GPU fails them. On the GPU machine:
+//!
+//! ```sh
+//! cargo test --release -p overlap-ops --features cuda --test cuda_tail --no-run   # builds it
+//! OVERLAP_GPU_TESTS=1 LD_LIBRARY_PATH=/usr/local/cuda/lib64 target/release/deps/cuda_tail-<hash> --test-threads 1
+//! ```
+#![cfg(feature = "cuda")]
+
+use std::time::{Duration, Instant};
+
+use overlap_ops::cuda::{CudaBackend, CudaBuffer, CudaOptions};
+use overlap_ops::graph::{Mesh, Stream};
+use overlap_ops::{math, AdamwParams, Backend, EventStatus, Kernel, MuonParams, NsDtype, Tag};
+
+fn gpu() -> Option<CudaBackend> {
+    let opened = CudaBackend::new(CudaOptions {
+        mesh: Mesh::new(1, 1).unwrap(),
+        rank: 0,
+        device: 0,
+        timings: false,
+        uniform_priority: false,
+    });
+    match opened {
+        Ok(b) => Some(b),
+        Err(e) if std::env::var("OVERLAP_GPU_TESTS").as_deref() == Ok("1") => {
+            panic!("OVERLAP_GPU_TESTS=1 but the GPU does not open: {e}")
+        }
+        Err(e) => {
+            eprintln!("no GPU ({e}): skipped");
+            None
+        }
+    }
+}
+
+const TAG: Tag = Tag {
+    node: 0,
+    op: "test",
+    micro_batch: 0,
+};
+
+fn buffer(b: &CudaBackend, data: &[f32]) -> CudaBuffer {
+    let buf = b.alloc(0, data.len()).unwrap();
+    b.upload(&buf, data).unwrap();
+    buf
+}
+
+/// Waits for an event recorded on `stream` and checks that nothing failed.
+fn sync(b: &CudaBackend, stream: Stream) {
+    let ev = b.event(0);
+    b.record(0, stream, &ev);
+    let deadline = Instant::now() + Duration::from_secs(60);
+    loop {
+        match b.status(&ev) {
+            EventStatus::Complete => break,
+            EventStatus::Pending if Instant::now() < deadline => {
+                std::thread::sleep(Duration::from_micros(100))
+            }
+            EventStatus::Pending => panic!("the GPU did not finish in 60 s"),
+            EventStatus::Failed(e) => panic!("a kernel failed: {e}"),
+        }
+    }
+    let errors = b.errors();
+    assert!(errors.is_empty(), "{errors:?}");
+}
+
+fn adamw(p: &CudaBuffer, g: &CudaBuffer, s: &CudaBuffer, step: u64) -> Kernel<CudaBuffer> {
+    Kernel::Adamw {
+        param: p.clone(),
+        grad: g.clone(),
+        state: s.clone(),
+        hp: AdamwParams::default(),
+        step,
+    }
+}
+
+#[test]
+fn a_parameter_updated_twice_in_a_row_gets_both_steps_in_order() {
+    let Some(b) = gpu() else { return };
+    let n = 10_001;
+    let (p0, g) = (math::pseudo_random(n, 1), math::pseudo_random(n, 2));
+    let (pb, gb, sb) = (buffer(&b, &p0), buffer(&b, &g), b.alloc(0, 2 * n).unwrap());
+    // A second parameter held between the two steps of the first.
+    let q0 = math::pseudo_random(300, 3);
+    let (qb, hb, tb) = (
+        buffer(&b, &q0),
+        buffer(&b, &math::pseudo_random(300, 4)),
+        b.alloc(0, 600).unwrap(),
+    );
+    b.launch(0, Stream::Compute, TAG, adamw(&pb, &gb, &sb, 1));
+    b.launch(0, Stream::Compute, TAG, adamw(&qb, &hb, &tb, 1));
+    b.launch(0, Stream::Compute, TAG, adamw(&pb, &gb, &sb, 2));
+    sync(&b, Stream::Compute);
+    let (mut p, mut m, mut v) = (p0, vec![0.0; n], vec![0.0; n]);
+    for step in 1..=2 {
+        math::adamw(&mut p, &g, &mut m, &mut v, &AdamwParams::default(), step);
+    }
+    let s = b.download(&sb).unwrap();
+    assert_eq!(b.download(&pb).unwrap(), p);
+    assert_eq!((&s[..n], &s[n..]), (&m[..], &v[..]));
+}
+
+#[test]
+fn a_download_and_another_streams_wait_see_the_held_updates() {
+    let Some(b) = gpu() else { return };
+    let n = 4096;
+    let (p0, g) = (math::pseudo_random(n, 5), math::pseudo_random(n, 6));
+    let (pb, gb, sb) = (buffer(&b, &p0), buffer(&b, &g), b.alloc(0, 2 * n).unwrap());
+    let (mut p, mut m, mut v) = (p0, vec![0.0; n], vec![0.0; n]);
+    math::adamw(&mut p, &g, &mut m, &mut v, &AdamwParams::default(), 1);
+    // Held on compute; an event recorded there, waited for on reduce, then a copy of the
+    // parameter on reduce: the copy reads the updated values.
+    b.launch(0, Stream::Compute, TAG, adamw(&pb, &gb, &sb, 1));
+    let ev = b.event(0);
+    b.record(0, Stream::Compute, &ev);
+    b.wait(0, Stream::Reduce, &ev);
+    let copy = b.alloc(0, n).unwrap();
+    b.launch(
+        0,
+        Stream::Reduce,
+        TAG,
+        Kernel::Add {
+            dst: copy.clone(),
+            src: pb.clone(),
+            accumulate: false,
+        },
+    );
+    sync(&b, Stream::Reduce);
+    assert_eq!(b.download(&copy).unwrap(), p);
+    // Held and never followed by a record: the download issues it first.
+    b.launch(0, Stream::Compute, TAG, adamw(&pb, &gb, &sb, 2));
+    math::adamw(&mut p, &g, &mut m, &mut v, &AdamwParams::default(), 2);
+    std::thread::sleep(Duration::from_millis(20));
+    let _ = b.download(&gb).unwrap();
+    sync(&b, Stream::Compute);
+    assert_eq!(b.download(&pb).unwrap(), p);
+}
+
+#[test]
+fn muon_matrices_of_two_shapes_held_together_match_one_by_one() {
+    let Some(b) = gpu() else { return };
+    let hp = MuonParams {
+        ns_dtype: NsDtype::F32,
+        weight_decay: 0.1,
+        ..MuonParams::default()
+    };
+    let mut host = Vec::new();
+    for (i, (rows, cols)) in [(64usize, 48usize), (48, 64), (64, 48)]
+        .into_iter()
+        .enumerate()
+    {
+        let k = rows * cols;
+        let seed = 10 * i as u64;
+        let (p0, g, m0) = (
+            math::pseudo_random(k, seed),
+            math::pseudo_random(k, seed + 1),
+            math::pseudo_random(k, seed + 2),
+        );
+        let (pb, gb, mb) = (buffer(&b, &p0), buffer(&b, &g), buffer(&b, &m0));
+        b.launch(
+            0,
+            Stream::Compute,
+            TAG,
+            Kernel::Muon {
+                param: pb.clone(),
+                grad: gb,
+                momentum: mb.clone(),
+                rows,
+                cols,
+                hp,
+            },
+        );
+        host.push((rows, cols, p0, g, m0, pb, mb));
+    }
+    sync(&b, Stream::Compute);
+    for (rows, cols, p0, g, m0, pb, mb) in host {
+        let (mut p, mut m) = (p0.clone(), m0);
+        math::muon(&mut p, &g, &mut m, rows, cols, &hp);
+        assert_eq!(b.download(&mb).unwrap(), m, "{rows}x{cols} momentum");
+        let got = b.download(&pb).unwrap();
+        let (mut num, mut den) = (0.0f64, 0.0f64);
+        for ((a, r), o) in got.iter().zip(&p).zip(&p0) {
+            num += f64::from((a - o) - (r - o)).powi(2);
+            den += f64::from(r - o).powi(2);
+        }
+        let e = (num / den).sqrt();
+        assert!(e < 1e-4, "{rows}x{cols}: update rel err {e:.2e}");
+    }
+}
