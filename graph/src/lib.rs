@@ -29,6 +29,9 @@
 //! # Ok::<(), overlap_graph::PlanError>(())
 //! ```
 
+#![forbid(unsafe_code)]
+#![warn(missing_docs, unreachable_pub)]
+
 pub mod build;
 pub mod dag;
 mod error;

@@ -91,38 +91,80 @@ impl std::fmt::Display for Stream {
 #[serde(tag = "kind", rename_all = "snake_case", deny_unknown_fields)]
 pub enum Buffer {
     /// The trainer's full gradient of a parameter for one micro-batch.
-    Grad { param: ParamId, micro_batch: u32 },
+    Grad {
+        /// The parameter whose gradient it is.
+        param: ParamId,
+        /// The micro-batch whose backward produced it.
+        micro_batch: u32,
+    },
     /// The no_sync local accumulation of a parameter's full gradient.
-    Accum { param: ParamId },
+    Accum {
+        /// The parameter whose no_sync gradients it sums.
+        param: ParamId,
+    },
     /// A bucket's packed Stage-1 input for one micro-batch.
-    Send { bucket: BucketId, micro_batch: u32 },
+    Send {
+        /// The bucket whose gradients are packed into it.
+        bucket: BucketId,
+        /// The micro-batch whose gradients it carries (with the no_sync accumulation
+        /// when its `pack` has `with_accum`).
+        micro_batch: u32,
+    },
     /// A bucket's Stage-1 output (this rank's shard, or the owner's whole bucket).
-    Stage1Out { bucket: BucketId, micro_batch: u32 },
+    Stage1Out {
+        /// The bucket reduced.
+        bucket: BucketId,
+        /// The micro-batch whose Stage 1 wrote it.
+        micro_batch: u32,
+    },
     /// A bucket's partial: Stage-1 outputs of replicate-gate-off micro-batches.
-    Partial { bucket: BucketId },
+    Partial {
+        /// The bucket whose Stage-1 outputs it sums across the step's micro-batches.
+        bucket: BucketId,
+    },
     /// A bucket's Stage-2 output.
-    Stage2Out { bucket: BucketId, micro_batch: u32 },
+    Stage2Out {
+        /// The bucket reduced.
+        bucket: BucketId,
+        /// The gate-on micro-batch whose Stage 2 wrote it.
+        micro_batch: u32,
+    },
     /// Copy transport: the chunks the other members of a stage's group sent this rank,
     /// one after another in member order (`(n − 1) · count` elements), which the
     /// stage's [`Op::Combine`] reduces.
     Recv {
+        /// The bucket whose chunks it receives.
         bucket: BucketId,
+        /// The micro-batch whose stage the chunks belong to.
         micro_batch: u32,
+        /// The stage (1: shard group, 2: replicate group) whose exchange fills it.
         stage: u8,
     },
     /// The reduced gradient of a parameter the optimizer consumes (this rank's piece).
-    Reduced { param: ParamId },
+    Reduced {
+        /// The parameter whose reduced gradient it is.
+        param: ParamId,
+    },
     /// The parameter's values held by this rank (shard or whole).
-    Param { param: ParamId },
+    Param {
+        /// The parameter whose values it holds.
+        param: ParamId,
+    },
     /// The optimizer's state for this rank's piece of the parameter.
-    OptState { param: ParamId },
+    OptState {
+        /// The parameter whose optimizer state it is (AdamW moments or Muon momentum).
+        param: ParamId,
+    },
     /// Forward plans: a parameter's full values on this rank, gathered by an
     /// [`Op::Unshard`] for one micro-batch's forward or backward pass and freed by its
     /// [`Op::Reshard`]. Sharded routes: the all-gather's `S · chunk` elements, the
     /// parameter first and the padding after; owned routes: `numel`.
     Full {
+        /// The parameter gathered.
         param: ParamId,
+        /// The micro-batch whose pass reads it.
         micro_batch: u32,
+        /// The pass it serves: the forward, or the backward's own gather.
         pass: Pass,
     },
     /// One element: this rank's sum of squares of the reduced gradients it counts
@@ -367,38 +409,65 @@ pub enum OptimizerKind {
 #[serde(tag = "kind", rename_all = "snake_case", deny_unknown_fields)]
 pub enum Op {
     /// The trainer's backward produced the gradients of `layer` (writes their `grad` buffers).
-    GradReady { layer: u32 },
+    GradReady {
+        /// The layer whose backward finished (the trainer's `grad_ready(layer)`).
+        layer: u32,
+    },
     /// no_sync: `accum (+)= grad` for every parameter of the bucket.
     Accumulate {
+        /// The bucket whose parameters it works on.
         bucket: BucketId,
+        /// The no_sync micro-batch whose gradients are added.
         micro_batch: u32,
+        /// Add into the accumulation (`+=`); `false`: the step's first no_sync
+        /// micro-batch initialises it (`=`).
         accumulate: bool,
     },
     /// Copy the bucket's gradients (plus their no_sync accumulation) into the send buffer,
     /// in the Stage-1 layout.
     Pack {
+        /// The bucket whose parameters it works on.
         bucket: BucketId,
+        /// The micro-batch whose gradients are packed.
         micro_batch: u32,
+        /// Also add the no_sync accumulation of the earlier micro-batches (which this
+        /// pack consumes).
         with_accum: bool,
     },
     /// Stage 1 on the shard group: reduce-scatter or reduce to the owner's shard index.
     Stage1 {
+        /// The bucket whose parameters it works on.
         bucket: BucketId,
+        /// The micro-batch whose packed gradients are reduced.
         micro_batch: u32,
+        /// The call on the shard group: a reduce-scatter (sharded routes) or a reduce
+        /// rooted at the owner's shard index (owned routes).
         collective: Collective,
     },
     /// Replicate gate off: `partial (+)= stage1_out`.
     Fold {
+        /// The bucket whose parameters it works on.
         bucket: BucketId,
+        /// The replicate-gate-off micro-batch whose Stage-1 output is folded.
         micro_batch: u32,
+        /// Add into the partial (`+=`); `false`: the step's first fold initialises it.
         accumulate: bool,
     },
     /// Gate on: `stage1_out += partial`; the partial is released.
-    FoldPartial { bucket: BucketId, micro_batch: u32 },
+    FoldPartial {
+        /// The bucket whose parameters it works on.
+        bucket: BucketId,
+        /// The gate-on micro-batch whose Stage-1 output takes in the partial.
+        micro_batch: u32,
+    },
     /// Stage 2 on the replicate group: all-reduce, or reduce to the owner's replicate index.
     Stage2 {
+        /// The bucket whose parameters it works on.
         bucket: BucketId,
+        /// The gate-on micro-batch whose Stage-1 output is reduced.
         micro_batch: u32,
+        /// The call on the replicate group: an all-reduce (sharded routes) or a reduce
+        /// rooted at the owner's replicate index (owned routes).
         collective: Collective,
     },
     /// Copy transport, the moving half of a stage (`stage` 1 or 2): every member copies
@@ -406,9 +475,13 @@ pub enum Op {
     /// GPUs: copy engines over NVLink, no SMs). `collective` is the reduction the stage
     /// performs; every member of its group issues the same exchanges in the same order.
     Exchange {
+        /// The bucket whose parameters it works on.
         bucket: BucketId,
+        /// The micro-batch whose stage input is exchanged.
         micro_batch: u32,
+        /// The stage (1: shard group, 2: replicate group) whose chunks move.
         stage: u8,
+        /// The reduction the stage performs, whose chunks it moves.
         collective: Collective,
     },
     /// Copy transport, the arithmetic half of a stage: the rank's own contribution plus
@@ -417,9 +490,13 @@ pub enum Op {
     /// [`Collective::member_chunk`]). Local: it may be bound to any stream and issued
     /// later than its exchange (`[overlap] combine_lag`).
     Combine {
+        /// The bucket whose parameters it works on.
         bucket: BucketId,
+        /// The micro-batch whose stage it completes.
         micro_batch: u32,
+        /// The stage (1 or 2) whose received chunks it reduces.
         stage: u8,
+        /// The reduction the stage performs: its operator, dtype and chunks.
         collective: Collective,
     },
     /// Copy transport, the last third of an all-reduce stage: after its combine, every
@@ -427,15 +504,23 @@ pub enum Op {
     /// copy engines, no SMs), so every replica ends with the whole result. Cross-rank,
     /// on the exchange's stream (its communicator), in the same order on every member.
     Gather {
+        /// The bucket whose parameters it works on.
         bucket: BucketId,
+        /// The micro-batch whose stage output is gathered.
         micro_batch: u32,
+        /// The stage whose all-reduced output it completes on every member.
         stage: u8,
+        /// The stage's all-reduce, whose member chunks it hands around.
         collective: Collective,
     },
     /// Scatter the Stage-2 output into each parameter's reduced gradient (`(+)=`).
     Unpack {
+        /// The bucket whose parameters it works on.
         bucket: BucketId,
+        /// The gate-on micro-batch whose Stage-2 output is unpacked.
         micro_batch: u32,
+        /// Add into the reduced gradients (`+=`); `false`: the step's first unpack of
+        /// the bucket initialises them.
         accumulate: bool,
     },
     /// Forward plans: gathers parameter `param`'s full values on this rank into
@@ -446,24 +531,38 @@ pub enum Op {
     /// Reads the rank's `param` where it supplies values (every member of an
     /// all-gather, the broadcast's root).
     Unshard {
+        /// The parameter gathered.
         param: ParamId,
+        /// The micro-batch whose pass reads the full values.
         micro_batch: u32,
+        /// The pass the full values serve.
         pass: Pass,
+        /// The all-gather (sharded routes) or broadcast from the owner's shard index
+        /// (owned routes), over the rank's shard group.
         collective: Collective,
     },
     /// Forward plans: the trainer's forward of `layer` starts (reads the layer's
     /// forward [`Buffer::Full`]s). Like `grad_ready`, a point of the trainer's own work:
     /// its waits order the trainer's kernels after the gathers.
-    Forward { layer: u32 },
+    Forward {
+        /// The layer whose forward starts.
+        layer: u32,
+    },
     /// Forward plans: the trainer's backward of `layer` starts (reads the full
     /// parameters it needs: the backward's gathers, or the forward's when they were
     /// kept, `reshard_after_forward = false`). Its `grad_ready` ends it.
-    Backward { layer: u32 },
+    Backward {
+        /// The layer whose backward starts.
+        layer: u32,
+    },
     /// Forward plans: frees a [`Buffer::Full`] once the trainer's pass that read it is
     /// over (bound to the trainer's stream, after the point that read it).
     Reshard {
+        /// The parameter whose full values are freed.
         param: ParamId,
+        /// The micro-batch whose pass read them.
         micro_batch: u32,
+        /// The pass whose gathered copy is freed.
         pass: Pass,
     },
     /// Global-norm clipping, first of the step's tail: `norm = Σ x²` over the reduced
@@ -473,19 +572,27 @@ pub enum Op {
     /// Sums the one-element norm buffer over `collective.group` (an all-reduce of one
     /// f32, `sum`): over the shard group, then over the replicate group, which together
     /// sum it over the world with the communicators every plan already has.
-    NormReduce { collective: Collective },
+    NormReduce {
+        /// The one-f32 `sum` all-reduce, over the shard group or the replicate group.
+        collective: Collective,
+    },
     /// Scales every reduced gradient this rank holds by
     /// `min(1, max_norm / (√norm + 1e-6))` (torch's `clip_grad_norm_`); the threshold is
     /// the executor's (`[clip] max_norm`), none leaves the gradients as they are.
     Clip,
     /// The optimizer step of one parameter's piece on this rank.
     Optimizer {
+        /// The parameter stepped.
         param: ParamId,
+        /// The optimizer its route selects.
         optimizer: OptimizerKind,
     },
     /// The owner broadcasts the updated parameter over its replicate group.
     Publish {
+        /// The parameter whose updated values are sent.
         param: ParamId,
+        /// The broadcast over the owner's replicate group, rooted at the owner's
+        /// replicate index.
         collective: Collective,
     },
 }

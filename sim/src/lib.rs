@@ -17,6 +17,9 @@
 //! [`hardware`] is asked to read one): the same plan, profile and options give the same
 //! figures, bit for bit.
 
+#![forbid(unsafe_code)]
+#![warn(missing_docs, unreachable_pub)]
+
 pub mod calibrate;
 pub mod hardware;
 pub mod simulate;

@@ -129,7 +129,7 @@ pub(super) struct Contribs {
 
 impl Contribs {
     /// No contribution.
-    pub fn empty(world: u32) -> Contribs {
+    pub(super) fn empty(world: u32) -> Contribs {
         Contribs {
             world,
             blocks: Rc::new([]),
@@ -137,7 +137,7 @@ impl Contribs {
     }
 
     /// One rank's gradient of one micro-batch.
-    pub fn one(world: u32, micro_batch: u32, rank: u32) -> Contribs {
+    pub(super) fn one(world: u32, micro_batch: u32, rank: u32) -> Contribs {
         Contribs {
             world,
             blocks: Rc::new([(micro_batch..micro_batch + 1, Ranks::one(world, rank))]),
@@ -145,7 +145,7 @@ impl Contribs {
     }
 
     /// The no_sync reference: every rank's gradient of every micro-batch.
-    pub fn reference(world: u32, micro_batches: u32) -> Contribs {
+    pub(super) fn reference(world: u32, micro_batches: u32) -> Contribs {
         if micro_batches == 0 {
             return Contribs::empty(world);
         }
@@ -155,7 +155,7 @@ impl Contribs {
         }
     }
 
-    pub fn is_empty(&self) -> bool {
+    pub(super) fn is_empty(&self) -> bool {
         self.blocks.is_empty()
     }
 
@@ -205,22 +205,22 @@ impl Contribs {
         }
     }
 
-    pub fn union(&self, other: &Contribs) -> Contribs {
+    pub(super) fn union(&self, other: &Contribs) -> Contribs {
         self.combine(other, |a, b| a | b)
     }
 
-    pub fn intersection(&self, other: &Contribs) -> Contribs {
+    pub(super) fn intersection(&self, other: &Contribs) -> Contribs {
         self.combine(other, |a, b| a & b)
     }
 
     /// What `self` holds and `other` does not.
-    pub fn minus(&self, other: &Contribs) -> Contribs {
+    pub(super) fn minus(&self, other: &Contribs) -> Contribs {
         self.combine(other, |a, b| a & !b)
     }
 
     /// `{m0, m1} of every rank`, `{m0x2, m1..m7} of ranks 0-3`,
     /// `{m0 of rank 1; m1 of every rank}`. Micro-batches in `twice` carry `x2`.
-    pub fn describe(&self, twice: &Contribs) -> String {
+    pub(super) fn describe(&self, twice: &Contribs) -> String {
         if self.blocks.is_empty() {
             return "{}".into();
         }

@@ -213,7 +213,7 @@ pub fn copy_seconds(
 }
 
 /// The cost of a node on a rank, and for a collective the member's own side of it.
-pub fn node_cost(
+pub(super) fn node_cost(
     plan: &Plan,
     p: &Profile,
     opts: &Options,
