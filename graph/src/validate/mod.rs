@@ -114,8 +114,7 @@ pub struct Validated {
 }
 
 impl Validated {
-    /// Validates `plan` in `mode`: the plan, or every violation found (at most
-    /// [`MAX_VIOLATIONS`]).
+    /// Validates `plan` in `mode`: the plan, or the violations found (the first 64).
     pub fn check(plan: Plan, mode: Mode) -> Result<Validated, Vec<Violation>> {
         let v = validate(&plan, mode);
         if v.is_empty() {
