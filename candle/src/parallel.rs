@@ -394,7 +394,7 @@ impl<B: Backend> DataParallel<B> {
     pub(crate) fn begin(&mut self, what: &str) -> Result<usize, Error> {
         if self.open {
             return Err(Error::Usage(format!(
-                "{what}: micro-batch {} still waits for its gradients (backward, grads or micro_batch)",
+                "{what}: micro-batch {} still waits for its gradients (backward_rank or grads_rank for each rank then end_micro_batch, or backward, grads, micro_batch)",
                 self.begun - 1
             )));
         }
