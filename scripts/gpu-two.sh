@@ -4,9 +4,13 @@
 #
 #   cargo build --release --features cuda --bin overlap --example train
 #   mkdir -p bin && cp target/release/overlap target/release/examples/train bin/
-#   [PARTS="train forward faults calibrate confirm validate"] bash scripts/gpu-two.sh bin OUT
+#   [PARTS="tail train forward faults calibrate confirm validate"] bash scripts/gpu-two.sh bin OUT
 #
 # PARTS (default: all, in this order; each takes about 1 to 5 minutes):
+#   tail       the optimizer tail across owners: examples/gpu/gpt2_muon_2x1.toml (every
+#              block matrix on Muon, each owned by one GPU) run with every step timed, so
+#              each rank's device span and optimizer time can be read beside the one-GPU
+#              figure of `bench-optimizer`;
 #   train      examples/train.rs --backend cuda on meshes 2x1 and 1x2 (one process per GPU
 #              under `overlap launch`): each rank's loss curve, norms and parameters
 #              against the CPU backend within 1e-4; the multi-GPU gathers of [forward]
@@ -27,7 +31,7 @@
 set -u
 BIN=${1:?BIN_DIR holding overlap and train}
 OUT=${2:?OUT_DIR}
-PARTS=${PARTS:-train forward faults calibrate confirm validate}
+PARTS=${PARTS:-tail train forward faults calibrate confirm validate}
 mkdir -p "$OUT"
 export LD_LIBRARY_PATH=/usr/local/cuda/lib64${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}
 export NCCL_NVLS_ENABLE=0
@@ -46,6 +50,9 @@ step() {
 }
 want() { [[ " $PARTS " == *" $1 "* ]]; }
 
+if want tail; then
+  step tail-2x1 300 "$B" launch --nproc-per-node 2 -- run --config examples/gpu/gpt2_muon_2x1.toml --timing-every 1
+fi
 if want train; then
   for mesh in 2x1 1x2; do
     step "train-$mesh" 300 "$B" launch --nproc-per-node 2 -- "$BIN/train" --backend cuda --mesh "$mesh" --steps 50 --json
