@@ -1206,90 +1206,21 @@ impl Issue {
         let rank = shared.rank;
         match kernel {
             Kernel::Marker => Ok(0),
-            Kernel::Spin { micros } => {
-                self.kernels.spin(raw, micros)?;
-                Ok(0)
-            }
+            Kernel::Spin { micros } => self.kernels.spin(raw, micros).map(|()| 0),
             Kernel::Gemm { m, n, k, count } => {
-                self.gemm(shared, stream, (m, n, k), count)?;
-                Ok(0)
+                self.gemm(shared, stream, (m, n, k), count).map(|()| 0)
             }
             Kernel::Add {
                 dst,
                 src,
                 accumulate,
-            } => {
-                expect("add", rank, "dst", &dst, dst.len)?;
-                expect("add", rank, "src", &src, dst.len)?;
-                self.kernels
-                    .add(raw, dst.ptr(), src.ptr(), dst.len as u64, accumulate)?;
-                Ok(0)
-            }
-            Kernel::Pack { dst, segs } => {
-                const K: &str = "pack";
-                expect(K, rank, "dst", &dst, dst.len)?;
-                let mut phases: Vec<Vec<Seg>> = Vec::new();
-                for (seg, srcs) in segs.iter() {
-                    for src in srcs {
-                        segment(K, rank, seg, src, &dst)?;
-                    }
-                    // Sources are summed in order, two per pass: dst = (dst + a) + b.
-                    for (k, pair) in srcs.chunks(2).enumerate() {
-                        if phases.len() <= k {
-                            phases.push(Vec::new());
-                        }
-                        phases[k].push(Seg {
-                            a: pair[0].at(seg.src),
-                            b: pair.get(1).map_or(0, |b| b.at(seg.src)),
-                            dst: dst.at(seg.dst),
-                            len: seg.len,
-                        });
-                    }
-                }
-                // When the first phase copies single sources over every element of
-                // `dst` exactly once, it writes `dst` whole: no memset, and a copy
-                // instead of an accumulate (one pass over `dst` instead of three).
-                let covers = phases.first().is_some_and(|first| {
-                    let mut spans: Vec<(u64, u64)> = first
-                        .iter()
-                        .filter(|s| s.b == 0)
-                        .map(|s| (s.dst, s.dst + s.len * 4))
-                        .collect();
-                    spans.sort_unstable();
-                    spans.len() == first.len()
-                        && spans.windows(2).all(|w| w[0].1 <= w[1].0)
-                        && first.iter().map(|s| s.len).sum::<u64>() == dst.len as u64
-                });
-                if dst.len > 0 && !covers {
-                    // SAFETY: `dst` holds `len` words; the memset is ordered on `raw`.
-                    unsafe { sys::cuMemsetD32Async(dst.ptr(), 0, dst.len, raw) }
-                        .result()
-                        .map_err(|e| device::failed(K, e))?;
-                }
-                for (k, phase) in phases.into_iter().enumerate() {
-                    run_disjoint(&self.kernels, K, raw, phase, !(covers && k == 0))?;
-                }
-                Ok(0)
-            }
+            } => self.add(rank, raw, (&dst, &src), accumulate).map(|()| 0),
+            Kernel::Pack { dst, segs } => self.pack(rank, raw, &dst, &segs).map(|()| 0),
             Kernel::Unpack {
                 src,
                 segs,
                 accumulate,
-            } => {
-                const K: &str = "unpack";
-                let mut copies = Vec::with_capacity(segs.len());
-                for (seg, dst) in segs.iter() {
-                    segment(K, rank, seg, &src, dst)?;
-                    copies.push(Seg {
-                        a: src.at(seg.src),
-                        b: 0,
-                        dst: dst.at(seg.dst),
-                        len: seg.len,
-                    });
-                }
-                run_disjoint(&self.kernels, K, raw, copies, accumulate)?;
-                Ok(0)
-            }
+            } => self.unpack(rank, raw, &src, &segs, accumulate).map(|()| 0),
             Kernel::Collective {
                 desc,
                 comm,
@@ -1301,28 +1232,16 @@ impl Issue {
                 comm,
                 send,
                 recv,
-            } => self.exchange(
-                shared,
-                stream,
-                raw,
-                &desc,
-                comm,
-                (send, recv),
-                false,
-                poison,
-            ),
+            } => {
+                let bufs = (send, recv);
+                self.exchange(shared, stream, raw, &desc, comm, bufs, false, poison)
+            }
             // The gather's one buffer is both what it sends (its chunk) and where it
             // receives (the others').
-            Kernel::Gather { desc, comm, buf } => self.exchange(
-                shared,
-                stream,
-                raw,
-                &desc,
-                comm,
-                (buf.clone(), buf),
-                true,
-                poison,
-            ),
+            Kernel::Gather { desc, comm, buf } => {
+                let bufs = (buf.clone(), buf);
+                self.exchange(shared, stream, raw, &desc, comm, bufs, true, poison)
+            }
             Kernel::Combine {
                 desc,
                 size,
@@ -1332,79 +1251,168 @@ impl Issue {
                 recv,
                 dst,
             } => {
-                // Received in place: read the ring, then acknowledge (also when the
-                // combine cannot run: the peers must not wait for it).
-                let kept = self.take_in_place(&recv, &desc);
-                // Read in place, `recv` was only the key: its length does not matter.
-                let recv_len = match &kept {
-                    Some(_) => None,
-                    None => Some(recv.len),
-                };
-                let ran = check_combine(
-                    rank,
-                    &desc,
-                    (size, index),
-                    (&own, own_offset),
-                    (&recv, recv_len),
-                    &dst,
-                )
-                .and_then(|(c, at)| {
-                    let (from, stride) = match &kept {
-                        Some((_, k)) => (k.base, (k.stride / 4) as u64),
-                        None => (recv.ptr(), c as u64),
-                    };
-                    self.kernels.combine(
-                        raw,
-                        (self.combine_ctas, self.combine_streaming),
-                        (dst.at(at as u64), own.at(own_offset as u64), from),
-                        (c as u64, stride),
-                        size,
-                        index,
-                        desc.dtype == DType::Bf16,
-                        desc.op == ReduceOp::Avg,
-                    )
-                });
-                if let Some((id, k)) = kept {
-                    self.ack_in_place(raw, id, &k)?;
-                }
+                let own = (&own, own_offset);
+                let ran = self.combine(rank, raw, &desc, (size, index), own, (&recv, &dst));
                 ran.map(|()| 0)
             }
-            k @ (Kernel::Adamw { .. } | Kernel::Muon { .. }) => {
-                self.optimizer(shared, (stream, tag), rank, k, None)?;
-                Ok(0)
-            }
-            Kernel::SumSquares { dst, srcs } => {
-                self.sum_squares(shared, stream, raw, &dst, &srcs)?;
-                Ok(0)
-            }
+            k @ (Kernel::Adamw { .. } | Kernel::Muon { .. }) => self
+                .optimizer(shared, (stream, tag), rank, k, None)
+                .map(|()| 0),
+            Kernel::SumSquares { dst, srcs } => self
+                .sum_squares(shared, stream, raw, &dst, &srcs)
+                .map(|()| 0),
             Kernel::Clip {
                 norm,
                 bufs,
                 max_norm,
-            } => {
-                const K: &str = "clip";
-                expect(K, rank, "norm", &norm, 1)?;
-                for b in bufs.iter() {
-                    expect(K, rank, "grad", b, b.len)?;
-                    if b.same(&norm) {
-                        return Err(OpsError::Shape {
-                            kernel: K,
-                            reason: "a gradient is the norm buffer".into(),
-                        });
-                    }
-                }
-                let spans: Vec<Span> = bufs.iter().map(span).collect();
-                self.kernels.clip(raw, &spans, norm.ptr(), max_norm)?;
-                Ok(0)
-            }
+            } => self.clip(rank, raw, &norm, &bufs, max_norm).map(|()| 0),
             // The optimizer, told to read the norm on the device and do nothing when it
             // is not finite: no extra launch, no host synchronisation.
             Kernel::IfFinite { norm, kernel } => {
                 expect("if_finite", rank, "norm", &norm, 1)?;
-                self.optimizer(shared, (stream, tag), rank, *kernel, Some(&norm))?;
-                Ok(0)
+                let guard = Some(&norm);
+                self.optimizer(shared, (stream, tag), rank, *kernel, guard)
+                    .map(|()| 0)
             }
         }
+    }
+
+    /// [`Kernel::Add`]: `dst = src` (or `+=`), both checked to hold `dst`'s length.
+    fn add(
+        &self,
+        rank: u32,
+        raw: sys::CUstream,
+        (dst, src): (&CudaBuffer, &CudaBuffer),
+        accumulate: bool,
+    ) -> Result<(), OpsError> {
+        expect("add", rank, "dst", dst, dst.len)?;
+        expect("add", rank, "src", src, dst.len)?;
+        self.kernels
+            .add(raw, dst.ptr(), src.ptr(), dst.len as u64, accumulate)
+    }
+
+    /// [`Kernel::Pack`]: validated, then summed into `dst` in passes of two sources
+    /// ([`pack_phases`]), `dst` zeroed first unless the first pass writes it whole.
+    fn pack(
+        &self,
+        rank: u32,
+        raw: sys::CUstream,
+        dst: &CudaBuffer,
+        segs: &[(CopySeg, Vec<CudaBuffer>)],
+    ) -> Result<(), OpsError> {
+        const K: &str = "pack";
+        expect(K, rank, "dst", dst, dst.len)?;
+        let phases = pack_phases(rank, dst, segs)?;
+        let covers = first_phase_covers(&phases, dst.len);
+        if dst.len > 0 && !covers {
+            // SAFETY: `dst` holds `len` words; the memset is ordered on `raw`.
+            unsafe { sys::cuMemsetD32Async(dst.ptr(), 0, dst.len, raw) }
+                .result()
+                .map_err(|e| device::failed(K, e))?;
+        }
+        for (k, phase) in phases.into_iter().enumerate() {
+            run_disjoint(&self.kernels, K, raw, phase, !(covers && k == 0))?;
+        }
+        Ok(())
+    }
+
+    /// [`Kernel::Unpack`]: validated, then copied (or added) from `src` into each
+    /// segment's destination.
+    fn unpack(
+        &self,
+        rank: u32,
+        raw: sys::CUstream,
+        src: &CudaBuffer,
+        segs: &[(CopySeg, CudaBuffer)],
+        accumulate: bool,
+    ) -> Result<(), OpsError> {
+        const K: &str = "unpack";
+        let mut copies = Vec::with_capacity(segs.len());
+        for (seg, dst) in segs.iter() {
+            segment(K, rank, seg, src, dst)?;
+            copies.push(Seg {
+                a: src.at(seg.src),
+                b: 0,
+                dst: dst.at(seg.dst),
+                len: seg.len,
+            });
+        }
+        run_disjoint(&self.kernels, K, raw, copies, accumulate)
+    }
+
+    /// [`Kernel::Combine`]: validated, then this rank's chunk reduced from `own` (at
+    /// `own_offset`) and what was received, read from the ring when it was received in
+    /// place (acknowledged afterwards, whether or not the combine ran).
+    fn combine(
+        &mut self,
+        rank: u32,
+        raw: sys::CUstream,
+        desc: &Collective,
+        (size, index): (u32, u32),
+        (own, own_offset): (&CudaBuffer, usize),
+        (recv, dst): (&CudaBuffer, &CudaBuffer),
+    ) -> Result<(), OpsError> {
+        // Received in place: read the ring, then acknowledge (also when the
+        // combine cannot run: the peers must not wait for it).
+        let kept = self.take_in_place(recv, desc);
+        // Read in place, `recv` was only the key: its length does not matter.
+        let recv_len = match &kept {
+            Some(_) => None,
+            None => Some(recv.len),
+        };
+        let ran = check_combine(
+            rank,
+            desc,
+            (size, index),
+            (own, own_offset),
+            (recv, recv_len),
+            dst,
+        )
+        .and_then(|(c, at)| {
+            let (from, stride) = match &kept {
+                Some((_, k)) => (k.base, (k.stride / 4) as u64),
+                None => (recv.ptr(), c as u64),
+            };
+            self.kernels.combine(
+                raw,
+                (self.combine_ctas, self.combine_streaming),
+                (dst.at(at as u64), own.at(own_offset as u64), from),
+                (c as u64, stride),
+                size,
+                index,
+                desc.dtype == DType::Bf16,
+                desc.op == ReduceOp::Avg,
+            )
+        });
+        if let Some((id, k)) = kept {
+            self.ack_in_place(raw, id, &k)?;
+        }
+        ran
+    }
+
+    /// [`Kernel::Clip`]: validated (no gradient may be the norm), then every gradient
+    /// scaled in place by the factor the kernel derives from the norm on the device.
+    fn clip(
+        &self,
+        rank: u32,
+        raw: sys::CUstream,
+        norm: &CudaBuffer,
+        bufs: &[CudaBuffer],
+        max_norm: f32,
+    ) -> Result<(), OpsError> {
+        const K: &str = "clip";
+        expect(K, rank, "norm", norm, 1)?;
+        for b in bufs.iter() {
+            expect(K, rank, "grad", b, b.len)?;
+            if b.same(norm) {
+                return Err(OpsError::Shape {
+                    kernel: K,
+                    reason: "a gradient is the norm buffer".into(),
+                });
+            }
+        }
+        let spans: Vec<Span> = bufs.iter().map(span).collect();
+        self.kernels.clip(raw, &spans, norm.ptr(), max_norm)
     }
 
     /// An optimizer kernel (AdamW or Muon), guarded by the global norm (`guard`: it does
@@ -2128,6 +2136,51 @@ fn segment(
         }
     }
     Ok(())
+}
+
+/// Validates a pack's segments and groups its copies into passes: pass `k` sums the
+/// sources `2k` and `2k + 1` of every segment into `dst` (`dst = (dst + a) + b`).
+fn pack_phases(
+    rank: u32,
+    dst: &CudaBuffer,
+    segs: &[(CopySeg, Vec<CudaBuffer>)],
+) -> Result<Vec<Vec<Seg>>, OpsError> {
+    let mut phases: Vec<Vec<Seg>> = Vec::new();
+    for (seg, srcs) in segs.iter() {
+        for src in srcs {
+            segment("pack", rank, seg, src, dst)?;
+        }
+        // Sources are summed in order, two per pass: dst = (dst + a) + b.
+        for (k, pair) in srcs.chunks(2).enumerate() {
+            if phases.len() <= k {
+                phases.push(Vec::new());
+            }
+            phases[k].push(Seg {
+                a: pair[0].at(seg.src),
+                b: pair.get(1).map_or(0, |b| b.at(seg.src)),
+                dst: dst.at(seg.dst),
+                len: seg.len,
+            });
+        }
+    }
+    Ok(phases)
+}
+
+/// Whether a pack's first pass copies single sources over every one of the `len`
+/// elements of `dst` exactly once, writing it whole: then no memset, and a copy
+/// instead of an accumulate (one pass over `dst` instead of three).
+fn first_phase_covers(phases: &[Vec<Seg>], len: usize) -> bool {
+    phases.first().is_some_and(|first| {
+        let mut spans: Vec<(u64, u64)> = first
+            .iter()
+            .filter(|s| s.b == 0)
+            .map(|s| (s.dst, s.dst + s.len * 4))
+            .collect();
+        spans.sort_unstable();
+        spans.len() == first.len()
+            && spans.windows(2).all(|w| w[0].1 <= w[1].0)
+            && first.iter().map(|s| s.len).sum::<u64>() == len as u64
+    })
 }
 
 /// Runs copies in order, batching those whose destinations do not overlap (a copy that
