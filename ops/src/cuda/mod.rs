@@ -630,113 +630,85 @@ impl CudaBackend {
     /// drained before the next. `overlap cuda-smoke` reports it: with the per-kind
     /// figures of `overlap bench` it says where a node's host time goes.
     pub fn host_costs(&self, iters: u32) -> Result<Vec<(&'static str, f64)>, OpsError> {
-        let iters = iters.max(1);
         let shared = &self.shared;
         let device = &shared.device;
         device.bind()?;
-        let (raw, other) = (device.stream(Stream::Copy), device.stream(Stream::Reduce));
-        let drain = || -> Result<(), OpsError> {
-            for s in [raw, other] {
-                // SAFETY: live streams of the bound context.
-                unsafe { cu::stream::synchronize(s) }
-                    .map_err(|e| device::backend("cuStreamSynchronize", e))?;
-            }
-            Ok(())
-        };
-        let mut out = Vec::new();
-        let mut time = |name: &'static str,
-                        f: &mut dyn FnMut(u32) -> Result<(), OpsError>|
-         -> Result<(), OpsError> {
-            drain()?;
-            let t0 = Instant::now();
-            for i in 0..iters {
-                f(i)?;
-            }
-            out.push((name, t0.elapsed().as_secs_f64() * 1e6 / f64::from(iters)));
-            drain()
+        let mut timer = HostTimer {
+            streams: [device.stream(Stream::Copy), device.stream(Stream::Reduce)],
+            iters: iters.max(1),
+            out: Vec::new(),
         };
         let mem = shared.memory.alloc_raw(1 << 12)?;
-        let flag = mem.ptr();
-        let flagged = |r: Result<(), String>| r.map_err(OpsError::Backend);
         let ev = shared.events.take_plain()?;
-        let measured = (|| -> Result<(), OpsError> {
-            let st = lock(&self.issue);
-            time("cuCtxSetCurrent", &mut |_| device.bind())?;
-            time("cuEventRecord", &mut |_| {
-                // SAFETY: live handles of the bound context.
-                unsafe { cu::event::record(ev, raw) }
-                    .map_err(|e| device::backend("cuEventRecord", e))
-            })?;
-            time("cuStreamWaitEvent", &mut |_| {
-                // SAFETY: live handles of the bound context.
-                unsafe {
-                    cu::stream::wait_event(
-                        other,
-                        ev,
-                        sys::CUevent_wait_flags::CU_EVENT_WAIT_DEFAULT,
-                    )
-                }
-                .map_err(|e| device::backend("cuStreamWaitEvent", e))
-            })?;
-            use exchange::Flag;
-            time("cuStreamWriteValue32", &mut |i| {
-                flagged(exchange::flags(raw, &[Flag::Write(flag, i)]))
-            })?;
-            time("cuStreamWaitValue32 (already reached)", &mut |_| {
-                flagged(exchange::flags(raw, &[Flag::Wait(flag, 0)]))
-            })?;
-            time("cuStreamBatchMemOp (a write and a wait)", &mut |i| {
-                flagged(exchange::flags(
-                    raw,
-                    &[Flag::Write(flag, i), Flag::Wait(flag, i)],
-                ))
-            })?;
-            time("cuMemcpyDtoDAsync (2 KiB)", &mut |_| {
-                // SAFETY: both halves of the 4 KiB `mem`, ordered on `raw`.
-                unsafe { sys::cuMemcpyDtoDAsync_v2(flag + 2048, flag, 2048, raw) }
-                    .result()
-                    .map_err(|e| device::backend("cuMemcpyDtoDAsync", e))
-            })?;
-            time("cuLaunchKernel (add, 1 element)", &mut |_| {
-                st.kernels.add(raw, flag + 64, flag + 128, 1, false)
-            })?;
-            let query = |_| {
-                // SAFETY: a live event of the bound context.
-                match unsafe { cu::event::query(ev) } {
-                    Ok(()) => Ok(()),
-                    Err(e) if e.0 == sys::CUresult::CUDA_ERROR_NOT_READY => Ok(()),
-                    Err(e) => Err(device::backend("cuEventQuery", e)),
-                }
-            };
-            // SAFETY: live handles of the bound context; `time` drained the stream.
-            unsafe { cu::event::record(ev, raw) }
-                .map_err(|e| device::backend("cuEventRecord", e))?;
-            time("cuEventQuery (complete)", &mut { query })?;
-            // Pending: behind a kernel that spins longer than the queries take (launched
-            // in the first iteration, whose two calls add ~4 µs to the whole loop).
-            time("cuEventQuery (pending)", &mut |i| {
-                if i == 0 {
-                    st.kernels.spin(raw, (iters / 10).clamp(5, 100) * 1000)?;
-                    // SAFETY: as above.
-                    unsafe { cu::event::record(ev, raw) }
-                        .map_err(|e| device::backend("cuEventRecord", e))?;
-                }
-                query(i)
-            })?;
-            Ok(())
-        })();
+        let measured = self.driver_costs(&mut timer, mem.ptr(), ev);
         shared.events.put_plain(ev);
         measured?;
-        // The backend's own: what the executor issues per cross-stream edge and per
-        // aliased node (the issue lock, a pooled event, the driver call).
-        let rank = shared.rank;
+        self.backend_costs(&mut timer)?;
+        drop(mem);
+        Ok(timer.out)
+    }
+
+    /// [`CudaBackend::host_costs`]' driver calls, under the issue lock: an event edge,
+    /// flag operations on the 4 KiB `mem` at `flag`, a copy, a launch and event queries.
+    fn driver_costs(
+        &self,
+        timer: &mut HostTimer,
+        flag: sys::CUdeviceptr,
+        ev: sys::CUevent,
+    ) -> Result<(), OpsError> {
+        let device = &self.shared.device;
+        let [raw, other] = timer.streams;
+        let flagged = |r: Result<(), String>| r.map_err(OpsError::Backend);
+        let st = lock(&self.issue);
+        timer.time("cuCtxSetCurrent", &mut |_| device.bind())?;
+        timer.time("cuEventRecord", &mut |_| {
+            // SAFETY: live handles of the bound context.
+            unsafe { cu::event::record(ev, raw) }.map_err(|e| device::backend("cuEventRecord", e))
+        })?;
+        timer.time("cuStreamWaitEvent", &mut |_| {
+            // SAFETY: live handles of the bound context.
+            unsafe {
+                cu::stream::wait_event(other, ev, sys::CUevent_wait_flags::CU_EVENT_WAIT_DEFAULT)
+            }
+            .map_err(|e| device::backend("cuStreamWaitEvent", e))
+        })?;
+        use exchange::Flag;
+        timer.time("cuStreamWriteValue32", &mut |i| {
+            flagged(exchange::flags(raw, &[Flag::Write(flag, i)]))
+        })?;
+        timer.time("cuStreamWaitValue32 (already reached)", &mut |_| {
+            flagged(exchange::flags(raw, &[Flag::Wait(flag, 0)]))
+        })?;
+        timer.time("cuStreamBatchMemOp (a write and a wait)", &mut |i| {
+            flagged(exchange::flags(
+                raw,
+                &[Flag::Write(flag, i), Flag::Wait(flag, i)],
+            ))
+        })?;
+        timer.time("cuMemcpyDtoDAsync (2 KiB)", &mut |_| {
+            // SAFETY: both halves of the 4 KiB `mem`, ordered on `raw`.
+            unsafe { sys::cuMemcpyDtoDAsync_v2(flag + 2048, flag, 2048, raw) }
+                .result()
+                .map_err(|e| device::backend("cuMemcpyDtoDAsync", e))
+        })?;
+        timer.time("cuLaunchKernel (add, 1 element)", &mut |_| {
+            st.kernels.add(raw, flag + 64, flag + 128, 1, false)
+        })?;
+        query_costs(timer, &st.kernels, ev)
+    }
+
+    /// [`CudaBackend::host_costs`]' calls to the backend itself: what the executor
+    /// issues per cross-stream edge and per aliased node (the issue lock, a pooled
+    /// event, the driver call).
+    fn backend_costs(&self, timer: &mut HostTimer) -> Result<(), OpsError> {
+        let rank = self.shared.rank;
         let edge = CudaEvent::new(rank);
-        time("Backend::record + Backend::wait (one edge)", &mut |_| {
+        timer.time("Backend::record + Backend::wait (one edge)", &mut |_| {
             self.record(rank, Stream::Copy, &edge);
             self.wait(rank, Stream::Reduce, &edge);
             Ok(())
         })?;
-        time("Backend::launch (marker)", &mut |i| {
+        timer.time("Backend::launch (marker)", &mut |i| {
             let tag = Tag {
                 node: i,
                 op: "marker",
@@ -744,9 +716,7 @@ impl CudaBackend {
             };
             self.launch(rank, Stream::Copy, tag, Kernel::Marker);
             Ok(())
-        })?;
-        drop(mem);
-        Ok(out)
+        })
     }
 
     /// Reports misuse of the backend by the host.
@@ -761,6 +731,75 @@ impl CudaBackend {
             self.shared.rank, self.shared.mesh
         )
     }
+}
+
+/// Times host calls for [`CudaBackend::host_costs`], between drains of its two
+/// streams.
+struct HostTimer {
+    /// The stream the calls issue on, and the one an event edge waits on.
+    streams: [sys::CUstream; 2],
+    /// Calls per figure, back to back.
+    iters: u32,
+    /// Each call's name and mean host time in microseconds.
+    out: Vec<(&'static str, f64)>,
+}
+
+impl HostTimer {
+    /// Waits until both streams are idle.
+    fn drain(&self) -> Result<(), OpsError> {
+        for s in self.streams {
+            // SAFETY: live streams of the bound context.
+            unsafe { cu::stream::synchronize(s) }
+                .map_err(|e| device::backend("cuStreamSynchronize", e))?;
+        }
+        Ok(())
+    }
+
+    /// Calls `f` `iters` times (with the iteration) on idle streams and records the
+    /// mean time per call under `name`, then drains the streams.
+    fn time(
+        &mut self,
+        name: &'static str,
+        f: &mut dyn FnMut(u32) -> Result<(), OpsError>,
+    ) -> Result<(), OpsError> {
+        self.drain()?;
+        let t0 = Instant::now();
+        for i in 0..self.iters {
+            f(i)?;
+        }
+        let mean = t0.elapsed().as_secs_f64() * 1e6 / f64::from(self.iters);
+        self.out.push((name, mean));
+        self.drain()
+    }
+}
+
+/// [`CudaBackend::host_costs`]' `cuEventQuery` figures, on an event complete and then
+/// pending behind a spinning kernel.
+fn query_costs(timer: &mut HostTimer, kernels: &Kernels, ev: sys::CUevent) -> Result<(), OpsError> {
+    let [raw, _] = timer.streams;
+    let iters = timer.iters;
+    let query = |_| {
+        // SAFETY: a live event of the bound context.
+        match unsafe { cu::event::query(ev) } {
+            Ok(()) => Ok(()),
+            Err(e) if e.0 == sys::CUresult::CUDA_ERROR_NOT_READY => Ok(()),
+            Err(e) => Err(device::backend("cuEventQuery", e)),
+        }
+    };
+    // SAFETY: live handles of the bound context; `time` drained the stream.
+    unsafe { cu::event::record(ev, raw) }.map_err(|e| device::backend("cuEventRecord", e))?;
+    timer.time("cuEventQuery (complete)", &mut { query })?;
+    // Pending: behind a kernel that spins longer than the queries take (launched
+    // in the first iteration, whose two calls add ~4 µs to the whole loop).
+    timer.time("cuEventQuery (pending)", &mut |i| {
+        if i == 0 {
+            kernels.spin(raw, (iters / 10).clamp(5, 100) * 1000)?;
+            // SAFETY: live handles of the bound context.
+            unsafe { cu::event::record(ev, raw) }
+                .map_err(|e| device::backend("cuEventRecord", e))?;
+        }
+        query(i)
+    })
 }
 
 impl Backend for CudaBackend {
