@@ -16,7 +16,6 @@ use std::time::Duration;
 use criterion::{criterion_group, criterion_main, Criterion, Throughput};
 use overlap::drive::synthetic_step;
 use overlap::executor::ExecConfig;
-use overlap::graph::{Bindings, ReduceSpec};
 use overlap::ops::cpu::CpuBackend;
 use overlap::{Gate, Mesh, ParamSpec, PlanSpec, Route, Session};
 
@@ -30,24 +29,10 @@ fn spec() -> PlanSpec {
                 6 => (Route::Adamw, vec![8]),
                 _ => (Route::ShardedAdamw, vec![16, 8]),
             };
-            ParamSpec {
-                name: format!("l{layer}.p{i}"),
-                shape,
-                route,
-                layer,
-            }
+            ParamSpec::new(format!("l{layer}.p{i}"), shape, route, layer)
         })
         .collect();
-    PlanSpec {
-        mesh: Mesh::new(2, 2).unwrap(),
-        params,
-        reduce: ReduceSpec::default(),
-        bucket_cap_bytes: 256,
-        bindings: Bindings::default(),
-        schedule: Default::default(),
-        grad_norm: false,
-        forward: None,
-    }
+    PlanSpec::new(Mesh::new(2, 2).unwrap(), params).with_bucket_cap_bytes(256)
 }
 
 fn bench_host(c: &mut Criterion) {

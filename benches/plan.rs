@@ -12,9 +12,7 @@ use std::hint::black_box;
 use std::time::Duration;
 
 use criterion::{criterion_group, criterion_main, BatchSize, Criterion};
-use overlap_graph::{
-    validate, Bindings, Gate, Mesh, Mode, ParamSpec, PlanSpec, Planner, ReduceSpec, Route,
-};
+use overlap_graph::{validate, Gate, Mesh, Mode, ParamSpec, PlanSpec, Planner, Route};
 
 const PARAMS: usize = 1000;
 const LAYERS: u32 = 64;
@@ -35,27 +33,13 @@ fn params() -> Vec<ParamSpec> {
                 6 => (Route::Adamw, vec![h]),
                 _ => (Route::ShardedAdamw, vec![8 * h, h]),
             };
-            ParamSpec {
-                name: format!("l{layer}.p{i}"),
-                shape,
-                route,
-                layer,
-            }
+            ParamSpec::new(format!("l{layer}.p{i}"), shape, route, layer)
         })
         .collect()
 }
 
 fn spec() -> PlanSpec {
-    PlanSpec {
-        mesh: Mesh::new(8, 16).unwrap(),
-        params: params(),
-        reduce: ReduceSpec::default(),
-        bucket_cap_bytes: 25 << 20,
-        bindings: Bindings::default(),
-        schedule: Default::default(),
-        grad_norm: false,
-        forward: None,
-    }
+    PlanSpec::new(Mesh::new(8, 16).unwrap(), params()).with_bucket_cap_bytes(25 << 20)
 }
 
 fn bench_plan(c: &mut Criterion) {

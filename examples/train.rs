@@ -385,19 +385,16 @@ impl Hyper {
     /// The session's settings: base AdamW and Muon, the groups of the vectors, the
     /// schedule and the clipping.
     fn exec_config(&self) -> ExecConfig {
-        let no_decay = |pattern: &str| ParamGroup {
-            weight_decay: Some(0.0),
-            ..ParamGroup::new(pattern)
-        };
-        ExecConfig {
-            adamw: AdamwParams {
+        let no_decay = |pattern: &str| ParamGroup::new(pattern).with_weight_decay(Some(0.0));
+        ExecConfig::default()
+            .with_adamw(AdamwParams {
                 lr: self.adamw_lr,
                 beta1: self.beta1,
                 beta2: self.beta2,
                 eps: self.eps,
                 weight_decay: self.weight_decay,
-            },
-            muon: MuonParams {
+            })
+            .with_muon(MuonParams {
                 lr: self.muon_lr,
                 momentum: self.momentum,
                 ns_steps: self.ns_steps,
@@ -405,20 +402,19 @@ impl Hyper {
                 // Full f32: the GPU run is checked against the CPU backend's f64
                 // Newton–Schulz within 1e-4.
                 ns_dtype: NsDtype::F32,
-            },
-            groups: vec![no_decay("*.bias"), no_decay("*.norm")],
-            schedule: LrSchedule {
+            })
+            .with_groups(vec![no_decay("*.bias"), no_decay("*.norm")])
+            .with_schedule(LrSchedule {
                 kind: ScheduleKind::Cosine,
                 warmup_steps: self.warmup_steps,
                 total_steps: self.total_steps,
                 final_lr_frac: self.final_lr_frac,
-            },
-            clip: ClipConfig {
-                max_norm: Some(self.max_norm),
-                on_nonfinite: OnNonFinite::Error,
-            },
-            ..ExecConfig::default()
-        }
+            })
+            .with_clip(
+                ClipConfig::default()
+                    .with_max_norm(Some(self.max_norm))
+                    .with_on_nonfinite(OnNonFinite::Error),
+            )
     }
 }
 

@@ -666,16 +666,17 @@ impl Doc<'_> {
             Some(external) => self.external_params(raw.model.as_ref(), &raw.param, external)?,
             None => self.params(raw.model.as_ref(), &raw.param)?,
         };
-        let reduce = ReduceSpec {
-            op: raw
-                .reduce
-                .op
-                .map_or(ReduceOp::default(), Spanned::into_inner),
-            dtype: raw
-                .reduce
-                .dtype
-                .map_or(DType::default(), Spanned::into_inner),
-        };
+        let reduce = ReduceSpec::default()
+            .with_op(
+                raw.reduce
+                    .op
+                    .map_or(ReduceOp::default(), Spanned::into_inner),
+            )
+            .with_dtype(
+                raw.reduce
+                    .dtype
+                    .map_or(DType::default(), Spanned::into_inner),
+            );
         let bucket_cap_bytes = match raw.buckets.cap_bytes {
             None => DEFAULT_BUCKET_CAP_BYTES,
             Some(c) if *c.get_ref() == 0 => {
@@ -689,31 +690,27 @@ impl Doc<'_> {
         };
         let bindings = self.bindings(&raw.streams)?;
         let transport = self.transport(&raw.overlap)?;
-        let schedule = Schedule {
-            transport: if transport == TransportChoice::Copy {
+        let schedule = Schedule::default()
+            .with_transport(if transport == TransportChoice::Copy {
                 Transport::Copy
             } else {
                 // `auto` is settled by `settle_transport` once the placement is known.
                 Transport::Nccl
-            },
-            combine_lag: raw
-                .overlap
-                .combine_lag
-                .as_ref()
-                .map_or(Schedule::default().combine_lag, |v| *v.get_ref()),
-            ..Schedule::default()
-        };
+            })
+            .with_combine_lag(
+                raw.overlap
+                    .combine_lag
+                    .as_ref()
+                    .map_or(Schedule::default().combine_lag, |v| *v.get_ref()),
+            );
         let clip = self.clip(raw.clip.as_ref())?;
-        let plan = PlanSpec {
-            mesh,
-            params,
-            reduce,
-            bucket_cap_bytes,
-            bindings,
-            schedule,
-            grad_norm: clip.is_some(),
-            forward: self.forward(raw.forward.as_ref())?,
-        };
+        let plan = PlanSpec::new(mesh, params)
+            .with_reduce(reduce)
+            .with_bucket_cap_bytes(bucket_cap_bytes)
+            .with_bindings(bindings)
+            .with_schedule(schedule)
+            .with_grad_norm(clip.is_some())
+            .with_forward(self.forward(raw.forward.as_ref())?);
         // The planner's own checks, as a backstop: whatever it rejects, the config rejects;
         // then the size of a step's plan, now that the buckets and micro-batches are known.
         let planner = plan
@@ -813,10 +810,13 @@ impl Doc<'_> {
             }
             Some(v) => *v.get_ref(),
         };
-        Ok(Some(ForwardSpec {
-            prefetch,
-            reshard_after_forward: f.reshard_after_forward.unwrap_or(d.reshard_after_forward),
-        }))
+        Ok(Some(
+            ForwardSpec::default()
+                .with_prefetch(prefetch)
+                .with_reshard_after_forward(
+                    f.reshard_after_forward.unwrap_or(d.reshard_after_forward),
+                ),
+        ))
     }
 
     /// `[clip]`: `max_norm` finite and > 0 (absent: the norm is computed and checked,
@@ -842,10 +842,11 @@ impl Doc<'_> {
                 }
             },
         };
-        Ok(Some(ClipConfig {
-            max_norm,
-            on_nonfinite,
-        }))
+        Ok(Some(
+            ClipConfig::default()
+                .with_max_norm(max_norm)
+                .with_on_nonfinite(on_nonfinite),
+        ))
     }
 
     /// `[[optimizer.group]]`: each group's settings in range, then every group must get
@@ -872,17 +873,27 @@ impl Doc<'_> {
                 None => Ok(None),
                 Some(_) => self.float(&k(name), v, 0.0, bound).map(Some),
             };
-            groups.push(ParamGroup {
-                pattern: r.pattern.get_ref().clone(),
-                lr_scale: self.float(&k("lr_scale"), &r.lr_scale, 1.0, Bound::NonNegative)?,
-                weight_decay: opt("weight_decay", &r.weight_decay, Bound::NonNegative)?,
-                beta1: opt("beta1", &r.beta1, Bound::Fraction)?,
-                beta2: opt("beta2", &r.beta2, Bound::Fraction)?,
-                eps: opt("eps", &r.eps, Bound::Positive)?,
-                momentum: opt("momentum", &r.momentum, Bound::Fraction)?,
-                ns_steps: self.between(&k("ns_steps"), &r.ns_steps, MAX_NS_STEPS, " iterations")?,
-                ns_dtype: self.ns_dtype(&k("ns_dtype"), &r.ns_dtype)?,
-            });
+            groups.push(
+                ParamGroup::new(r.pattern.get_ref().clone())
+                    .with_lr_scale(self.float(
+                        &k("lr_scale"),
+                        &r.lr_scale,
+                        1.0,
+                        Bound::NonNegative,
+                    )?)
+                    .with_weight_decay(opt("weight_decay", &r.weight_decay, Bound::NonNegative)?)
+                    .with_beta1(opt("beta1", &r.beta1, Bound::Fraction)?)
+                    .with_beta2(opt("beta2", &r.beta2, Bound::Fraction)?)
+                    .with_eps(opt("eps", &r.eps, Bound::Positive)?)
+                    .with_momentum(opt("momentum", &r.momentum, Bound::Fraction)?)
+                    .with_ns_steps(self.between(
+                        &k("ns_steps"),
+                        &r.ns_steps,
+                        MAX_NS_STEPS,
+                        " iterations",
+                    )?)
+                    .with_ns_dtype(self.ns_dtype(&k("ns_dtype"), &r.ns_dtype)?),
+            );
         }
         HyperTable::resolve(adamw, muon, &groups, params).map_err(|e| match e {
             overlap_executor::GroupError::Unmatched { group, reason } => self.err(
@@ -1026,11 +1037,7 @@ impl Doc<'_> {
         let mut params = Vec::new();
         if let Some(m) = model {
             let r = m.get_ref();
-            let spec = ModelSpec {
-                layers: *r.layers.get_ref(),
-                hidden: *r.hidden.get_ref(),
-                vocab: *r.vocab.get_ref(),
-            };
+            let spec = ModelSpec::new(*r.layers.get_ref(), *r.hidden.get_ref(), *r.vocab.get_ref());
             if let Some((key, reason)) = spec.fault() {
                 let span = match key {
                     "layers" => r.layers.span(),
@@ -1067,12 +1074,12 @@ impl Doc<'_> {
                     ),
                 ));
             }
-            let spec = ParamSpec {
-                name: r.name.get_ref().clone(),
-                shape: r.shape.get_ref().clone(),
+            let spec = ParamSpec::new(
+                r.name.get_ref().clone(),
+                r.shape.get_ref().clone(),
                 route,
-                layer: r.layer.as_ref().map_or(0, |l| *l.get_ref()),
-            };
+                r.layer.as_ref().map_or(0, |l| *l.get_ref()),
+            );
             spec.check().map_err(|e| {
                 let (field, span) = if spec.name.is_empty() {
                     ("name", r.name.span())

@@ -237,18 +237,20 @@ impl Session<CpuBackend> {
 /// any (a malformed value is an error naming the variable).
 pub fn exec_config(config: &Config) -> Result<ExecConfig, Error> {
     let fault = overlap_executor::Fault::from_env().map_err(Error::Usage)?;
-    Ok(ExecConfig {
-        stage1_window: config.overlap.stage1_window as usize,
-        adamw: config.adamw,
-        muon: config.muon,
-        groups: config.groups.clone(),
-        schedule: config.schedule,
-        backward: overlap_executor::Backward::spin(config.run.backward_us_per_layer),
-        clip: config.clip.unwrap_or_default(),
-        host_timeout: std::time::Duration::from_secs(u64::from(config.run.step_timeout_s)),
-        fault,
-        ..ExecConfig::default()
-    })
+    Ok(ExecConfig::default()
+        .with_stage1_window(config.overlap.stage1_window as usize)
+        .with_adamw(config.adamw)
+        .with_muon(config.muon)
+        .with_groups(config.groups.clone())
+        .with_schedule(config.schedule)
+        .with_backward(overlap_executor::Backward::spin(
+            config.run.backward_us_per_layer,
+        ))
+        .with_clip(config.clip.unwrap_or_default())
+        .with_host_timeout(std::time::Duration::from_secs(u64::from(
+            config.run.step_timeout_s,
+        )))
+        .with_fault(fault))
 }
 
 impl<B: Backend> Session<B> {
@@ -383,7 +385,7 @@ impl<B: Backend> Session<B> {
     }
 
     /// The signal through which a multi-process job reports another rank's failure
-    /// ([`Rendezvous::watch`](crate::rendezvous::Rendezvous::watch) triggers it): this
+    /// (`overlap_dist::rendezvous::Rendezvous::watch` triggers it): this
     /// session's waits then end at once with [`ExecError::PeerFailed`](overlap_executor::ExecError::PeerFailed).
     pub fn peer_abort(&self) -> overlap_executor::PeerAbort {
         self.executor.peer_abort()

@@ -40,11 +40,9 @@ async fn run_with(
 ) -> (Vec<Option<Vec<f32>>>, usize, Vec<usize>) {
     let mesh = spec.mesh;
     let backend = Arc::new(CpuBackend::new(mesh));
-    let exec = ExecConfig {
-        aliasing,
-        stage1_window: 2,
-        ..ExecConfig::default()
-    };
+    let exec = ExecConfig::default()
+        .with_aliasing(aliasing)
+        .with_stage1_window(2);
     let mut s = Session::new(spec, backend, exec).unwrap();
     let mut aliased = 0;
     let mut pooled = Vec::new();
@@ -109,19 +107,15 @@ async fn the_copy_transport_is_bit_identical_to_the_collectives_and_keeps_the_po
                 (2, Stream::Reduce, true, true),
                 (3, Stream::Publish, true, false),
             ] {
-                let copy = PlanSpec {
-                    bindings: Bindings {
-                        combine,
-                        ..Bindings::default()
-                    },
-                    schedule: Schedule {
-                        transport: Transport::Copy,
-                        combine_lag: lag,
-                        early_tail_gathers: early,
-                        combine_after_exchanges: after,
-                    },
-                    ..spec(shard, replicate)
-                };
+                let copy = spec(shard, replicate)
+                    .with_bindings(Bindings::default().with_combine(combine))
+                    .with_schedule(
+                        Schedule::default()
+                            .with_transport(Transport::Copy)
+                            .with_combine_lag(lag)
+                            .with_early_tail_gathers(early)
+                            .with_combine_after_exchanges(after),
+                    );
                 let (got, aliased, pooled) = run_with(copy, gates, true).await;
                 let what = format!(
                     "mesh {shard}x{replicate}, gates {gates:?}, combine on {combine} {lag} behind, early tail gathers {early}, after exchanges {after}"

@@ -30,15 +30,9 @@ fn session_on(
 ) -> Session<CpuBackend> {
     let spec = common::mixed_spec(shard, replicate)
         .with_grad_norm(true)
-        .with_schedule(Schedule {
-            transport,
-            ..Schedule::default()
-        });
+        .with_schedule(Schedule::default().with_transport(transport));
     let backend = Arc::new(CpuBackend::new(Mesh::new(shard, replicate).unwrap()));
-    let exec = ExecConfig {
-        clip,
-        ..ExecConfig::default()
-    };
+    let exec = ExecConfig::default().with_clip(clip);
     Session::new(spec, backend, exec).unwrap()
 }
 
@@ -158,10 +152,9 @@ async fn the_global_norm_equals_the_reference_on_every_mesh() {
 async fn clipped_steps_equal_the_reference_optimizers_on_the_clipped_gradient() {
     let max_norm = 0.75f32;
     for (shard, replicate) in MESHES {
-        let clip = ClipConfig {
-            max_norm: Some(max_norm),
-            on_nonfinite: OnNonFinite::Skip,
-        };
+        let clip = ClipConfig::default()
+            .with_max_norm(Some(max_norm))
+            .with_on_nonfinite(OnNonFinite::Skip);
         let mut s = session(shard, replicate, clip);
         let gates = [Gate::ReplicateOff, Gate::On];
         let r = step(&mut s, &gates, 1, None).await.unwrap();
@@ -245,10 +238,9 @@ fn state(s: &Session<CpuBackend>) -> Vec<Option<Vec<u32>>> {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_nan_step_is_skipped_and_the_next_proceeds() {
     for (shard, replicate) in [(2, 2), (2, 3), (1, 1)] {
-        let clip = ClipConfig {
-            max_norm: Some(1.0),
-            on_nonfinite: OnNonFinite::Skip,
-        };
+        let clip = ClipConfig::default()
+            .with_max_norm(Some(1.0))
+            .with_on_nonfinite(OnNonFinite::Skip);
         let mut s = session(shard, replicate, clip);
         let gates = [Gate::On];
         let r1 = step(&mut s, &gates, 1, None).await.unwrap();
@@ -278,10 +270,9 @@ async fn a_nan_step_is_skipped_and_the_next_proceeds() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_nan_step_is_refused_with_on_nonfinite_error() {
-    let clip = ClipConfig {
-        max_norm: None,
-        on_nonfinite: OnNonFinite::Error,
-    };
+    let clip = ClipConfig::default()
+        .with_max_norm(None)
+        .with_on_nonfinite(OnNonFinite::Error);
     let mut s = session(2, 2, clip);
     let gates = [Gate::ReplicateOff, Gate::On];
     step(&mut s, &gates, 1, None).await.unwrap();
@@ -305,13 +296,11 @@ fn a_max_norm_for_a_spec_without_the_norm_nodes_is_refused() {
     let spec = common::mixed_spec(2, 2);
     assert!(!spec.grad_norm);
     let backend = Arc::new(CpuBackend::new(spec.mesh));
-    let exec = ExecConfig {
-        clip: ClipConfig {
-            max_norm: Some(1.0),
-            on_nonfinite: OnNonFinite::Skip,
-        },
-        ..ExecConfig::default()
-    };
+    let exec = ExecConfig::default().with_clip(
+        ClipConfig::default()
+            .with_max_norm(Some(1.0))
+            .with_on_nonfinite(OnNonFinite::Skip),
+    );
     match Session::new(spec, backend, exec) {
         Err(e @ Error::Usage(_)) => assert!(e.to_string().contains("with_grad_norm"), "{e}"),
         Err(e) => panic!("expected a usage error, got {e}"),
@@ -336,24 +325,20 @@ async fn an_injected_nan_skips_the_step_on_every_mesh() {
             let rank = shard - 1;
             let spec = common::mixed_spec(shard, replicate)
                 .with_grad_norm(true)
-                .with_schedule(Schedule {
-                    transport,
-                    ..Schedule::default()
-                });
+                .with_schedule(Schedule::default().with_transport(transport));
             let backend = Arc::new(CpuBackend::new(Mesh::new(shard, replicate).unwrap()));
-            let exec = ExecConfig {
-                clip: ClipConfig {
-                    max_norm: Some(0.5),
-                    on_nonfinite: OnNonFinite::Skip,
-                },
-                fault: Some(Fault {
+            let exec = ExecConfig::default()
+                .with_clip(
+                    ClipConfig::default()
+                        .with_max_norm(Some(0.5))
+                        .with_on_nonfinite(OnNonFinite::Skip),
+                )
+                .with_fault(Some(Fault {
                     rank,
                     kind: "grad_norm",
                     step: 2,
                     mode: FaultMode::Nan,
-                }),
-                ..ExecConfig::default()
-            };
+                }));
             let mut s = Session::new(spec, backend, exec).unwrap();
             let gates = [Gate::ReplicateOff, Gate::On];
             let r1 = step(&mut s, &gates, 1, None).await.unwrap();

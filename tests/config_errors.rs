@@ -804,51 +804,35 @@ listen = "127.0.0.1:9464"
 timing_every = 10
 "#;
     let c = Config::from_toml(text, "<inline>").unwrap();
-    let mut params = ModelSpec {
-        layers: 1,
-        hidden: 8,
-        vocab: 16,
-    }
-    .params();
-    params.push(ParamSpec {
-        name: "extra.proj".into(),
-        shape: vec![5, 3],
-        route: Route::Muon,
-        layer: 2,
-    });
-    params.push(ParamSpec {
-        name: "extra.bias".into(),
-        shape: vec![7],
-        route: Route::Adamw,
-        layer: 0,
-    });
+    let mut params = ModelSpec::new(1, 8, 16).params();
+    params.push(ParamSpec::new("extra.proj", vec![5, 3], Route::Muon, 2));
+    params.push(ParamSpec::new("extra.bias", vec![7], Route::Adamw, 0));
     let expected = Config {
         source: "<inline>".into(),
-        plan: overlap_graph::PlanSpec {
-            mesh: Mesh {
+        plan: overlap_graph::PlanSpec::new(
+            Mesh {
                 shard: 2,
                 replicate: 3,
             },
             params,
-            reduce: ReduceSpec {
-                op: ReduceOp::Sum,
-                dtype: DType::Bf16,
-            },
-            bucket_cap_bytes: 4096,
-            bindings: Bindings {
-                fold: Stream::Compute,
-                stage2: Stream::Reduce,
-                combine: Stream::Reduce,
-                ..Bindings::default()
-            },
-            schedule: Schedule {
-                transport: Transport::Copy,
-                combine_lag: 2,
-                ..Schedule::default()
-            },
-            grad_norm: false,
-            forward: None,
-        },
+        )
+        .with_reduce(
+            ReduceSpec::default()
+                .with_op(ReduceOp::Sum)
+                .with_dtype(DType::Bf16),
+        )
+        .with_bucket_cap_bytes(4096)
+        .with_bindings(
+            Bindings::default()
+                .with_fold(Stream::Compute)
+                .with_stage2(Stream::Reduce)
+                .with_combine(Stream::Reduce),
+        )
+        .with_schedule(
+            Schedule::default()
+                .with_transport(Transport::Copy)
+                .with_combine_lag(2),
+        ),
         // reduce off wins over replicate; then replicate decides.
         gates: vec![Gate::NoSync, Gate::NoSync, Gate::On, Gate::On],
         run: RunConfig {
@@ -1213,10 +1197,11 @@ fn forward_table_sets_the_gathers_and_its_absence_leaves_them_out() {
     .unwrap();
     assert_eq!(
         c.plan.forward,
-        Some(overlap::graph::ForwardSpec {
-            prefetch: 2,
-            reshard_after_forward: false
-        })
+        Some(
+            overlap::graph::ForwardSpec::default()
+                .with_prefetch(2)
+                .with_reshard_after_forward(false)
+        )
     );
     assert_eq!(c.plan.bindings.unshard, Stream::Reduce);
     // An empty table: FSDP2's defaults.

@@ -139,10 +139,7 @@ async fn device_gradients_give_the_host_paths_steps_bit_for_bit_and_stay_unchang
         for transport in [Transport::Nccl, Transport::Copy] {
             for forward in [None, Some(ForwardSpec::default())] {
                 let spec = common::mixed_spec(shard, replicate)
-                    .with_schedule(overlap::Schedule {
-                        transport,
-                        ..Default::default()
-                    })
+                    .with_schedule(overlap::Schedule::default().with_transport(transport))
                     .with_forward(forward);
                 let what = format!("{shard}x{replicate} {transport:?} forward {forward:?}");
                 let (mut host, mut device) = (session(spec.clone()), session(spec));
@@ -173,10 +170,11 @@ async fn device_gradients_give_the_host_paths_steps_bit_for_bit_and_stay_unchang
 async fn gathered_device_buffers_hold_the_current_parameters() {
     for (shard, replicate) in MESHES {
         for reshard_after_forward in [true, false] {
-            let spec = common::mixed_spec(shard, replicate).with_forward(Some(ForwardSpec {
-                prefetch: 1,
-                reshard_after_forward,
-            }));
+            let spec = common::mixed_spec(shard, replicate).with_forward(Some(
+                ForwardSpec::default()
+                    .with_prefetch(1)
+                    .with_reshard_after_forward(reshard_after_forward),
+            ));
             let what = format!("{shard}x{replicate} reshard {reshard_after_forward}");
             let mut s = session(spec);
             // A step first, so the parameters are not their initial values.

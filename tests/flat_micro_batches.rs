@@ -253,10 +253,10 @@ async fn gate_pattern_changes_mid_stream_match_planning_each_step_fresh() {
         Act::Step(&[O]),
         Act::Step(&[N, O]),
     ];
-    let copy = |combine_lag| Schedule {
-        transport: Transport::Copy,
-        combine_lag,
-        ..Schedule::default()
+    let copy = |combine_lag| {
+        Schedule::default()
+            .with_transport(Transport::Copy)
+            .with_combine_lag(combine_lag)
     };
     for (shard, replicate, schedule) in [
         (2, 2, Schedule::default()),

@@ -127,10 +127,11 @@ fn policies() -> Vec<ForwardSpec> {
     let mut out = Vec::new();
     for prefetch in [0, 1, 2] {
         for reshard_after_forward in [true, false] {
-            out.push(ForwardSpec {
-                prefetch,
-                reshard_after_forward,
-            });
+            out.push(
+                ForwardSpec::default()
+                    .with_prefetch(prefetch)
+                    .with_reshard_after_forward(reshard_after_forward),
+            );
         }
     }
     out
@@ -161,10 +162,8 @@ async fn gathers_are_exact_on_the_copy_transport_and_with_other_bindings() {
     for (shard, replicate) in [(2, 2), (3, 2)] {
         let mut plain = session(spec(shard, replicate, None));
         let (_, reference, _) = run(&mut plain, &[Off, On], 2).await;
-        let copy = spec(shard, replicate, Some(ForwardSpec::default())).with_schedule(Schedule {
-            transport: Transport::Copy,
-            ..Schedule::default()
-        });
+        let copy = spec(shard, replicate, Some(ForwardSpec::default()))
+            .with_schedule(Schedule::default().with_transport(Transport::Copy));
         let mut s = session(copy);
         let (_, state, _) = run(&mut s, &[Off, On], 2).await;
         common::assert_same_bits(&state, &reference, "copy transport");

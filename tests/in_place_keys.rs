@@ -228,15 +228,12 @@ impl Backend for KeyedCpu {
 /// [`common::mixed_spec`] on the copy transport, the combine `lag` layers behind,
 /// `after` the exchanges issued before it or not.
 fn spec(shard: u32, replicate: u32, (lag, after): (u32, bool)) -> PlanSpec {
-    PlanSpec {
-        schedule: Schedule {
-            transport: Transport::Copy,
-            combine_lag: lag,
-            combine_after_exchanges: after,
-            ..Schedule::default()
-        },
-        ..common::mixed_spec(shard, replicate)
-    }
+    common::mixed_spec(shard, replicate).with_schedule(
+        Schedule::default()
+            .with_transport(Transport::Copy)
+            .with_combine_lag(lag)
+            .with_combine_after_exchanges(after),
+    )
 }
 
 const STEPS: u32 = 4;

@@ -7,8 +7,8 @@ use std::path::PathBuf;
 
 use overlap::config::{Config, ConfigError};
 use overlap::graph::{
-    export, Bindings, Gate, Mesh, ModelSpec, ParamSpec, PlanSpec, Planner, ReduceSpec, Route,
-    Schedule, MAX_MICRO_BATCHES, MAX_PARAMS, MAX_WORLD,
+    export, Gate, Mesh, ModelSpec, ParamSpec, PlanSpec, Planner, Route, MAX_MICRO_BATCHES,
+    MAX_PARAMS, MAX_WORLD,
 };
 
 use overlap::resources;
@@ -201,25 +201,11 @@ fn control_characters_in_names_are_rejected_escaped() {
 }
 
 fn spec(mesh: Mesh, params: Vec<ParamSpec>) -> PlanSpec {
-    PlanSpec {
-        mesh,
-        params,
-        reduce: ReduceSpec::default(),
-        bucket_cap_bytes: 1 << 20,
-        bindings: Bindings::default(),
-        schedule: Schedule::default(),
-        grad_norm: false,
-        forward: None,
-    }
+    PlanSpec::new(mesh, params).with_bucket_cap_bytes(1 << 20)
 }
 
 fn param(name: &str, shape: Vec<u64>, route: Route) -> ParamSpec {
-    ParamSpec {
-        name: name.into(),
-        shape,
-        route,
-        layer: 0,
-    }
+    ParamSpec::new(name, shape, route, 0)
 }
 
 #[test]
@@ -235,11 +221,7 @@ fn the_library_path_returns_errors_for_absurd_specs() {
     let e = Planner::new(spec(Mesh::new(2, 2).unwrap(), overflowing)).unwrap_err();
     assert!(e.to_string().contains("limit is 4294967295"), "{e}");
     // An unchecked generator does not panic, and the planner rejects what it made.
-    let m = ModelSpec {
-        layers: 1,
-        hidden: u64::MAX,
-        vocab: 8,
-    };
+    let m = ModelSpec::new(1, u64::MAX, 8);
     assert!(m.check().is_err());
     assert!(Planner::new(spec(Mesh::new(1, 1).unwrap(), m.params())).is_err());
     let planner = Planner::new(spec(Mesh::new(2, 2).unwrap(), w())).unwrap();
@@ -338,10 +320,11 @@ fn an_estimate_of_terabytes_is_refused_and_a_small_job_is_not() {
         |c: &Config| resources::estimate_cpu(c, &Planner::new(c.plan.clone()).unwrap(), 1).params;
     fwd.plan.forward = Some(overlap::graph::ForwardSpec::default());
     let some = estimate(&fwd);
-    fwd.plan.forward = Some(overlap::graph::ForwardSpec {
-        prefetch: 1,
-        reshard_after_forward: false,
-    });
+    fwd.plan.forward = Some(
+        overlap::graph::ForwardSpec::default()
+            .with_prefetch(1)
+            .with_reshard_after_forward(false),
+    );
     let all = estimate(&fwd);
     assert!(
         one.params < some && some < all,

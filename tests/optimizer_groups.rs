@@ -211,10 +211,7 @@ fn spec() -> PlanSpec {
 #[test]
 fn a_code_built_session_rejects_a_group_that_gets_no_parameter() {
     let backend = Arc::new(CpuBackend::new(Mesh::new(2, 1).unwrap()));
-    let exec = ExecConfig {
-        groups: vec![ParamGroup::new("*.nrom")],
-        ..ExecConfig::default()
-    };
+    let exec = ExecConfig::default().with_groups(vec![ParamGroup::new("*.nrom")]);
     let e = Session::new(spec(), backend.clone(), exec)
         .err()
         .expect("a group matching nothing is refused");
@@ -225,10 +222,7 @@ fn a_code_built_session_rejects_a_group_that_gets_no_parameter() {
     );
     let mut bad = ParamGroup::new("norm");
     bad.eps = Some(0.0);
-    let exec = ExecConfig {
-        groups: vec![bad],
-        ..ExecConfig::default()
-    };
+    let exec = ExecConfig::default().with_groups(vec![bad]);
     let e = Session::new(spec(), backend, exec).err().unwrap();
     assert!(
         e.to_string().contains("`eps`: must be a finite number > 0"),
@@ -241,25 +235,23 @@ fn set_lr_factor_takes_effect_on_the_next_step_and_the_report_carries_it() {
     let backend = Arc::new(CpuBackend::new(Mesh::new(2, 1).unwrap()));
     let mut norm = ParamGroup::new("norm");
     norm.lr_scale = 0.5;
-    let exec = ExecConfig {
-        adamw: AdamwParams {
+    let exec = ExecConfig::default()
+        .with_adamw(AdamwParams {
             lr: 0.1,
             weight_decay: 0.2,
             ..AdamwParams::default()
-        },
-        muon: MuonParams {
+        })
+        .with_muon(MuonParams {
             lr: 0.05,
             weight_decay: 0.4,
             ..MuonParams::default()
-        },
-        groups: vec![norm],
-        schedule: LrSchedule {
+        })
+        .with_groups(vec![norm])
+        .with_schedule(LrSchedule {
             kind: ScheduleKind::Constant,
             warmup_steps: 4,
             ..LrSchedule::default()
-        },
-        ..ExecConfig::default()
-    };
+        });
     runtime().block_on(async {
         let mut s = Session::new(spec(), backend, exec).unwrap();
         s.init_params(|i, p| {
@@ -411,10 +403,7 @@ fn an_executor_used_directly_resolves_its_groups_from_the_first_plan() {
         .plan_checked(&[Gate::On], overlap::graph::Mode::Step)
         .unwrap();
     let backend = Arc::new(CpuBackend::new(Mesh::new(2, 1).unwrap()));
-    let exec = |pattern: &str| ExecConfig {
-        groups: vec![ParamGroup::new(pattern)],
-        ..ExecConfig::default()
-    };
+    let exec = |pattern: &str| ExecConfig::default().with_groups(vec![ParamGroup::new(pattern)]);
     runtime().block_on(async {
         let mut ex = Executor::new(backend.clone(), exec("no*"));
         ex.adopt(&plan);

@@ -3,32 +3,21 @@
 use std::sync::Arc;
 
 use overlap::executor::{ExecConfig, ExecError};
-use overlap::graph::{Bindings, ReduceSpec};
 use overlap::ops::cpu::CpuBackend;
 use overlap::{Error, Gate, Mesh, ParamSpec, PlanSpec, Route, Session};
 
 fn spec(shard: u32, replicate: u32) -> PlanSpec {
-    let p = |name: &str, shape: Vec<u64>, route, layer| ParamSpec {
-        name: name.into(),
-        shape,
-        route,
-        layer,
-    };
-    PlanSpec {
-        mesh: Mesh::new(shard, replicate).unwrap(),
-        params: vec![
+    let p = |name: &str, shape: Vec<u64>, route, layer| ParamSpec::new(name, shape, route, layer);
+    PlanSpec::new(
+        Mesh::new(shard, replicate).unwrap(),
+        vec![
             p("w", vec![6, 5], Route::Muon, 2),
             p("norm", vec![9], Route::Fsdp, 2),
             p("bias", vec![7], Route::Adamw, 1),
             p("emb", vec![11, 3], Route::ShardedAdamw, 0),
         ],
-        reduce: ReduceSpec::default(),
-        bucket_cap_bytes: 1 << 20,
-        bindings: Bindings::default(),
-        schedule: Default::default(),
-        grad_norm: false,
-        forward: None,
-    }
+    )
+    .with_bucket_cap_bytes(1 << 20)
 }
 
 fn session(shard: u32, replicate: u32) -> (Session<CpuBackend>, Arc<CpuBackend>) {
@@ -139,11 +128,11 @@ async fn failing_node_cancels_dependents_and_returns_from_step() {
 async fn a_hung_node_times_out_naming_it_and_the_session_still_drops_promptly() {
     use overlap::executor::Fault;
     use std::time::{Duration, Instant};
-    let exec = ExecConfig {
-        host_timeout: Duration::from_millis(200),
-        fault: Some(Fault::parse("rank=1,kind=stage1,step=1,mode=hang").unwrap()),
-        ..ExecConfig::default()
-    };
+    let exec = ExecConfig::default()
+        .with_host_timeout(Duration::from_millis(200))
+        .with_fault(Some(
+            Fault::parse("rank=1,kind=stage1,step=1,mode=hang").unwrap(),
+        ));
     let backend = Arc::new(CpuBackend::new(Mesh::new(2, 1).unwrap()));
     let mut s = Session::new(spec(2, 1), backend, exec).unwrap();
     let t0 = Instant::now();
@@ -220,15 +209,9 @@ async fn buffers_are_reused_across_steps() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn backpressure_window_bounds_stage1_buffers_in_flight() {
     for window in [1usize, 2, 3] {
-        let spec = PlanSpec {
-            bucket_cap_bytes: 16,
-            ..spec(2, 2)
-        }; // one bucket per parameter
+        let spec = spec(2, 2).with_bucket_cap_bytes(16); // one bucket per parameter
         let backend = Arc::new(CpuBackend::new(spec.mesh));
-        let exec = ExecConfig {
-            stage1_window: window,
-            ..ExecConfig::default()
-        };
+        let exec = ExecConfig::default().with_stage1_window(window);
         let mut s = Session::new(spec, backend, exec).unwrap();
         micro_batch(&mut s, Gate::ReplicateOff).await.unwrap();
         micro_batch(&mut s, Gate::On).await.unwrap();

@@ -16,10 +16,7 @@ const GATES: [Gate; 3] = [Gate::NoSync, Gate::ReplicateOff, Gate::On];
 
 fn session(spec: PlanSpec, clip: ClipConfig) -> Session<CpuBackend> {
     let backend = Arc::new(CpuBackend::new(spec.mesh));
-    let exec = ExecConfig {
-        clip,
-        ..ExecConfig::default()
-    };
+    let exec = ExecConfig::default().with_clip(clip);
     Session::new(spec, backend, exec).unwrap()
 }
 
@@ -65,10 +62,8 @@ fn reference(world: u32, p: u32, i: usize, step: u32) -> f64 {
 async fn reduced_gradients_are_readable_before_the_update_and_the_step_is_unchanged() {
     for (shard, replicate) in MESHES {
         for transport in [Transport::Nccl, Transport::Copy] {
-            let spec = common::mixed_spec(shard, replicate).with_schedule(overlap::Schedule {
-                transport,
-                ..Default::default()
-            });
+            let spec = common::mixed_spec(shard, replicate)
+                .with_schedule(overlap::Schedule::default().with_transport(transport));
             let what = format!("{shard}x{replicate} {transport:?}");
             let (mut plain, mut phased) = (
                 session(spec.clone(), ClipConfig::default()),
@@ -123,10 +118,7 @@ async fn reduced_gradients_are_readable_before_the_update_and_the_step_is_unchan
 async fn with_clipping_the_gradients_read_are_unclipped_and_their_norm_is_the_reports() {
     for (shard, replicate) in MESHES {
         let spec = common::mixed_spec(shard, replicate).with_grad_norm(true);
-        let clip = ClipConfig {
-            max_norm: Some(0.5),
-            ..ClipConfig::default()
-        };
+        let clip = ClipConfig::default().with_max_norm(Some(0.5));
         let mut s = session(spec, clip);
         micro_batches(&mut s, 0).await;
         s.reduce().await.unwrap();

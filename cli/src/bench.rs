@@ -35,8 +35,8 @@ use std::sync::Arc;
 
 use overlap_executor::{Backward, ExecConfig, Executor, StepStats};
 use overlap_graph::{
-    Bindings, Gate, Mode, ParamSpec, Plan, PlanSpec, Planner, ReduceSpec, Route, Schedule, Stream,
-    Transport, Validated,
+    Bindings, Gate, Mode, ParamSpec, Plan, PlanSpec, Planner, Route, Schedule, Stream, Transport,
+    Validated,
 };
 use overlap_ops::{Backend, Kernel, Tag, Timing};
 use serde::Serialize;
@@ -264,62 +264,48 @@ impl BenchArgs {
     /// each, f32 `avg`, with `bindings`.
     pub fn spec(&self, bindings: Bindings) -> PlanSpec {
         let k = self.buckets_per_layer.max(1);
-        PlanSpec {
-            mesh: self.mesh,
-            params: (0..self.layers)
+        PlanSpec::new(
+            self.mesh,
+            (0..self.layers)
                 .flat_map(|l| {
-                    (0..k).map(move |j| ParamSpec {
-                        name: if k == 1 {
-                            format!("layer{l}.grad")
-                        } else {
-                            format!("layer{l}.grad{j}")
-                        },
-                        shape: vec![self.param_elems()],
-                        route: Route::Fsdp,
-                        layer: l,
+                    (0..k).map(move |j| {
+                        ParamSpec::new(
+                            if k == 1 {
+                                format!("layer{l}.grad")
+                            } else {
+                                format!("layer{l}.grad{j}")
+                            },
+                            vec![self.param_elems()],
+                            Route::Fsdp,
+                            l,
+                        )
                     })
                 })
                 .collect(),
-            reduce: ReduceSpec::default(),
-            bucket_cap_bytes: self.param_elems() * 4,
-            bindings: if bindings == serial_bindings() {
-                bindings
-            } else {
-                Bindings {
-                    combine: self.combine_stream,
-                    exchange: self.exchange_stream,
-                    pack: self.pack_stream,
-                    ..bindings
-                }
-            },
-            schedule: Schedule {
-                transport: self.transport,
-                combine_lag: self.combine_lag,
-                early_tail_gathers: !self.no_early_tail_gathers,
-                combine_after_exchanges: self.combine_after_exchanges,
-            },
-            grad_norm: false,
-            forward: None,
-        }
+        )
+        .with_bucket_cap_bytes(self.param_elems() * 4)
+        .with_bindings(if bindings == serial_bindings() {
+            bindings
+        } else {
+            bindings
+                .with_combine(self.combine_stream)
+                .with_exchange(self.exchange_stream)
+                .with_pack(self.pack_stream)
+        })
+        .with_schedule(
+            Schedule::default()
+                .with_transport(self.transport)
+                .with_combine_lag(self.combine_lag)
+                .with_early_tail_gathers(!self.no_early_tail_gathers)
+                .with_combine_after_exchanges(self.combine_after_exchanges),
+        )
     }
 }
 
 /// Every node kind bound to the compute stream: the `serial` variant (each layer's
 /// backward, then its reduction, strictly in order on one stream).
 pub fn serial_bindings() -> Bindings {
-    Bindings {
-        accumulate: Stream::Compute,
-        pack: Stream::Compute,
-        stage1: Stream::Compute,
-        fold: Stream::Compute,
-        stage2: Stream::Compute,
-        unpack: Stream::Compute,
-        optimizer: Stream::Compute,
-        publish: Stream::Compute,
-        exchange: Stream::Compute,
-        combine: Stream::Compute,
-        unshard: Stream::Compute,
-    }
+    Bindings::all_on(Stream::Compute)
 }
 
 /// The validated plan of one gate-`on` micro-batch without the optimizer tail.
@@ -522,12 +508,10 @@ fn gemms_backward(args: &BenchArgs) -> Backward {
 
 /// The executor's settings of every variant, with `backward` as the trainer's.
 fn exec_config(args: &BenchArgs, backward: Backward) -> ExecConfig {
-    ExecConfig {
-        backward,
-        stage1_window: args.window.max(1) as usize,
-        aliasing: !args.no_alias,
-        ..ExecConfig::default()
-    }
+    ExecConfig::default()
+        .with_backward(backward)
+        .with_stage1_window(args.window.max(1) as usize)
+        .with_aliasing(!args.no_alias)
 }
 
 /// Runs the warm-up and timed steps of every variant and adds the timed ones to
@@ -1691,9 +1675,10 @@ mod cuda_tests {
         let extra: Vec<_> = two_per_layer
             .params
             .iter()
-            .map(|p| overlap_graph::ParamSpec {
-                name: format!("{}.b", p.name),
-                ..p.clone()
+            .map(|p| {
+                let mut q = p.clone();
+                q.name = format!("{}.b", p.name);
+                q
             })
             .collect();
         two_per_layer.params.extend(extra);

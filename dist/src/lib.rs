@@ -1,7 +1,7 @@
 //! The control plane of multi-process `overlap` jobs: everything that only a job of one
 //! process per rank needs, and an embedder that trains in one process never builds.
 //!
-//! - [`env`]: this process's place in the job, from the launcher's variables
+//! - [`env`](mod@env): this process's place in the job, from the launcher's variables
 //!   (`overlap launch` and torchrun, Slurm, Open MPI);
 //! - [`rendezvous`]: rank 0's TCP rendezvous, authenticated with the job's secret
 //!   (HMAC-SHA256 challenge-response), its framing, and the job watch that turns a

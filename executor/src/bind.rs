@@ -592,12 +592,8 @@ mod tests {
     /// Every route, a parameter whose last shard is shorter than its chunk (`odd` on a
     /// shard group of 2), two layers.
     fn spec(mesh: Mesh, transport: Transport, grad_norm: bool) -> PlanSpec {
-        let p = |name: &str, shape: Vec<u64>, route, layer| ParamSpec {
-            name: name.into(),
-            shape,
-            route,
-            layer,
-        };
+        let p =
+            |name: &str, shape: Vec<u64>, route, layer| ParamSpec::new(name, shape, route, layer);
         let params = vec![
             p("w", vec![4, 6], Route::Muon, 1),
             p("bias", vec![7], Route::Adamw, 1),
@@ -605,10 +601,7 @@ mod tests {
             p("emb", vec![10, 3], Route::ShardedAdamw, 0),
         ];
         PlanSpec::new(mesh, params)
-            .with_schedule(Schedule {
-                transport,
-                ..Schedule::default()
-            })
+            .with_schedule(Schedule::default().with_transport(transport))
             .with_grad_norm(grad_norm)
             .with_forward(Some(ForwardSpec::default()))
     }

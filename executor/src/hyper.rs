@@ -26,7 +26,10 @@ use overlap_ops::{AdamwParams, MuonParams, NsDtype};
 /// that matches a parameter wins). Settings left `None` keep the base value; each
 /// applies to the parameters of the optimizer it belongs to (`beta1`, `beta2`, `eps`:
 /// AdamW; `momentum`, `ns_steps`, `ns_dtype`: Muon; `lr_scale` and `weight_decay`: both).
+///
+/// Build one with [`ParamGroup::new`] and the `with_*` methods.
 #[derive(Debug, Clone, PartialEq)]
+#[non_exhaustive]
 pub struct ParamGroup {
     /// A glob over the parameter name: `*` any run of characters (dots too), `?` one
     /// character, every other character itself ([`glob_match`]).
@@ -64,6 +67,55 @@ impl ParamGroup {
             ns_steps: None,
             ns_dtype: None,
         }
+    }
+
+    /// The same group with another [`ParamGroup::lr_scale`] (multiplies the base learning
+    /// rate).
+    pub fn with_lr_scale(mut self, lr_scale: f32) -> Self {
+        self.lr_scale = lr_scale;
+        self
+    }
+
+    /// The same group with another [`ParamGroup::weight_decay`] (`None`: the base's).
+    pub fn with_weight_decay(mut self, weight_decay: Option<f32>) -> Self {
+        self.weight_decay = weight_decay;
+        self
+    }
+
+    /// The same group with another [`ParamGroup::beta1`] (`None`: the base's).
+    pub fn with_beta1(mut self, beta1: Option<f32>) -> Self {
+        self.beta1 = beta1;
+        self
+    }
+
+    /// The same group with another [`ParamGroup::beta2`] (`None`: the base's).
+    pub fn with_beta2(mut self, beta2: Option<f32>) -> Self {
+        self.beta2 = beta2;
+        self
+    }
+
+    /// The same group with another [`ParamGroup::eps`] (`None`: the base's).
+    pub fn with_eps(mut self, eps: Option<f32>) -> Self {
+        self.eps = eps;
+        self
+    }
+
+    /// The same group with another [`ParamGroup::momentum`] (`None`: the base's).
+    pub fn with_momentum(mut self, momentum: Option<f32>) -> Self {
+        self.momentum = momentum;
+        self
+    }
+
+    /// The same group with another [`ParamGroup::ns_steps`] (`None`: the base's).
+    pub fn with_ns_steps(mut self, ns_steps: Option<u32>) -> Self {
+        self.ns_steps = ns_steps;
+        self
+    }
+
+    /// The same group with another [`ParamGroup::ns_dtype`] (`None`: the base's).
+    pub fn with_ns_dtype(mut self, ns_dtype: Option<NsDtype>) -> Self {
+        self.ns_dtype = ns_dtype;
+        self
     }
 
     /// Checks every setting's range; the error names the setting (`lr_scale`, `beta1`,
@@ -671,12 +723,7 @@ mod tests {
     }
 
     fn spec(name: &str, route: Route) -> ParamSpec {
-        ParamSpec {
-            name: name.into(),
-            shape: vec![4, 4],
-            route,
-            layer: 0,
-        }
+        ParamSpec::new(name, vec![4, 4], route, 0)
     }
 
     #[test]

@@ -56,8 +56,10 @@ pub const DEFAULT_STEP_TIMEOUT: Duration = Duration::from_secs(300);
 /// The first step's timeout is this many times [`ExecConfig::host_timeout`].
 pub const FIRST_STEP_TIMEOUT_FACTOR: u32 = 3;
 
-/// Executor settings.
+/// Executor settings. Start from [`ExecConfig::default`] and change them with the
+/// `with_*` methods.
 #[derive(Debug, Clone)]
+#[non_exhaustive]
 pub struct ExecConfig {
     /// Stage-1 buffers (pack + collective output) allowed in flight per rank.
     pub stage1_window: usize,
@@ -101,14 +103,32 @@ pub struct ExecConfig {
     pub clip: ClipConfig,
 }
 
-/// What a step does with its global gradient norm ([`ExecConfig::clip`]).
+/// What a step does with its global gradient norm ([`ExecConfig::clip`]). The default
+/// computes the norm without clipping and skips a non-finite step; change it with the
+/// `with_*` methods.
 #[derive(Debug, Clone, Copy, PartialEq, Default)]
+#[non_exhaustive]
 pub struct ClipConfig {
     /// Scale the reduced gradients by `min(1, max_norm / (norm + 1e-6))` before the
     /// optimizers; `None` computes the norm without clipping.
     pub max_norm: Option<f32>,
     /// What a step whose global norm is NaN or Inf does.
     pub on_nonfinite: OnNonFinite,
+}
+
+impl ClipConfig {
+    /// The same clip settings with another [`ClipConfig::max_norm`] (`None`: no clipping).
+    pub fn with_max_norm(mut self, max_norm: Option<f32>) -> Self {
+        self.max_norm = max_norm;
+        self
+    }
+
+    /// The same clip settings with another [`ClipConfig::on_nonfinite`] (skip or fail a
+    /// non-finite step).
+    pub fn with_on_nonfinite(mut self, on_nonfinite: OnNonFinite) -> Self {
+        self.on_nonfinite = on_nonfinite;
+        self
+    }
 }
 
 /// What a step whose reduced gradients hold NaN or Inf does. Either way its optimizers
@@ -200,6 +220,69 @@ impl Default for ExecConfig {
             aliasing: true,
             clip: ClipConfig::default(),
         }
+    }
+}
+
+impl ExecConfig {
+    /// The same config with another [`ExecConfig::stage1_window`] (Stage-1 buffers in
+    /// flight per rank).
+    pub fn with_stage1_window(mut self, stage1_window: usize) -> Self {
+        self.stage1_window = stage1_window;
+        self
+    }
+
+    /// The same config with another [`ExecConfig::adamw`] (the base AdamW settings).
+    pub fn with_adamw(mut self, adamw: AdamwParams) -> Self {
+        self.adamw = adamw;
+        self
+    }
+
+    /// The same config with another [`ExecConfig::muon`] (the base Muon settings).
+    pub fn with_muon(mut self, muon: MuonParams) -> Self {
+        self.muon = muon;
+        self
+    }
+
+    /// The same config with another [`ExecConfig::groups`] (per-parameter overrides).
+    pub fn with_groups(mut self, groups: Vec<ParamGroup>) -> Self {
+        self.groups = groups;
+        self
+    }
+
+    /// The same config with another [`ExecConfig::schedule`] (the learning-rate schedule).
+    pub fn with_schedule(mut self, schedule: LrSchedule) -> Self {
+        self.schedule = schedule;
+        self
+    }
+
+    /// The same config with another [`ExecConfig::host_timeout`] (the step timeout).
+    pub fn with_host_timeout(mut self, host_timeout: Duration) -> Self {
+        self.host_timeout = host_timeout;
+        self
+    }
+
+    /// The same config with another [`ExecConfig::fault`] (a fault to inject, for tests).
+    pub fn with_fault(mut self, fault: Option<Fault>) -> Self {
+        self.fault = fault;
+        self
+    }
+
+    /// The same config with another [`ExecConfig::backward`] (what each `grad_ready` runs).
+    pub fn with_backward(mut self, backward: Backward) -> Self {
+        self.backward = backward;
+        self
+    }
+
+    /// The same config with another [`ExecConfig::aliasing`] (buffer aliasing on or off).
+    pub fn with_aliasing(mut self, aliasing: bool) -> Self {
+        self.aliasing = aliasing;
+        self
+    }
+
+    /// The same config with another [`ExecConfig::clip`] (global-norm clipping).
+    pub fn with_clip(mut self, clip: ClipConfig) -> Self {
+        self.clip = clip;
+        self
     }
 }
 
@@ -1316,17 +1399,10 @@ mod tests {
     /// Mesh 2x1, three `fsdp` layers, two micro-batches.
     fn plan(transport: Transport) -> Arc<Plan> {
         let params = (0..3)
-            .map(|l| ParamSpec {
-                name: format!("l{l}.w"),
-                shape: vec![64, 48],
-                route: Route::Fsdp,
-                layer: l,
-            })
+            .map(|l| ParamSpec::new(format!("l{l}.w"), vec![64, 48], Route::Fsdp, l))
             .collect();
-        let spec = PlanSpec::new(Mesh::new(2, 1).unwrap(), params).with_schedule(Schedule {
-            transport,
-            ..Schedule::default()
-        });
+        let spec = PlanSpec::new(Mesh::new(2, 1).unwrap(), params)
+            .with_schedule(Schedule::default().with_transport(transport));
         Arc::new(
             Planner::new(spec)
                 .unwrap()

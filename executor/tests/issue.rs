@@ -52,10 +52,7 @@ async fn a_plan_the_caller_let_go_of_is_dropped_at_the_step_end() {
 /// One step of two micro-batches with a window, the most Stage-1 buffers in flight and
 /// the parameters after it.
 async fn windowed(window: usize) -> (usize, Vec<Option<Vec<u32>>>) {
-    let cfg = ExecConfig {
-        stage1_window: window,
-        ..ExecConfig::default()
-    };
+    let cfg = ExecConfig::default().with_stage1_window(window);
     let mut rig = Rig::new(spec(2, 2, 6), cfg);
     let plan = rig.plan(&[Gate::On, Gate::On]);
     let stats = rig.step(&plan).await.expect("step");

@@ -9,21 +9,17 @@
 //! invariants before an executor runs it.
 //!
 //! ```
-//! use overlap_graph::{Bindings, Gate, Mesh, ParamSpec, PlanSpec, Planner, ReduceSpec, Route, Schedule, validate, Mode};
+//! use overlap_graph::{validate, Gate, Mesh, Mode, ParamSpec, PlanSpec, Planner, Route};
 //!
-//! let spec = PlanSpec {
-//!     mesh: Mesh::new(2, 2)?,
-//!     params: vec![
-//!         ParamSpec { name: "w".into(), shape: vec![6, 4], route: Route::Muon, layer: 1 },
-//!         ParamSpec { name: "norm".into(), shape: vec![5], route: Route::Fsdp, layer: 1 },
+//! let spec = PlanSpec::new(
+//!     Mesh::new(2, 2)?,
+//!     vec![
+//!         ParamSpec::new("w", [6, 4], Route::Muon, 1),
+//!         ParamSpec::new("norm", [5], Route::Fsdp, 1),
 //!     ],
-//!     reduce: ReduceSpec::default(),
-//!     bucket_cap_bytes: 1 << 20,
-//!     bindings: Bindings::default(),
-//!     schedule: Schedule::default(),
-//!     grad_norm: true,
-//!     forward: None,
-//! };
+//! )
+//! .with_bucket_cap_bytes(1 << 20)
+//! .with_grad_norm(true);
 //! let plan = Planner::new(spec)?.plan(&[Gate::ReplicateOff, Gate::On])?;
 //! assert!(validate(&plan, Mode::Step).is_empty());
 //! # Ok::<(), overlap_graph::PlanError>(())

@@ -75,9 +75,10 @@ pub const MAX_MODEL_LAYERS: u32 = 4096;
 /// Identifies a parameter by its index in [`crate::Plan::params`].
 pub type ParamId = u32;
 
-/// One parameter as the planner sees it.
+/// One parameter as the planner sees it ([`ParamSpec::new`]).
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(deny_unknown_fields)]
+#[non_exhaustive]
 pub struct ParamSpec {
     /// Unique name, e.g. `blocks.3.proj`.
     pub name: String,
@@ -189,9 +190,10 @@ impl ParamSpec {
 }
 
 /// A transformer-like stack: embeddings and head are `sharded_adamw`, the block matrices
-/// `muon`, the norms `fsdp`.
+/// `muon`, the norms `fsdp` ([`ModelSpec::new`]).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(deny_unknown_fields)]
+#[non_exhaustive]
 pub struct ModelSpec {
     /// Number of transformer blocks.
     pub layers: u32,
@@ -202,6 +204,16 @@ pub struct ModelSpec {
 }
 
 impl ModelSpec {
+    /// A stack of `layers` transformer blocks of hidden size `hidden` over a vocabulary
+    /// of `vocab` tokens.
+    pub fn new(layers: u32, hidden: u64, vocab: u64) -> ModelSpec {
+        ModelSpec {
+            layers,
+            hidden,
+            vocab,
+        }
+    }
+
     /// The generated parameters. Layer numbers follow backward order: the head is the
     /// highest layer (`layers + 1`), the embedding layer 0, block `i` layer `i + 1`.
     ///

@@ -21,9 +21,11 @@ pub const PLAN_FORMAT: &str = "overlap-plan";
 /// The plan JSON version this crate reads and writes.
 pub const PLAN_VERSION: u32 = 1;
 
-/// How reductions are computed.
+/// How reductions are computed. [`ReduceSpec::default`] is `avg` in f32; change it with
+/// the `with_*` methods.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize, Default)]
 #[serde(deny_unknown_fields)]
+#[non_exhaustive]
 pub struct ReduceSpec {
     /// `avg` divides by the number of ranks reduced over; `sum` does not.
     pub op: ReduceOp,
@@ -31,7 +33,8 @@ pub struct ReduceSpec {
     pub dtype: DType,
 }
 
-/// Which stream each kind of node is bound to. The default is FSDP2's binding.
+/// Which stream each kind of node is bound to. The default is FSDP2's binding; change a
+/// kind's stream with its `with_*` method.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize)]
 #[serde(deny_unknown_fields)]
 pub struct Bindings {
@@ -62,6 +65,112 @@ pub struct Bindings {
     /// during the micro-batches, and it already moves parameters.
     #[serde(default = "unshard_default")]
     pub unshard: Stream,
+}
+
+impl ReduceSpec {
+    /// The same reduction with another [`ReduceSpec::op`] (`avg` or `sum`).
+    pub fn with_op(mut self, op: ReduceOp) -> ReduceSpec {
+        self.op = op;
+        self
+    }
+
+    /// The same reduction with another [`ReduceSpec::dtype`] (the wire's element type).
+    pub fn with_dtype(mut self, dtype: DType) -> ReduceSpec {
+        self.dtype = dtype;
+        self
+    }
+}
+
+impl Bindings {
+    /// Every kind of node on `stream` (on the compute stream: the fully serial
+    /// binding, each layer's reduction after its backward, strictly in order).
+    pub fn all_on(stream: Stream) -> Bindings {
+        Bindings {
+            accumulate: stream,
+            pack: stream,
+            stage1: stream,
+            fold: stream,
+            stage2: stream,
+            unpack: stream,
+            optimizer: stream,
+            publish: stream,
+            exchange: stream,
+            combine: stream,
+            unshard: stream,
+        }
+    }
+
+    /// The same bindings with another [`Bindings::accumulate`] stream (no_sync
+    /// accumulation).
+    pub fn with_accumulate(mut self, accumulate: Stream) -> Bindings {
+        self.accumulate = accumulate;
+        self
+    }
+
+    /// The same bindings with another [`Bindings::pack`] stream (copy-in/pack).
+    pub fn with_pack(mut self, pack: Stream) -> Bindings {
+        self.pack = pack;
+        self
+    }
+
+    /// The same bindings with another [`Bindings::stage1`] stream (Stage-1 collectives).
+    pub fn with_stage1(mut self, stage1: Stream) -> Bindings {
+        self.stage1 = stage1;
+        self
+    }
+
+    /// The same bindings with another [`Bindings::fold`] stream (folds into and out of the
+    /// partial).
+    pub fn with_fold(mut self, fold: Stream) -> Bindings {
+        self.fold = fold;
+        self
+    }
+
+    /// The same bindings with another [`Bindings::stage2`] stream (Stage-2 collectives).
+    pub fn with_stage2(mut self, stage2: Stream) -> Bindings {
+        self.stage2 = stage2;
+        self
+    }
+
+    /// The same bindings with another [`Bindings::unpack`] stream (unpack into the reduced
+    /// gradients).
+    pub fn with_unpack(mut self, unpack: Stream) -> Bindings {
+        self.unpack = unpack;
+        self
+    }
+
+    /// The same bindings with another [`Bindings::optimizer`] stream (optimizer steps).
+    pub fn with_optimizer(mut self, optimizer: Stream) -> Bindings {
+        self.optimizer = optimizer;
+        self
+    }
+
+    /// The same bindings with another [`Bindings::publish`] stream (post-step broadcasts).
+    pub fn with_publish(mut self, publish: Stream) -> Bindings {
+        self.publish = publish;
+        self
+    }
+
+    /// The same bindings with another [`Bindings::exchange`] stream (copy-transport
+    /// exchanges and gathers).
+    pub fn with_exchange(mut self, exchange: Stream) -> Bindings {
+        self.exchange = exchange;
+        self
+    }
+
+    /// The same bindings with another [`Bindings::combine`] stream (copy-transport
+    /// combines).
+    pub fn with_combine(mut self, combine: Stream) -> Bindings {
+        self.combine = combine;
+        self
+    }
+
+    /// The same bindings with another [`Bindings::unshard`] stream (forward plans'
+    /// parameter gathers).
+    pub fn with_unshard(mut self, unshard: Stream) -> Bindings {
+        self.unshard = unshard;
+        self
+    }
 }
 
 fn unshard_default() -> Stream {
@@ -99,8 +208,10 @@ impl Transport {
     }
 }
 
-/// Where the planner places what the bindings leave open.
+/// Where the planner places what the bindings leave open. Start from
+/// [`Schedule::default`] and change it with the `with_*` methods.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+#[non_exhaustive]
 pub struct Schedule {
     /// How stages with more than one member move their bytes.
     pub transport: Transport,
@@ -135,6 +246,34 @@ impl Default for Schedule {
     }
 }
 
+impl Schedule {
+    /// The same schedule with another [`Schedule::transport`] (NCCL collectives or the copy
+    /// transport).
+    pub fn with_transport(mut self, transport: Transport) -> Schedule {
+        self.transport = transport;
+        self
+    }
+
+    /// The same schedule with another [`Schedule::combine_lag`] (layers a copy-transport
+    /// combine is held back).
+    pub fn with_combine_lag(mut self, combine_lag: u32) -> Schedule {
+        self.combine_lag = combine_lag;
+        self
+    }
+
+    /// The same schedule with another [`Schedule::early_tail_gathers`].
+    pub fn with_early_tail_gathers(mut self, early_tail_gathers: bool) -> Schedule {
+        self.early_tail_gathers = early_tail_gathers;
+        self
+    }
+
+    /// The same schedule with another [`Schedule::combine_after_exchanges`].
+    pub fn with_combine_after_exchanges(mut self, combine_after_exchanges: bool) -> Schedule {
+        self.combine_after_exchanges = combine_after_exchanges;
+        self
+    }
+}
+
 impl Default for Bindings {
     fn default() -> Self {
         Bindings {
@@ -155,9 +294,10 @@ impl Default for Bindings {
 
 /// Forward plans ([`PlanSpec::forward`], `[forward]`): each micro-batch gathers every
 /// layer's full parameters for the trainer's forward, and again (or keeps them) for its
-/// backward.
+/// backward. Start from [`ForwardSpec::default`] and change it with the `with_*` methods.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize)]
 #[serde(deny_unknown_fields)]
+#[non_exhaustive]
 pub struct ForwardSpec {
     /// How many layers ahead of the one the trainer runs the gathers are issued: 0
     /// gathers a layer right before its use; 1 (the default) gathers layer `L + 1` while
@@ -181,6 +321,19 @@ impl Default for ForwardSpec {
 }
 
 impl ForwardSpec {
+    /// The same forward with another [`ForwardSpec::prefetch`] (layers the gathers run
+    /// ahead).
+    pub fn with_prefetch(mut self, prefetch: u32) -> ForwardSpec {
+        self.prefetch = prefetch;
+        self
+    }
+
+    /// The same forward with another [`ForwardSpec::reshard_after_forward`].
+    pub fn with_reshard_after_forward(mut self, reshard_after_forward: bool) -> ForwardSpec {
+        self.reshard_after_forward = reshard_after_forward;
+        self
+    }
+
     /// The pass whose gathers the trainer's backward reads.
     pub fn backward_pass(&self) -> Pass {
         if self.reshard_after_forward {
@@ -191,8 +344,10 @@ impl ForwardSpec {
     }
 }
 
-/// What the planner needs: the mesh, the parameters and the knobs.
+/// What the planner needs: the mesh, the parameters and the knobs. Build one with
+/// [`PlanSpec::new`] and the `with_*` methods.
 #[derive(Debug, Clone, PartialEq, Eq)]
+#[non_exhaustive]
 pub struct PlanSpec {
     /// The mesh.
     pub mesh: Mesh,

@@ -19,11 +19,9 @@ use overlap_graph::{
 fn copy_plan(gates: &[Gate]) -> Plan {
     let mut s = spec(2, 2, four_routes(), 1 << 20);
     s.bindings.combine = Stream::Compute;
-    s.schedule = Schedule {
-        transport: Transport::Copy,
-        combine_lag: 1,
-        ..Schedule::default()
-    };
+    s.schedule = Schedule::default()
+        .with_transport(Transport::Copy)
+        .with_combine_lag(1);
     Planner::new(s).unwrap().plan(gates).unwrap()
 }
 

@@ -29,10 +29,7 @@ fn params() -> Vec<overlap_graph::ParamSpec> {
 
 fn forward_spec(s: u32, r: u32, fw: ForwardSpec, transport: Transport) -> PlanSpec {
     spec(s, r, params(), 1 << 20)
-        .with_schedule(Schedule {
-            transport,
-            ..Schedule::default()
-        })
+        .with_schedule(Schedule::default().with_transport(transport))
         .with_forward(Some(fw))
 }
 
@@ -49,10 +46,11 @@ fn policies() -> Vec<ForwardSpec> {
     let mut out = Vec::new();
     for prefetch in [0, 1, 2, 9] {
         for reshard_after_forward in [true, false] {
-            out.push(ForwardSpec {
-                prefetch,
-                reshard_after_forward,
-            });
+            out.push(
+                ForwardSpec::default()
+                    .with_prefetch(prefetch)
+                    .with_reshard_after_forward(reshard_after_forward),
+            );
         }
     }
     out
@@ -254,10 +252,9 @@ fn move_node_earlier(v: &mut Value, rank: usize, id: u64, to: u64) {
 fn a_read_before_its_gather_is_rejected_as_read_after_unshard() {
     // Rank 1's forward of layer 1 in micro-batch 0 moves before the gathers of its
     // parameters: it would read full parameters nothing gathered yet.
-    let fw = ForwardSpec {
-        prefetch: 0,
-        reshard_after_forward: true,
-    };
+    let fw = ForwardSpec::default()
+        .with_prefetch(0)
+        .with_reshard_after_forward(true);
     let mut v = to_value(&plan(2, 2, fw, &[Off, On]));
     let point = find_node(&v, 1, "forward", json!({"layer": 1}));
     let first_gather = find_node(
@@ -365,10 +362,9 @@ fn a_gather_after_this_steps_update_is_rejected_as_unshard_reads_latest() {
 fn a_use_after_free_is_rejected_as_reshard_after_last_read() {
     // Rank 0 frees `up`'s forward gather of micro-batch 0 before the forward of layer 2
     // reads it: the gather's memory would be handed to the next gather while read.
-    let fw = ForwardSpec {
-        prefetch: 1,
-        reshard_after_forward: true,
-    };
+    let fw = ForwardSpec::default()
+        .with_prefetch(1)
+        .with_reshard_after_forward(true);
     let mut v = to_value(&plan(2, 2, fw, &[Off, On]));
     let free = find_node(
         &v,

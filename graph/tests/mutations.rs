@@ -1001,10 +1001,7 @@ fn base_plans() -> Vec<(String, Plan)> {
         for transport in [Transport::Nccl, Transport::Copy] {
             for gates in [&[Off, On][..], &[NoSync, Off, On], &[On, NoSync, On]] {
                 let mut spec: PlanSpec = spec(s, r, four_routes(), 1 << 20);
-                spec.schedule = Schedule {
-                    transport,
-                    ..Schedule::default()
-                };
+                spec.schedule = Schedule::default().with_transport(transport);
                 let plan = Planner::new(spec).unwrap().plan(gates).unwrap();
                 let name = format!(
                     "mesh {s}x{r}, {transport:?}, gates {}",
@@ -1017,11 +1014,9 @@ fn base_plans() -> Vec<(String, Plan)> {
     }
     // Several buckets per layer (a small cap) with combines right after their exchanges.
     let mut spec: PlanSpec = spec(2, 2, four_routes(), 16);
-    spec.schedule = Schedule {
-        transport: Transport::Copy,
-        combine_lag: 0,
-        ..Schedule::default()
-    };
+    spec.schedule = Schedule::default()
+        .with_transport(Transport::Copy)
+        .with_combine_lag(0);
     let gates = [NoSync, Off, On];
     let plan = Planner::new(spec).unwrap().plan(&gates).unwrap();
     assert!(validate(&plan, Mode::Step).is_empty());
@@ -1040,10 +1035,11 @@ fn forward_plans() -> Vec<(String, Plan)> {
     for (s, r) in [(2, 1), (1, 2), (2, 2)] {
         for (prefetch, reshard_after_forward) in [(1, true), (0, false)] {
             let gates = [NoSync, Off, On];
-            let spec = spec(s, r, four_routes(), 1 << 20).with_forward(Some(ForwardSpec {
-                prefetch,
-                reshard_after_forward,
-            }));
+            let spec = spec(s, r, four_routes(), 1 << 20).with_forward(Some(
+                ForwardSpec::default()
+                    .with_prefetch(prefetch)
+                    .with_reshard_after_forward(reshard_after_forward),
+            ));
             let plan = Planner::new(spec).unwrap().plan(&gates).unwrap();
             let name = format!(
                 "mesh {s}x{r}, forward prefetch {prefetch} reshard {reshard_after_forward}, gates {}",

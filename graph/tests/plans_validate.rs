@@ -1,16 +1,9 @@
 //! Every plan the planner builds validates, on every mesh shape and gate pattern.
 
-use overlap_graph::{
-    validate, Bindings, Gate, Mesh, Mode, ParamSpec, PlanSpec, Planner, ReduceSpec, Route,
-};
+use overlap_graph::{validate, Bindings, Gate, Mesh, Mode, ParamSpec, PlanSpec, Planner, Route};
 
 pub fn four_routes() -> Vec<ParamSpec> {
-    let p = |name: &str, shape: Vec<u64>, route, layer| ParamSpec {
-        name: name.into(),
-        shape,
-        route,
-        layer,
-    };
+    let p = |name: &str, shape: Vec<u64>, route, layer| ParamSpec::new(name, shape, route, layer);
     vec![
         p("embed", vec![37, 6], Route::ShardedAdamw, 0),
         p("blocks.0.norm", vec![7], Route::Fsdp, 1),
@@ -23,16 +16,7 @@ pub fn four_routes() -> Vec<ParamSpec> {
 }
 
 fn spec(shard: u32, replicate: u32) -> PlanSpec {
-    PlanSpec {
-        mesh: Mesh::new(shard, replicate).unwrap(),
-        params: four_routes(),
-        reduce: ReduceSpec::default(),
-        bucket_cap_bytes: 256,
-        bindings: Bindings::default(),
-        schedule: Default::default(),
-        grad_norm: false,
-        forward: None,
-    }
+    PlanSpec::new(Mesh::new(shard, replicate).unwrap(), four_routes()).with_bucket_cap_bytes(256)
 }
 
 #[test]
@@ -75,18 +59,13 @@ fn copy_transport_plans_validate_with_every_combine_lag() {
     for (s, r) in [(1, 1), (2, 2), (1, 4), (4, 1), (2, 3), (3, 2)] {
         for lag in [0, 1, 2, 7] {
             for combine in [Stream::Compute, Stream::Reduce, Stream::Publish] {
-                let spec = PlanSpec {
-                    bindings: Bindings {
-                        combine,
-                        ..Bindings::default()
-                    },
-                    schedule: Schedule {
-                        transport: Transport::Copy,
-                        combine_lag: lag,
-                        ..Schedule::default()
-                    },
-                    ..spec(s, r)
-                };
+                let spec = spec(s, r)
+                    .with_bindings(Bindings::default().with_combine(combine))
+                    .with_schedule(
+                        Schedule::default()
+                            .with_transport(Transport::Copy)
+                            .with_combine_lag(lag),
+                    );
                 let planner = Planner::new(spec).unwrap();
                 for g in &patterns {
                     let plan = planner.plan(g).unwrap();
@@ -126,14 +105,11 @@ fn copy_transport_plans_validate_with_every_combine_lag() {
 #[test]
 fn a_lagged_combine_follows_the_next_layers_backward() {
     use overlap_graph::{Op, Schedule, Transport};
-    let spec = PlanSpec {
-        schedule: Schedule {
-            transport: Transport::Copy,
-            combine_lag: 1,
-            ..Schedule::default()
-        },
-        ..spec(2, 1)
-    };
+    let spec = spec(2, 1).with_schedule(
+        Schedule::default()
+            .with_transport(Transport::Copy)
+            .with_combine_lag(1),
+    );
     let plan = Planner::new(spec).unwrap().plan(&[Gate::On]).unwrap();
     let nodes = &plan.ranks[0].nodes;
     let layer_of = |b: u32| plan.buckets[b as usize].layer;
@@ -170,15 +146,12 @@ fn a_lagged_combine_follows_the_next_layers_backward() {
 fn lagging_gathers_go_out_before_the_last_layers_exchanges() {
     use overlap_graph::{Op, Schedule, Transport};
     let plan_of = |shard, replicate, early| {
-        let spec = PlanSpec {
-            schedule: Schedule {
-                transport: Transport::Copy,
-                combine_lag: 1,
-                early_tail_gathers: early,
-                ..Schedule::default()
-            },
-            ..spec(shard, replicate)
-        };
+        let spec = spec(shard, replicate).with_schedule(
+            Schedule::default()
+                .with_transport(Transport::Copy)
+                .with_combine_lag(1)
+                .with_early_tail_gathers(early),
+        );
         let plan = Planner::new(spec).unwrap().plan(&[Gate::On]).unwrap();
         assert!(validate(&plan, Mode::Step).is_empty());
         plan
@@ -277,15 +250,12 @@ fn happens_before(rp: &overlap_graph::RankProgram, a: u32, b: u32) -> bool {
 fn combines_can_wait_for_the_exchanges_before_them() {
     use overlap_graph::{Op, Schedule, Transport};
     let plan_of = |shard, replicate, lag, after| {
-        let spec = PlanSpec {
-            schedule: Schedule {
-                transport: Transport::Copy,
-                combine_lag: lag,
-                combine_after_exchanges: after,
-                ..Schedule::default()
-            },
-            ..spec(shard, replicate)
-        };
+        let spec = spec(shard, replicate).with_schedule(
+            Schedule::default()
+                .with_transport(Transport::Copy)
+                .with_combine_lag(lag)
+                .with_combine_after_exchanges(after),
+        );
         let plan = Planner::new(spec).unwrap().plan(&[Gate::On]).unwrap();
         assert!(validate(&plan, Mode::Step).is_empty());
         plan
@@ -350,15 +320,13 @@ fn copy_transport_prefixes_are_prefixes_of_the_step_plan() {
     let gates = [NoSync, ReplicateOff, On, ReplicateOff, On];
     for lag in 0..3 {
         for (early, after) in [(true, false), (false, false), (true, true)] {
-            let spec = PlanSpec {
-                schedule: Schedule {
-                    transport: Transport::Copy,
-                    combine_lag: lag,
-                    early_tail_gathers: early,
-                    combine_after_exchanges: after,
-                },
-                ..spec(2, 2)
-            };
+            let spec = spec(2, 2).with_schedule(
+                Schedule::default()
+                    .with_transport(Transport::Copy)
+                    .with_combine_lag(lag)
+                    .with_early_tail_gathers(early)
+                    .with_combine_after_exchanges(after),
+            );
             let planner = Planner::new(spec).unwrap();
             let full = planner.plan(&gates).unwrap();
             for k in 1..gates.len() {
@@ -431,10 +399,7 @@ fn plans_with_the_global_norm_validate_and_count_every_element_once() {
     use Gate::*;
     for transport in [Transport::Nccl, Transport::Copy] {
         for (s, r) in [(1, 1), (2, 1), (1, 2), (2, 2), (3, 1), (2, 3)] {
-            let schedule = Schedule {
-                transport,
-                ..Default::default()
-            };
+            let schedule = Schedule::default().with_transport(transport);
             let planner =
                 Planner::new(spec(s, r).with_schedule(schedule).with_grad_norm(true)).unwrap();
             for g in [vec![On], vec![NoSync, ReplicateOff, On]] {

@@ -36,11 +36,8 @@ fn params() -> impl Strategy<Value = Vec<ParamSpec>> {
     prop::collection::vec((shape_and_route(), 0u32..=4), 1..=12).prop_map(|ps| {
         ps.into_iter()
             .enumerate()
-            .map(|(i, ((shape, route), layer))| ParamSpec {
-                name: format!("p{i}"),
-                shape,
-                route,
-                layer,
+            .map(|(i, ((shape, route), layer))| {
+                ParamSpec::new(format!("p{i}"), shape, route, layer)
             })
             .collect()
     })
@@ -72,19 +69,18 @@ fn stream() -> impl Strategy<Value = Stream> {
 fn bindings() -> impl Strategy<Value = Bindings> {
     prop_oneof![
         1 => Just(Bindings::default()),
-        3 => [stream(), stream(), stream(), stream(), stream(), stream(), stream(), stream(), stream(), stream(), stream()].prop_map(|s| Bindings {
-            accumulate: s[0],
-            pack: s[1],
-            stage1: s[2],
-            fold: s[3],
-            stage2: s[4],
-            unpack: s[5],
-            optimizer: s[6],
-            publish: s[7],
-            combine: s[8],
-            exchange: s[9],
-            unshard: s[10],
-        }),
+        3 => [stream(), stream(), stream(), stream(), stream(), stream(), stream(), stream(), stream(), stream(), stream()].prop_map(|s| Bindings::default()
+            .with_accumulate(s[0])
+            .with_pack(s[1])
+            .with_stage1(s[2])
+            .with_fold(s[3])
+            .with_stage2(s[4])
+            .with_unpack(s[5])
+            .with_optimizer(s[6])
+            .with_publish(s[7])
+            .with_combine(s[8])
+            .with_exchange(s[9])
+            .with_unshard(s[10])),
     ]
 }
 
@@ -93,7 +89,7 @@ fn reduce() -> impl Strategy<Value = ReduceSpec> {
         select(vec![ReduceOp::Avg, ReduceOp::Sum]),
         select(vec![DType::F32, DType::Bf16]),
     )
-        .prop_map(|(op, dtype)| ReduceSpec { op, dtype })
+        .prop_map(|(op, dtype)| ReduceSpec::default().with_op(op).with_dtype(dtype))
 }
 
 /// Either transport; the copy transport with its combines 0 to 3 layers behind.
@@ -105,11 +101,12 @@ fn schedule() -> impl Strategy<Value = Schedule> {
         any::<bool>(),
     )
         .prop_map(
-            |(transport, combine_lag, early_tail_gathers, combine_after_exchanges)| Schedule {
-                transport,
-                combine_lag,
-                early_tail_gathers,
-                combine_after_exchanges,
+            |(transport, combine_lag, early_tail_gathers, combine_after_exchanges)| {
+                Schedule::default()
+                    .with_transport(transport)
+                    .with_combine_lag(combine_lag)
+                    .with_early_tail_gathers(early_tail_gathers)
+                    .with_combine_after_exchanges(combine_after_exchanges)
             },
         )
 }
@@ -118,10 +115,11 @@ fn schedule() -> impl Strategy<Value = Schedule> {
 fn forward() -> impl Strategy<Value = Option<ForwardSpec>> {
     prop_oneof![
         1 => Just(None),
-        1 => (0u32..4, any::<bool>()).prop_map(|(prefetch, reshard_after_forward)| Some(ForwardSpec {
-            prefetch,
-            reshard_after_forward,
-        })),
+        1 => (0u32..4, any::<bool>()).prop_map(|(prefetch, reshard_after_forward)| Some(
+            ForwardSpec::default()
+                .with_prefetch(prefetch)
+                .with_reshard_after_forward(reshard_after_forward)
+        )),
     ]
 }
 
@@ -136,15 +134,13 @@ fn plan_spec() -> impl Strategy<Value = PlanSpec> {
         forward(),
     )
         .prop_map(
-            |(mesh, params, reduce, bucket_cap_bytes, bindings, schedule, forward)| PlanSpec {
-                mesh,
-                params,
-                reduce,
-                bucket_cap_bytes,
-                bindings,
-                schedule,
-                grad_norm: false,
-                forward,
+            |(mesh, params, reduce, bucket_cap_bytes, bindings, schedule, forward)| {
+                PlanSpec::new(mesh, params)
+                    .with_reduce(reduce)
+                    .with_bucket_cap_bytes(bucket_cap_bytes)
+                    .with_bindings(bindings)
+                    .with_schedule(schedule)
+                    .with_forward(forward)
             },
         )
 }

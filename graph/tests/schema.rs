@@ -13,8 +13,8 @@ use std::collections::BTreeSet;
 
 use common::*;
 use overlap_graph::{
-    Bindings, Collective, CollectiveKind, DType, ForwardSpec, Gate, Group, Mesh, Op, OptimizerKind,
-    Pass, Plan, PlanSpec, Planner, ReduceOp, ReduceSpec, Route, Stream,
+    Bindings, Collective, CollectiveKind, DType, ForwardSpec, Gate, Group, Op, OptimizerKind, Pass,
+    Plan, Planner, ReduceOp, ReduceSpec, Route, Stream,
 };
 use serde::{de::DeserializeOwned, Serialize};
 use serde_json::{json, Value};
@@ -286,11 +286,9 @@ fn every_node_kind() -> Plan {
 /// The copy transport's plan (exchange and combine nodes) on a 2x2 mesh.
 fn copy_transport_plan() -> Plan {
     let mut copy = spec(2, 2, four_routes(), 1 << 20);
-    copy.schedule = overlap_graph::Schedule {
-        transport: overlap_graph::Transport::Copy,
-        combine_lag: 1,
-        ..overlap_graph::Schedule::default()
-    };
+    copy.schedule = overlap_graph::Schedule::default()
+        .with_transport(overlap_graph::Transport::Copy)
+        .with_combine_lag(1);
     Planner::new(copy)
         .unwrap()
         .plan(&[Gate::ReplicateOff, Gate::On])
@@ -301,26 +299,20 @@ fn copy_transport_plan() -> Plan {
 fn assorted_plans() -> Vec<Plan> {
     let mut plans = vec![every_node_kind(), copy_transport_plan()];
     let mut bf16 = spec(3, 2, four_routes(), 16);
-    bf16.reduce = ReduceSpec {
-        op: ReduceOp::Sum,
-        dtype: DType::Bf16,
-    };
-    bf16.bindings = Bindings {
-        fold: Stream::Compute,
-        stage2: Stream::Reduce,
-        publish: Stream::Replicate,
-        ..Bindings::default()
-    };
+    bf16.reduce = ReduceSpec::default()
+        .with_op(ReduceOp::Sum)
+        .with_dtype(DType::Bf16);
+    bf16.bindings = Bindings::default()
+        .with_fold(Stream::Compute)
+        .with_stage2(Stream::Reduce)
+        .with_publish(Stream::Replicate);
     plans.push(
         Planner::new(bf16)
             .unwrap()
             .plan(&[Gate::ReplicateOff, Gate::On, Gate::NoSync, Gate::On])
             .unwrap(),
     );
-    let single = PlanSpec {
-        mesh: Mesh::new(1, 1).unwrap(),
-        ..spec(1, 1, four_routes(), 1 << 20)
-    };
+    let single = spec(1, 1, four_routes(), 1 << 20);
     plans.push(Planner::new(single).unwrap().plan(&[Gate::On]).unwrap());
     plans.push(
         Planner::new(spec(2, 3, four_routes(), 64).with_grad_norm(true))

@@ -132,34 +132,21 @@ fn bindings(own: Bindings, copy: bool) -> Vec<Binding> {
         },
         Binding {
             name: "one-comm-stream",
-            bindings: Bindings {
-                stage2: Stream::Reduce,
-                unpack: Stream::Reduce,
-                ..d
-            },
+            bindings: d.with_stage2(Stream::Reduce).with_unpack(Stream::Reduce),
         },
         Binding {
             name: "pack-on-compute",
-            bindings: Bindings {
-                pack: Stream::Compute,
-                ..d
-            },
+            bindings: d.with_pack(Stream::Compute),
         },
     ];
     if copy {
         v.push(Binding {
             name: "combine-on-compute",
-            bindings: Bindings {
-                combine: Stream::Compute,
-                ..d
-            },
+            bindings: d.with_combine(Stream::Compute),
         });
         v.push(Binding {
             name: "combine-on-replicate",
-            bindings: Bindings {
-                combine: Stream::Replicate,
-                ..d
-            },
+            bindings: d.with_combine(Stream::Replicate),
         });
     }
     // Drop repeats (the config's bindings are often the default), keeping the first.

@@ -2,7 +2,7 @@
 //! (`aliasing.rs`, `in_place_keys.rs`). Each test crate uses part of it.
 #![allow(dead_code)]
 
-use overlap::graph::{Bindings, Buffer, ReduceSpec};
+use overlap::graph::Buffer;
 use overlap::ops::Backend;
 use overlap::session::StepReport;
 use overlap::{Gate, Mesh, ParamSpec, PlanSpec, Route, Session};
@@ -11,15 +11,10 @@ use overlap::{Gate, Mesh, ParamSpec, PlanSpec, Route, Session};
 /// padding on a shard group of 1 or 2), ones that need padding, and two that share a
 /// bucket (the cap fits two of a layer and route).
 pub fn mixed_spec(shard: u32, replicate: u32) -> PlanSpec {
-    let p = |name: &str, shape: Vec<u64>, route, layer| ParamSpec {
-        name: name.into(),
-        shape,
-        route,
-        layer,
-    };
-    PlanSpec {
-        mesh: Mesh::new(shard, replicate).expect("a valid mesh"),
-        params: vec![
+    let p = |name: &str, shape: Vec<u64>, route, layer| ParamSpec::new(name, shape, route, layer);
+    PlanSpec::new(
+        Mesh::new(shard, replicate).expect("a valid mesh"),
+        vec![
             p("w", vec![4, 6], Route::Muon, 3),
             p("norm", vec![16], Route::Fsdp, 2),
             p("bias", vec![7], Route::Adamw, 2),
@@ -27,13 +22,8 @@ pub fn mixed_spec(shard: u32, replicate: u32) -> PlanSpec {
             p("emb", vec![10, 3], Route::ShardedAdamw, 0),
             p("emb2", vec![5], Route::ShardedAdamw, 0),
         ],
-        reduce: ReduceSpec::default(),
-        bucket_cap_bytes: 160,
-        bindings: Bindings::default(),
-        schedule: Default::default(),
-        grad_norm: false,
-        forward: None,
-    }
+    )
+    .with_bucket_cap_bytes(160)
 }
 
 /// Runs `steps` steps of `gates` with seeded gradients, calling `after` with each

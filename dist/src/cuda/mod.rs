@@ -401,12 +401,7 @@ mod tests {
     #[test]
     fn an_in_place_verdict_holds_for_every_gate_pattern() {
         use overlap_graph::{Gate, ParamSpec, Route, Schedule, Transport};
-        let p = |name: &str, n: u64, route, layer| ParamSpec {
-            name: name.into(),
-            shape: vec![n],
-            route,
-            layer,
-        };
+        let p = |name: &str, n: u64, route, layer| ParamSpec::new(name, vec![n], route, layer);
         let params = vec![
             p("a", 64, Route::Fsdp, 3),
             p("b", 64, Route::ShardedAdamw, 2),
@@ -427,21 +422,18 @@ mod tests {
             for lag in 0..4 {
                 for depth in 1..5 {
                     for (early, after) in [(true, false), (false, false), (true, true)] {
-                        let spec = overlap_graph::PlanSpec {
-                            mesh: Mesh::new(shard, replicate).unwrap(),
-                            params: params.clone(),
-                            reduce: Default::default(),
-                            bucket_cap_bytes: 256,
-                            bindings: Default::default(),
-                            schedule: Schedule {
-                                transport: Transport::Copy,
-                                combine_lag: lag,
-                                early_tail_gathers: early,
-                                combine_after_exchanges: after,
-                            },
-                            grad_norm: false,
-                            forward: None,
-                        };
+                        let spec = overlap_graph::PlanSpec::new(
+                            Mesh::new(shard, replicate).unwrap(),
+                            params.clone(),
+                        )
+                        .with_bucket_cap_bytes(256)
+                        .with_schedule(
+                            Schedule::default()
+                                .with_transport(Transport::Copy)
+                                .with_combine_lag(lag)
+                                .with_early_tail_gathers(early)
+                                .with_combine_after_exchanges(after),
+                        );
                         let ok = copy_setup(&[&spec], slot, depth, true).in_place;
                         approved += ok.len();
                         let planner = overlap_graph::Planner::new(spec).unwrap();
@@ -475,10 +467,7 @@ mod tests {
         ];
         let bindings = [
             Bindings::default(),
-            Bindings {
-                stage2: Stream::Reduce,
-                ..Bindings::default()
-            },
+            Bindings::default().with_stage2(Stream::Reduce),
         ];
         for (shard, replicate) in [(1, 1), (2, 1), (1, 2), (2, 2), (3, 2)] {
             for (transport, forward) in [
@@ -492,10 +481,7 @@ mod tests {
                     let spec = PlanSpec::new(mesh, params.clone())
                         .with_bucket_cap_bytes(64)
                         .with_bindings(*b)
-                        .with_schedule(Schedule {
-                            transport,
-                            ..Schedule::default()
-                        })
+                        .with_schedule(Schedule::default().with_transport(transport))
                         .with_grad_norm(true)
                         .with_forward(forward.then(overlap_graph::ForwardSpec::default));
                     let copy = transport == Transport::Copy;

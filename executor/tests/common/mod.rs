@@ -14,12 +14,7 @@ use overlap_ops::cpu::CpuBackend;
 /// group of 2 among them), plus an `adamw` and a `muon` parameter on the top layer; a
 /// bucket cap small enough that every layer packs a bucket of its own.
 pub fn spec(shard: u32, replicate: u32, layers: u32) -> PlanSpec {
-    let p = |name: String, shape: Vec<u64>, route, layer| ParamSpec {
-        name,
-        shape,
-        route,
-        layer,
-    };
+    let p = |name: String, shape: Vec<u64>, route, layer| ParamSpec::new(name, shape, route, layer);
     let top = layers.saturating_sub(1);
     let mut params: Vec<ParamSpec> = (0..layers)
         .map(|l| p(format!("l{l}.w"), vec![8 + u64::from(l)], Route::Fsdp, l))

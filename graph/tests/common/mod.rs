@@ -8,19 +8,13 @@
 #![allow(dead_code)]
 
 use overlap_graph::{
-    Bindings, Gate, Instr, Mesh, Node, NodeId, ParamSpec, Plan, PlanSpec, Planner, ReduceSpec,
-    Route, Stream,
+    Gate, Instr, Mesh, Node, NodeId, ParamSpec, Plan, PlanSpec, Planner, Route, Stream,
 };
 use serde_json::{json, Value};
 
 /// One parameter.
 pub fn param(name: &str, shape: &[u64], route: Route, layer: u32) -> ParamSpec {
-    ParamSpec {
-        name: name.into(),
-        shape: shape.to_vec(),
-        route,
-        layer,
-    }
+    ParamSpec::new(name, shape.to_vec(), route, layer)
 }
 
 /// A small model with a parameter of every route. Sizes do not divide by 2.
@@ -39,16 +33,8 @@ pub fn four_routes() -> Vec<ParamSpec> {
 
 /// A planner input with the default (FSDP2) bindings and reduction.
 pub fn spec(shard: u32, replicate: u32, params: Vec<ParamSpec>, bucket_cap_bytes: u64) -> PlanSpec {
-    PlanSpec {
-        mesh: Mesh::new(shard, replicate).unwrap(),
-        params,
-        reduce: ReduceSpec::default(),
-        bucket_cap_bytes,
-        bindings: Bindings::default(),
-        schedule: Default::default(),
-        grad_norm: false,
-        forward: None,
-    }
+    PlanSpec::new(Mesh::new(shard, replicate).unwrap(), params)
+        .with_bucket_cap_bytes(bucket_cap_bytes)
 }
 
 /// The plan of [`four_routes`] on mesh 2x2 with one bucket per (layer, route, owner).

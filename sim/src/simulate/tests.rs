@@ -32,15 +32,7 @@ fn plan_with(mesh: Mesh, programs: Vec<Program>) -> Plan {
 
 /// [`plan_with`] of a step of these gates (one micro-batch each).
 fn plan_of_gates(mesh: Mesh, gates: &[Gate], programs: Vec<Program>) -> Plan {
-    let spec = PlanSpec::new(
-        mesh,
-        vec![ParamSpec {
-            name: "w".into(),
-            shape: vec![1024],
-            route: Route::Fsdp,
-            layer: 0,
-        }],
-    );
+    let spec = PlanSpec::new(mesh, vec![ParamSpec::new("w", vec![1024], Route::Fsdp, 0)]);
     let mut plan = Planner::new(spec).unwrap().plan(gates).unwrap();
     plan.ranks = programs
         .into_iter()
@@ -612,17 +604,10 @@ fn a_bad_profile_is_refused_with_its_key() {
 /// A planned step: mesh 2x2, copy transport, three layers, two micro-batches.
 fn planned(transport: Transport) -> Plan {
     let params = (0..3)
-        .map(|l| ParamSpec {
-            name: format!("layer{l}.w"),
-            shape: vec![64, 48],
-            route: Route::Fsdp,
-            layer: l,
-        })
+        .map(|l| ParamSpec::new(format!("layer{l}.w"), vec![64, 48], Route::Fsdp, l))
         .collect();
-    let spec = PlanSpec::new(Mesh::new(2, 2).unwrap(), params).with_schedule(Schedule {
-        transport,
-        ..Schedule::default()
-    });
+    let spec = PlanSpec::new(Mesh::new(2, 2).unwrap(), params)
+        .with_schedule(Schedule::default().with_transport(transport));
     Planner::new(spec)
         .unwrap()
         .plan(&[Gate::ReplicateOff, Gate::On])
@@ -725,21 +710,15 @@ fn planned_steps_run_every_node_in_stream_order_and_deterministically() {
 #[test]
 fn a_forward_plan_adds_the_forwards_and_its_gathers() {
     let params = (0..4)
-        .map(|l| ParamSpec {
-            name: format!("l{l}.w"),
-            shape: vec![256, 256],
-            route: Route::Fsdp,
-            layer: l,
-        })
+        .map(|l| ParamSpec::new(format!("l{l}.w"), vec![256, 256], Route::Fsdp, l))
         .collect::<Vec<_>>();
     let mesh = Mesh::new(2, 1).unwrap();
     let plain = PlanSpec::new(mesh, params.clone());
-    let forward = plain
-        .clone()
-        .with_forward(Some(overlap_graph::plan::ForwardSpec {
-            prefetch: 1,
-            reshard_after_forward: true,
-        }));
+    let forward = plain.clone().with_forward(Some(
+        overlap_graph::plan::ForwardSpec::default()
+            .with_prefetch(1)
+            .with_reshard_after_forward(true),
+    ));
     let mut p = profile();
     p.gpus_per_node = 2;
     let o = Options {
