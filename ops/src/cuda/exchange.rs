@@ -1157,6 +1157,8 @@ impl Failure {
     }
 }
 
+/// Sets up this rank's ring of `comm` with the other members: allocates it, shares the
+/// setup records, maps the peers' rings and agrees on the outcome.
 fn connect_one(
     comm: &Comm,
     device: &Device,
@@ -1171,6 +1173,62 @@ fn connect_one(
         comm: id.to_string(),
         reason,
     };
+    let (mut ring, mine, mut problem) = prepare_ring(comm, device, rank, setup, support, node);
+    let close = |ring: Option<CopyRing>| ring.into_iter().for_each(CopyRing::close);
+    let records = match gather(comm, device, memory, &mine.encode()) {
+        Ok(r) => r,
+        Err(e) => {
+            close(ring);
+            return Err(Failure::Fatal(e));
+        }
+    };
+    let records: Vec<Option<Record>> = records.chunks(RECORD_BYTES).map(Record::decode).collect();
+    // What every member can tell from the records alone (the same verdict everywhere).
+    if problem.is_none() {
+        problem = agree(&records, comm, &mine);
+    }
+    if let (None, Some(r)) = (&problem, ring.as_mut()) {
+        problem = open_peers(r, &records, comm, device, rank);
+    }
+    // Tell each other whether every member could open every ring.
+    let status = [u8::from(problem.is_none()), 0, 0, 0];
+    let statuses = match gather(comm, device, memory, &status) {
+        Ok(s) => s,
+        Err(e) => {
+            close(ring);
+            return Err(Failure::Fatal(e));
+        }
+    };
+    if problem.is_none() {
+        if let Some(j) = statuses.chunks(4).position(|s| s[0] != 1) {
+            let other = records[j].map_or_else(|| "?".into(), |r| r.rank.to_string());
+            problem = Some(format!(
+                "member {j} (rank {other}) could not set up the copy transport (see that rank's error)"
+            ));
+        }
+    }
+    match (problem, ring) {
+        (None, Some(ring)) => Ok(ring),
+        (problem, ring) => {
+            close(ring);
+            Err(Failure::Agreed(error(
+                problem.unwrap_or_else(|| "no ring was allocated".into()),
+            )))
+        }
+    }
+}
+
+/// Allocates this rank's ring of `comm` where the transport is supported and the
+/// layout valid: the ring, this rank's setup record, and why there is no ring.
+fn prepare_ring(
+    comm: &Comm,
+    device: &Device,
+    rank: u32,
+    setup: &CopySetup,
+    support: &Result<(), String>,
+    node: [u8; 16],
+) -> (Option<CopyRing>, Record, Option<String>) {
+    let id = comm.id;
     let lanes = if setup.gather_lane.contains(&id) {
         2
     } else {
@@ -1218,75 +1276,45 @@ fn connect_one(
         }
         Err(reason) => problem = Some(format!("rank {rank} could not set up its ring: {reason}")),
     }
-    let close = |ring: Option<CopyRing>| ring.into_iter().for_each(CopyRing::close);
-    let records = match gather(comm, device, memory, &mine.encode()) {
-        Ok(r) => r,
-        Err(e) => {
-            close(ring);
-            return Err(Failure::Fatal(e));
-        }
-    };
-    let records: Vec<Option<Record>> = records.chunks(RECORD_BYTES).map(Record::decode).collect();
-    // What every member can tell from the records alone (the same verdict everywhere).
-    if problem.is_none() {
-        problem = agree(&records, comm, &mine);
-    }
-    // Open the peers' rings.
-    if let (None, Some(r)) = (&problem, ring.as_mut()) {
-        for (j, rec) in records.iter().enumerate() {
-            let j = j as u32;
-            let Some(rec) = rec.filter(|_| j != comm.index) else {
-                continue;
-            };
-            let handle = sys::CUipcMemHandle_st {
-                reserved: rec.handle.map(|b| b as std::ffi::c_char),
-            };
-            let mut ptr: sys::CUdeviceptr = 0;
-            let flags = sys::CUipcMem_flags::CU_IPC_MEM_LAZY_ENABLE_PEER_ACCESS as c_uint;
-            // SAFETY: `ptr` is an out-parameter; the handle came from a live peer that
-            // keeps its ring until it closes the backend.
-            match unsafe { sys::cuIpcOpenMemHandle_v2(&mut ptr, handle, flags) }.result() {
-                Ok(()) => r.remote[exchange_slot(comm.index, j)] = ptr,
-                Err(e) => {
-                    problem = Some(format!(
-                        "the copy transport needs every member of {} on one node with peer access between their GPUs: \
-                         rank {rank} (GPU {}) cannot map the ring of member {j} (rank {}): {}",
-                        id.group,
-                        device.ordinal,
-                        rec.rank,
-                        describe(e)
-                    ));
-                    break;
-                }
+    (ring, mine, problem)
+}
+
+/// Maps the peers' rings of `comm` into `ring` through their IPC handles in `records`;
+/// on the first that cannot be mapped, says why.
+fn open_peers(
+    ring: &mut CopyRing,
+    records: &[Option<Record>],
+    comm: &Comm,
+    device: &Device,
+    rank: u32,
+) -> Option<String> {
+    for (j, rec) in records.iter().enumerate() {
+        let j = j as u32;
+        let Some(rec) = rec.filter(|_| j != comm.index) else {
+            continue;
+        };
+        let handle = sys::CUipcMemHandle_st {
+            reserved: rec.handle.map(|b| b as std::ffi::c_char),
+        };
+        let mut ptr: sys::CUdeviceptr = 0;
+        let flags = sys::CUipcMem_flags::CU_IPC_MEM_LAZY_ENABLE_PEER_ACCESS as c_uint;
+        // SAFETY: `ptr` is an out-parameter; the handle came from a live peer that
+        // keeps its ring until it closes the backend.
+        match unsafe { sys::cuIpcOpenMemHandle_v2(&mut ptr, handle, flags) }.result() {
+            Ok(()) => ring.remote[exchange_slot(comm.index, j)] = ptr,
+            Err(e) => {
+                return Some(format!(
+                    "the copy transport needs every member of {} on one node with peer access between their GPUs: \
+                     rank {rank} (GPU {}) cannot map the ring of member {j} (rank {}): {}",
+                    comm.id.group,
+                    device.ordinal,
+                    rec.rank,
+                    describe(e)
+                ));
             }
         }
     }
-    // Tell each other whether every member could open every ring.
-    let status = [u8::from(problem.is_none()), 0, 0, 0];
-    let statuses = match gather(comm, device, memory, &status) {
-        Ok(s) => s,
-        Err(e) => {
-            close(ring);
-            return Err(Failure::Fatal(e));
-        }
-    };
-    if problem.is_none() {
-        if let Some(j) = statuses.chunks(4).position(|s| s[0] != 1) {
-            let other = records[j].map_or_else(|| "?".into(), |r| r.rank.to_string());
-            problem = Some(format!(
-                "member {j} (rank {other}) could not set up the copy transport (see that rank's error)"
-            ));
-        }
-    }
-    match (problem, ring) {
-        (None, Some(ring)) => Ok(ring),
-        (problem, ring) => {
-            close(ring);
-            Err(Failure::Agreed(error(
-                problem.unwrap_or_else(|| "no ring was allocated".into()),
-            )))
-        }
-    }
+    None
 }
 
 /// The first disagreement among the setup records, or `None`.
