@@ -306,10 +306,8 @@ pub(super) fn run_batch(
     let mi = i32::try_from(m).map_err(|_| too_big())?;
     let ni = i32::try_from(n).map_err(|_| too_big())?;
     let ci = i32::try_from(count).map_err(|_| too_big())?;
-    let (smn, smm) = ((m * n) as i64, (m * m) as i64);
     let at = |off: usize| scratch + off as u64;
     let (u, mut y, mut z) = (at(layout.u), at(layout.y), at(layout.z));
-    let (a, b) = (at(layout.a), at(layout.b));
     let numel = (rows * cols) as u64;
     let bf16 = layout.dtype == NsDtype::Bf16;
     let fns = &kernels.optim;
@@ -323,18 +321,72 @@ pub(super) fn run_batch(
         at(layout.norms),
     )?;
     fns.mb_init(stream, (u, y), (numel, ci as u32), at(layout.norms), bf16)?;
-    let copy = |dst: u64, src: u64, bytes: usize| -> Result<(), OpsError> {
-        // SAFETY: both regions lie in this call's scratch and hold `bytes` bytes.
-        unsafe { sys::cuMemcpyDtoDAsync_v2(dst, src, bytes, stream) }
-            .result()
-            .map_err(|e| super::device::failed("muon", e))
+    let ns = NsIteration {
+        dt: layout.dtype,
+        esize: layout.esize(),
+        // The buffer holds the row-major `rows × cols` matrix: to cuBLAS (column-major),
+        // `Y = Xᵀ` (`n × m`, ld `n`) for a wide one, `X` itself (`m × n`, ld `m`) for a
+        // tall one (whose `X` is `Gᵀ`), so neither is ever transposed in memory.
+        tall: rows > cols,
+        m,
+        count,
+        dims: (mi, ni, ci),
+        strides: ((m * n) as i64, (m * m) as i64),
+        a: at(layout.a),
+        b: at(layout.b),
     };
-    let (e, dt) = (layout.esize(), layout.dtype);
-    // The buffer holds the row-major `rows × cols` matrix: to cuBLAS (column-major),
-    // `Y = Xᵀ` (`n × m`, ld `n`) for a wide one, `X` itself (`m × n`, ld `m`) for a
-    // tall one (whose `X` is `Gᵀ`), so neither is ever transposed in memory.
-    let tall = rows > cols;
     for _ in 0..hp.ns_steps {
+        ns.run(kernels, blas, stream, (y, z))?;
+        std::mem::swap(&mut y, &mut z);
+    }
+    let lr = f64::from(hp.lr);
+    let decay = 1.0 - lr * f64::from(hp.weight_decay);
+    let scale = lr * MUON_SCALE * (rows.max(cols) as f64).sqrt();
+    fns.mb_update(stream, (mats, y, numel), (decay, scale), bf16, guard)
+}
+
+/// One quintic Newton–Schulz iteration over a batch of [`run_batch`], in cuBLAS's
+/// terms: the working precision, the shape and the scratch regions of `A` and `B`.
+struct NsIteration {
+    /// The working precision.
+    dt: NsDtype,
+    /// Bytes per element in `dt`.
+    esize: usize,
+    /// Whether the matrices have more rows than columns (`X` is then `Gᵀ`).
+    tall: bool,
+    /// `min(rows, cols)`.
+    m: usize,
+    /// Matrices in the batch.
+    count: usize,
+    /// `m`, `n = max(rows, cols)` and `count` as cuBLAS takes them.
+    dims: (i32, i32, i32),
+    /// The strides between the batch's `m × n` and `m × m` matrices.
+    strides: (i64, i64),
+    /// `A = X·Xᵀ` in scratch.
+    a: u64,
+    /// `B = b·A + c·A·A` (then `+ a·I`) in scratch.
+    b: u64,
+}
+
+impl NsIteration {
+    /// Runs one iteration on `stream`: `X` in `y`, `X'` written to `z`.
+    fn run(
+        &self,
+        kernels: &Kernels,
+        blas: &Blas,
+        stream: sys::CUstream,
+        (y, z): (u64, u64),
+    ) -> Result<(), OpsError> {
+        let (dt, tall, (a, b)) = (self.dt, self.tall, (self.a, self.b));
+        let (mi, ni, ci) = self.dims;
+        let (smn, smm) = self.strides;
+        let bf16 = dt == NsDtype::Bf16;
+        let copy = |dst: u64, src: u64, bytes: usize| -> Result<(), OpsError> {
+            // SAFETY: both regions lie in this call's scratch and hold `bytes` bytes.
+            unsafe { sys::cuMemcpyDtoDAsync_v2(dst, src, bytes, stream) }
+                .result()
+                .map_err(|e| super::device::failed("muon", e))
+        };
         // A = X·Xᵀ: Yᵀ·Y (wide) or X·Xᵀ (tall).
         let (ta, tb, ld) = if tall {
             (false, true, mi)
@@ -353,7 +405,7 @@ pub(super) fn run_batch(
             ci,
         )?;
         // B = b·A + c·A·A
-        copy(b, a, count * m * m * e)?;
+        copy(b, a, self.count * self.m * self.m * self.esize)?;
         blas.gemm_batched(
             dt,
             (false, false),
@@ -367,7 +419,8 @@ pub(super) fn run_batch(
         )?;
         // X' = a·X + B·X = (B + a·I)·X: Z = Y·B'ᵀ (wide) or Z = B'·X (tall), one
         // product that reads X once and writes Z without a copy of X first.
-        fns.mb_diag(stream, (b, m as u64, ci as u32), NS_A, bf16)?;
+        let fns = &kernels.optim;
+        fns.mb_diag(stream, (b, self.m as u64, ci as u32), NS_A, bf16)?;
         if tall {
             blas.gemm_batched(
                 dt,
@@ -379,7 +432,7 @@ pub(super) fn run_batch(
                 0.0,
                 (z, mi, smn),
                 ci,
-            )?;
+            )
         } else {
             blas.gemm_batched(
                 dt,
@@ -391,14 +444,9 @@ pub(super) fn run_batch(
                 0.0,
                 (z, ni, smn),
                 ci,
-            )?;
+            )
         }
-        std::mem::swap(&mut y, &mut z);
     }
-    let lr = f64::from(hp.lr);
-    let decay = 1.0 - lr * f64::from(hp.weight_decay);
-    let scale = lr * MUON_SCALE * (rows.max(cols) as f64).sqrt();
-    fns.mb_update(stream, (mats, y, numel), (decay, scale), bf16, guard)
 }
 
 #[cfg(test)]
