@@ -198,24 +198,7 @@ impl Comm {
         let n = self.members.len();
         let mut st = lock(&self.state);
         let generation = st.generation;
-        let call = st.next_call[index];
-        st.next_call[index] += 1;
-        let round = st.rounds.entry(call).or_insert_with(|| Round {
-            arrivals: (0..n).map(|_| None).collect(),
-            arrived: 0,
-            results: None,
-            departed: 0,
-        });
-        // A late arrival at a round that already failed only collects its result.
-        if round.results.is_none() {
-            round.arrivals[index] = Some(arrival);
-            round.arrived += 1;
-            if round.arrived == n {
-                let arrivals: Vec<Arrival> = round.arrivals.drain(..).flatten().collect();
-                round.results = Some(self.complete(call, &arrivals));
-                self.changed.notify_all();
-            }
-        }
+        let call = self.arrive(&mut st, index, arrival);
         loop {
             if shutdown.load(Ordering::Acquire) {
                 return Err(OpsError::Cancelled(format!(
@@ -245,19 +228,7 @@ impl Comm {
             }
             let now = Instant::now();
             match deadline {
-                Some(deadline) if now >= deadline => {
-                    let missing: Vec<u32> = (round.arrivals.iter().zip(&self.members))
-                        .filter(|(a, _)| a.is_none())
-                        .map(|(_, &r)| r)
-                        .collect();
-                    let err = OpsError::Collective {
-                        comm: self.id.to_string(),
-                        reason: format!("call #{call} timed out after {timeout:?}: ranks {missing:?} did not arrive"),
-                    };
-                    round.arrivals.clear();
-                    round.results = Some(vec![Err(err); n]);
-                    self.changed.notify_all();
-                }
+                Some(deadline) if now >= deadline => self.time_out(round, call, timeout),
                 Some(deadline) => {
                     st = self
                         .changed
@@ -268,6 +239,49 @@ impl Comm {
                 None => st = self.changed.wait(st).unwrap_or_else(|e| e.into_inner()),
             }
         }
+    }
+
+    /// Deposits the member's `arrival` at the round of its next call, completing the
+    /// round when it is the last to arrive; returns the call's number.
+    fn arrive(&self, st: &mut State, index: usize, arrival: Arrival) -> u64 {
+        let n = self.members.len();
+        let call = st.next_call[index];
+        st.next_call[index] += 1;
+        let round = st.rounds.entry(call).or_insert_with(|| Round {
+            arrivals: (0..n).map(|_| None).collect(),
+            arrived: 0,
+            results: None,
+            departed: 0,
+        });
+        // A late arrival at a round that already failed only collects its result.
+        if round.results.is_none() {
+            round.arrivals[index] = Some(arrival);
+            round.arrived += 1;
+            if round.arrived == n {
+                let arrivals: Vec<Arrival> = round.arrivals.drain(..).flatten().collect();
+                round.results = Some(self.complete(call, &arrivals));
+                self.changed.notify_all();
+            }
+        }
+        call
+    }
+
+    /// Fails call `call`'s round for every member, naming those that did not arrive
+    /// within `timeout`, and wakes the waiters.
+    fn time_out(&self, round: &mut Round, call: u64, timeout: Duration) {
+        let missing: Vec<u32> = (round.arrivals.iter().zip(&self.members))
+            .filter(|(a, _)| a.is_none())
+            .map(|(_, &r)| r)
+            .collect();
+        let err = OpsError::Collective {
+            comm: self.id.to_string(),
+            reason: format!(
+                "call #{call} timed out after {timeout:?}: ranks {missing:?} did not arrive"
+            ),
+        };
+        round.arrivals.clear();
+        round.results = Some(vec![Err(err); self.members.len()]);
+        self.changed.notify_all();
     }
 
     /// Abandons every round and restarts call numbering (the backend's `reset`).
