@@ -23,12 +23,7 @@ pub(super) fn run(rank: u32, kernel: &Kernel<CpuBuffer>) -> Result<(), OpsError>
             spin(*micros);
             Ok(())
         }
-        Kernel::Gemm { m, n, k, count } => {
-            for _ in 0..*count {
-                gemm(*m, *n, *k)?;
-            }
-            Ok(())
-        }
+        Kernel::Gemm { m, n, k, count } => gemms((*m, *n, *k), *count),
         Kernel::Add {
             dst,
             src,
@@ -81,15 +76,7 @@ pub(super) fn run(rank: u32, kernel: &Kernel<CpuBuffer>) -> Result<(), OpsError>
             bufs,
             max_norm,
         } => clip(rank, norm, bufs, *max_norm),
-        Kernel::IfFinite { norm, kernel } => {
-            expect("if_finite", rank, "norm", norm, 1)?;
-            let sq = norm.lock()[0];
-            if sq.is_finite() {
-                run(rank, kernel)
-            } else {
-                Ok(())
-            }
-        }
+        Kernel::IfFinite { norm, kernel } => if_finite(rank, norm, kernel),
         Kernel::Collective { .. } | Kernel::Exchange { .. } | Kernel::Gather { .. } => {
             Err(OpsError::Backend(format!(
                 "the {} kernel needs its communicator",
@@ -97,6 +84,26 @@ pub(super) fn run(rank: u32, kernel: &Kernel<CpuBuffer>) -> Result<(), OpsError>
             )))
         }
     }
+}
+
+/// [`Kernel::IfFinite`]: runs the optimizer `kernel` only when the squared global norm
+/// in `norm[0]` is finite.
+fn if_finite(rank: u32, norm: &CpuBuffer, kernel: &Kernel<CpuBuffer>) -> Result<(), OpsError> {
+    expect("if_finite", rank, "norm", norm, 1)?;
+    let sq = norm.lock()[0];
+    if sq.is_finite() {
+        run(rank, kernel)
+    } else {
+        Ok(())
+    }
+}
+
+/// [`Kernel::Gemm`]: `count` products of `m × k` by `k × n`, one after another.
+fn gemms((m, n, k): (u32, u32, u32), count: u32) -> Result<(), OpsError> {
+    for _ in 0..count {
+        gemm(m, n, k)?;
+    }
+    Ok(())
 }
 
 /// Keeps the calling stream busy for `micros` µs. The stream thread sleeps through all
