@@ -1309,9 +1309,8 @@ impl Issue {
             // is not finite: no extra launch, no host synchronisation.
             Kernel::IfFinite { norm, kernel } => {
                 expect("if_finite", rank, "norm", &norm, 1)?;
-                let guard = Some(&norm);
-                self.optimizer(shared, (stream, tag), rank, *kernel, guard)
-                    .map(|()| 0)
+                self.optimizer(shared, (stream, tag), rank, *kernel, Some(&norm))?;
+                Ok(0)
             }
         }
     }
