@@ -25,11 +25,9 @@ use overlap::config::Config;
 use overlap::observe::StepAnalysis;
 use overlap::session::StepReport;
 use overlap::{Error, Mesh};
-use overlap_sim::simulate::{
-    self, Backward, CopyRing, Options, Profile, Simulation, Stage1Window,
-};
 use overlap_graph::{Bindings, Gate, Mode, Plan, Planner, Stream};
 use overlap_ops::{Tag, Timing};
+use overlap_sim::simulate::{self, Backward, CopyRing, Options, Profile, Simulation, Stage1Window};
 use serde::Serialize;
 
 use crate::bench::{self, BenchArgs};

@@ -15,9 +15,9 @@ use std::path::{Path, PathBuf};
 use std::process::ExitCode;
 
 use overlap::config::Config;
-use overlap_sim::tune::{replace_sections, sections, tune, TuneReport};
 use overlap::Error;
 use overlap_graph::Gate;
+use overlap_sim::tune::{replace_sections, sections, tune, TuneReport};
 
 /// `overlap tune`'s arguments.
 #[derive(clap::Args)]

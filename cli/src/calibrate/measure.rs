@@ -22,12 +22,12 @@ use overlap::{Error, Mesh};
 use overlap_graph::{Collective, CollectiveKind, DType, Group, ReduceOp, Stream};
 use overlap_ops::{collective_roles, exchange_roles, Backend, CommId, Kernel, MuonParams, Tag};
 
+use crate::bench::{self, drain, repeat_timed, BenchArgs};
+use crate::interference::{self, BesideArgs, InterferenceArgs};
 use overlap_sim::calibrate::{
     size_text, BesideProbe, CollectiveSample, CrossGpu, Environment, ExchangeSample, Measurements,
     Sample, KINDS,
 };
-use crate::bench::{self, drain, repeat_timed, BenchArgs};
-use crate::interference::{self, BesideArgs, InterferenceArgs};
 
 /// The sizes and repeats of one calibration.
 #[derive(Debug, Clone, PartialEq)]

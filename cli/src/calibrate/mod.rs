@@ -108,7 +108,8 @@ pub(crate) async fn run(args: &CalibrateArgs) -> Result<ExitCode, Error> {
     let sizes = args.check()?;
     let base = match &args.base {
         Some(path) => Some((
-            overlap_sim::hardware::from_file(path).map_err(|e| Error::Usage(format!("--base: {e}")))?,
+            overlap_sim::hardware::from_file(path)
+                .map_err(|e| Error::Usage(format!("--base: {e}")))?,
             path.display().to_string(),
         )),
         None => None,
