@@ -37,6 +37,7 @@ pub struct ReduceSpec {
 /// kind's stream with its `with_*` method.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize)]
 #[serde(deny_unknown_fields)]
+#[non_exhaustive]
 pub struct Bindings {
     /// no_sync accumulation.
     pub accumulate: Stream,

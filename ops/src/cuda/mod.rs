@@ -2269,10 +2269,7 @@ mod tests {
         sorted.sort();
         assert_eq!(comms, sorted);
         // Stage 2 and publish on one stream share one communicator.
-        let shared = Bindings {
-            publish: Stream::Replicate,
-            ..Bindings::default()
-        };
+        let shared = Bindings::default().with_publish(Stream::Replicate);
         assert_eq!(mesh_comms(mesh, &shared, false).len(), 3 + 2);
     }
 
