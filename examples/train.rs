@@ -387,22 +387,24 @@ impl Hyper {
     fn exec_config(&self) -> ExecConfig {
         let no_decay = |pattern: &str| ParamGroup::new(pattern).with_weight_decay(Some(0.0));
         ExecConfig::default()
-            .with_adamw(AdamwParams {
-                lr: self.adamw_lr,
-                beta1: self.beta1,
-                beta2: self.beta2,
-                eps: self.eps,
-                weight_decay: self.weight_decay,
-            })
-            .with_muon(MuonParams {
-                lr: self.muon_lr,
-                momentum: self.momentum,
-                ns_steps: self.ns_steps,
-                weight_decay: self.weight_decay,
-                // Full f32: the GPU run is checked against the CPU backend's f64
-                // Newton–Schulz within 1e-4.
-                ns_dtype: NsDtype::F32,
-            })
+            .with_adamw(
+                AdamwParams::default()
+                    .with_lr(self.adamw_lr)
+                    .with_beta1(self.beta1)
+                    .with_beta2(self.beta2)
+                    .with_eps(self.eps)
+                    .with_weight_decay(self.weight_decay),
+            )
+            .with_muon(
+                MuonParams::default()
+                    .with_lr(self.muon_lr)
+                    .with_momentum(self.momentum)
+                    .with_ns_steps(self.ns_steps)
+                    .with_weight_decay(self.weight_decay)
+                    // Full f32: the GPU run is checked against the CPU backend's f64
+                    // Newton–Schulz within 1e-4.
+                    .with_ns_dtype(NsDtype::F32),
+            )
             .with_groups(vec![no_decay("*.bias"), no_decay("*.norm")])
             .with_schedule(LrSchedule {
                 kind: ScheduleKind::Cosine,

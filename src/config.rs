@@ -1391,39 +1391,44 @@ impl Doc<'_> {
     fn adamw(&self, raw: &raw::Adamw) -> Result<AdamwParams, ConfigError> {
         let d = AdamwParams::default();
         let k = |name: &str| format!("optimizer.adamw.{name}");
-        Ok(AdamwParams {
-            lr: self.float(&k("lr"), &raw.lr, d.lr, Bound::NonNegative)?,
-            beta1: self.float(&k("beta1"), &raw.beta1, d.beta1, Bound::Fraction)?,
-            beta2: self.float(&k("beta2"), &raw.beta2, d.beta2, Bound::Fraction)?,
-            eps: self.float(&k("eps"), &raw.eps, d.eps, Bound::Positive)?,
-            weight_decay: self.float(
+        Ok(AdamwParams::default()
+            .with_lr(self.float(&k("lr"), &raw.lr, d.lr, Bound::NonNegative)?)
+            .with_beta1(self.float(&k("beta1"), &raw.beta1, d.beta1, Bound::Fraction)?)
+            .with_beta2(self.float(&k("beta2"), &raw.beta2, d.beta2, Bound::Fraction)?)
+            .with_eps(self.float(&k("eps"), &raw.eps, d.eps, Bound::Positive)?)
+            .with_weight_decay(self.float(
                 &k("weight_decay"),
                 &raw.weight_decay,
                 d.weight_decay,
                 Bound::NonNegative,
-            )?,
-        })
+            )?))
     }
 
     fn muon(&self, raw: &raw::Muon) -> Result<MuonParams, ConfigError> {
         let d = MuonParams::default();
         let k = |name: &str| format!("optimizer.muon.{name}");
-        Ok(MuonParams {
-            lr: self.float(&k("lr"), &raw.lr, d.lr, Bound::NonNegative)?,
-            momentum: self.float(&k("momentum"), &raw.momentum, d.momentum, Bound::Fraction)?,
-            ns_steps: self
-                .between(&k("ns_steps"), &raw.ns_steps, MAX_NS_STEPS, " iterations")?
-                .unwrap_or(d.ns_steps),
-            weight_decay: self.float(
+        Ok(MuonParams::default()
+            .with_lr(self.float(&k("lr"), &raw.lr, d.lr, Bound::NonNegative)?)
+            .with_momentum(self.float(
+                &k("momentum"),
+                &raw.momentum,
+                d.momentum,
+                Bound::Fraction,
+            )?)
+            .with_ns_steps(
+                self.between(&k("ns_steps"), &raw.ns_steps, MAX_NS_STEPS, " iterations")?
+                    .unwrap_or(d.ns_steps),
+            )
+            .with_weight_decay(self.float(
                 &k("weight_decay"),
                 &raw.weight_decay,
                 d.weight_decay,
                 Bound::NonNegative,
-            )?,
-            ns_dtype: self
-                .ns_dtype(&k("ns_dtype"), &raw.ns_dtype)?
-                .unwrap_or(d.ns_dtype),
-        })
+            )?)
+            .with_ns_dtype(
+                self.ns_dtype(&k("ns_dtype"), &raw.ns_dtype)?
+                    .unwrap_or(d.ns_dtype),
+            ))
     }
 
     /// Newton–Schulz's precision on a GPU (`"bf16"`, `"tf32"` or `"f32"`), if set.

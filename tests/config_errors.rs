@@ -849,16 +849,8 @@ timing_every = 10
             nccl_max_ctas: Some(16),
             transport: TransportChoice::Copy,
         },
-        adamw: AdamwParams {
-            lr: 0.5,
-            weight_decay: 0.0,
-            ..AdamwParams::default()
-        },
-        muon: MuonParams {
-            momentum: 0.9,
-            ns_steps: 3,
-            ..MuonParams::default()
-        },
+        adamw: AdamwParams::default().with_lr(0.5).with_weight_decay(0.0),
+        muon: MuonParams::default().with_momentum(0.9).with_ns_steps(3),
         groups: Vec::new(),
         schedule: LrSchedule::default(),
         metrics: MetricsConfig {

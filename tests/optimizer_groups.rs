@@ -182,13 +182,11 @@ fn a_groups_ns_steps_and_momentum_reach_the_muon_kernel() {
         let expect = |ns_steps, momentum| {
             let mut p = before[0][rank].clone().unwrap();
             let mut buf = vec![0.0; p.len()];
-            let hp = MuonParams {
-                lr: 0.02,
-                momentum,
-                ns_steps,
-                weight_decay: 0.05,
-                ..MuonParams::default()
-            };
+            let hp = MuonParams::default()
+                .with_lr(0.02)
+                .with_momentum(momentum)
+                .with_ns_steps(ns_steps)
+                .with_weight_decay(0.05);
             math::muon(&mut p, &g, &mut buf, 6, 5, &hp);
             p
         };
@@ -236,16 +234,8 @@ fn set_lr_factor_takes_effect_on_the_next_step_and_the_report_carries_it() {
     let mut norm = ParamGroup::new("norm");
     norm.lr_scale = 0.5;
     let exec = ExecConfig::default()
-        .with_adamw(AdamwParams {
-            lr: 0.1,
-            weight_decay: 0.2,
-            ..AdamwParams::default()
-        })
-        .with_muon(MuonParams {
-            lr: 0.05,
-            weight_decay: 0.4,
-            ..MuonParams::default()
-        })
+        .with_adamw(AdamwParams::default().with_lr(0.1).with_weight_decay(0.2))
+        .with_muon(MuonParams::default().with_lr(0.05).with_weight_decay(0.4))
         .with_groups(vec![norm])
         .with_schedule(LrSchedule {
             kind: ScheduleKind::Constant,

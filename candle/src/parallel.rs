@@ -64,13 +64,12 @@ impl Copies {
 /// to `sqrt(v̂)`); `overlap` keeps them in `f32` and computes each element in `f64`,
 /// where candle computes in `f32`, so the two agree to float rounding.
 pub fn adamw_from_candle(p: &candle_nn::ParamsAdamW) -> AdamwParams {
-    AdamwParams {
-        lr: p.lr as f32,
-        beta1: p.beta1 as f32,
-        beta2: p.beta2 as f32,
-        eps: p.eps as f32,
-        weight_decay: p.weight_decay as f32,
-    }
+    AdamwParams::default()
+        .with_lr(p.lr as f32)
+        .with_beta1(p.beta1 as f32)
+        .with_beta2(p.beta2 as f32)
+        .with_eps(p.eps as f32)
+        .with_weight_decay(p.weight_decay as f32)
 }
 
 /// Every `Var` of a `VarMap` with its name.

@@ -124,10 +124,7 @@ fn step_kernels(slots: &[Slot], ns: Option<NsDtype>, step: u64) -> Vec<Kernel<Cu
                 momentum: momentum.clone(),
                 rows: s.tensor.dims[0],
                 cols: s.tensor.dims[1],
-                hp: MuonParams {
-                    ns_dtype,
-                    ..MuonParams::default()
-                },
+                hp: MuonParams::default().with_ns_dtype(ns_dtype),
             },
             _ => Kernel::Adamw {
                 param: s.param.clone(),

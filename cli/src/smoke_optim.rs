@@ -59,11 +59,7 @@ async fn adamw_batch(b: &CudaBackend, checks: &mut Vec<Check>) -> Result<(), Err
         .collect();
     let hps = [
         AdamwParams::default(),
-        AdamwParams {
-            weight_decay: 0.0,
-            lr: 3e-4,
-            ..AdamwParams::default()
-        },
+        AdamwParams::default().with_weight_decay(0.0).with_lr(3e-4),
     ];
     let mut host = Vec::new();
     let mut kernels = Vec::new();
@@ -107,11 +103,9 @@ async fn adamw_batch(b: &CudaBackend, checks: &mut Vec<Check>) -> Result<(), Err
 /// reference, each momentum buffer bit for bit.
 async fn muon_batch(b: &CudaBackend, dtype: NsDtype, checks: &mut Vec<Check>) -> Result<(), Error> {
     let shapes = [(96usize, 40usize, 3usize), (40, 96, 2), (256, 768, 2)];
-    let hp = MuonParams {
-        weight_decay: 0.1,
-        ns_dtype: dtype,
-        ..MuonParams::default()
-    };
+    let hp = MuonParams::default()
+        .with_weight_decay(0.1)
+        .with_ns_dtype(dtype);
     let mut host = Vec::new();
     let mut kernels = Vec::new();
     for (s, &(rows, cols, count)) in shapes.iter().enumerate() {

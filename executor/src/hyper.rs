@@ -590,10 +590,7 @@ impl HyperTable {
             .params
             .get(param as usize)
             .map_or(self.adamw, |p| p.adamw);
-        AdamwParams {
-            lr: self.lr(param, OptimizerKind::Adamw, factor) as f32,
-            ..base
-        }
+        base.with_lr(self.lr(param, OptimizerKind::Adamw, factor) as f32)
     }
 
     /// A parameter's Muon settings in a step of learning-rate factor `factor`.
@@ -602,10 +599,7 @@ impl HyperTable {
             .params
             .get(param as usize)
             .map_or(self.muon, |p| p.muon);
-        MuonParams {
-            lr: self.lr(param, OptimizerKind::Muon, factor) as f32,
-            ..base
-        }
+        base.with_lr(self.lr(param, OptimizerKind::Muon, factor) as f32)
     }
 
     /// The rate of every (group, optimizer) pair that has parameters, groups in order

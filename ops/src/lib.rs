@@ -284,8 +284,11 @@ pub fn exchange_slot(index: u32, from: u32) -> usize {
     }
 }
 
-/// AdamW hyper-parameters (decoupled weight decay, bias-corrected moments).
+/// AdamW hyper-parameters (decoupled weight decay, bias-corrected moments). Build them
+/// from [`AdamwParams::default`] with the `with_*` methods: a field added later is not a
+/// breaking change.
 #[derive(Debug, Clone, Copy, PartialEq)]
+#[non_exhaustive]
 pub struct AdamwParams {
     /// Learning rate.
     pub lr: f32,
@@ -308,6 +311,38 @@ impl Default for AdamwParams {
             eps: 1e-8,
             weight_decay: 0.01,
         }
+    }
+}
+
+impl AdamwParams {
+    /// With this learning rate.
+    pub fn with_lr(mut self, lr: f32) -> Self {
+        self.lr = lr;
+        self
+    }
+
+    /// With this first-moment decay.
+    pub fn with_beta1(mut self, beta1: f32) -> Self {
+        self.beta1 = beta1;
+        self
+    }
+
+    /// With this second-moment decay.
+    pub fn with_beta2(mut self, beta2: f32) -> Self {
+        self.beta2 = beta2;
+        self
+    }
+
+    /// With this denominator epsilon.
+    pub fn with_eps(mut self, eps: f32) -> Self {
+        self.eps = eps;
+        self
+    }
+
+    /// With this decoupled weight decay.
+    pub fn with_weight_decay(mut self, weight_decay: f32) -> Self {
+        self.weight_decay = weight_decay;
+        self
     }
 }
 
@@ -344,8 +379,10 @@ impl NsDtype {
     }
 }
 
-/// Muon hyper-parameters.
+/// Muon hyper-parameters. Build them from [`MuonParams::default`] with the `with_*`
+/// methods: a field added later is not a breaking change.
 #[derive(Debug, Clone, Copy, PartialEq)]
+#[non_exhaustive]
 pub struct MuonParams {
     /// Learning rate.
     pub lr: f32,
@@ -368,6 +405,38 @@ impl Default for MuonParams {
             weight_decay: 0.0,
             ns_dtype: NsDtype::Bf16,
         }
+    }
+}
+
+impl MuonParams {
+    /// With this learning rate.
+    pub fn with_lr(mut self, lr: f32) -> Self {
+        self.lr = lr;
+        self
+    }
+
+    /// With this momentum.
+    pub fn with_momentum(mut self, momentum: f32) -> Self {
+        self.momentum = momentum;
+        self
+    }
+
+    /// With this many Newton–Schulz iterations.
+    pub fn with_ns_steps(mut self, ns_steps: u32) -> Self {
+        self.ns_steps = ns_steps;
+        self
+    }
+
+    /// With this decoupled weight decay.
+    pub fn with_weight_decay(mut self, weight_decay: f32) -> Self {
+        self.weight_decay = weight_decay;
+        self
+    }
+
+    /// With Newton–Schulz in this precision on a GPU.
+    pub fn with_ns_dtype(mut self, ns_dtype: NsDtype) -> Self {
+        self.ns_dtype = ns_dtype;
+        self
     }
 }
 

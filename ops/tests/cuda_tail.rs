@@ -144,11 +144,9 @@ fn a_download_and_another_streams_wait_see_the_held_updates() {
 #[test]
 fn muon_matrices_of_two_shapes_held_together_match_one_by_one() {
     let Some(b) = gpu() else { return };
-    let hp = MuonParams {
-        ns_dtype: NsDtype::F32,
-        weight_decay: 0.1,
-        ..MuonParams::default()
-    };
+    let hp = MuonParams::default()
+        .with_ns_dtype(NsDtype::F32)
+        .with_weight_decay(0.1);
     let mut host = Vec::new();
     for (i, (rows, cols)) in [(64usize, 48usize), (48, 64), (64, 48)]
         .into_iter()
