@@ -15,68 +15,18 @@
 //! ```
 #![cfg(feature = "cuda")]
 
+mod common;
+
 use std::sync::Arc;
-use std::time::{Duration, Instant};
 
-use overlap_ops::cuda::{CudaBackend, CudaBuffer, CudaOptions};
-use overlap_ops::graph::{Mesh, Stream};
-use overlap_ops::{math, AdamwParams, Backend, EventStatus, Kernel, MuonParams, Tag};
-
-/// The GPU, or `None` (and a note) when there is none and `OVERLAP_GPU_TESTS` is unset.
-fn gpu() -> Option<CudaBackend> {
-    let opened = CudaBackend::new(CudaOptions {
-        mesh: Mesh::new(1, 1).unwrap(),
-        rank: 0,
-        device: 0,
-        timings: false,
-        uniform_priority: false,
-    });
-    match opened {
-        Ok(b) => Some(b),
-        Err(e) if std::env::var("OVERLAP_GPU_TESTS").as_deref() == Ok("1") => {
-            panic!("OVERLAP_GPU_TESTS=1 but the GPU does not open: {e}")
-        }
-        Err(e) => {
-            eprintln!("no GPU ({e}): skipped");
-            None
-        }
-    }
-}
-
-const TAG: Tag = Tag {
-    node: 0,
-    op: "test",
-    micro_batch: 0,
-};
+use common::{buffer, gpu, sync, TAG};
+use overlap_ops::cuda::{CudaBackend, CudaBuffer};
+use overlap_ops::graph::Stream;
+use overlap_ops::{math, AdamwParams, Backend, Kernel, MuonParams};
 
 /// Launches on the optimizer stream.
 fn launch(b: &CudaBackend, k: Kernel<CudaBuffer>) {
     b.launch(0, Stream::Compute, TAG, k);
-}
-
-/// Waits for the stream and checks that nothing failed.
-fn sync(b: &CudaBackend) {
-    let ev = b.event(0);
-    b.record(0, Stream::Compute, &ev);
-    let deadline = Instant::now() + Duration::from_secs(60);
-    loop {
-        match b.status(&ev) {
-            EventStatus::Complete => break,
-            EventStatus::Pending if Instant::now() < deadline => {
-                std::thread::sleep(Duration::from_micros(100))
-            }
-            EventStatus::Pending => panic!("the GPU did not finish in 60 s"),
-            EventStatus::Failed(e) => panic!("a kernel failed: {e}"),
-        }
-    }
-    let errors = b.errors();
-    assert!(errors.is_empty(), "{errors:?}");
-}
-
-fn buffer(b: &CudaBackend, data: &[f32]) -> CudaBuffer {
-    let buf = b.alloc(0, data.len()).unwrap();
-    b.upload(&buf, data).unwrap();
-    buf
 }
 
 fn bits(xs: &[f32]) -> Vec<u32> {
@@ -118,7 +68,7 @@ fn sum_squares(b: &CudaBackend, srcs: &[CudaBuffer]) -> f32 {
             srcs: Arc::from(srcs.to_vec()),
         },
     );
-    sync(b);
+    sync(b, Stream::Compute);
     b.download(&dst).unwrap()[0]
 }
 
@@ -171,7 +121,7 @@ fn clip_case(b: &CudaBackend, host: &[Vec<f32>], bufs: &[usize], sq: f32, max_no
             max_norm,
         },
     );
-    sync(b);
+    sync(b, Stream::Compute);
     let mut want = host.to_vec();
     if let Some(f) = math::clip_factor(f64::from(sq), max_norm) {
         for &i in bufs {
@@ -231,7 +181,7 @@ fn optimizer(
         ),
         None => launch(b, k),
     }
-    sync(b);
+    sync(b, Stream::Compute);
     (b.download(&pb).unwrap(), b.download(&sb).unwrap())
 }
 

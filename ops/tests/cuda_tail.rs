@@ -12,62 +12,14 @@
 //! ```
 #![cfg(feature = "cuda")]
 
-use std::time::{Duration, Instant};
+mod common;
 
-use overlap_ops::cuda::{CudaBackend, CudaBuffer, CudaOptions};
-use overlap_ops::graph::{Mesh, Stream};
-use overlap_ops::{math, AdamwParams, Backend, EventStatus, Kernel, MuonParams, NsDtype, Tag};
+use std::time::Duration;
 
-fn gpu() -> Option<CudaBackend> {
-    let opened = CudaBackend::new(CudaOptions {
-        mesh: Mesh::new(1, 1).unwrap(),
-        rank: 0,
-        device: 0,
-        timings: false,
-        uniform_priority: false,
-    });
-    match opened {
-        Ok(b) => Some(b),
-        Err(e) if std::env::var("OVERLAP_GPU_TESTS").as_deref() == Ok("1") => {
-            panic!("OVERLAP_GPU_TESTS=1 but the GPU does not open: {e}")
-        }
-        Err(e) => {
-            eprintln!("no GPU ({e}): skipped");
-            None
-        }
-    }
-}
-
-const TAG: Tag = Tag {
-    node: 0,
-    op: "test",
-    micro_batch: 0,
-};
-
-fn buffer(b: &CudaBackend, data: &[f32]) -> CudaBuffer {
-    let buf = b.alloc(0, data.len()).unwrap();
-    b.upload(&buf, data).unwrap();
-    buf
-}
-
-/// Waits for an event recorded on `stream` and checks that nothing failed.
-fn sync(b: &CudaBackend, stream: Stream) {
-    let ev = b.event(0);
-    b.record(0, stream, &ev);
-    let deadline = Instant::now() + Duration::from_secs(60);
-    loop {
-        match b.status(&ev) {
-            EventStatus::Complete => break,
-            EventStatus::Pending if Instant::now() < deadline => {
-                std::thread::sleep(Duration::from_micros(100))
-            }
-            EventStatus::Pending => panic!("the GPU did not finish in 60 s"),
-            EventStatus::Failed(e) => panic!("a kernel failed: {e}"),
-        }
-    }
-    let errors = b.errors();
-    assert!(errors.is_empty(), "{errors:?}");
-}
+use common::{buffer, gpu, sync, TAG};
+use overlap_ops::cuda::CudaBuffer;
+use overlap_ops::graph::Stream;
+use overlap_ops::{math, AdamwParams, Backend, Kernel, MuonParams, NsDtype};
 
 fn adamw(p: &CudaBuffer, g: &CudaBuffer, s: &CudaBuffer, step: u64) -> Kernel<CudaBuffer> {
     Kernel::Adamw {
