@@ -27,10 +27,11 @@
 use cudarc::driver::sys;
 use overlap_graph::Stream;
 
+use super::backend::Shared;
+use super::issue::Issue;
 use super::memory::CudaBuffer;
 use super::muon::{self, BatchLayout};
 use super::optim::{adamw_scalars, adamw_tables, AdamwTensor, MuonMats, MUON_MATS};
-use super::{Issue, Shared};
 use crate::{AdamwParams, MuonParams, OpsError, Tag};
 
 /// Most kernels held per stream before a flush.

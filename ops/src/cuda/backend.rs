@@ -1,0 +1,452 @@
+//! The backend's lifecycle: [`CudaBackend`] and what its host side shares with the
+//! waiter thread ([`Shared`]), opening the GPU ([`CudaBackend::new`]), creating the
+//! communicators and the copy transport's rings, the settings a job changes between
+//! steps, and the teardown (drained, then every handle released in order).
+//!
+//! Invariant: every handle the backend holds is created and destroyed with the context
+//! bound on the calling thread; the drop waits for in-flight work (up to
+//! [`DRAIN_ON_DROP`]) before it frees what that work may still touch.
+
+use std::collections::HashMap;
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+
+use cudarc::driver::result as cu;
+use cudarc::driver::sys;
+use overlap_graph::{Mesh, Stream};
+
+use super::device::{self, Device};
+use super::event::{lock, CudaEvent, EventPool, Record, Waiter};
+use super::exchange::{self, CopySetup};
+use super::issue::Issue;
+use super::kernels::Kernels;
+use super::loader;
+use super::memory::Memory;
+use super::muon::Blas;
+use super::nccl::{self, Comm, NcclUniqueId};
+use super::options::{CudaOptions, DeviceInfo};
+use super::timing::Timings;
+use crate::{CommId, OpsError, Tag};
+#[cfg(doc)]
+use {
+    super::{copy_ring_bytes, mesh_comms, DEFAULT_COPY_RING_DEPTH, DEFAULT_COPY_SLOT_BYTES},
+    crate::{Backend, Kernel},
+};
+
+/// One root cause: the rank, the stream, the failing kernel's tag and the error.
+pub(super) type RootCause = (u32, Stream, Tag, OpsError);
+
+/// How long dropping the backend waits for in-flight work before tearing down.
+const DRAIN_ON_DROP: Duration = Duration::from_secs(10);
+
+/// The tag under which host-side misuse and device errors are reported.
+pub(super) fn host_tag(op: &'static str) -> Tag {
+    Tag {
+        node: u32::MAX,
+        op,
+        micro_batch: u32::MAX,
+    }
+}
+
+/// The backend for one rank on one GPU.
+pub struct CudaBackend {
+    pub(super) shared: Arc<Shared>,
+    pub(super) issue: Mutex<Issue>,
+    pub(super) waiter: Option<Waiter>,
+    pub(super) info: DeviceInfo,
+}
+
+/// What the host side and the waiter thread share.
+pub(super) struct Shared {
+    pub(super) rank: u32,
+    pub(super) mesh: Mesh,
+    pub(super) device: Arc<Device>,
+    pub(super) memory: Arc<Memory>,
+    pub(super) events: Arc<EventPool>,
+    pub(super) errors: Mutex<Vec<RootCause>>,
+}
+
+impl Shared {
+    /// Records a root cause, once per distinct error.
+    pub(super) fn report(&self, stream: Stream, tag: Tag, error: OpsError) {
+        let mut errors = lock(&self.errors);
+        if !errors.iter().any(|(_, _, _, e)| *e == error) {
+            errors.push((self.rank, stream, tag, error));
+        }
+    }
+}
+
+impl CudaBackend {
+    /// Opens the GPU for one rank: checks the libraries, creates the context's streams,
+    /// compiles the kernels and creates the cuBLAS handles. Communicators come with
+    /// [`CudaBackend::connect`].
+    pub fn new(opts: CudaOptions) -> Result<CudaBackend, OpsError> {
+        opts.mesh
+            .check()
+            .map_err(|e| OpsError::Backend(e.to_string()))?;
+        if opts.rank >= opts.mesh.world() {
+            return Err(OpsError::Backend(format!(
+                "rank {} is not a rank of mesh {} ({} ranks)",
+                opts.rank,
+                opts.mesh,
+                opts.mesh.world()
+            )));
+        }
+        let libraries = loader::check()?;
+        let device = Device::open(opts.device, opts.uniform_priority)?;
+        device.bind()?;
+        let events = EventPool::new(Arc::clone(&device));
+        let memory = Memory::new(Arc::clone(&device), Arc::clone(&events));
+        let kernels = Kernels::compile(&device)?;
+        let blas = Stream::ALL
+            .iter()
+            .map(|&s| Blas::new(device.stream(s), &memory))
+            .collect::<Result<Vec<_>, _>>()?;
+        let epoch = events.take_timed()?;
+        // SAFETY: live handles of the bound context.
+        unsafe { cu::event::record(epoch, device.stream(Stream::Compute)) }
+            .and_then(|()| unsafe { cu::event::synchronize(epoch) })
+            .map_err(|e| device::backend("recording the timing epoch", e))?;
+        let info = DeviceInfo {
+            ordinal: device.ordinal,
+            name: device.name.clone(),
+            capability: device.capability,
+            driver: Device::driver_version(),
+            nccl: nccl::version(),
+            libraries,
+        };
+        let shared = Arc::new(Shared {
+            rank: opts.rank,
+            mesh: opts.mesh,
+            device: Arc::clone(&device),
+            memory,
+            events,
+            errors: Mutex::new(Vec::new()),
+        });
+        let sink_shared = Arc::clone(&shared);
+        let waiter = Waiter::start(
+            device,
+            Arc::new(move |e| sink_shared.report(Stream::Compute, host_tag("device"), e)),
+        )?;
+        Ok(CudaBackend {
+            shared,
+            issue: Mutex::new(Issue {
+                poison: Default::default(),
+                comms: Vec::new(),
+                copy: Vec::new(),
+                kernels,
+                in_place: HashMap::new(),
+                combine_ctas: None,
+                combine_streaming: true,
+                poisoned_join: true,
+                blas,
+                scratch: Default::default(),
+                gemm: None,
+                timings: Timings {
+                    on: opts.timings,
+                    epoch,
+                    pending: Vec::new(),
+                },
+                pending: Default::default(),
+            }),
+            waiter: Some(waiter),
+            info,
+        })
+    }
+
+    /// Creates this rank's NCCL communicators: for each `(comm, id)` in order, the
+    /// member of it when this rank belongs to its group. Every rank must pass the same
+    /// list (rank 0's ids for [`mesh_comms`]), so all create them in one global order;
+    /// each creation blocks until the group's members have joined.
+    ///
+    /// `max_ctas` limits every communicator's collectives to that many CTAs (SMs) through
+    /// `ncclConfig_t` (`None`: NCCL's own choice).
+    pub fn connect(
+        &mut self,
+        comms: &[(CommId, NcclUniqueId)],
+        max_ctas: Option<u32>,
+    ) -> Result<(), OpsError> {
+        let (rank, mesh) = (self.shared.rank, self.shared.mesh);
+        self.shared.device.bind()?;
+        let issue = self
+            .issue
+            .get_mut()
+            .unwrap_or_else(std::sync::PoisonError::into_inner);
+        for &(id, uid) in comms {
+            if !mesh.has_group(id.group) {
+                return Err(OpsError::Backend(format!(
+                    "communicator {id} names a group that mesh {mesh} does not have"
+                )));
+            }
+            let Some(index) = mesh.index_in(id.group, rank) else {
+                continue;
+            };
+            if issue.comms.iter().any(|c| c.id == id) {
+                return Err(OpsError::Backend(format!(
+                    "communicator {id} was created twice"
+                )));
+            }
+            let comm = Comm::init(id, uid, mesh.group_size(id.group), index, max_ctas)?;
+            issue.comms.push(comm);
+        }
+        Ok(())
+    }
+
+    /// Caps every [`Kernel::Combine`] at `ctas` CTAs of 256 threads (`None`: one element
+    /// per thread up to the launch cap, i.e. the whole GPU for the combines of
+    /// `overlap bench`). A narrow combine takes longer alone but leaves the other SMs to
+    /// a GEMM it runs beside (`overlap bench --combine-ctas`; measured slower on H200s,
+    /// docs/performance.md).
+    pub fn set_combine_ctas(&self, ctas: Option<u32>) {
+        lock(&self.issue).combine_ctas = ctas;
+    }
+
+    /// Whether [`Kernel::Combine`] loads and stores with cache-streaming (evict-first)
+    /// hints, so the bytes it moves once do not evict from L2 what a GEMM beside it
+    /// reuses (default on; the results are the same bits either way; `overlap bench
+    /// --combine-cache normal` turns it off for comparison).
+    pub fn set_combine_streaming(&self, on: bool) {
+        lock(&self.issue).combine_streaming = on;
+    }
+
+    /// Whether a collective or exchange issued on a poisoned stream still joins its
+    /// peers (moving no data; the default), so that they do not wait for it. A job whose
+    /// ranks tell each other of a failure (`Rendezvous::watch` in the `overlap` crate)
+    /// turns it off: a failed rank's later collectives are then skipped, its peers wait
+    /// in them until the failure reaches them and their communicators are aborted (or
+    /// their step times out), and none of them finishes a step on data the failed rank
+    /// never produced.
+    pub fn set_poisoned_collectives_join(&self, join: bool) {
+        lock(&self.issue).poisoned_join = join;
+    }
+
+    /// Sets up the copy transport of [`Kernel::Exchange`]: for every communicator of
+    /// this rank with more than one member on one of `setup.streams` (created by
+    /// [`CudaBackend::connect`], which must come first), a receive ring of `setup.depth`
+    /// slots of `setup.slot_bytes` (rounded up to 256 bytes; [`DEFAULT_COPY_SLOT_BYTES`]
+    /// and [`DEFAULT_COPY_RING_DEPTH`] are good sizes) per peer and lane, mapped by the
+    /// other members through CUDA IPC; communicators in `setup.gather_lane` get a
+    /// second lane for their gathers. Device memory per communicator: `lanes · depth ·
+    /// slot_bytes · (n − 1)` plus 4 KiB ([`copy_ring_bytes`]).
+    ///
+    /// Collective: every rank calls it once, after `connect`, with the same `setup`;
+    /// it blocks until the members of each group have joined. Every member of a group
+    /// must run on one node with peer access between the GPUs; otherwise (or when the
+    /// driver lacks CUDA IPC or stream memory operations) every member of that group
+    /// returns an error naming it.
+    ///
+    /// `setup.in_place`: the communicators whose exchanges leave what they receive in
+    /// the ring for their combines to read there and then acknowledge: no copy out of
+    /// the ring on the exchange's stream. The caller promises what makes that safe (and
+    /// names the same communicators on every member): their gathers, if any, have a
+    /// lane of their own (a gather on an in-place ring without one is an error), every
+    /// exchange's message per peer fits one slot, and at most `depth − 1` exchanges of
+    /// a communicator are issued between an exchange and its combine, on any stream
+    /// (otherwise an exchange could wait for an acknowledgement only a combine not yet
+    /// issued writes). A message too large
+    /// for a slot is refused by every member before anything is issued: an error, not
+    /// a hang. Combines read peers' copies after a `cuStreamWaitValue32` on the
+    /// peer's ready flag, which the peer writes after its copy with the default
+    /// (fencing) flags.
+    pub fn connect_copy(&mut self, setup: &CopySetup) -> Result<(), OpsError> {
+        self.shared.device.bind()?;
+        let shared = Arc::clone(&self.shared);
+        let issue = self
+            .issue
+            .get_mut()
+            .unwrap_or_else(std::sync::PoisonError::into_inner);
+        if !issue.copy.is_empty() {
+            return Err(OpsError::Backend(
+                "the copy transport was set up twice (connect_copy is called once)".into(),
+            ));
+        }
+        issue.copy = exchange::connect(
+            &issue.comms,
+            &shared.device,
+            &shared.memory,
+            shared.rank,
+            setup,
+        )?;
+        Ok(())
+    }
+
+    /// The global rank this backend drives.
+    pub fn rank(&self) -> u32 {
+        self.shared.rank
+    }
+
+    /// The ordinal of the GPU this rank drives (among the visible devices): a trainer
+    /// opens the same device's primary context (`cudarc`'s `CudaContext::new(ordinal)`)
+    /// to run its own kernels beside the backend's.
+    pub fn ordinal(&self) -> u32 {
+        self.shared.device.ordinal
+    }
+
+    /// The driver handle of one of this rank's streams. A trainer may issue its own
+    /// work on [`Stream::Compute`] (the stream the plan's `grad_ready`, `forward` and
+    /// `backward` points stand on): then that work is ordered with the plan without
+    /// any event. The handle stays valid while the backend lives; the trainer must not
+    /// destroy or synchronise-and-reset it, and must bind the backend's context
+    /// ([`CudaBackend::ordinal`]'s primary context) on the thread that uses it.
+    pub fn raw_stream(&self, stream: Stream) -> sys::CUstream {
+        // Optimizer kernels held on the stream go first (`defer.rs`).
+        let mut st = lock(&self.issue);
+        if !st.pending[stream.index()].is_empty() && self.shared.device.bind().is_ok() {
+            st.flush(&self.shared, stream);
+        }
+        self.shared.device.stream(stream)
+    }
+
+    /// Records `event` on a stream the trainer owns, capturing the work issued on it so
+    /// far: a plan stream that then waits on the event (`Session::grad_ready_device`'s
+    /// `after`) runs only after that work. The record carries no poison (the trainer's
+    /// stream is not the plan's).
+    ///
+    /// # Safety
+    ///
+    /// `stream` must be a live stream of this device's primary context (or null, the
+    /// legacy default stream) for the duration of the call.
+    pub unsafe fn record_on(
+        &self,
+        event: &CudaEvent,
+        stream: sys::CUstream,
+    ) -> Result<(), OpsError> {
+        if event.rank != self.shared.rank {
+            return Err(OpsError::Backend(self.not_mine(event.rank)));
+        }
+        let device = &self.shared.device;
+        device.bind()?;
+        let record = Record::new(&self.shared.events, stream, None)?;
+        event.set(record);
+        Ok(())
+    }
+
+    /// What was found at start.
+    pub fn info(&self) -> &DeviceInfo {
+        &self.info
+    }
+
+    /// Turns kernel timings on or off (they cost two event records per kernel).
+    pub fn set_timings(&self, on: bool) {
+        lock(&self.issue).timings.on = on;
+    }
+
+    /// Device memory obtained from the driver (in use, or pooled for reuse), in bytes.
+    pub fn memory_held(&self) -> usize {
+        self.shared.memory.held_bytes()
+    }
+
+    /// Reports misuse of the backend by the host.
+    pub(super) fn misuse(&self, stream: Stream, op: &'static str, reason: String) {
+        self.shared
+            .report(stream, host_tag(op), OpsError::Backend(reason));
+    }
+
+    pub(super) fn not_mine(&self, rank: u32) -> String {
+        format!(
+            "rank {rank} is not driven by this backend (it drives rank {} of mesh {})",
+            self.shared.rank, self.shared.mesh
+        )
+    }
+}
+
+impl Drop for CudaBackend {
+    fn drop(&mut self) {
+        // Stop host waits first: nothing may wait on the device while it is torn down.
+        self.waiter = None;
+        let shared = Arc::clone(&self.shared);
+        let st = self
+            .issue
+            .get_mut()
+            .unwrap_or_else(std::sync::PoisonError::into_inner);
+        if shared.device.bind().is_err() {
+            return;
+        }
+        st.flush_all(&shared);
+        // Every peer's last acknowledgement must land in our rings before they go.
+        for ring in &st.copy {
+            let _ = ring.await_acks(shared.device.stream(ring.comm().stream));
+        }
+        let idle = wait_idle(&shared, DRAIN_ON_DROP);
+        // The rings go once nothing in flight copies to or from them or waits on their
+        // flags; a device that did not drain keeps them (leaked, as the process ends).
+        for ring in st.copy.drain(..) {
+            if idle {
+                ring.close();
+            } else {
+                std::mem::forget(ring);
+            }
+        }
+        for c in st.comms.drain(..) {
+            c.close();
+        }
+        for b in &st.blas {
+            b.destroy();
+        }
+        st.blas.clear();
+        for p in st.timings.pending.drain(..) {
+            p.recycle(&shared.events);
+        }
+        shared.events.put_timed(st.timings.epoch);
+        if idle {
+            st.kernels.unload();
+        }
+        st.scratch = Default::default();
+    }
+}
+
+/// How long [`Backend::abort`] waits for `ncclCommAbort` before it leaves it behind.
+pub const ABORT_WAIT: Duration = Duration::from_secs(5);
+
+/// Waits (polling) until every stream has executed what was issued, up to `limit`.
+fn wait_idle(shared: &Shared, limit: Duration) -> bool {
+    let mut marks = Vec::new();
+    for s in Stream::ALL {
+        match Record::new(&shared.events, shared.device.stream(s), None) {
+            Ok(r) => marks.push(r),
+            Err(_) => return false,
+        }
+    }
+    let deadline = Instant::now() + limit;
+    loop {
+        match marks
+            .iter()
+            .try_fold(true, |all, r| Ok::<_, OpsError>(all && r.query()?))
+        {
+            Ok(true) => return true,
+            Err(_) => return false,
+            Ok(false) if Instant::now() >= deadline => return false,
+            Ok(false) => std::thread::sleep(Duration::from_millis(1)),
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn opening_without_cuda_is_a_clear_error_not_a_panic() {
+        let opts = CudaOptions {
+            mesh: Mesh {
+                shard: 1,
+                replicate: 1,
+            },
+            rank: 0,
+            device: 0,
+            timings: false,
+            uniform_priority: false,
+        };
+        if loader::check().is_ok() {
+            eprintln!("CUDA libraries present: the error path is not exercised here");
+            return;
+        }
+        let err = CudaBackend::new(opts)
+            .err()
+            .map(|e| e.to_string())
+            .unwrap_or_default();
+        assert!(err.contains("cannot load lib"), "{err}");
+        let bad = CudaOptions { rank: 3, ..opts };
+        assert!(CudaBackend::new(bad).is_err());
+    }
+}

@@ -1,0 +1,153 @@
+//! The step's tail as issued: the global norm ([`Kernel::SumSquares`], two atomics-free
+//! passes through the stream's scratch), [`Kernel::Clip`], and the optimizer kernels
+//! ([`Kernel::Adamw`], [`Kernel::Muon`], guarded or not by [`Kernel::IfFinite`]),
+//! validated here and then held on their stream (`defer.rs`).
+//!
+//! Invariant: the norm never reaches the host during a step: the clip and the guarded
+//! optimizers read it in device memory.
+
+use cudarc::driver::sys;
+use overlap_graph::Stream;
+
+use super::backend::Shared;
+use super::checks::{check_adamw, check_muon, expect};
+use super::defer::Held;
+use super::issue::Issue;
+use super::kernels::{self, Span};
+use super::memory::CudaBuffer;
+use crate::{Kernel, OpsError, Tag};
+
+impl Issue {
+    /// [`Kernel::Clip`]: validated (no gradient may be the norm), then every gradient
+    /// scaled in place by the factor the kernel derives from the norm on the device.
+    pub(super) fn clip(
+        &self,
+        rank: u32,
+        raw: sys::CUstream,
+        norm: &CudaBuffer,
+        bufs: &[CudaBuffer],
+        max_norm: f32,
+    ) -> Result<(), OpsError> {
+        const K: &str = "clip";
+        expect(K, rank, "norm", norm, 1)?;
+        for b in bufs.iter() {
+            expect(K, rank, "grad", b, b.len)?;
+            if b.same(norm) {
+                return Err(OpsError::Shape {
+                    kernel: K,
+                    reason: "a gradient is the norm buffer".into(),
+                });
+            }
+        }
+        let spans: Vec<Span> = bufs.iter().map(span).collect();
+        self.kernels.clip(raw, &spans, norm.ptr(), max_norm)
+    }
+
+    /// An optimizer kernel (AdamW or Muon), guarded by the global norm (`guard`: it does
+    /// nothing when the norm there is not finite) or not: validated, then held on the
+    /// stream until its next flush (`defer.rs`).
+    pub(super) fn optimizer(
+        &mut self,
+        shared: &Shared,
+        (stream, tag): (Stream, Tag),
+        rank: u32,
+        kernel: Kernel<CudaBuffer>,
+        guard: Option<&CudaBuffer>,
+    ) -> Result<(), OpsError> {
+        let held = match kernel {
+            Kernel::Adamw {
+                param,
+                grad,
+                state,
+                hp,
+                step,
+            } => {
+                check_adamw(rank, (&param, &grad, &state), step, guard)?;
+                Held::Adamw {
+                    param,
+                    grad,
+                    state,
+                    hp,
+                    step,
+                }
+            }
+            Kernel::Muon {
+                param,
+                grad,
+                momentum,
+                rows,
+                cols,
+                hp,
+            } => {
+                check_muon(rank, (&param, &grad, &momentum), (rows, cols), guard)?;
+                if rows == 0 || cols == 0 {
+                    return Ok(());
+                }
+                Held::Muon {
+                    param,
+                    grad,
+                    momentum,
+                    rows,
+                    cols,
+                    hp,
+                }
+            }
+            other => {
+                return Err(OpsError::Shape {
+                    kernel: "if_finite",
+                    reason: format!(
+                        "the CUDA backend guards optimizers (adamw, muon) only, got {}",
+                        other.name()
+                    ),
+                })
+            }
+        };
+        self.hold(shared, stream, tag, held, guard);
+        Ok(())
+    }
+
+    /// [`Kernel::SumSquares`]: validated as the CPU backend does, then two passes
+    /// (`kernels.cu`'s `ov_sumsq_spans` and `ov_sumsq_final`) through the stream's
+    /// scratch. Buffers hold f32 on this backend (reduced gradients included, whatever
+    /// the wire dtype), and the sum is taken in f64 and stored as f32, as the reference.
+    pub(super) fn sum_squares(
+        &mut self,
+        shared: &Shared,
+        stream: Stream,
+        raw: sys::CUstream,
+        dst: &CudaBuffer,
+        srcs: &[CudaBuffer],
+    ) -> Result<(), OpsError> {
+        const K: &str = "sum_squares";
+        expect(K, shared.rank, "dst", dst, 1)?;
+        for src in srcs {
+            expect(K, shared.rank, "src", src, src.len)?;
+            if src.same(dst) {
+                return Err(OpsError::Shape {
+                    kernel: K,
+                    reason: "a source is the destination".into(),
+                });
+            }
+        }
+        let spans: Vec<Span> = srcs.iter().filter(|b| b.len > 0).map(span).collect();
+        let (launches, partials) = kernels::sumsq_launches(&spans);
+        let bytes = usize::try_from(partials)
+            .ok()
+            .and_then(|n| n.checked_mul(8))
+            .ok_or_else(|| OpsError::Shape {
+                kernel: K,
+                reason: format!("{} sources need too many partial sums", srcs.len()),
+            })?;
+        let partial = self.scratch(shared, stream, bytes.max(8))?;
+        self.kernels
+            .sum_squares(raw, &spans, (&launches, partials), partial, dst.ptr())
+    }
+}
+
+/// A buffer as the global norm's kernels take it.
+fn span(b: &CudaBuffer) -> Span {
+    Span {
+        p: b.ptr(),
+        len: b.len as u64,
+    }
+}
