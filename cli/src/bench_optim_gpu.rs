@@ -223,14 +223,8 @@ pub fn run(args: &BenchOptimizerArgs) -> Result<OptimReport, Error> {
                 .ok_or_else(|| Error::Usage(format!("--ns-dtype: `{d}` is not bf16, tf32 or f32")))
         })
         .collect::<Result<Vec<_>, _>>()?;
-    let b = CudaBackend::new(CudaOptions {
-        mesh: Mesh::new(1, 1).map_err(|e| Error::Usage(e.to_string()))?,
-        rank: 0,
-        device: 0,
-        timings: false,
-        uniform_priority: false,
-    })
-    .map_err(ops)?;
+    let mesh = Mesh::new(1, 1).map_err(|e| Error::Usage(e.to_string()))?;
+    let b = CudaBackend::new(CudaOptions::new(mesh, 0, 0)).map_err(ops)?;
     let block = overlap_ops::math::pseudo_random(1 << 20, 7);
     let mut slots = Vec::with_capacity(tensors.len());
     for t in tensors {

@@ -621,14 +621,9 @@ pub async fn run_cuda(args: &InterferenceArgs) -> Result<InterferenceReport, Err
         .ok()
         .and_then(|v| v.parse().ok())
         .unwrap_or(0);
-    let backend = CudaBackend::new(CudaOptions {
-        mesh: overlap_graph::Mesh::new(1, 1).map_err(|e| Error::Usage(e.to_string()))?,
-        rank: 0,
-        device,
-        timings: true,
-        uniform_priority: false,
-    })
-    .map_err(|e| Error::Backend(e.to_string()))?;
+    let mesh = overlap_graph::Mesh::new(1, 1).map_err(|e| Error::Usage(e.to_string()))?;
+    let backend = CudaBackend::new(CudaOptions::new(mesh, 0, device).with_timings(true))
+        .map_err(|e| Error::Backend(e.to_string()))?;
     backend.set_combine_ctas(args.combine_ctas);
     run(
         &backend,

@@ -294,13 +294,11 @@ pub fn open(
     what.push("cuda.comms", format!("{comms:?}"));
     what.push("cuda.links", format!("{links:?}"));
     rendezvous.agree(&what, timeout)?;
-    let opened = CudaBackend::new(CudaOptions {
-        mesh,
-        rank: env.rank,
-        device: env.local_rank,
-        timings,
-        uniform_priority: links.uniform_priority,
-    });
+    let opened = CudaBackend::new(
+        CudaOptions::new(mesh, env.rank, env.local_rank)
+            .with_timings(timings)
+            .with_uniform_priority(links.uniform_priority),
+    );
     // Phase 1: everyone says whether its GPU opened.
     let status = match &opened {
         Ok(_) => vec![0u8],

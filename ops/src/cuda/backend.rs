@@ -427,16 +427,11 @@ mod tests {
 
     #[test]
     fn opening_without_cuda_is_a_clear_error_not_a_panic() {
-        let opts = CudaOptions {
-            mesh: Mesh {
-                shard: 1,
-                replicate: 1,
-            },
-            rank: 0,
-            device: 0,
-            timings: false,
-            uniform_priority: false,
+        let mesh = Mesh {
+            shard: 1,
+            replicate: 1,
         };
+        let opts = CudaOptions::new(mesh, 0, 0);
         if loader::check().is_ok() {
             eprintln!("CUDA libraries present: the error path is not exercised here");
             return;
@@ -446,7 +441,7 @@ mod tests {
             .map(|e| e.to_string())
             .unwrap_or_default();
         assert!(err.contains("cannot load lib"), "{err}");
-        let bad = CudaOptions { rank: 3, ..opts };
+        let bad = CudaOptions::new(mesh, 3, 0);
         assert!(CudaBackend::new(bad).is_err());
     }
 }

@@ -10,13 +10,7 @@ use overlap_ops::{Backend, EventStatus, Tag};
 
 /// The GPU, or `None` (and a note) when there is none and `OVERLAP_GPU_TESTS` is unset.
 pub fn gpu() -> Option<CudaBackend> {
-    let opened = CudaBackend::new(CudaOptions {
-        mesh: Mesh::new(1, 1).unwrap(),
-        rank: 0,
-        device: 0,
-        timings: false,
-        uniform_priority: false,
-    });
+    let opened = CudaBackend::new(CudaOptions::new(Mesh::new(1, 1).unwrap(), 0, 0));
     match opened {
         Ok(b) => Some(b),
         Err(e) if std::env::var("OVERLAP_GPU_TESTS").as_deref() == Ok("1") => {
