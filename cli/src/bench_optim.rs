@@ -175,10 +175,9 @@ pub fn shape_set(spec: &str) -> Result<Vec<Tensor>, Error> {
 }
 
 /// Newton–Schulz's floating-point operations for one `rows × cols` matrix and `steps`
-/// iterations: per iteration `X·Xᵀ` and `B·X` (`2m²n` each) and `A·A` (`2m³`), `m ≤ n`.
+/// iterations ([`overlap::graph::owner::ns_flops`], the owner balance's model).
 pub fn ns_flops(rows: usize, cols: usize, steps: u32) -> f64 {
-    let (m, n) = (rows.min(cols) as f64, rows.max(cols) as f64);
-    f64::from(steps) * (4.0 * m * m * n + 2.0 * m * m * m)
+    overlap::graph::owner::ns_flops(rows as u64, cols as u64, steps)
 }
 
 /// One timed tail.

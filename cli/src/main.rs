@@ -416,9 +416,45 @@ fn print_plan(
             print!("{}", cfg.optimizer_text());
             let shown: Vec<u32> = p.ranks.iter().map(|r| r.rank).collect();
             print!("{}", export::memory_text(&plan, &shown));
+            print!("{}", optimizer_time_text(&planner, &shown));
         }
     }
     Ok(ExitCode::SUCCESS)
+}
+
+/// Each shown rank's optimizer time as the owner balance weighs it
+/// ([`overlap::graph::owner`]): the updates it owns, its share of the sharded routes,
+/// and the largest over the mean of all ranks.
+fn optimizer_time_text(planner: &Planner, shown: &[u32]) -> String {
+    use overlap::graph::owner::optimizer_seconds;
+    let spec = planner.spec();
+    let params: Vec<_> = planner.params().iter().map(|p| p.spec.clone()).collect();
+    let owners: Vec<_> = planner.params().iter().map(|p| p.owner).collect();
+    let t = optimizer_seconds(spec.mesh, &params, &owners, spec.update_rates);
+    let mean = t.iter().sum::<f64>() / t.len().max(1) as f64;
+    let max = t.iter().cloned().fold(0.0, f64::max);
+    let mut out = format!(
+        "optimizer time per rank (owners balanced by it; Newton–Schulz at {} TFLOP/s, memory at {} GB/s; ms):\n",
+        spec.update_rates.ns_gflops / 1000,
+        spec.update_rates.memory_gbs
+    );
+    for &r in shown {
+        let owned = owners
+            .iter()
+            .filter(|o| o.is_some_and(|c| spec.mesh.rank(c) == r))
+            .count();
+        out.push_str(&format!(
+            "  rank {r}: {:.3} ({owned} owned updates)\n",
+            t[r as usize] * 1e3
+        ));
+    }
+    let ratio = if mean > 0.0 { max / mean } else { 1.0 };
+    out.push_str(&format!(
+        "  max {:.3}, mean {:.3}, max/mean {ratio:.3}\n",
+        max * 1e3,
+        mean * 1e3
+    ));
+    out
 }
 
 /// `overlap check`: validates a plan file, printing each violated invariant; exit code 1

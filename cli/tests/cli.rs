@@ -418,3 +418,82 @@ fn verify_passes_with_groups_and_a_schedule() {
     assert_eq!(last["ok"], true, "{out}");
     assert_eq!(last["steps"], 6, "{out}");
 }
+
+/// GPT-2 small with its embeddings on `adamw` and its block matrices on `muon`, as
+/// `[[param]]` entries on a `shard × replicate` mesh.
+fn gpt2_small_config(shard: u32, replicate: u32, ns_dtype: &str) -> String {
+    let mut s = format!(
+        "[mesh]\nshard = {shard}\nreplicate = {replicate}\n[optimizer.muon]\nns_dtype = \"{ns_dtype}\"\n"
+    );
+    let mut param = |name: String, shape: &[u64], route: &str, layer: u32| {
+        s.push_str(&format!(
+            "[[param]]\nname = \"{name}\"\nshape = {shape:?}\nroute = \"{route}\"\nlayer = {layer}\n"
+        ));
+    };
+    param("wte".into(), &[50257, 768], "adamw", 0);
+    param("wpe".into(), &[1024, 768], "adamw", 0);
+    for l in 0..12u32 {
+        for (n, shape, route) in [
+            ("ln_1.w", &[768][..], "adamw"),
+            ("ln_1.b", &[768], "adamw"),
+            ("attn.c_attn.w", &[768, 2304], "muon"),
+            ("attn.c_attn.b", &[2304], "adamw"),
+            ("attn.c_proj.w", &[768, 768], "muon"),
+            ("attn.c_proj.b", &[768], "adamw"),
+            ("ln_2.w", &[768], "adamw"),
+            ("ln_2.b", &[768], "adamw"),
+            ("mlp.c_fc.w", &[768, 3072], "muon"),
+            ("mlp.c_fc.b", &[3072], "adamw"),
+            ("mlp.c_proj.w", &[3072, 768], "muon"),
+            ("mlp.c_proj.b", &[768], "adamw"),
+        ] {
+            param(format!("h.{l}.{n}"), shape, route, l + 1);
+        }
+    }
+    param("ln_f.w".into(), &[768], "adamw", 13);
+    param("ln_f.b".into(), &[768], "adamw", 13);
+    s
+}
+
+/// The largest over the mean of `overlap plan`'s modelled optimizer time per rank.
+fn plan_optimizer_imbalance(config: &str, name: &str) -> (f64, String) {
+    let path = scratch(name, config);
+    let o = overlap(&[
+        "plan",
+        "--config",
+        path.to_str().unwrap(),
+        "--format",
+        "text",
+    ]);
+    let (out, err) = text(&o);
+    assert!(o.status.success(), "{err}");
+    let line = out
+        .lines()
+        .find(|l| l.contains("max/mean"))
+        .unwrap_or_else(|| panic!("no optimizer time in the listing: {out}"));
+    let ratio = line.rsplit(' ').next().unwrap().parse().unwrap();
+    let start = out.find("optimizer time per rank").unwrap();
+    (ratio, out[start..].to_string())
+}
+
+#[test]
+fn plan_lists_optimizer_time_per_rank_balanced_by_work() {
+    for (s, r, dtype) in [(4, 1, "bf16"), (2, 2, "bf16"), (4, 1, "f32")] {
+        let config = gpt2_small_config(s, r, dtype);
+        let (ratio, listing) =
+            plan_optimizer_imbalance(&config, &format!("gpt2_{s}x{r}_{dtype}.toml"));
+        assert!(ratio <= 1.10, "{s}x{r} {dtype}: {listing}");
+        assert_eq!(
+            listing.matches("owned updates").count(),
+            (s * r) as usize,
+            "{listing}"
+        );
+    }
+    // f32 Newton–Schulz is weighed at its own (slower) rate.
+    let (_, f32_listing) =
+        plan_optimizer_imbalance(&gpt2_small_config(4, 1, "f32"), "gpt2_f32.toml");
+    assert!(
+        f32_listing.contains("Newton–Schulz at 50 TFLOP/s"),
+        "{f32_listing}"
+    );
+}

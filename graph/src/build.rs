@@ -33,7 +33,7 @@ impl Planner {
         // The mesh, every parameter, their number and the bucket cap, before anything
         // is allocated from them.
         spec.check()?;
-        let owners = owner::assign_owners(spec.mesh, &spec.params);
+        let owners = owner::assign_owners(spec.mesh, &spec.params, spec.update_rates);
         let params: Vec<PlacedParam> = spec
             .params
             .iter()
@@ -681,6 +681,7 @@ mod tests {
             schedule: Default::default(),
             grad_norm: false,
             forward: None,
+            update_rates: Default::default(),
         }
     }
 

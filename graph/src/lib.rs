@@ -54,6 +54,7 @@ pub use node::{
     OptimizerKind, Pass, ReduceOp, Stream,
 };
 pub use order::HappensBefore;
+pub use owner::UpdateRates;
 pub use param::{ModelSpec, ParamId, ParamSpec, Route, MAX_MODEL_LAYERS, MAX_NUMEL};
 pub use plan::{
     Access, Bindings, Bucket, CopySeg, ForwardSpec, PlacedParam, Plan, PlanSpec, RankProgram,

@@ -13,6 +13,7 @@ use crate::node::{
     BucketId, Buffer, Collective, CollectiveKind, DType, Instr, Node, Op, OptimizerKind, Pass,
     ReduceOp, Stream,
 };
+use crate::owner::UpdateRates;
 use crate::param::{ParamId, ParamSpec, Route};
 use crate::PlanError;
 
@@ -369,6 +370,9 @@ pub struct PlanSpec {
     /// and backward (`unshard`, `forward`, `backward`, `reshard` nodes), and how. `None`
     /// plans exactly what a spec without it always did.
     pub forward: Option<ForwardSpec>,
+    /// The rates that weigh each owned parameter's optimizer update when owners are
+    /// assigned ([`crate::owner`]).
+    pub update_rates: UpdateRates,
 }
 
 /// The default bucket cap: 25 MiB, PyTorch DDP's and FSDP2's default.
@@ -401,6 +405,7 @@ impl PlanSpec {
             schedule: Schedule::default(),
             grad_norm: false,
             forward: None,
+            update_rates: UpdateRates::default(),
         }
     }
 
@@ -438,6 +443,13 @@ impl PlanSpec {
     /// ([`PlanSpec::forward`]).
     pub fn with_forward(mut self, forward: Option<ForwardSpec>) -> PlanSpec {
         self.forward = forward;
+        self
+    }
+
+    /// The same spec with other rates for balancing owners by optimizer time
+    /// ([`PlanSpec::update_rates`]).
+    pub fn with_update_rates(mut self, rates: UpdateRates) -> PlanSpec {
+        self.update_rates = rates;
         self
     }
 }

@@ -169,6 +169,7 @@ mod tests {
             schedule: Schedule::default(),
             grad_norm: false,
             forward: None,
+            update_rates: Default::default(),
         }
     }
 
