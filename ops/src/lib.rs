@@ -24,6 +24,10 @@ use std::sync::Arc;
 pub use overlap_graph as graph;
 use overlap_graph::{Collective, CollectiveKind, CopySeg, Group, Stream};
 
+// The copy transport's protocol: compiled where it is used (the CUDA backend) and for
+// its model checker, which runs without a GPU.
+#[cfg(any(feature = "cuda", test))]
+mod copy_protocol;
 pub mod cpu;
 #[cfg(feature = "cuda")]
 pub mod cuda;

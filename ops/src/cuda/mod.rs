@@ -75,7 +75,8 @@
 //!   streams), `event.rs` (pooled events, the waiter thread), `memory.rs` (the buffer
 //!   pool), `kernels.rs` with `kernels.cu` and `optim.cu` (NVRTC kernels), `defer.rs`,
 //!   `optim.rs` and `muon.rs` (the optimizer tail in few launches), `nccl.rs`
-//!   (communicators) and `exchange.rs` (the copy transport's rings).
+//!   (communicators) and `exchange.rs` (the copy transport's rings, running the pure
+//!   protocol of `crate::copy_protocol`).
 //!
 //! Invariant: the backend adds no ordering the plan did not ask for, and every CUDA call
 //! is made with the context bound on the calling thread.

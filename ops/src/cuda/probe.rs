@@ -103,7 +103,7 @@ impl CudaBackend {
             }
             .map_err(|e| device::backend("cuStreamWaitEvent", e))
         })?;
-        use exchange::Flag;
+        use crate::copy_protocol::Flag;
         timer.time("cuStreamWriteValue32", &mut |i| {
             flagged(exchange::flags(raw, &[Flag::Write(flag, i)]))
         })?;

@@ -13,9 +13,10 @@ use overlap_graph::{Collective, DType, ReduceOp, Stream};
 
 use super::backend::Shared;
 use super::checks::{check_collective, check_combine};
-use super::exchange::{self, InPlace};
+use super::exchange::InPlace;
 use super::issue::Issue;
 use super::memory::CudaBuffer;
+use crate::copy_protocol::Plan;
 #[cfg(doc)]
 use crate::Kernel;
 use crate::{CommId, OpsError};
@@ -125,9 +126,9 @@ impl Issue {
         let bytes = (received * 4) as u64;
         if size > 1 {
             let plan = if gather {
-                exchange::Plan::gather(desc, size, index)
+                Plan::gather(desc, size, index)
             } else {
-                exchange::Plan::new(desc, size, index)
+                Plan::new(desc, size, index)
             }
             .map_err(shape)?;
             let ri = ri.ok_or_else(|| not_set_up(id))?;
