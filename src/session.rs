@@ -210,6 +210,8 @@ pub struct Session<B: Backend = CpuBackend> {
     /// The step [`Session::reduce`] reduced, waiting for [`Session::step`]: its gates and
     /// plan.
     reduced: Option<(Vec<Gate>, StepPlan)>,
+    /// Checkpoint saves: the job they save with and the one in flight.
+    saves: crate::checkpoint::Saves,
 }
 
 impl Session<CpuBackend> {
@@ -290,6 +292,7 @@ impl<B: Backend> Session<B> {
             current: None,
             step_plans: Vec::new(),
             plans_built: 0,
+            saves: Default::default(),
         };
         s.init_params(|_, p| vec![0.0; p.spec.numel() as usize])?;
         Ok(s)
@@ -345,9 +348,13 @@ impl<B: Backend> Session<B> {
     /// counter, one safetensors file per rank and a manifest, in `dir/step-NNNNNN/`, then
     /// points `dir/latest` at it (`docs/checkpoints.md`). Atomic: a crash mid-save leaves
     /// `latest` naming the previous complete checkpoint. Returns the checkpoint's
-    /// directory. Call between steps; the session must drive every rank of its mesh.
+    /// directory once it is written: [`Session::save_in_background`], then
+    /// [`Session::wait_for_saves`]. Call between steps. A session that drives only some
+    /// ranks of its mesh (a process of a multi-process job) writes its own ranks' files
+    /// and needs a [`SaveJob`](crate::checkpoint::SaveJob) first
+    /// ([`Session::set_save_job`]); the process holding rank 0 commits the checkpoint.
     pub fn save(&self, dir: impl AsRef<std::path::Path>) -> Result<std::path::PathBuf, Error> {
-        crate::checkpoint::save(&self.planner, &self.executor, dir.as_ref(), None)
+        self.save_and_wait(dir.as_ref(), None)
     }
 
     /// [`Session::save`], recording the seed of the run's synthetic gradients in the
@@ -357,29 +364,100 @@ impl<B: Backend> Session<B> {
         dir: impl AsRef<std::path::Path>,
         seed: u64,
     ) -> Result<std::path::PathBuf, Error> {
-        crate::checkpoint::save(&self.planner, &self.executor, dir.as_ref(), Some(seed))
+        self.save_and_wait(dir.as_ref(), Some(seed))
     }
 
-    /// Why [`Session::save`] would be refused, if it would: a session of a multi-process
-    /// job drives only its own ranks.
+    fn save_and_wait(
+        &self,
+        dir: &std::path::Path,
+        seed: Option<u64>,
+    ) -> Result<std::path::PathBuf, Error> {
+        let ticket = self.start_save(dir, seed)?;
+        let saved = self.saves.wait()?;
+        Ok(saved.map_or(ticket.path, |s| s.path))
+    }
+
+    fn start_save(
+        &self,
+        dir: &std::path::Path,
+        seed: Option<u64>,
+    ) -> Result<crate::checkpoint::SaveTicket, Error> {
+        crate::checkpoint::save_in_background(&self.planner, &self.executor, &self.saves, dir, seed)
+    }
+
+    /// Starts saving a checkpoint under the root `dir`, as [`Session::save`] does, and
+    /// returns once the local ranks' parameters and optimizer state are copied to the
+    /// host (on CUDA, a device-to-host copy): a background thread writes the files and
+    /// commits the checkpoint while the next steps run. A save still in flight is waited
+    /// for first, and its failure is returned here (nothing new is started then). The
+    /// ticket says what the save cost the training loop ([`SaveTicket::stall`]: the
+    /// copy plus that wait); [`Session::poll_save`] or [`Session::wait_for_saves`] tell
+    /// when it is written. The host copy holds the pieces this process writes until
+    /// then. Dropping the session waits for the save (and logs a failure). Call between
+    /// steps.
+    ///
+    /// [`SaveTicket::stall`]: crate::checkpoint::SaveTicket::stall
+    pub fn save_in_background(
+        &self,
+        dir: impl AsRef<std::path::Path>,
+    ) -> Result<crate::checkpoint::SaveTicket, Error> {
+        self.start_save(dir.as_ref(), None)
+    }
+
+    /// [`Session::save_in_background`], recording the seed of the run's synthetic
+    /// gradients in the manifest's RNG state (`overlap run`).
+    pub fn save_in_background_with_seed(
+        &self,
+        dir: impl AsRef<std::path::Path>,
+        seed: u64,
+    ) -> Result<crate::checkpoint::SaveTicket, Error> {
+        self.start_save(dir.as_ref(), Some(seed))
+    }
+
+    /// Waits for the save in flight, if any: what it saved, or why it failed. `None`
+    /// when no save was in flight.
+    pub fn wait_for_saves(&self) -> Result<Option<crate::checkpoint::Saved>, Error> {
+        self.saves.wait()
+    }
+
+    /// The save in flight, if it has finished: what it saved, or why it failed (each
+    /// once). `None` while it is still writing, or when there is none. Never blocks.
+    pub fn poll_save(&self) -> Result<Option<crate::checkpoint::Saved>, Error> {
+        self.saves.poll()
+    }
+
+    /// Sets the job this session saves checkpoints with: in a multi-process job every
+    /// process gives its session the same [`SaveJob`](crate::checkpoint::SaveJob) (an id
+    /// rank 0 drew with `SaveJob::fresh` and sent to the others), which names the save's
+    /// partial directory. A session that drives every rank of its mesh needs none.
+    pub fn set_save_job(&mut self, job: crate::checkpoint::SaveJob) {
+        self.saves.set_job(job);
+    }
+
+    /// Why [`Session::save`] would be refused, if it would: a session that drives only
+    /// some ranks of its mesh without a [`SaveJob`](crate::checkpoint::SaveJob).
     pub fn check_can_save(&self) -> Result<(), Error> {
-        crate::checkpoint::check_can_save(&self.planner, &self.executor)
+        crate::checkpoint::check_can_save(&self.planner, &self.executor, &self.saves)
+            .map(drop)
             .map_err(|reason| Error::Usage(format!("cannot save a checkpoint: {reason}")))
     }
 
     /// Loads a checkpoint: `dir` is a checkpoint root (its `latest` is followed) or one
-    /// checkpoint directory. Every file is verified first (size, sha256, tensors, the
-    /// model's parameters, full coverage); a refused checkpoint is an
-    /// [`Error::Checkpoint`] naming the file and what is wrong, and leaves the session as
-    /// it was. Then each local rank gets its piece of the parameters and optimizer state
-    /// under this session's mesh (which may differ from the saved one), and the step
-    /// counter is restored. Call between steps.
+    /// checkpoint directory. A save in flight is waited for first (its failure is
+    /// returned). Every file is verified first (size, sha256, tensors, the model's
+    /// parameters, full coverage); a refused checkpoint is an [`Error::Checkpoint`]
+    /// naming the file and what is wrong, and leaves the session as it was. Then each
+    /// local rank gets its piece of the parameters and optimizer state under this
+    /// session's mesh (which may differ from the saved one), and the step counter is
+    /// restored. What unfinished saves left in a root is never read
+    /// ([`Loaded::unfinished`](crate::Loaded::unfinished) lists it). Call between steps.
     pub fn load(&mut self, dir: impl AsRef<std::path::Path>) -> Result<crate::Loaded, Error> {
         if self.executor.in_step() {
             return Err(Error::Usage(
                 "load during a step; call it before the first micro-batch or after step()".into(),
             ));
         }
+        self.saves.wait()?;
         let restored = crate::checkpoint::read(dir.as_ref(), &self.planner)?;
         crate::checkpoint::install(&self.planner, &mut self.executor, restored)
     }

@@ -7,7 +7,7 @@ mod common;
 use std::path::PathBuf;
 use std::sync::Arc;
 
-use overlap::checkpoint::{Manifest, LATEST, MANIFEST};
+use overlap::checkpoint::{Manifest, SaveJob, LATEST, MANIFEST};
 use overlap::executor::ExecConfig;
 use overlap::graph::Buffer;
 use overlap::ops::cpu::CpuBackend;
@@ -397,27 +397,101 @@ async fn an_interrupted_save_leaves_latest_on_the_last_complete_checkpoint() {
     steps(&mut s, 1).await;
     s.save(&dir).unwrap();
     let want = state(&s);
-    // A save of step 2 that died after its first file: a temporary directory and no
-    // manifest, never renamed into place.
+    // A save of step 2 that died after its first file (a partial directory without a
+    // manifest), one that died writing `latest`, and an older build's temporary
+    // directory.
     steps(&mut s, 1).await;
-    let tmp = dir.join(".tmp-step-000002-1-1");
-    std::fs::create_dir(&tmp).unwrap();
-    std::fs::write(tmp.join("rank-00000.safetensors"), b"partial").unwrap();
+    let partial = dir.join(".step-000002-00000000000000aa.partial");
+    std::fs::create_dir(&partial).unwrap();
+    std::fs::write(partial.join("rank-00000.safetensors"), b"partial").unwrap();
+    let latest_tmp = dir.join(".latest-00000000000000aa");
+    std::fs::write(&latest_tmp, b"step-0").unwrap();
+    let legacy = dir.join(".tmp-step-000002-1-1");
+    std::fs::create_dir(&legacy).unwrap();
     assert_eq!(
         std::fs::read_to_string(dir.join(LATEST)).unwrap().trim(),
         "step-000001"
     );
     let mut r = session(2, 2);
-    assert_eq!(r.load(&dir).unwrap().step, 1);
+    let loaded = r.load(&dir).unwrap();
+    assert_eq!(loaded.step, 1);
     assert_eq!(state(&r), want);
-    // The next save completes and moves `latest`; the stale temporary is left alone.
-    s.save(&dir).unwrap();
-    assert_eq!(r.load(&dir).unwrap().step, 2);
-    assert_eq!(state(&r), state(&s));
-    // A checkpoint root with no `latest` and no manifest is no checkpoint.
-    let (path, reason) = refused(r.load(&tmp).unwrap_err());
-    assert!(path.ends_with(".tmp-step-000002-1-1"), "{path}");
+    assert_eq!(
+        loaded.unfinished,
+        [latest_tmp.clone(), partial.clone(), legacy.clone()]
+    );
+    // A partial directory is no checkpoint.
+    let (path, reason) = refused(r.load(&partial).unwrap_err());
+    assert!(path.ends_with(".partial"), "{path}");
     assert!(reason.contains("not a checkpoint"), "{reason}");
+    // The next save completes, moves `latest` and removes what the others left.
+    s.save(&dir).unwrap();
+    let loaded = r.load(&dir).unwrap();
+    assert_eq!((loaded.step, loaded.unfinished), (2, vec![]));
+    assert_eq!(state(&r), state(&s));
+    assert!(!partial.exists() && !latest_tmp.exists() && !legacy.exists());
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_background_save_holds_its_steps_state_while_the_next_steps_run() {
+    let dir = scratch("background");
+    let mut s = session(2, 2);
+    steps(&mut s, 2).await;
+    let at_2 = state(&s);
+    let first = s.save_in_background(&dir).unwrap();
+    assert_eq!((first.step, &first.path), (2, &dir.join("step-000002")));
+    assert!(first.previous.is_none());
+    steps(&mut s, 2).await;
+    // A second save waits for the first and hands over what it saved.
+    let second = s.save_in_background(&dir).unwrap();
+    assert_eq!(second.step, 4);
+    let done = second.previous.expect("the first save, waited for");
+    assert_eq!((done.step, done.committed), (2, true));
+    let done = s.wait_for_saves().unwrap().expect("the second save");
+    assert_eq!((done.step, &done.path), (4, &dir.join("step-000004")));
+    assert!(s.wait_for_saves().unwrap().is_none());
+    assert!(s.poll_save().unwrap().is_none());
+    // Step 2's checkpoint holds step 2's state, though two steps ran while it was
+    // written.
+    let mut r = session(2, 2);
+    r.load(dir.join("step-000002")).unwrap();
+    assert_eq!(state(&r), at_2);
+    r.load(&dir).unwrap();
+    assert_eq!(state(&r), state(&s));
+    // A session dropped with a save in flight finishes it first.
+    steps(&mut s, 1).await;
+    s.save_in_background(&dir).unwrap();
+    drop(s);
+    assert_eq!(
+        std::fs::read_to_string(dir.join(LATEST)).unwrap().trim(),
+        "step-000005"
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_failed_background_save_is_reported_by_the_next_call_and_nothing_is_lost() {
+    let dir = scratch("background_failure");
+    let mut s = session(2, 2);
+    steps(&mut s, 1).await;
+    s.save(&dir).unwrap();
+    // A file where the save's partial directory goes: the background thread fails.
+    s.set_save_job(SaveJob::new(0xfeed));
+    steps(&mut s, 1).await;
+    let in_the_way = dir.join(".step-000002-000000000000feed.partial");
+    std::fs::write(&in_the_way, b"in the way").unwrap();
+    s.save_in_background(&dir).unwrap();
+    steps(&mut s, 1).await;
+    let (path, reason) = refused(s.save_in_background(&dir).unwrap_err());
+    assert!(path.ends_with(".partial"), "{path}");
+    assert!(reason.contains("cannot be created"), "{reason}");
+    // Reported once; nothing new was started; `latest` is where it was.
+    assert!(s.wait_for_saves().unwrap().is_none());
+    assert_eq!(
+        std::fs::read_to_string(dir.join(LATEST)).unwrap().trim(),
+        "step-000001"
+    );
+    assert_eq!(s.save(&dir).unwrap(), dir.join("step-000003"));
+    assert!(!in_the_way.exists(), "the next successful save removes it");
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

@@ -3,6 +3,7 @@
 
 use std::process::ExitCode;
 
+use overlap::checkpoint::{SaveJob, SaveTicket, Saved};
 use overlap::config::Config;
 use overlap::graph::Gate;
 use overlap::{drive, observe, Error, Session};
@@ -56,7 +57,8 @@ pub(crate) async fn run(
             cfg.run.seed,
         )?;
         let mut world = overlap_dist::cuda::world(cfg, env, true, what)?;
-        let session = Session::cuda(cfg, world.backend.clone())?;
+        let mut session = Session::cuda(cfg, world.backend.clone())?;
+        share_save_job(Some(&mut world.rendezvous), &mut session)?;
         watch_job(Some(&mut world.rendezvous), session.peer_abort())?;
         watch_host(session.step_deadline())?;
         // Peers learn of a failure through the watch: a failed rank's collectives no
@@ -67,7 +69,8 @@ pub(crate) async fn run(
         return result;
     }
     let mut job = meet_cpu(cfg, "run", u64::from(steps), cfg.run.seed)?;
-    let session = Session::cpu(cfg)?;
+    let mut session = Session::cpu(cfg)?;
+    share_save_job(job.as_mut(), &mut session)?;
     watch_job(job.as_mut(), session.peer_abort())?;
     watch_host(session.step_deadline())?;
     let result = run_steps(session, cfg, steps, observe, ckpt, recording, backend).await;
@@ -85,6 +88,28 @@ pub(crate) fn transport_label(cfg: &Config) -> String {
     }
 }
 
+/// Gives every process of a job the same [`SaveJob`] (rank 0 draws its id and sends it
+/// to the others), so that their checkpoint saves meet in one partial directory that no
+/// earlier job wrote (`docs/checkpoints.md`). Outside a job there is nothing to share.
+fn share_save_job<B: overlap::ops::Backend>(
+    rdv: Option<&mut overlap_dist::rendezvous::Rendezvous>,
+    session: &mut Session<B>,
+) -> Result<(), Error> {
+    let Some(rdv) = rdv else {
+        return Ok(());
+    };
+    let timeout = overlap_dist::rendezvous::start_timeout(std::time::Duration::from_secs(180));
+    let got = rdv.broadcast(&SaveJob::fresh().id.to_le_bytes(), timeout)?;
+    let id = <[u8; 8]>::try_from(got.as_slice()).map_err(|_| {
+        Error::Usage(format!(
+            "rank 0 sent a checkpoint job id of {} bytes, not 8",
+            got.len()
+        ))
+    })?;
+    session.set_save_job(SaveJob::new(u64::from_le_bytes(id)));
+    Ok(())
+}
+
 /// Runs the steps of `overlap run` on a session and prints a line per step.
 pub(crate) async fn run_steps<B: overlap::ops::Backend>(
     mut session: Session<B>,
@@ -95,27 +120,9 @@ pub(crate) async fn run_steps<B: overlap::ops::Backend>(
     mut recording: observe::Recording,
     backend: &str,
 ) -> Result<ExitCode, Error> {
-    if ckpt.checkpoint.is_some() {
-        // Refused before the first step rather than after the steps it would have saved.
-        session.check_can_save()?;
-    }
+    let saves = Saves::new(&session, ckpt)?;
     if let Some(dir) = &ckpt.resume {
-        let t0 = std::time::Instant::now();
-        let loaded = session.load(dir)?;
-        if let Some(seed) = loaded.seed.filter(|&s| s != cfg.run.seed) {
-            return Err(Error::Usage(format!(
-                "--resume {}: the checkpoint's run used seed {seed}, this one {}; pass --seed {seed} to continue it",
-                dir.display(),
-                cfg.run.seed
-            )));
-        }
-        println!(
-            "resumed from {} at step {} (saved on mesh {}, {:.1} ms)",
-            loaded.path.display(),
-            loaded.step,
-            loaded.saved_mesh,
-            t0.elapsed().as_secs_f64() * 1e3
-        );
+        resume(&mut session, cfg, dir)?;
     }
     let start = session.steps_done();
     let last = start + u64::from(steps);
@@ -141,46 +148,168 @@ pub(crate) async fn run_steps<B: overlap::ops::Backend>(
         let plan = session.step_plan(&r.gates)?;
         recording.step(&r, &plan)?;
         let analysis = observe::StepAnalysis::on_ranks(&r, &plan, &local_ranks);
-        let per_node = if r.stats.nodes > 0 {
-            r.stats.issue_seconds * 1e6 / r.stats.nodes as f64
-        } else {
-            0.0
-        };
-        println!(
-            "step {}/{last}  gates {}  nodes {}  wall {:.2} ms  host {:.2} us/node  stage2 {} (saved {})  partials left {}  {}  {}  {}{}",
-            r.step,
-            Gate::pattern_label(&r.gates),
-            r.stats.nodes,
-            r.stats.wall_seconds * 1e3,
-            per_node,
-            bytes(r.stage2_bytes),
-            bytes(r.stage2_bytes_saved),
-            r.stats.partials_left,
-            memory_figures(&r),
-            device_figures(&analysis),
-            lr_figures(cfg, &r),
-            norm_figures(&r),
-        );
-        if let Some(dir) = &ckpt.checkpoint {
-            if r.step == last || ckpt.save_every.is_some_and(|n| r.step % n == 0) {
-                let t0 = std::time::Instant::now();
-                let path = session.save_with_seed(dir, cfg.run.seed)?;
-                println!(
-                    "checkpoint: step {} saved to {} ({:.1} ms)",
-                    r.step,
-                    path.display(),
-                    t0.elapsed().as_secs_f64() * 1e3
-                );
-            }
+        let ticket = saves.after_step(&session, cfg, r.step, last)?;
+        if let Some(t) = &ticket {
+            saves.report(t.previous.clone());
         }
+        println!(
+            "{}{}",
+            step_line(cfg, &r, last, &analysis),
+            ticket.as_ref().map_or_else(String::new, save_figures)
+        );
+        saves.report(session.poll_save()?);
         if observe.step_interval_ms > 0 {
             tokio::time::sleep(std::time::Duration::from_millis(observe.step_interval_ms)).await;
         }
     }
+    saves.report(session.wait_for_saves()?);
     for line in recording.finish()? {
         println!("{line}");
     }
     Ok(ExitCode::SUCCESS)
+}
+
+/// A step's line (`step 3/4  gates ...`), without the checkpoint's figures.
+fn step_line(
+    cfg: &Config,
+    r: &overlap::StepReport,
+    last: u64,
+    analysis: &observe::StepAnalysis,
+) -> String {
+    let per_node = if r.stats.nodes > 0 {
+        r.stats.issue_seconds * 1e6 / r.stats.nodes as f64
+    } else {
+        0.0
+    };
+    format!(
+        "step {}/{last}  gates {}  nodes {}  wall {:.2} ms  host {:.2} us/node  stage2 {} (saved {})  partials left {}  {}  {}  {}{}",
+        r.step,
+        Gate::pattern_label(&r.gates),
+        r.stats.nodes,
+        r.stats.wall_seconds * 1e3,
+        per_node,
+        bytes(r.stage2_bytes),
+        bytes(r.stage2_bytes_saved),
+        r.stats.partials_left,
+        memory_figures(r),
+        device_figures(analysis),
+        lr_figures(cfg, r),
+        norm_figures(r),
+    )
+}
+
+/// `--resume DIR`: loads the checkpoint before the first step, refuses another seed's
+/// run, and says what it loaded and what unfinished saves left that it ignored.
+fn resume<B: overlap::ops::Backend>(
+    session: &mut Session<B>,
+    cfg: &Config,
+    dir: &std::path::Path,
+) -> Result<(), Error> {
+    let t0 = std::time::Instant::now();
+    let loaded = session.load(dir)?;
+    if let Some(seed) = loaded.seed.filter(|&s| s != cfg.run.seed) {
+        return Err(Error::Usage(format!(
+            "--resume {}: the checkpoint's run used seed {seed}, this one {}; pass --seed {seed} to continue it",
+            dir.display(),
+            cfg.run.seed
+        )));
+    }
+    println!(
+        "resumed from {} at step {} (saved on mesh {}, {:.1} ms)",
+        loaded.path.display(),
+        loaded.step,
+        loaded.saved_mesh,
+        t0.elapsed().as_secs_f64() * 1e3
+    );
+    for path in &loaded.unfinished {
+        println!(
+            "resume: ignored {}, left by a save that did not finish",
+            path.display()
+        );
+    }
+    Ok(())
+}
+
+/// What `--checkpoint DIR --save-every N` asks of this process.
+struct Saves<'a> {
+    /// The checkpoint root, when this process saves (see [`Saves::new`]).
+    dir: Option<&'a std::path::Path>,
+    save_every: Option<u64>,
+}
+
+impl<'a> Saves<'a> {
+    /// Every process of a job whose session drives only its own ranks writes their
+    /// files; of a job whose processes each run the whole mesh (the CPU backend), only
+    /// rank 0's process saves, since they all hold the same state. A session that cannot
+    /// save is refused here, before the first step rather than after the steps it would
+    /// have saved.
+    fn new<B: overlap::ops::Backend>(
+        session: &Session<B>,
+        ckpt: &'a CheckpointArgs,
+    ) -> Result<Saves<'a>, Error> {
+        let whole =
+            session.local_ranks().len() as u64 == u64::from(session.planner().spec().mesh.world());
+        let rank = overlap_dist::env::RankEnv::from_env()?.map_or(0, |e| e.rank);
+        let dir = ckpt.checkpoint.as_deref().filter(|_| !whole || rank == 0);
+        if dir.is_some() {
+            session.check_can_save()?;
+        }
+        Ok(Saves {
+            dir,
+            save_every: ckpt.save_every,
+        })
+    }
+
+    /// Starts the save after step `step` if one is due (the last step, and every
+    /// `--save-every`): staged now, written in the background.
+    fn after_step<B: overlap::ops::Backend>(
+        &self,
+        session: &Session<B>,
+        cfg: &Config,
+        step: u64,
+        last: u64,
+    ) -> Result<Option<SaveTicket>, Error> {
+        let Some(dir) = self.dir else {
+            return Ok(None);
+        };
+        if step != last && !self.save_every.is_some_and(|n| step % n == 0) {
+            return Ok(None);
+        }
+        session
+            .save_in_background_with_seed(dir, cfg.run.seed)
+            .map(Some)
+    }
+
+    /// Says that a background save finished.
+    fn report(&self, saved: Option<Saved>) {
+        let Some(s) = saved else {
+            return;
+        };
+        let written = s.written.as_secs_f64() * 1e3;
+        if s.committed {
+            println!(
+                "checkpoint: step {} saved to {} (written in the background in {written:.1} ms)",
+                s.step,
+                s.path.display()
+            );
+        } else {
+            println!(
+                "checkpoint: step {}: this process's ranks written for {} in {written:.1} ms (rank 0's process commits it)",
+                s.step,
+                s.path.display()
+            );
+        }
+    }
+}
+
+/// What a save cost the step it follows: `  save stall 1.20 ms (copy 1.15, wait 0.05)`.
+fn save_figures(t: &SaveTicket) -> String {
+    format!(
+        "  save stall {:.2} ms (copy {:.2}, wait {:.2})",
+        t.stall().as_secs_f64() * 1e3,
+        t.staged.as_secs_f64() * 1e3,
+        t.waited.as_secs_f64() * 1e3
+    )
 }
 
 /// After a step timed out the device may still be running it (a hung kernel, a
