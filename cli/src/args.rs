@@ -263,7 +263,10 @@ pub(crate) struct ObserveArgs {
 /// Checkpoints of `overlap run` (docs/checkpoints.md).
 #[derive(clap::Args)]
 pub(crate) struct CheckpointArgs {
-    /// Save a checkpoint into DIR after the last step (and every --save-every steps).
+    /// Save a checkpoint into DIR after the last step (and every --save-every steps),
+    /// written in the background while the next steps run. In a multi-process job every
+    /// process writes its own ranks' files and rank 0's commits the checkpoint: DIR must
+    /// be a directory every process sees (one host, or a shared file system).
     #[arg(long, value_name = "DIR")]
     pub(crate) checkpoint: Option<PathBuf>,
     /// Save a checkpoint after every N steps (step numbers divisible by N), and after
