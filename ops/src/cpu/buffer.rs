@@ -55,6 +55,19 @@ impl CpuBuffer {
         })
     }
 
+    /// A copy of a remote member's send buffer, for one round of a communicator (never
+    /// locked with another buffer: collectives lock one buffer at a time).
+    pub(super) fn remote(rank: u32, data: Vec<f32>) -> CpuBuffer {
+        CpuBuffer {
+            inner: Arc::new(Inner {
+                id: u64::MAX,
+                rank,
+                len: data.len(),
+                data: Mutex::new(data),
+            }),
+        }
+    }
+
     /// The backend-unique id (also the global lock order): two handles of one buffer
     /// have the same id.
     pub fn id(&self) -> u64 {

@@ -12,11 +12,22 @@
 //! some members issued an exchange and others a collective is a disagreement like any
 //! other.
 //!
+//! Members may live in other processes ([`super::CpuBackend::one_rank`]): then a local
+//! member's arrival is also sent to every remote member ([`super::remote`]), and each
+//! remote member's arrival, received by a reader thread, is deposited here as if that
+//! member had arrived in this process (its send buffer a copy, no receive buffer). Every
+//! process thus completes each round from the same arrivals in member order with the
+//! same code, and writes only its own members' outputs: the numbers are those of the
+//! in-process rendezvous, bit for bit. Remote arrivals carry the sender's generation
+//! (its count of `reset`s); one of a later generation waits until this process resets
+//! as often.
+//!
 //! Invariants: a round completes exactly once, with one result per member, and every
-//! member that arrived is released with its result: on success, on a disagreement, on a
-//! member that could not take part (it still arrives, so peers never hang), on timeout,
-//! on `reset` and on shutdown. Reductions add members in group-index order, so results
-//! are deterministic.
+//! local member that arrived is released with its result: on success, on a
+//! disagreement, on a member that could not take part (it still arrives, so peers never
+//! hang), on timeout, on a remote member whose connection closed (at once, naming it),
+//! on `reset`, on `abort` and on shutdown. Reductions add members in group-index order,
+//! so results are deterministic.
 
 use std::collections::HashMap;
 use std::sync::atomic::{AtomicBool, Ordering};
@@ -28,6 +39,7 @@ use overlap_graph::{Collective, CollectiveKind, DType, ReduceOp, Stream};
 use super::buffer::CpuBuffer;
 use super::kernels::expect;
 use super::lock;
+use super::remote::Outbox;
 use crate::math::round_bf16;
 use crate::{CommId, OpsError};
 
@@ -74,7 +86,57 @@ pub(super) struct Arrival {
     /// Its output.
     pub(super) recv: Option<CpuBuffer>,
     /// Why the member cannot take part (its stream is poisoned, or its call is invalid).
-    pub(super) failed: Option<OpsError>,
+    pub(super) failed: Option<Failure>,
+}
+
+/// Why a member cannot take part in a call.
+#[derive(Debug, Clone)]
+pub(super) enum Failure {
+    /// A member of this process: its error, which is its result.
+    Local(OpsError),
+    /// A member of another process: its error in words (its result is that process's).
+    Remote(String),
+}
+
+impl Failure {
+    /// The member's own result.
+    fn error(&self) -> OpsError {
+        match self {
+            Failure::Local(e) => e.clone(),
+            Failure::Remote(why) => OpsError::Cancelled(why.clone()),
+        }
+    }
+}
+
+impl std::fmt::Display for Failure {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            Failure::Local(e) => e.fmt(f),
+            Failure::Remote(why) => f.write_str(why),
+        }
+    }
+}
+
+/// What stops every wait of a backend's communicators.
+#[derive(Debug, Default)]
+pub(super) struct Halt {
+    /// The backend is being dropped.
+    pub(super) shutdown: AtomicBool,
+    /// [`crate::Backend::abort`] was called (a multi-process backend only).
+    pub(super) aborted: AtomicBool,
+}
+
+impl Halt {
+    /// Why waits must end now, if they must.
+    fn reason(&self) -> Option<&'static str> {
+        if self.shutdown.load(Ordering::Acquire) {
+            Some("the backend shut down")
+        } else if self.aborted.load(Ordering::Acquire) {
+            Some("the backend was aborted (a rank of the job failed or a step timed out)")
+        } else {
+            None
+        }
+    }
 }
 
 /// A communicator of one group bound to one stream.
@@ -82,6 +144,12 @@ pub(super) struct Comm {
     id: CommId,
     /// Global ranks by index within the group.
     members: Vec<u32>,
+    /// Whether each member (by index) is driven by this backend.
+    local: Vec<bool>,
+    /// Members that leave each round: the local ones.
+    locals: usize,
+    /// Where local arrivals go when some members live in other processes.
+    outbox: Option<Outbox>,
     state: Mutex<State>,
     changed: Condvar,
 }
@@ -91,8 +159,13 @@ struct State {
     generation: u64,
     /// Per member index, the number of its next call.
     next_call: Vec<u64>,
-    /// Calls some member has arrived at and not every member has left.
+    /// Calls some member has arrived at and not every local member has left.
     rounds: HashMap<u64, Round>,
+    /// Remote arrivals of a later generation than this process's, in arrival order:
+    /// `(generation, member index, call, arrival)`.
+    later: Vec<(u64, usize, u64, Arrival)>,
+    /// Per member index, why it can no longer arrive (its connection closed).
+    lost: Vec<Option<String>>,
 }
 
 /// One call number's meeting.
@@ -106,15 +179,28 @@ struct Round {
 }
 
 impl Comm {
-    pub(super) fn new(id: CommId, members: Vec<u32>) -> Comm {
+    /// A communicator whose members `is_local` says this backend drives; the others
+    /// (if any) are reached through `outbox`.
+    pub(super) fn new(
+        id: CommId,
+        members: Vec<u32>,
+        is_local: impl Fn(u32) -> bool,
+        outbox: Option<Outbox>,
+    ) -> Comm {
         let state = State {
             generation: 0,
             next_call: vec![0; members.len()],
             rounds: HashMap::new(),
+            later: Vec::new(),
+            lost: vec![None; members.len()],
         };
+        let local: Vec<bool> = members.iter().map(|&r| is_local(r)).collect();
         Comm {
             id,
+            locals: local.iter().filter(|&&l| l).count(),
+            local,
             members,
+            outbox,
             state: Mutex::new(state),
             changed: Condvar::new(),
         }
@@ -192,17 +278,29 @@ impl Comm {
         index: usize,
         arrival: Arrival,
         timeout: Duration,
-        shutdown: &AtomicBool,
+        halt: &Halt,
     ) -> Result<(), OpsError> {
         let deadline = Instant::now().checked_add(timeout);
-        let n = self.members.len();
+        if let Some(outbox) = &self.outbox {
+            // Outside the lock: a send may wait for a peer, whose reader thread may be
+            // waiting for a lock of its own process, never for this one.
+            let (generation, call) = {
+                let st = lock(&self.state);
+                (st.generation, st.next_call[index])
+            };
+            let remote = (self.members.iter().zip(&self.local))
+                .filter(|(_, &local)| !local)
+                .map(|(&rank, _)| rank);
+            let at = (generation, call);
+            outbox.send(self.id, remote, self.members[index], at, &arrival);
+        }
         let mut st = lock(&self.state);
         let generation = st.generation;
         let call = self.arrive(&mut st, index, arrival);
         loop {
-            if shutdown.load(Ordering::Acquire) {
+            if let Some(why) = halt.reason() {
                 return Err(OpsError::Cancelled(format!(
-                    "{}: the backend shut down during call #{call}",
+                    "{}: {why} during call #{call}",
                     self.id
                 )));
             }
@@ -212,17 +310,21 @@ impl Comm {
                     self.id
                 )));
             }
-            let Some(round) = st.rounds.get_mut(&call) else {
+            let st_ = &mut *st;
+            let Some(round) = st_.rounds.get_mut(&call) else {
                 return Err(OpsError::Cancelled(format!(
                     "{}: call #{call} was abandoned",
                     self.id
                 )));
             };
+            if round.results.is_none() {
+                self.fail_if_lost(round, call, &st_.lost);
+            }
             if let Some(results) = &mut round.results {
                 let result = std::mem::replace(&mut results[index], Ok(()));
                 round.departed += 1;
-                if round.departed == n {
-                    st.rounds.remove(&call);
+                if round.departed == self.locals {
+                    st_.rounds.remove(&call);
                 }
                 return result;
             }
@@ -244,17 +346,25 @@ impl Comm {
     /// Deposits the member's `arrival` at the round of its next call, completing the
     /// round when it is the last to arrive; returns the call's number.
     fn arrive(&self, st: &mut State, index: usize, arrival: Arrival) -> u64 {
-        let n = self.members.len();
         let call = st.next_call[index];
         st.next_call[index] += 1;
+        self.deposit(st, index, call, arrival);
+        call
+    }
+
+    /// Deposits member `index`'s arrival at call `call`'s round, completing the round
+    /// when it is the last to arrive. A late arrival at a round that already failed
+    /// only collects its result; a second arrival of one member (a remote peer's
+    /// protocol error) is ignored.
+    fn deposit(&self, st: &mut State, index: usize, call: u64, arrival: Arrival) {
+        let n = self.members.len();
         let round = st.rounds.entry(call).or_insert_with(|| Round {
             arrivals: (0..n).map(|_| None).collect(),
             arrived: 0,
             results: None,
             departed: 0,
         });
-        // A late arrival at a round that already failed only collects its result.
-        if round.results.is_none() {
+        if round.results.is_none() && round.arrivals[index].is_none() {
             round.arrivals[index] = Some(arrival);
             round.arrived += 1;
             if round.arrived == n {
@@ -263,7 +373,61 @@ impl Comm {
                 self.changed.notify_all();
             }
         }
-        call
+    }
+
+    /// Deposits a remote member's arrival at call `call` of its `generation` (its count
+    /// of resets): now when it is this process's generation, after this process's next
+    /// resets when it is later, never when it is earlier (a round this process
+    /// abandoned). Errors name what does not fit (the member is not remote here).
+    pub(super) fn deposit_remote(
+        &self,
+        index: usize,
+        (generation, call): (u64, u64),
+        arrival: Arrival,
+    ) -> Result<(), String> {
+        if self.local.get(index) != Some(&false) {
+            return Err(format!(
+                "an arrival at {} as member {index}, which is not a remote member here",
+                self.id
+            ));
+        }
+        let mut st = lock(&self.state);
+        match generation.cmp(&st.generation) {
+            std::cmp::Ordering::Less => {}
+            std::cmp::Ordering::Greater => st.later.push((generation, index, call, arrival)),
+            std::cmp::Ordering::Equal => self.deposit(&mut st, index, call, arrival),
+        }
+        Ok(())
+    }
+
+    /// Member `index` (remote) can no longer arrive: every round still missing its
+    /// arrival, and every later one, fails on the local members at once with `why`.
+    pub(super) fn member_lost(&self, index: usize, why: &str) {
+        let mut st = lock(&self.state);
+        if let Some(slot) = st.lost.get_mut(index).filter(|l| l.is_none()) {
+            *slot = Some(why.to_string());
+        }
+        drop(st);
+        self.changed.notify_all();
+    }
+
+    /// Fails `round` (call `call`, not complete) when a member that has not arrived was
+    /// lost, naming it.
+    fn fail_if_lost(&self, round: &mut Round, call: u64, lost: &[Option<String>]) {
+        let why = round
+            .arrivals
+            .iter()
+            .zip(lost)
+            .find_map(|(a, l)| l.as_ref().filter(|_| a.is_none()));
+        if let Some(why) = why {
+            let err = OpsError::Collective {
+                comm: self.id.to_string(),
+                reason: format!("call #{call}: {why}"),
+            };
+            round.arrivals.clear();
+            round.results = Some(vec![Err(err); self.members.len()]);
+            self.changed.notify_all();
+        }
     }
 
     /// Fails call `call`'s round for every member, naming those that did not arrive
@@ -285,17 +449,27 @@ impl Comm {
     }
 
     /// Abandons every round and restarts call numbering (the backend's `reset`).
+    /// Remote arrivals of the new generation, held until now, are deposited.
     pub(super) fn reset(&self) {
         let mut st = lock(&self.state);
         st.generation += 1;
         st.next_call.fill(0);
         st.rounds.clear();
+        let generation = st.generation;
+        let later = std::mem::take(&mut st.later);
+        for (g, index, call, arrival) in later {
+            match g.cmp(&generation) {
+                std::cmp::Ordering::Less => {}
+                std::cmp::Ordering::Greater => st.later.push((g, index, call, arrival)),
+                std::cmp::Ordering::Equal => self.deposit(&mut st, index, call, arrival),
+            }
+        }
         drop(st);
         self.changed.notify_all();
     }
 
-    /// Wakes every waiter so it can notice shutdown (taking the lock orders the wake-up
-    /// after any waiter's check of the flag).
+    /// Wakes every waiter so it can notice shutdown or an abort (taking the lock orders
+    /// the wake-up after any waiter's check of the flag).
     pub(super) fn wake_all(&self) {
         let _st = lock(&self.state);
         self.changed.notify_all();
@@ -315,7 +489,12 @@ impl Comm {
             ));
             return arrivals
                 .iter()
-                .map(|a| Err(a.failed.clone().unwrap_or_else(|| peer.clone())))
+                .map(|a| {
+                    Err(a
+                        .failed
+                        .as_ref()
+                        .map_or_else(|| peer.clone(), Failure::error))
+                })
                 .collect();
         }
         if let Some(reason) = self.mismatch(arrivals) {

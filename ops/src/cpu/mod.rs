@@ -1,18 +1,25 @@
-//! The CPU backend: every rank of a mesh in one process, each of its four streams a
-//! thread, with the exact reference math of [`crate::math`].
+//! The CPU backend: every rank of a mesh in one process, each of its streams a thread,
+//! with the exact reference math of [`crate::math`]; or one rank of a mesh per process,
+//! its communicators reaching the other processes over TCP ([`CpuBackend::one_rank`],
+//! [`CpuLinks`]).
 //!
 //! [`CpuBackend`] owns one OS thread per (rank, stream), named `r{rank}-{stream}`, that
 //! executes a FIFO of commands (run a kernel, record an event, wait for an event) in
 //! order; `launch`, `record` and `wait` only enqueue, as with CUDA streams. It also owns
-//! one communicator per group of the mesh and stream ([`CommId`]), the rendezvous its
-//! members' stream threads meet at.
+//! one communicator per group of the mesh and stream ([`CommId`]) that has a local
+//! member, the rendezvous its members' stream threads meet at. With one rank per
+//! process the rendezvous completes each round from every member's arrival, the remote
+//! ones received over the links, with the same code as in one process, so both modes
+//! compute the same bits ([`remote`]'s module docs).
 //!
 //! Invariants:
 //! - a stream runs its commands in issue order; after a kernel fails the stream is
 //!   *poisoned*: later kernels are skipped, later records fail, and a stream waiting on
 //!   a failed record is poisoned with the same cause; `reset` clears it;
 //! - a poisoned stream still takes part in collectives and exchanges (marked as unable),
-//!   so its peers fail instead of hanging; every such wait is bounded by a timeout;
+//!   so its peers fail instead of hanging; every such wait is bounded by a timeout; with
+//!   one rank per process, a peer whose connection closes fails every call waiting for
+//!   it at once, naming it, and [`Backend::abort`] ends every wait;
 //! - root causes (never cancellations) are kept in the order they happened, one per
 //!   stream at most between resets, for [`Backend::errors`];
 //! - nothing panics on bad input: kernels return [`OpsError::Shape`] and misuse of the
@@ -22,11 +29,15 @@ mod buffer;
 mod comm;
 mod event;
 mod kernels;
+mod remote;
+#[cfg(test)]
+mod remote_tests;
 #[cfg(test)]
 mod tests;
 
 use std::collections::HashMap;
-use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
+use std::ops::Range;
+use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard, PoisonError};
 use std::thread::{self, JoinHandle};
 use std::time::{Duration, Instant};
@@ -35,10 +46,11 @@ use crossbeam::channel::{self, Receiver, SendError, Sender};
 use overlap_graph::{Collective, Group, Mesh, Stream};
 
 pub use buffer::CpuBuffer;
-use comm::{Arrival, Call, Comm};
+use comm::{Arrival, Call, Comm, Failure, Halt};
 pub use event::CpuEvent;
 use event::{HostWait, Slot};
 pub use kernels::{gemm, gemm_operand, GEMM_CPU_MAX_MACS};
+pub use remote::{CpuLinks, SEND_TIMEOUT};
 
 use crate::{Backend, BoxFuture, CommId, EventStatus, Kernel, OpsError, Tag, Timing};
 
@@ -71,11 +83,6 @@ fn nanos(d: Duration) -> u64 {
     u64::try_from(d.as_nanos()).unwrap_or(u64::MAX)
 }
 
-/// Where a (rank, stream) pair's queue and poison live.
-fn stream_index(rank: u32, stream: Stream) -> usize {
-    rank as usize * Stream::ALL.len() + stream.index()
-}
-
 /// The tag under which host-side misuse of `record` or `wait` is reported.
 fn host_tag(op: &'static str) -> Tag {
     Tag {
@@ -85,10 +92,11 @@ fn host_tag(op: &'static str) -> Tag {
     }
 }
 
-/// The backend for every rank of a mesh, in one process.
+/// The backend for every rank of a mesh in one process ([`CpuBackend::new`]), or for one
+/// rank of it in a job of one process per rank ([`CpuBackend::one_rank`]).
 pub struct CpuBackend {
     shared: Arc<Shared>,
-    /// The queue of each (rank, stream), at [`stream_index`].
+    /// The queue of each local (rank, stream), at [`Shared::slot`].
     queues: Vec<Sender<Command>>,
     threads: Vec<JoinHandle<()>>,
 }
@@ -103,13 +111,17 @@ enum Command {
 /// State shared by the host side and every stream thread.
 struct Shared {
     mesh: Mesh,
-    /// Ranks driven: the mesh's world, or 0 for an invalid mesh.
-    world: u32,
+    /// Ranks driven: `0..world` in one process (empty for an invalid mesh), `rank..rank
+    /// + 1` for one rank of a multi-process job.
+    local: Range<u32>,
+    /// Whether the communicators have members in other processes.
+    remote: bool,
     epoch: Instant,
     comms: HashMap<CommId, Comm>,
-    /// Each stream's poison (always a cancellation naming the root cause).
+    /// Each local stream's poison (always a cancellation naming the root cause), at
+    /// [`Shared::slot`].
     poison: Vec<Mutex<Option<OpsError>>>,
-    /// The kernel each stream runs now, at `stream_index` ([`Backend::running`]).
+    /// The kernel each local stream runs now, at [`Shared::slot`] ([`Backend::running`]).
     running: Vec<Mutex<Option<Tag>>>,
     errors: Mutex<Vec<RootCause>>,
     faults: Mutex<Vec<(u32, &'static str)>>,
@@ -117,7 +129,7 @@ struct Shared {
     armed_faults: AtomicUsize,
     timings: Mutex<Vec<Timing>>,
     timeout_ns: AtomicU64,
-    shutdown: AtomicBool,
+    halt: Halt,
     next_buffer: AtomicU64,
 }
 
@@ -150,46 +162,47 @@ impl CpuBackend {
         } else {
             0
         };
-        let spawn = world <= MAX_RANKS;
-        let groups: Vec<Group> = if world == 0 {
-            Vec::new()
-        } else {
-            let shard = (0..mesh.replicate).map(|replicate| Group::Shard { replicate });
-            shard
-                .chain((0..mesh.shard).map(|shard| Group::Replicate { shard }))
-                .collect()
-        };
-        let comms = groups
-            .into_iter()
-            .flat_map(|group| Stream::ALL.map(|stream| CommId { group, stream }))
-            .map(|id| (id, Comm::new(id, mesh.members(id.group))))
-            .collect();
-        let shared = Arc::new(Shared {
-            mesh,
-            world,
-            epoch: Instant::now(),
-            comms,
-            poison: (0..world as usize * Stream::ALL.len())
-                .map(|_| Mutex::new(None))
-                .collect(),
-            running: (0..world as usize * Stream::ALL.len())
-                .map(|_| Mutex::new(None))
-                .collect(),
-            errors: Mutex::new(Vec::new()),
-            faults: Mutex::new(Vec::new()),
-            armed_faults: AtomicUsize::new(0),
-            timings: Mutex::new(Vec::new()),
-            timeout_ns: AtomicU64::new(nanos(DEFAULT_COLLECTIVE_TIMEOUT)),
-            shutdown: AtomicBool::new(false),
-            next_buffer: AtomicU64::new(0),
+        let comms = comms_of(mesh, 0..world, None);
+        let shared = Arc::new(Shared::new(mesh, 0..world, comms, false));
+        CpuBackend::start(shared, world <= MAX_RANKS)
+    }
+
+    /// A backend driving rank `rank` of `mesh` alone, in a job of one process per rank:
+    /// its communicators' other members are the other processes, reached over `links`
+    /// (this process's connections to every other rank, [`CpuLinks`]). Every process
+    /// makes its backends over one set of links in the same order (each backend's
+    /// messages are told apart by that order). The results are those of
+    /// [`CpuBackend::new`] on the whole mesh, bit for bit.
+    ///
+    /// Errors: an invalid mesh, or links of another rank or world size.
+    pub fn one_rank(mesh: Mesh, rank: u32, links: &CpuLinks) -> Result<CpuBackend, OpsError> {
+        mesh.check()
+            .map_err(|e| OpsError::Backend(format!("the CPU backend cannot drive it: {e}")))?;
+        if links.world() != mesh.world() || links.rank() != rank {
+            return Err(OpsError::Backend(format!(
+                "rank {rank} of mesh {mesh} ({} ranks) cannot run over the links of rank {} of {}",
+                mesh.world(),
+                links.rank(),
+                links.world()
+            )));
+        }
+        let shared = links.register(|outbox| {
+            let comms = comms_of(mesh, rank..rank + 1, Some(outbox));
+            Arc::new(Shared::new(mesh, rank..rank + 1, comms, true))
         });
+        Ok(CpuBackend::start(shared, true))
+    }
+
+    /// Starts the stream threads of the local ranks (none unless `spawn`).
+    fn start(shared: Arc<Shared>, spawn: bool) -> CpuBackend {
         let (mut queues, mut threads) = (Vec::new(), Vec::new());
-        for rank in (0..world).filter(|_| spawn) {
+        for rank in shared.local.clone().filter(|_| spawn) {
             for stream in Stream::ALL {
                 let (tx, rx) = channel::unbounded();
                 let worker = Worker {
                     rank,
                     stream,
+                    slot: shared.slot(rank, stream).unwrap_or(0),
                     shared: Arc::clone(&shared),
                 };
                 // On failure the receiver is dropped with the closure: sends then fail and
@@ -238,7 +251,11 @@ impl CpuBackend {
     /// Sends a command to a stream, or reports why it cannot run (failing a record so
     /// nobody waits for it forever).
     fn enqueue(&self, rank: u32, stream: Stream, tag: Tag, cmd: Command) {
-        let cmd = match self.queues.get(stream_index(rank, stream)) {
+        let queue = self
+            .shared
+            .slot(rank, stream)
+            .and_then(|i| self.queues.get(i));
+        let cmd = match queue {
             Some(queue) => match queue.send(cmd) {
                 Ok(()) => return,
                 Err(SendError(cmd)) => cmd,
@@ -246,10 +263,10 @@ impl CpuBackend {
             None => cmd,
         };
         let err = match CpuBackend::check_mesh(self.shared.mesh) {
-            Err(e) if self.shared.world > 0 => e,
+            Err(e) if !self.shared.local.is_empty() && !self.shared.remote => e,
             _ => OpsError::Backend(format!(
-                "rank {rank} has no running {stream} stream on this backend (mesh {}, {} ranks)",
-                self.shared.mesh, self.shared.world
+                "rank {rank} has no running {stream} stream on this backend ({})",
+                self.shared.drives()
             )),
         };
         if let Command::Record(slot) = &cmd {
@@ -259,12 +276,12 @@ impl CpuBackend {
     }
 
     fn check_rank(&self, rank: u32) -> Result<(), OpsError> {
-        if rank < self.shared.world {
+        if self.shared.local.contains(&rank) {
             Ok(())
         } else {
             Err(OpsError::Backend(format!(
-                "rank {rank} is not on this backend (mesh {}, {} ranks)",
-                self.shared.mesh, self.shared.world
+                "rank {rank} is not on this backend ({})",
+                self.shared.drives()
             )))
         }
     }
@@ -279,7 +296,7 @@ impl Backend for CpuBackend {
     }
 
     fn local_ranks(&self) -> Vec<u32> {
-        (0..self.shared.world).collect()
+        self.shared.local.clone().collect()
     }
 
     fn alloc(&self, rank: u32, len: usize) -> Result<CpuBuffer, OpsError> {
@@ -375,13 +392,19 @@ impl Backend for CpuBackend {
     }
 
     fn running(&self, rank: u32, stream: Stream) -> Option<Tag> {
-        if rank >= self.shared.world {
-            return None;
+        let slot = self.shared.slot(rank, stream)?;
+        self.shared.running.get(slot).and_then(|r| *lock(r))
+    }
+
+    /// In one process, nothing: its collectives time out by themselves and dropping the
+    /// backend ends its streams. With one rank per process ([`CpuBackend::one_rank`]),
+    /// every call waiting for other processes ends at once, cancelled, and so do later
+    /// ones: the backend is not usable for communication after.
+    fn abort(&self) {
+        if self.shared.remote {
+            self.shared.halt.aborted.store(true, Ordering::Release);
+            self.shared.comms.values().for_each(Comm::wake_all);
         }
-        self.shared
-            .running
-            .get(stream_index(rank, stream))
-            .and_then(|r| *lock(r))
     }
 }
 
@@ -389,7 +412,7 @@ impl Drop for CpuBackend {
     /// Stops every stream: queued kernels are skipped, queued records fail, collectives
     /// in flight are released; then joins the threads.
     fn drop(&mut self) {
-        self.shared.shutdown.store(true, Ordering::Release);
+        self.shared.halt.shutdown.store(true, Ordering::Release);
         self.shared.comms.values().for_each(Comm::wake_all);
         self.queues.clear();
         for thread in self.threads.drain(..) {
@@ -403,6 +426,8 @@ impl Drop for CpuBackend {
 struct Worker {
     rank: u32,
     stream: Stream,
+    /// Where its poison and running kernel live ([`Shared::slot`]).
+    slot: usize,
     shared: Arc<Shared>,
 }
 
@@ -429,7 +454,7 @@ impl Worker {
     fn long_spin(&self, micros: u32) -> Result<(), OpsError> {
         let end = Instant::now() + Duration::from_micros(u64::from(micros));
         while Instant::now() < end {
-            if self.shared.shutdown.load(Ordering::Acquire) {
+            if self.shared.halt.shutdown.load(Ordering::Acquire) {
                 return Err(OpsError::Cancelled(
                     "the CPU backend was dropped during a spin".into(),
                 ));
@@ -440,13 +465,13 @@ impl Worker {
     }
 
     fn poison_slot(&self) -> MutexGuard<'_, Option<OpsError>> {
-        lock(&self.shared.poison[stream_index(self.rank, self.stream)])
+        lock(&self.shared.poison[self.slot])
     }
 
     /// The stream's poison; a dropped backend poisons every stream.
     fn poison(&self) -> Option<OpsError> {
         let mut poison = self.poison_slot();
-        if poison.is_none() && self.shared.shutdown.load(Ordering::Acquire) {
+        if poison.is_none() && self.shared.halt.shutdown.load(Ordering::Acquire) {
             *poison = Some(OpsError::Cancelled("the CPU backend was dropped".into()));
         }
         poison.clone()
@@ -472,7 +497,7 @@ impl Worker {
             Some(_) => Ok(()),
         };
         let start = self.shared.epoch.elapsed().as_secs_f64();
-        let running = &self.shared.running[stream_index(self.rank, self.stream)];
+        let running = &self.shared.running[self.slot];
         *lock(running) = Some(tag);
         let result = match kernel {
             Kernel::Collective {
@@ -557,7 +582,7 @@ impl Worker {
         let own = fault.and_then(|()| {
             comm.check(self.stream, index, call, desc, send.as_ref(), recv.as_ref())
         });
-        let failed = poison.clone().or_else(|| own.as_ref().err().cloned());
+        let failed = (poison.clone().or_else(|| own.as_ref().err().cloned())).map(Failure::Local);
         let timeout = Duration::from_nanos(self.shared.timeout_ns.load(Ordering::Relaxed));
         let result = comm.call(
             index,
@@ -569,7 +594,7 @@ impl Worker {
                 failed,
             },
             timeout,
-            &self.shared.shutdown,
+            &self.shared.halt,
         );
         match (poison, own) {
             (Some(cause), _) => Err(cause),
@@ -579,7 +604,71 @@ impl Worker {
     }
 }
 
+/// A communicator per group of `mesh` that has a member in `local`, and stream; the
+/// members outside `local` are reached through `outbox`.
+fn comms_of(
+    mesh: Mesh,
+    local: Range<u32>,
+    outbox: Option<remote::Outbox>,
+) -> HashMap<CommId, Comm> {
+    if local.is_empty() {
+        return HashMap::new();
+    }
+    let shard = (0..mesh.replicate).map(|replicate| Group::Shard { replicate });
+    let groups = shard.chain((0..mesh.shard).map(|shard| Group::Replicate { shard }));
+    let mut comms = HashMap::new();
+    for group in groups {
+        let members = mesh.members(group);
+        if !members.iter().any(|r| local.contains(r)) {
+            continue;
+        }
+        for stream in Stream::ALL {
+            let id = CommId { group, stream };
+            let is_local = |r: u32| local.contains(&r);
+            let out = outbox.clone();
+            comms.insert(id, Comm::new(id, members.clone(), is_local, out));
+        }
+    }
+    comms
+}
+
 impl Shared {
+    fn new(mesh: Mesh, local: Range<u32>, comms: HashMap<CommId, Comm>, remote: bool) -> Shared {
+        let streams = local.len() * Stream::ALL.len();
+        Shared {
+            mesh,
+            local,
+            remote,
+            epoch: Instant::now(),
+            comms,
+            poison: (0..streams).map(|_| Mutex::new(None)).collect(),
+            running: (0..streams).map(|_| Mutex::new(None)).collect(),
+            errors: Mutex::new(Vec::new()),
+            faults: Mutex::new(Vec::new()),
+            armed_faults: AtomicUsize::new(0),
+            timings: Mutex::new(Vec::new()),
+            timeout_ns: AtomicU64::new(nanos(DEFAULT_COLLECTIVE_TIMEOUT)),
+            halt: Halt::default(),
+            next_buffer: AtomicU64::new(0),
+        }
+    }
+
+    /// Where a local (rank, stream)'s queue, poison and running kernel live.
+    fn slot(&self, rank: u32, stream: Stream) -> Option<usize> {
+        self.local
+            .contains(&rank)
+            .then(|| (rank - self.local.start) as usize * Stream::ALL.len() + stream.index())
+    }
+
+    /// What the backend drives, for errors: `mesh 2x2, 4 ranks` or `rank 1 of mesh 2x2`.
+    fn drives(&self) -> String {
+        if self.remote {
+            format!("rank {} of mesh {}", self.local.start, self.mesh)
+        } else {
+            format!("mesh {}, {} ranks", self.mesh, self.local.len())
+        }
+    }
+
     /// Consumes an armed fault for `(rank, op)`, failing the kernel `kernel`.
     fn take_fault(
         &self,

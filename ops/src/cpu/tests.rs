@@ -64,7 +64,7 @@ fn record(b: &CpuBackend, rank: u32, stream: Stream) -> CpuEvent {
 }
 
 /// Waits until every stream has executed everything issued so far.
-fn sync(b: &CpuBackend) {
+pub(super) fn sync(b: &CpuBackend) {
     let events: Vec<CpuEvent> = b
         .local_ranks()
         .into_iter()
