@@ -109,18 +109,7 @@ pub fn lower_rank(
     order: &[(NodeId, NodeId)],
 ) -> RankProgram {
     let mut g = dependencies(plan, rank, &nodes);
-    for &(a, b) in order {
-        if a < b
-            && g.find_edge(NodeIndex::new(a as usize), NodeIndex::new(b as usize))
-                .is_none()
-        {
-            g.add_edge(
-                NodeIndex::new(a as usize),
-                NodeIndex::new(b as usize),
-                Dep::Order,
-            );
-        }
-    }
+    add_order_edges(&mut g, order);
     let seg_of = {
         let mut v = vec![0usize; nodes.len()];
         for (k, s) in segments.iter().enumerate() {
@@ -129,73 +118,19 @@ pub fn lower_rank(
         v
     };
     let mut events: EventId = 0;
-    let mut alloc = || {
-        events += 1;
-        events - 1
-    };
     let mut instrs: [Vec<Instr>; Stream::COUNT] = Default::default();
     // The end event of the latest earlier segment with work on each stream.
     let mut last_end: [Option<EventId>; Stream::COUNT] = [None; Stream::COUNT];
     for (k, seg) in segments.iter().enumerate() {
         let seg_nodes = &nodes[seg.start..seg.end];
-        let mut entry = [[false; Stream::COUNT]; Stream::COUNT];
-        let mut pos = [0u32; Stream::COUNT];
-        let mut known: [Clock; Stream::COUNT] = [[0; Stream::COUNT]; Stream::COUNT];
-        let mut clock_of: HashMap<NodeId, (u32, Clock)> = HashMap::new();
-        let mut record_after: HashMap<NodeId, EventId> = HashMap::new();
-        let mut waits_before: HashMap<NodeId, Vec<EventId>> = HashMap::new();
-        for n in seg_nodes {
-            let x = n.stream.index();
-            let mut preds: Vec<NodeId> = g
-                .neighbors_directed(NodeIndex::new(n.id as usize), petgraph::Direction::Incoming)
-                .map(|i| nodes[i.index()].id)
-                .filter(|&p| nodes[p as usize].stream != n.stream)
-                .collect();
-            // Latest first: a later producer's clock may cover an earlier one.
-            preds.sort_unstable_by(|a, b| b.cmp(a));
-            preds.dedup();
-            for p in preds {
-                let y = nodes[p as usize].stream.index();
-                if seg_of[p as usize] != k {
-                    entry[x][y] = true;
-                    continue;
-                }
-                let (ppos, pclock) = clock_of[&p];
-                if known[x][y] >= ppos {
-                    continue;
-                }
-                let ev = *record_after.entry(p).or_insert_with(&mut alloc);
-                waits_before.entry(n.id).or_default().push(ev);
-                join(&mut known[x], &pclock);
-            }
-            pos[x] += 1;
-            known[x][x] = pos[x];
-            clock_of.insert(n.id, (pos[x], known[x]));
-        }
-        let mut started = [false; Stream::COUNT];
-        for n in seg_nodes {
-            let x = n.stream.index();
-            if !std::mem::replace(&mut started[x], true) {
-                for y in 0..Stream::COUNT {
-                    if let (true, Some(e)) = (entry[x][y], last_end[y]) {
-                        instrs[x].push(Instr::Wait(e));
-                    }
-                }
-            }
-            if let Some(ws) = waits_before.get(&n.id) {
-                instrs[x].extend(ws.iter().map(|&e| Instr::Wait(e)));
-            }
-            instrs[x].push(Instr::Run(n.id));
-            if let Some(&e) = record_after.get(&n.id) {
-                instrs[x].push(Instr::Record(e));
-            }
-        }
+        let edges = SegmentEdges::of(&g, &nodes, seg_nodes, (k, &seg_of), &mut events);
+        let started = edges.emit(seg_nodes, &last_end, &mut instrs);
         // Every micro-batch segment ends with one event per stream it used, so that the
         // next segment's program does not depend on what follows it.
         if !seg.tail {
             for (y, list) in instrs.iter_mut().enumerate() {
                 if started[y] {
-                    let e = alloc();
+                    let e = next_event(&mut events);
                     list.push(Instr::Record(e));
                     last_end[y] = Some(e);
                 }
@@ -213,5 +148,124 @@ pub fn lower_rank(
         nodes,
         events,
         streams,
+    }
+}
+
+/// Adds the schedule's (earlier, later) edges that the buffers do not already give.
+fn add_order_edges(g: &mut DiGraph<NodeId, Dep>, order: &[(NodeId, NodeId)]) {
+    for &(a, b) in order {
+        if a < b
+            && g.find_edge(NodeIndex::new(a as usize), NodeIndex::new(b as usize))
+                .is_none()
+        {
+            g.add_edge(
+                NodeIndex::new(a as usize),
+                NodeIndex::new(b as usize),
+                Dep::Order,
+            );
+        }
+    }
+}
+
+/// The next event id (ids are handed out in order from 0).
+fn next_event(events: &mut EventId) -> EventId {
+    *events += 1;
+    *events - 1
+}
+
+/// The cross-stream edges of one segment, as events.
+struct SegmentEdges {
+    /// `entry[x][y]`: stream `x`'s work in the segment depends on stream `y`'s in an
+    /// earlier one (kept by one wait, at `x`'s start, on `y`'s latest end event).
+    entry: [[bool; Stream::COUNT]; Stream::COUNT],
+    /// The event recorded after a node that another stream waits for.
+    record_after: HashMap<NodeId, EventId>,
+    /// The events a node waits for before it runs.
+    waits_before: HashMap<NodeId, Vec<EventId>>,
+}
+
+impl SegmentEdges {
+    /// The fewest record/wait pairs that keep every dependency of `seg_nodes` (segment
+    /// `k`; `seg_of` gives each node's segment) within it: a wait is needed only where
+    /// the consumer's stream does not already know of the producer (vector clocks, one
+    /// per stream, joined along each wait). Events are numbered from `events` on.
+    fn of(
+        g: &DiGraph<NodeId, Dep>,
+        nodes: &[Node],
+        seg_nodes: &[Node],
+        (k, seg_of): (usize, &[usize]),
+        events: &mut EventId,
+    ) -> SegmentEdges {
+        let mut edges = SegmentEdges {
+            entry: [[false; Stream::COUNT]; Stream::COUNT],
+            record_after: HashMap::new(),
+            waits_before: HashMap::new(),
+        };
+        let mut pos = [0u32; Stream::COUNT];
+        let mut known: [Clock; Stream::COUNT] = [[0; Stream::COUNT]; Stream::COUNT];
+        let mut clock_of: HashMap<NodeId, (u32, Clock)> = HashMap::new();
+        for n in seg_nodes {
+            let x = n.stream.index();
+            let mut preds: Vec<NodeId> = g
+                .neighbors_directed(NodeIndex::new(n.id as usize), petgraph::Direction::Incoming)
+                .map(|i| nodes[i.index()].id)
+                .filter(|&p| nodes[p as usize].stream != n.stream)
+                .collect();
+            // Latest first: a later producer's clock may cover an earlier one.
+            preds.sort_unstable_by(|a, b| b.cmp(a));
+            preds.dedup();
+            for p in preds {
+                let y = nodes[p as usize].stream.index();
+                if seg_of[p as usize] != k {
+                    edges.entry[x][y] = true;
+                    continue;
+                }
+                let (ppos, pclock) = clock_of[&p];
+                if known[x][y] >= ppos {
+                    continue;
+                }
+                let ev = *edges
+                    .record_after
+                    .entry(p)
+                    .or_insert_with(|| next_event(events));
+                edges.waits_before.entry(n.id).or_default().push(ev);
+                join(&mut known[x], &pclock);
+            }
+            pos[x] += 1;
+            known[x][x] = pos[x];
+            clock_of.insert(n.id, (pos[x], known[x]));
+        }
+        edges
+    }
+
+    /// Appends the segment's instructions to each stream's program: a stream's first
+    /// node in the segment is preceded by its waits on earlier segments' end events
+    /// (`last_end`), each node by its waits, and followed by its record. Returns which
+    /// streams have work in the segment.
+    fn emit(
+        &self,
+        seg_nodes: &[Node],
+        last_end: &[Option<EventId>; Stream::COUNT],
+        instrs: &mut [Vec<Instr>; Stream::COUNT],
+    ) -> [bool; Stream::COUNT] {
+        let mut started = [false; Stream::COUNT];
+        for n in seg_nodes {
+            let x = n.stream.index();
+            if !std::mem::replace(&mut started[x], true) {
+                for (y, end) in last_end.iter().enumerate() {
+                    if let (true, Some(e)) = (self.entry[x][y], *end) {
+                        instrs[x].push(Instr::Wait(e));
+                    }
+                }
+            }
+            if let Some(ws) = self.waits_before.get(&n.id) {
+                instrs[x].extend(ws.iter().map(|&e| Instr::Wait(e)));
+            }
+            instrs[x].push(Instr::Run(n.id));
+            if let Some(&e) = self.record_after.get(&n.id) {
+                instrs[x].push(Instr::Record(e));
+            }
+        }
+        started
     }
 }

@@ -5,7 +5,7 @@ use std::fmt::Write;
 
 use crate::dag::dependencies;
 use crate::node::{Instr, Stream};
-use crate::plan::Plan;
+use crate::plan::{Plan, RankProgram};
 
 /// A name as it may be printed: control characters (a newline, an escape sequence that
 /// would recolour a terminal) become Rust-style `\u{1b}` escapes; everything else,
@@ -42,6 +42,15 @@ pub fn dot_escape(s: &str) -> String {
 /// A text listing: the tables, then each rank's stream programs.
 pub fn to_text(plan: &Plan) -> String {
     let mut s = String::new();
+    write_tables(&mut s, plan);
+    for rp in &plan.ranks {
+        write_programs(&mut s, plan, rp);
+    }
+    s
+}
+
+/// [`to_text`]'s header, then its parameter and bucket tables.
+fn write_tables(s: &mut String, plan: &Plan) {
     let _ = writeln!(
         s,
         "plan: mesh {} ({} ranks), gates {}, reduce {:?}/{:?}",
@@ -90,36 +99,37 @@ pub fn to_text(plan: &Plan) -> String {
             plan.stage1_elems(b.id)
         );
     }
-    for rp in &plan.ranks {
-        let c = plan.mesh.coord(rp.rank);
-        let _ = writeln!(
-            s,
-            "rank {} (s={}, r={}): {} nodes, {} events",
-            rp.rank,
-            c.shard,
-            c.replicate,
-            rp.nodes.len(),
-            rp.events
-        );
-        for sp in &rp.streams {
-            let _ = writeln!(s, "  {}:", sp.stream);
-            for ins in &sp.instrs {
-                match *ins {
-                    Instr::Run(n) => {
-                        let label = plan.label(&rp.nodes[n as usize]);
-                        let _ = writeln!(s, "    run    n{n} {}", printable(&label));
-                    }
-                    Instr::Record(e) => {
-                        let _ = writeln!(s, "    record e{e}");
-                    }
-                    Instr::Wait(e) => {
-                        let _ = writeln!(s, "    wait   e{e}");
-                    }
+}
+
+/// [`to_text`]'s listing of one rank's stream programs.
+fn write_programs(s: &mut String, plan: &Plan, rp: &RankProgram) {
+    let c = plan.mesh.coord(rp.rank);
+    let _ = writeln!(
+        s,
+        "rank {} (s={}, r={}): {} nodes, {} events",
+        rp.rank,
+        c.shard,
+        c.replicate,
+        rp.nodes.len(),
+        rp.events
+    );
+    for sp in &rp.streams {
+        let _ = writeln!(s, "  {}:", sp.stream);
+        for ins in &sp.instrs {
+            match *ins {
+                Instr::Run(n) => {
+                    let label = plan.label(&rp.nodes[n as usize]);
+                    let _ = writeln!(s, "    run    n{n} {}", printable(&label));
+                }
+                Instr::Record(e) => {
+                    let _ = writeln!(s, "    record e{e}");
+                }
+                Instr::Wait(e) => {
+                    let _ = writeln!(s, "    wait   e{e}");
                 }
             }
         }
     }
-    s
 }
 
 /// The memory figures of a plan's ranks ([`Plan::memory`]), for `overlap plan`: per

@@ -30,7 +30,7 @@ use std::collections::HashMap;
 use super::contrib::Contribs;
 use super::{violation, Mode};
 use crate::mesh::Group;
-use crate::node::{BucketId, Buffer, Node, NodeId, Op, Stream};
+use crate::node::{BucketId, Buffer, Collective, Node, NodeId, Op, Stream};
 use crate::param::ParamId;
 use crate::plan::Plan;
 use crate::Violation;
@@ -593,7 +593,6 @@ impl<'p> Walk<'p> {
 
     /// Runs a collective every member has reached: `members` are (rank, node) pairs.
     fn collective(&mut self, members: &[(u32, NodeId)]) {
-        let plan = self.plan;
         let (r0, n0) = members[0];
         match self.node(r0, n0).op {
             Op::Stage1 {
@@ -610,117 +609,151 @@ impl<'p> Walk<'p> {
                 bucket,
                 micro_batch,
                 ..
-            } => {
-                let first = self.node(r0, n0);
-                let stage = first.op.stage().unwrap_or(1);
-                let exchange = matches!(first.op, Op::Exchange { .. });
-                let (from, to) = Level::of_stage(stage);
-                // Each member's input at its call. An exchange only sends: its combine
-                // hands the input on.
-                let mut inputs: Vec<(u32, Option<Value>)> = Vec::with_capacity(members.len());
-                for &(r, id) in members {
-                    if stage == 2 {
-                        if let Some(p) = self.live(r, &Buffer::Partial { bucket }) {
-                            let detail = format!(
-                                "runs Stage 2 while the partial {} is still unfolded",
-                                p.describe()
-                            );
-                            self.report(ACCOUNTING, r, id, detail);
-                        }
-                    }
-                    let (src, _) = plan.stage_input(bucket, micro_batch, stage, r);
-                    let v = self.read(r, id, src, !exchange);
-                    if let Some(v) = &v {
-                        if v.level != from {
-                            let detail = format!(
-                                "reduces {}, which is not {}",
-                                v.describe(),
-                                from.describe()
-                            );
-                            self.report(ACCOUNTING, r, id, detail);
-                        }
-                    }
-                    inputs.push((r, v));
-                }
-                for &(r, id) in members {
-                    let (_, holds) = plan.stage_input(bucket, micro_batch, stage, r);
-                    if !holds {
-                        continue;
-                    }
-                    let mut sum: Option<Value> = None;
-                    for (q, v) in &inputs {
-                        let Some(v) = v else { continue };
-                        if exchange && *q == r {
-                            continue; // its own chunk stays home for the combine
-                        }
-                        let v = Value {
-                            level: from,
-                            ..v.clone()
-                        };
-                        sum = Some(match sum {
-                            Some(acc) => self.sum(
-                                r,
-                                id,
-                                &acc,
-                                &v,
-                                SumInto::Text("what the other members sent"),
-                            ),
-                            None => v,
-                        });
-                    }
-                    let Some(v) = sum else { continue };
-                    if exchange {
-                        let recv = Buffer::Recv {
-                            bucket,
-                            micro_batch,
-                            stage,
-                        };
-                        self.write(r, recv, v);
-                    } else {
-                        let out = Plan::stage_output(bucket, micro_batch, stage);
-                        self.write(r, out, Value { level: to, ..v });
-                    }
-                }
-            }
-            Op::Publish { param, collective } => {
-                let root = collective.root.unwrap_or(0);
-                let Some(&(root_rank, root_node)) = members
-                    .iter()
-                    .find(|(r, _)| plan.mesh.index_in(collective.group, *r) == Some(root))
-                else {
-                    return;
-                };
-                if plan.param(param).owner.is_none() {
-                    let detail = format!(
-                        "publishes `{}`, whose route {} has no owner: every rank updates its own shard",
-                        plan.param(param).spec.name,
-                        plan.param(param).spec.route
-                    );
-                    self.report(PUBLISH, root_rank, root_node, detail);
-                    return;
-                }
-                let version = self.version(root_rank, param);
-                if version != Version::Updated {
-                    let detail = format!(
-                        "broadcasts `{}` before any optimizer updated it on rank {root_rank}: the replicas would keep the step's old values",
-                        plan.param(param).spec.name
-                    );
-                    self.report(PUBLISH, root_rank, root_node, detail);
-                }
-                for &(r, id) in members {
-                    if r == root_rank {
-                        continue;
-                    }
-                    let w = &mut self.ranks[r as usize];
-                    w.versions.insert(param, version);
-                    let e = w.received.entry(param).or_insert((0, id));
-                    e.0 += 1;
-                    e.1 = id;
-                }
-            }
+            } => self.reduction(members, bucket, micro_batch),
+            Op::Publish { param, collective } => self.publish(members, param, &collective),
             // A gather completes the replicas of an all-reduce's output, whose value the
             // combine already holds (`exchange-combined-once` proves every chunk moves).
             _ => {}
+        }
+    }
+
+    /// A stage's collective, or its exchange, over `members`: each member's input is
+    /// read (and checked to be of the stage's level), and every member that receives
+    /// the result gets the sum of what the members sent (an exchange's receive buffer
+    /// holds the others' only: its own chunk stays home for the combine).
+    fn reduction(&mut self, members: &[(u32, NodeId)], bucket: BucketId, micro_batch: u32) {
+        let plan = self.plan;
+        let (r0, n0) = members[0];
+        let first = self.node(r0, n0);
+        let stage = first.op.stage().unwrap_or(1);
+        let exchange = matches!(first.op, Op::Exchange { .. });
+        let (from, to) = Level::of_stage(stage);
+        let inputs = self.stage_inputs(members, (bucket, micro_batch, stage), exchange, from);
+        for &(r, id) in members {
+            let (_, holds) = plan.stage_input(bucket, micro_batch, stage, r);
+            if !holds {
+                continue;
+            }
+            let sent = inputs.iter().filter(|(q, _)| !(exchange && *q == r));
+            let Some(v) = self.sum_sent(r, id, sent, from) else {
+                continue;
+            };
+            if exchange {
+                let recv = Buffer::Recv {
+                    bucket,
+                    micro_batch,
+                    stage,
+                };
+                self.write(r, recv, v);
+            } else {
+                let out = Plan::stage_output(bucket, micro_batch, stage);
+                self.write(r, out, Value { level: to, ..v });
+            }
+        }
+    }
+
+    /// Each member's input at its call to a stage (`(bucket, micro_batch, stage)`),
+    /// reported where it is not of level `from` or where Stage 2 runs while the bucket's
+    /// partial is unfolded. An exchange only sends: its combine hands the input on.
+    fn stage_inputs(
+        &mut self,
+        members: &[(u32, NodeId)],
+        (bucket, micro_batch, stage): (BucketId, u32, u8),
+        exchange: bool,
+        from: Level,
+    ) -> Vec<(u32, Option<Value>)> {
+        let mut inputs = Vec::with_capacity(members.len());
+        for &(r, id) in members {
+            if stage == 2 {
+                if let Some(p) = self.live(r, &Buffer::Partial { bucket }) {
+                    let detail = format!(
+                        "runs Stage 2 while the partial {} is still unfolded",
+                        p.describe()
+                    );
+                    self.report(ACCOUNTING, r, id, detail);
+                }
+            }
+            let (src, _) = self.plan.stage_input(bucket, micro_batch, stage, r);
+            let v = self.read(r, id, src, !exchange);
+            if let Some(v) = &v {
+                if v.level != from {
+                    let detail =
+                        format!("reduces {}, which is not {}", v.describe(), from.describe());
+                    self.report(ACCOUNTING, r, id, detail);
+                }
+            }
+            inputs.push((r, v));
+        }
+        inputs
+    }
+
+    /// The sum, at level `from`, of what the members `sent` to rank `r` (node `id`),
+    /// reporting contributions counted twice; `None` when nothing was sent.
+    fn sum_sent<'v>(
+        &mut self,
+        r: u32,
+        id: NodeId,
+        sent: impl Iterator<Item = &'v (u32, Option<Value>)>,
+        from: Level,
+    ) -> Option<Value> {
+        let mut sum: Option<Value> = None;
+        for (_, v) in sent {
+            let Some(v) = v else { continue };
+            let v = Value {
+                level: from,
+                ..v.clone()
+            };
+            sum = Some(match sum {
+                Some(acc) => self.sum(
+                    r,
+                    id,
+                    &acc,
+                    &v,
+                    SumInto::Text("what the other members sent"),
+                ),
+                None => v,
+            });
+        }
+        sum
+    }
+
+    /// A publish over `members`: the owner's (the root's) copy of `param`, which its
+    /// optimizer must have updated, reaches every other member once.
+    fn publish(&mut self, members: &[(u32, NodeId)], param: ParamId, collective: &Collective) {
+        let plan = self.plan;
+        let root = collective.root.unwrap_or(0);
+        let Some(&(root_rank, root_node)) = members
+            .iter()
+            .find(|(r, _)| plan.mesh.index_in(collective.group, *r) == Some(root))
+        else {
+            return;
+        };
+        if plan.param(param).owner.is_none() {
+            let detail = format!(
+                "publishes `{}`, whose route {} has no owner: every rank updates its own shard",
+                plan.param(param).spec.name,
+                plan.param(param).spec.route
+            );
+            self.report(PUBLISH, root_rank, root_node, detail);
+            return;
+        }
+        let version = self.version(root_rank, param);
+        if version != Version::Updated {
+            let detail = format!(
+                "broadcasts `{}` before any optimizer updated it on rank {root_rank}: the replicas would keep the step's old values",
+                plan.param(param).spec.name
+            );
+            self.report(PUBLISH, root_rank, root_node, detail);
+        }
+        for &(r, id) in members {
+            if r == root_rank {
+                continue;
+            }
+            let w = &mut self.ranks[r as usize];
+            w.versions.insert(param, version);
+            let e = w.received.entry(param).or_insert((0, id));
+            e.0 += 1;
+            e.1 = id;
         }
     }
 
@@ -779,77 +812,105 @@ impl<'p> Walk<'p> {
 /// Runs the walk; returns its violations (and a `no-deadlock` one when the ranks'
 /// serial orders cannot be executed together).
 pub(super) fn accounting(plan: &Plan, mode: Mode) -> Vec<Violation> {
-    let world = plan.mesh.world();
-    let mut walk = Walk {
-        plan,
-        mode,
-        world,
-        ranks: plan
-            .ranks
-            .iter()
-            .map(|rp| RankWalk {
-                rank: rp.rank,
-                next: 0,
-                vals: HashMap::new(),
-                reported: 0,
-                versions: HashMap::new(),
-                received: HashMap::new(),
-            })
-            .collect(),
-        out: Vec::new(),
-    };
-    // Calls each rank completed per communicator, and who waits at each call.
-    let mut calls: HashMap<(u32, Group, Stream), u32> = HashMap::new();
-    let mut waiting: HashMap<(Group, Stream, u32), Vec<(u32, NodeId)>> = HashMap::new();
-    let mut ready: Vec<u32> = (0..world).rev().collect();
-    while let Some(g) = ready.pop() {
-        loop {
-            let nodes = &plan.rank(g).nodes;
-            let Some(n) = nodes.get(walk.ranks[g as usize].next) else {
-                break;
-            };
-            let Some(c) = n.op.collective() else {
-                walk.local(g, n);
-                walk.ranks[g as usize].next += 1;
-                continue;
-            };
-            let k = calls.get(&(g, c.group, n.stream)).copied().unwrap_or(0);
-            let key = (c.group, n.stream, k);
-            let at = waiting.entry(key).or_default();
-            if !at.iter().any(|(r, _)| *r == g) {
-                at.push((g, n.id));
-            }
-            if at.len() < plan.mesh.group_size(c.group) as usize {
-                break;
-            }
-            let mut members = waiting.remove(&key).unwrap_or_default();
-            members.sort_unstable();
-            walk.collective(&members);
-            for (r, _) in members {
-                walk.ranks[r as usize].next += 1;
-                *calls.entry((r, c.group, n.stream)).or_insert(0) += 1;
-                if r != g {
-                    ready.push(r);
+    let mut walk = Walk::new(plan, mode);
+    walk.run();
+    if walk.report_deadlock() {
+        return walk.out;
+    }
+    if mode == Mode::Step {
+        walk.publish_coverage();
+    }
+    walk.out
+}
+
+impl<'p> Walk<'p> {
+    /// Every rank at its first node, holding nothing.
+    fn new(plan: &'p Plan, mode: Mode) -> Walk<'p> {
+        Walk {
+            plan,
+            mode,
+            world: plan.mesh.world(),
+            ranks: plan
+                .ranks
+                .iter()
+                .map(|rp| RankWalk {
+                    rank: rp.rank,
+                    next: 0,
+                    vals: HashMap::new(),
+                    reported: 0,
+                    versions: HashMap::new(),
+                    received: HashMap::new(),
+                })
+                .collect(),
+            out: Vec::new(),
+        }
+    }
+
+    /// Executes every rank's nodes in serial order, as far as they go: a rank runs its
+    /// local nodes and stops at a collective until every member of its communicator has
+    /// reached the same call, which then runs and lets them all go on.
+    fn run(&mut self) {
+        let plan = self.plan;
+        // Calls each rank completed per communicator, and who waits at each call.
+        let mut calls: HashMap<(u32, Group, Stream), u32> = HashMap::new();
+        let mut waiting: HashMap<(Group, Stream, u32), Vec<(u32, NodeId)>> = HashMap::new();
+        let mut ready: Vec<u32> = (0..self.world).rev().collect();
+        while let Some(g) = ready.pop() {
+            loop {
+                let nodes = &plan.rank(g).nodes;
+                let Some(n) = nodes.get(self.ranks[g as usize].next) else {
+                    break;
+                };
+                let Some(c) = n.op.collective() else {
+                    self.local(g, n);
+                    self.ranks[g as usize].next += 1;
+                    continue;
+                };
+                let k = calls.get(&(g, c.group, n.stream)).copied().unwrap_or(0);
+                let key = (c.group, n.stream, k);
+                let at = waiting.entry(key).or_default();
+                if !at.iter().any(|(r, _)| *r == g) {
+                    at.push((g, n.id));
+                }
+                if at.len() < plan.mesh.group_size(c.group) as usize {
+                    break;
+                }
+                let mut members = waiting.remove(&key).unwrap_or_default();
+                members.sort_unstable();
+                self.collective(&members);
+                for (r, _) in members {
+                    self.ranks[r as usize].next += 1;
+                    *calls.entry((r, c.group, n.stream)).or_insert(0) += 1;
+                    if r != g {
+                        ready.push(r);
+                    }
                 }
             }
         }
     }
-    let stuck: Vec<u32> = walk
-        .ranks
-        .iter()
-        .filter(|w| w.next < plan.rank(w.rank).nodes.len())
-        .map(|w| w.rank)
-        .collect();
-    if let Some(&r) = stuck.first() {
-        let n = &plan.rank(r).nodes[walk.ranks[r as usize].next];
+
+    /// After [`Walk::run`]: reports `no-deadlock` when some rank could not reach its
+    /// end, naming where each such rank stopped; whether it did.
+    fn report_deadlock(&mut self) -> bool {
+        let plan = self.plan;
+        let stuck: Vec<u32> = self
+            .ranks
+            .iter()
+            .filter(|w| w.next < plan.rank(w.rank).nodes.len())
+            .map(|w| w.rank)
+            .collect();
+        let Some(&r) = stuck.first() else {
+            return false;
+        };
+        let n = &plan.rank(r).nodes[self.ranks[r as usize].next];
         let blocked: Vec<String> = stuck
             .iter()
             .map(|&q| {
-                let m = &plan.rank(q).nodes[walk.ranks[q as usize].next];
+                let m = &plan.rank(q).nodes[self.ranks[q as usize].next];
                 format!("rank {q} at {}", plan.label(m))
             })
             .collect();
-        walk.out.push(violation(
+        self.out.push(violation(
             "no-deadlock",
             r,
             Some(n),
@@ -858,10 +919,6 @@ pub(super) fn accounting(plan: &Plan, mode: Mode) -> Vec<Violation> {
                 blocked.join(", ")
             ),
         ));
-        return walk.out;
+        true
     }
-    if mode == Mode::Step {
-        walk.publish_coverage();
-    }
-    walk.out
 }

@@ -142,7 +142,6 @@ const CLIP: &str = "clip-coverage";
 /// optimizer (the norm reads every reduced gradient the rank counts, by
 /// [`Plan::access`]); a plan without it has none of these nodes.
 pub(super) fn clip(plan: &Plan, rank: u32, nodes: &[Node], out: &mut Vec<Violation>) {
-    use crate::mesh::Group;
     let norm_nodes: Vec<&Node> = nodes.iter().filter(|n| n.op.is_norm()).collect();
     if !plan.grad_norm {
         if let Some(n) = norm_nodes.first() {
@@ -158,64 +157,7 @@ pub(super) fn clip(plan: &Plan, rank: u32, nodes: &[Node], out: &mut Vec<Violati
         }
         return;
     }
-    // The expected sequence: grad_norm, norm_reduce (shard), norm_reduce (replicate), clip.
-    let slot = |op: &Op| match op {
-        Op::GradNorm => 0,
-        Op::NormReduce { collective } => match collective.group {
-            Group::Shard { .. } => 1,
-            Group::Replicate { .. } => 2,
-        },
-        _ => 3,
-    };
-    const NAMES: [&str; 4] = [
-        "grad_norm",
-        "norm_reduce over the shard group",
-        "norm_reduce over the replicate group",
-        "clip",
-    ];
-    let mut count = [0usize; 4];
-    let mut expect = 0;
-    for n in &norm_nodes {
-        let s = slot(&n.op);
-        count[s] += 1;
-        if count[s] > 1 {
-            out.push(violation(
-                CLIP,
-                rank,
-                Some(n),
-                format!(
-                    "{} runs again: rank {rank} must run one {} per step",
-                    plan.label(n),
-                    NAMES[s]
-                ),
-            ));
-        } else if s != expect {
-            out.push(violation(
-                CLIP,
-                rank,
-                Some(n),
-                format!(
-                    "{} runs where rank {rank} must run its {} (order: grad_norm, norm_reduce over the shard group, then over the replicate group, clip)",
-                    plan.label(n),
-                    NAMES[expect.min(3)]
-                ),
-            ));
-        }
-        expect = s + 1;
-    }
-    for (s, &c) in count.iter().enumerate() {
-        if c == 0 {
-            out.push(violation(
-                CLIP,
-                rank,
-                None,
-                format!(
-                    "rank {rank} runs no {}: the plan clips by the global norm, so every rank must",
-                    NAMES[s]
-                ),
-            ));
-        }
-    }
+    norm_sequence(plan, rank, &norm_nodes, out);
     let last_norm = norm_nodes.iter().map(|n| n.id).max();
     for n in nodes {
         if let Op::Optimizer { .. } = n.op {
@@ -230,6 +172,75 @@ pub(super) fn clip(plan: &Plan, rank: u32, nodes: &[Node], out: &mut Vec<Violati
                     ),
                 ));
             }
+        }
+    }
+}
+
+/// The steps of the norm's sequence, in their order.
+const NORM_STEPS: [&str; 4] = [
+    "grad_norm",
+    "norm_reduce over the shard group",
+    "norm_reduce over the replicate group",
+    "clip",
+];
+
+/// Where a node of the norm's sequence belongs in [`NORM_STEPS`].
+fn norm_step(op: &Op) -> usize {
+    use crate::mesh::Group;
+    match op {
+        Op::GradNorm => 0,
+        Op::NormReduce { collective } => match collective.group {
+            Group::Shard { .. } => 1,
+            Group::Replicate { .. } => 2,
+        },
+        _ => 3,
+    }
+}
+
+/// A rank's norm nodes (`norm_nodes`, in serial order) run each step of
+/// [`NORM_STEPS`] once, in order.
+fn norm_sequence(plan: &Plan, rank: u32, norm_nodes: &[&Node], out: &mut Vec<Violation>) {
+    let mut count = [0usize; 4];
+    let mut expect = 0;
+    for n in norm_nodes {
+        let s = norm_step(&n.op);
+        count[s] += 1;
+        if count[s] > 1 {
+            out.push(violation(
+                CLIP,
+                rank,
+                Some(n),
+                format!(
+                    "{} runs again: rank {rank} must run one {} per step",
+                    plan.label(n),
+                    NORM_STEPS[s]
+                ),
+            ));
+        } else if s != expect {
+            out.push(violation(
+                CLIP,
+                rank,
+                Some(n),
+                format!(
+                    "{} runs where rank {rank} must run its {} (order: grad_norm, norm_reduce over the shard group, then over the replicate group, clip)",
+                    plan.label(n),
+                    NORM_STEPS[expect.min(3)]
+                ),
+            ));
+        }
+        expect = s + 1;
+    }
+    for (s, &c) in count.iter().enumerate() {
+        if c == 0 {
+            out.push(violation(
+                CLIP,
+                rank,
+                None,
+                format!(
+                    "rank {rank} runs no {}: the plan clips by the global norm, so every rank must",
+                    NORM_STEPS[s]
+                ),
+            ));
         }
     }
 }

@@ -170,6 +170,10 @@ enum State {
     Freed(NodeId),
 }
 
+/// `read-after-unshard` and `reshard-after-last-read` along the rank's serial order:
+/// every read of a gathered buffer finds it live and ordered after its gather, every
+/// free finds it live and comes after the trainer's work that last read it, and (in
+/// `Step` mode) nothing is left live at the step's end.
 fn lifetimes(
     plan: &Plan,
     rp: &RankProgram,
@@ -178,96 +182,130 @@ fn lifetimes(
     mode: Mode,
     out: &mut Vec<Violation>,
 ) {
-    let rank = rp.rank;
-    let node = |id: NodeId| &rp.nodes[id as usize];
-    let mut state: HashMap<Buffer, State> = HashMap::new();
+    let mut walk = Lifetimes {
+        plan,
+        rp,
+        order,
+        state: HashMap::new(),
+        out,
+    };
     for n in &rp.nodes {
         let a = &acc[n.id as usize];
         for r in a.reads.iter().filter(|b| matches!(b, Buffer::Full { .. })) {
-            match state.get(r).copied() {
-                None => out.push(violation(
-                    READ,
-                    rank,
-                    Some(n),
-                    format!(
-                        "{} reads {r}, which no unshard gathered before it",
-                        plan.label(n)
-                    ),
-                )),
-                Some(State::Freed(f)) => out.push(violation(
-                    FREE,
-                    rank,
-                    Some(n),
-                    format!(
-                        "{} reads {r} after {} (node {f}) freed it",
-                        plan.label(n),
-                        plan.label(node(f))
-                    ),
-                )),
-                Some(State::Live(u, _)) => {
-                    if !order.before(u, n.id) {
-                        out.push(violation(
-                            READ,
-                            rank,
-                            Some(n),
-                            format!(
-                                "{} reads {r} gathered by {} (node {u}, stream {}) without an event chain ordering it after the gather",
-                                plan.label(n),
-                                plan.label(node(u)),
-                                node(u).stream
-                            ),
-                        ));
-                    }
-                    state.insert(*r, State::Live(u, Some(n.id)));
-                }
-            }
+            walk.read(n, r);
         }
         for w in a.writes.iter().filter(|b| matches!(b, Buffer::Full { .. })) {
             match n.op {
                 Op::Unshard { .. } => {
-                    state.insert(*w, State::Live(n.id, None));
+                    walk.state.insert(*w, State::Live(n.id, None));
                 }
-                _ => {
-                    match state.get(w).copied() {
-                        None => out.push(violation(
-                            FREE,
-                            rank,
-                            Some(n),
-                            format!("{} frees {w}, which no unshard gathered", plan.label(n)),
-                        )),
-                        Some(State::Freed(f)) => out.push(violation(
-                            FREE,
-                            rank,
-                            Some(n),
-                            format!(
-                                "{} frees {w} again: {} (node {f}) freed it already",
-                                plan.label(n),
-                                plan.label(node(f))
-                            ),
-                        )),
-                        Some(State::Live(_, Some(p))) if !after_trainer(rp, order, p, n) => {
-                            out.push(violation(
-                                FREE,
-                                rank,
-                                Some(n),
-                                format!(
-                                    "{} frees {w} on stream {}, but {} (node {p}) read it on stream {}: the trainer's own kernels follow that point on its stream, so only a free on it (or ordered after a later point of it) comes after them",
-                                    plan.label(n),
-                                    n.stream,
-                                    plan.label(node(p)),
-                                    node(p).stream
-                                ),
-                            ))
-                        }
-                        Some(State::Live(..)) => {}
-                    }
-                    state.insert(*w, State::Freed(n.id));
-                }
+                _ => walk.free(n, w),
             }
         }
     }
     if mode == Mode::Step {
-        let mut leaked: Vec<(NodeId, Buffer)> = state
+        walk.report_leaks();
+    }
+}
+
+/// The walk of [`lifetimes`]: what each gathered buffer holds so far.
+struct Lifetimes<'a> {
+    plan: &'a Plan,
+    rp: &'a RankProgram,
+    order: &'a HappensBefore,
+    state: HashMap<Buffer, State>,
+    out: &'a mut Vec<Violation>,
+}
+
+impl<'a> Lifetimes<'a> {
+    fn node(&self, id: NodeId) -> &'a Node {
+        &self.rp.nodes[id as usize]
+    }
+
+    fn report(&mut self, invariant: &'static str, n: &Node, detail: String) {
+        self.out
+            .push(violation(invariant, self.rp.rank, Some(n), detail));
+    }
+
+    /// Node `n` reads the gathered buffer `r`.
+    fn read(&mut self, n: &Node, r: &Buffer) {
+        let plan = self.plan;
+        match self.state.get(r).copied() {
+            None => self.report(
+                READ,
+                n,
+                format!(
+                    "{} reads {r}, which no unshard gathered before it",
+                    plan.label(n)
+                ),
+            ),
+            Some(State::Freed(f)) => self.report(
+                FREE,
+                n,
+                format!(
+                    "{} reads {r} after {} (node {f}) freed it",
+                    plan.label(n),
+                    plan.label(self.node(f))
+                ),
+            ),
+            Some(State::Live(u, _)) => {
+                if !self.order.before(u, n.id) {
+                    self.report(
+                        READ,
+                        n,
+                        format!(
+                            "{} reads {r} gathered by {} (node {u}, stream {}) without an event chain ordering it after the gather",
+                            plan.label(n),
+                            plan.label(self.node(u)),
+                            self.node(u).stream
+                        ),
+                    );
+                }
+                self.state.insert(*r, State::Live(u, Some(n.id)));
+            }
+        }
+    }
+
+    /// Node `n` (a reshard, or anything else that writes it) frees the gathered `w`.
+    fn free(&mut self, n: &Node, w: &Buffer) {
+        let plan = self.plan;
+        match self.state.get(w).copied() {
+            None => self.report(
+                FREE,
+                n,
+                format!("{} frees {w}, which no unshard gathered", plan.label(n)),
+            ),
+            Some(State::Freed(f)) => self.report(
+                FREE,
+                n,
+                format!(
+                    "{} frees {w} again: {} (node {f}) freed it already",
+                    plan.label(n),
+                    plan.label(self.node(f))
+                ),
+            ),
+            Some(State::Live(_, Some(p))) if !after_trainer(self.rp, self.order, p, n) => {
+                self.report(
+                    FREE,
+                    n,
+                    format!(
+                        "{} frees {w} on stream {}, but {} (node {p}) read it on stream {}: the trainer's own kernels follow that point on its stream, so only a free on it (or ordered after a later point of it) comes after them",
+                        plan.label(n),
+                        n.stream,
+                        plan.label(self.node(p)),
+                        self.node(p).stream
+                    ),
+                )
+            }
+            Some(State::Live(..)) => {}
+        }
+        self.state.insert(*w, State::Freed(n.id));
+    }
+
+    /// At the step's end: every buffer still live is a gather never freed.
+    fn report_leaks(&mut self) {
+        let mut leaked: Vec<(NodeId, Buffer)> = self
+            .state
             .iter()
             .filter_map(|(b, s)| match *s {
                 State::Live(u, _) => Some((u, *b)),
@@ -276,15 +314,12 @@ fn lifetimes(
             .collect();
         leaked.sort_unstable();
         for (u, b) in leaked {
-            out.push(violation(
-                FREE,
-                rank,
-                Some(node(u)),
-                format!(
-                    "{b}, gathered by {}, is never freed in this step: the full parameters would outlive their pass",
-                    plan.label(node(u))
-                ),
-            ));
+            let gather = self.node(u);
+            let detail = format!(
+                "{b}, gathered by {}, is never freed in this step: the full parameters would outlive their pass",
+                self.plan.label(gather)
+            );
+            self.report(FREE, gather, detail);
         }
     }
 }

@@ -760,6 +760,50 @@ fn collective_shape(plan: &Plan, rank: u32, nodes: &[Node], out: &mut Vec<Violat
 }
 
 fn collective_match(plan: &Plan, out: &mut Vec<Violation>) {
+    for ((group, stream), mut members) in call_sequences(plan, out) {
+        // Members that issue nothing on this communicator have an empty sequence.
+        for r in plan.mesh.members(group) {
+            if !members.iter().any(|m| m.0 == r) {
+                members.push((r, Vec::new()));
+            }
+        }
+        members.sort_by_key(|m| m.0);
+        let longest = members.iter().map(|m| m.1.len()).max().unwrap_or(0);
+        let Some(k) = (0..longest).find(|&k| {
+            members
+                .iter()
+                .any(|m| call_at(&m.1, k) != call_at(&members[0].1, k))
+        }) else {
+            continue;
+        };
+        let (intended, who) = intended_call(plan, &members, k);
+        let (agree_rank, agree_seq) = members
+            .iter()
+            .find(|m| call_at(&m.1, k) == intended)
+            .map(|m| (m.0, &m.1))
+            .unwrap_or((members[0].0, &members[0].1));
+        for (r, s) in members.iter().filter(|m| call_at(&m.1, k) != intended) {
+            let node = s.get(k).or(agree_seq.get(k)).map(|x| x.0);
+            out.push(Violation {
+                invariant: "collective-match",
+                rank: *r,
+                stream: Some(stream),
+                node,
+                detail: format!(
+                    "collective #{k} on {group} (stream {stream}): rank {r} issues {}, rank {agree_rank} ({who}) {}; \
+                     real hardware would hang or mix different buffers",
+                    describe_call(plan, s.get(k)),
+                    describe_call(plan, agree_seq.get(k)),
+                ),
+            });
+        }
+        return;
+    }
+}
+
+/// Each rank's collectives per communicator, in serial order; a collective on a group
+/// the rank is not a member of is reported (and left out).
+fn call_sequences(plan: &Plan, out: &mut Vec<Violation>) -> BTreeMap<Comm, Vec<(u32, Calls)>> {
     let mut seqs: BTreeMap<Comm, Vec<(u32, Calls)>> = BTreeMap::new();
     for rp in &plan.ranks {
         let mut per: HashMap<Comm, Calls> = HashMap::new();
@@ -788,90 +832,96 @@ fn collective_match(plan: &Plan, out: &mut Vec<Violation>) {
             seqs.entry(comm).or_default().push((rp.rank, seq));
         }
     }
-    for ((group, stream), mut members) in seqs {
-        // Members that issue nothing on this communicator have an empty sequence.
-        for r in plan.mesh.members(group) {
-            if !members.iter().any(|m| m.0 == r) {
-                members.push((r, Vec::new()));
+    seqs
+}
+
+/// Call `k` of a sequence, as members compare it (`None` past its end).
+fn call_at(seq: &Calls, k: usize) -> Option<Call> {
+    seq.get(k).map(|(_, s, c)| (*s, *c))
+}
+
+/// The intended call at slot `k` of the members' sequences, and why it is: the one
+/// most members issue; on a tie (always possible in a two-member group), the one the
+/// route requires; then the lowest rank's. Every member issuing something else is
+/// blamed.
+fn intended_call(plan: &Plan, members: &[(u32, Calls)], k: usize) -> (Option<Call>, &'static str) {
+    // (call, how many members issue it, whether it is the one the route requires)
+    let mut votes: Vec<(Option<Call>, usize, bool)> = Vec::new();
+    for (r, seq) in members {
+        let v = call_at(seq, k);
+        let required = seq.get(k).is_some_and(|(n, _, c)| {
+            plan.expected_collective(*r, &plan.rank(*r).nodes[*n as usize])
+                .as_ref()
+                == Some(c)
+        });
+        match votes.iter_mut().find(|x| x.0 == v) {
+            Some(x) => {
+                x.1 += 1;
+                x.2 |= required;
             }
+            None => votes.push((v, 1, required)),
         }
-        members.sort_by_key(|m| m.0);
-        let key = |seq: &Calls, k: usize| seq.get(k).map(|(_, s, c)| (*s, *c));
-        let longest = members.iter().map(|m| m.1.len()).max().unwrap_or(0);
-        let Some(k) = (0..longest).find(|&k| {
-            members
-                .iter()
-                .any(|m| key(&m.1, k) != key(&members[0].1, k))
-        }) else {
-            continue;
-        };
-        // The intended call at slot k: the one most members issue; on a tie (always
-        // possible in a two-member group), the one the route requires; then the lowest
-        // rank's. Every member issuing something else is blamed.
-        // (call, how many members issue it, whether it is the one the route requires)
-        let mut votes: Vec<(Option<Call>, usize, bool)> = Vec::new();
-        for (r, seq) in &members {
-            let v = key(seq, k);
-            let required = seq.get(k).is_some_and(|(n, _, c)| {
-                plan.expected_collective(*r, &plan.rank(*r).nodes[*n as usize])
-                    .as_ref()
-                    == Some(c)
-            });
-            match votes.iter_mut().find(|x| x.0 == v) {
-                Some(x) => {
-                    x.1 += 1;
-                    x.2 |= required;
-                }
-                None => votes.push((v, 1, required)),
-            }
-        }
-        let top = votes.iter().map(|x| x.1).max().unwrap_or(0);
-        let intended = votes
-            .iter()
-            .filter(|x| x.1 == top)
-            .find(|x| x.2)
-            .or_else(|| votes.iter().find(|x| x.1 == top))
-            .map(|x| x.0)
-            .unwrap_or(None);
-        let who = if top * 2 > members.len() {
-            "the majority"
-        } else {
-            "the call its route requires"
-        };
-        let (agree_rank, agree_seq) = members
-            .iter()
-            .find(|m| key(&m.1, k) == intended)
-            .map(|m| (m.0, &m.1))
-            .unwrap_or((members[0].0, &members[0].1));
-        for (r, s) in members.iter().filter(|m| key(&m.1, k) != intended) {
-            let node = s.get(k).or(agree_seq.get(k)).map(|x| x.0);
-            out.push(Violation {
-                invariant: "collective-match",
-                rank: *r,
-                stream: Some(stream),
-                node,
-                detail: format!(
-                    "collective #{k} on {group} (stream {stream}): rank {r} issues {}, rank {agree_rank} ({who}) {}; \
-                     real hardware would hang or mix different buffers",
-                    describe_call(plan, s.get(k)),
-                    describe_call(plan, agree_seq.get(k)),
-                ),
-            });
-        }
-        return;
     }
+    let top = votes.iter().map(|x| x.1).max().unwrap_or(0);
+    let intended = votes
+        .iter()
+        .filter(|x| x.1 == top)
+        .find(|x| x.2)
+        .or_else(|| votes.iter().find(|x| x.1 == top))
+        .map(|x| x.0)
+        .unwrap_or(None);
+    let who = if top * 2 > members.len() {
+        "the majority"
+    } else {
+        "the call its route requires"
+    };
+    (intended, who)
 }
 
 fn no_deadlock(plan: &Plan, out: &mut Vec<Violation>) {
-    // Per rank: the issue order binds each wait to the record issued before it.
-    struct Lane {
-        rank: u32,
-        stream: Stream,
-        instrs: Vec<(Instr, u32)>, // (instruction, record instance for waits)
-        ip: usize,
-    }
+    let mut lanes = lanes(plan);
+    run_lanes(plan, &mut lanes);
+    let Some(l) = lanes.iter().find(|l| l.ip < l.instrs.len()) else {
+        return;
+    };
+    let (ins, _) = l.instrs[l.ip];
+    let node = match ins {
+        Instr::Run(n) => Some(&plan.rank(l.rank).nodes[n as usize]),
+        _ => None,
+    };
+    let what = match (ins, node) {
+        (Instr::Wait(e), _) => format!("waits on event {e}, whose record never executes"),
+        (_, Some(n)) => format!(
+            "{} never completes: not every member of its communicator reaches it",
+            plan.label(n)
+        ),
+        _ => "is blocked".into(),
+    };
+    out.push(Violation {
+        invariant: "no-deadlock",
+        rank: l.rank,
+        stream: Some(l.stream),
+        node: node.map(|n| n.id),
+        detail: format!(
+            "executing all ranks together, stream {} of rank {} {what}",
+            l.stream, l.rank
+        ),
+    });
+}
+
+/// One stream of one rank in [`no_deadlock`]'s execution: its instructions in issue
+/// order, each wait bound to the record instance issued before it.
+struct Lane {
+    rank: u32,
+    stream: Stream,
+    instrs: Vec<(Instr, u32)>, // (instruction, record instance for waits)
+    ip: usize,
+}
+
+/// Every rank's streams as lanes: the issue order binds each wait to the record
+/// issued before it.
+fn lanes(plan: &Plan) -> Vec<Lane> {
     let mut lanes: Vec<Lane> = Vec::new();
-    let mut lane_of: HashMap<(u32, Stream), usize> = HashMap::new();
     for rp in &plan.ranks {
         let mut issued: HashMap<EventId, u32> = HashMap::new();
         let mut per: HashMap<Stream, Vec<(Instr, u32)>> = HashMap::new();
@@ -888,7 +938,6 @@ fn no_deadlock(plan: &Plan, out: &mut Vec<Violation>) {
             per.entry(s).or_default().push((ins, inst));
         }
         for sp in &rp.streams {
-            lane_of.insert((rp.rank, sp.stream), lanes.len());
             lanes.push(Lane {
                 rank: rp.rank,
                 stream: sp.stream,
@@ -897,6 +946,14 @@ fn no_deadlock(plan: &Plan, out: &mut Vec<Violation>) {
             });
         }
     }
+    lanes
+}
+
+/// Executes all lanes together as far as they go: a record fires its event, a wait
+/// goes on once its record instance has fired, and a collective once every member of
+/// its communicator has reached the same call. A lane that cannot go on stops at the
+/// instruction it is blocked on (`ip`).
+fn run_lanes(plan: &Plan, lanes: &mut [Lane]) {
     let mut fired: HashMap<(u32, EventId), u32> = HashMap::new();
     let mut event_waiters: HashMap<(u32, EventId), Vec<usize>> = HashMap::new();
     // Collective arrivals per (communicator, call index).
@@ -938,45 +995,19 @@ fn no_deadlock(plan: &Plan, out: &mut Vec<Violation>) {
                     if !arrived.contains(&li) {
                         arrived.push(li);
                     }
-                    if arrived.len() as u32 == plan.mesh.group_size(c.group) {
-                        let all = arrivals.remove(&(comm, call)).unwrap_or_default();
-                        for l in all {
-                            lanes[l].ip += 1;
-                            *passed.entry((l, c.group)).or_insert(0) += 1;
-                            if l != li {
-                                ready.push(l);
-                            }
-                        }
-                    } else {
+                    if arrived.len() as u32 != plan.mesh.group_size(c.group) {
                         break;
+                    }
+                    let all = arrivals.remove(&(comm, call)).unwrap_or_default();
+                    for l in all {
+                        lanes[l].ip += 1;
+                        *passed.entry((l, c.group)).or_insert(0) += 1;
+                        if l != li {
+                            ready.push(l);
+                        }
                     }
                 }
             }
         }
-    }
-    if let Some(l) = lanes.iter().find(|l| l.ip < l.instrs.len()) {
-        let (ins, _) = l.instrs[l.ip];
-        let node = match ins {
-            Instr::Run(n) => Some(&plan.rank(l.rank).nodes[n as usize]),
-            _ => None,
-        };
-        let what = match (ins, node) {
-            (Instr::Wait(e), _) => format!("waits on event {e}, whose record never executes"),
-            (_, Some(n)) => format!(
-                "{} never completes: not every member of its communicator reaches it",
-                plan.label(n)
-            ),
-            _ => "is blocked".into(),
-        };
-        out.push(Violation {
-            invariant: "no-deadlock",
-            rank: l.rank,
-            stream: Some(l.stream),
-            node: node.map(|n| n.id),
-            detail: format!(
-                "executing all ranks together, stream {} of rank {} {what}",
-                l.stream, l.rank
-            ),
-        });
     }
 }
