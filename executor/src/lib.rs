@@ -1107,17 +1107,7 @@ impl<B: Backend> Executor<B> {
         if !failures.is_empty() {
             return Err(self.failed_step(failures));
         }
-        // The global norm: every rank holds the same after the norm all-reduces; one
-        // download of one float per step, after the device finished (no extra sync).
-        let mut grad_norm = None;
-        if let Some(r) = self.ranks.iter().find(|r| {
-            r.prepared
-                .as_ref()
-                .is_some_and(|p| p.plan.grad_norm && r.buffers.contains_key(&Buffer::Norm))
-        }) {
-            let sq = self.backend.download(&r.buffers[&Buffer::Norm])?;
-            grad_norm = sq.first().map(|&x| f64::from(x).sqrt());
-        }
+        let grad_norm = self.grad_norm()?;
         let nonfinite = grad_norm.is_some_and(|n| !n.is_finite());
         let step = self.steps_done + 1;
         if !nonfinite {
@@ -1133,7 +1123,36 @@ impl<B: Backend> Executor<B> {
                 norm: grad_norm.unwrap_or(f64::NAN),
             });
         }
+        Ok(StepStats {
+            nodes,
+            wall_seconds: wall,
+            timings,
+            partials_left,
+            grad_norm,
+            skipped: nonfinite.then_some("nonfinite"),
+            ..self.issue_stats()
+        })
+    }
 
+    /// The step's global norm, when its plan computes it: every rank holds the same
+    /// after the norm all-reduces; one download of one float per step, after the device
+    /// finished (no extra sync).
+    fn grad_norm(&self) -> Result<Option<f64>, ExecError> {
+        let Some(r) = self.ranks.iter().find(|r| {
+            r.prepared
+                .as_ref()
+                .is_some_and(|p| p.plan.grad_norm && r.buffers.contains_key(&Buffer::Norm))
+        }) else {
+            return Ok(None);
+        };
+        let sq = self.backend.download(&r.buffers[&Buffer::Norm])?;
+        Ok(sq.first().map(|&x| f64::from(x).sqrt()))
+    }
+
+    /// The step's issue figures, summed over local ranks: host time by node kind (and
+    /// of it, inside the backend's launch), aliased nodes, the Stage-1 window's peak.
+    /// The other fields are left at their defaults.
+    fn issue_stats(&self) -> StepStats {
         let stage1_in_flight_peak = self
             .ranks
             .iter()
@@ -1161,19 +1180,14 @@ impl<B: Backend> Executor<B> {
             .collect();
         let issue_seconds =
             self.adopt_time.as_secs_f64() + issue_by_kind.iter().map(|k| k.1).sum::<f64>();
-        Ok(StepStats {
-            nodes,
+        StepStats {
             aliased_nodes,
             issue_seconds,
             issue_by_kind,
             launch_by_kind,
             stage1_in_flight_peak,
-            wall_seconds: wall,
-            timings,
-            partials_left,
-            grad_norm,
-            skipped: nonfinite.then_some("nonfinite"),
-        })
+            ..StepStats::default()
+        }
     }
 
     /// Discards the step in progress (`zero_grad`): waits for what was issued, then drops

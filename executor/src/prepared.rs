@@ -50,7 +50,9 @@ use std::sync::Arc;
 
 use overlap_graph::order::issue_order;
 use overlap_graph::HappensBefore;
-use overlap_graph::{Access, BucketId, Buffer, CopySeg, DType, Instr, Op, Plan, Stream};
+use overlap_graph::{
+    Access, BucketId, Buffer, Collective, CopySeg, DType, Instr, Op, Plan, Stream,
+};
 
 /// How a node allocates a buffer it is the first writer of.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -111,121 +113,15 @@ impl Prepared {
         let rp = plan.rank(rank);
         let access: Vec<Access> = rp.nodes.iter().map(|n| plan.access(rank, n)).collect();
         let issue = issue_order(rp);
-        let mut issue_end = vec![0; rp.nodes.len()];
-        let mut i = 0;
-        while i < issue.len() {
-            if let Instr::Run(n) = issue[i].1 {
-                let mut j = i + 1;
-                while matches!(issue.get(j), Some((_, Instr::Record(_)))) {
-                    j += 1;
-                }
-                issue_end[n as usize] = j;
-                i = j;
-            } else {
-                i += 1;
-            }
-        }
-        let mut pack = HashMap::default();
-        let mut unpack = HashMap::default();
-        for n in &rp.nodes {
-            match n.op {
-                Op::Pack { bucket, .. } => {
-                    pack.entry(bucket)
-                        .or_insert_with(|| plan.pack_segments(bucket).into());
-                }
-                Op::Unpack { bucket, .. } => {
-                    unpack
-                        .entry(bucket)
-                        .or_insert_with(|| plan.unpack_segments(bucket, rank).into());
-                }
-                _ => {}
-            }
-        }
-        // Every access of every name, in serial order: (node, writes).
-        let mut acc: HashMap<Buffer, Vec<(u32, bool)>> = HashMap::default();
-        for (n, a) in access.iter().enumerate() {
-            for b in &a.reads {
-                acc.entry(*b).or_default().push((n as u32, false));
-            }
-            for b in &a.writes {
-                let list = acc.entry(*b).or_default();
-                match list.last_mut() {
-                    Some(last) if last.0 == n as u32 => last.1 = true,
-                    _ => list.push((n as u32, true)),
-                }
-            }
-        }
-        let len = |b: &Buffer| plan.buffer_len(rank, b);
-        // Aliasing (module docs), decided in serial order.
-        let mut alias = vec![None; rp.nodes.len()];
-        let mut group: HashMap<Buffer, Buffer> = HashMap::default();
-        let mut names: HashMap<Buffer, Vec<Buffer>> = HashMap::default();
+        let issue_end = issue_ends(rp.nodes.len(), &issue);
+        let (pack, unpack) = copy_tables(&plan, rank);
+        let mut groups = Groups::new(rp.nodes.len());
         if aliasing {
-            let (order, _) = HappensBefore::from_issue(rp.nodes.len(), &issue);
-            for (x, node) in rp.nodes.iter().enumerate() {
-                let Some((a, b)) = identity_node(&plan, rank, node.op, &pack, &unpack) else {
-                    continue;
-                };
-                let x = x as u32;
-                let root = group.get(&a).copied().unwrap_or(a);
-                let g = names.get(&root).cloned().unwrap_or_else(|| vec![a]);
-                if safe_alias(&order, &acc, x, &g, b) {
-                    alias[x as usize] = Some((a, b));
-                    group.insert(a, root);
-                    group.insert(b, root);
-                    let list = names.entry(root).or_insert_with(|| vec![a]);
-                    list.push(b);
-                }
-            }
+            groups.decide(&plan, rank, &issue, &access, (&pack, &unpack));
         }
-        let root_of = |b: &Buffer| group.get(b).copied().unwrap_or(*b);
-        let transient = |root: &Buffer| match names.get(root) {
-            Some(list) => list.iter().all(Buffer::is_transient),
-            None => root.is_transient(),
-        };
-        // Allocations: the first write of each group's memory.
-        let mut allocs = vec![Vec::new(); rp.nodes.len()];
-        let mut seen = HashSet::default();
-        for (n, a) in access.iter().enumerate() {
-            for w in &a.writes {
-                if alias[n].is_some_and(|(_, b)| b == *w) || !seen.insert(root_of(w)) {
-                    continue;
-                }
-                let zero = !overwrites(rp.nodes[n].op, w, &unpack, len(w));
-                allocs[n].push((
-                    *w,
-                    Alloc {
-                        pooled: transient(&root_of(w)),
-                        zero,
-                    },
-                ));
-            }
-        }
-        // Final accessors of transient memory: the last write and every read after it.
-        let mut last: HashMap<Buffer, (u32, Vec<u32>)> = HashMap::default();
-        for (n, a) in access.iter().enumerate() {
-            let n = n as u32;
-            for b in a.reads.iter().map(root_of).filter(|r| transient(r)) {
-                last.entry(b).or_insert_with(|| (n, Vec::new())).1.push(n);
-            }
-            for b in a.writes.iter().map(root_of).filter(|r| transient(r)) {
-                last.insert(b, (n, Vec::new()));
-            }
-        }
-        let mut finals = vec![Vec::new(); rp.nodes.len()];
-        for (b, (w, reads)) in last {
-            let mut who: Vec<u32> = reads.into_iter().filter(|&r| r != w).collect();
-            who.push(w);
-            who.sort_unstable();
-            who.dedup();
-            let lastn = *who.last().unwrap_or(&w);
-            for n in who {
-                finals[n as usize].push((b, n == lastn));
-            }
-        }
-        for f in &mut finals {
-            f.sort();
-        }
+        let allocs = groups.allocations(&plan, rank, &access, &unpack);
+        let finals = groups.final_accessors(&access);
+        let Groups { alias, names, .. } = groups;
         Prepared {
             plan,
             access,
@@ -252,6 +148,193 @@ impl Prepared {
             .get(root)
             .map_or(std::slice::from_ref(root), Vec::as_slice)
     }
+}
+
+/// Per node: one past its last instruction in `issue` (its run and trailing records).
+fn issue_ends(nodes: usize, issue: &[(Stream, Instr)]) -> Vec<usize> {
+    let mut issue_end = vec![0; nodes];
+    let mut i = 0;
+    while i < issue.len() {
+        if let Instr::Run(n) = issue[i].1 {
+            let mut j = i + 1;
+            while matches!(issue.get(j), Some((_, Instr::Record(_)))) {
+                j += 1;
+            }
+            issue_end[n as usize] = j;
+            i = j;
+        } else {
+            i += 1;
+        }
+    }
+    issue_end
+}
+
+/// The pack copies of every bucket the rank packs, and the unpack copies of every
+/// bucket it unpacks.
+fn copy_tables(plan: &Plan, rank: u32) -> (CopyTable, CopyTable) {
+    let mut pack = HashMap::default();
+    let mut unpack = HashMap::default();
+    for n in &plan.rank(rank).nodes {
+        match n.op {
+            Op::Pack { bucket, .. } => {
+                pack.entry(bucket)
+                    .or_insert_with(|| plan.pack_segments(bucket).into());
+            }
+            Op::Unpack { bucket, .. } => {
+                unpack
+                    .entry(bucket)
+                    .or_insert_with(|| plan.unpack_segments(bucket, rank).into());
+            }
+            _ => {}
+        }
+    }
+    (pack, unpack)
+}
+
+/// Copies per bucket.
+type CopyTable = HashMap<BucketId, Arc<[CopySeg]>>;
+
+/// Which names share one piece of memory (module docs, aliasing).
+struct Groups {
+    /// Per node: `(A, B)` when it makes its output `B` its input `A`'s memory.
+    alias: Vec<Option<(Buffer, Buffer)>>,
+    /// Per aliased name: its group's first name.
+    group: HashMap<Buffer, Buffer>,
+    /// Per group's first name: every name of the group.
+    names: HashMap<Buffer, Vec<Buffer>>,
+}
+
+impl Groups {
+    /// Every name its own memory.
+    fn new(nodes: usize) -> Groups {
+        Groups {
+            alias: vec![None; nodes],
+            group: HashMap::default(),
+            names: HashMap::default(),
+        }
+    }
+
+    /// Decides, in serial order, which identity nodes alias their output to their
+    /// input: those for which [`safe_alias`] holds.
+    fn decide(
+        &mut self,
+        plan: &Plan,
+        rank: u32,
+        issue: &[(Stream, Instr)],
+        access: &[Access],
+        (pack, unpack): (&CopyTable, &CopyTable),
+    ) {
+        let nodes = &plan.rank(rank).nodes;
+        let acc = accesses_by_name(access);
+        let (order, _) = HappensBefore::from_issue(nodes.len(), issue);
+        for (x, node) in nodes.iter().enumerate() {
+            let Some((a, b)) = identity_node(plan, rank, node.op, pack, unpack) else {
+                continue;
+            };
+            let x = x as u32;
+            let root = self.group.get(&a).copied().unwrap_or(a);
+            let g = self.names.get(&root).cloned().unwrap_or_else(|| vec![a]);
+            if safe_alias(&order, &acc, x, &g, b) {
+                self.alias[x as usize] = Some((a, b));
+                self.group.insert(a, root);
+                self.group.insert(b, root);
+                let list = self.names.entry(root).or_insert_with(|| vec![a]);
+                list.push(b);
+            }
+        }
+    }
+
+    /// The first name of `b`'s group.
+    fn root_of(&self, b: &Buffer) -> Buffer {
+        self.group.get(b).copied().unwrap_or(*b)
+    }
+
+    /// Whether every name of the group `root` stands for is transient.
+    fn transient(&self, root: &Buffer) -> bool {
+        match self.names.get(root) {
+            Some(list) => list.iter().all(Buffer::is_transient),
+            None => root.is_transient(),
+        }
+    }
+
+    /// Per node: the first write of each group's memory, pooled when the group is
+    /// transient, zeroed when that first access does not write all of it.
+    fn allocations(
+        &self,
+        plan: &Plan,
+        rank: u32,
+        access: &[Access],
+        unpack: &CopyTable,
+    ) -> Vec<Vec<(Buffer, Alloc)>> {
+        let nodes = &plan.rank(rank).nodes;
+        let mut allocs = vec![Vec::new(); nodes.len()];
+        let mut seen = HashSet::default();
+        for (n, a) in access.iter().enumerate() {
+            for w in &a.writes {
+                if self.alias[n].is_some_and(|(_, b)| b == *w) || !seen.insert(self.root_of(w)) {
+                    continue;
+                }
+                let zero = !overwrites(nodes[n].op, w, unpack, plan.buffer_len(rank, w));
+                allocs[n].push((
+                    *w,
+                    Alloc {
+                        pooled: self.transient(&self.root_of(w)),
+                        zero,
+                    },
+                ));
+            }
+        }
+        allocs
+    }
+
+    /// Per node: the transient groups it is a final accessor of (the last write and
+    /// every read after it), and whether it is the last one in serial order.
+    fn final_accessors(&self, access: &[Access]) -> Vec<Vec<(Buffer, bool)>> {
+        let mut last: HashMap<Buffer, (u32, Vec<u32>)> = HashMap::default();
+        for (n, a) in access.iter().enumerate() {
+            let n = n as u32;
+            let transient = |b: &Buffer| Some(self.root_of(b)).filter(|r| self.transient(r));
+            for b in a.reads.iter().filter_map(transient) {
+                last.entry(b).or_insert_with(|| (n, Vec::new())).1.push(n);
+            }
+            for b in a.writes.iter().filter_map(transient) {
+                last.insert(b, (n, Vec::new()));
+            }
+        }
+        let mut finals = vec![Vec::new(); access.len()];
+        for (b, (w, reads)) in last {
+            let mut who: Vec<u32> = reads.into_iter().filter(|&r| r != w).collect();
+            who.push(w);
+            who.sort_unstable();
+            who.dedup();
+            let lastn = *who.last().unwrap_or(&w);
+            for n in who {
+                finals[n as usize].push((b, n == lastn));
+            }
+        }
+        for f in &mut finals {
+            f.sort();
+        }
+        finals
+    }
+}
+
+/// Every access of every name, in serial order: (node, writes).
+fn accesses_by_name(access: &[Access]) -> HashMap<Buffer, Vec<(u32, bool)>> {
+    let mut acc: HashMap<Buffer, Vec<(u32, bool)>> = HashMap::default();
+    for (n, a) in access.iter().enumerate() {
+        for b in &a.reads {
+            acc.entry(*b).or_default().push((n as u32, false));
+        }
+        for b in &a.writes {
+            let list = acc.entry(*b).or_default();
+            match list.last_mut() {
+                Some(last) if last.0 == n as u32 => last.1 = true,
+                _ => list.push((n as u32, true)),
+            }
+        }
+    }
+    acc
 }
 
 /// `(A, B)` when node `op` writes its output `B` as an unchanged copy of its input `A`.
@@ -286,45 +369,12 @@ fn identity_node(
             bucket,
             micro_batch,
             collective,
-        }
-        | Op::Stage2 {
+        } => stage_identity(plan, rank, (bucket, micro_batch, 1), &collective),
+        Op::Stage2 {
             bucket,
             micro_batch,
             collective,
-        } => {
-            let (a, b, held) = if matches!(op, Op::Stage1 { .. }) {
-                (
-                    Buffer::Send {
-                        bucket,
-                        micro_batch,
-                    },
-                    Buffer::Stage1Out {
-                        bucket,
-                        micro_batch,
-                    },
-                    plan.holds_stage1(bucket, rank),
-                )
-            } else {
-                (
-                    Buffer::Stage1Out {
-                        bucket,
-                        micro_batch,
-                    },
-                    Buffer::Stage2Out {
-                        bucket,
-                        micro_batch,
-                    },
-                    plan.holds_stage2(bucket, rank),
-                )
-            };
-            let n = plan.buffer_len(rank, &b);
-            (held
-                && plan.mesh.group_size(collective.group) == 1
-                && collective.dtype == DType::F32
-                && collective.count == n
-                && plan.buffer_len(rank, &a) == n)
-                .then_some((a, b))
-        }
+        } => stage_identity(plan, rank, (bucket, micro_batch, 2), &collective),
         Op::Unpack {
             bucket,
             micro_batch,
@@ -342,6 +392,50 @@ fn identity_node(
         }
         _ => None,
     }
+}
+
+/// `(A, B)` when Stage `stage` of a bucket and micro-batch copies its input `A` as
+/// its output `B`: the rank holds the stage's output, and the collective is an f32 one
+/// over a group of one whose count is both buffers' length (the identity: `avg` divides
+/// by 1).
+fn stage_identity(
+    plan: &Plan,
+    rank: u32,
+    (bucket, micro_batch, stage): (BucketId, u32, u8),
+    collective: &Collective,
+) -> Option<(Buffer, Buffer)> {
+    let (a, b, held) = if stage == 1 {
+        (
+            Buffer::Send {
+                bucket,
+                micro_batch,
+            },
+            Buffer::Stage1Out {
+                bucket,
+                micro_batch,
+            },
+            plan.holds_stage1(bucket, rank),
+        )
+    } else {
+        (
+            Buffer::Stage1Out {
+                bucket,
+                micro_batch,
+            },
+            Buffer::Stage2Out {
+                bucket,
+                micro_batch,
+            },
+            plan.holds_stage2(bucket, rank),
+        )
+    };
+    let n = plan.buffer_len(rank, &b);
+    (held
+        && plan.mesh.group_size(collective.group) == 1
+        && collective.dtype == DType::F32
+        && collective.count == n
+        && plan.buffer_len(rank, &a) == n)
+        .then_some((a, b))
 }
 
 /// Whether node `x` may make `b` the memory of group `g` (module docs, rules 1–4).
