@@ -352,7 +352,9 @@ impl<B: Backend> Session<B> {
     /// [`Session::wait_for_saves`]. Call between steps. A session that drives only some
     /// ranks of its mesh (a process of a multi-process job) writes its own ranks' files
     /// and needs a [`SaveJob`](crate::checkpoint::SaveJob) first
-    /// ([`Session::set_save_job`]); the process holding rank 0 commits the checkpoint.
+    /// ([`Session::set_save_job`]); the process holding rank 0 waits for every rank's
+    /// files and commits the checkpoint, the others return once their own files are
+    /// written (the directory appears when rank 0's process has committed it).
     pub fn save(&self, dir: impl AsRef<std::path::Path>) -> Result<std::path::PathBuf, Error> {
         self.save_and_wait(dir.as_ref(), None)
     }
