@@ -431,75 +431,26 @@ pub fn tune(
     let budget = memory_gib.map(|g| (g * GIB) as u64);
     let grid = grid(cfg, copy);
     let total = grid.len();
-    // (ms, memory, grid index, window, setting).
-    let mut scored: Vec<(f64, u64, usize, u32, Setting)> = Vec::new();
-    let (mut candidates, mut invalid, mut over) = (0usize, 0usize, 0usize);
+    let mut search = Search::default();
     let every = (total / 20).max(1);
     for (i, s) in grid.iter().enumerate() {
-        match plan_of(&apply(cfg, s), gates) {
-            Err(_) => invalid += 1,
-            Ok(plan) => {
-                let mut issue = None;
-                for w in windows(cfg.overlap.stage1_window, packs(&plan)) {
-                    let s = Setting {
-                        stage1_window: w,
-                        ..*s
-                    };
-                    let c = apply(cfg, &s);
-                    candidates += 1;
-                    let mem = memory_bytes(&c, &plan);
-                    if budget.is_some_and(|b| mem > b) {
-                        over += 1;
-                        continue;
-                    }
-                    let issue = issue.get_or_insert_with(|| Issue::of(&plan));
-                    match predict(&c, &plan, issue, p) {
-                        Ok(ms) => scored.push((ms, mem, i, w, s)),
-                        Err(_) => invalid += 1,
-                    }
-                }
-            }
-        }
+        search.score(cfg, gates, p, budget, (i, s));
         if (i + 1) % every == 0 || i + 1 == total {
-            let best = scored.iter().map(|x| x.0).fold(f64::INFINITY, f64::min);
-            progress(i + 1, total, best.is_finite().then_some(best));
+            progress(i + 1, total, search.best_ms());
         }
     }
-    if scored.is_empty() {
+    let Search {
+        candidates,
+        invalid,
+        over,
+        ..
+    } = search;
+    if search.scored.is_empty() {
         return Err(usage(format!(
             "no setting fits: {invalid} refused by the planner or validator, {over} settings with their stage1_window over --memory-gib"
         )));
     }
-    // Fastest first; among equal predictions the smaller memory, then grid order, then
-    // the smaller window.
-    scored.sort_by(|x, y| {
-        x.0.total_cmp(&y.0)
-            .then(x.1.cmp(&y.1))
-            .then(x.2.cmp(&y.2))
-            .then(x.3.cmp(&y.3))
-    });
-    let top: Vec<Scored> = scored
-        .iter()
-        .take(top)
-        .enumerate()
-        .map(|(k, &(ms, mem, _, _, s))| {
-            let copy = s.transport == Transport::Copy;
-            Scored {
-                rank: k + 1,
-                overlap_ms: ms,
-                memory_gib: mem as f64 / GIB,
-                bucket_cap_bytes: s.cap_bytes,
-                transport: s.transport.name(),
-                combine_lag: copy.then_some(s.combine_lag),
-                copy_ring_depth: copy.then_some(s.copy_ring_depth),
-                copy_slot_mib: copy.then_some(s.copy_slot_mib),
-                stage1_window: s.stage1_window,
-                streams: s.binding.name,
-                label: s.label(),
-                setting: s,
-            }
-        })
-        .collect();
+    let top = search.ranked(top);
     let best = top[0].setting;
     let best_ms = top[0].overlap_ms;
     Ok(TuneReport {
@@ -524,6 +475,100 @@ pub fn tune(
         sections: sections(cfg, &best),
         top,
     })
+}
+
+/// What [`tune`]'s search of the grid found so far.
+#[derive(Default)]
+struct Search {
+    /// The candidates within the budget the simulator predicted: (ms, memory, grid
+    /// index, window, setting).
+    scored: Vec<(f64, u64, usize, u32, Setting)>,
+    /// Settings with their windows whose memory was estimated.
+    candidates: usize,
+    /// Settings the planner or validator refused, and candidates the simulator refused.
+    invalid: usize,
+    /// Candidates over the memory budget.
+    over: usize,
+}
+
+impl Search {
+    /// Plans setting `i` of the grid (`s`) and, for each of its `stage1_window`s
+    /// ([`windows`]) whose memory fits `budget` bytes per rank, predicts the step.
+    fn score(
+        &mut self,
+        cfg: &Config,
+        gates: &[Gate],
+        p: &Profile,
+        budget: Option<u64>,
+        (i, s): (usize, &Setting),
+    ) {
+        let Ok(plan) = plan_of(&apply(cfg, s), gates) else {
+            self.invalid += 1;
+            return;
+        };
+        let mut issue = None;
+        for w in windows(cfg.overlap.stage1_window, packs(&plan)) {
+            let s = Setting {
+                stage1_window: w,
+                ..*s
+            };
+            let c = apply(cfg, &s);
+            self.candidates += 1;
+            let mem = memory_bytes(&c, &plan);
+            if budget.is_some_and(|b| mem > b) {
+                self.over += 1;
+                continue;
+            }
+            let issue = issue.get_or_insert_with(|| Issue::of(&plan));
+            match predict(&c, &plan, issue, p) {
+                Ok(ms) => self.scored.push((ms, mem, i, w, s)),
+                Err(_) => self.invalid += 1,
+            }
+        }
+    }
+
+    /// The best predicted step so far, ms.
+    fn best_ms(&self) -> Option<f64> {
+        let best = self
+            .scored
+            .iter()
+            .map(|x| x.0)
+            .fold(f64::INFINITY, f64::min);
+        best.is_finite().then_some(best)
+    }
+
+    /// The best `top` candidates, fastest first; among equal predictions the smaller
+    /// memory, then grid order, then the smaller window.
+    fn ranked(mut self, top: usize) -> Vec<Scored> {
+        self.scored.sort_by(|x, y| {
+            x.0.total_cmp(&y.0)
+                .then(x.1.cmp(&y.1))
+                .then(x.2.cmp(&y.2))
+                .then(x.3.cmp(&y.3))
+        });
+        self.scored
+            .iter()
+            .take(top)
+            .enumerate()
+            .map(|(k, &(ms, mem, _, _, s))| {
+                let copy = s.transport == Transport::Copy;
+                Scored {
+                    rank: k + 1,
+                    overlap_ms: ms,
+                    memory_gib: mem as f64 / GIB,
+                    bucket_cap_bytes: s.cap_bytes,
+                    transport: s.transport.name(),
+                    combine_lag: copy.then_some(s.combine_lag),
+                    copy_ring_depth: copy.then_some(s.copy_ring_depth),
+                    copy_slot_mib: copy.then_some(s.copy_slot_mib),
+                    stage1_window: s.stage1_window,
+                    streams: s.binding.name,
+                    label: s.label(),
+                    setting: s,
+                }
+            })
+            .collect()
+    }
 }
 
 /// The `[buckets]`, `[overlap]` and `[streams]` sections of `s` (with the config's

@@ -984,56 +984,8 @@ fn capital(s: &str) -> String {
 /// `nvlink.base_us`, `nvlink.hop_us` and `nvlink.busbw_gbs.*` from the collective sweep.
 fn nvlink(b: &mut Builder, c: &CrossGpu, world: u32, reps: &str) -> Result<(), Error> {
     let n = world;
-    let mut lines = Vec::new();
-    for kind in KINDS {
-        let key = busbw_key(kind);
-        let samples: Vec<&CollectiveSample> =
-            c.collectives.iter().filter(|s| s.kind == kind).collect();
-        let factor = overlap::observe::bus_factor(kind, n);
-        let line = fit_line(
-            &samples
-                .iter()
-                .map(|s| (s.bytes * factor, s.seconds))
-                .collect::<Vec<_>>(),
-        )
-        .map_err(|e| bad(key, e))?;
-        let bw = rate(key, line.slope)?;
-        lines.push((kind, line, bw, samples));
-    }
-    let steps = |k: CollectiveKind| -> f64 {
-        let s = f64::from(n - 1);
-        if k == CollectiveKind::AllReduce {
-            2.0 * s
-        } else {
-            s
-        }
-    };
-    // Latency = base + steps · hop, least squares over the kinds' intercepts.
-    let pts: Vec<(f64, f64)> = lines
-        .iter()
-        .map(|(k, l, _, _)| (steps(*k), l.intercept))
-        .collect();
-    let (base, hop, how) = match fit_line(&pts) {
-        Ok(l) if l.slope >= 0.0 && l.intercept >= 0.0 => (l.intercept, l.slope, ""),
-        Ok(l) if l.slope < 0.0 => {
-            let mean = pts.iter().map(|p| p.1).sum::<f64>() / pts.len() as f64;
-            (mean.max(0.0), 0.0, "; the fit's latency per step was below 0, so none is taken and the base is their mean")
-        }
-        _ => {
-            // An intercept below 0 (or one step count only): the steps carry it all.
-            let s: f64 = pts.iter().map(|p| p.0 * p.0).sum();
-            let hop = if s > 0.0 {
-                (pts.iter().map(|p| p.0 * p.1).sum::<f64>() / s).max(0.0)
-            } else {
-                0.0
-            };
-            (
-                0.0,
-                hop,
-                "; the fit's base was below 0, so it is 0 and the steps carry the latency",
-            )
-        }
-    };
+    let lines = bandwidth_fits(c, n)?;
+    let (base, hop, how) = latency_fit(&lines, n);
     let intercepts: Vec<String> = lines
         .iter()
         .map(|(k, l, _, _)| format!("{} {:.1} µs", k.name().replace('_', "-"), us(l.intercept)))
@@ -1075,6 +1027,72 @@ fn nvlink(b: &mut Builder, c: &CrossGpu, world: u32, reps: &str) -> Result<(), E
         );
     }
     Ok(())
+}
+
+/// One collective kind's fit: its line of time against bus bytes, its bus bandwidth
+/// (GB/s) and the samples it was fitted on.
+type KindFit<'c> = (CollectiveKind, Line, f64, Vec<&'c CollectiveSample>);
+
+/// Per collective kind of the sweep over `n` GPUs: time against bus bytes, fitted by
+/// least squares.
+fn bandwidth_fits(c: &CrossGpu, n: u32) -> Result<Vec<KindFit<'_>>, Error> {
+    let mut lines = Vec::new();
+    for kind in KINDS {
+        let key = busbw_key(kind);
+        let samples: Vec<&CollectiveSample> =
+            c.collectives.iter().filter(|s| s.kind == kind).collect();
+        let factor = overlap::observe::bus_factor(kind, n);
+        let line = fit_line(
+            &samples
+                .iter()
+                .map(|s| (s.bytes * factor, s.seconds))
+                .collect::<Vec<_>>(),
+        )
+        .map_err(|e| bad(key, e))?;
+        let bw = rate(key, line.slope)?;
+        lines.push((kind, line, bw, samples));
+    }
+    Ok(lines)
+}
+
+/// NCCL's latency over `n` GPUs as base + ring steps × hop (an all-reduce takes
+/// 2(n − 1) steps, the others n − 1), least squares over the kinds' intercepts; neither
+/// is negative. Returns the base, the hop and how the fit was adjusted (empty when it
+/// was not), in seconds.
+fn latency_fit(lines: &[KindFit<'_>], n: u32) -> (f64, f64, &'static str) {
+    let steps = |k: CollectiveKind| -> f64 {
+        let s = f64::from(n - 1);
+        if k == CollectiveKind::AllReduce {
+            2.0 * s
+        } else {
+            s
+        }
+    };
+    let pts: Vec<(f64, f64)> = lines
+        .iter()
+        .map(|(k, l, _, _)| (steps(*k), l.intercept))
+        .collect();
+    match fit_line(&pts) {
+        Ok(l) if l.slope >= 0.0 && l.intercept >= 0.0 => (l.intercept, l.slope, ""),
+        Ok(l) if l.slope < 0.0 => {
+            let mean = pts.iter().map(|p| p.1).sum::<f64>() / pts.len() as f64;
+            (mean.max(0.0), 0.0, "; the fit's latency per step was below 0, so none is taken and the base is their mean")
+        }
+        _ => {
+            // An intercept below 0 (or one step count only): the steps carry it all.
+            let s: f64 = pts.iter().map(|p| p.0 * p.0).sum();
+            let hop = if s > 0.0 {
+                (pts.iter().map(|p| p.0 * p.1).sum::<f64>() / s).max(0.0)
+            } else {
+                0.0
+            };
+            (
+                0.0,
+                hop,
+                "; the fit's base was below 0, so it is 0 and the steps carry the latency",
+            )
+        }
+    }
 }
 
 /// The profile key of a kind's bus bandwidth.
