@@ -15,10 +15,10 @@ mkdir -p "$OUT"
 export LD_LIBRARY_PATH=/usr/local/cuda/lib64:${LD_LIBRARY_PATH:-}
 export NCCL_NVLS_ENABLE=0
 name=$(basename "$SHAPES")
-echo "== $(date -u +%Y-%m-%dT%H:%M:%SZ) overlap bench-optimizer --shapes $SHAPES --muon --json --iters ${ITERS:-20} --warmup ${WARMUP:-3}"
+echo "== $(date -u +%Y-%m-%dT%H:%M:%SZ) overlap bench-optimizer --shapes $SHAPES --muon --clip --json --iters ${ITERS:-20} --warmup ${WARMUP:-3}"
 ITERS=${ITERS:-20}
 WARMUP=${WARMUP:-3}
-timeout 300 "$BIN" bench-optimizer --shapes "$SHAPES" --muon --json --iters "$ITERS" --warmup "$WARMUP" > "$OUT/overlap-$name.json"
+timeout 300 "$BIN" bench-optimizer --shapes "$SHAPES" --muon --clip --json --iters "$ITERS" --warmup "$WARMUP" > "$OUT/overlap-$name.json"
 echo "== python3 scripts/bench_optimizer.py --shapes $SHAPES --iters $ITERS --warmup $WARMUP"
 timeout 500 python3 scripts/bench_optimizer.py --shapes "$SHAPES" --iters "$ITERS" --warmup "$WARMUP" > "$OUT/torch-$name.json"
 echo "== comparison"

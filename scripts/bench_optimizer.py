@@ -191,6 +191,17 @@ def compare(ours_path, theirs_path):
         flops = ref["ns_tflop"]
         print(f"Newton-Schulz: {flops:.2f} TFLOP a step; overlap muon-bf16 tail at "
               f"{flops / (ref['device_ms'] * 1e-3):.0f} TFLOP/s (whole tail, device time)")
+    for ours, theirs in (("norm", "grad-norm"), ("adamw+clip", "clip+adamw-fused"),
+                         ("muon-bf16+clip", "clip+torch-muon+adamw-fused")):
+        ref = o.get(ours)
+        if not ref:
+            continue
+        line("overlap " + ours, ref, ref)
+        unfused = ours.replace("+clip", "+clip-pass")
+        if unfused in o and unfused != ours:
+            line("overlap " + unfused, o[unfused], ref)
+        if theirs in t:
+            line("torch " + theirs, t[theirs], ref)
     print("(x: time / overlap's time, above 1 = overlap faster; alone: from an event recorded "
           "before the host issues the step; device: issued while a spin occupies the stream; "
           "of limit: the AdamW part's 28 bytes a value at the copy bandwidth / the time)")
@@ -233,6 +244,16 @@ def main():
 
     fused = torch.optim.AdamW(params, lr=1e-3, weight_decay=0.01, fused=True)
     row("adamw-fused", fused.step, values)
+    grads = [p.grad for p in params]
+    # The global norm alone, and the norm, the clip and the update as a training step
+    # with clipping runs them (`clip_grad_norm_` always scales, by at most 1).
+    row("grad-norm", lambda: torch.nn.utils.get_total_norm(grads, foreach=True), values / 7)
+
+    def clipped_fused():
+        torch.nn.utils.clip_grad_norm_(params, 1e-3, foreach=True)
+        fused.step()
+
+    row("clip+adamw-fused", clipped_fused, values * 8 / 7)
     del fused
     foreach = torch.optim.AdamW(params, lr=1e-3, weight_decay=0.01, foreach=True)
     row("adamw-foreach", foreach.step, values)
@@ -247,6 +268,12 @@ def main():
             rest_opt.step()
 
         row("torch-muon+adamw-fused", muon_step, rest_values, flops)
+
+        def clipped_muon_step():
+            torch.nn.utils.clip_grad_norm_(params, 1e-3, foreach=True)
+            muon_step()
+
+        row("clip+torch-muon+adamw-fused", clipped_muon_step, rest_values + values / 7, flops)
         del muon, rest_opt
         by_shape = {}
         for p in mats:

@@ -59,6 +59,12 @@ pub struct BenchOptimizerArgs {
     /// Newton–Schulz precisions to time with `--muon`, comma-separated.
     #[arg(long, default_value = "bf16,tf32,f32")]
     pub ns_dtype: String,
+    /// Also time the tail behind global-norm clipping: the norm of every gradient, the
+    /// clip and the guarded updates, with the clip fused into the updates and as a pass
+    /// of its own, and the norm alone (AdamW, and with `--muon` the first
+    /// `--ns-dtype`).
+    #[arg(long)]
+    pub clip: bool,
     /// Timed steps.
     #[arg(long, default_value_t = 20)]
     pub iters: u32,

@@ -7,6 +7,7 @@
 //! interval starts and ends with an event recorded on the stream the kernels run on,
 //! after the backend issued what it held (`CudaBackend::raw_stream`).
 
+use std::sync::Arc;
 use std::time::Instant;
 
 use overlap::Error;
@@ -113,6 +114,99 @@ fn copy_gbps(b: &CudaBackend, timer: &Timer) -> Result<f64, Error> {
     Ok(2.0 * (n * 4) as f64 * f64::from(iters) / (ms * 1e-3) / 1e9)
 }
 
+/// The global norm's buffers for a tail behind clipping: the norm, every gradient, and
+/// a pristine copy of each, restored before every step (outside the timed interval) so
+/// that every timed step clips.
+struct ClipBufs {
+    norm: CudaBuffer,
+    grads: Arc<[CudaBuffer]>,
+    pristine: Vec<CudaBuffer>,
+}
+
+/// Far below the gradients' norm: every step clips.
+const MAX_NORM: f32 = 1e-3;
+
+impl ClipBufs {
+    fn new(b: &CudaBackend, slots: &[Slot]) -> Result<ClipBufs, Error> {
+        let grads: Arc<[CudaBuffer]> = slots.iter().map(|s| s.grad.clone()).collect();
+        let mut pristine = Vec::with_capacity(grads.len());
+        for g in grads.iter() {
+            pristine.push(b.alloc(0, g.len()).map_err(ops)?);
+        }
+        let clip = ClipBufs {
+            norm: b.alloc(0, 1).map_err(ops)?,
+            grads,
+            pristine,
+        };
+        clip.copy(b, true)?;
+        Ok(clip)
+    }
+
+    /// Copies every gradient into its pristine copy (`save`) or back.
+    fn copy(&self, b: &CudaBackend, save: bool) -> Result<(), Error> {
+        let stream = b.raw_stream(Stream::Compute);
+        for (g, p) in self.grads.iter().zip(&self.pristine) {
+            let (dst, src) = if save { (p, g) } else { (g, p) };
+            // SAFETY: both buffers hold `len` floats; the stream orders the copy.
+            unsafe {
+                sys::cuMemcpyDtoDAsync_v2(dst.device_ptr(), src.device_ptr(), g.len() * 4, stream)
+            }
+            .result()
+            .map_err(|e| driver("cuMemcpyDtoDAsync", e))?;
+        }
+        Ok(())
+    }
+
+    /// The norm and the clip, then `kernels` guarded by the norm.
+    fn wrap(&self, kernels: Vec<Kernel<CudaBuffer>>) -> Vec<Kernel<CudaBuffer>> {
+        let mut out = vec![
+            Kernel::SumSquares {
+                dst: self.norm.clone(),
+                srcs: self.grads.clone(),
+            },
+            Kernel::Clip {
+                norm: self.norm.clone(),
+                bufs: self.grads.clone(),
+                max_norm: MAX_NORM,
+            },
+        ];
+        out.extend(kernels.into_iter().map(|k| Kernel::IfFinite {
+            norm: self.norm.clone(),
+            kernel: Box::new(k),
+        }));
+        out
+    }
+}
+
+/// What one timed tail runs: the optimizers (Muon in the dtype, or AdamW only), behind
+/// the global norm and clip when `clip` is set, or the norm alone.
+#[derive(Clone, Copy)]
+enum Tail<'a> {
+    Update(Option<NsDtype>, Option<&'a ClipBufs>),
+    NormOnly(&'a ClipBufs),
+}
+
+impl Tail<'_> {
+    fn kernels(self, slots: &[Slot], step: u64) -> Vec<Kernel<CudaBuffer>> {
+        match self {
+            Tail::Update(ns, None) => step_kernels(slots, ns, step),
+            Tail::Update(ns, Some(c)) => c.wrap(step_kernels(slots, ns, step)),
+            Tail::NormOnly(c) => vec![Kernel::SumSquares {
+                dst: c.norm.clone(),
+                srcs: c.grads.clone(),
+            }],
+        }
+    }
+
+    /// Restores the gradients a clip scaled (outside the timed interval).
+    fn restore(self, b: &CudaBackend) -> Result<(), Error> {
+        match self {
+            Tail::Update(_, Some(c)) => c.copy(b, false),
+            _ => Ok(()),
+        }
+    }
+}
+
 /// One step's kernels: AdamW on every slot, or Muon (in `ns`) on the Muon ones.
 fn step_kernels(slots: &[Slot], ns: Option<NsDtype>, step: u64) -> Vec<Kernel<CudaBuffer>> {
     slots
@@ -165,14 +259,15 @@ fn time_tail(
     b: &CudaBackend,
     timer: &Timer,
     slots: &[Slot],
-    ns: Option<NsDtype>,
+    tail: Tail<'_>,
     (iters, warmup): (u32, u32),
 ) -> Result<([f64; 3], f64), Error> {
     let (mut alone, mut covered, mut host) = (Vec::new(), Vec::new(), Vec::new());
     let mut step = 1;
     for i in 0..2 * (warmup + iters) {
-        let kernels = step_kernels(slots, ns, step);
+        let kernels = tail.kernels(slots, step);
         step += 1;
+        tail.restore(b)?;
         let cover = i % 2 == 1;
         if cover {
             let tag = Tag {
@@ -197,19 +292,121 @@ fn time_tail(
             }
         }
     }
-    timer.mark(b, false)?;
-    for _ in 0..iters {
-        let kernels = step_kernels(slots, ns, step);
-        step += 1;
-        launch_all(b, kernels);
-    }
-    timer.mark(b, true)?;
-    let b2b = timer.elapsed()? / f64::from(iters.max(1));
+    let b2b = back_to_back(b, timer, slots, tail, (step, iters))?;
     let errors = b.errors();
     if !errors.is_empty() {
         return Err(Error::Backend(format!("bench-optimizer: {errors:?}")));
     }
     Ok(([median(alone), median(covered), b2b], median(host)))
+}
+
+/// Milliseconds per step of `iters` steps issued back to back from `step` on; a tail
+/// that restores its gradients restores them between steps, and the time of the
+/// restores alone (measured the same way) is taken off.
+fn back_to_back(
+    b: &CudaBackend,
+    timer: &Timer,
+    slots: &[Slot],
+    tail: Tail<'_>,
+    (mut step, iters): (u64, u32),
+) -> Result<f64, Error> {
+    timer.mark(b, false)?;
+    for _ in 0..iters {
+        let kernels = tail.kernels(slots, step);
+        step += 1;
+        tail.restore(b)?;
+        launch_all(b, kernels);
+    }
+    timer.mark(b, true)?;
+    let mut ms = timer.elapsed()?;
+    if let Tail::Update(_, Some(_)) = tail {
+        timer.mark(b, false)?;
+        for _ in 0..iters {
+            tail.restore(b)?;
+        }
+        timer.mark(b, true)?;
+        ms -= timer.elapsed()?;
+    }
+    Ok(ms / f64::from(iters.max(1)))
+}
+
+/// The rows of `--clip`: the norm alone, then each update tail behind the norm and the
+/// clip, fused and as a pass of its own. `limit` gives a tail's memory-bound limit
+/// from the bytes it moves per value on AdamW and per value on Muon.
+fn clip_rows(
+    b: &CudaBackend,
+    timer: &Timer,
+    slots: &[Slot],
+    updates: &[(String, Option<NsDtype>, f64, f64)],
+    (iters, warmup): (u32, u32),
+) -> Result<Vec<TailRow>, Error> {
+    let clip = ClipBufs::new(b, slots)?;
+    let mut rows = Vec::new();
+    let (times, host_us) = time_tail(b, timer, slots, Tail::NormOnly(&clip), (iters, warmup))?;
+    // The norm reads every gradient once: 4 bytes a value, a seventh of AdamW's 28.
+    let norm_limit = updates.first().map_or(0.0, |u| u.2) / 7.0;
+    rows.push(TailRow::of("norm".into(), times, host_us, norm_limit, 0.0));
+    for (name, ns, limit, ns_tflop) in updates {
+        for fused in [true, false] {
+            b.set_clip_fusion(fused);
+            let tail = Tail::Update(*ns, Some(&clip));
+            let (times, host_us) = time_tail(b, timer, slots, tail, (iters, warmup))?;
+            let how = if fused { "clip" } else { "clip-pass" };
+            // The norm's read (4 bytes a value) on top of the update's 28.
+            let limit = limit + norm_limit;
+            rows.push(TailRow::of(
+                format!("{name}+{how}"),
+                times,
+                host_us,
+                limit,
+                *ns_tflop,
+            ));
+        }
+    }
+    b.set_clip_fusion(true);
+    Ok(rows)
+}
+
+/// Every parameter's buffers on the device, with a Muon momentum for the Muon ones when
+/// `muon` is set.
+fn alloc_slots(b: &CudaBackend, tensors: Vec<Tensor>, muon: bool) -> Result<Vec<Slot>, Error> {
+    let block = overlap_ops::math::pseudo_random(1 << 20, 7);
+    let mut slots = Vec::with_capacity(tensors.len());
+    for t in tensors {
+        let n = t.numel();
+        let momentum = (muon && t.muon)
+            .then(|| b.alloc(0, n).map_err(ops))
+            .transpose()?;
+        slots.push(Slot {
+            param: filled(b, n, &block)?,
+            grad: filled(b, n, &block[1..])?,
+            adamw: b.alloc(0, 2 * n).map_err(ops)?,
+            muon: momentum,
+            tensor: t,
+        });
+    }
+    Ok(slots)
+}
+
+impl TailRow {
+    /// A row from `time_tail`'s (alone, covered, back to back) figures.
+    fn of(
+        tail: String,
+        [alone_ms, device_ms, back_to_back_ms]: [f64; 3],
+        host_us: f64,
+        adamw_limit_ms: f64,
+        ns_tflop: f64,
+    ) -> TailRow {
+        TailRow {
+            tail,
+            alone_ms,
+            device_ms,
+            back_to_back_ms,
+            host_us,
+            adamw_limit_ms,
+            ns_tflop,
+        }
+    }
 }
 
 /// Runs the benchmark (blocking: call it on a thread of its own).
@@ -225,37 +422,21 @@ pub fn run(args: &BenchOptimizerArgs) -> Result<OptimReport, Error> {
         .collect::<Result<Vec<_>, _>>()?;
     let mesh = Mesh::new(1, 1).map_err(|e| Error::Usage(e.to_string()))?;
     let b = CudaBackend::new(CudaOptions::new(mesh, 0, 0)).map_err(ops)?;
-    let block = overlap_ops::math::pseudo_random(1 << 20, 7);
-    let mut slots = Vec::with_capacity(tensors.len());
-    for t in tensors {
-        let n = t.numel();
-        let muon = (args.muon && t.muon)
-            .then(|| b.alloc(0, n).map_err(ops))
-            .transpose()?;
-        slots.push(Slot {
-            param: filled(&b, n, &block)?,
-            grad: filled(&b, n, &block[1..])?,
-            adamw: b.alloc(0, 2 * n).map_err(ops)?,
-            muon,
-            tensor: t,
-        });
-    }
+    let slots = alloc_slots(&b, tensors, args.muon)?;
     let timer = Timer::new(&b)?;
     let copy = copy_gbps(&b, &timer)?;
     let limit = |on_adamw: usize| 28.0 * on_adamw as f64 / (copy * 1e9) * 1e3;
     let values: usize = slots.iter().map(|s| s.tensor.numel()).sum();
     let mut rows = Vec::new();
-    let ([alone_ms, device_ms, back_to_back_ms], host_us) =
-        time_tail(&b, &timer, &slots, None, (args.iters, args.warmup))?;
-    rows.push(TailRow {
-        tail: "adamw".into(),
-        alone_ms,
-        device_ms,
-        back_to_back_ms,
+    let timed = (args.iters, args.warmup);
+    let (times, host_us) = time_tail(&b, &timer, &slots, Tail::Update(None, None), timed)?;
+    rows.push(TailRow::of(
+        "adamw".into(),
+        times,
         host_us,
-        adamw_limit_ms: limit(values),
-        ns_tflop: 0.0,
-    });
+        limit(values),
+        0.0,
+    ));
     let on_muon: Vec<&Tensor> = slots
         .iter()
         .filter(|s| s.muon.is_some())
@@ -268,18 +449,20 @@ pub fn run(args: &BenchOptimizerArgs) -> Result<OptimReport, Error> {
         .sum();
     if !on_muon.is_empty() {
         for &dtype in &dtypes {
-            let ([alone_ms, device_ms, back_to_back_ms], host_us) =
-                time_tail(&b, &timer, &slots, Some(dtype), (args.iters, args.warmup))?;
-            rows.push(TailRow {
-                tail: format!("muon-{}", dtype.name()),
-                alone_ms,
-                device_ms,
-                back_to_back_ms,
-                host_us,
-                adamw_limit_ms: limit(values - muon_values),
-                ns_tflop: flops / 1e12,
-            });
+            let tail = Tail::Update(Some(dtype), None);
+            let (times, host_us) = time_tail(&b, &timer, &slots, tail, timed)?;
+            let name = format!("muon-{}", dtype.name());
+            let limit = limit(values - muon_values);
+            rows.push(TailRow::of(name, times, host_us, limit, flops / 1e12));
         }
+    }
+    if args.clip {
+        let mut updates = vec![("adamw".to_string(), None, limit(values), 0.0)];
+        if let (Some(&dtype), false) = (dtypes.first(), on_muon.is_empty()) {
+            let name = format!("muon-{}", dtype.name());
+            updates.push((name, Some(dtype), limit(values - muon_values), flops / 1e12));
+        }
+        rows.extend(clip_rows(&b, &timer, &slots, &updates, timed)?);
     }
     let info = b.info();
     Ok(OptimReport {

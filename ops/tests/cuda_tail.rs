@@ -142,3 +142,126 @@ fn muon_matrices_of_two_shapes_held_together_match_one_by_one() {
         assert!(e < 1e-4, "{rows}x{cols}: update rel err {e:.2e}");
     }
 }
+
+/// One case of the clip fused into the optimizers: three AdamW tensors (two aligned
+/// sizes and an odd one) and a Muon matrix read their gradients after a clip that also
+/// scales a gradient no optimizer reads; every buffer must be the reference's bits:
+/// clip every gradient, then the guarded optimizers.
+fn fused_clip_case(sq: f32, max_norm: f32) {
+    let Some(b) = gpu() else { return };
+    let norm = buffer(&b, &[sq]);
+    let hp = MuonParams::default().with_ns_dtype(NsDtype::F32);
+    let sizes = [8192usize, 4096 * 3 + 5, 77];
+    let mut grads: Vec<Vec<f32>> = (0..5)
+        .map(|i| math::pseudo_random(6000 + i * 1000, 40 + i as u64))
+        .collect();
+    for (i, &n) in sizes.iter().enumerate() {
+        grads[i] = math::pseudo_random(n, 50 + i as u64);
+    }
+    let (rows, cols) = (48, 64);
+    grads[3] = math::pseudo_random(rows * cols, 60);
+    let gbufs: Vec<CudaBuffer> = grads.iter().map(|g| buffer(&b, g)).collect();
+    b.launch(
+        0,
+        Stream::Compute,
+        TAG,
+        Kernel::Clip {
+            norm: norm.clone(),
+            bufs: gbufs.clone().into(),
+            max_norm,
+        },
+    );
+    let guarded = |k| Kernel::IfFinite {
+        norm: norm.clone(),
+        kernel: Box::new(k),
+    };
+    let mut adamw_host = Vec::new();
+    for (i, &n) in sizes.iter().enumerate() {
+        let p0 = math::pseudo_random(n, 70 + i as u64);
+        let (pb, sb) = (buffer(&b, &p0), b.alloc(0, 2 * n).unwrap());
+        b.launch(
+            0,
+            Stream::Compute,
+            TAG,
+            guarded(adamw(&pb, &gbufs[i], &sb, 1)),
+        );
+        adamw_host.push((p0, pb, sb));
+    }
+    let (p0, m0) = (
+        math::pseudo_random(rows * cols, 80),
+        math::pseudo_random(rows * cols, 81),
+    );
+    let (pb, mb) = (buffer(&b, &p0), buffer(&b, &m0));
+    let muon = Kernel::Muon {
+        param: pb.clone(),
+        grad: gbufs[3].clone(),
+        momentum: mb.clone(),
+        rows,
+        cols,
+        hp,
+    };
+    b.launch(0, Stream::Compute, TAG, guarded(muon));
+    sync(&b, Stream::Compute);
+    // The reference: the clip of every gradient, then the optimizers on a finite norm.
+    let finite = f64::from(sq).is_finite();
+    if let Some(f) = math::clip_factor(f64::from(sq), max_norm) {
+        grads.iter_mut().for_each(|g| math::scale(g, f));
+    }
+    for (g, gb) in grads.iter().zip(&gbufs) {
+        assert_eq!(
+            bits(&b.download(gb).unwrap()),
+            bits(g),
+            "a gradient after the clip"
+        );
+    }
+    for (i, (p0, pb, sb)) in adamw_host.into_iter().enumerate() {
+        let n = sizes[i];
+        let (mut p, mut m, mut v) = (p0, vec![0.0; n], vec![0.0; n]);
+        if finite {
+            math::adamw(
+                &mut p,
+                &grads[i],
+                &mut m,
+                &mut v,
+                &AdamwParams::default(),
+                1,
+            );
+        }
+        let s = b.download(&sb).unwrap();
+        assert_eq!(
+            bits(&b.download(&pb).unwrap()),
+            bits(&p),
+            "AdamW {n}: parameter"
+        );
+        assert_eq!(
+            (bits(&s[..n]), bits(&s[n..])),
+            (bits(&m), bits(&v)),
+            "AdamW {n}: moments"
+        );
+    }
+    let (mut p, mut m) = (p0.clone(), m0);
+    if finite {
+        math::muon(&mut p, &grads[3], &mut m, rows, cols, &hp);
+    }
+    assert_eq!(bits(&b.download(&mb).unwrap()), bits(&m), "Muon momentum");
+    if !finite {
+        assert_eq!(
+            bits(&b.download(&pb).unwrap()),
+            bits(&p0),
+            "a skipped Muon step"
+        );
+    }
+}
+
+fn bits(xs: &[f32]) -> Vec<u32> {
+    xs.iter().map(|x| x.to_bits()).collect()
+}
+
+#[test]
+fn a_clip_fused_into_the_optimizers_is_the_references_bit_for_bit() {
+    // Clipping (factor 0.5 / 2000), not clipping (factor above 1), a non-finite norm
+    // (everything skipped, nothing scaled).
+    fused_clip_case(4.0e6, 0.5);
+    fused_clip_case(0.01, 1.0);
+    fused_clip_case(f32::INFINITY, 1.0);
+}

@@ -148,6 +148,7 @@ impl CudaBackend {
                     pending: Vec::new(),
                 },
                 pending: Default::default(),
+                fuse_clip: true,
             }),
             waiter: Some(waiter),
             info,
@@ -207,6 +208,15 @@ impl CudaBackend {
     /// --combine-cache normal` turns it off for comparison).
     pub fn set_combine_streaming(&self, on: bool) {
         lock(&self.issue).combine_streaming = on;
+    }
+
+    /// Whether the global norm's clip ([`Kernel::Clip`]) is fused into the optimizer
+    /// kernels that read the gradients it scales (default on: no pass of its own over
+    /// them; the results are the same bits either way; `overlap bench-optimizer --clip`
+    /// times both).
+    pub fn set_clip_fusion(&self, on: bool) {
+        let mut issue = lock(&self.issue);
+        issue.fuse_clip = on;
     }
 
     /// Whether a collective or exchange issued on a poisoned stream still joins its

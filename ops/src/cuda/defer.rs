@@ -21,6 +21,15 @@
 //! passed it). With timings on, a flush is timed as one kernel under the first held
 //! kernel's tag.
 //!
+//! The global norm's clip ([`crate::Kernel::Clip`]) is held the same way, and fused: a
+//! held optimizer whose gradient the held clip scales reads the factor on the device,
+//! scales the gradient as it reads it and stores it back (`FusedClip`), so the clip
+//! costs no pass of its own over those gradients; at the flush a separate clip kernel
+//! scales only the clip's buffers that no held optimizer read. A clip is held only
+//! behind nothing (the stream is flushed first), and an optimizer that would write a
+//! buffer the clip scales (other than reading it as its gradient) flushes the clip
+//! first, so every buffer ends as the unfused order leaves it.
+//!
 //! Invariant: a held kernel is issued before any work that the caller issued after it
 //! on the same stream, and before any event the caller records on that stream.
 
@@ -29,9 +38,10 @@ use overlap_graph::Stream;
 
 use super::backend::Shared;
 use super::issue::Issue;
+use super::kernels::Span;
 use super::memory::CudaBuffer;
 use super::muon::{self, BatchLayout};
-use super::optim::{adamw_scalars, adamw_tables, AdamwTensor, MuonMats, MUON_MATS};
+use super::optim::{adamw_scalars, adamw_tables, AdamwTensor, FusedClip, MuonMats, MUON_MATS};
 use crate::{AdamwParams, MuonParams, OpsError, Tag};
 
 /// Most kernels held per stream before a flush.
@@ -73,41 +83,81 @@ impl Held {
     }
 }
 
-/// A stream's held optimizer kernels, in launch order, each with its tag and guard.
+/// A held [`crate::Kernel::Clip`], validated.
+#[derive(Debug)]
+pub(super) struct HeldClip {
+    pub(super) tag: Tag,
+    /// The one-float squared global norm.
+    pub(super) norm: CudaBuffer,
+    /// The gradients it scales.
+    pub(super) bufs: Vec<CudaBuffer>,
+    pub(super) max_norm: f32,
+}
+
+/// One held optimizer step: its tag, the step, its guard, and whether it applies the
+/// held clip to its gradient.
+type Entry = (Tag, Held, Option<CudaBuffer>, bool);
+
+/// A stream's held clip and optimizer kernels, in launch order (the clip first).
 #[derive(Debug, Default)]
 pub(super) struct Pending {
-    held: Vec<(Tag, Held, Option<CudaBuffer>)>,
+    clip: Option<HeldClip>,
+    held: Vec<Entry>,
 }
 
 impl Pending {
-    /// Whether `step` (guarded by `guard`) shares a buffer with a held kernel.
+    /// Whether `step` (guarded by `guard`) shares a buffer with a held kernel, or
+    /// touches one the held clip scales or reads other than as its gradient.
     fn conflicts(&self, step: &Held, guard: Option<&CudaBuffer>) -> bool {
         let new = step.buffers();
-        self.held.iter().any(|(_, h, g)| {
+        let with_held = self.held.iter().any(|(_, h, g, _)| {
             let old = h.buffers();
             new.iter().any(|b| old.iter().any(|o| o.same(b)))
                 || g.as_ref().is_some_and(|g| new.iter().any(|b| b.same(g)))
                 || guard.is_some_and(|g| old.iter().any(|o| o.same(g)))
-        })
+        });
+        let with_clip = self.clip.as_ref().is_some_and(|c| {
+            let [param, grad, state] = new;
+            let scaled = |b: &CudaBuffer| c.bufs.iter().any(|x| x.same(b));
+            scaled(param)
+                || scaled(state)
+                || [param, grad, state].iter().any(|b| b.same(&c.norm))
+                || guard.is_some_and(scaled)
+        });
+        with_held || with_clip
+    }
+
+    /// Whether the held clip scales `step`'s gradient.
+    fn clips(&self, step: &Held) -> bool {
+        let grad = step.buffers()[1];
+        self.clip
+            .as_ref()
+            .is_some_and(|c| c.bufs.iter().any(|b| b.same(grad)))
     }
 
     pub(super) fn is_empty(&self) -> bool {
-        self.held.is_empty()
+        self.held.is_empty() && self.clip.is_none()
     }
 }
 
-/// AdamW groups: tensors sharing hyper-parameters, step and guard, in first-seen order.
-type AdamwGroups = Vec<((AdamwParams, u64, sys::CUdeviceptr), Vec<AdamwTensor>)>;
-/// Muon groups: matrices sharing shape, hyper-parameters and guard.
-type MuonKey = ((usize, usize), MuonParams, sys::CUdeviceptr);
+/// AdamW groups: tensors sharing hyper-parameters, step, guard and fused clip, in
+/// first-seen order.
+type AdamwGroups = Vec<(
+    (AdamwParams, u64, sys::CUdeviceptr, FusedClip),
+    Vec<AdamwTensor>,
+)>;
+/// Muon groups: matrices sharing shape, hyper-parameters, guard and fused clip.
+type MuonKey = ((usize, usize), MuonParams, sys::CUdeviceptr, FusedClip);
 type MuonGroups = Vec<(MuonKey, Vec<(u64, u64, u64)>)>;
 
-/// The held kernels grouped for their launches.
-fn groups(held: &[(Tag, Held, Option<CudaBuffer>)]) -> (AdamwGroups, MuonGroups) {
+/// The held kernels grouped for their launches; `clip` is what a step that applies the
+/// held clip passes its kernel.
+fn groups(held: &[Entry], clip: FusedClip) -> (AdamwGroups, MuonGroups) {
     let mut adamw: AdamwGroups = Vec::new();
     let mut muon: MuonGroups = Vec::new();
-    for (_, h, guard) in held {
+    for (_, h, guard, clipped) in held {
         let g = guard.as_ref().map_or(0, CudaBuffer::ptr);
+        let c = if *clipped { clip } else { FusedClip::default() };
         match h {
             Held::Adamw {
                 param,
@@ -116,7 +166,7 @@ fn groups(held: &[(Tag, Held, Option<CudaBuffer>)]) -> (AdamwGroups, MuonGroups)
                 hp,
                 step,
             } => {
-                let key = (*hp, *step, g);
+                let key = (*hp, *step, g, c);
                 let t = AdamwTensor {
                     p: param.ptr(),
                     g: grad.ptr(),
@@ -138,7 +188,7 @@ fn groups(held: &[(Tag, Held, Option<CudaBuffer>)]) -> (AdamwGroups, MuonGroups)
                 cols,
                 hp,
             } => {
-                let key = ((*rows, *cols), *hp, g);
+                let key = ((*rows, *cols), *hp, g, c);
                 let m = (param.ptr(), momentum.ptr(), grad.ptr());
                 match muon.iter_mut().find(|(k, _)| *k == key) {
                     Some((_, v)) => v.push(m),
@@ -165,16 +215,25 @@ impl Issue {
         if pending.held.len() >= MAX_HELD || pending.conflicts(&step, guard) {
             self.flush(shared, stream);
         }
-        self.pending[stream.index()]
-            .held
-            .push((tag, step, guard.cloned()));
+        let pending = &mut self.pending[stream.index()];
+        let clipped = self.fuse_clip && pending.clips(&step);
+        pending.held.push((tag, step, guard.cloned(), clipped));
+    }
+
+    /// Holds a validated clip on `stream`, behind nothing: what is held there is
+    /// issued first.
+    pub(super) fn hold_clip(&mut self, shared: &Shared, stream: Stream, clip: HeldClip) {
+        self.flush(shared, stream);
+        self.pending[stream.index()].clip = Some(clip);
     }
 
     /// Issues every optimizer step held on `stream`. A failure is reported under the
     /// first held kernel's tag and poisons the stream, as a failed launch does.
     pub(super) fn flush(&mut self, shared: &Shared, stream: Stream) {
-        let held = std::mem::take(&mut self.pending[stream.index()].held);
-        let Some(&(tag, _, _)) = held.first() else {
+        let pending = std::mem::take(&mut self.pending[stream.index()]);
+        let (clip, held) = (pending.clip, pending.held);
+        let first = clip.as_ref().map(|c| c.tag);
+        let Some(tag) = first.or_else(|| held.first().map(|e| e.0)) else {
             return;
         };
         let raw = shared.device.stream(stream);
@@ -183,7 +242,9 @@ impl Issue {
         } else {
             None
         };
-        let result = self.issue_held(shared, stream, raw, &held);
+        let result = self
+            .clip_unread(raw, clip.as_ref(), &held)
+            .and_then(|fused| self.issue_held(shared, stream, raw, &held, fused));
         self.end_timing(
             shared,
             (stream, raw),
@@ -200,7 +261,40 @@ impl Issue {
             self.poison[stream.index()].get_or_insert(OpsError::Cancelled(cause));
         }
         // The buffers go back to the pool only now, after their kernels were issued.
-        drop(held);
+        drop((clip, held));
+    }
+
+    /// Issues the held clip for the buffers no held step reads as its gradient (those
+    /// steps apply it themselves); returns what those steps pass their kernels.
+    fn clip_unread(
+        &mut self,
+        raw: sys::CUstream,
+        clip: Option<&HeldClip>,
+        held: &[Entry],
+    ) -> Result<FusedClip, OpsError> {
+        let Some(c) = clip else {
+            return Ok(FusedClip::default());
+        };
+        let read = |b: &CudaBuffer| {
+            held.iter()
+                .any(|(_, h, _, clipped)| *clipped && h.buffers()[1].same(b))
+        };
+        let spans: Vec<Span> = c
+            .bufs
+            .iter()
+            .filter(|b| !read(b))
+            .map(|b| Span {
+                p: b.ptr(),
+                len: b.len as u64,
+            })
+            .collect();
+        if !spans.is_empty() {
+            self.kernels.clip(raw, &spans, c.norm.ptr(), c.max_norm)?;
+        }
+        Ok(FusedClip {
+            norm: c.norm.ptr(),
+            max_norm: c.max_norm,
+        })
     }
 
     /// Flushes every stream.
@@ -215,15 +309,16 @@ impl Issue {
         shared: &Shared,
         stream: Stream,
         raw: sys::CUstream,
-        held: &[(Tag, Held, Option<CudaBuffer>)],
+        held: &[Entry],
+        clip: FusedClip,
     ) -> Result<(), OpsError> {
-        let (adamw, muon) = groups(held);
-        for ((hp, step, guard), tensors) in adamw {
-            for launch in adamw_tables(&tensors, adamw_scalars(&hp, step), guard) {
+        let (adamw, muon) = groups(held, clip);
+        for ((hp, step, guard, clip), tensors) in adamw {
+            for launch in adamw_tables(&tensors, adamw_scalars(&hp, step), (guard, clip)) {
                 self.kernels.optim.adamw_multi(raw, &launch)?;
             }
         }
-        for (((rows, cols), hp, guard), mats) in muon {
+        for (((rows, cols), hp, guard, clip), mats) in muon {
             for chunk in mats.chunks(MUON_MATS) {
                 let layout =
                     BatchLayout::new((rows, cols), chunk.len(), hp.ns_dtype).ok_or_else(|| {
@@ -241,7 +336,7 @@ impl Issue {
                     &self.blas[stream.index()],
                     raw,
                     (scratch, &layout),
-                    &MuonMats::of(chunk),
+                    &MuonMats::of(chunk, clip),
                     &hp,
                     guard,
                 )?;

@@ -57,6 +57,9 @@ pub(super) struct Issue {
     /// Optimizer kernels validated and held per stream, at [`Stream::index`], until
     /// the stream is flushed (`defer.rs`).
     pub(super) pending: [Pending; Stream::COUNT],
+    /// Whether optimizers apply a held clip to the gradients they read (`defer.rs`;
+    /// [`CudaBackend::set_clip_fusion`]).
+    pub(super) fuse_clip: bool,
 }
 
 // SAFETY: `Issue` holds driver, cuBLAS and NCCL handles that are only used under the
@@ -77,7 +80,7 @@ impl Issue {
         // An optimizer kernel is validated now and held (`defer.rs`); anything else
         // issues the held ones first, keeping the stream's order.
         let held = match &kernel {
-            Kernel::Adamw { .. } | Kernel::Muon { .. } => true,
+            Kernel::Adamw { .. } | Kernel::Muon { .. } | Kernel::Clip { .. } => true,
             Kernel::IfFinite { kernel, .. } => {
                 matches!(**kernel, Kernel::Adamw { .. } | Kernel::Muon { .. })
             }
@@ -220,7 +223,9 @@ impl Issue {
                 norm,
                 bufs,
                 max_norm,
-            } => self.clip(rank, raw, &norm, &bufs, max_norm).map(|()| 0),
+            } => self
+                .clip(shared, (stream, tag), norm, &bufs, max_norm)
+                .map(|()| 0),
             // The optimizer, told to read the norm on the device and do nothing when it
             // is not finite: no extra launch, no host synchronisation.
             Kernel::IfFinite { norm, kernel } => {

@@ -30,8 +30,11 @@ pub(super) fn full_source() -> String {
 
 /// Threads per block of every kernel (the reductions need exactly this many).
 const THREADS: u32 = 256;
-/// Blocks of the sum-of-squares pass (its partials are summed by one block).
-pub(super) const SUMSQ_BLOCKS: u32 = 256;
+/// Most blocks of the sum-of-squares pass per span (its partials are summed by one
+/// block).
+pub(super) const SUMSQ_BLOCKS: u32 = 1024;
+/// Floats a thread of the sum-of-squares pass takes per round (four float4 loads).
+const SUMSQ_PER_THREAD: u64 = 16;
 /// Most blocks a grid-stride kernel is launched with.
 const MAX_BLOCKS: u64 = 4096;
 /// Threads per block of the capped-grid combine (`OV_COMBINE_WIDE` in the source).
@@ -108,8 +111,9 @@ pub(super) struct SumSqLaunch {
 }
 
 /// How [`Kernels::sum_squares`] covers `spans` (empty ones left out, they add nothing):
-/// launches of up to [`MAX_SPANS`] spans in order, each [`blocks`] of its longest span
-/// wide, capped at [`SUMSQ_BLOCKS`]; and the number of partial sums (doubles) they
+/// launches of up to [`MAX_SPANS`] spans in order, each wide enough for one round of
+/// four float4 loads per thread over its longest span, capped at [`SUMSQ_BLOCKS`]; and
+/// the number of partial sums (doubles) they
 /// write. A function of the lengths only, so the same inputs always reduce in the same
 /// order.
 pub(super) fn sumsq_launches(spans: &[Span]) -> (Vec<SumSqLaunch>, u64) {
@@ -118,7 +122,10 @@ pub(super) fn sumsq_launches(spans: &[Span]) -> (Vec<SumSqLaunch>, u64) {
     let mut start = 0;
     for chunk in spans.chunks(MAX_SPANS) {
         let longest = chunk.iter().map(|s| s.len).max().unwrap_or(0);
-        let grid = blocks(longest).min(SUMSQ_BLOCKS);
+        let per_block = u64::from(THREADS) * SUMSQ_PER_THREAD;
+        let grid = longest
+            .div_ceil(per_block)
+            .clamp(1, u64::from(SUMSQ_BLOCKS)) as u32;
         out.push(SumSqLaunch {
             spans: start..start + chunk.len(),
             grid,
@@ -623,7 +630,7 @@ mod tests {
                 1
             )
         );
-        let long = u64::from(THREADS) * u64::from(SUMSQ_BLOCKS) * 3;
+        let long = u64::from(THREADS) * SUMSQ_PER_THREAD * u64::from(SUMSQ_BLOCKS) * 3;
         let (l, n) = sumsq_launches(&[span(0x1000, 10), span(0x2000, long)]);
         assert_eq!(l[0].grid, SUMSQ_BLOCKS);
         assert_eq!(n, 2 * u64::from(SUMSQ_BLOCKS));

@@ -52,7 +52,9 @@
 //!   kernel and `cuEventElapsedTime`; ordering events have timing disabled.
 //! - **The global norm** (`[clip]`) never reaches the host during a step:
 //!   [`Kernel::SumSquares`] is two atomics-free passes through the stream's scratch,
-//!   [`Kernel::Clip`] reads the squared norm in device memory, and
+//!   [`Kernel::Clip`] reads the squared norm in device memory (held with the
+//!   optimizers after it and fused into those that read the gradients it scales,
+//!   `defer.rs`; [`CudaBackend::set_clip_fusion`]), and
 //!   [`Kernel::IfFinite`] hands the optimizer's kernels the norm's address (null when
 //!   unguarded): AdamW's kernel and Muon's momentum and update kernels return at once
 //!   when it is not finite (Muon's Newton–Schulz still runs, on scratch).

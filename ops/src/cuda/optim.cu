@@ -12,7 +12,7 @@
 // chunks are blocks block0 .. next tensor's block0 - 1 of the grid.
 struct AdamwTensor {
     float* p;
-    const float* g;
+    float* g;
     float* m;
     float* v;
     u64 n;
@@ -26,13 +26,39 @@ struct AdamwTensor {
 
 // Up to OV_ADAMW_TENSORS tensors sharing their hyper-parameters and guard. The scalars
 // are computed on the host in double exactly as ops::math::adamw does: decay =
-// 1 - lr*wd, bc1 = 1 - b1^step, bc2 = 1 - b2^step. `guard`: ov_skip.
+// 1 - lr*wd, bc1 = 1 - b1^step, bc2 = 1 - b2^step. `guard`: ov_skip. `clip_norm`,
+// `max_norm`: ov_fused_clip.
 struct AdamwTable {
     AdamwTensor t[OV_ADAMW_TENSORS];
     double b1, b2, eps, lr, decay, bc1, bc2;
     const float* guard;
     u64 count;
+    const float* clip_norm;
+    float max_norm;
 };
+
+// Kernel::Clip fused into an optimizer that reads the gradient anyway (defer.rs): with
+// the squared global norm at `norm` (null: no clip), the factor of ov_clip
+// (ops::math::clip_factor) into *f, and whether it applies (a finite norm and a factor
+// below 1). The optimizer then multiplies each gradient element by *f in float, as
+// ov_clip would have, uses it, and stores it back, so the gradient buffer ends as the
+// separate clip leaves it.
+__device__ __forceinline__ bool ov_fused_clip(const float* norm, float max_norm, float* f) {
+    if (norm == nullptr) return false;
+    const float sq = norm[0];
+    if (!ov_finite(sq)) return false;
+    const double d = (double)max_norm / (sqrt((double)sq) + 1e-6);
+    if (!(d < 1.0)) return false;
+    *f = (float)d;
+    return true;
+}
+
+__device__ __forceinline__ void ov_scale4(float4& g, float f) {
+    g.x = g.x * f;
+    g.y = g.y * f;
+    g.z = g.z * f;
+    g.w = g.w * f;
+}
 
 // ops::math::adamw's arithmetic on one element.
 __device__ __forceinline__ void ov_adamw_elem(float& p, float g, float& m, float& v,
@@ -60,6 +86,8 @@ __device__ __forceinline__ void ov_adamw_elem4(float4& p, float4 g, float4& m, f
 // at a time otherwise. Every block reads the guard first (ov_skip).
 extern "C" __global__ void ov_adamw_multi(const __grid_constant__ AdamwTable t) {
     if (ov_skip(t.guard)) return;
+    float cf = 1.0f;
+    const bool clip = ov_fused_clip(t.clip_norm, t.max_norm, &cf);
     const u64 b = blockIdx.x;
     u32 lo = 0, hi = (u32)t.count;
     while (hi - lo > 1) {
@@ -73,7 +101,7 @@ extern "C" __global__ void ov_adamw_multi(const __grid_constant__ AdamwTable t) 
     const u64 aligned = ((u64)s.p | (u64)s.g | (u64)s.m | (u64)s.v) & 15;
     if (aligned == 0 && end - start == OV_ADAMW_CHUNK) {
         float4* p4 = (float4*)(s.p + start);
-        const float4* g4 = (const float4*)(s.g + start);
+        float4* g4 = (float4*)(s.g + start);
         float4* m4 = (float4*)(s.m + start);
         float4* v4 = (float4*)(s.v + start);
         float4 p[OV_ADAMW_UNROLL], g[OV_ADAMW_UNROLL], m[OV_ADAMW_UNROLL], v[OV_ADAMW_UNROLL];
@@ -85,19 +113,28 @@ extern "C" __global__ void ov_adamw_multi(const __grid_constant__ AdamwTable t) 
             v[u] = v4[e];
             p[u] = p4[e];
         }
+        if (clip) {
+#pragma unroll
+            for (int u = 0; u < OV_ADAMW_UNROLL; ++u) ov_scale4(g[u], cf);
+        }
 #pragma unroll
         for (int u = 0; u < OV_ADAMW_UNROLL; ++u) ov_adamw_elem4(p[u], g[u], m[u], v[u], t);
 #pragma unroll
         for (int u = 0; u < OV_ADAMW_UNROLL; ++u) {
             const u32 e = u * OV_REDUCE_THREADS + threadIdx.x;
+            if (clip) g4[e] = g[u];
             m4[e] = m[u];
             v4[e] = v[u];
             p4[e] = p[u];
         }
     } else {
         for (u64 i = start + threadIdx.x; i < end; i += OV_REDUCE_THREADS) {
-            float p = s.p[i], m = s.m[i], v = s.v[i];
-            ov_adamw_elem(p, s.g[i], m, v, t);
+            float p = s.p[i], m = s.m[i], v = s.v[i], g = s.g[i];
+            if (clip) {
+                g = g * cf;
+                s.g[i] = g;
+            }
+            ov_adamw_elem(p, g, m, v, t);
             s.m[i] = m;
             s.v[i] = v;
             s.p[i] = p;
@@ -108,12 +145,15 @@ extern "C" __global__ void ov_adamw_multi(const __grid_constant__ AdamwTable t) 
 #define OV_MUON_MATS 64
 
 // The matrices of a batched Muon launch: parameter, momentum buffer and gradient of
-// each, `count` of them, all rows x cols.
+// each, `count` of them, all rows x cols; `clip_norm`, `max_norm`: ov_fused_clip, in
+// ov_mb_momentum (the one kernel that reads the gradients).
 struct MuonMats {
     float* p[OV_MUON_MATS];
     float* buf[OV_MUON_MATS];
-    const float* g[OV_MUON_MATS];
+    float* g[OV_MUON_MATS];
     u64 count;
+    const float* clip_norm;
+    float max_norm;
 };
 
 // Matrix blockIdx.y: buf = mu*buf + g (stored as float), u = g + mu*buf
@@ -123,12 +163,19 @@ struct MuonMats {
 extern "C" __global__ void ov_mb_momentum(const __grid_constant__ MuonMats t, float* u,
                                           u64 numel, double mu, const float* guard) {
     if (ov_skip(guard)) return;
+    float cf = 1.0f;
+    const bool clip = ov_fused_clip(t.clip_norm, t.max_norm, &cf);
     const u32 y = blockIdx.y;
     float* buf = t.buf[y];
-    const float* g = t.g[y];
+    float* g = t.g[y];
     float* uy = u + (u64)y * numel;
     GRID_STRIDE(i, numel) {
-        double gd = (double)g[i];
+        float gf = g[i];
+        if (clip) {
+            gf = gf * cf;
+            g[i] = gf;
+        }
+        double gd = (double)gf;
         float b = (float)(mu * (double)buf[i] + gd);
         buf[i] = b;
         uy[i] = (float)(gd + mu * (double)b);

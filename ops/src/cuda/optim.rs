@@ -52,6 +52,20 @@ pub(super) struct AdamwTable {
     scalars: [f64; 7],
     guard: sys::CUdeviceptr,
     count: u64,
+    clip: FusedClip,
+}
+
+/// [`crate::Kernel::Clip`] fused into the optimizer kernels that read the clipped
+/// gradients (`defer.rs`): the squared global norm's address (0: no clip) and the
+/// threshold. The kernels derive the factor on the device as `ov_clip` does, scale each
+/// gradient element as they read it and store it back (`ov_fused_clip` in `optim.cu`).
+#[repr(C)]
+#[derive(Clone, Copy, Default, Debug, PartialEq)]
+pub(super) struct FusedClip {
+    /// The one-float squared norm, or 0.
+    pub norm: sys::CUdeviceptr,
+    /// The clip's threshold.
+    pub max_norm: f32,
 }
 
 /// `ov_adamw`'s host-side scalars, exactly [`crate::math::adamw`]'s: `b1, b2, eps, lr,
@@ -76,7 +90,7 @@ pub(super) fn adamw_scalars(hp: &AdamwParams, step: u64) -> [f64; 7] {
 pub(super) fn adamw_tables(
     tensors: &[AdamwTensor],
     scalars: [f64; 7],
-    guard: sys::CUdeviceptr,
+    (guard, clip): (sys::CUdeviceptr, FusedClip),
 ) -> Vec<(AdamwTable, u32)> {
     let live: Vec<AdamwTensor> = tensors.iter().copied().filter(|t| t.n > 0).collect();
     let mut out = Vec::new();
@@ -87,6 +101,7 @@ pub(super) fn adamw_tables(
             scalars,
             guard,
             count: 0,
+            clip,
         };
         let mut blocks = 0u64;
         // A grid's x dimension is at most 2^31 − 1 blocks.
@@ -116,17 +131,22 @@ pub(super) struct MuonMats {
     buf: [sys::CUdeviceptr; MUON_MATS],
     g: [sys::CUdeviceptr; MUON_MATS],
     count: u64,
+    clip: FusedClip,
 }
 
 impl MuonMats {
     /// Up to [`MUON_MATS`] `(param, momentum, grad)` triples.
-    pub(super) fn of(mats: &[(sys::CUdeviceptr, sys::CUdeviceptr, sys::CUdeviceptr)]) -> Self {
+    pub(super) fn of(
+        mats: &[(sys::CUdeviceptr, sys::CUdeviceptr, sys::CUdeviceptr)],
+        clip: FusedClip,
+    ) -> Self {
         debug_assert!(mats.len() <= MUON_MATS);
         let mut out = MuonMats {
             p: [0; MUON_MATS],
             buf: [0; MUON_MATS],
             g: [0; MUON_MATS],
             count: mats.len() as u64,
+            clip,
         };
         for (i, &(p, buf, g)) in mats.iter().enumerate() {
             out.p[i] = p;
@@ -295,9 +315,10 @@ mod tests {
         assert_eq!(std::mem::size_of::<AdamwTensor>(), 48);
         assert_eq!(
             std::mem::size_of::<AdamwTable>(),
-            48 * ADAMW_TENSORS + 7 * 8 + 16
+            48 * ADAMW_TENSORS + 7 * 8 + 16 + 16
         );
-        assert_eq!(std::mem::size_of::<MuonMats>(), 3 * 8 * MUON_MATS + 8);
+        assert_eq!(std::mem::size_of::<FusedClip>(), 16);
+        assert_eq!(std::mem::size_of::<MuonMats>(), 3 * 8 * MUON_MATS + 8 + 16);
         // Kernel parameters are limited to 32,764 bytes (CUDA 12.1 and later).
         assert!(std::mem::size_of::<AdamwTable>() <= 32_764);
         assert!(std::mem::size_of::<MuonMats>() + 64 <= 32_764);
@@ -320,7 +341,7 @@ mod tests {
         let tensors: Vec<AdamwTensor> = (0..600u64)
             .map(|i| t(if i % 7 == 3 { 0 } else { 1 + i * 1000 }))
             .collect();
-        let tables = adamw_tables(&tensors, [0.0; 7], 0);
+        let tables = adamw_tables(&tensors, [0.0; 7], (0, FusedClip::default()));
         let live: Vec<u64> = tensors.iter().map(|t| t.n).filter(|&n| n > 0).collect();
         assert_eq!(tables.len(), live.len().div_ceil(ADAMW_TENSORS));
         let mut seen = Vec::new();
@@ -334,7 +355,7 @@ mod tests {
             assert_eq!(u64::from(*grid), next);
         }
         assert_eq!(seen, live);
-        assert!(adamw_tables(&[t(0)], [0.0; 7], 0).is_empty());
+        assert!(adamw_tables(&[t(0)], [0.0; 7], (0, FusedClip::default())).is_empty());
     }
 
     #[test]

@@ -11,36 +11,45 @@ use overlap_graph::Stream;
 
 use super::backend::Shared;
 use super::checks::{check_adamw, check_muon, expect};
-use super::defer::Held;
+use super::defer::{Held, HeldClip};
 use super::issue::Issue;
 use super::kernels::{self, Span};
 use super::memory::CudaBuffer;
 use crate::{Kernel, OpsError, Tag};
 
 impl Issue {
-    /// [`Kernel::Clip`]: validated (no gradient may be the norm), then every gradient
-    /// scaled in place by the factor the kernel derives from the norm on the device.
+    /// [`Kernel::Clip`]: validated (no gradient may be the norm), then held on the
+    /// stream (`defer.rs`): the optimizers held after it that read a gradient it scales
+    /// apply the factor themselves, and one clip kernel scales the rest at the flush,
+    /// each from the norm on the device.
     pub(super) fn clip(
-        &self,
-        rank: u32,
-        raw: sys::CUstream,
-        norm: &CudaBuffer,
+        &mut self,
+        shared: &Shared,
+        (stream, tag): (Stream, Tag),
+        norm: CudaBuffer,
         bufs: &[CudaBuffer],
         max_norm: f32,
     ) -> Result<(), OpsError> {
         const K: &str = "clip";
-        expect(K, rank, "norm", norm, 1)?;
+        expect(K, shared.rank, "norm", &norm, 1)?;
         for b in bufs.iter() {
-            expect(K, rank, "grad", b, b.len)?;
-            if b.same(norm) {
+            expect(K, shared.rank, "grad", b, b.len)?;
+            if b.same(&norm) {
                 return Err(OpsError::Shape {
                     kernel: K,
                     reason: "a gradient is the norm buffer".into(),
                 });
             }
         }
-        let spans: Vec<Span> = bufs.iter().map(span).collect();
-        self.kernels.clip(raw, &spans, norm.ptr(), max_norm)
+        let bufs = bufs.iter().filter(|b| b.len > 0).cloned().collect();
+        let held = HeldClip {
+            tag,
+            norm,
+            bufs,
+            max_norm,
+        };
+        self.hold_clip(shared, stream, held);
+        Ok(())
     }
 
     /// An optimizer kernel (AdamW or Muon), guarded by the global norm (`guard`: it does
