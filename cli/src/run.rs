@@ -239,10 +239,10 @@ struct Saves<'a> {
 
 impl<'a> Saves<'a> {
     /// Every process of a job whose session drives only its own ranks writes their
-    /// files; of a job whose processes each run the whole mesh (the CPU backend), only
-    /// rank 0's process saves, since they all hold the same state. A session that cannot
-    /// save is refused here, before the first step rather than after the steps it would
-    /// have saved.
+    /// files; of a job whose processes each run the whole mesh (the CPU backend, unless
+    /// it runs one rank per process), only rank 0's process saves, since they all hold
+    /// the same state. A session that cannot save is refused here, before the first step
+    /// rather than after the steps it would have saved.
     fn new<B: overlap::ops::Backend>(
         session: &Session<B>,
         ckpt: &'a CheckpointArgs,
