@@ -35,8 +35,8 @@ use std::sync::Arc;
 
 use overlap_executor::{Backward, ExecConfig, Executor, StepStats};
 use overlap_graph::{
-    Bindings, Gate, Mode, ParamSpec, Plan, PlanSpec, Planner, Route, Schedule, Stream, Transport,
-    Validated,
+    Bindings, Collective, Gate, Mode, ParamSpec, Plan, PlanSpec, Planner, Route, Schedule, Stream,
+    Transport, Validated,
 };
 use overlap_ops::{Backend, Kernel, Tag, Timing};
 use serde::Serialize;
@@ -964,80 +964,117 @@ pub async fn collectives<B: Backend>(
         };
         args.check()?;
         let plan = bench_plan(&args, Bindings::default())?;
-        let wide = plan
-            .rank(me)
-            .nodes
-            .iter()
-            .find_map(|n| match n.op {
-                overlap_graph::Op::Stage1 { collective, .. } if mesh.shard > 1 => {
-                    Some((collective, n.stream))
-                }
-                overlap_graph::Op::Stage2 { collective, .. } if mesh.replicate > 1 => {
-                    Some((collective, n.stream))
-                }
-                _ => None,
-            })
-            .ok_or_else(|| Error::Usage(format!("mesh {mesh} has no group of two or more")))?;
-        let (desc, stream) = wide;
-        let n = mesh.group_size(desc.group);
-        let elems = args.grad_elems() as usize;
-        let bytes = args.grad_elems() * 4;
-        // The executor's node: one step of `warmup + iters` layers, one bucket each, so
-        // that the executor issues its collectives back to back as the direct loop
-        // below does (a step per call would time each call with the ranks' skew at its
-        // start, which back-to-back calls absorb). The first `warmup` are not counted.
-        let layered = BenchArgs {
-            layers: warmup + iters,
-            ..args
-        };
-        let plan = bench_plan(&layered, Bindings::default())?;
-        let mut grads = Vec::new();
-        for &r in &ranks {
-            let mut row = Vec::new();
-            for _ in 0..layered.layers {
-                row.push(backend.alloc(r, elems).map_err(ops)?);
+        let (desc, stream) = wide_collective(&plan, me)?;
+        let (node, path) = node_timings(&backend, &args).await?;
+        let direct = direct_timings(&backend, &args, desc, stream).await?;
+        rows.push(collective_row(&args, desc, (&direct, &node, &path)));
+    }
+    Ok(rows)
+}
+
+/// The wide collective of a bench plan on `me`'s nodes (reduce-scatter on `S×1`,
+/// all-reduce on `1×R`) and the stream it runs on.
+fn wide_collective(plan: &Plan, me: u32) -> Result<(Collective, Stream), Error> {
+    let mesh = plan.mesh;
+    plan.rank(me)
+        .nodes
+        .iter()
+        .find_map(|n| match n.op {
+            overlap_graph::Op::Stage1 { collective, .. } if mesh.shard > 1 => {
+                Some((collective, n.stream))
             }
-            grads.push((r, row));
+            overlap_graph::Op::Stage2 { collective, .. } if mesh.replicate > 1 => {
+                Some((collective, n.stream))
+            }
+            _ => None,
+        })
+        .ok_or_else(|| Error::Usage(format!("mesh {mesh} has no group of two or more")))
+}
+
+/// The executor's wide collective node of `args`' gradient, seconds per call, and its
+/// whole path per bucket: one step of `warmup + iters` layers, one bucket each, so
+/// that the executor issues its collectives back to back as the direct loop of
+/// [`direct_timings`] does (a step per call would time each call with the ranks' skew
+/// at its start, which back-to-back calls absorb). The first `warmup` are not counted.
+async fn node_timings<B: Backend>(
+    backend: &Arc<B>,
+    args: &BenchArgs,
+) -> Result<(Vec<f64>, Vec<f64>), Error> {
+    let ranks = backend.local_ranks();
+    let me = ranks[0];
+    let elems = args.grad_elems() as usize;
+    let layered = BenchArgs {
+        layers: args.warmup + args.iters,
+        ..*args
+    };
+    let plan = bench_plan(&layered, Bindings::default())?;
+    let mut grads = Vec::new();
+    for &r in &ranks {
+        let mut row = Vec::new();
+        for _ in 0..layered.layers {
+            row.push(backend.alloc(r, elems).map_err(ops)?);
         }
-        let mut ex = Executor::new(backend.clone(), ExecConfig::default());
-        // An untimed step first: pools, communicators and kernels warm.
-        plan_step(&mut ex, &plan, &grads).await?;
-        let stats = plan_step(&mut ex, &plan, &grads).await?;
-        let mine: Vec<Timing> = stats
-            .timings
-            .iter()
-            .filter(|t| t.rank == me)
-            .copied()
-            .collect();
-        let mut calls: Vec<(f64, f64)> = mine
-            .iter()
-            .filter(|t| t.bytes > 0 && is_wide(&plan, t))
-            .map(|t| (t.start, t.end - t.start))
-            .collect();
-        calls.sort_by(|a, b| a.0.total_cmp(&b.0));
-        let node: Vec<f64> = calls.iter().skip(warmup as usize).map(|c| c.1).collect();
-        let path = vec![span(&mine) / f64::from(layered.layers)];
-        drop(grads);
-        drop(ex);
-        // The same call, direct, on every local rank.
-        let recv_len = match desc.kind {
-            overlap_graph::CollectiveKind::ReduceScatter => elems / n as usize,
-            _ => elems,
-        };
-        let mut bufs = Vec::new();
-        for &r in &ranks {
-            bufs.push((
-                r,
-                backend.alloc(r, elems).map_err(ops)?,
-                backend.alloc(r, recv_len).map_err(ops)?,
-            ));
-        }
-        let comm = overlap_ops::CommId {
-            group: desc.group,
-            stream,
-        };
-        // Meshes S×1 and 1×R have one wide group, the same on every rank.
-        let direct = repeat_timed(&*backend, stream, "nccl", warmup, iters, |r, tag| {
+        grads.push((r, row));
+    }
+    let mut ex = Executor::new(backend.clone(), ExecConfig::default());
+    // An untimed step first: pools, communicators and kernels warm.
+    plan_step(&mut ex, &plan, &grads).await?;
+    let stats = plan_step(&mut ex, &plan, &grads).await?;
+    let mine: Vec<Timing> = stats
+        .timings
+        .iter()
+        .filter(|t| t.rank == me)
+        .copied()
+        .collect();
+    let mut calls: Vec<(f64, f64)> = mine
+        .iter()
+        .filter(|t| t.bytes > 0 && is_wide(&plan, t))
+        .map(|t| (t.start, t.end - t.start))
+        .collect();
+    calls.sort_by(|a, b| a.0.total_cmp(&b.0));
+    let node: Vec<f64> = calls
+        .iter()
+        .skip(args.warmup as usize)
+        .map(|c| c.1)
+        .collect();
+    let path = vec![span(&mine) / f64::from(layered.layers)];
+    Ok((node, path))
+}
+
+/// The same collective as the executor's node (`desc` on `stream`), launched directly
+/// `warmup + iters` times on every local rank: seconds per counted call.
+async fn direct_timings<B: Backend>(
+    backend: &Arc<B>,
+    args: &BenchArgs,
+    desc: Collective,
+    stream: Stream,
+) -> Result<Vec<f64>, Error> {
+    let n = args.mesh.group_size(desc.group);
+    let elems = args.grad_elems() as usize;
+    let recv_len = match desc.kind {
+        overlap_graph::CollectiveKind::ReduceScatter => elems / n as usize,
+        _ => elems,
+    };
+    let mut bufs = Vec::new();
+    for r in backend.local_ranks() {
+        bufs.push((
+            r,
+            backend.alloc(r, elems).map_err(ops)?,
+            backend.alloc(r, recv_len).map_err(ops)?,
+        ));
+    }
+    let comm = overlap_ops::CommId {
+        group: desc.group,
+        stream,
+    };
+    // Meshes S×1 and 1×R have one wide group, the same on every rank.
+    repeat_timed(
+        &**backend,
+        stream,
+        "nccl",
+        args.warmup,
+        args.iters,
+        |r, tag| {
             let (_, send, recv) = bufs
                 .iter()
                 .find(|(x, _, _)| *x == r)
@@ -1054,34 +1091,43 @@ pub async fn collectives<B: Backend>(
                 },
             );
             Ok(())
-        })
-        .await?;
-        let factor = overlap::observe::bus_factor(desc.kind, n);
-        let bw = |sec: f64| {
-            if sec > 0.0 {
-                bytes as f64 / sec / 1e9 * factor
-            } else {
-                0.0
-            }
-        };
-        let (nccl_s, node_s, path_s) = (mean(&direct), mean(&node), mean(&path));
-        rows.push(CollectiveRow {
-            op: desc.kind.name().into(),
-            bytes,
-            nccl_ms: nccl_s * 1e3,
-            node_ms: node_s * 1e3,
-            path_ms: path_s * 1e3,
-            nccl_busbw_gbs: bw(nccl_s),
-            node_busbw_gbs: bw(node_s),
-            path_busbw_gbs: bw(path_s),
-            ratio: if nccl_s > 0.0 {
-                nccl_s / node_s.max(f64::MIN_POSITIVE)
-            } else {
-                0.0
-            },
-        });
+        },
+    )
+    .await
+}
+
+/// One row of [`collectives`] from the seconds per call of the direct collective, of
+/// the executor's node and of its whole path.
+fn collective_row(
+    args: &BenchArgs,
+    desc: Collective,
+    (direct, node, path): (&[f64], &[f64], &[f64]),
+) -> CollectiveRow {
+    let bytes = args.grad_elems() * 4;
+    let factor = overlap::observe::bus_factor(desc.kind, args.mesh.group_size(desc.group));
+    let bw = |sec: f64| {
+        if sec > 0.0 {
+            bytes as f64 / sec / 1e9 * factor
+        } else {
+            0.0
+        }
+    };
+    let (nccl_s, node_s, path_s) = (mean(direct), mean(node), mean(path));
+    CollectiveRow {
+        op: desc.kind.name().into(),
+        bytes,
+        nccl_ms: nccl_s * 1e3,
+        node_ms: node_s * 1e3,
+        path_ms: path_s * 1e3,
+        nccl_busbw_gbs: bw(nccl_s),
+        node_busbw_gbs: bw(node_s),
+        path_busbw_gbs: bw(path_s),
+        ratio: if nccl_s > 0.0 {
+            nccl_s / node_s.max(f64::MIN_POSITIVE)
+        } else {
+            0.0
+        },
     }
-    Ok(rows)
 }
 
 /// Opens this rank's GPU for `mesh` under a launcher (`overlap launch`), with the

@@ -332,17 +332,7 @@ fn report(a: &SimulateArgs, w: &Workload, p: &Profile) -> Result<SimReport, Erro
         hardware: p.name.clone(),
         args: w.args,
         world,
-        plan_transport: if w
-            .plan
-            .ranks
-            .iter()
-            .flat_map(|rp| &rp.nodes)
-            .any(|n| matches!(n.op, overlap_graph::Op::Exchange { .. }))
-        {
-            "copy"
-        } else {
-            "nccl"
-        },
+        plan_transport: transport(&w.plan),
         gates: Gate::pattern_label(&w.plan.gates),
         rank: r,
         backend: "simulated",
@@ -352,18 +342,38 @@ fn report(a: &SimulateArgs, w: &Workload, p: &Profile) -> Result<SimReport, Erro
         nodes_per_step: w.plan.ranks[r as usize].nodes.len(),
         layers: w.args.is_none().then_some(layers),
         simulate_wall_ms: wall,
-        svg: a.svg.as_ref().map(|_| {
-            // The renderer of a measured step, its title saying what this one is.
-            overlap::observe::svg::render(&step, &w.plan, &analysis).replacen(
-                ">overlap · step 1 · ",
-                &format!(
-                    ">overlap simulate · predicted on {} · ",
-                    overlap::observe::svg::escape(&p.name)
-                ),
-                1,
-            )
-        }),
+        svg: a
+            .svg
+            .as_ref()
+            .map(|_| predicted_svg(&step, &w.plan, &analysis, p)),
     })
+}
+
+/// The transport a plan runs on: `copy` when it exchanges, else `nccl`.
+fn transport(plan: &Plan) -> &'static str {
+    let exchanges = plan
+        .ranks
+        .iter()
+        .flat_map(|rp| &rp.nodes)
+        .any(|n| matches!(n.op, overlap_graph::Op::Exchange { .. }));
+    if exchanges {
+        "copy"
+    } else {
+        "nccl"
+    }
+}
+
+/// The timeline of a predicted step: the renderer of a measured step, its title saying
+/// what this one is.
+fn predicted_svg(step: &StepReport, plan: &Plan, analysis: &StepAnalysis, p: &Profile) -> String {
+    overlap::observe::svg::render(step, plan, analysis).replacen(
+        ">overlap · step 1 · ",
+        &format!(
+            ">overlap simulate · predicted on {} · ",
+            overlap::observe::svg::escape(&p.name)
+        ),
+        1,
+    )
 }
 
 /// The human-readable form.

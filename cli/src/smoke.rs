@@ -195,16 +195,6 @@ pub async fn smoke(world: &mut CudaWorld, sizes: &[u64], iters: u32) -> Result<S
 
 /// Every collective kind, dtype and op on the `1 × world` mesh's replicate group.
 async fn collectives(b: &CudaBackend, world: u32, checks: &mut Vec<Check>) -> Result<(), Error> {
-    let rank = b.rank();
-    let n = world as usize;
-    let c = 1003usize;
-    // Small integers: exact in bf16 and in every sum of a few of them.
-    let x = |r: usize, i: usize| ((r + 1) * (i % 5 + 1)) as f32;
-    let group = Group::Replicate { shard: 0 };
-    let comm = CommId {
-        group,
-        stream: Stream::Replicate,
-    };
     let kinds = [
         CollectiveKind::ReduceScatter,
         CollectiveKind::AllReduce,
@@ -221,98 +211,123 @@ async fn collectives(b: &CudaBackend, world: u32, checks: &mut Vec<Check>) -> Re
                     &[ReduceOp::Sum, ReduceOp::Avg]
                 };
             for &op in ops {
-                let root = (world - 1) as usize;
                 let desc = Collective {
                     kind,
-                    group,
-                    count: c as u64,
+                    group: Group::Replicate { shard: 0 },
+                    count: COLLECTIVE_COUNT as u64,
                     dtype,
                     op,
-                    root: kind.rooted().then_some(root as u32),
+                    root: kind.rooted().then_some(world - 1),
                 };
-                let me = rank as usize;
-                let scale = |v: f32| {
-                    if op == ReduceOp::Avg {
-                        v / world as f32
-                    } else {
-                        v
-                    }
-                };
-                let sum = |i: usize| scale((0..n).map(|r| x(r, i)).sum());
-                let (send_len, want): (Option<usize>, Option<Vec<f32>>) = match kind {
-                    CollectiveKind::ReduceScatter => {
-                        (Some(n * c), Some((0..c).map(|i| sum(me * c + i)).collect()))
-                    }
-                    CollectiveKind::AllReduce => (Some(c), Some((0..c).map(sum).collect())),
-                    CollectiveKind::Reduce => {
-                        (Some(c), (me == root).then(|| (0..c).map(sum).collect()))
-                    }
-                    CollectiveKind::Broadcast if me == root => (Some(c), None),
-                    CollectiveKind::Broadcast => (None, Some((0..c).map(|i| x(root, i)).collect())),
-                    CollectiveKind::AllGather => {
-                        (Some(c), Some((0..n * c).map(|k| x(k / c, k % c)).collect()))
-                    }
-                };
-                let send = match send_len {
-                    Some(len) => Some(buffer(b, &(0..len).map(|i| x(me, i)).collect::<Vec<_>>())?),
-                    None => None,
-                };
-                let recv = match &want {
-                    Some(w) => Some(alloc(b, w.len())?),
-                    None => None,
-                };
-                let name = format!(
-                    "{} {} {}",
-                    kind.name(),
-                    if dtype == DType::F32 { "f32" } else { "bf16" },
-                    if op == ReduceOp::Avg { "avg" } else { "sum" }
-                );
-                let ran = run(
-                    b,
-                    Stream::Replicate,
-                    Kernel::Collective {
-                        desc,
-                        comm,
-                        send,
-                        recv: recv.clone(),
-                    },
-                )
-                .await;
-                let check = match (ran, recv, want) {
-                    (Err(e), _, _) => Check {
-                        name,
-                        ok: false,
-                        detail: e,
-                    },
-                    (Ok(()), Some(buf), Some(want)) => {
-                        let got = download(b, &buf)?;
-                        // Exact for the sums; the avg's division rounds once (once more in bf16).
-                        let tol = match (op, dtype) {
-                            (ReduceOp::Sum, _) => 0.0,
-                            (ReduceOp::Avg, DType::F32) => 1e-6,
-                            (ReduceOp::Avg, DType::Bf16) => 8e-3,
-                        };
-                        let e = rel(&got, &want);
-                        Check {
-                            name,
-                            ok: e <= tol,
-                            detail: format!(
-                                "relative error {e:.2e} (tolerance {tol:.0e}) over {} elements",
-                                want.len()
-                            ),
-                        }
-                    }
-                    (Ok(()), _, _) => Check {
-                        name,
-                        ok: true,
-                        detail: "this rank sends only".into(),
-                    },
-                };
-                checks.push(check);
+                checks.push(collective_check(b, world, desc).await?);
             }
         }
     }
     Ok(())
+}
+
+/// Elements per member in [`collectives`]' checks.
+const COLLECTIVE_COUNT: usize = 1003;
+
+/// Element `i` of what member `r` sends in [`collectives`]: small integers, exact in
+/// bf16 and in every sum of a few of them.
+fn member_value(r: usize, i: usize) -> f32 {
+    ((r + 1) * (i % 5 + 1)) as f32
+}
+
+/// The length of what member `me` of `world` sends for `desc` (`None`: nothing), and
+/// what it receives, computed on the host (`None`: nothing).
+fn member_roles(desc: &Collective, world: u32, me: usize) -> (Option<usize>, Option<Vec<f32>>) {
+    let (n, c, x) = (world as usize, COLLECTIVE_COUNT, member_value);
+    let root = desc.root.unwrap_or(0) as usize;
+    let scale = |v: f32| {
+        if desc.op == ReduceOp::Avg {
+            v / world as f32
+        } else {
+            v
+        }
+    };
+    let sum = |i: usize| scale((0..n).map(|r| x(r, i)).sum());
+    match desc.kind {
+        CollectiveKind::ReduceScatter => {
+            (Some(n * c), Some((0..c).map(|i| sum(me * c + i)).collect()))
+        }
+        CollectiveKind::AllReduce => (Some(c), Some((0..c).map(sum).collect())),
+        CollectiveKind::Reduce => (Some(c), (me == root).then(|| (0..c).map(sum).collect())),
+        CollectiveKind::Broadcast if me == root => (Some(c), None),
+        CollectiveKind::Broadcast => (None, Some((0..c).map(|i| x(root, i)).collect())),
+        CollectiveKind::AllGather => (Some(c), Some((0..n * c).map(|k| x(k / c, k % c)).collect())),
+    }
+}
+
+/// Runs `desc` on the replicate stream and compares what this rank receives with
+/// [`member_roles`]' values.
+async fn collective_check(b: &CudaBackend, world: u32, desc: Collective) -> Result<Check, Error> {
+    let me = b.rank() as usize;
+    let comm = CommId {
+        group: desc.group,
+        stream: Stream::Replicate,
+    };
+    let (send_len, want) = member_roles(&desc, world, me);
+    let send = match send_len {
+        Some(len) => Some(buffer(
+            b,
+            &(0..len).map(|i| member_value(me, i)).collect::<Vec<_>>(),
+        )?),
+        None => None,
+    };
+    let recv = match &want {
+        Some(w) => Some(alloc(b, w.len())?),
+        None => None,
+    };
+    let (op, dtype) = (desc.op, desc.dtype);
+    let name = format!(
+        "{} {} {}",
+        desc.kind.name(),
+        if dtype == DType::F32 { "f32" } else { "bf16" },
+        if op == ReduceOp::Avg { "avg" } else { "sum" }
+    );
+    let ran = run(
+        b,
+        Stream::Replicate,
+        Kernel::Collective {
+            desc,
+            comm,
+            send,
+            recv: recv.clone(),
+        },
+    )
+    .await;
+    Ok(match (ran, recv, want) {
+        (Err(e), _, _) => Check {
+            name,
+            ok: false,
+            detail: e,
+        },
+        (Ok(()), Some(buf), Some(want)) => {
+            let got = download(b, &buf)?;
+            // Exact for the sums; the avg's division rounds once (once more in bf16).
+            let tol = match (op, dtype) {
+                (ReduceOp::Sum, _) => 0.0,
+                (ReduceOp::Avg, DType::F32) => 1e-6,
+                (ReduceOp::Avg, DType::Bf16) => 8e-3,
+            };
+            let e = rel(&got, &want);
+            Check {
+                name,
+                ok: e <= tol,
+                detail: format!(
+                    "relative error {e:.2e} (tolerance {tol:.0e}) over {} elements",
+                    want.len()
+                ),
+            }
+        }
+        (Ok(()), _, _) => Check {
+            name,
+            ok: true,
+            detail: "this rank sends only".into(),
+        },
+    })
 }
 
 /// The rank-local kernels against the reference math.
@@ -699,65 +714,12 @@ async fn bandwidth(
     sizes: &[u64],
     iters: u32,
 ) -> Result<Vec<Bandwidth>, Error> {
-    let rank = b.rank();
-    let group = Group::Replicate { shard: 0 };
-    let comm = CommId {
-        group,
-        stream: Stream::Replicate,
-    };
     let mut out = Vec::new();
     for &bytes in sizes {
-        let count = (bytes / 4) as usize;
-        if count == 0 {
+        if bytes / 4 == 0 {
             continue;
         }
-        let buf = alloc(b, count)?;
-        let desc = Collective {
-            kind: CollectiveKind::AllReduce,
-            group,
-            count: count as u64,
-            dtype: DType::F32,
-            op: ReduceOp::Sum,
-            root: None,
-        };
-        let issue = |k: u32| {
-            b.launch(
-                rank,
-                Stream::Replicate,
-                tag(k, "bench"),
-                Kernel::Collective {
-                    desc,
-                    comm,
-                    send: Some(buf.clone()),
-                    recv: Some(buf.clone()),
-                },
-            )
-        };
-        for k in 0..3 {
-            issue(k);
-        }
-        let ev = b.event(rank);
-        b.record(rank, Stream::Replicate, &ev);
-        b.host_wait(&ev).await.map_err(ops)?;
-        let _ = b.take_timings();
-        b.set_timings(true);
-        for k in 0..iters {
-            issue(k);
-        }
-        b.set_timings(false);
-        let ev = b.event(rank);
-        b.record(rank, Stream::Replicate, &ev);
-        b.host_wait(&ev).await.map_err(ops)?;
-        let errors = b.errors();
-        if let Some((_, _, _, e)) = errors.first() {
-            return Err(Error::Backend(format!("all-reduce of {bytes} bytes: {e}")));
-        }
-        let t: Vec<f64> = b
-            .take_timings()
-            .iter()
-            .filter(|t| t.tag.op == "bench")
-            .map(|t| t.end - t.start)
-            .collect();
+        let t = all_reduce_seconds(b, bytes, iters).await?;
         if t.is_empty() {
             continue;
         }
@@ -773,4 +735,66 @@ async fn bandwidth(
         });
     }
     Ok(out)
+}
+
+/// The device time of each of `iters` in-place f32 sum all-reduces of `bytes` on the
+/// replicate group, issued back to back after three untimed ones, in seconds.
+async fn all_reduce_seconds(b: &CudaBackend, bytes: u64, iters: u32) -> Result<Vec<f64>, Error> {
+    let rank = b.rank();
+    let group = Group::Replicate { shard: 0 };
+    let comm = CommId {
+        group,
+        stream: Stream::Replicate,
+    };
+    let count = (bytes / 4) as usize;
+    let buf = alloc(b, count)?;
+    let desc = Collective {
+        kind: CollectiveKind::AllReduce,
+        group,
+        count: count as u64,
+        dtype: DType::F32,
+        op: ReduceOp::Sum,
+        root: None,
+    };
+    let issue = |k: u32| {
+        b.launch(
+            rank,
+            Stream::Replicate,
+            tag(k, "bench"),
+            Kernel::Collective {
+                desc,
+                comm,
+                send: Some(buf.clone()),
+                recv: Some(buf.clone()),
+            },
+        )
+    };
+    for k in 0..3 {
+        issue(k);
+    }
+    replicate_done(b).await?;
+    let _ = b.take_timings();
+    b.set_timings(true);
+    for k in 0..iters {
+        issue(k);
+    }
+    b.set_timings(false);
+    replicate_done(b).await?;
+    let errors = b.errors();
+    if let Some((_, _, _, e)) = errors.first() {
+        return Err(Error::Backend(format!("all-reduce of {bytes} bytes: {e}")));
+    }
+    Ok(b.take_timings()
+        .iter()
+        .filter(|t| t.tag.op == "bench")
+        .map(|t| t.end - t.start)
+        .collect())
+}
+
+/// Waits until the replicate stream has run what was issued on it.
+async fn replicate_done(b: &CudaBackend) -> Result<(), Error> {
+    let rank = b.rank();
+    let ev = b.event(rank);
+    b.record(rank, Stream::Replicate, &ev);
+    b.host_wait(&ev).await.map_err(ops)
 }

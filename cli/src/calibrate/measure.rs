@@ -566,60 +566,8 @@ async fn cross_gpu<B: Backend>(
     say: &dyn Fn(String),
 ) -> Result<CrossGpu, Error> {
     let n = sweep.world;
-    // Every kind at every size (nccl-tests' size: the send buffer of a reduce-scatter,
-    // the receive buffer of an all-gather).
-    let mut collectives = Vec::new();
-    for kind in KINDS {
-        for &size in &sweep.sizes {
-            let spread = matches!(
-                kind,
-                CollectiveKind::ReduceScatter | CollectiveKind::AllGather
-            );
-            let members = if spread { u64::from(n) } else { 1 };
-            let desc = collective(kind, (size / 4 / members).max(1));
-            let s = Call {
-                desc,
-                exchange: false,
-            }
-            .timed(b, sweep)
-            .await?;
-            let bytes = (desc.count * members * 4) as f64;
-            say(format!(
-                "{} of {} over {n} GPUs: {:.2} µs",
-                kind.name(),
-                size_text(bytes),
-                s * 1e6
-            ));
-            collectives.push(CollectiveSample {
-                kind,
-                bytes,
-                seconds: s,
-            });
-        }
-    }
-    // Exchanges of a reduce-scatter, each size per peer.
-    let mut exchanges = Vec::new();
-    for &size in &sweep.sizes {
-        let desc = collective(CollectiveKind::ReduceScatter, (size / 4).max(1));
-        let s = Call {
-            desc,
-            exchange: true,
-        }
-        .timed(b, sweep)
-        .await?;
-        let message = desc.count * 4;
-        let pieces = message.div_ceil(sweep.slot_bytes.max(1)).max(1) as u32;
-        say(format!(
-            "exchange of {} per peer over {n} GPUs ({pieces} piece(s)): {:.2} µs",
-            size_text(message as f64),
-            s * 1e6
-        ));
-        exchanges.push(ExchangeSample {
-            message_bytes: message as f64,
-            pieces,
-            seconds: s,
-        });
-    }
+    let collectives = collective_sweep(b, sweep, say).await?;
+    let exchanges = exchange_sweep(b, sweep, say).await?;
     // Both beside the GEMMs: a reduce-scatter of the probes' gradient.
     let count = (sweep.beside_bytes / 4 / u64::from(n)).max(1);
     let desc = collective(CollectiveKind::ReduceScatter, count);
@@ -655,6 +603,79 @@ async fn cross_gpu<B: Backend>(
         nccl,
         exchange: (BesideProbe { what, times }, message),
     })
+}
+
+/// Every collective kind at every size of the sweep (nccl-tests' size: the send buffer
+/// of a reduce-scatter, the receive buffer of an all-gather) over the job's group.
+async fn collective_sweep<B: Backend>(
+    b: &B,
+    sweep: &Sweep,
+    say: &dyn Fn(String),
+) -> Result<Vec<CollectiveSample>, Error> {
+    let n = sweep.world;
+    let mut collectives = Vec::new();
+    for kind in KINDS {
+        for &size in &sweep.sizes {
+            let spread = matches!(
+                kind,
+                CollectiveKind::ReduceScatter | CollectiveKind::AllGather
+            );
+            let members = if spread { u64::from(n) } else { 1 };
+            let desc = collective(kind, (size / 4 / members).max(1));
+            let s = Call {
+                desc,
+                exchange: false,
+            }
+            .timed(b, sweep)
+            .await?;
+            let bytes = (desc.count * members * 4) as f64;
+            say(format!(
+                "{} of {} over {n} GPUs: {:.2} µs",
+                kind.name(),
+                size_text(bytes),
+                s * 1e6
+            ));
+            collectives.push(CollectiveSample {
+                kind,
+                bytes,
+                seconds: s,
+            });
+        }
+    }
+    Ok(collectives)
+}
+
+/// The exchanges of a reduce-scatter over the job's group, each size of the sweep per
+/// peer.
+async fn exchange_sweep<B: Backend>(
+    b: &B,
+    sweep: &Sweep,
+    say: &dyn Fn(String),
+) -> Result<Vec<ExchangeSample>, Error> {
+    let n = sweep.world;
+    let mut exchanges = Vec::new();
+    for &size in &sweep.sizes {
+        let desc = collective(CollectiveKind::ReduceScatter, (size / 4).max(1));
+        let s = Call {
+            desc,
+            exchange: true,
+        }
+        .timed(b, sweep)
+        .await?;
+        let message = desc.count * 4;
+        let pieces = message.div_ceil(sweep.slot_bytes.max(1)).max(1) as u32;
+        say(format!(
+            "exchange of {} per peer over {n} GPUs ({pieces} piece(s)): {:.2} µs",
+            size_text(message as f64),
+            s * 1e6
+        ));
+        exchanges.push(ExchangeSample {
+            message_bytes: message as f64,
+            pieces,
+            seconds: s,
+        });
+    }
+    Ok(exchanges)
 }
 
 /// The gaps between small kernels (`elems` elements copied): alternating between the
