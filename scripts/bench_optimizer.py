@@ -181,7 +181,7 @@ def compare(ours_path, theirs_path):
                 line("torch " + k, t[k], ref)
     ref = o.get("muon-bf16")
     if ref:
-        for k in ("muon-bf16", "muon-tf32", "muon-f32"):
+        for k in ("muon-bf16", "muon-bf16-direct", "muon-tf32", "muon-f32"):
             if k in o:
                 line("overlap " + k + " (+adamw)", o[k], ref)
         for k in ("torch-muon+adamw-fused", "ns-batched-bf16", "ns-batched-bf16-compiled",

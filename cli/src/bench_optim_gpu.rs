@@ -453,7 +453,21 @@ pub fn run(args: &BenchOptimizerArgs) -> Result<OptimReport, Error> {
             let (times, host_us) = time_tail(&b, &timer, &slots, tail, timed)?;
             let name = format!("muon-{}", dtype.name());
             let limit = limit(values - muon_values);
-            rows.push(TailRow::of(name, times, host_us, limit, flops / 1e12));
+            rows.push(TailRow::of(
+                name.clone(),
+                times,
+                host_us,
+                limit,
+                flops / 1e12,
+            ));
+            if Some(&dtype) == dtypes.first() {
+                // Newton–Schulz issued call by call instead of replayed as a graph.
+                b.set_tail_graphs(false);
+                let (times, host_us) = time_tail(&b, &timer, &slots, tail, timed)?;
+                b.set_tail_graphs(true);
+                let name = format!("{name}-direct");
+                rows.push(TailRow::of(name, times, host_us, limit, flops / 1e12));
+            }
         }
     }
     if args.clip {

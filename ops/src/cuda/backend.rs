@@ -149,6 +149,7 @@ impl CudaBackend {
                 },
                 pending: Default::default(),
                 fuse_clip: true,
+                ns_graphs: Default::default(),
             }),
             waiter: Some(waiter),
             info,
@@ -208,6 +209,15 @@ impl CudaBackend {
     /// --combine-cache normal` turns it off for comparison).
     pub fn set_combine_streaming(&self, on: bool) {
         lock(&self.issue).combine_streaming = on;
+    }
+
+    /// Whether each Muon batch's Newton–Schulz is captured once into a CUDA graph and
+    /// replayed (default on: one launch instead of about 25 driver and cuBLAS calls per
+    /// iteration; the results are the same bits either way; `overlap bench-optimizer
+    /// --muon` times the first precision both ways).
+    pub fn set_tail_graphs(&self, on: bool) {
+        let mut issue = lock(&self.issue);
+        issue.ns_graphs.iter_mut().for_each(|g| g.off = !on);
     }
 
     /// Whether the global norm's clip ([`Kernel::Clip`]) is fused into the optimizer
@@ -389,6 +399,13 @@ impl Drop for CudaBackend {
         }
         for c in st.comms.drain(..) {
             c.close();
+        }
+        for g in &mut st.ns_graphs {
+            if idle {
+                g.clear();
+            } else {
+                g.leak();
+            }
         }
         for b in &st.blas {
             b.destroy();

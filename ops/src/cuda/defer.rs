@@ -333,7 +333,10 @@ impl Issue {
                 let scratch = self.scratch(shared, stream, layout.bytes)?;
                 muon::run_batch(
                     &self.kernels,
-                    &self.blas[stream.index()],
+                    (
+                        &self.blas[stream.index()],
+                        &mut self.ns_graphs[stream.index()],
+                    ),
                     raw,
                     (scratch, &layout),
                     &MuonMats::of(chunk, clip),

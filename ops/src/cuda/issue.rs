@@ -23,6 +23,7 @@ use super::kernels::Kernels;
 use super::memory::{CudaBuffer, DevMem};
 use super::muon::Blas;
 use super::nccl::Comm;
+use super::ns_graph::NsGraphs;
 use super::timing::{PendingTiming, Timings};
 use crate::{CommId, Kernel, OpsError, Tag};
 
@@ -60,6 +61,9 @@ pub(super) struct Issue {
     /// Whether optimizers apply a held clip to the gradients they read (`defer.rs`;
     /// [`CudaBackend::set_clip_fusion`]).
     pub(super) fuse_clip: bool,
+    /// Each stream's captured Newton–Schulz graphs, at [`Stream::index`]
+    /// (`ns_graph.rs`).
+    pub(super) ns_graphs: [NsGraphs; Stream::COUNT],
 }
 
 // SAFETY: `Issue` holds driver, cuBLAS and NCCL handles that are only used under the

@@ -100,6 +100,7 @@ mod loader;
 mod memory;
 mod muon;
 mod nccl;
+mod ns_graph;
 mod optim;
 mod options;
 mod probe;

@@ -38,6 +38,7 @@ use cudarc::driver::sys;
 
 use super::kernels::Kernels;
 use super::memory::{DevMem, Memory};
+use super::ns_graph::{NsGraphs, NsKey};
 use super::optim::{MuonMats, MB_SUMSQ_BLOCKS};
 use crate::{MuonParams, NsDtype, OpsError};
 
@@ -285,7 +286,7 @@ impl BatchLayout {
 /// [`crate::Kernel::IfFinite`], or 0.
 pub(super) fn run_batch(
     kernels: &Kernels,
-    blas: &Blas,
+    (blas, graphs): (&Blas, &mut NsGraphs),
     stream: sys::CUstream,
     (scratch, layout): (u64, &BatchLayout),
     mats: &MuonMats,
@@ -307,38 +308,52 @@ pub(super) fn run_batch(
     let ni = i32::try_from(n).map_err(|_| too_big())?;
     let ci = i32::try_from(count).map_err(|_| too_big())?;
     let at = |off: usize| scratch + off as u64;
-    let (u, mut y, mut z) = (at(layout.u), at(layout.y), at(layout.z));
+    let (u, y, z) = (at(layout.u), at(layout.y), at(layout.z));
     let numel = (rows * cols) as u64;
     let bf16 = layout.dtype == NsDtype::Bf16;
     let fns = &kernels.optim;
 
     // U = g + μ·(μ·buf + g); X = U / (‖U‖ + 1e-7) into Y, in the working precision.
     fns.mb_momentum(stream, mats, (u, numel), f64::from(hp.momentum), guard)?;
-    fns.mb_norms(
-        stream,
-        (u, numel, ci as u32),
-        at(layout.partial),
-        at(layout.norms),
-    )?;
-    fns.mb_init(stream, (u, y), (numel, ci as u32), at(layout.norms), bf16)?;
-    let ns = NsIteration {
-        dt: layout.dtype,
-        esize: layout.esize(),
-        // The buffer holds the row-major `rows × cols` matrix: to cuBLAS (column-major),
-        // `Y = Xᵀ` (`n × m`, ld `n`) for a wide one, `X` itself (`m × n`, ld `m`) for a
-        // tall one (whose `X` is `Gᵀ`), so neither is ever transposed in memory.
-        tall: rows > cols,
-        m,
+    let key = NsKey {
+        scratch,
+        shape: (rows, cols),
         count,
-        dims: (mi, ni, ci),
-        strides: ((m * n) as i64, (m * m) as i64),
-        a: at(layout.a),
-        b: at(layout.b),
+        dtype: layout.dtype,
+        steps: hp.ns_steps,
     };
-    for _ in 0..hp.ns_steps {
-        ns.run(kernels, blas, stream, (y, z))?;
-        std::mem::swap(&mut y, &mut z);
-    }
+    graphs.run(stream, key, || {
+        fns.mb_norms(
+            stream,
+            (u, numel, ci as u32),
+            at(layout.partial),
+            at(layout.norms),
+        )?;
+        fns.mb_init(stream, (u, y), (numel, ci as u32), at(layout.norms), bf16)?;
+        let ns = NsIteration {
+            dt: layout.dtype,
+            esize: layout.esize(),
+            // The buffer holds the row-major `rows × cols` matrix: to cuBLAS
+            // (column-major), `Y = Xᵀ` (`n × m`, ld `n`) for a wide one, `X` itself
+            // (`m × n`, ld `m`) for a tall one (whose `X` is `Gᵀ`), so neither is ever
+            // transposed in memory.
+            tall: rows > cols,
+            m,
+            count,
+            dims: (mi, ni, ci),
+            strides: ((m * n) as i64, (m * m) as i64),
+            a: at(layout.a),
+            b: at(layout.b),
+        };
+        let (mut y, mut z) = (y, z);
+        for _ in 0..hp.ns_steps {
+            ns.run(kernels, blas, stream, (y, z))?;
+            std::mem::swap(&mut y, &mut z);
+        }
+        Ok(())
+    })?;
+    // The iterations alternate between Y and Z: the result is in Z after an odd count.
+    let y = if hp.ns_steps % 2 == 1 { z } else { y };
     let lr = f64::from(hp.lr);
     let decay = 1.0 - lr * f64::from(hp.weight_decay);
     let scale = lr * MUON_SCALE * (rows.max(cols) as f64).sqrt();
