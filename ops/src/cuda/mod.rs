@@ -76,9 +76,10 @@
 //! - the driver layers below: `loader.rs` (libraries), `device.rs` (context and
 //!   streams), `event.rs` (pooled events, the waiter thread), `memory.rs` (the buffer
 //!   pool), `kernels.rs` with `kernels.cu` and `optim.cu` (NVRTC kernels), `defer.rs`,
-//!   `optim.rs` and `muon.rs` (the optimizer tail in few launches), `nccl.rs`
-//!   (communicators) and `exchange.rs` (the copy transport's rings, running the pure
-//!   protocol of `crate::copy_protocol`).
+//!   `optim.rs`, `muon.rs` and `ns_graph.rs` (the optimizer tail in few launches, a
+//!   Muon batch's Newton–Schulz replayed as a CUDA graph), `nccl.rs` (communicators)
+//!   and `exchange.rs` (the copy transport's rings, running the pure protocol of
+//!   `crate::copy_protocol`).
 //!
 //! Invariant: the backend adds no ordering the plan did not ask for, and every CUDA call
 //! is made with the context bound on the calling thread.
