@@ -144,6 +144,91 @@ async fn resume_on_the_same_mesh_is_bit_exact() {
     assert_eq!(state(&resumed), state(&straight));
 }
 
+/// A local rank's piece of a parameter and of its optimizer state: `(rank, parameter id,
+/// values, state)`.
+type Piece = (u32, usize, Vec<f32>, Vec<f32>);
+
+/// Checks that each local rank of `s` holds, after a load, its piece of the full tensors
+/// `saved` under `s`'s mesh (values where it holds the parameter, state where it runs the
+/// optimizer, nothing elsewhere); returns the pieces with state.
+fn assert_pieces_of(s: &Session<CpuBackend>, saved: &[(Vec<f32>, Vec<Vec<f32>>)]) -> Vec<Piece> {
+    let mesh = s.planner().spec().mesh;
+    let mut pieces = Vec::new();
+    for rank in s.local_ranks() {
+        let c = mesh.coord(rank);
+        for (i, p) in s.planner().params().iter().enumerate() {
+            let id = i as u32;
+            let r = p.spec.shard_range(mesh.shard, c.shard);
+            let r = r.start as usize..r.end as usize;
+            let (full, opt) = &saved[i];
+            let held = s.param_values(rank, id).unwrap();
+            if p.owner.is_some_and(|o| o.shard != c.shard) {
+                assert_eq!(held, None);
+                continue;
+            }
+            let held = held.unwrap();
+            let name = &p.spec.name;
+            assert_eq!(bits(&held), bits(&full[r.clone()]), "{name} on rank {rank}");
+            let state = s
+                .executor()
+                .read(rank, Buffer::OptState { param: id })
+                .unwrap();
+            if p.owner.is_some_and(|o| o != c) {
+                assert_eq!(state, None, "{name} on rank {rank}");
+                continue;
+            }
+            let want: Vec<f32> = opt.iter().flat_map(|t| t[r.clone()].to_vec()).collect();
+            assert_eq!(
+                bits(&state.unwrap()),
+                bits(&want),
+                "{name} state on rank {rank}"
+            );
+            pieces.push((rank, i, held, want));
+        }
+    }
+    pieces
+}
+
+/// Checks that step 3 moved each piece as the reference math does from the restored
+/// values and state, with the reduced gradient the step used.
+fn assert_reference_step(s: &Session<CpuBackend>, before: Vec<Piece>) {
+    let hp = ExecConfig::default();
+    let mesh = s.planner().spec().mesh;
+    for (rank, i, mut p0, mut st) in before {
+        let spec = &s.planner().params()[i].spec;
+        let grad = s.reduced_grad(rank, i as u32).unwrap().unwrap();
+        if spec.route == Route::Muon {
+            let (rows, cols) = spec.matrix_dims();
+            math::muon(
+                &mut p0,
+                &grad,
+                &mut st,
+                rows as usize,
+                cols as usize,
+                &hp.muon,
+            );
+        } else {
+            let n = p0.len();
+            let (m, v) = st.split_at_mut(n);
+            // Step 3: the restored counter drives the bias correction.
+            math::adamw(&mut p0, &grad, m, v, &hp.adamw, 3);
+        }
+        let after = s.param_values(rank, i as u32).unwrap().unwrap();
+        let name = &spec.name;
+        assert_eq!(bits(&after), bits(&p0), "{name} on rank {rank} of {mesh}");
+        let state = s
+            .executor()
+            .read(rank, Buffer::OptState { param: i as u32 })
+            .unwrap()
+            .unwrap();
+        assert_eq!(
+            bits(&state),
+            bits(&st),
+            "{name} state on rank {rank} of {mesh}"
+        );
+    }
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_checkpoint_loads_onto_other_meshes_and_steps_as_the_reference_math() {
     let dir = scratch("reshard");
@@ -151,93 +236,15 @@ async fn a_checkpoint_loads_onto_other_meshes_and_steps_as_the_reference_math() 
     steps(&mut src, 2).await;
     src.save(&dir).unwrap();
     let saved = full_state(&src);
-    let hp = ExecConfig::default();
-
     for (shard, replicate) in [(4, 1), (1, 2)] {
         let mut s = session_of(mixed_spec(shard, replicate), SEED + 7);
         let loaded = s.load(&dir).unwrap();
         assert_eq!(loaded.saved_mesh, Mesh::new(2, 2).unwrap());
-        let mesh = s.planner().spec().mesh;
         // Each rank's piece under the new mesh, before and after one more step.
-        let params = s.planner().params().to_vec();
-        let mut before = Vec::new();
-        for rank in s.local_ranks() {
-            let c = mesh.coord(rank);
-            for (i, p) in params.iter().enumerate() {
-                let id = i as u32;
-                let r = p.spec.shard_range(mesh.shard, c.shard);
-                let r = r.start as usize..r.end as usize;
-                let (full, opt) = &saved[i];
-                let held = s.param_values(rank, id).unwrap();
-                if p.owner.is_some_and(|o| o.shard != c.shard) {
-                    assert_eq!(held, None);
-                    continue;
-                }
-                let held = held.unwrap();
-                assert_eq!(
-                    bits(&held),
-                    bits(&full[r.clone()]),
-                    "{} on rank {rank}",
-                    p.spec.name
-                );
-                let state = s
-                    .executor()
-                    .read(rank, Buffer::OptState { param: id })
-                    .unwrap();
-                if p.owner.is_some_and(|o| o != c) {
-                    assert_eq!(state, None, "{} on rank {rank}", p.spec.name);
-                    continue;
-                }
-                let want: Vec<f32> = opt.iter().flat_map(|t| t[r.clone()].to_vec()).collect();
-                assert_eq!(
-                    bits(&state.unwrap()),
-                    bits(&want),
-                    "{} state on rank {rank}",
-                    p.spec.name
-                );
-                before.push((rank, i, held, want));
-            }
-        }
+        let before = assert_pieces_of(&s, &saved);
         steps(&mut s, 1).await;
         assert_eq!(s.steps_done(), 3);
-        for (rank, i, mut p0, mut st) in before {
-            let spec = &params[i].spec;
-            let grad = s.reduced_grad(rank, i as u32).unwrap().unwrap();
-            if spec.route == Route::Muon {
-                let (rows, cols) = spec.matrix_dims();
-                math::muon(
-                    &mut p0,
-                    &grad,
-                    &mut st,
-                    rows as usize,
-                    cols as usize,
-                    &hp.muon,
-                );
-            } else {
-                let n = p0.len();
-                let (m, v) = st.split_at_mut(n);
-                // Step 3: the restored counter drives the bias correction.
-                math::adamw(&mut p0, &grad, m, v, &hp.adamw, 3);
-            }
-            let after = s.param_values(rank, i as u32).unwrap().unwrap();
-            assert_eq!(
-                bits(&after),
-                bits(&p0),
-                "{} on rank {rank} of {mesh}",
-                spec.name
-            );
-            let state = s
-                .executor()
-                .read(rank, Buffer::OptState { param: i as u32 })
-                .unwrap()
-                .unwrap();
-            assert_eq!(
-                bits(&state),
-                bits(&st),
-                "{} state on rank {rank} of {mesh}",
-                spec.name
-            );
-        }
+        assert_reference_step(&s, before);
     }
 }
 

@@ -32,9 +32,8 @@ fn file_sums(ckpt: &Path) -> Vec<String> {
     m.files.into_iter().map(|f| f.sha256).collect()
 }
 
-#[test]
-fn overlap_run_resumed_after_two_steps_saves_the_same_files_as_four_steps() {
-    let dir = scratch("cli");
+/// The four-parameter 2x2 config of these tests, written into `dir`.
+fn mixed_config(dir: &Path) -> String {
     let config = dir.join("mixed.toml");
     std::fs::write(
         &config,
@@ -45,52 +44,30 @@ fn overlap_run_resumed_after_two_steps_saves_the_same_files_as_four_steps() {
          [[param]]\nname = \"emb\"\nshape = [11, 3]\nroute = \"sharded_adamw\"\nlayer = 0\n",
     )
     .unwrap();
-    let (c, a, b) = (config.to_str().unwrap(), dir.join("a"), dir.join("b"));
+    config.to_str().unwrap().to_string()
+}
+
+/// `overlap run --config config ARGS...`.
+fn run(config: &str, rest: &[&str]) -> std::process::Output {
+    overlap(&[&["run", "--config", config][..], rest].concat())
+}
+
+#[test]
+fn overlap_run_resumed_after_two_steps_saves_the_same_files_as_four_steps() {
+    let dir = scratch("cli");
+    let c = mixed_config(&dir);
+    let (a, b) = (dir.join("a"), dir.join("b"));
     let (a, b) = (a.to_str().unwrap(), b.to_str().unwrap());
-    let ok = |o: std::process::Output| {
-        let out = String::from_utf8_lossy(&o.stdout).into_owned();
-        assert!(
-            o.status.success(),
-            "{out}{}",
-            String::from_utf8_lossy(&o.stderr)
-        );
-        out
-    };
-    ok(overlap(&[
-        "run",
-        "--config",
-        c,
-        "--steps",
-        "4",
-        "--checkpoint",
-        a,
-    ]));
-    let out = ok(overlap(&[
-        "run",
-        "--config",
-        c,
-        "--steps",
-        "2",
-        "--save-every",
-        "1",
-        "--checkpoint",
-        b,
-    ]));
+    succeeded(run(&c, &["--steps", "4", "--checkpoint", a]));
+    let out = succeeded(run(
+        &c,
+        &["--steps", "2", "--save-every", "1", "--checkpoint", b],
+    ));
     assert!(
         out.contains("checkpoint: step 1 saved") && out.contains("checkpoint: step 2 saved"),
         "{out}"
     );
-    let out = ok(overlap(&[
-        "run",
-        "--config",
-        c,
-        "--steps",
-        "2",
-        "--resume",
-        b,
-        "--checkpoint",
-        b,
-    ]));
+    let out = succeeded(run(&c, &["--steps", "2", "--resume", b, "--checkpoint", b]));
     assert!(
         out.contains("resumed from") && out.contains("step 3/4") && out.contains("step 4/4"),
         "{out}"
@@ -104,27 +81,21 @@ fn overlap_run_resumed_after_two_steps_saves_the_same_files_as_four_steps() {
         std::fs::read_to_string(b.join(LATEST)).unwrap().trim(),
         "step-000004"
     );
+}
 
+#[test]
+fn a_resume_that_cannot_continue_the_run_is_refused() {
+    let dir = scratch("cli_refused");
+    let c = mixed_config(&dir);
+    let b = dir.join("b");
+    let b = b.to_str().unwrap();
+    succeeded(run(&c, &["--steps", "1", "--checkpoint", b]));
     // Another seed would not continue the run: refused, naming the seed to pass.
-    let o = overlap(&[
-        "run",
-        "--config",
-        c,
-        "--seed",
-        "6",
-        "--resume",
-        b.to_str().unwrap(),
-    ]);
+    let o = run(&c, &["--seed", "6", "--resume", b]);
     let err = String::from_utf8_lossy(&o.stderr);
     assert!(!o.status.success() && err.contains("--seed 5"), "{err}");
     // No checkpoint there: a clean error.
-    let o = overlap(&[
-        "run",
-        "--config",
-        c,
-        "--resume",
-        dir.join("none").to_str().unwrap(),
-    ]);
+    let o = run(&c, &["--resume", dir.join("none").to_str().unwrap()]);
     let err = String::from_utf8_lossy(&o.stderr);
     assert!(
         !o.status.success() && err.contains("not a checkpoint") && !err.contains("panicked"),
