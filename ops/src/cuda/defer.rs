@@ -33,6 +33,8 @@
 //! Invariant: a held kernel is issued before any work that the caller issued after it
 //! on the same stream, and before any event the caller records on that stream.
 
+use std::collections::HashSet;
+
 use cudarc::driver::sys;
 use overlap_graph::Stream;
 
@@ -98,41 +100,51 @@ pub(super) struct HeldClip {
 /// held clip to its gradient.
 type Entry = (Tag, Held, Option<CudaBuffer>, bool);
 
-/// A stream's held clip and optimizer kernels, in launch order (the clip first).
+/// A stream's held clip and optimizer kernels, in launch order (the clip first), with
+/// the identities ([`CudaBuffer::id`]) of their buffers, so that checking a new kernel
+/// against everything held is a few set lookups.
 #[derive(Debug, Default)]
 pub(super) struct Pending {
     clip: Option<HeldClip>,
+    /// The held clip's gradients.
+    clip_ids: HashSet<usize>,
     held: Vec<Entry>,
+    /// Every held step's parameter, gradient and state.
+    bufs: HashSet<usize>,
+    /// Every held step's guard.
+    guards: HashSet<usize>,
 }
 
 impl Pending {
-    /// Whether `step` (guarded by `guard`) shares a buffer with a held kernel, or
-    /// touches one the held clip scales or reads other than as its gradient.
+    /// Whether `step` (guarded by `guard`) shares a buffer with a held kernel (a guard
+    /// shared by two is no conflict: nothing writes it), or touches one the held clip
+    /// scales or reads other than as its gradient.
     fn conflicts(&self, step: &Held, guard: Option<&CudaBuffer>) -> bool {
-        let new = step.buffers();
-        let with_held = self.held.iter().any(|(_, h, g, _)| {
-            let old = h.buffers();
-            new.iter().any(|b| old.iter().any(|o| o.same(b)))
-                || g.as_ref().is_some_and(|g| new.iter().any(|b| b.same(g)))
-                || guard.is_some_and(|g| old.iter().any(|o| o.same(g)))
-        });
+        let new = step.buffers().map(CudaBuffer::id);
+        let with_held = new
+            .iter()
+            .any(|i| self.bufs.contains(i) || self.guards.contains(i))
+            || guard.is_some_and(|g| self.bufs.contains(&g.id()));
         let with_clip = self.clip.as_ref().is_some_and(|c| {
-            let [param, grad, state] = new;
-            let scaled = |b: &CudaBuffer| c.bufs.iter().any(|x| x.same(b));
+            let [param, _, state] = new;
+            let scaled = |i: usize| self.clip_ids.contains(&i);
             scaled(param)
                 || scaled(state)
-                || [param, grad, state].iter().any(|b| b.same(&c.norm))
-                || guard.is_some_and(scaled)
+                || new.contains(&c.norm.id())
+                || guard.is_some_and(|g| scaled(g.id()))
         });
         with_held || with_clip
     }
 
     /// Whether the held clip scales `step`'s gradient.
     fn clips(&self, step: &Held) -> bool {
-        let grad = step.buffers()[1];
-        self.clip
-            .as_ref()
-            .is_some_and(|c| c.bufs.iter().any(|b| b.same(grad)))
+        self.clip_ids.contains(&step.buffers()[1].id())
+    }
+
+    fn push(&mut self, entry: Entry) {
+        self.bufs.extend(entry.1.buffers().map(CudaBuffer::id));
+        self.guards.extend(entry.2.as_ref().map(CudaBuffer::id));
+        self.held.push(entry);
     }
 
     pub(super) fn is_empty(&self) -> bool {
@@ -217,14 +229,16 @@ impl Issue {
         }
         let pending = &mut self.pending[stream.index()];
         let clipped = self.fuse_clip && pending.clips(&step);
-        pending.held.push((tag, step, guard.cloned(), clipped));
+        pending.push((tag, step, guard.cloned(), clipped));
     }
 
     /// Holds a validated clip on `stream`, behind nothing: what is held there is
     /// issued first.
     pub(super) fn hold_clip(&mut self, shared: &Shared, stream: Stream, clip: HeldClip) {
         self.flush(shared, stream);
-        self.pending[stream.index()].clip = Some(clip);
+        let pending = &mut self.pending[stream.index()];
+        pending.clip_ids = clip.bufs.iter().map(CudaBuffer::id).collect();
+        pending.clip = Some(clip);
     }
 
     /// Issues every optimizer step held on `stream`. A failure is reported under the
@@ -275,10 +289,12 @@ impl Issue {
         let Some(c) = clip else {
             return Ok(FusedClip::default());
         };
-        let read = |b: &CudaBuffer| {
-            held.iter()
-                .any(|(_, h, _, clipped)| *clipped && h.buffers()[1].same(b))
-        };
+        let read: HashSet<usize> = held
+            .iter()
+            .filter(|e| e.3)
+            .map(|e| e.1.buffers()[1].id())
+            .collect();
+        let read = |b: &CudaBuffer| read.contains(&b.id());
         let spans: Vec<Span> = c
             .bufs
             .iter()

@@ -111,6 +111,12 @@ impl CudaBuffer {
     pub(super) fn same(&self, other: &CudaBuffer) -> bool {
         Arc::ptr_eq(&self.mem, &other.mem)
     }
+
+    /// The buffer's identity, equal for two handles exactly when [`CudaBuffer::same`]
+    /// (valid while a handle lives).
+    pub(super) fn id(&self) -> usize {
+        Arc::as_ptr(&self.mem) as usize
+    }
 }
 
 impl fmt::Debug for CudaBuffer {
