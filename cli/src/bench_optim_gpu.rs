@@ -409,17 +409,20 @@ impl TailRow {
     }
 }
 
-/// Runs the benchmark (blocking: call it on a thread of its own).
-pub fn run(args: &BenchOptimizerArgs) -> Result<OptimReport, Error> {
-    let tensors = shape_set(&args.shapes)?;
-    let dtypes = args
-        .ns_dtype
-        .split(',')
+/// The precisions of `--ns-dtype`, a comma-separated list.
+fn ns_dtypes(list: &str) -> Result<Vec<NsDtype>, Error> {
+    list.split(',')
         .map(|d| {
             NsDtype::parse(d.trim())
                 .ok_or_else(|| Error::Usage(format!("--ns-dtype: `{d}` is not bf16, tf32 or f32")))
         })
-        .collect::<Result<Vec<_>, _>>()?;
+        .collect()
+}
+
+/// Runs the benchmark (blocking: call it on a thread of its own).
+pub fn run(args: &BenchOptimizerArgs) -> Result<OptimReport, Error> {
+    let tensors = shape_set(&args.shapes)?;
+    let dtypes = ns_dtypes(&args.ns_dtype)?;
     let mesh = Mesh::new(1, 1).map_err(|e| Error::Usage(e.to_string()))?;
     let b = CudaBackend::new(CudaOptions::new(mesh, 0, 0)).map_err(ops)?;
     let slots = alloc_slots(&b, tensors, args.muon)?;
