@@ -7,6 +7,9 @@
 //!   (HMAC-SHA256 challenge-response), its framing, and the job watch that turns a
 //!   peer's failure into every rank's stop;
 //! - [`fingerprint`]: what a rank will run, compared across ranks before the first step;
+//! - [`cpu`](mod@cpu): the CPU backend as one process per rank (its links between the
+//!   processes, authenticated with the job's secret) and `verify --backend cpu`'s
+//!   comparison in such a job;
 //! - `cuda` (the `cuda` feature): the CUDA world (open the GPU, meet the other ranks,
 //!   create the NCCL communicators or the copy transport's links) and `verify --backend
 //!   cuda`'s comparison of each GPU with the exact reference.
@@ -21,9 +24,11 @@
 #![forbid(unsafe_code)]
 #![warn(missing_docs, unreachable_pub)]
 
+pub mod cpu;
 #[cfg(feature = "cuda")]
 pub mod cuda;
 pub mod env;
+mod figures;
 pub mod fingerprint;
 pub mod rendezvous;
 

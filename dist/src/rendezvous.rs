@@ -229,6 +229,51 @@ const HELLO_LABEL: &[u8] = b"overlap-rendezvous-2 hello";
 const WELCOME_LABEL: &[u8] = b"overlap-rendezvous-2 welcome";
 const SESSION_LABEL: &[u8] = b"overlap-rendezvous-2 session";
 
+/// Which handshake a connection makes: the rendezvous's (rank 0 serves ranks
+/// `1..world`), or a CPU link's (`overlap-cpu-link-1`, [`crate::cpu`]: rank `k` serves
+/// the ranks below it, and its rank is part of every label, so that a client proves the
+/// secret to, and hears it proved by, the rank it meant to reach). The labels keep the
+/// two protocols' proofs apart.
+#[derive(Debug, Clone)]
+pub(crate) struct Handshake {
+    hello: Vec<u8>,
+    welcome: Vec<u8>,
+    session: Vec<u8>,
+    /// The serving rank.
+    server: u32,
+    /// The ranks it accepts.
+    clients: std::ops::Range<u32>,
+}
+
+impl Handshake {
+    /// Rank 0's rendezvous of `world` ranks.
+    fn rendezvous(world: u32) -> Handshake {
+        Handshake {
+            hello: HELLO_LABEL.to_vec(),
+            welcome: WELCOME_LABEL.to_vec(),
+            session: SESSION_LABEL.to_vec(),
+            server: 0,
+            clients: 1..world,
+        }
+    }
+
+    /// The CPU link served by rank `server`, for the ranks below it.
+    pub(crate) fn cpu_link(server: u32) -> Handshake {
+        let label = |what: &str| {
+            let mut l = format!("overlap-cpu-link-1 {what}").into_bytes();
+            l.extend_from_slice(&server.to_le_bytes());
+            l
+        };
+        Handshake {
+            hello: label("hello"),
+            welcome: label("welcome"),
+            session: label("session"),
+            server,
+            clients: 0..server,
+        }
+    }
+}
+
 fn transcript(n0: &[u8; NONCE], nk: &[u8; NONCE], rank: u32, world: u32) -> Vec<u8> {
     let mut t = Vec::with_capacity(2 * NONCE + 8);
     t.extend_from_slice(n0);
@@ -293,8 +338,13 @@ fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
 }
 
 impl Conn {
-    fn new(stream: TcpStream, secret: &JobSecret, t: &[u8], side: u8) -> Result<Conn, String> {
-        let key: [u8; 32] = secret.mac(SESSION_LABEL, t).finalize().into_bytes().into();
+    fn new(
+        stream: TcpStream,
+        secret: &JobSecret,
+        (label, t): (&[u8], &[u8]),
+        side: u8,
+    ) -> Result<Conn, String> {
+        let key: [u8; 32] = secret.mac(label, t).finalize().into_bytes().into();
         let out = Out {
             stream: stream.try_clone().map_err(|e| e.to_string())?,
             key,
@@ -429,90 +479,8 @@ impl Rendezvous {
             .local_addr()
             .map(|a| a.to_string())
             .unwrap_or_else(|_| "?".into());
-        let deadline = Instant::now() + timeout;
-        listener
-            .set_nonblocking(true)
-            .map_err(|e| err(format!("listener on {local}: {e}")))?;
-        let (tx, rx) = mpsc::channel::<Arrival>();
-        let pending = Arc::new(AtomicUsize::new(0));
-        let mut peers: Vec<Option<Conn>> = (1..world).map(|_| None).collect();
-        while peers.iter().any(Option::is_none) {
-            let mut idle = true;
-            match listener.accept() {
-                Ok((stream, from)) => {
-                    idle = false;
-                    if pending.load(Ordering::SeqCst) >= MAX_PENDING {
-                        tracing::warn!(
-                            "rendezvous on {local}: {MAX_PENDING} handshakes in progress; closing a connection from {from}"
-                        );
-                    } else {
-                        pending.fetch_add(1, Ordering::SeqCst);
-                        let (tx, pending, secret) = (tx.clone(), pending.clone(), secret.clone());
-                        let at = local.clone();
-                        let by = deadline.min(Instant::now() + HELLO_TIMEOUT);
-                        let spawned = std::thread::Builder::new()
-                            .name("rendezvous-hello".into())
-                            .stack_size(64 << 10)
-                            .spawn(move || {
-                                match greet(stream, world, &secret, by) {
-                                    Ok((rank, conn)) => {
-                                        // The main loop may be gone (it finished): then
-                                        // the connection just closes.
-                                        let _ = tx.send(Arrival { rank, from, conn });
-                                    }
-                                    Err(e) => tracing::warn!(
-                                        "rendezvous on {at}: dropped a connection from {from}: {e}"
-                                    ),
-                                }
-                                pending.fetch_sub(1, Ordering::SeqCst);
-                            });
-                        if let Err(e) = spawned {
-                            tracing::warn!("rendezvous on {local}: cannot handle a connection from {from}: {e}");
-                        }
-                    }
-                }
-                Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => {}
-                Err(e) if e.kind() == std::io::ErrorKind::Interrupted => {}
-                Err(e) => {
-                    // Out of file descriptors, a reset before accept: not fatal.
-                    tracing::warn!("rendezvous on {local}: accept: {e}");
-                }
-            }
-            while let Ok(a) = rx.try_recv() {
-                idle = false;
-                let Some(slot) = (a.rank as usize)
-                    .checked_sub(1)
-                    .and_then(|i| peers.get_mut(i))
-                else {
-                    continue;
-                };
-                if slot.is_some() {
-                    let why = format!(
-                        "rank {} already joined; this second process with RANK={} (from {}) is refused: give every process its own rank",
-                        a.rank, a.rank, a.from
-                    );
-                    tracing::warn!("rendezvous on {local}: {why}");
-                    let _ = a.conn.send(Kind::Reject, 0, world, why.as_bytes());
-                    continue;
-                }
-                *slot = Some(a.conn);
-            }
-            if Instant::now() >= deadline && peers.iter().any(Option::is_none) {
-                let missing: Vec<u32> = peers
-                    .iter()
-                    .enumerate()
-                    .filter(|(_, p)| p.is_none())
-                    .map(|(i, _)| i as u32 + 1)
-                    .collect();
-                return Err(err(format!(
-                    "rank 0 waited {timeout:?} on {local}: ranks {missing:?} of {world} did not arrive (a rank with another OVERLAP_JOB_SECRET is dropped and logged here)"
-                )));
-            }
-            if idle {
-                std::thread::sleep(Duration::from_millis(2));
-            }
-        }
-        let mut peers: Vec<Conn> = peers.into_iter().flatten().collect();
+        let hs = Handshake::rendezvous(world);
+        let mut peers = accept_ranks(listener, world, secret, timeout, &hs)?;
         for (i, p) in peers.iter_mut().enumerate() {
             // Tell each peer it is in: `join` returns only then.
             p.send(Kind::Ready, 0, world, &[])
@@ -550,7 +518,7 @@ impl Rendezvous {
             if let Some(s) = try_connect(addr, deadline, &mut last) {
                 let _ = s.set_nodelay(true);
                 let by = deadline.min(Instant::now() + HELLO_TIMEOUT);
-                match hello(s, rank, world, secret, by) {
+                match hello(s, (rank, world), secret, by, &Handshake::rendezvous(world)) {
                     Ok(c) => break c,
                     Err(e) => {
                         tracing::warn!("rank {rank}: the rendezvous at {addr}: {e}; retrying");
@@ -600,6 +568,16 @@ impl Rendezvous {
     /// Ranks in the job.
     pub fn world(&self) -> u32 {
         self.world
+    }
+
+    /// The address of this host that the job reaches it by: rank 0's listening address,
+    /// or the local end of another rank's connection to rank 0 (the interface that
+    /// routes to the job). `None` if the operating system cannot say.
+    pub fn local_ip(&self) -> Option<IpAddr> {
+        match &self.role {
+            Role::Root(_) => self.addr.parse::<SocketAddr>().ok().map(|a| a.ip()),
+            Role::Peer(c) => c.stream.local_addr().ok().map(|a| a.ip()),
+        }
     }
 
     /// Rank 0 sends `payload` to every rank; every rank returns it (the others' argument
@@ -842,18 +820,189 @@ fn watch_conn(
     }
 }
 
-/// Rank 0's handshake with one new connection: `(rank, connection)` of a rank that
-/// proved it holds the secret and claims a rank and world size that fit the job.
+/// The serving rank's side on a listener (`hs` says which protocol and which ranks it
+/// serves): accepts every rank of `hs.clients`, each after it proved it holds `secret`,
+/// each handshake on a thread of its own with its own deadline so that strangers (no or
+/// a wrong secret, garbage, silence) are dropped and logged without delaying the ranks;
+/// a second process claiming a rank already in is refused. The connections in rank
+/// order, or an error naming the ranks that did not arrive within `timeout`.
+fn accept_ranks(
+    listener: TcpListener,
+    world: u32,
+    secret: &JobSecret,
+    timeout: Duration,
+    hs: &Handshake,
+) -> Result<Vec<Conn>, DistError> {
+    let local = listener
+        .local_addr()
+        .map(|a| a.to_string())
+        .unwrap_or_else(|_| "?".into());
+    let deadline = Instant::now() + timeout;
+    listener
+        .set_nonblocking(true)
+        .map_err(|e| err(format!("listener on {local}: {e}")))?;
+    let (tx, rx) = mpsc::channel::<Arrival>();
+    let pending = Arc::new(AtomicUsize::new(0));
+    let mut peers: Vec<Option<Conn>> = hs.clients.clone().map(|_| None).collect();
+    while peers.iter().any(Option::is_none) {
+        let mut idle = true;
+        match listener.accept() {
+            Ok((stream, from)) => {
+                idle = false;
+                let by = deadline.min(Instant::now() + HELLO_TIMEOUT);
+                let ctx = (tx.clone(), pending.clone(), secret.clone(), hs.clone());
+                spawn_greeting(stream, from, (world, by), &local, ctx);
+            }
+            Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => {}
+            Err(e) if e.kind() == std::io::ErrorKind::Interrupted => {}
+            Err(e) => {
+                // Out of file descriptors, a reset before accept: not fatal.
+                tracing::warn!("rendezvous on {local}: accept: {e}");
+            }
+        }
+        while let Ok(a) = rx.try_recv() {
+            idle = false;
+            let Some(slot) =
+                (a.rank.checked_sub(hs.clients.start)).and_then(|i| peers.get_mut(i as usize))
+            else {
+                continue;
+            };
+            if slot.is_some() {
+                let why = format!(
+                    "rank {} already joined; this second process with RANK={} (from {}) is refused: give every process its own rank",
+                    a.rank, a.rank, a.from
+                );
+                tracing::warn!("rendezvous on {local}: {why}");
+                let _ = a.conn.send(Kind::Reject, hs.server, world, why.as_bytes());
+                continue;
+            }
+            *slot = Some(a.conn);
+        }
+        if Instant::now() >= deadline && peers.iter().any(Option::is_none) {
+            let missing: Vec<u32> = (hs.clients.clone().zip(&peers))
+                .filter(|(_, p)| p.is_none())
+                .map(|(r, _)| r)
+                .collect();
+            return Err(err(format!(
+                "rank {} waited {timeout:?} on {local}: ranks {missing:?} of {world} did not arrive (a rank with another OVERLAP_JOB_SECRET is dropped and logged here)",
+                hs.server
+            )));
+        }
+        if idle {
+            std::thread::sleep(Duration::from_millis(2));
+        }
+    }
+    Ok(peers.into_iter().flatten().collect())
+}
+
+/// Greets one new connection on a thread of its own (at most [`MAX_PENDING`] at once;
+/// beyond, the connection is closed): a rank that proves the secret is handed to the
+/// accepting loop through `tx`, anything else is dropped and logged.
+fn spawn_greeting(
+    stream: TcpStream,
+    from: SocketAddr,
+    (world, by): (u32, Instant),
+    local: &str,
+    (tx, pending, secret, hs): (
+        mpsc::Sender<Arrival>,
+        Arc<AtomicUsize>,
+        JobSecret,
+        Handshake,
+    ),
+) {
+    if pending.load(Ordering::SeqCst) >= MAX_PENDING {
+        tracing::warn!(
+            "rendezvous on {local}: {MAX_PENDING} handshakes in progress; closing a connection from {from}"
+        );
+        return;
+    }
+    pending.fetch_add(1, Ordering::SeqCst);
+    let at = local.to_string();
+    let counter = pending.clone();
+    let spawned = std::thread::Builder::new()
+        .name("rendezvous-hello".into())
+        .stack_size(64 << 10)
+        .spawn(move || {
+            match greet(stream, world, &secret, by, &hs) {
+                Ok((rank, conn)) => {
+                    // The accepting loop may be gone (it finished): then the connection
+                    // just closes.
+                    let _ = tx.send(Arrival { rank, from, conn });
+                }
+                Err(e) => {
+                    tracing::warn!("rendezvous on {at}: dropped a connection from {from}: {e}")
+                }
+            }
+            counter.fetch_sub(1, Ordering::SeqCst);
+        });
+    if let Err(e) = spawned {
+        pending.fetch_sub(1, Ordering::SeqCst);
+        tracing::warn!("rendezvous on {local}: cannot handle a connection from {from}: {e}");
+    }
+}
+
+/// A CPU link's serving side ([`crate::cpu`]): rank `me` of `world` accepts the ranks
+/// below it on `listener`, each proving the secret (and hearing it proved by rank `me`),
+/// within `timeout`; their connections in rank order.
+pub(crate) fn accept_links(
+    listener: TcpListener,
+    (me, world): (u32, u32),
+    secret: &JobSecret,
+    timeout: Duration,
+) -> Result<Vec<(u32, TcpStream)>, DistError> {
+    let conns = accept_ranks(listener, world, secret, timeout, &Handshake::cpu_link(me))?;
+    Ok((0..me).zip(conns.into_iter().map(|c| c.stream)).collect())
+}
+
+/// A CPU link's connecting side ([`crate::cpu`]): rank `me` of `world` connects to rank
+/// `peer` at `addr`, retrying until `timeout`, and the two prove the job's secret to
+/// each other.
+pub(crate) fn connect_link(
+    addr: &str,
+    (me, peer, world): (u32, u32, u32),
+    secret: &JobSecret,
+    timeout: Duration,
+) -> Result<TcpStream, DistError> {
+    let deadline = Instant::now() + timeout;
+    let hs = Handshake::cpu_link(peer);
+    let mut last = String::from("no attempt");
+    loop {
+        if let Some(s) = try_connect(addr, deadline, &mut last) {
+            let _ = s.set_nodelay(true);
+            let by = deadline.min(Instant::now() + HELLO_TIMEOUT);
+            match hello(s, (me, world), secret, by, &hs) {
+                Ok(c) => return Ok(c.stream),
+                Err(e) => {
+                    tracing::warn!(
+                        "rank {me}: the CPU link to rank {peer} at {addr}: {e}; retrying"
+                    );
+                    last = e;
+                }
+            }
+        }
+        if Instant::now() >= deadline {
+            return Err(err(format!(
+                "rank {me} could not open its CPU link to rank {peer} at {addr} within {timeout:?} ({last})"
+            )));
+        }
+        std::thread::sleep(Duration::from_millis(50));
+    }
+}
+
+/// The serving rank's handshake with one new connection (`hs` says which protocol):
+/// `(rank, connection)` of a rank that proved it holds the secret and claims a rank and
+/// world size that fit the job.
 fn greet(
     stream: TcpStream,
     world: u32,
     secret: &JobSecret,
     by: Instant,
+    hs: &Handshake,
 ) -> Result<(u32, Conn), String> {
     stream.set_nonblocking(false).map_err(|e| e.to_string())?;
     let _ = stream.set_nodelay(true);
     let n0 = random::<NONCE>().map_err(|e| e.to_string())?;
-    write_raw(&stream, Kind::Challenge, 0, world, &n0).map_err(|e| e.to_string())?;
+    write_raw(&stream, Kind::Challenge, hs.server, world, &n0).map_err(|e| e.to_string())?;
     let (_, _, rank, peer_world, len) =
         read_header(&stream, &[Kind::Hello], (NONCE + TAG) as u64, by)?;
     if len != (NONCE + TAG) as u64 {
@@ -865,37 +1014,42 @@ fn greet(
     nk.copy_from_slice(&body[..NONCE]);
     let t = transcript(&n0, &nk, rank, peer_world);
     secret
-        .mac(HELLO_LABEL, &t)
+        .mac(&hs.hello, &t)
         .verify_slice(&body[NONCE..])
         .map_err(|_| {
             format!("it claims rank {rank} of {peer_world} but does not hold this job's secret (OVERLAP_JOB_SECRET differs, or it is not one of this job's ranks)")
         })?;
-    let proof = secret.mac(WELCOME_LABEL, &t).finalize().into_bytes();
-    write_raw(&stream, Kind::Welcome, 0, world, &proof).map_err(|e| e.to_string())?;
-    let conn = Conn::new(stream, secret, &t, 0)?;
+    let proof = secret.mac(&hs.welcome, &t).finalize().into_bytes();
+    write_raw(&stream, Kind::Welcome, hs.server, world, &proof).map_err(|e| e.to_string())?;
+    let conn = Conn::new(stream, secret, (&hs.session, &t), 0)?;
     let why = if peer_world != world {
         Some(format!(
-            "rank {rank} says the world has {peer_world} ranks, rank 0 has {world}: WORLD_SIZE differs between ranks"
+            "rank {rank} says the world has {peer_world} ranks, rank {} has {world}: WORLD_SIZE differs between ranks",
+            hs.server
         ))
-    } else if rank == 0 || rank >= world {
-        Some(format!("rank {rank} is not a rank 1..{world} of this job"))
+    } else if !hs.clients.contains(&rank) {
+        Some(format!(
+            "rank {rank} is not a rank {}..{} of this job",
+            hs.clients.start, hs.clients.end
+        ))
     } else {
         None
     };
     if let Some(why) = why {
-        let _ = conn.send(Kind::Reject, 0, world, why.as_bytes());
+        let _ = conn.send(Kind::Reject, hs.server, world, why.as_bytes());
         return Err(why);
     }
     Ok((rank, conn))
 }
 
-/// A rank's handshake on a fresh connection to rank 0, before `by`.
+/// A rank's handshake on a fresh connection to the serving rank (`hs` says which
+/// protocol), before `by`.
 fn hello(
     stream: TcpStream,
-    rank: u32,
-    world: u32,
+    (rank, world): (u32, u32),
     secret: &JobSecret,
     by: Instant,
+    hs: &Handshake,
 ) -> Result<Conn, String> {
     let (_, _, _, _, len) = read_header(&stream, &[Kind::Challenge], NONCE as u64, by)?;
     if len != NONCE as u64 {
@@ -905,7 +1059,7 @@ fn hello(
     read_exact(&stream, &mut n0, by)?;
     let nk = random::<NONCE>().map_err(|e| e.to_string())?;
     let t = transcript(&n0, &nk, rank, world);
-    let mac = secret.mac(HELLO_LABEL, &t).finalize().into_bytes();
+    let mac = secret.mac(&hs.hello, &t).finalize().into_bytes();
     write_raw(
         &stream,
         Kind::Hello,
@@ -921,12 +1075,15 @@ fn hello(
     }
     read_exact(&stream, &mut proof, by)?;
     secret
-        .mac(WELCOME_LABEL, &t)
+        .mac(&hs.welcome, &t)
         .verify_slice(&proof)
         .map_err(|_| {
-            "the process there did not prove it holds this job's secret (another job on MASTER_PORT, or OVERLAP_JOB_SECRET differs)".to_string()
+            format!(
+                "the process there did not prove it holds this job's secret as rank {} (another job on that port, or OVERLAP_JOB_SECRET differs)",
+                hs.server
+            )
         })?;
-    Conn::new(stream, secret, &t, 1)
+    Conn::new(stream, secret, (&hs.session, &t), 1)
 }
 
 /// One connection attempt to every address `addr` resolves to.
@@ -1282,7 +1439,8 @@ mod tests {
     /// the secret: what a forged or misconfigured rank sends.
     fn forged_hello(addr: &str, rank: u32, world: u32, key: &JobSecret) -> Result<Conn, String> {
         let s = TcpStream::connect(addr).map_err(|e| e.to_string())?;
-        hello(s, rank, world, key, Instant::now() + Duration::from_secs(5))
+        let by = Instant::now() + Duration::from_secs(5);
+        hello(s, (rank, world), key, by, &Handshake::rendezvous(world))
     }
 
     #[test]
