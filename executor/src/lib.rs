@@ -339,6 +339,20 @@ impl std::fmt::Display for Stalled {
     }
 }
 
+/// A readable label of node `node` of rank `r`'s adopted plan.
+fn node_label<B: Backend>(r: &RankState<B>, node: u32) -> String {
+    r.prepared
+        .as_ref()
+        .and_then(|p| {
+            p.plan
+                .rank(r.rank)
+                .nodes
+                .get(node as usize)
+                .map(|n| p.plan.label(n))
+        })
+        .unwrap_or_else(|| "unknown node".into())
+}
+
 /// Errors of the executor.
 #[derive(Debug, thiserror::Error)]
 pub enum ExecError {
@@ -773,36 +787,7 @@ impl<B: Backend> Executor<B> {
     fn timed_out(&mut self, pending: &[(u32, Stream)]) -> ExecError {
         let step = self.steps_done + 1;
         let seconds = self.step_timeout().as_secs_f64();
-        let label = |r: &RankState<B>, node: u32| -> String {
-            r.prepared
-                .as_ref()
-                .and_then(|p| {
-                    p.plan
-                        .rank(r.rank)
-                        .nodes
-                        .get(node as usize)
-                        .map(|n| p.plan.label(n))
-                })
-                .unwrap_or_else(|| "unknown node".into())
-        };
-        let mut stalled = Vec::new();
-        for r in &self.ranks {
-            for s in Stream::ALL {
-                if let Some(tag) = self.backend.running(r.rank, s) {
-                    let mut l = label(r, tag.node);
-                    if tag.op == FAULT_OP {
-                        l.push_str(&format!(", a hang injected by {FAULT_VAR}"));
-                    }
-                    stalled.push(Stalled {
-                        rank: r.rank,
-                        stream: s,
-                        node: Some(tag.node),
-                        label: l,
-                        running: true,
-                    });
-                }
-            }
-        }
+        let mut stalled = self.running_now();
         if stalled.is_empty() {
             for r in &self.ranks {
                 for s in Stream::ALL {
@@ -816,7 +801,7 @@ impl<B: Backend> Executor<B> {
                         stream: s,
                         node,
                         label: node
-                            .map(|n| label(r, n))
+                            .map(|n| node_label(r, n))
                             .unwrap_or_else(|| "no node issued this step".into()),
                         running: false,
                     });
@@ -835,10 +820,73 @@ impl<B: Backend> Executor<B> {
         err
     }
 
+    /// Every local stream the backend says runs a kernel now, with that kernel's node
+    /// (an injected hang named as such); empty where the backend cannot tell.
+    fn running_now(&self) -> Vec<Stalled> {
+        let mut stalled = Vec::new();
+        for r in &self.ranks {
+            for s in Stream::ALL {
+                if let Some(tag) = self.backend.running(r.rank, s) {
+                    let mut l = node_label(r, tag.node);
+                    if tag.op == FAULT_OP {
+                        l.push_str(&format!(", a hang injected by {FAULT_VAR}"));
+                    }
+                    stalled.push(Stalled {
+                        rank: r.rank,
+                        stream: s,
+                        node: Some(tag.node),
+                        label: l,
+                        running: true,
+                    });
+                }
+            }
+        }
+        stalled
+    }
+
+    /// The backend's root causes of the step in progress as node failures (an
+    /// injected failure named as such).
+    fn root_causes(&self) -> Vec<NodeFailure> {
+        let mut failures = Vec::new();
+        for (rank, stream, tag, error) in self.backend.errors() {
+            let label = self
+                .ranks
+                .iter()
+                .find(|r| r.rank == rank)
+                .and_then(|r| r.prepared.as_ref())
+                .and_then(|p| {
+                    p.plan
+                        .rank(rank)
+                        .nodes
+                        .get(tag.node as usize)
+                        .map(|n| p.plan.label(n))
+                })
+                .unwrap_or_else(|| tag.op.to_string());
+            let label = if tag.op == FAULT_OP {
+                format!("{label}, a failure injected by {FAULT_VAR}")
+            } else {
+                label
+            };
+            failures.push(NodeFailure {
+                rank,
+                stream,
+                node: tag.node,
+                label,
+                error,
+            });
+        }
+        failures
+    }
+
     /// Another rank failed: gives up on the work in flight (the backend's communicators
     /// are aborted, so that collectives waiting for that rank end) and refuses further
-    /// work, as after a timeout.
+    /// work, as after a timeout. When this rank failed too, its own root causes are the
+    /// error (the news from the other rank may be an echo of them); otherwise the other
+    /// rank's failure, with what this rank's streams were still running (a hang here
+    /// may be why the other rank timed out).
     fn peer_failed(&mut self, f: PeerFailure) -> ExecError {
+        let failures = self.root_causes();
+        let busy = self.running_now();
         if self.broken.is_none() {
             self.broken = Some(format!(
                 "the executor cannot be used after rank {} of the job failed: {}",
@@ -846,9 +894,22 @@ impl<B: Backend> Executor<B> {
             ));
             self.backend.abort();
         }
+        if !failures.is_empty() {
+            return ExecError::Step { failures };
+        }
+        let reason = if busy.is_empty() {
+            f.reason
+        } else {
+            let busy: Vec<String> = busy.iter().map(Stalled::to_string).collect();
+            format!(
+                "{}; this rank was still busy: {}",
+                f.reason,
+                busy.join("; ")
+            )
+        };
         ExecError::PeerFailed {
             rank: f.rank,
-            reason: f.reason,
+            reason,
         }
     }
 
@@ -1256,34 +1317,7 @@ impl<B: Backend> Executor<B> {
                 return Err(self.timed_out(&pending));
             }
         }
-        let mut failures = Vec::new();
-        for (rank, stream, tag, error) in backend.errors() {
-            let label = self
-                .ranks
-                .iter()
-                .find(|r| r.rank == rank)
-                .and_then(|r| r.prepared.as_ref())
-                .and_then(|p| {
-                    p.plan
-                        .rank(rank)
-                        .nodes
-                        .get(tag.node as usize)
-                        .map(|n| p.plan.label(n))
-                })
-                .unwrap_or_else(|| tag.op.to_string());
-            let label = if tag.op == FAULT_OP {
-                format!("{label}, a failure injected by {FAULT_VAR}")
-            } else {
-                label
-            };
-            failures.push(NodeFailure {
-                rank,
-                stream,
-                node: tag.node,
-                label,
-                error,
-            });
-        }
+        let mut failures = self.root_causes();
         if failures.is_empty() {
             for r in &mut self.ranks {
                 if let Some(e) = r.issue_errors.drain(..).next() {

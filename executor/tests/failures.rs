@@ -136,8 +136,12 @@ async fn another_ranks_failure_ends_a_waiting_step_at_once_and_breaks_the_execut
     let err = rig.step(&plan).await.expect_err("the job failed");
     assert!(t0.elapsed() < Duration::from_secs(60), "{:?}", t0.elapsed());
     assert!(watcher.join().unwrap(), "the first failure reported");
+    // The other rank's error, then what this executor's ranks were still running: the
+    // hang here may be why the other rank failed.
     assert!(
-        matches!(&err, ExecError::PeerFailed { rank: 5, reason } if *reason == failure.reason),
+        matches!(&err, ExecError::PeerFailed { rank: 5, reason }
+            if reason.starts_with("out of memory; this rank was still busy: ")
+                && reason.contains("a hang injected by OVERLAP_FAULT")),
         "{err}"
     );
     assert!(matches!(
