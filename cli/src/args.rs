@@ -258,6 +258,11 @@ pub(crate) struct ObserveArgs {
     /// Pause this long after each step, so that a run can be watched (and scraped).
     #[arg(long, value_name = "MS", default_value_t = 0)]
     pub(crate) step_interval_ms: u64,
+    /// After the last step, print `params rank R: HASH` for each rank this process
+    /// drives: a 64-bit FNV-1a hash of the bits of every parameter piece the rank holds,
+    /// to compare runs bit for bit (not a security checksum).
+    #[arg(long)]
+    pub(crate) param_digest: bool,
 }
 
 /// Checkpoints of `overlap run` (docs/checkpoints.md).

@@ -1,41 +1,38 @@
-//! What `overlap run` and `verify` do as one process of a multi-process job: meet the
-//! others (the CPU backend's agreement), watch them for failures, watch the host itself,
-//! and end with a goodbye or the error.
+//! What `overlap run` and `verify` do as one process of a multi-process job: join the
+//! CPU backend's job (one rank per process, linked to the others), watch the other
+//! ranks for failures, watch the host itself, and end with a goodbye or the error.
 
 use std::time::{Duration, Instant};
 
 use overlap::config::Config;
 use overlap::{Error, PeerAbort, StepDeadline};
+use overlap_dist::cpu::CpuWorld;
 use overlap_dist::rendezvous::Rendezvous;
 
-/// On the CPU backend every process runs the whole mesh; started as ranks of a job
-/// (`overlap launch`, torchrun, ...), the processes still meet at the rendezvous and
-/// check that they run the same thing, so that a job that would disagree on GPUs
-/// disagrees here too.
-pub(crate) fn meet_cpu(
+/// Started as ranks of a job (`overlap launch`, torchrun, Slurm, Open MPI: two or more
+/// processes), each process runs one rank of the mesh on the CPU backend: it meets the
+/// others at the rendezvous, checks that they run the same thing and links to every
+/// rank (`overlap_dist::cpu`). `None` for a process alone, which runs every rank.
+pub(crate) fn cpu_world(
     cfg: &Config,
     command: &str,
     steps: u64,
     seed: u64,
-) -> Result<Option<Rendezvous>, Error> {
-    let Some(env) = overlap_dist::env::RankEnv::from_env()? else {
+) -> Result<Option<CpuWorld>, Error> {
+    let Some(env) = overlap_dist::cpu::rank_env(cfg.plan.mesh)? else {
         return Ok(None);
     };
-    if env.world_size < 2 {
-        return Ok(None);
-    }
     let what = overlap_dist::fingerprint::Fingerprint::of_config(cfg, command, "cpu", steps, seed)?;
-    let timeout = overlap_dist::rendezvous::start_timeout(std::time::Duration::from_secs(180));
-    let mut rdv = Rendezvous::connect(&env, timeout)?;
-    rdv.agree(&what, timeout)?;
-    if env.rank == 0 {
+    let digest = what.digest();
+    let world = overlap_dist::cpu::world(cfg, env, what)?;
+    if world.env.rank == 0 {
         eprintln!(
-            "rendezvous: {} ranks agree on what they run (fingerprint {})",
-            env.world_size,
-            &what.digest()[..16]
+            "rendezvous: {} ranks agree on what they run (fingerprint {}); one rank per process, linked",
+            world.env.world_size,
+            &digest[..16]
         );
     }
-    Ok(Some(rdv))
+    Ok(Some(world))
 }
 
 /// How long a rank told of another rank's failure may take to stop by itself before it

@@ -18,9 +18,11 @@
 //! launcher dies without cleaning up (`PR_SET_PDEATHSIG`).
 //!
 //! Invariant: the launcher exits with the first non-zero exit status of its ranks (128 +
-//! the signal for a rank killed by one), after stopping the others: a failed rank can
-//! leave its peers waiting in a collective forever, so they are killed rather than
-//! waited for. No rank outlives the launcher.
+//! the signal for a rank killed by one), after stopping the others: they get
+//! [`STOP_WAIT`] to end by themselves (the job's watch tells them of the failure, and
+//! each says what it was doing, which may be the root cause: a rank that hung while a
+//! peer timed out waiting for it), then they are killed, since a failed rank can leave
+//! its peers waiting in a device collective forever. No rank outlives the launcher.
 
 use std::ffi::OsString;
 use std::io::{BufRead, BufReader, Read, Write};
@@ -32,6 +34,10 @@ use std::time::{Duration, Instant};
 
 use overlap_dist::rendezvous::{JobSecret, SECRET_ADVICE, SECRET_FILE_VAR, SECRET_VAR};
 use overlap_dist::DistError;
+
+/// How long the other ranks get to end by themselves after one failed, before they are
+/// killed.
+pub const STOP_WAIT: Duration = Duration::from_secs(2);
 
 /// The variable that sets how long ranks get to exit after a forwarded signal, in
 /// seconds.
@@ -240,7 +246,7 @@ fn watch(children: &mut [(u32, Child)]) -> Result<u8, DistError> {
             if others > 0 {
                 eprintln!("[launch] rank {rank} exited with status {code}; stopping the {others} other rank(s)");
             }
-            stop(children);
+            stop_after(children, STOP_WAIT);
             return Ok(code);
         }
         if running.iter().all(|r| !r) {
@@ -281,6 +287,19 @@ fn forward(children: &mut [(u32, Child)], sig: i32) -> u8 {
 }
 
 /// Kills and reaps every rank still running.
+/// Waits up to `wait` for every rank to exit, then [`stop`]s the rest.
+fn stop_after(children: &mut [(u32, Child)], wait: Duration) {
+    let by = Instant::now() + wait;
+    while Instant::now() < by
+        && children
+            .iter_mut()
+            .any(|(_, c)| matches!(c.try_wait(), Ok(None)))
+    {
+        std::thread::sleep(Duration::from_millis(10));
+    }
+    stop(children);
+}
+
 fn stop(children: &mut [(u32, Child)]) {
     for (_, c) in children.iter_mut() {
         if matches!(c.try_wait(), Ok(None)) {

@@ -9,7 +9,7 @@ use overlap::graph::Gate;
 use overlap::{drive, observe, Error, Session};
 
 use crate::args::{CheckpointArgs, ObserveArgs};
-use crate::job::{end_job, meet_cpu, watch_host, watch_job};
+use crate::job::{cpu_world, end_job, watch_host, watch_job};
 use crate::verify::use_cuda;
 
 pub(crate) async fn run(
@@ -68,13 +68,18 @@ pub(crate) async fn run(
         end_job(Some(&world.rendezvous), &result);
         return result;
     }
-    let mut job = meet_cpu(cfg, "run", u64::from(steps), cfg.run.seed)?;
-    let mut session = Session::cpu(cfg)?;
-    share_save_job(job.as_mut(), &mut session)?;
-    watch_job(job.as_mut(), session.peer_abort())?;
+    let Some(mut world) = cpu_world(cfg, "run", u64::from(steps), cfg.run.seed)? else {
+        // One process: every rank of the mesh in it.
+        let session = Session::cpu(cfg)?;
+        watch_host(session.step_deadline())?;
+        return run_steps(session, cfg, steps, observe, ckpt, recording, backend).await;
+    };
+    let mut session = overlap_dist::cpu::session(cfg, &world)?;
+    share_save_job(Some(&mut world.rendezvous), &mut session)?;
+    watch_job(Some(&mut world.rendezvous), session.peer_abort())?;
     watch_host(session.step_deadline())?;
     let result = run_steps(session, cfg, steps, observe, ckpt, recording, backend).await;
-    end_job(job.as_ref(), &result);
+    end_job(Some(&world.rendezvous), &result);
     result
 }
 
@@ -166,7 +171,44 @@ pub(crate) async fn run_steps<B: overlap::ops::Backend>(
     for line in recording.finish()? {
         println!("{line}");
     }
+    if observe.param_digest {
+        for line in param_digests(&session)? {
+            println!("{line}");
+        }
+    }
     Ok(ExitCode::SUCCESS)
+}
+
+/// `--param-digest`: a line per local rank, `params rank R: HASH`, the 64-bit FNV-1a
+/// hash of the parameter pieces the rank holds (in parameter order: the id and the
+/// length as little-endian `u64`s, then every element's bits), so that two runs can be
+/// compared bit for bit (one process against a job of one process per rank, say). Not
+/// a security checksum.
+fn param_digests<B: overlap::ops::Backend>(session: &Session<B>) -> Result<Vec<String>, Error> {
+    const OFFSET: u64 = 0xcbf2_9ce4_8422_2325;
+    const PRIME: u64 = 0x0000_0100_0000_01b3;
+    let fnv = |h: u64, bytes: &[u8]| {
+        bytes
+            .iter()
+            .fold(h, |h, &b| (h ^ u64::from(b)).wrapping_mul(PRIME))
+    };
+    let params = session.planner().params().len() as overlap::ParamId;
+    let mut lines = Vec::new();
+    for rank in session.local_ranks() {
+        let mut h = OFFSET;
+        for id in 0..params {
+            let Some(values) = session.param_values(rank, id)? else {
+                continue;
+            };
+            h = fnv(h, &u64::from(id).to_le_bytes());
+            h = fnv(h, &(values.len() as u64).to_le_bytes());
+            h = values
+                .iter()
+                .fold(h, |h, x| fnv(h, &x.to_bits().to_le_bytes()));
+        }
+        lines.push(format!("params rank {rank}: {h:016x}"));
+    }
+    Ok(lines)
 }
 
 /// A step's line (`step 3/4  gates ...`), without the checkpoint's figures.
@@ -442,6 +484,7 @@ mod tests {
             svg: svg.map(PathBuf::from),
             svg_step,
             step_interval_ms: 0,
+            param_digest: false,
         };
         let timed_of =
             |o: &ObserveArgs| -> Vec<u64> { (1..=10).filter(|&n| timed(&cfg, o, 10, n)).collect() };

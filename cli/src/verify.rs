@@ -1,5 +1,5 @@
 //! `overlap verify` (the gated path against the no_sync reference), which backend a
-//! command runs on, and the CPU backend's meeting of a multi-process job.
+//! command runs on, and the verification of a multi-process job on the CPU backend.
 
 use std::process::ExitCode;
 
@@ -58,6 +58,33 @@ pub(crate) fn print_verify(
     } else {
         ExitCode::from(1)
     })
+}
+
+/// `overlap verify` on the CPU backend as one rank of a multi-process job (started by
+/// `overlap launch`, torchrun, Slurm or Open MPI): this rank's results against the
+/// reference for its rank, every rank's figures gathered at rank 0, which prints the
+/// report (`overlap_dist::cpu::verify`). `None` for a process alone (it verifies every
+/// rank itself).
+pub(crate) async fn verify_cpu_job(
+    cfg: &Config,
+    steps: u64,
+    seed: u64,
+    json: bool,
+) -> Result<Option<ExitCode>, Error> {
+    let Some(mut world) = crate::job::cpu_world(cfg, "verify", steps, seed)? else {
+        return Ok(None);
+    };
+    let report = overlap_dist::cpu::verify(cfg, steps, seed, &mut world, |s| {
+        if !json {
+            eprintln!("verify: step {s}/{steps} done");
+        }
+    })
+    .await;
+    crate::job::end_job(Some(&world.rendezvous), &report);
+    match report? {
+        Some(report) => print_verify(cfg, &report, json).map(Some),
+        None => Ok(Some(ExitCode::SUCCESS)),
+    }
 }
 
 /// Whether a backend choice means the CUDA backend: `cuda`, or `auto` in a build with

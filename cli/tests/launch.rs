@@ -1,13 +1,33 @@
 //! `overlap launch` and the multi-process plumbing, without a GPU: ranks get torchrun's
-//! variables, meet at rank 0's rendezvous, their output comes back prefixed, and the
-//! first failure decides the exit code. Also: `--backend cuda` in a build without it is
-//! a clear error.
+//! variables, meet at rank 0's rendezvous (on the CPU backend each process then runs one
+//! rank of the mesh), their output comes back prefixed, and the first failure decides
+//! the exit code. Also: `--backend cuda` in a build without it is a clear error.
 
 use std::net::TcpListener;
 use std::process::Command;
 
 fn overlap() -> Command {
     Command::new(env!("CARGO_BIN_EXE_overlap"))
+}
+
+/// The example `hsdp_2x2.toml` on a mesh of two ranks (2x1), written to a temporary file
+/// named after `name`: a CPU job of two processes runs one rank each.
+fn two_rank_config(name: &str) -> std::path::PathBuf {
+    let text = two_rank_text();
+    let path =
+        std::env::temp_dir().join(format!("overlap-launch-{name}-{}.toml", std::process::id()));
+    std::fs::write(&path, text).expect("a temporary config");
+    path
+}
+
+fn two_rank_text() -> String {
+    let text = std::fs::read_to_string(concat!(
+        env!("CARGO_MANIFEST_DIR"),
+        "/../examples/hsdp_2x2.toml"
+    ))
+    .expect("the example config");
+    assert!(text.contains("replicate = 2"));
+    text.replacen("replicate = 2", "replicate = 1", 1)
 }
 
 /// A port nothing listens on right now.
@@ -181,7 +201,8 @@ fn a_job_without_a_secret_is_refused_with_advice() {
 #[test]
 fn cpu_ranks_under_launch_meet_and_agree() {
     let port = free_port().to_string();
-    let config = concat!(env!("CARGO_MANIFEST_DIR"), "/../examples/hsdp_2x2.toml");
+    let path = two_rank_config("agree");
+    let config = path.to_str().expect("a UTF-8 path");
     let out = overlap()
         .args([
             "launch",
@@ -206,18 +227,16 @@ fn cpu_ranks_under_launch_meet_and_agree() {
     let stderr = String::from_utf8_lossy(&out.stderr);
     assert!(out.status.success(), "{stderr}");
     assert!(
-        stderr.contains("[rank 0] rendezvous: 2 ranks agree on what they run"),
+        stderr.contains("[rank 0] rendezvous: 2 ranks agree on what they run")
+            && stderr.contains("one rank per process, linked"),
         "{stderr}"
     );
+    let _ = std::fs::remove_file(path);
 }
 
 #[test]
 fn ranks_with_different_configs_are_stopped_with_the_field_that_differs() {
-    let base = std::fs::read_to_string(concat!(
-        env!("CARGO_MANIFEST_DIR"),
-        "/../examples/hsdp_2x2.toml"
-    ))
-    .unwrap();
+    let base = two_rank_text();
     let other = base.replace("cap_bytes = 26214400", "cap_bytes = 1048576");
     assert_ne!(base, other);
     let dir = std::env::temp_dir().join(format!("overlap-agree-{}", std::process::id()));
@@ -324,7 +343,8 @@ fn sigterm_to_launch_stops_every_rank_and_each_rank_serves_its_own_metrics_port(
         .map(|_| free_port())
         .find(|&p| p < 65000 && TcpListener::bind(("127.0.0.1", p + 1)).is_ok())
         .expect("two free ports");
-    let config = concat!(env!("CARGO_MANIFEST_DIR"), "/../examples/hsdp_2x2.toml");
+    let path = two_rank_config("sigterm");
+    let config = path.to_str().expect("a UTF-8 path");
     let metrics = format!("127.0.0.1:{base}");
     let mut launch = overlap()
         .args(["launch", "--nproc-per-node", "2", "--master-port"])
@@ -384,4 +404,5 @@ fn sigterm_to_launch_stops_every_rank_and_each_rank_serves_its_own_metrics_port(
             "rank process {pid} outlived the launcher"
         );
     }
+    let _ = std::fs::remove_file(path);
 }

@@ -1,0 +1,229 @@
+//! The CPU backend as one rank per process (`overlap launch --nproc-per-node N -- run
+//! --backend cpu`): the final parameters of every rank are the single process's bit for
+//! bit, on meshes 2x1, 1x2 and 2x2, every route, gate patterns with no_sync
+//! micro-batches, both transports; `overlap launch ... -- verify` passes and reports the
+//! single process's figures. (Failures of such jobs: `faults.rs`.)
+
+use std::collections::BTreeMap;
+use std::net::TcpListener;
+use std::path::{Path, PathBuf};
+use std::process::{Command, Output};
+use std::time::Instant;
+
+fn overlap() -> Command {
+    let mut c = Command::new(env!("CARGO_BIN_EXE_overlap"));
+    c.env_remove("OVERLAP_JOB_SECRET")
+        .env_remove("OVERLAP_FAULT")
+        .env_remove("RANK")
+        .env_remove("WORLD_SIZE");
+    c
+}
+
+fn free_port() -> String {
+    TcpListener::bind("127.0.0.1:0")
+        .and_then(|l| l.local_addr())
+        .map(|a| a.port().to_string())
+        .expect("a free port")
+}
+
+fn example(name: &str) -> String {
+    let path = format!("{}/../examples/{name}", env!("CARGO_MANIFEST_DIR"));
+    std::fs::read_to_string(&path).unwrap_or_else(|e| panic!("{path}: {e}"))
+}
+
+/// `text` with each `(from, to)` replaced, every `from` required.
+fn edit(text: &str, edits: &[(&str, &str)]) -> String {
+    edits.iter().fold(text.to_string(), |t, (from, to)| {
+        assert!(t.contains(from), "`{from}` is not in the example");
+        t.replacen(from, to, 1)
+    })
+}
+
+/// A config written to a temporary file named after `name`.
+fn config(name: &str, text: &str) -> PathBuf {
+    let dir = std::env::temp_dir().join(format!("overlap-cpu-ranks-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).expect("a temporary directory");
+    let path = dir.join(format!("{name}.toml"));
+    std::fs::write(&path, text).expect("a temporary config");
+    path
+}
+
+/// The meshes, routes, gate patterns and transports the tests cover: `(name, config,
+/// ranks)`.
+fn cases() -> Vec<(&'static str, String, u32)> {
+    let hsdp = example("hsdp_2x2.toml");
+    let gates = (
+        "micro_batches = 2\nreplicate_gate = [\"off\", \"on\"]\nreduce_gate = [\"on\", \"on\"]",
+        "gates = [\"no_sync\", \"off\", \"on\"]",
+    );
+    let copy = "\n[overlap]\ntransport = \"copy\"\n";
+    vec![
+        (
+            "2x1-nccl-no_sync",
+            edit(
+                &hsdp,
+                &[
+                    ("replicate = 2", "replicate = 1"),
+                    (gates.0, "gates = [\"no_sync\", \"on\"]"),
+                    ("transport = \"auto\"", "transport = \"nccl\""),
+                ],
+            ),
+            2,
+        ),
+        (
+            "1x2-copy-no_sync",
+            edit(
+                &example("no_sync_1x4.toml"),
+                &[("replicate = 4", "replicate = 2")],
+            ) + copy,
+            2,
+        ),
+        ("2x2-auto", hsdp.clone(), 4),
+        (
+            "2x2-copy-no_sync",
+            edit(
+                &hsdp,
+                &[
+                    (gates.0, gates.1),
+                    ("transport = \"auto\"", "transport = \"copy\""),
+                ],
+            ),
+            4,
+        ),
+        (
+            "2x2-groups-schedule-copy",
+            example("groups_schedule_2x2.toml") + copy,
+            4,
+        ),
+    ]
+}
+
+fn ok(out: &Output, what: &str) {
+    assert!(
+        out.status.success(),
+        "{what}: {}\n{}",
+        String::from_utf8_lossy(&out.stdout),
+        String::from_utf8_lossy(&out.stderr)
+    );
+}
+
+/// `params rank R: HASH` lines of a run's stdout (with or without the launcher's
+/// `[rank k] ` prefix), by rank.
+fn digests(stdout: &str) -> BTreeMap<u32, String> {
+    stdout
+        .lines()
+        .filter_map(|l| {
+            let l = l.split_once("] ").map_or(l, |(_, rest)| rest);
+            let rest = l.strip_prefix("params rank ")?;
+            let (rank, hash) = rest.split_once(": ")?;
+            Some((rank.parse().ok()?, hash.to_string()))
+        })
+        .collect()
+}
+
+/// `overlap run` of `config` in one process, then as `ranks` processes.
+fn both_ways(args: &[&str], config: &Path, ranks: u32) -> (Output, Output) {
+    let one = overlap()
+        .args(args)
+        .arg("--config")
+        .arg(config)
+        .args(["--backend", "cpu"])
+        .output()
+        .expect("overlap runs");
+    let port = free_port();
+    let job = overlap()
+        .args(["launch", "--nproc-per-node", &ranks.to_string()])
+        .args(["--master-port", &port, "--"])
+        .args(args)
+        .arg("--config")
+        .arg(config)
+        .args(["--backend", "cpu"])
+        .output()
+        .expect("overlap launch runs");
+    (one, job)
+}
+
+#[test]
+fn one_rank_per_process_ends_with_the_single_process_parameters_bit_for_bit() {
+    for (name, text, ranks) in cases() {
+        let path = config(name, &text);
+        let t0 = Instant::now();
+        let (one, job) = both_ways(&["run", "--steps", "2", "--param-digest"], &path, ranks);
+        ok(&one, name);
+        ok(&job, name);
+        let (want, got) = (
+            digests(&String::from_utf8_lossy(&one.stdout)),
+            digests(&String::from_utf8_lossy(&job.stdout)),
+        );
+        assert_eq!(want.len(), ranks as usize, "{name}: {want:?}");
+        assert_eq!(got, want, "{name}: one rank per process vs one process");
+        // Each process printed its own rank's digest, and only it.
+        let stdout = String::from_utf8_lossy(&job.stdout);
+        for r in 0..ranks {
+            let line = format!("[rank {r}] params rank {r}: ");
+            assert!(stdout.contains(&line), "{name}: no `{line}` in\n{stdout}");
+        }
+        eprintln!(
+            "{name}: one process and {ranks} processes, 2 steps each: {:?}",
+            t0.elapsed()
+        );
+    }
+}
+
+/// The figures of a `verify --json` line, without where the worst was seen (the order
+/// in which ties are broken differs between one process and rank 0's merge).
+fn figures(stdout: &str) -> serde_json::Value {
+    let line = stdout
+        .lines()
+        .map(|l| l.split_once("] ").map_or(l, |(_, rest)| rest))
+        .find(|l| l.starts_with('{'))
+        .unwrap_or_else(|| panic!("no JSON line in\n{stdout}"));
+    let mut v: serde_json::Value = serde_json::from_str(line).expect("the report is JSON");
+    v.as_object_mut().expect("an object").remove("worst_at");
+    v
+}
+
+#[test]
+fn verify_of_one_rank_per_process_passes_with_the_single_process_figures() {
+    for (name, text, ranks) in cases().into_iter().filter(|c| c.0.contains("no_sync")) {
+        let path = config(&format!("verify-{name}"), &text);
+        let t0 = Instant::now();
+        let (one, job) = both_ways(&["verify", "--steps", "2", "--json"], &path, ranks);
+        ok(&one, name);
+        ok(&job, name);
+        let (want, got) = (
+            figures(&String::from_utf8_lossy(&one.stdout)),
+            figures(&String::from_utf8_lossy(&job.stdout)),
+        );
+        assert_eq!(got["ok"], true, "{name}: {got}");
+        assert_eq!(got, want, "{name}: one rank per process vs one process");
+        eprintln!(
+            "{name}: verify in one process and in {ranks}: {:?}",
+            t0.elapsed()
+        );
+    }
+}
+
+#[test]
+fn a_job_whose_size_is_not_the_meshs_is_refused_naming_both() {
+    let path = config("refused", &example("hsdp_2x2.toml"));
+    let out = overlap()
+        .args([
+            "launch",
+            "--nproc-per-node",
+            "2",
+            "--master-port",
+            &free_port(),
+        ])
+        .args(["--", "run", "--backend", "cpu", "--config"])
+        .arg(&path)
+        .output()
+        .expect("overlap runs");
+    assert_eq!(out.status.code(), Some(2));
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(
+        err.contains("the job has 2 ranks (WORLD_SIZE) but mesh 2x2 needs shard × replicate = 4")
+            && err.contains("--nproc-per-node 4"),
+        "{err}"
+    );
+}
