@@ -116,6 +116,12 @@ pub(crate) enum Command {
         /// Port of rank 0's rendezvous.
         #[arg(long, default_value_t = overlap_dist::env::DEFAULT_MASTER_PORT)]
         master_port: u16,
+        /// When a rank fails, stop the others and start every rank of this node again, up
+        /// to N times, with OVERLAP_RESTART_COUNT set to the restart's number (0 on the
+        /// first attempt); `run --checkpoint DIR --resume-latest` then goes on from the
+        /// latest checkpoint (docs/checkpoints.md). One node only.
+        #[arg(long, value_name = "N", default_value_t = 0)]
+        max_restarts: u32,
         /// What each rank runs, after `--`: an overlap subcommand and its options, or a
         /// program and its arguments.
         #[arg(last = true, required = true, value_name = "ARGS")]
@@ -259,8 +265,9 @@ pub(crate) struct ObserveArgs {
     #[arg(long, value_name = "MS", default_value_t = 0)]
     pub(crate) step_interval_ms: u64,
     /// After the last step, print `params rank R: HASH` for each rank this process
-    /// drives: a 64-bit FNV-1a hash of the bits of every parameter piece the rank holds,
-    /// to compare runs bit for bit (not a security checksum).
+    /// drives: a 64-bit FNV-1a hash of the bits of every parameter piece the rank holds
+    /// and of the reduced gradients its last step's optimizers consumed, to compare runs
+    /// bit for bit (not a security checksum).
     #[arg(long)]
     pub(crate) param_digest: bool,
 }
@@ -282,6 +289,12 @@ pub(crate) struct CheckpointArgs {
     /// step directory) before the first step, and go on from its step: --steps more steps.
     #[arg(long, value_name = "DIR")]
     pub(crate) resume: Option<PathBuf>,
+    /// Resume from --checkpoint DIR's latest checkpoint when it has one, and start at
+    /// step 0 when it has none, so that one command line serves every attempt of a
+    /// restarted job (`overlap launch --max-restarts`, a scheduler's requeue). --steps
+    /// is then the step the run ends at, not a number of more steps.
+    #[arg(long, requires = "checkpoint", conflicts_with = "resume")]
+    pub(crate) resume_latest: bool,
 }
 
 #[derive(Clone, Copy, ValueEnum)]

@@ -126,10 +126,7 @@ pub(crate) async fn run_steps<B: overlap::ops::Backend>(
     backend: &str,
 ) -> Result<ExitCode, Error> {
     let saves = Saves::new(&session, ckpt)?;
-    if let Some(dir) = &ckpt.resume {
-        resume(&mut session, cfg, dir)?;
-    }
-    let start = session.steps_done();
+    let (start, steps) = resume_point(&mut session, cfg, ckpt, steps)?;
     let last = start + u64::from(steps);
     let planner = session.planner();
     println!(
@@ -180,10 +177,12 @@ pub(crate) async fn run_steps<B: overlap::ops::Backend>(
 }
 
 /// `--param-digest`: a line per local rank, `params rank R: HASH`, the 64-bit FNV-1a
-/// hash of the parameter pieces the rank holds (in parameter order: the id and the
-/// length as little-endian `u64`s, then every element's bits), so that two runs can be
-/// compared bit for bit (one process against a job of one process per rank, say). Not
-/// a security checksum.
+/// hash of the parameter pieces the rank holds and then of the reduced gradients its
+/// last step's optimizers consumed (each in parameter order: the id and the length as
+/// little-endian `u64`s, then every element's bits; the gradients too, since an
+/// optimizer's update can absorb a difference in the last bits of its input), so that
+/// two runs can be compared bit for bit (one process against a job of one process per
+/// rank, say). Not a security checksum.
 fn param_digests<B: overlap::ops::Backend>(session: &Session<B>) -> Result<Vec<String>, Error> {
     const OFFSET: u64 = 0xcbf2_9ce4_8422_2325;
     const PRIME: u64 = 0x0000_0100_0000_01b3;
@@ -195,11 +194,16 @@ fn param_digests<B: overlap::ops::Backend>(session: &Session<B>) -> Result<Vec<S
     let params = session.planner().params().len() as overlap::ParamId;
     let mut lines = Vec::new();
     for rank in session.local_ranks() {
-        let mut h = OFFSET;
+        let mut pieces = Vec::new();
         for id in 0..params {
-            let Some(values) = session.param_values(rank, id)? else {
-                continue;
-            };
+            pieces.push((id, session.param_values(rank, id)?));
+        }
+        for id in 0..params {
+            pieces.push((id, session.reduced_grad(rank, id)?));
+        }
+        let mut h = OFFSET;
+        for (id, values) in pieces {
+            let Some(values) = values else { continue };
             h = fnv(h, &u64::from(id).to_le_bytes());
             h = fnv(h, &(values.len() as u64).to_le_bytes());
             h = values
@@ -240,19 +244,65 @@ fn step_line(
     )
 }
 
-/// `--resume DIR`: loads the checkpoint before the first step, refuses another seed's
-/// run, and says what it loaded and what unfinished saves left that it ignored.
+/// Where the run starts and how many steps it runs: `--resume DIR` loads DIR and runs
+/// `steps` more; `--resume-latest` loads `--checkpoint DIR`'s latest checkpoint when
+/// there is one (`DIR/latest`; one it names that cannot be loaded is an error, not a
+/// fresh start) and runs up to step `steps`, refusing a checkpoint past it; otherwise
+/// `steps` steps from the session's first.
+fn resume_point<B: overlap::ops::Backend>(
+    session: &mut Session<B>,
+    cfg: &Config,
+    ckpt: &CheckpointArgs,
+    steps: u32,
+) -> Result<(u64, u32), Error> {
+    if let Some(dir) = &ckpt.resume {
+        resume(session, cfg, dir, &format!("--resume {}", dir.display()))?;
+        return Ok((session.steps_done(), steps));
+    }
+    let root = match (&ckpt.checkpoint, ckpt.resume_latest) {
+        (_, false) => return Ok((session.steps_done(), steps)),
+        (Some(root), true) => root,
+        (None, true) => {
+            return Err(Error::Usage(
+                "--resume-latest resumes from the latest checkpoint of --checkpoint DIR: give --checkpoint".into(),
+            ))
+        }
+    };
+    let flag = format!("--resume-latest (--checkpoint {})", root.display());
+    if root.join(overlap::checkpoint::LATEST).exists() {
+        resume(session, cfg, root, &flag)?;
+    } else {
+        println!(
+            "resume-latest: {} holds no checkpoint yet (no `{}`): starting at step {}",
+            root.display(),
+            overlap::checkpoint::LATEST,
+            session.steps_done()
+        );
+        ignored(&overlap::checkpoint::unfinished(root));
+    }
+    let start = session.steps_done();
+    let left = u64::from(steps).checked_sub(start).ok_or_else(|| {
+        Error::Usage(format!(
+            "{flag}: the latest checkpoint is at step {start}, past --steps {steps}, the step a run with --resume-latest ends at"
+        ))
+    })?;
+    Ok((start, u32::try_from(left).unwrap_or(steps)))
+}
+
+/// Loads the checkpoint `dir` names before the first step (`--resume DIR`, or
+/// `--resume-latest`'s root: `flag` names which in errors), refuses another seed's run,
+/// and says what it loaded and what unfinished saves left that it ignored.
 fn resume<B: overlap::ops::Backend>(
     session: &mut Session<B>,
     cfg: &Config,
     dir: &std::path::Path,
+    flag: &str,
 ) -> Result<(), Error> {
     let t0 = std::time::Instant::now();
     let loaded = session.load(dir)?;
     if let Some(seed) = loaded.seed.filter(|&s| s != cfg.run.seed) {
         return Err(Error::Usage(format!(
-            "--resume {}: the checkpoint's run used seed {seed}, this one {}; pass --seed {seed} to continue it",
-            dir.display(),
+            "{flag}: the checkpoint's run used seed {seed}, this one {}; pass --seed {seed} to continue it",
             cfg.run.seed
         )));
     }
@@ -263,13 +313,18 @@ fn resume<B: overlap::ops::Backend>(
         loaded.saved_mesh,
         t0.elapsed().as_secs_f64() * 1e3
     );
-    for path in &loaded.unfinished {
+    ignored(&loaded.unfinished);
+    Ok(())
+}
+
+/// A line for each leftover of an unfinished save that the resume did not read.
+fn ignored(unfinished: &[std::path::PathBuf]) {
+    for path in unfinished {
         println!(
             "resume: ignored {}, left by a save that did not finish",
             path.display()
         );
     }
-    Ok(())
 }
 
 /// What `--checkpoint DIR --save-every N` asks of this process.

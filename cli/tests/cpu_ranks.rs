@@ -1,8 +1,10 @@
 //! The CPU backend as one rank per process (`overlap launch --nproc-per-node N -- run
 //! --backend cpu`): the final parameters of every rank are the single process's bit for
 //! bit, on meshes 2x1, 1x2 and 2x2, every route, gate patterns with no_sync
-//! micro-batches, both transports; `overlap launch ... -- verify` passes and reports the
-//! single process's figures. (Failures of such jobs: `faults.rs`.)
+//! micro-batches, both transports, with the forward's gathers and clipping;
+//! `overlap launch ... -- verify` passes and reports the single process's figures,
+//! every one equal to the last bit (they are computed from the same gradients). (Failures
+//! of such jobs: `faults.rs`.)
 
 use std::collections::BTreeMap;
 use std::net::TcpListener;
@@ -93,6 +95,17 @@ fn cases() -> Vec<(&'static str, String, u32)> {
         (
             "2x2-groups-schedule-copy",
             example("groups_schedule_2x2.toml") + copy,
+            4,
+        ),
+        (
+            "2x2-copy-no_sync-forward-clip",
+            edit(
+                &hsdp,
+                &[
+                    (gates.0, gates.1),
+                    ("transport = \"auto\"", "transport = \"copy\""),
+                ],
+            ) + "\n[forward]\nprefetch = 1\n\n[clip]\nmax_norm = 0.5\n",
             4,
         ),
     ]
