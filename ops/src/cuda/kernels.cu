@@ -254,15 +254,23 @@ __device__ __forceinline__ double ov_block_sum(double v) {
     return sh[0];
 }
 
-// Kernel::SumSquares, pass 1: block (x, y) writes the sum of squares of its share of
-// span y to partial[y * gridDim.x + x], in double. With S = gridDim.x * 256 threads, on
-// a 16-byte aligned span thread t of block x takes the float4s k = x*256 + t, k + S,
-// k + 2S, ... (four loads in flight per round of the loop, added in that order, each
-// float4's four squares in element order), then the last len % 4 floats from
-// 4*(len/4) + x*256 + t on by S; on an unaligned span the floats x*256 + t, + S, ...
-// (a square of a float is exact in double; only the additions round); then the block
-// adds its threads' sums by ov_block_sum's fixed tree. No atomics: the same inputs and
-// grid give the same bits.
+// Kernel::SumSquares, pass 1, over up to OV_MAX_SPANS spans cut into chunks of
+// OV_SUMSQ_CHUNK floats: span y's chunks are blocks block0[y] .. block0[y+1] - 1 of the
+// grid, so every block has a chunk and the work follows the lengths. Block b writes the
+// sum of squares of its chunk to partial[b], in double: thread t takes, on a whole
+// 16-byte aligned chunk, the float4s t, t + 256, t + 512, t + 768 of it (all four loads
+// issued first, then each float4's squares in element order), otherwise the floats t,
+// t + 256, ... of the chunk (a square of a float is exact in double; only the additions
+// round); then the block adds its threads' sums by ov_block_sum's fixed tree. No
+// atomics: the same lengths give the same blocks and the same bits.
+#define OV_SUMSQ_CHUNK (OV_REDUCE_THREADS * 16)
+
+struct SumsqSpans {
+    Span s[OV_MAX_SPANS];
+    u64 block0[OV_MAX_SPANS];
+    u64 count;
+};
+
 __device__ __forceinline__ void ov_sq4(double& acc, float4 v) {
     acc += (double)v.x * (double)v.x;
     acc += (double)v.y * (double)v.y;
@@ -270,38 +278,32 @@ __device__ __forceinline__ void ov_sq4(double& acc, float4 v) {
     acc += (double)v.w * (double)v.w;
 }
 
-extern "C" __global__ void ov_sumsq_spans(const Spans p, double* partial) {
+extern "C" __global__ void ov_sumsq_spans(const SumsqSpans p, double* partial) {
+    const u64 b = blockIdx.x;
+    u32 lo = 0, hi = (u32)p.count;
+    while (hi - lo > 1) {
+        const u32 mid = (lo + hi) / 2;
+        if (p.block0[mid] <= b) lo = mid; else hi = mid;
+    }
+    const Span s = p.s[lo];
+    const u64 start = (b - p.block0[lo]) * OV_SUMSQ_CHUNK;
+    const u64 end = min(start + (u64)OV_SUMSQ_CHUNK, s.len);
     double acc = 0.0;
-    // Uniform per block (blockIdx.y), so every thread reaches ov_block_sum or none.
-    if ((u64)blockIdx.y >= p.count) return;
-    const Span s = p.s[blockIdx.y];
-    const u64 stride = (u64)gridDim.x * blockDim.x;
-    const u64 first = (u64)blockIdx.x * blockDim.x + threadIdx.x;
-    if (((u64)s.p & 15) == 0) {
-        const float4* p4 = (const float4*)s.p;
-        const u64 n4 = s.len / 4;
-        u64 i = first;
-        for (; i + 3 * stride < n4; i += 4 * stride) {
-            const float4 a = p4[i], b = p4[i + stride], c = p4[i + 2 * stride],
-                         d = p4[i + 3 * stride];
-            ov_sq4(acc, a);
-            ov_sq4(acc, b);
-            ov_sq4(acc, c);
-            ov_sq4(acc, d);
-        }
-        for (; i < n4; i += stride) ov_sq4(acc, p4[i]);
-        for (u64 j = 4 * n4 + first; j < s.len; j += stride) {
-            const double v = (double)s.p[j];
-            acc += v * v;
-        }
+    if ((((u64)s.p & 15) == 0) && end - start == OV_SUMSQ_CHUNK) {
+        const float4* p4 = (const float4*)(s.p + start);
+        float4 v[4];
+#pragma unroll
+        for (int u = 0; u < 4; ++u) v[u] = p4[u * OV_REDUCE_THREADS + threadIdx.x];
+#pragma unroll
+        for (int u = 0; u < 4; ++u) ov_sq4(acc, v[u]);
     } else {
-        GRID_STRIDE(i, s.len) {
-            double v = (double)s.p[i];
-            acc += v * v;
+        for (u64 i = start + threadIdx.x; i < end; i += OV_REDUCE_THREADS) {
+            const double x = (double)s.p[i];
+            acc += x * x;
         }
     }
     double sum = ov_block_sum(acc);
-    if (threadIdx.x == 0) partial[(u64)blockIdx.y * gridDim.x + blockIdx.x] = sum;
+    if (threadIdx.x == 0) partial[b] = sum;
 }
 
 // Kernel::SumSquares, pass 2 (one block): dst[0] = the sum of partial[0..count], in

@@ -30,11 +30,9 @@ pub(super) fn full_source() -> String {
 
 /// Threads per block of every kernel (the reductions need exactly this many).
 const THREADS: u32 = 256;
-/// Most blocks of the sum-of-squares pass per span (its partials are summed by one
-/// block).
-pub(super) const SUMSQ_BLOCKS: u32 = 1024;
-/// Floats a thread of the sum-of-squares pass takes per round (four float4 loads).
-const SUMSQ_PER_THREAD: u64 = 16;
+/// Floats a block of the sum-of-squares pass takes (`OV_SUMSQ_CHUNK` in the source:
+/// four float4 loads per thread).
+pub(super) const SUMSQ_CHUNK: u64 = 256 * 16;
 /// Most blocks a grid-stride kernel is launched with.
 const MAX_BLOCKS: u64 = 4096;
 /// Threads per block of the capped-grid combine (`OV_COMBINE_WIDE` in the source).
@@ -110,31 +108,64 @@ pub(super) struct SumSqLaunch {
     pub at: u64,
 }
 
-/// How [`Kernels::sum_squares`] covers `spans` (empty ones left out, they add nothing):
-/// launches of up to [`MAX_SPANS`] spans in order, each wide enough for one round of
-/// four float4 loads per thread over its longest span, capped at [`SUMSQ_BLOCKS`]; and
-/// the number of partial sums (doubles) they
-/// write. A function of the lengths only, so the same inputs always reduce in the same
-/// order.
+/// How [`Kernels::sum_squares`] covers `spans` (the caller leaves empty ones out, they
+/// add nothing): launches of up to [`MAX_SPANS`] spans in order, one block per chunk of
+/// [`SUMSQ_CHUNK`] floats of each span (a launch ends early rather than pass `i32::MAX`
+/// blocks), each block one partial sum (a double); and the number of partials. A
+/// function of the lengths only, so the same inputs always reduce in the same order.
 pub(super) fn sumsq_launches(spans: &[Span]) -> (Vec<SumSqLaunch>, u64) {
     let mut out = Vec::new();
     let mut at = 0u64;
     let mut start = 0;
-    for chunk in spans.chunks(MAX_SPANS) {
-        let longest = chunk.iter().map(|s| s.len).max().unwrap_or(0);
-        let per_block = u64::from(THREADS) * SUMSQ_PER_THREAD;
-        let grid = longest
-            .div_ceil(per_block)
-            .clamp(1, u64::from(SUMSQ_BLOCKS)) as u32;
+    while start < spans.len() {
+        let mut end = start;
+        let mut blocks = 0u64;
+        while end < spans.len() && end - start < MAX_SPANS {
+            let chunks = spans[end].len.div_ceil(SUMSQ_CHUNK).max(1);
+            if end > start && blocks + chunks > i32::MAX as u64 {
+                break;
+            }
+            blocks += chunks;
+            end += 1;
+        }
+        let grid = blocks.min(i32::MAX as u64) as u32;
         out.push(SumSqLaunch {
-            spans: start..start + chunk.len(),
+            spans: start..end,
             grid,
             at,
         });
-        at += chunk.len() as u64 * u64::from(grid);
-        start += chunk.len();
+        at += u64::from(grid);
+        start = end;
     }
     (out, at)
+}
+
+/// Up to [`MAX_SPANS`] spans with the first block of each (`struct SumsqSpans` in the
+/// source): span `y`'s chunks of [`SUMSQ_CHUNK`] floats are blocks `block0[y]` on.
+#[repr(C)]
+#[derive(Clone, Copy)]
+struct SumsqSpans {
+    s: [Span; MAX_SPANS],
+    block0: [u64; MAX_SPANS],
+    count: u64,
+}
+
+impl SumsqSpans {
+    fn of(spans: &[Span]) -> SumsqSpans {
+        debug_assert!(spans.len() <= MAX_SPANS);
+        let mut t = SumsqSpans {
+            s: [Span::default(); MAX_SPANS],
+            block0: [0; MAX_SPANS],
+            count: spans.len() as u64,
+        };
+        let mut next = 0u64;
+        for (i, s) in spans.iter().enumerate() {
+            t.s[i] = *s;
+            t.block0[i] = next;
+            next += s.len.div_ceil(SUMSQ_CHUNK).max(1);
+        }
+        t
+    }
 }
 
 /// How [`Kernels::clip`] batches `spans`: in order, up to [`MAX_SPANS`] per launch, a
@@ -481,15 +512,9 @@ impl Kernels {
         for l in launches {
             let chunk = &spans[l.spans.clone()];
             let args = Args::default()
-                .push(Spans::of(chunk))
+                .push(SumsqSpans::of(chunk))
                 .push(partial + l.at * 8);
-            Self::launch(
-                K,
-                self.sumsq_spans,
-                (l.grid, chunk.len() as u32),
-                stream,
-                args,
-            )?;
+            Self::launch(K, self.sumsq_spans, (l.grid, 1), stream, args)?;
         }
         let args = Args::default().push(partial).push(partials).push(dst);
         Self::launch(K, self.sumsq_final, (1, 1), stream, args)
@@ -537,6 +562,10 @@ mod tests {
         assert_eq!(std::mem::size_of::<Span>(), 16);
         assert_eq!(std::mem::size_of::<Spans>(), 16 * MAX_SPANS + 8);
         assert!(SOURCE.contains(&format!("#define OV_MAX_SPANS {MAX_SPANS}")));
+        // struct SumsqSpans: the spans, a u64 per span and a u64.
+        assert_eq!(std::mem::size_of::<SumsqSpans>(), 24 * MAX_SPANS + 8);
+        assert!(SOURCE.contains("#define OV_SUMSQ_CHUNK (OV_REDUCE_THREADS * 16)"));
+        assert_eq!(SUMSQ_CHUNK, u64::from(THREADS) * 16);
     }
 
     /// Every function `Kernels::compile` looks up is defined in the source, with the
@@ -559,7 +588,7 @@ mod tests {
         };
         assert_eq!(
             params("ov_sumsq_spans"),
-            ["const Spans p", "double* partial"]
+            ["const SumsqSpans p", "double* partial"]
         );
         assert_eq!(
             params("ov_sumsq_final"),
@@ -617,7 +646,7 @@ mod tests {
     fn sum_of_squares_launches_depend_on_the_lengths_only() {
         let span = |p: u64, len: u64| Span { p, len };
         assert_eq!(sumsq_launches(&[]), (vec![], 0));
-        // One short span: one block; a long one: capped at SUMSQ_BLOCKS.
+        // One short span: one block; a long one: a block per chunk.
         let (l, n) = sumsq_launches(&[span(0x1000, 10)]);
         assert_eq!(
             (l, n),
@@ -630,20 +659,26 @@ mod tests {
                 1
             )
         );
-        let long = u64::from(THREADS) * SUMSQ_PER_THREAD * u64::from(SUMSQ_BLOCKS) * 3;
+        let long = SUMSQ_CHUNK * 3 + 1;
         let (l, n) = sumsq_launches(&[span(0x1000, 10), span(0x2000, long)]);
-        assert_eq!(l[0].grid, SUMSQ_BLOCKS);
-        assert_eq!(n, 2 * u64::from(SUMSQ_BLOCKS));
+        assert_eq!(l[0].grid, 1 + 4);
+        assert_eq!(n, 5);
+        let t = SumsqSpans::of(&[span(0x1000, 10), span(0x2000, long)]);
+        assert_eq!(&t.block0[..2], &[0, 1]);
         // More spans than one launch takes: consecutive launches, partials back to back.
         let spans: Vec<Span> = (0..MAX_SPANS as u64 + 5)
-            .map(|i| span(0x1000 * (i + 1), 300 * (i + 1)))
+            .map(|i| span(0x1000 * (i + 1), 3000 * (i + 1)))
             .collect();
         let (l, n) = sumsq_launches(&spans);
         assert_eq!(l.len(), 2);
         assert_eq!(l[0].spans, 0..MAX_SPANS);
         assert_eq!(l[1].spans, MAX_SPANS..MAX_SPANS + 5);
-        assert_eq!(l[1].at, MAX_SPANS as u64 * u64::from(l[0].grid));
-        assert_eq!(n, l[1].at + 5 * u64::from(l[1].grid));
+        let blocks = |r: std::ops::Range<usize>| -> u64 {
+            spans[r].iter().map(|s| s.len.div_ceil(SUMSQ_CHUNK)).sum()
+        };
+        assert_eq!(u64::from(l[0].grid), blocks(0..MAX_SPANS));
+        assert_eq!(l[1].at, u64::from(l[0].grid));
+        assert_eq!(n, l[1].at + u64::from(l[1].grid));
         // Other addresses, same lengths: the same launches.
         let moved: Vec<Span> = spans.iter().map(|s| span(s.p + 0x10_0000, s.len)).collect();
         assert_eq!(sumsq_launches(&moved), (l, n));
