@@ -27,24 +27,20 @@
 //! judged: a gradient element rounded to the other side of zero flips AdamW's
 //! first-step update of that element, so only the parameters are bounded.
 
-use std::collections::BTreeMap;
-
-use overlap_graph::{DType, Gate, ParamId, Route};
+use overlap_graph::{DType, ParamId, Route};
 use overlap_ops::cuda::CudaBackend;
 use overlap_ops::NsDtype;
-use serde::{Deserialize, Serialize};
 
 use super::{CudaWorld, GATHER_TIMEOUT};
+use crate::figures::{self, RankFigures, Tolerances};
 use overlap::config::{BackendChoice, Config};
 use overlap::drive::{synthetic_step, synthetic_step_with};
 use overlap::session::Session;
 use overlap::verify::{
-    clipped, current_params, full_rel_err, reference_grad, rel_err, NormCheck, NormFigures,
-    StepCheck, VerifyReport,
+    clipped, current_params, full_rel_err, reference_grad, rel_err, NormCheck, StepCheck,
+    VerifyReport,
 };
 use overlap::{synthetic, Error};
-
-use crate::DistError;
 
 /// Tolerances on the GPU: (gradients, parameters, updates per optimizer; `None`: not
 /// judged), for a reduction in `dtype` and Newton–Schulz no finer than `ns`.
@@ -87,22 +83,6 @@ fn coarsest_ns(config: &Config) -> NsDtype {
         .chain(config.groups.iter().filter_map(|g| g.ns_dtype))
         .max_by_key(|&d| rank(d))
         .unwrap_or_default()
-}
-
-/// One rank's figures, sent to rank 0.
-#[derive(Debug, Clone, Default, Serialize, Deserialize)]
-struct RankFigures {
-    rank: u32,
-    worst: f64,
-    worst_at: String,
-    per_route: BTreeMap<String, f64>,
-    param_rel_err: f64,
-    update_rel_err: BTreeMap<String, f64>,
-    partials_left: usize,
-    norm: Option<NormFigures>,
-    /// With `[forward]`: the worst relative error of a gathered full parameter
-    /// against the CPU backend's parameters at the step's start.
-    forward_rel_err: Option<f64>,
 }
 
 /// The optimizer a route's parameters use.
@@ -212,15 +192,7 @@ pub async fn verify(
             let r = p.spec.shard_range(mesh.shard, coord.shard);
             let piece = r.start as usize..r.end as usize;
             let e = rel_err(&got, &full[piece.clone()], &magnitude[piece]);
-            let slot = fig
-                .per_route
-                .entry(p.spec.route.name().to_string())
-                .or_insert(0.0);
-            *slot = slot.max(e);
-            if e > fig.worst || fig.worst_at.is_empty() {
-                fig.worst = fig.worst.max(e);
-                fig.worst_at = format!("step {}, rank {rank}, {}", step + 1, p.spec.name);
-            }
+            fig.gradient(e, step, &p.spec.name, p.spec.route);
         }
         if rank == 0 {
             progress(step + 1);
@@ -250,83 +222,14 @@ pub async fn verify(
         *slot = slot.max(e);
     }
     fig.norm = norms.map(NormCheck::finish);
-    let bytes = serde_json::to_vec(&fig).map_err(|e| Error::Usage(e.to_string()))?;
-    let Some(all) = world.rendezvous.gather(&bytes, GATHER_TIMEOUT)? else {
+    let Some(all) = figures::gather(&mut world.rendezvous, &fig, GATHER_TIMEOUT)? else {
         return Ok(None);
     };
-    let figures = all
-        .iter()
-        .enumerate()
-        .map(|(r, b)| {
-            serde_json::from_slice::<RankFigures>(b).map_err(|e| {
-                Error::Dist(DistError::Rendezvous(format!(
-                    "rank {r} sent unreadable verify figures: {e}"
-                )))
-            })
-        })
-        .collect::<Result<Vec<_>, _>>()?;
-    Ok(Some(merge(&config, steps, &gates, &figures)))
-}
-
-/// Rank 0's report from every rank's figures.
-fn merge(config: &Config, steps: u64, gates: &[Gate], figures: &[RankFigures]) -> VerifyReport {
-    let (grad_tol, param_tol, update_tol) =
-        tolerances(config.plan.reduce.dtype, coarsest_ns(config));
-    let mut per_route: BTreeMap<String, f64> = BTreeMap::new();
-    let mut update_rel_err: BTreeMap<String, f64> = BTreeMap::new();
-    let (mut worst, mut worst_at, mut param_rel_err, mut partials_left) =
-        (0.0f64, String::new(), 0.0f64, 0usize);
-    let mut norm: Option<NormFigures> = None;
-    let mut forward_rel_err: Option<f64> = None;
-    for f in figures {
-        if let Some(e) = f.forward_rel_err {
-            forward_rel_err = Some(forward_rel_err.unwrap_or(0.0).max(e));
-        }
-        for (k, v) in &f.per_route {
-            let slot = per_route.entry(k.clone()).or_insert(0.0);
-            *slot = slot.max(*v);
-        }
-        for (k, v) in &f.update_rel_err {
-            let slot = update_rel_err.entry(k.clone()).or_insert(0.0);
-            *slot = slot.max(*v);
-        }
-        if f.worst > worst || worst_at.is_empty() {
-            worst = worst.max(f.worst);
-            worst_at = f.worst_at.clone();
-        }
-        param_rel_err = param_rel_err.max(f.param_rel_err);
-        partials_left += f.partials_left;
-        match (&mut norm, &f.norm) {
-            (Some(n), Some(other)) => n.merge(other),
-            (None, Some(other)) => norm = Some(other.clone()),
-            _ => {}
-        }
-    }
-    let updates_ok = update_tol.map_or(true, |tols| {
-        tols.iter()
-            .all(|(k, tol)| update_rel_err.get(*k).map_or(true, |e| e <= tol))
-    });
-    let ok = worst <= grad_tol
-        && param_rel_err <= param_tol
-        && updates_ok
-        && partials_left == 0
-        && forward_rel_err.map_or(true, |e| e <= param_tol)
-        && norm.as_ref().map_or(true, |n| n.ok(grad_tol));
-    VerifyReport {
-        ok,
-        worst_rel_err: worst,
-        per_route,
-        param_rel_err,
-        update_rel_err,
-        partials_left,
-        forward_mismatches: None,
-        forward_rel_err,
-        steps,
-        ranks: config.plan.mesh.world(),
-        gates: Gate::pattern_label(gates),
-        grad_tolerance: grad_tol,
-        param_tolerance: param_tol,
-        worst_at,
-        norm,
-    }
+    let (grad, param, update) = tolerances(config.plan.reduce.dtype, coarsest_ns(&config));
+    let tol = Tolerances {
+        grad,
+        param,
+        update,
+    };
+    Ok(Some(figures::merge(&config, steps, &gates, &all, tol)))
 }
