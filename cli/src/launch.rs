@@ -23,21 +23,34 @@
 //! each says what it was doing, which may be the root cause: a rank that hung while a
 //! peer timed out waiting for it), then they are killed, since a failed rank can leave
 //! its peers waiting in a device collective forever. No rank outlives the launcher.
+//!
+//! With `--max-restarts N` (torchrun's elastic restart, on one node) a failure that
+//! leaves restarts starts every rank of the node again, after the others were stopped as
+//! above, with the same arguments and secret and [`RESTART_COUNT_VAR`] set to the
+//! restart's number (0 on the first attempt; torchrun's `TORCHELASTIC_RESTART_COUNT`);
+//! `overlap run --checkpoint DIR --resume-latest` goes on from the latest checkpoint.
+//! A signal to the launcher never restarts; once the restarts are used up the launcher
+//! exits with the failure's status, as without them.
 
 use std::ffi::OsString;
 use std::io::{BufRead, BufReader, Read, Write};
+use std::net::{IpAddr, SocketAddr, TcpListener, ToSocketAddrs};
 use std::path::PathBuf;
 use std::process::{Child, Command, Stdio};
 use std::sync::atomic::{AtomicI32, Ordering};
 use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
 
-use overlap_dist::rendezvous::{JobSecret, SECRET_ADVICE, SECRET_FILE_VAR, SECRET_VAR};
+use overlap::executor::RESTART_COUNT_VAR;
+use overlap_dist::rendezvous::{JobSecret, BIND_VAR, SECRET_ADVICE, SECRET_FILE_VAR, SECRET_VAR};
 use overlap_dist::DistError;
 
 /// How long the other ranks get to end by themselves after one failed, before they are
 /// killed.
 pub const STOP_WAIT: Duration = Duration::from_secs(2);
+
+/// How long a restart waits for the rendezvous port to be free ([`Job::wait_for_port`]).
+pub const PORT_WAIT: Duration = Duration::from_secs(10);
 
 /// The variable that sets how long ranks get to exit after a forwarded signal, in
 /// seconds.
@@ -93,6 +106,9 @@ pub struct LaunchSpec {
     /// program (a trainer embedding the library, `target/release/examples/train`), run
     /// with the rest of `args`. `None`: each rank is this executable.
     pub program: Option<PathBuf>,
+    /// How many times every rank is started again after one failed (`--max-restarts`;
+    /// 0: never). One node only.
+    pub max_restarts: u32,
 }
 
 /// Which executable the ranks run for `args`: `None` when the first argument is one of
@@ -108,9 +124,220 @@ pub fn program_of(args: &[OsString], subcommands: &[String]) -> Option<PathBuf> 
     (!is_subcommand).then(|| PathBuf::from(first))
 }
 
-/// Starts the ranks of this node, forwards their output and waits for them; returns
-/// the exit status to exit with.
+/// Starts the ranks of this node, forwards their output and waits for them, starting
+/// them all again after a failure while `--max-restarts` allows; returns the exit status
+/// to exit with.
 pub fn launch(spec: &LaunchSpec) -> Result<u8, DistError> {
+    let job = Job::new(spec)?;
+    catch_signals();
+    let mut restart = 0;
+    loop {
+        let (rank, code) = match job.attempt(restart)? {
+            Ended::Done => return Ok(0),
+            Ended::Signalled(code) => return Ok(code),
+            Ended::Failed { rank, code } => (rank, code),
+        };
+        if restart == spec.max_restarts {
+            if spec.max_restarts > 0 {
+                eprintln!(
+                    "[launch] rank {rank} exited with status {code}; the {} restart(s) of --max-restarts are used up: exiting with status {code}",
+                    spec.max_restarts
+                );
+            }
+            return Ok(code);
+        }
+        job.wait_for_port();
+        // A signal while the failed attempt stopped (or while waiting) ends the job.
+        if let Some(sig) = signalled() {
+            eprintln!("[launch] rank {rank} exited with status {code} and the launcher received signal {sig}: no restart");
+            return Ok(u8::try_from(128 + sig).unwrap_or(1));
+        }
+        restart += 1;
+        eprintln!(
+            "[launch] rank {rank} exited with status {code}; restart {restart} of {}: starting every rank again",
+            spec.max_restarts
+        );
+    }
+}
+
+/// The SIGINT or SIGTERM the launcher received, if any.
+fn signalled() -> Option<i32> {
+    Some(SIGNALLED.load(Ordering::SeqCst)).filter(|&s| s != 0)
+}
+
+/// How one attempt of the job ended.
+enum Ended {
+    /// Every rank exited with status 0.
+    Done,
+    /// Rank `rank` exited with status `code` (not 0), and the others were stopped.
+    Failed { rank: u32, code: u8 },
+    /// The launcher was signalled: the ranks were stopped; the status to exit with.
+    Signalled(u8),
+}
+
+/// What every attempt of the job starts: the executable and its arguments, with the
+/// job's size and secret (the same on every attempt).
+struct Job<'a> {
+    spec: &'a LaunchSpec,
+    exe: PathBuf,
+    args: &'a [OsString],
+    world: u32,
+    secret: JobSecret,
+}
+
+impl<'a> Job<'a> {
+    /// Checks the spec and finds the executable and the job's secret.
+    fn new(spec: &'a LaunchSpec) -> Result<Job<'a>, DistError> {
+        let fail = |m: String| DistError::Launch(m);
+        let world = check(spec)?;
+        let secret = match JobSecret::from_env()? {
+            Some(s) => s,
+            None if spec.nnodes == 1 => JobSecret::generate()?,
+            None => {
+                return Err(fail(format!(
+                "a job of {} nodes needs the same secret on every node's launcher: {SECRET_ADVICE}",
+                spec.nnodes
+            )))
+            }
+        };
+        let (exe, args) = match &spec.program {
+            Some(p) => (p.clone(), &spec.args[1..]),
+            None => (
+                std::env::current_exe().map_err(|e| {
+                    fail(format!("cannot find the overlap executable to start: {e}"))
+                })?,
+                &spec.args[..],
+            ),
+        };
+        Ok(Job {
+            spec,
+            exe,
+            args,
+            world,
+            secret,
+        })
+    }
+
+    /// Attempt `restart` (0: the first): starts every rank of this node, forwards their
+    /// output and waits for them ([`watch`]).
+    fn attempt(&self, restart: u32) -> Result<Ended, DistError> {
+        let mut children: Vec<(u32, Child)> = Vec::new();
+        let mut pumps: Vec<JoinHandle<()>> = Vec::new();
+        for local in 0..self.spec.nproc_per_node {
+            let rank = self.spec.node_rank * self.spec.nproc_per_node + local;
+            let mut child = match self.command(rank, local, restart).spawn() {
+                Ok(c) => c,
+                Err(e) => {
+                    stop(&mut children);
+                    return Err(DistError::Launch(format!(
+                        "cannot start rank {rank} ({}): {e}",
+                        self.exe.display()
+                    )));
+                }
+            };
+            if let Some(out) = child.stdout.take() {
+                pumps.push(pump(rank, out, false));
+            }
+            if let Some(err) = child.stderr.take() {
+                pumps.push(pump(rank, err, true));
+            }
+            children.push((rank, child));
+        }
+        let ended = watch(&mut children);
+        for p in pumps {
+            // A pump only forwards lines; if one panicked there is nothing to undo.
+            let _ = p.join();
+        }
+        ended
+    }
+
+    /// The command of global rank `rank` (local rank `local`) in attempt `restart`.
+    fn command(&self, rank: u32, local: u32, restart: u32) -> Command {
+        let spec = self.spec;
+        let mut cmd = Command::new(&self.exe);
+        cmd.args(self.args)
+            .env(SECRET_VAR, self.secret.expose())
+            .env_remove(SECRET_FILE_VAR)
+            .env("RANK", rank.to_string())
+            .env("WORLD_SIZE", self.world.to_string())
+            .env("LOCAL_RANK", local.to_string())
+            .env("LOCAL_WORLD_SIZE", spec.nproc_per_node.to_string())
+            .env("GROUP_RANK", spec.node_rank.to_string())
+            .env("MASTER_ADDR", &spec.master_addr)
+            .env("MASTER_PORT", spec.master_port.to_string())
+            .env(RESTART_COUNT_VAR, restart.to_string())
+            .stdin(Stdio::null())
+            .stdout(Stdio::piped())
+            .stderr(Stdio::piped());
+        #[cfg(target_os = "linux")]
+        {
+            use std::os::unix::process::CommandExt;
+            // SAFETY: prctl is async-signal-safe and touches no memory of the parent.
+            unsafe {
+                cmd.pre_exec(|| {
+                    if libc::prctl(libc::PR_SET_PDEATHSIG, libc::SIGKILL, 0, 0, 0) != 0 {
+                        return Err(std::io::Error::last_os_error());
+                    }
+                    Ok(())
+                });
+            }
+        }
+        cmd
+    }
+
+    /// Before a restart, on the node of rank 0: waits up to [`PORT_WAIT`] while the
+    /// rendezvous port cannot be bound because it is in use, so that the new rank 0 can
+    /// listen on it. The previous attempt's rank 0 was reaped, so its listener is closed,
+    /// and the rendezvous binds as Rust's `TcpListener::bind` does, with `SO_REUSEADDR`,
+    /// so the previous attempt's connections left in `TIME_WAIT` do not hold the port;
+    /// what this waits out is another process that took the free port in between (a
+    /// port from the ephemeral range, as tests pick, can be an outgoing connection's).
+    fn wait_for_port(&self) {
+        let spec = self.spec;
+        if spec.node_rank != 0 {
+            return;
+        }
+        let by = Instant::now() + PORT_WAIT;
+        while port_in_use(&spec.master_addr, spec.master_port) {
+            if Instant::now() >= by || signalled().is_some() {
+                eprintln!(
+                    "[launch] port {} is still in use after {PORT_WAIT:?}; starting the ranks anyway",
+                    spec.master_port
+                );
+                return;
+            }
+            std::thread::sleep(Duration::from_millis(100));
+        }
+    }
+}
+
+/// Whether rank 0 could not listen on `host:port` now because the port is in use: the
+/// addresses [`overlap_dist::rendezvous::listen`] tries (`OVERLAP_BIND_ADDR`, else what
+/// `host` resolves to), none of which binds, one of them for that reason.
+fn port_in_use(host: &str, port: u16) -> bool {
+    let bind = std::env::var(BIND_VAR).ok();
+    let addrs: Vec<SocketAddr> = match bind.as_deref().map(str::trim) {
+        Some(b) if !b.is_empty() => b
+            .parse::<IpAddr>()
+            .map(|ip| vec![SocketAddr::new(ip, port)])
+            .unwrap_or_default(),
+        _ => (host, port)
+            .to_socket_addrs()
+            .map(Iterator::collect)
+            .unwrap_or_default(),
+    };
+    let mut in_use = false;
+    for a in addrs {
+        match TcpListener::bind(a) {
+            Ok(_) => return false,
+            Err(e) => in_use |= e.kind() == std::io::ErrorKind::AddrInUse,
+        }
+    }
+    in_use
+}
+
+/// Checks what to launch; returns the job's size (ranks on every node).
+fn check(spec: &LaunchSpec) -> Result<u32, DistError> {
     let fail = |m: String| DistError::Launch(m);
     if spec.nproc_per_node == 0 || spec.nnodes == 0 {
         return Err(fail(
@@ -128,96 +355,25 @@ pub fn launch(spec: &LaunchSpec) -> Result<u8, DistError> {
             "nothing to run: give the overlap subcommand after `--`, e.g. `overlap launch --nproc-per-node 2 -- verify --config F --backend cuda`".into(),
         ));
     }
-    let world = spec
-        .nproc_per_node
+    if spec.max_restarts > 0 && spec.nnodes > 1 {
+        return Err(fail(format!(
+            "--max-restarts {} restarts the ranks of one node, and this job has {} nodes, whose launchers would not restart together: restart a job of several nodes as a whole through its scheduler (Slurm's --requeue) with `run --resume-latest` (docs/checkpoints.md, Restarts)",
+            spec.max_restarts, spec.nnodes
+        )));
+    }
+    spec.nproc_per_node
         .checked_mul(spec.nnodes)
-        .ok_or_else(|| fail("--nproc-per-node × --nnodes overflows".into()))?;
-    let secret = match JobSecret::from_env()? {
-        Some(s) => s,
-        None if spec.nnodes == 1 => JobSecret::generate()?,
-        None => {
-            return Err(fail(format!(
-                "a job of {} nodes needs the same secret on every node's launcher: {SECRET_ADVICE}",
-                spec.nnodes
-            )))
-        }
-    };
-    let (exe, args) = match &spec.program {
-        Some(p) => (p.clone(), &spec.args[1..]),
-        None => (
-            std::env::current_exe()
-                .map_err(|e| fail(format!("cannot find the overlap executable to start: {e}")))?,
-            &spec.args[..],
-        ),
-    };
-    catch_signals();
-    let mut children: Vec<(u32, Child)> = Vec::new();
-    let mut pumps: Vec<JoinHandle<()>> = Vec::new();
-    for local in 0..spec.nproc_per_node {
-        let rank = spec.node_rank * spec.nproc_per_node + local;
-        let mut cmd = Command::new(&exe);
-        cmd.args(args)
-            .env(SECRET_VAR, secret.expose())
-            .env_remove(SECRET_FILE_VAR)
-            .env("RANK", rank.to_string())
-            .env("WORLD_SIZE", world.to_string())
-            .env("LOCAL_RANK", local.to_string())
-            .env("LOCAL_WORLD_SIZE", spec.nproc_per_node.to_string())
-            .env("GROUP_RANK", spec.node_rank.to_string())
-            .env("MASTER_ADDR", &spec.master_addr)
-            .env("MASTER_PORT", spec.master_port.to_string())
-            .stdin(Stdio::null())
-            .stdout(Stdio::piped())
-            .stderr(Stdio::piped());
-        #[cfg(target_os = "linux")]
-        {
-            use std::os::unix::process::CommandExt;
-            // SAFETY: prctl is async-signal-safe and touches no memory of the parent.
-            unsafe {
-                cmd.pre_exec(|| {
-                    if libc::prctl(libc::PR_SET_PDEATHSIG, libc::SIGKILL, 0, 0, 0) != 0 {
-                        return Err(std::io::Error::last_os_error());
-                    }
-                    Ok(())
-                });
-            }
-        }
-        let spawned = cmd.spawn();
-        let mut child = match spawned {
-            Ok(c) => c,
-            Err(e) => {
-                stop(&mut children);
-                return Err(fail(format!(
-                    "cannot start rank {rank} ({}): {e}",
-                    exe.display()
-                )));
-            }
-        };
-        if let Some(out) = child.stdout.take() {
-            pumps.push(pump(rank, out, false));
-        }
-        if let Some(err) = child.stderr.take() {
-            pumps.push(pump(rank, err, true));
-        }
-        children.push((rank, child));
-    }
-    let code = watch(&mut children);
-    for p in pumps {
-        // A pump only forwards lines; if one panicked there is nothing to undo.
-        let _ = p.join();
-    }
-    code
+        .ok_or_else(|| fail("--nproc-per-node × --nnodes overflows".into()))
 }
 
 /// Polls the ranks until all exited or one failed (then kills the rest), or the
 /// launcher was signalled (then forwards the signal, and kills the ranks left after the
 /// grace period).
-fn watch(children: &mut [(u32, Child)]) -> Result<u8, DistError> {
+fn watch(children: &mut [(u32, Child)]) -> Result<Ended, DistError> {
     let mut running: Vec<bool> = vec![true; children.len()];
     loop {
-        let sig = SIGNALLED.load(Ordering::SeqCst);
-        if sig != 0 {
-            return Ok(forward(children, sig));
+        if let Some(sig) = signalled() {
+            return Ok(Ended::Signalled(forward(children, sig)));
         }
         let mut failure = None;
         let mut broken = None;
@@ -247,10 +403,10 @@ fn watch(children: &mut [(u32, Child)]) -> Result<u8, DistError> {
                 eprintln!("[launch] rank {rank} exited with status {code}; stopping the {others} other rank(s)");
             }
             stop_after(children, STOP_WAIT);
-            return Ok(code);
+            return Ok(Ended::Failed { rank, code });
         }
         if running.iter().all(|r| !r) {
-            return Ok(0);
+            return Ok(Ended::Done);
         }
         std::thread::sleep(Duration::from_millis(20));
     }

@@ -175,6 +175,7 @@ async fn dispatch(cmd: Command) -> Result<ExitCode, Error> {
             node_rank,
             master_addr,
             master_port,
+            max_restarts,
             args,
         } => launch_ranks(
             nproc_per_node,
@@ -182,6 +183,7 @@ async fn dispatch(cmd: Command) -> Result<ExitCode, Error> {
             node_rank,
             master_addr,
             master_port,
+            max_restarts,
             args,
         ),
         Command::Env { rendezvous } => env(rendezvous),
@@ -302,6 +304,7 @@ fn launch_ranks(
     node_rank: u32,
     master_addr: String,
     master_port: u16,
+    max_restarts: u32,
     args: Vec<std::ffi::OsString>,
 ) -> Result<ExitCode, Error> {
     let subcommands: Vec<String> = <Cli as clap::CommandFactory>::command()
@@ -315,6 +318,7 @@ fn launch_ranks(
         master_addr,
         master_port,
         program: launch::program_of(&args, &subcommands),
+        max_restarts,
         args,
     };
     Ok(ExitCode::from(launch::launch(&spec)?))

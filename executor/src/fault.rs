@@ -13,6 +13,16 @@
 //! would make it. All carry the tag [`FAULT_OP`], so reports and timelines name the
 //! injection.
 //!
+//! The value of `OVERLAP_FAULT` ([`FaultSpec::parse`]) is
+//! `rank=R,kind=K,step=S[,mode=fail|hang|nan][,attempt=A]`: global rank `R`'s first node
+//! of kind `K` (`Op::KINDS`) in step `S` (from 1, the executor's step number, which a
+//! resumed run numbers on from its checkpoint); `mode` `fail` by default, `nan` only with
+//! `kind=grad_norm`; `attempt=A` fires only in attempt `A` of a job that `overlap launch
+//! --max-restarts` restarts (where [`RESTART_COUNT_VAR`], which the launcher sets in every
+//! rank, is `A`; unset counts as 0), so a test can fail the first attempt and let the
+//! restart finish; without it the fault fires on every attempt. Each key at most once and
+//! no other key; a malformed value of either variable is an error naming it.
+//!
 //! [`ExecConfig::fault`]: crate::ExecConfig::fault
 //! [`Kernel::Spin`]: overlap_ops::Kernel::Spin
 //! [`Kernel::Unpack`]: overlap_ops::Kernel::Unpack
@@ -21,6 +31,11 @@ use overlap_graph::Op;
 
 /// The environment variable the `overlap` CLI reads a [`Fault`] from.
 pub const FAULT_VAR: &str = "OVERLAP_FAULT";
+
+/// The environment variable `overlap launch` sets in every rank it starts: 0 on the
+/// first attempt of the job, `K` on the `K`-th restart (`--max-restarts`; torchrun's
+/// `TORCHELASTIC_RESTART_COUNT`). `attempt=K` of [`FAULT_VAR`] compares with it.
+pub const RESTART_COUNT_VAR: &str = "OVERLAP_RESTART_COUNT";
 
 /// The tag (`Tag::op`) of an injected kernel.
 pub const FAULT_OP: &str = "injected_fault";
@@ -69,58 +84,68 @@ pub struct Fault {
 impl Fault {
     /// Parses `rank=R,kind=K,step=S[,mode=fail|hang|nan]` (mode `fail` by default;
     /// `nan` needs `kind=grad_norm`). Every key at most once, no other key; the error
-    /// says what is wrong.
+    /// says what is wrong. `attempt=K` is [`FaultSpec::parse`]'s (the environment says
+    /// which attempt a process belongs to), refused here.
     pub fn parse(s: &str) -> Result<Fault, String> {
-        let (mut rank, mut kind, mut step, mut mode) = (None, None, None, None);
+        let spec = FaultSpec::parse(s)?;
+        if let Some(a) = spec.attempt {
+            return Err(format!(
+                "`attempt={a}` says on which attempt of a restarted job the fault fires: only {FAULT_VAR} (FaultSpec::parse) takes it"
+            ));
+        }
+        Ok(spec.fault)
+    }
+
+    /// The fault `OVERLAP_FAULT` names, if it is set (and not empty) and, when it has
+    /// `attempt=K`, `OVERLAP_RESTART_COUNT` is `K` (unset: 0, the first attempt); a
+    /// malformed value of either is an error naming the variable.
+    pub fn from_env() -> Result<Option<Fault>, String> {
+        let Some(spec) = FaultSpec::from_env()? else {
+            return Ok(None);
+        };
+        if spec.attempt.is_none() {
+            return Ok(Some(spec.fault));
+        }
+        Ok(spec.on_attempt(restart_count()?))
+    }
+
+    /// Whether this fault fires on `rank`'s node of `kind` in `step`.
+    pub fn hits(&self, rank: u32, kind: &str, step: u64) -> bool {
+        self.rank == rank && self.kind == kind && self.step == step
+    }
+}
+
+/// `OVERLAP_FAULT`'s value: a [`Fault`] and the attempt of a job restarted by `overlap
+/// launch --max-restarts` it fires on (`attempt=K`: only where `OVERLAP_RESTART_COUNT`
+/// is `K`; without it, on every attempt).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct FaultSpec {
+    /// The fault.
+    pub fault: Fault,
+    /// The attempt it fires on (0: the first), `None` for every attempt.
+    pub attempt: Option<u32>,
+}
+
+impl FaultSpec {
+    /// Parses `rank=R,kind=K,step=S[,mode=fail|hang|nan][,attempt=A]` (mode `fail` by
+    /// default; `nan` needs `kind=grad_norm`). Every key at most once, no other key;
+    /// the error says what is wrong.
+    pub fn parse(s: &str) -> Result<FaultSpec, String> {
+        let (mut rank, mut kind, mut step, mut mode, mut attempt) = (None, None, None, None, None);
         for part in s.split(',') {
             let Some((key, value)) = part.split_once('=') else {
                 return Err(format!("`{part}` is not key=value"));
             };
             let (key, value) = (key.trim(), value.trim());
-            let dup = |set: bool| {
-                if set {
-                    Err(format!("`{key}` is given twice"))
-                } else {
-                    Ok(())
-                }
-            };
             match key {
-                "rank" => {
-                    dup(rank.is_some())?;
-                    rank =
-                        Some(value.parse::<u32>().map_err(|_| {
-                            format!("rank `{value}` is not a rank number (0, 1, ...)")
-                        })?);
-                }
-                "kind" => {
-                    dup(kind.is_some())?;
-                    kind = Some(Op::KINDS.iter().copied().find(|&k| k == value).ok_or_else(
-                        || {
-                            format!(
-                                "kind `{value}` is not a node kind (one of {})",
-                                Op::KINDS.join(", ")
-                            )
-                        },
-                    )?);
-                }
-                "step" => {
-                    dup(step.is_some())?;
-                    step = Some(value.parse::<u64>().ok().filter(|&s| s >= 1).ok_or_else(
-                        || format!("step `{value}` is not a step number (1, 2, ...)"),
-                    )?);
-                }
-                "mode" => {
-                    dup(mode.is_some())?;
-                    mode = Some(match value {
-                        "fail" => FaultMode::Fail,
-                        "hang" => FaultMode::Hang,
-                        "nan" => FaultMode::Nan,
-                        _ => return Err(format!("mode `{value}` is not `fail`, `hang` or `nan`")),
-                    });
-                }
+                "rank" => once(&mut rank, key, || rank_value(value))?,
+                "kind" => once(&mut kind, key, || kind_value(value))?,
+                "step" => once(&mut step, key, || step_value(value))?,
+                "mode" => once(&mut mode, key, || mode_value(value))?,
+                "attempt" => once(&mut attempt, key, || attempt_value(value))?,
                 _ => {
                     return Err(format!(
-                        "unknown key `{key}` (expected rank, kind, step and optionally mode)"
+                        "unknown key `{key}` (expected rank, kind, step and optionally mode and attempt)"
                     ))
                 }
             }
@@ -138,15 +163,15 @@ impl Fault {
                 fault.kind
             ));
         }
-        Ok(fault)
+        Ok(FaultSpec { fault, attempt })
     }
 
-    /// The fault `OVERLAP_FAULT` names, if it is set (and not empty); a malformed value
-    /// is an error naming the variable.
-    pub fn from_env() -> Result<Option<Fault>, String> {
+    /// What `OVERLAP_FAULT` says, if it is set (and not empty); a malformed value is an
+    /// error naming the variable.
+    pub fn from_env() -> Result<Option<FaultSpec>, String> {
         match std::env::var(FAULT_VAR) {
             Ok(v) if v.trim().is_empty() => Ok(None),
-            Ok(v) => Fault::parse(&v)
+            Ok(v) => FaultSpec::parse(&v)
                 .map(Some)
                 .map_err(|e| format!("{FAULT_VAR}={v:?}: {e}")),
             Err(std::env::VarError::NotPresent) => Ok(None),
@@ -156,9 +181,82 @@ impl Fault {
         }
     }
 
-    /// Whether this fault fires on `rank`'s node of `kind` in `step`.
-    pub fn hits(&self, rank: u32, kind: &str, step: u64) -> bool {
-        self.rank == rank && self.kind == kind && self.step == step
+    /// The fault on attempt `attempt` of the job (0: the first): none when `attempt=`
+    /// names another.
+    pub fn on_attempt(&self, attempt: u32) -> Option<Fault> {
+        self.attempt
+            .map_or(true, |a| a == attempt)
+            .then_some(self.fault)
+    }
+}
+
+/// Sets `slot` to what `parse` makes of the value, refusing a key given twice.
+fn once<T>(
+    slot: &mut Option<T>,
+    key: &str,
+    parse: impl FnOnce() -> Result<T, String>,
+) -> Result<(), String> {
+    if slot.is_some() {
+        return Err(format!("`{key}` is given twice"));
+    }
+    *slot = Some(parse()?);
+    Ok(())
+}
+
+fn rank_value(value: &str) -> Result<u32, String> {
+    value
+        .parse::<u32>()
+        .map_err(|_| format!("rank `{value}` is not a rank number (0, 1, ...)"))
+}
+
+fn kind_value(value: &str) -> Result<&'static str, String> {
+    Op::KINDS
+        .iter()
+        .copied()
+        .find(|&k| k == value)
+        .ok_or_else(|| {
+            format!(
+                "kind `{value}` is not a node kind (one of {})",
+                Op::KINDS.join(", ")
+            )
+        })
+}
+
+fn step_value(value: &str) -> Result<u64, String> {
+    value
+        .parse::<u64>()
+        .ok()
+        .filter(|&s| s >= 1)
+        .ok_or_else(|| format!("step `{value}` is not a step number (1, 2, ...)"))
+}
+
+fn mode_value(value: &str) -> Result<FaultMode, String> {
+    match value {
+        "fail" => Ok(FaultMode::Fail),
+        "hang" => Ok(FaultMode::Hang),
+        "nan" => Ok(FaultMode::Nan),
+        _ => Err(format!("mode `{value}` is not `fail`, `hang` or `nan`")),
+    }
+}
+
+fn attempt_value(value: &str) -> Result<u32, String> {
+    value.parse::<u32>().map_err(|_| {
+        format!("attempt `{value}` is not an attempt number (0 for the first, 1 for the first restart, ...)")
+    })
+}
+
+/// This process's attempt of a job restarted by `overlap launch --max-restarts`:
+/// `OVERLAP_RESTART_COUNT`, 0 when it is unset (or empty).
+pub fn restart_count() -> Result<u32, String> {
+    match std::env::var(RESTART_COUNT_VAR) {
+        Ok(v) if v.trim().is_empty() => Ok(0),
+        Ok(v) => v.trim().parse::<u32>().map_err(|_| {
+            format!("{RESTART_COUNT_VAR}={v:?} is not a restart count (0, 1, ...), which {FAULT_VAR}'s `attempt=` is compared with")
+        }),
+        Err(std::env::VarError::NotPresent) => Ok(0),
+        Err(std::env::VarError::NotUnicode(_)) => {
+            Err(format!("{RESTART_COUNT_VAR} is not valid UTF-8"))
+        }
     }
 }
 
@@ -172,6 +270,16 @@ impl std::fmt::Display for Fault {
             self.step,
             self.mode.name()
         )
+    }
+}
+
+impl std::fmt::Display for FaultSpec {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "{}", self.fault)?;
+        match self.attempt {
+            Some(a) => write!(f, ",attempt={a}"),
+            None => Ok(()),
+        }
     }
 }
 
@@ -221,5 +329,35 @@ mod tests {
             let e = Fault::parse(bad).unwrap_err();
             assert!(e.contains(says), "{bad}: {e}");
         }
+    }
+
+    #[test]
+    fn an_attempt_limits_the_fault_to_one_attempt_of_a_restarted_job() {
+        let spec = FaultSpec::parse("rank=1,kind=stage1,step=5,attempt=0").unwrap();
+        assert_eq!(spec.attempt, Some(0));
+        assert_eq!(FaultSpec::parse(&spec.to_string()).unwrap(), spec);
+        assert_eq!(spec.on_attempt(0), Some(spec.fault));
+        assert_eq!(spec.on_attempt(1), None);
+        let every = FaultSpec::parse("rank=1,kind=stage1,step=5").unwrap();
+        assert_eq!(
+            (every.on_attempt(0), every.on_attempt(3)),
+            (Some(every.fault), Some(every.fault))
+        );
+        for (bad, says) in [
+            (
+                "rank=1,kind=pack,step=1,attempt=-1",
+                "attempt `-1` is not an attempt number",
+            ),
+            ("rank=1,kind=pack,step=1,attempt=first", "attempt `first`"),
+            (
+                "rank=1,kind=pack,step=1,attempt=0,attempt=1",
+                "`attempt` is given twice",
+            ),
+        ] {
+            let e = FaultSpec::parse(bad).unwrap_err();
+            assert!(e.contains(says), "{bad}: {e}");
+        }
+        let e = Fault::parse("rank=1,kind=pack,step=1,attempt=0").unwrap_err();
+        assert!(e.contains("only OVERLAP_FAULT"), "{e}");
     }
 }

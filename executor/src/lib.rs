@@ -34,7 +34,9 @@ mod prepared;
 mod rank;
 
 pub use deadline::StepDeadline;
-pub use fault::{Fault, FaultMode, FAULT_OP, FAULT_VAR};
+pub use fault::{
+    restart_count, Fault, FaultMode, FaultSpec, FAULT_OP, FAULT_VAR, RESTART_COUNT_VAR,
+};
 pub use forward::FullParam;
 pub use hyper::{
     glob_match, GroupError, GroupRate, HyperTable, LrSchedule, ParamGroup, ScheduleKind,

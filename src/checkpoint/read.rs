@@ -108,8 +108,9 @@ pub(crate) fn read(dir: &Path, planner: &Planner) -> Result<Restored, Error> {
 
 /// What unfinished saves left in the checkpoint root `root`, sorted: partial directories
 /// and temporary files (hidden; nothing reads them, and the next successful save removes
-/// them), and step directories newer than the one `latest` names (renamed into place by a
-/// save that did not get to switch `latest`; a later save of the same step replaces one).
+/// them), and step directories newer than the one `latest` names, or every one where
+/// there is no `latest` (renamed into place by a save that did not get to switch
+/// `latest`; a later save of the same step replaces one).
 pub fn unfinished(root: &Path) -> Vec<PathBuf> {
     let latest = fs::read_to_string(root.join(LATEST)).unwrap_or_default();
     let committed = step_of(latest.trim());
@@ -121,7 +122,11 @@ pub fn unfinished(root: &Path) -> Vec<PathBuf> {
         .filter(|e| {
             let name = e.file_name();
             let name = name.to_string_lossy();
-            let newer = matches!((step_of(&name), committed), (Some(s), Some(c)) if s > c);
+            let newer = match (step_of(&name), committed) {
+                (Some(s), Some(c)) => s > c,
+                (Some(_), None) => latest.is_empty(),
+                (None, _) => false,
+            };
             leftover(&name).is_some() || (newer && e.path().is_dir())
         })
         .map(|e| e.path())
