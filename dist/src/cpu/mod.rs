@@ -9,7 +9,7 @@
 //! its connection to rank 0 leaves from) and rank 0 gathers and broadcasts the table of
 //! those addresses; then every pair connects once, the lower rank to the higher, and
 //! proves the job's secret both ways with the rendezvous's HMAC challenge-response
-//! (labels of their own, naming the serving rank: [`links`]). A stranger or a process
+//! (labels of their own, naming the serving rank: `links`). A stranger or a process
 //! with another secret is dropped and logged. Finally every rank reports whether its
 //! links opened and rank 0 broadcasts the first failure, so no rank starts alone.
 //!

@@ -10,7 +10,7 @@
 //! member, the rendezvous its members' stream threads meet at. With one rank per
 //! process the rendezvous completes each round from every member's arrival, the remote
 //! ones received over the links, with the same code as in one process, so both modes
-//! compute the same bits ([`remote`]'s module docs).
+//! compute the same bits (the `remote` module's docs).
 //!
 //! Invariants:
 //! - a stream runs its commands in issue order; after a kernel fails the stream is
