@@ -47,6 +47,11 @@
 //!   every parameter and optimizer state and every loss must equal the uninterrupted
 //!   run's bit for bit.
 //!
+//! Started as one process per rank (`overlap launch --nproc-per-node N -- train --mesh
+//! ...`, or torchrun, Slurm, Open MPI) with `--backend cpu`, each process trains its own
+//! rank over the CPU backend's links instead and checks it against every rank run in
+//! one process, bit for bit (`examples/train_cpu/job.rs`).
+//!
 //! Without `--json` it prints one line per step (loss, the reference's loss, learning
 //! rate, gradient norm, whether it clipped) and a summary; with `--json` one JSON line.
 //! The exit status is 0 when the loss at least halved, both relative errors are within
@@ -91,9 +96,11 @@ pub struct Args {
     /// Print one JSON line at the end instead of the per-step lines.
     #[arg(long)]
     pub json: bool,
-    /// Where the model runs: `cpu` (every rank simulated in this process) or `cuda`
-    /// (this process is one rank on its GPU, started by `overlap launch`; needs the
-    /// `cuda` feature): see `examples/train_cuda/model.rs`.
+    /// Where the model runs: `cpu` (every rank simulated in this process; started as
+    /// one process per rank by `overlap launch`, this process's rank over the CPU
+    /// backend's links: `examples/train_cpu/job.rs`) or `cuda` (this process is one rank
+    /// on its GPU, started by `overlap launch`; needs the `cuda` feature): see
+    /// `examples/train_cuda/model.rs`.
     #[arg(long, default_value = "cpu", value_parser = ["cpu", "cuda"])]
     pub backend: String,
     /// Multiplies the reference trainer's learning rates (1 in every real run): the test
@@ -162,6 +169,9 @@ type Error = Box<dyn std::error::Error>;
 #[path = "train_cuda/model.rs"]
 pub mod gpu;
 
+#[path = "train_cpu/job.rs"]
+pub mod cpu_job;
+
 fn main() -> ExitCode {
     let args = Args::parse();
     if args.backend == "cuda" {
@@ -172,6 +182,14 @@ fn main() -> ExitCode {
             eprintln!(
                 "train: --backend cuda needs the `cuda` feature: cargo build --release --features cuda --example train"
             );
+            return ExitCode::from(2);
+        }
+    }
+    match overlap_dist::cpu::rank_env(args.mesh) {
+        Ok(Some(env)) => return cpu_job::main(&args, env),
+        Ok(None) => {}
+        Err(e) => {
+            eprintln!("train: {e}");
             return ExitCode::from(2);
         }
     }
@@ -850,8 +868,8 @@ impl Task {
 struct StepLog {
     /// Mean loss over ranks and micro-batches, at the parameters before the step.
     loss: f64,
-    /// Each rank's mean loss over its micro-batches (the CUDA run compares its rank's).
-    #[cfg_attr(not(feature = "cuda"), allow(dead_code))]
+    /// Each rank's mean loss over its micro-batches (a run of one rank per process
+    /// compares its rank's).
     rank_loss: Vec<f64>,
     /// The global norm of the reduced gradients, before clipping.
     grad_norm: f64,
@@ -882,6 +900,9 @@ async fn train(
     log: bool,
 ) -> Result<Vec<StepLog>, Error> {
     let world = task.mesh.world();
+    // The ranks this session drives: every rank in one process, one in a job of one
+    // process per rank (`cpu_job`).
+    let locals = s.local_ranks();
     let mut curve = Vec::new();
     for _ in 0..steps {
         let step = s.steps_done() + 1;
@@ -901,7 +922,7 @@ async fn train(
         };
         for m in 0..task.micro_batches {
             s.begin_micro_batch(task.gate(m)).await?;
-            let batches: Vec<Batch> = (0..world).map(|r| task.batch(step, m, r)).collect();
+            let batches: Vec<Batch> = locals.iter().map(|&r| task.batch(step, m, r)).collect();
             let mut forwards: Vec<Forward> = batches.iter().map(Forward::new).collect();
             for layer in s.forward_layers() {
                 // The layer's full parameters on every rank (a slice lives for the call),
@@ -910,19 +931,19 @@ async fn train(
                     held[rank as usize][param as usize] = full.to_vec();
                 })
                 .await?;
-                for (rank, pass) in forwards.iter_mut().enumerate() {
-                    pass.layer(layer, &held[rank]);
+                for (&rank, pass) in locals.iter().zip(forwards.iter_mut()) {
+                    pass.layer(layer, &held[rank as usize]);
                 }
                 drop_layer(&mut held, layer);
             }
             let mut passes: Vec<Backward> = forwards
                 .into_iter()
                 .zip(&batches)
-                .enumerate()
-                .map(|(rank, (pass, batch))| {
+                .zip(&locals)
+                .map(|((pass, batch), &rank)| {
                     let (act, l) = pass.finish();
                     loss += l;
-                    rank_loss[rank] += l / f64::from(task.micro_batches);
+                    rank_loss[rank as usize] += l / f64::from(task.micro_batches);
                     Backward::new(batch, act, task.scale())
                 })
                 .collect();
@@ -935,9 +956,9 @@ async fn train(
                 .await?;
                 let mut grads: Vec<Vec<Option<Vec<f32>>>> =
                     vec![vec![None; PARAMS]; world as usize];
-                for (rank, pass) in passes.iter_mut().enumerate() {
-                    for (id, g) in pass.layer(layer, &held[rank]) {
-                        grads[rank][id] = Some(g);
+                for (&rank, pass) in locals.iter().zip(passes.iter_mut()) {
+                    for (id, g) in pass.layer(layer, &held[rank as usize]) {
+                        grads[rank as usize][id] = Some(g);
                     }
                 }
                 drop_layer(&mut held, layer);
@@ -955,7 +976,8 @@ async fn train(
             .grad_norm
             .ok_or("the plan computes the global norm")?;
         let entry = StepLog {
-            loss: loss / f64::from(world * task.micro_batches),
+            // Over the ranks this session drives: every rank in one process.
+            loss: loss / (locals.len() as f64 * f64::from(task.micro_batches)),
             rank_loss,
             grad_norm,
             clipped: f64::from(hyper.max_norm) / (grad_norm + 1e-6) < 1.0,
@@ -1043,10 +1065,17 @@ fn full_params(s: &Session<CpuBackend>) -> Result<Params, Error> {
 fn held_state(s: &Session<CpuBackend>) -> Result<Vec<Option<Vec<u32>>>, Error> {
     let mut out = Vec::new();
     for rank in s.local_ranks() {
-        for param in 0..s.planner().params().len() as u32 {
-            for buffer in [Buffer::Param { param }, Buffer::OptState { param }] {
-                out.push(s.executor().read(rank, buffer)?.map(|v| bits32(&v)));
-            }
+        out.extend(rank_state(s, rank)?);
+    }
+    Ok(out)
+}
+
+/// One rank's parameter pieces and optimizer states, as bits.
+fn rank_state(s: &Session<CpuBackend>, rank: u32) -> Result<Vec<Option<Vec<u32>>>, Error> {
+    let mut out = Vec::new();
+    for param in 0..s.planner().params().len() as u32 {
+        for buffer in [Buffer::Param { param }, Buffer::OptState { param }] {
+            out.push(s.executor().read(rank, buffer)?.map(|v| bits32(&v)));
         }
     }
     Ok(out)

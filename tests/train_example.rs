@@ -161,3 +161,78 @@ fn the_gpu_trainers_kernels_compile_when_nvrtc_is_available() {
         panic!("examples/train_cuda/kernels.cu does not compile: {e:?}");
     }
 }
+
+/// Set in the processes [`one_process_per_rank_trains_the_in_process_bits`] starts.
+const JOB_RANK: &str = "OVERLAP_TEST_TRAIN_JOB_RANK";
+
+/// `examples/train.rs --backend cpu` as a job of one process per rank (mesh 2x1): this
+/// test binary started twice as ranks 0 and 1 of the job (each runs
+/// [`one_rank_of_a_cpu_job`]), each rank's session over the CPU links ends with its
+/// loss curve, gradient norms, parameters and optimizer states equal to the in-process
+/// run's bit for bit.
+#[test]
+fn one_process_per_rank_trains_the_in_process_bits() {
+    if std::env::var_os(JOB_RANK).is_some() {
+        return;
+    }
+    let port = std::net::TcpListener::bind("127.0.0.1:0")
+        .and_then(|l| l.local_addr())
+        .expect("a free port")
+        .port();
+    let ranks: Vec<_> = (0..2)
+        .map(|rank| {
+            std::process::Command::new(std::env::current_exe().expect("this test binary"))
+                .args(["--exact", "one_rank_of_a_cpu_job", "--nocapture"])
+                .env(JOB_RANK, "1")
+                .env("RANK", rank.to_string())
+                .env("LOCAL_RANK", rank.to_string())
+                .env("WORLD_SIZE", "2")
+                .env("LOCAL_WORLD_SIZE", "2")
+                .env("MASTER_ADDR", "127.0.0.1")
+                .env("MASTER_PORT", port.to_string())
+                .env("OVERLAP_JOB_SECRET", "a secret of this test job, 32 B.")
+                .env("OVERLAP_RENDEZVOUS_TIMEOUT_S", "60")
+                .env_remove("OVERLAP_FAULT")
+                .stdout(std::process::Stdio::piped())
+                .stderr(std::process::Stdio::piped())
+                .spawn()
+                .expect("the rank starts")
+        })
+        .collect();
+    for (rank, child) in ranks.into_iter().enumerate() {
+        let out = child.wait_with_output().expect("the rank runs");
+        let stdout = String::from_utf8_lossy(&out.stdout);
+        assert!(
+            out.status.success(),
+            "rank {rank}: {stdout}\n{}",
+            String::from_utf8_lossy(&out.stderr)
+        );
+        assert!(
+            stdout.contains(&format!("\"rank\":{rank},\"world\":2"))
+                && stdout.contains("\"curve_bit_exact\":true,\"state_bit_exact\":true"),
+            "rank {rank}: {stdout}"
+        );
+    }
+}
+
+/// One rank of [`one_process_per_rank_trains_the_in_process_bits`]'s job (nothing
+/// outside it).
+#[test]
+fn one_rank_of_a_cpu_job() {
+    if std::env::var_os(JOB_RANK).is_none() {
+        return;
+    }
+    let mesh: overlap::Mesh = "2x1".parse().unwrap();
+    let env = overlap_dist::cpu::rank_env(mesh).unwrap().expect("a job");
+    let args = Args {
+        mesh,
+        steps: 8,
+        micro_batches: 2,
+        batch: 8,
+        json: true,
+        ..Args::default()
+    };
+    let r = train::cpu_job::run(&args, env).unwrap();
+    println!("{}", serde_json::to_string(&r).unwrap());
+    assert!(r.curve_bit_exact && r.state_bit_exact && r.ok, "{r:?}");
+}
