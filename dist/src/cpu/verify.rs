@@ -102,31 +102,12 @@ pub async fn verify(
                 }
             },
         };
-        for (i, p) in params.iter().enumerate() {
-            let Some(got) = gated.reduced_grad(rank, i as ParamId)? else {
-                continue;
-            };
-            let numel = p.spec.numel() as usize;
-            let reference = reference_grad(&config, step, micro_batches, i as ParamId, numel);
-            let (full, magnitude) = clipped(reference, factor);
-            let r = p.spec.shard_range(mesh.shard, mesh.coord(rank).shard);
-            let piece = r.start as usize..r.end as usize;
-            let e = rel_err(&got, &full[piece.clone()], &magnitude[piece]);
-            fig.gradient(e, step, &p.spec.name, p.spec.route);
-        }
+        compare_grads(&mut fig, &gated, &config, (step, micro_batches), factor)?;
         if rank == 0 {
             progress(step + 1);
         }
     }
-    for i in 0..params.len() as ParamId {
-        if let (Some(a), Some(b)) = (
-            gated.param_values(rank, i)?,
-            reference.param_values(rank, i)?,
-        ) {
-            let b: Vec<f64> = b.iter().map(|&x| f64::from(x)).collect();
-            fig.param_rel_err = fig.param_rel_err.max(rel_err(&a, &b, &[]));
-        }
-    }
+    compare_params(&mut fig, &gated, &reference)?;
     fig.norm = norms.map(NormCheck::finish);
     drop((gated, reference));
     let Some(all) = figures::gather(&mut world.rendezvous, &fig, GATHER_TIMEOUT)? else {
@@ -139,6 +120,52 @@ pub async fn verify(
         update: None,
     };
     Ok(Some(figures::merge(&config, steps, &gates, &all, tol)))
+}
+
+/// Folds into `fig` the relative error of every gradient this rank's optimizers consumed
+/// in step `step` (of `micro_batches`) against the exact reference, scaled by the clip
+/// `factor`.
+fn compare_grads(
+    fig: &mut RankFigures,
+    gated: &Session<CpuBackend>,
+    config: &Config,
+    (step, micro_batches): (u64, u32),
+    factor: f64,
+) -> Result<(), Error> {
+    let (rank, mesh) = (fig.rank, config.plan.mesh);
+    for (i, p) in gated.planner().params().iter().enumerate() {
+        let Some(got) = gated.reduced_grad(rank, i as ParamId)? else {
+            continue;
+        };
+        let numel = p.spec.numel() as usize;
+        let reference = reference_grad(config, step, micro_batches, i as ParamId, numel);
+        let (full, magnitude) = clipped(reference, factor);
+        let r = p.spec.shard_range(mesh.shard, mesh.coord(rank).shard);
+        let piece = r.start as usize..r.end as usize;
+        let e = rel_err(&got, &full[piece.clone()], &magnitude[piece]);
+        fig.gradient(e, step, &p.spec.name, p.spec.route);
+    }
+    Ok(())
+}
+
+/// Folds into `fig` the relative error of this rank's parameters against the reference
+/// session's.
+fn compare_params(
+    fig: &mut RankFigures,
+    gated: &Session<CpuBackend>,
+    reference: &Session<CpuBackend>,
+) -> Result<(), Error> {
+    for i in 0..gated.planner().params().len() as ParamId {
+        let (a, b) = (
+            gated.param_values(fig.rank, i)?,
+            reference.param_values(fig.rank, i)?,
+        );
+        if let (Some(a), Some(b)) = (a, b) {
+            let b: Vec<f64> = b.iter().map(|&x| f64::from(x)).collect();
+            fig.param_rel_err = fig.param_rel_err.max(rel_err(&a, &b, &[]));
+        }
+    }
+    Ok(())
 }
 
 /// The pieces `rank` holds of every parameter, read as [`Session::full_param`] does.
