@@ -3,8 +3,9 @@
 //! bit, on meshes 2x1, 1x2 and 2x2, every route, gate patterns with no_sync
 //! micro-batches, both transports, with the forward's gathers and clipping;
 //! `overlap launch ... -- verify` passes and reports the single process's figures,
-//! every one equal to the last bit (they are computed from the same gradients). (Failures
-//! of such jobs: `faults.rs`.)
+//! every one equal to the last bit (they are computed from the same gradients); processes
+//! started with Slurm's or Open MPI's variables do the same. (Failures of such jobs:
+//! `faults.rs`.)
 
 use std::collections::BTreeMap;
 use std::net::TcpListener;
@@ -239,4 +240,76 @@ fn a_job_whose_size_is_not_the_meshs_is_refused_naming_both() {
             && err.contains("--nproc-per-node 4"),
         "{err}"
     );
+}
+
+/// `overlap run` of `config` as rank `rank` of a job of `world` started by `launcher`
+/// (`slurm` or `openmpi`: its variables only, no `overlap launch`).
+fn by_launcher(launcher: &str, config: &Path, (rank, world): (u32, u32), port: &str) -> Command {
+    let mut c = overlap();
+    c.args(["run", "--backend", "cpu", "--steps", "2", "--param-digest"])
+        .arg("--config")
+        .arg(config)
+        .env("MASTER_ADDR", "127.0.0.1")
+        .env("MASTER_PORT", port)
+        .env("OVERLAP_JOB_SECRET", "a secret of this test job, 32 B.")
+        .env("OVERLAP_RENDEZVOUS_TIMEOUT_S", "60")
+        .stdout(std::process::Stdio::piped())
+        .stderr(std::process::Stdio::piped());
+    let (r, w) = (rank.to_string(), world.to_string());
+    let vars: [(&str, &str); 4] = match launcher {
+        "slurm" => [
+            ("SLURM_PROCID", &r),
+            ("SLURM_NTASKS", &w),
+            ("SLURM_LOCALID", &r),
+            ("SLURM_JOB_NUM_NODES", "1"),
+        ],
+        _ => [
+            ("OMPI_COMM_WORLD_RANK", &r),
+            ("OMPI_COMM_WORLD_SIZE", &w),
+            ("OMPI_COMM_WORLD_LOCAL_RANK", &r),
+            ("OMPI_COMM_WORLD_LOCAL_SIZE", &w),
+        ],
+    };
+    for (k, v) in vars {
+        c.env(k, v);
+    }
+    c
+}
+
+#[test]
+fn ranks_started_by_slurm_or_open_mpi_run_one_rank_each() {
+    let (name, text, ranks) = cases().swap_remove(0);
+    let path = config(&format!("launchers-{name}"), &text);
+    let one = overlap()
+        .args([
+            "run",
+            "--backend",
+            "cpu",
+            "--steps",
+            "2",
+            "--param-digest",
+            "--config",
+        ])
+        .arg(&path)
+        .output()
+        .expect("overlap runs");
+    ok(&one, name);
+    let want = digests(&String::from_utf8_lossy(&one.stdout));
+    for launcher in ["slurm", "openmpi"] {
+        let port = free_port();
+        let children: Vec<_> = (0..ranks)
+            .map(|r| {
+                by_launcher(launcher, &path, (r, ranks), &port)
+                    .spawn()
+                    .expect("overlap starts")
+            })
+            .collect();
+        let mut got = BTreeMap::new();
+        for child in children {
+            let out = child.wait_with_output().expect("overlap runs");
+            ok(&out, launcher);
+            got.extend(digests(&String::from_utf8_lossy(&out.stdout)));
+        }
+        assert_eq!(got, want, "{launcher}: one rank per process vs one process");
+    }
 }
