@@ -78,13 +78,19 @@ async fn transient_buffers_return_to_a_bounded_pool() {
     let mut rig = Rig::new(spec(2, 2, 4), ExecConfig::default());
     let plan = rig.plan(&[Gate::NoSync, Gate::On]);
     let mut pooled = Vec::new();
-    for _ in 0..6 {
+    for _ in 0..10 {
         rig.step(&plan).await.expect("step");
         pooled.push(rig.exec.pooled_buffers());
     }
     assert!(pooled[0].iter().all(|&(_, n)| n > 0), "{pooled:?}");
-    // Every step takes what the previous one gave back: the pool stops growing.
-    assert_eq!(pooled[2], pooled[5], "{pooled:?}");
+    // Every step takes what earlier ones gave back. A buffer whose release is still
+    // pending when a take looks may make the pool grow, by at most what one step
+    // takes (`RankState::take`), so the pool stays bounded however many steps run,
+    // whatever the timing: a leak would grow it by a step's buffers every step.
+    for (first, later) in pooled[0].iter().zip(&pooled[9]) {
+        assert_eq!(first.0, later.0);
+        assert!(later.1 <= 2 * first.1, "{pooled:?}");
+    }
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
