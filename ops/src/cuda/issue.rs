@@ -16,7 +16,6 @@ use cudarc::driver::sys;
 use overlap_graph::Stream;
 
 use super::backend::Shared;
-use super::checks::expect;
 use super::defer::Pending;
 use super::exchange::{CopyRing, InPlace};
 use super::kernels::Kernels;
@@ -66,6 +65,18 @@ pub(super) struct Issue {
     pub(super) ns_graphs: [NsGraphs; Stream::COUNT],
 }
 
+/// Whether `kernel` is held on its stream rather than issued at once (`defer.rs`): an
+/// optimizer, guarded or not, or the global norm's clip.
+fn is_held(kernel: &Kernel<CudaBuffer>) -> bool {
+    match kernel {
+        Kernel::Adamw { .. } | Kernel::Muon { .. } | Kernel::Clip { .. } => true,
+        Kernel::IfFinite { kernel, .. } => {
+            matches!(**kernel, Kernel::Adamw { .. } | Kernel::Muon { .. })
+        }
+        _ => false,
+    }
+}
+
 // SAFETY: `Issue` holds driver, cuBLAS and NCCL handles that are only used under the
 // backend's mutex with the context bound; none is tied to the thread that created it.
 unsafe impl Send for Issue {}
@@ -83,13 +94,7 @@ impl Issue {
     ) {
         // An optimizer kernel is validated now and held (`defer.rs`); anything else
         // issues the held ones first, keeping the stream's order.
-        let held = match &kernel {
-            Kernel::Adamw { .. } | Kernel::Muon { .. } | Kernel::Clip { .. } => true,
-            Kernel::IfFinite { kernel, .. } => {
-                matches!(**kernel, Kernel::Adamw { .. } | Kernel::Muon { .. })
-            }
-            _ => false,
-        };
+        let held = is_held(&kernel);
         if !held {
             self.flush(shared, stream);
         }
@@ -217,26 +222,11 @@ impl Issue {
                 let ran = self.combine(rank, raw, &desc, (size, index), own, (&recv, &dst));
                 ran.map(|()| 0)
             }
-            k @ (Kernel::Adamw { .. } | Kernel::Muon { .. }) => self
-                .optimizer(shared, (stream, tag), rank, k, None)
-                .map(|()| 0),
-            Kernel::SumSquares { dst, srcs } => self
-                .sum_squares(shared, stream, raw, &dst, &srcs)
-                .map(|()| 0),
-            Kernel::Clip {
-                norm,
-                bufs,
-                max_norm,
-            } => self
-                .clip(shared, (stream, tag), norm, &bufs, max_norm)
-                .map(|()| 0),
-            // The optimizer, told to read the norm on the device and do nothing when it
-            // is not finite: no extra launch, no host synchronisation.
-            Kernel::IfFinite { norm, kernel } => {
-                expect("if_finite", rank, "norm", &norm, 1)?;
-                self.optimizer(shared, (stream, tag), rank, *kernel, Some(&norm))?;
-                Ok(0)
-            }
+            tail @ (Kernel::Adamw { .. }
+            | Kernel::Muon { .. }
+            | Kernel::SumSquares { .. }
+            | Kernel::Clip { .. }
+            | Kernel::IfFinite { .. }) => self.tail(shared, (stream, raw, tag), tail).map(|()| 0),
         }
     }
 

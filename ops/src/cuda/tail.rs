@@ -18,6 +18,32 @@ use super::memory::CudaBuffer;
 use crate::{Kernel, OpsError, Tag};
 
 impl Issue {
+    /// A kernel of the step's tail: an optimizer (guarded by [`Kernel::IfFinite`] or
+    /// not), [`Kernel::SumSquares`] or [`Kernel::Clip`].
+    pub(super) fn tail(
+        &mut self,
+        shared: &Shared,
+        (stream, raw, tag): (Stream, sys::CUstream, Tag),
+        kernel: Kernel<CudaBuffer>,
+    ) -> Result<(), OpsError> {
+        let rank = shared.rank;
+        match kernel {
+            Kernel::SumSquares { dst, srcs } => self.sum_squares(shared, stream, raw, &dst, &srcs),
+            Kernel::Clip {
+                norm,
+                bufs,
+                max_norm,
+            } => self.clip(shared, (stream, tag), norm, &bufs, max_norm),
+            // The optimizer, told to read the norm on the device and do nothing when it
+            // is not finite: no extra launch, no host synchronisation.
+            Kernel::IfFinite { norm, kernel } => {
+                expect("if_finite", rank, "norm", &norm, 1)?;
+                self.optimizer(shared, (stream, tag), rank, *kernel, Some(&norm))
+            }
+            optimizer => self.optimizer(shared, (stream, tag), rank, optimizer, None),
+        }
+    }
+
     /// [`Kernel::Clip`]: validated (no gradient may be the norm), then held on the
     /// stream (`defer.rs`): the optimizers held after it that read a gradient it scales
     /// apply the factor themselves, and one clip kernel scales the rest at the flush,
