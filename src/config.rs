@@ -22,9 +22,7 @@ use std::ops::Range;
 use std::path::Path;
 use std::str::FromStr;
 
-use overlap_executor::{
-    glob_match, ClipConfig, HyperTable, LrSchedule, OnNonFinite, ParamGroup, ScheduleKind,
-};
+use overlap_executor::{ClipConfig, HyperTable, LrSchedule, OnNonFinite, ParamGroup, ScheduleKind};
 use overlap_graph::{
     Bindings, DType, ForwardSpec, Gate, Mesh, ModelSpec, ParamSpec, PlanError, PlanSpec, Planner,
     ReduceOp, ReduceSpec, Route, Schedule, Stream, Transport, UpdateRates, MAX_MICRO_BATCHES,
@@ -716,7 +714,7 @@ impl Doc<'_> {
         let adamw = self.adamw(&raw.optimizer.adamw)?;
         let muon = self.muon(&raw.optimizer.muon)?;
         let groups = self.groups(&raw.optimizer.group, adamw, muon, &plan.params)?;
-        let rates = update_rates(muon, &groups, &plan.params);
+        let rates = update_rates((adamw, muon), &groups, &plan.params);
         let plan = plan.with_update_rates(rates);
         // The planner's own checks, as a backstop: whatever it rejects, the config rejects;
         // then the size of a step's plan, now that the buckets and micro-batches are known.
@@ -1535,24 +1533,32 @@ impl Bound {
 /// The reason inside a [`PlanError`], without its category prefix.
 /// The rates that balance owners by optimizer time ([`UpdateRates`]): the memory rate of
 /// the H200 profile and the Newton–Schulz rate of the dtype most of the Muon products
-/// run in (by floating-point operations, each parameter in its group's `ns_dtype`):
-/// bf16 at the profile's 739 TFLOP/s GEMM rate, TF32 at half of it (the H200
-/// datasheet's ratio of dense TF32 to bf16), f32 at its 50 TFLOP/s.
-fn update_rates(muon: MuonParams, groups: &[ParamGroup], params: &[ParamSpec]) -> UpdateRates {
+/// run in (by floating-point operations, each parameter with its own `ns_dtype` and
+/// `ns_steps` as the optimizer groups resolve them): bf16 at the profile's 739 TFLOP/s
+/// GEMM rate, TF32 at half of it (the H200 datasheet's ratio of dense TF32 to bf16), f32
+/// at its 50 TFLOP/s.
+fn update_rates(
+    (adamw, muon): (AdamwParams, MuonParams),
+    groups: &[ParamGroup],
+    params: &[ParamSpec],
+) -> UpdateRates {
+    // The groups were checked against these parameters already.
+    let Ok(table) = HyperTable::resolve(adamw, muon, groups, params) else {
+        return UpdateRates::default();
+    };
     let mut flops = [0.0f64; 3];
-    for p in params.iter().filter(|p| p.route == Route::Muon) {
-        let dtype = groups
-            .iter()
-            .find(|g| glob_match(&g.pattern, &p.name))
-            .and_then(|g| g.ns_dtype)
-            .unwrap_or(muon.ns_dtype);
+    for (id, p) in params.iter().enumerate() {
+        if p.route != Route::Muon {
+            continue;
+        }
+        let hp = table.muon(id as overlap_graph::ParamId, 1.0);
         let (rows, cols) = p.matrix_dims();
-        let slot = match dtype {
+        let slot = match hp.ns_dtype {
             NsDtype::Bf16 => 0,
             NsDtype::Tf32 => 1,
             NsDtype::F32 => 2,
         };
-        flops[slot] += overlap_graph::owner::ns_flops(rows, cols, overlap_graph::owner::NS_STEPS);
+        flops[slot] += overlap_graph::owner::ns_flops(rows, cols, hp.ns_steps);
     }
     let gflops = [739_000, 369_500, 50_000];
     let most = (0..3).fold(0, |best, i| if flops[i] > flops[best] { i } else { best });

@@ -330,21 +330,24 @@ fn back_to_back(
     Ok(ms / f64::from(iters.max(1)))
 }
 
-/// The rows of `--clip`: the norm alone, then each update tail behind the norm and the
-/// clip, fused and as a pass of its own. `limit` gives a tail's memory-bound limit
-/// from the bytes it moves per value on AdamW and per value on Muon.
+/// An update tail of `--clip`: its name, Muon's dtype (`None`: AdamW only), its
+/// memory-bound limit in ms and its Newton–Schulz TFLOP.
+type UpdateTail = (String, Option<NsDtype>, f64, f64);
+
+/// The rows of `--clip`: the norm alone, then each update tail (name, Muon's dtype,
+/// memory-bound limit in ms, Newton–Schulz TFLOP) behind the norm and the clip, fused
+/// and as a pass of its own; `norm_limit` is the norm's limit in ms (one read of every
+/// gradient), added to each update's.
 fn clip_rows(
     b: &CudaBackend,
     timer: &Timer,
     slots: &[Slot],
-    updates: &[(String, Option<NsDtype>, f64, f64)],
+    (updates, norm_limit): (&[UpdateTail], f64),
     (iters, warmup): (u32, u32),
 ) -> Result<Vec<TailRow>, Error> {
     let clip = ClipBufs::new(b, slots)?;
     let mut rows = Vec::new();
     let (times, host_us) = time_tail(b, timer, slots, Tail::NormOnly(&clip), (iters, warmup))?;
-    // The norm reads every gradient once: 4 bytes a value, a seventh of AdamW's 28.
-    let norm_limit = updates.first().map_or(0.0, |u| u.2) / 7.0;
     rows.push(TailRow::of("norm".into(), times, host_us, norm_limit, 0.0));
     for (name, ns, limit, ns_tflop) in updates {
         for fused in [true, false] {
@@ -479,7 +482,15 @@ pub fn run(args: &BenchOptimizerArgs) -> Result<OptimReport, Error> {
             let name = format!("muon-{}", dtype.name());
             updates.push((name, Some(dtype), limit(values - muon_values), flops / 1e12));
         }
-        rows.extend(clip_rows(&b, &timer, &slots, &updates, timed)?);
+        // The norm reads every gradient once: 4 bytes a value.
+        let norm_limit = 4.0 * values as f64 / (copy * 1e9) * 1e3;
+        rows.extend(clip_rows(
+            &b,
+            &timer,
+            &slots,
+            (&updates, norm_limit),
+            timed,
+        )?);
     }
     let info = b.info();
     Ok(OptimReport {

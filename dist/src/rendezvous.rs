@@ -449,6 +449,30 @@ struct Arrival {
 }
 
 impl Rendezvous {
+    /// Joins the job of a mesh and compares
+    /// `what` with every rank's: refuses a job whose size is not the mesh's, connects
+    /// ([`Rendezvous::connect`]) and agrees ([`Rendezvous::agree`]), each within the
+    /// start timeout ([`start_timeout`] of `default`), which it returns for the steps
+    /// that follow.
+    pub fn meet(
+        env: &RankEnv,
+        mesh: overlap_graph::Mesh,
+        what: &Fingerprint,
+        default: Duration,
+    ) -> Result<(Rendezvous, Duration), DistError> {
+        if env.world_size != mesh.world() {
+            return Err(DistError::Inconsistent(format!(
+                "the job has {} ranks but mesh {mesh} needs {}",
+                env.world_size,
+                mesh.world()
+            )));
+        }
+        let timeout = start_timeout(default);
+        let mut rendezvous = Rendezvous::connect(env, timeout)?;
+        rendezvous.agree(what, timeout)?;
+        Ok((rendezvous, timeout))
+    }
+
     /// Joins the job's rendezvous with the secret from the environment
     /// ([`JobSecret::for_job`]): rank 0 listens on the address `MASTER_ADDR` resolves
     /// to (or `OVERLAP_BIND_ADDR`) and waits for every other rank; the others connect

@@ -94,18 +94,8 @@ pub fn world(config: &Config, env: RankEnv, what: Fingerprint) -> Result<CpuWorl
 /// the links to every rank and this rank's backend over them. Every step waits at most
 /// `OVERLAP_RENDEZVOUS_TIMEOUT_S` (default [`START_TIMEOUT`]).
 pub fn open(env: RankEnv, mesh: Mesh, mut what: Fingerprint) -> Result<CpuWorld, Error> {
-    if env.world_size != mesh.world() {
-        return Err(DistError::Inconsistent(format!(
-            "the job has {} ranks but mesh {mesh} needs {}",
-            env.world_size,
-            mesh.world()
-        ))
-        .into());
-    }
-    let timeout = crate::rendezvous::start_timeout(START_TIMEOUT);
-    let mut rendezvous = Rendezvous::connect(&env, timeout)?;
     what.push("cpu.ranks_per_process", "1");
-    rendezvous.agree(&what, timeout)?;
+    let (mut rendezvous, timeout) = Rendezvous::meet(&env, mesh, &what, START_TIMEOUT)?;
     let secret = crate::rendezvous::JobSecret::for_job(&env)?;
     let linked = links::connect(&mut rendezvous, &secret, timeout);
     // Every rank says whether its links opened; rank 0 hands out the first failure.

@@ -281,19 +281,9 @@ pub fn open(
     links: Links,
     mut what: Fingerprint,
 ) -> Result<CudaWorld, Error> {
-    if env.world_size != mesh.world() {
-        return Err(DistError::Inconsistent(format!(
-            "the job has {} ranks but mesh {mesh} needs {}",
-            env.world_size,
-            mesh.world()
-        ))
-        .into());
-    }
-    let timeout = crate::rendezvous::start_timeout(START_TIMEOUT);
-    let mut rendezvous = Rendezvous::connect(&env, timeout)?;
     what.push("cuda.comms", format!("{comms:?}"));
     what.push("cuda.links", format!("{links:?}"));
-    rendezvous.agree(&what, timeout)?;
+    let (mut rendezvous, timeout) = Rendezvous::meet(&env, mesh, &what, START_TIMEOUT)?;
     let opened = CudaBackend::new(
         CudaOptions::new(mesh, env.rank, env.local_rank)
             .with_timings(timings)

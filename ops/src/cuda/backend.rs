@@ -212,8 +212,8 @@ impl CudaBackend {
     }
 
     /// Whether each Muon batch's Newton–Schulz is captured once into a CUDA graph and
-    /// replayed (default on: one launch instead of about 25 driver and cuBLAS calls per
-    /// iteration; the results are the same bits either way; `overlap bench-optimizer
+    /// replayed (default on: one launch instead of five driver and cuBLAS calls per
+    /// iteration and three before them; the results are the same bits either way; `overlap bench-optimizer
     /// --muon` times the first precision both ways).
     pub fn set_tail_graphs(&self, on: bool) {
         let mut issue = lock(&self.issue);

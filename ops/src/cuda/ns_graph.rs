@@ -3,8 +3,10 @@
 //! A batch's Newton–Schulz (`muon::run_batch` between the momentum and the update: the
 //! per-matrix norms, the working matrices and `ns_steps` iterations of three cuBLAS
 //! GEMMs, a copy and a diagonal shift) touches only the stream's scratch, at offsets
-//! that depend on the batch's shape, size and precision. Issued call by call it costs
-//! the host about 25 µs a step per iteration (cuBLAS's host work); captured once into a
+//! that depend on the batch's shape, size and precision. Issued call by call that is
+//! three launches and five calls per iteration, about 36 µs of host time per shape and
+//! iteration on GPT-2 small (docs/performance.md, "Host time of the tail"); captured
+//! once into a
 //! graph (`cuStreamBeginCapture` in thread-local mode on the stream, the same calls,
 //! `cuStreamEndCapture`, `cuGraphInstantiate`) it is one `cuGraphLaunch` after that.
 //! The momentum and the update kernels, which read and write the parameters, are
