@@ -105,14 +105,18 @@ pub(crate) fn watch_host(deadline: StepDeadline) -> Result<(), Error> {
 }
 
 /// Ends a watched job's command: a goodbye when it went well, the error for the other
-/// ranks when it did not (unless the error is another rank's failure, which they know).
+/// ranks when it did not (another rank's failure is passed on by rank 0 only).
 pub(crate) fn end_job<T>(rdv: Option<&Rendezvous>, result: &Result<T, Error>) {
     let Some(rdv) = rdv else {
         return;
     };
     match result {
         Ok(_) => rdv.bye(),
-        Err(Error::Exec(overlap::executor::ExecError::PeerFailed { .. })) => {}
+        // Another rank's failure: rank 0 passes it on (this rank may have learned of it
+        // through a data link the others do not share), the others have nothing to add.
+        Err(Error::Exec(overlap::executor::ExecError::PeerFailed { rank, reason })) => {
+            rdv.pass_on(*rank, reason)
+        }
         Err(e) => rdv.abort(&e.to_string()),
     }
 }

@@ -726,6 +726,23 @@ impl Rendezvous {
         }
     }
 
+    /// Passes on another rank's failure that this rank learned of by itself (through a
+    /// data link rather than this rendezvous' watch): rank 0 tells every other rank that
+    /// `rank` failed with `reason`, so that a rank sharing no link with it hears its name
+    /// before it sees rank 0 go away. Only rank 0 speaks for other ranks; elsewhere this
+    /// does nothing. Best effort, like [`Rendezvous::abort`].
+    pub fn pass_on(&self, rank: u32, reason: &str) {
+        let Role::Root(peers) = &self.role else {
+            return;
+        };
+        let reason = truncated(reason);
+        for (i, c) in peers.iter().enumerate() {
+            if i as u32 + 1 != rank {
+                let _ = lock(&c.out).send(Kind::Abort, rank, self.world, reason.as_bytes());
+            }
+        }
+    }
+
     /// Tells the job that this rank ended well, so that closing its connection is not
     /// taken for a failure. Call it last, after any gather.
     pub fn bye(&self) {
@@ -794,11 +811,13 @@ fn watch_conn(
     closed: &AtomicBool,
 ) {
     let report = |rank: u32, reason: String| {
-        let first = abort.trigger(PeerFailure {
+        abort.trigger(PeerFailure {
             rank,
             reason: reason.clone(),
         });
-        if first && me == 0 {
+        // Rank 0 passes every failure it sees on, even when this rank had already
+        // learned of a failure another way (a data link): the others may not have.
+        if me == 0 {
             for (r, out) in outs {
                 if *r != peer && *r != rank {
                     let _ = lock(out).send(Kind::Abort, rank, world, truncated(&reason).as_bytes());
@@ -1365,6 +1384,31 @@ mod tests {
         for (_, a) in &job[1..] {
             assert_eq!(wait_for(a).rank, 0);
         }
+    }
+
+    #[test]
+    fn rank_0_passes_on_a_failure_it_learned_of_elsewhere_before_it_exits() {
+        let mut job = watched_job(4);
+        // Rank 0 learned of it through its data link to rank 1, so its own signal is
+        // already set, and it exits right after passing it on.
+        job[0].1.trigger(PeerFailure {
+            rank: 1,
+            reason: "link".into(),
+        });
+        let (root, _) = job.remove(0);
+        root.pass_on(1, "rank 1's connection to rank 0 closed without a goodbye");
+        drop(root);
+        // The ranks that share no link with rank 1 name rank 1, not rank 0's exit.
+        for (r, a) in &job[1..] {
+            let f = wait_for(a);
+            assert_eq!(f.rank, 1, "rank {}", r.rank());
+            assert!(f.reason.starts_with("rank 1's connection"), "{}", f.reason);
+        }
+        // Another rank cannot speak for others: nothing is sent.
+        let job = watched_job(3);
+        job[1].0.pass_on(2, "hearsay");
+        std::thread::sleep(Duration::from_millis(50));
+        assert!(job.iter().all(|(_, a)| a.failure().is_none()));
     }
 
     #[test]
