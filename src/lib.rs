@@ -72,6 +72,7 @@ pub mod config;
 pub mod cuda;
 pub mod drive;
 mod error;
+pub mod faults;
 pub mod observe;
 pub mod resources;
 pub mod session;

@@ -228,18 +228,17 @@ impl Session<CpuBackend> {
         // The rank limit, the step's size and the memory it needs, before any thread.
         crate::resources::check_cpu(config, 1)?;
         let backend = Arc::new(CpuBackend::new(config.plan.mesh));
-        let mut s = Session::new(config.plan.clone(), backend, exec_config(config)?)?;
+        let mut s = Session::new(config.plan.clone(), backend, exec_config(config))?;
         let seed = config.run.seed;
         s.init_params(|i, p| crate::synthetic::init(seed, i, p.spec.numel() as usize))?;
         Ok(s)
     }
 }
 
-/// The executor settings a config asks for, with the fault `OVERLAP_FAULT` names, if
-/// any (a malformed value is an error naming the variable).
-pub fn exec_config(config: &Config) -> Result<ExecConfig, Error> {
-    let fault = overlap_executor::Fault::from_env().map_err(Error::Usage)?;
-    Ok(ExecConfig::default()
+/// The executor settings a config asks for. No fault: a session injects one only when
+/// handed it ([`Session::inject_faults`]).
+pub fn exec_config(config: &Config) -> ExecConfig {
+    ExecConfig::default()
         .with_stage1_window(config.overlap.stage1_window as usize)
         .with_adamw(config.adamw)
         .with_muon(config.muon)
@@ -252,7 +251,6 @@ pub fn exec_config(config: &Config) -> Result<ExecConfig, Error> {
         .with_host_timeout(std::time::Duration::from_secs(u64::from(
             config.run.step_timeout_s,
         )))
-        .with_fault(fault))
 }
 
 impl<B: Backend> Session<B> {
@@ -462,6 +460,16 @@ impl<B: Backend> Session<B> {
         self.saves.wait()?;
         let restored = crate::checkpoint::read(dir.as_ref(), &self.planner)?;
         crate::checkpoint::install(&self.planner, &mut self.executor, restored)
+    }
+
+    /// Injects `faults` from the next step and save on, replacing any injected before
+    /// ([`crate::faults`]; [`Faults::from_env`](crate::faults::Faults::from_env) reads
+    /// `OVERLAP_FAULT` and `OVERLAP_CHECKPOINT_FAULT`). For tests of failure handling:
+    /// a step fault fails, hangs or poisons the node it names, a save fault stops or
+    /// fails the save at its phase.
+    pub fn inject_faults(&mut self, faults: crate::faults::Faults) {
+        self.executor.set_fault(faults.step);
+        self.saves.set_fault(faults.save);
     }
 
     /// The signal through which a multi-process job reports another rank's failure

@@ -22,6 +22,7 @@
 //! only where `OVERLAP_FAULT` injects a NaN (`mode=nan`): its gradients are not compared
 //! (they hold the NaN), and any other skip, or a NaN step that is not skipped, fails.
 
+use crate::faults::Faults;
 use std::collections::BTreeMap;
 
 use overlap_graph::{DType, Gate, ParamId, ReduceOp};
@@ -141,25 +142,23 @@ pub enum StepCheck {
 
 impl NormCheck {
     /// The checks for a config (`None` without `[clip]`) run for `steps` steps, with the
-    /// fault `OVERLAP_FAULT` names (which the sessions inject too).
-    pub fn of(config: &Config, steps: u64) -> Result<Option<NormCheck>, Error> {
-        let Some(clip) = config.clip else {
-            return Ok(None);
-        };
-        let fault = overlap_executor::Fault::from_env().map_err(Error::Usage)?;
-        let nan_step = fault
+    /// step fault the sessions inject (`faults.step`).
+    pub fn of(config: &Config, steps: u64, faults: &Faults) -> Option<NormCheck> {
+        let clip = config.clip?;
+        let nan_step = faults
+            .step
             .filter(|f| {
                 f.mode == overlap_executor::FaultMode::Nan && f.rank < config.plan.mesh.world()
             })
             .map(|f| f.step - 1);
-        Ok(Some(NormCheck {
+        Some(NormCheck {
             max_norm: clip.max_norm,
             nan_step,
             figures: NormFigures {
                 expected_skips: u64::from(nan_step.is_some_and(|s| s < steps)),
                 ..NormFigures::default()
             },
-        }))
+        })
     }
 
     /// Checks step `step`'s (0-based) report against the reference, and `cpu`'s norm
@@ -284,11 +283,13 @@ pub fn tolerances(dtype: DType) -> (f64, f64) {
     }
 }
 
-/// Runs the verification of a config for `steps` steps with `seed`.
+/// Runs the verification of a config for `steps` steps with `seed`, both sessions
+/// injecting `faults` (a NaN step is then expected to be skipped by both).
 pub async fn verify(
     config: &Config,
     steps: u64,
     seed: u64,
+    faults: &Faults,
     mut progress: impl FnMut(u64),
 ) -> Result<VerifyReport, Error> {
     let mut config = config.clone();
@@ -298,6 +299,8 @@ pub async fn verify(
     crate::resources::check_cpu(&config, 2)?;
     let mut gated = Session::cpu(&config)?;
     let mut reference = Session::cpu(&config)?;
+    gated.inject_faults(*faults);
+    reference.inject_faults(*faults);
     let ref_gates = no_sync_pattern(gates.len());
     let mesh = config.plan.mesh;
     let (grad_tol, param_tol) = tolerances(config.plan.reduce.dtype);
@@ -306,7 +309,7 @@ pub async fn verify(
     let mut worst = 0.0f64;
     let mut worst_at = String::new();
     let mut partials_left = 0;
-    let mut norms = NormCheck::of(&config, steps)?;
+    let mut norms = NormCheck::of(&config, steps, faults);
     let mut forward_mismatches = gated.has_forward().then_some(0u64);
     let mut forward_rel_err = gated.has_forward().then_some(0.0f64);
     for step in 0..steps {

@@ -288,11 +288,17 @@ async fn verify_steps(
     if let Some(code) = verify_cpu_job(cfg, steps, seed, json).await? {
         return Ok(code);
     }
-    let report = overlap::verify::verify(cfg, steps, seed, |s| {
-        if !json {
-            eprintln!("verify: step {s}/{steps} done");
-        }
-    })
+    let report = overlap::verify::verify(
+        cfg,
+        steps,
+        seed,
+        &overlap::faults::Faults::from_env()?,
+        |s| {
+            if !json {
+                eprintln!("verify: step {s}/{steps} done");
+            }
+        },
+    )
     .await?;
     print_verify(cfg, &report, json)
 }

@@ -5,6 +5,7 @@ use std::process::ExitCode;
 
 use overlap::checkpoint::{SaveJob, SaveTicket, Saved};
 use overlap::config::Config;
+use overlap::faults::Faults;
 use overlap::graph::Gate;
 use overlap::{drive, observe, Error, Session};
 
@@ -58,6 +59,7 @@ pub(crate) async fn run(
         )?;
         let mut world = overlap_dist::cuda::world(cfg, env, true, what)?;
         let mut session = Session::cuda(cfg, world.backend.clone())?;
+        session.inject_faults(Faults::from_env()?);
         share_save_job(Some(&mut world.rendezvous), &mut session)?;
         watch_job(Some(&mut world.rendezvous), session.peer_abort())?;
         watch_host(session.step_deadline())?;
@@ -70,11 +72,13 @@ pub(crate) async fn run(
     }
     let Some(mut world) = cpu_world(cfg, "run", u64::from(steps), cfg.run.seed)? else {
         // One process: every rank of the mesh in it.
-        let session = Session::cpu(cfg)?;
+        let mut session = Session::cpu(cfg)?;
+        session.inject_faults(Faults::from_env()?);
         watch_host(session.step_deadline())?;
         return run_steps(session, cfg, steps, observe, ckpt, recording, backend).await;
     };
     let mut session = overlap_dist::cpu::session(cfg, &world)?;
+    session.inject_faults(Faults::from_env()?);
     share_save_job(Some(&mut world.rendezvous), &mut session)?;
     watch_job(Some(&mut world.rendezvous), session.peer_abort())?;
     watch_host(session.step_deadline())?;

@@ -4,6 +4,7 @@
 use std::process::ExitCode;
 
 use overlap::config::{BackendChoice, Config};
+use overlap::faults::Faults;
 use overlap::Error;
 
 /// Prints a verification report (text, or one JSON line) and picks the exit code.
@@ -74,12 +75,13 @@ pub(crate) async fn verify_cpu_job(
     let Some(mut world) = crate::job::cpu_world(cfg, "verify", steps, seed)? else {
         return Ok(None);
     };
-    let report = overlap_dist::cpu::verify(cfg, steps, seed, &mut world, |s| {
-        if !json {
-            eprintln!("verify: step {s}/{steps} done");
-        }
-    })
-    .await;
+    let report =
+        overlap_dist::cpu::verify(cfg, steps, seed, &mut world, &Faults::from_env()?, |s| {
+            if !json {
+                eprintln!("verify: step {s}/{steps} done");
+            }
+        })
+        .await;
     crate::job::end_job(Some(&world.rendezvous), &report);
     match report? {
         Some(report) => print_verify(cfg, &report, json).map(Some),
@@ -126,12 +128,13 @@ pub(crate) async fn verify_cuda(
     let what =
         overlap_dist::fingerprint::Fingerprint::of_config(cfg, "verify", "cuda", steps, seed)?;
     let mut world = overlap_dist::cuda::world(cfg, env, false, what)?;
-    let report = overlap_dist::cuda::verify(cfg, steps, seed, &mut world, |s| {
-        if !json {
-            eprintln!("verify: step {s}/{steps} done");
-        }
-    })
-    .await;
+    let report =
+        overlap_dist::cuda::verify(cfg, steps, seed, &mut world, &Faults::from_env()?, |s| {
+            if !json {
+                eprintln!("verify: step {s}/{steps} done");
+            }
+        })
+        .await;
     crate::job::end_job(Some(&world.rendezvous), &report);
     let report = report?;
     match report {

@@ -921,6 +921,11 @@ impl<B: Backend> Executor<B> {
         self.deadline.clone()
     }
 
+    /// Replaces [`ExecConfig::fault`] from the next step on (`None`: no fault).
+    pub fn set_fault(&mut self, fault: Option<Fault>) {
+        self.cfg.fault = fault;
+    }
+
     /// The signal through which whoever watches the job (the rendezvous connection of
     /// a multi-process job) reports another rank's failure: from then on this
     /// executor's waits end at once with [`ExecError::PeerFailed`].

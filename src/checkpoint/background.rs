@@ -123,6 +123,8 @@ struct Pending {
 /// A session's saves: the job it saves with and the save in flight.
 pub(crate) struct Saves {
     job: Option<SaveJob>,
+    /// A fault injected into every save ([`crate::Session::inject_faults`]).
+    fault: Option<super::SaveFault>,
     own: SaveJob,
     pending: Mutex<Option<Pending>>,
 }
@@ -131,6 +133,7 @@ impl Default for Saves {
     fn default() -> Self {
         Saves {
             job: None,
+            fault: None,
             own: SaveJob::fresh(),
             pending: Mutex::new(None),
         }
@@ -140,6 +143,14 @@ impl Default for Saves {
 impl Saves {
     pub(crate) fn set_job(&mut self, job: SaveJob) {
         self.job = Some(job);
+    }
+
+    pub(crate) fn set_fault(&mut self, fault: Option<super::SaveFault>) {
+        self.fault = fault;
+    }
+
+    pub(crate) fn fault(&self) -> Option<super::SaveFault> {
+        self.fault
     }
 
     /// The job a save uses: the one set, or for a session that drives every rank of its

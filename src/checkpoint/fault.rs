@@ -14,8 +14,8 @@
 //!   hangs, for the test to kill the process; `enospc` writes the first half and then
 //!   fails as a full disk does (`ENOSPC`), which the save reports naming the file.
 //!
-//! A malformed value is an error naming the variable at the next save. Nothing reads the
-//! variable but a save, and only tests set it.
+//! The library never reads the variable by itself: `crate::faults::Faults::from_env`
+//! does, for the command line and for tests, and a session injects what it is given.
 
 use std::fs::File;
 use std::io::Write;
@@ -67,9 +67,10 @@ enum Mode {
     NoSpace,
 }
 
-/// A fault to inject into a save.
+/// A fault to inject into a save ([`crate::faults`]): the value of
+/// `OVERLAP_CHECKPOINT_FAULT`, parsed.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub(crate) struct SaveFault {
+pub struct SaveFault {
     phase: Phase,
     rank: Option<u32>,
     step: Option<u64>,
@@ -86,8 +87,9 @@ pub(crate) struct At {
 }
 
 impl SaveFault {
-    /// The fault [`FAULT_VAR`] names, if it is set.
-    pub(crate) fn from_env() -> Result<Option<SaveFault>, Error> {
+    /// The fault [`FAULT_VAR`] names, if it is set (and not empty); a malformed value is
+    /// an error naming the variable.
+    pub fn from_env() -> Result<Option<SaveFault>, Error> {
         match std::env::var(FAULT_VAR) {
             Ok(v) if !v.trim().is_empty() => SaveFault::parse(&v)
                 .map(Some)
@@ -96,7 +98,9 @@ impl SaveFault {
         }
     }
 
-    fn parse(s: &str) -> Result<SaveFault, String> {
+    /// Parses `phase=P[,rank=R][,step=S][,mode=stop|enospc]` (the module's
+    /// documentation says what each key means); the error says what is wrong.
+    pub fn parse(s: &str) -> Result<SaveFault, String> {
         let (mut phase, mut rank, mut step, mut mode) = (None, None, None, Mode::Stop);
         for part in s.split(',') {
             let Some((key, value)) = part.split_once('=') else {

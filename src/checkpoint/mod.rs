@@ -40,7 +40,7 @@ use sha2::{Digest, Sha256};
 
 pub(crate) use background::Saves;
 pub use background::{SaveJob, SaveTicket, Saved};
-pub use fault::{FAULT_VAR, STOP_MARKER};
+pub use fault::{SaveFault, FAULT_VAR, STOP_MARKER};
 pub use manifest::{
     read_manifest, Manifest, ManifestParam, RankFile, RngState, StateKind, TensorEntry,
     FORMAT_VERSION, MANIFEST,
@@ -189,13 +189,13 @@ pub(crate) fn save_in_background<B: Backend>(
     root: &Path,
     seed: Option<u64>,
 ) -> Result<SaveTicket, Error> {
+    let fault = saves.fault();
     if exec.in_step() {
         return Err(Error::Usage(
             "save during a step; call it before the first micro-batch or after step()".into(),
         ));
     }
     let job = check_can_save(planner, exec, saves).map_err(|r| err(root, r))?;
-    let fault = fault::SaveFault::from_env()?;
     let t0 = Instant::now();
     let previous = saves.wait()?;
     let waited = t0.elapsed();

@@ -22,6 +22,7 @@ use std::sync::Arc;
 
 use overlap::config::Config;
 use overlap::drive::{no_sync_pattern, synthetic_step, synthetic_step_with};
+use overlap::faults::Faults;
 use overlap::session::Session;
 use overlap::verify::{
     clipped, full_rel_err, reference_grad, rel_err, tolerances, NormCheck, StepCheck, VerifyReport,
@@ -44,6 +45,7 @@ pub async fn verify(
     steps: u64,
     seed: u64,
     world: &mut CpuWorld,
+    faults: &Faults,
     mut progress: impl FnMut(u64),
 ) -> Result<Option<VerifyReport>, Error> {
     let mut config = config.clone();
@@ -54,6 +56,8 @@ pub async fn verify(
     let reference = CpuBackend::one_rank(mesh, rank, &world.links)
         .map_err(|e| Error::Backend(e.to_string()))?;
     let mut reference = session_on(&config, Arc::new(reference))?;
+    gated.inject_faults(*faults);
+    reference.inject_faults(*faults);
     // Another rank's failure ends this one's waits (the gather below still works).
     world.rendezvous.watch(gated.peer_abort())?;
     let ref_gates = no_sync_pattern(gates.len());
@@ -63,7 +67,7 @@ pub async fn verify(
         rank,
         ..RankFigures::default()
     };
-    let mut norms = NormCheck::of(&config, steps)?;
+    let mut norms = NormCheck::of(&config, steps, faults);
     let forward = gated.has_forward();
     if forward {
         (fig.forward_mismatches, fig.forward_rel_err) = (Some(0), Some(0.0));

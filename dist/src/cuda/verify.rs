@@ -35,6 +35,7 @@ use super::{CudaWorld, GATHER_TIMEOUT};
 use crate::figures::{self, RankFigures, Tolerances};
 use overlap::config::{BackendChoice, Config};
 use overlap::drive::{synthetic_step, synthetic_step_with};
+use overlap::faults::Faults;
 use overlap::session::Session;
 use overlap::verify::{
     clipped, current_params, full_rel_err, reference_grad, rel_err, NormCheck, StepCheck,
@@ -120,6 +121,7 @@ pub async fn verify(
     steps: u64,
     seed: u64,
     world: &mut CudaWorld,
+    faults: &Faults,
     mut progress: impl FnMut(u64),
 ) -> Result<Option<VerifyReport>, Error> {
     let mut config = config.clone();
@@ -134,13 +136,15 @@ pub async fn verify(
     let mut cpu_config = config.clone();
     cpu_config.run.backend = BackendChoice::Cpu;
     let mut cpu = Session::cpu(&cpu_config)?;
+    gpu.inject_faults(*faults);
+    cpu.inject_faults(*faults);
     let params = gpu.planner().params().to_vec();
     let mut fig = RankFigures {
         rank,
         ..RankFigures::default()
     };
     let coord = mesh.coord(rank);
-    let mut norms = NormCheck::of(&config, steps)?;
+    let mut norms = NormCheck::of(&config, steps, faults);
     fig.forward_rel_err = gpu.has_forward().then_some(0.0);
     for step in 0..steps {
         // The gathers must hand this rank the parameters of the step's start: the CPU
