@@ -24,7 +24,7 @@ use std::time::{Duration, Instant};
 use criterion::{criterion_group, criterion_main, Criterion, SamplingMode, Throughput};
 use overlap::drive::synthetic_step;
 use overlap::graph::{validate, Mode};
-use overlap::{Config, Session};
+use overlap::{Config, Planner, Session};
 
 /// The system allocator, counting the bytes allocated now and the most at once.
 struct Counting;
@@ -110,11 +110,12 @@ fn bench_micro_batches(c: &mut Criterion) {
         let nodes = first.stats.nodes;
 
         // Plan + validate of the step, outside the session (best of a few).
+        let planner = Planner::new(session.spec().clone()).expect("a planner");
         let reps = if m >= 1024 { 2 } else { 5 };
         let (mut plan_s, mut validate_s) = (f64::MAX, f64::MAX);
         for _ in 0..reps {
             let t = Instant::now();
-            let plan = session.planner().plan(&gates).expect("a plan");
+            let plan = planner.plan(&gates).expect("a plan");
             plan_s = plan_s.min(t.elapsed().as_secs_f64());
             let t = Instant::now();
             let v = validate(&plan, Mode::Step);
@@ -132,7 +133,7 @@ fn bench_micro_batches(c: &mut Criterion) {
         let held_bytes = NOW.load(Ordering::Relaxed).saturating_sub(held_before);
 
         let plans_before = session.plans_built();
-        let prepared_before = session.executor().plans_prepared();
+        let prepared_before = session.plan_cache().prepared;
         let mut per_node = Vec::new();
         group.throughput(Throughput::Elements(nodes as u64));
         group.measurement_time(Duration::from_secs(if m >= 1024 { 4 } else { 2 }));
@@ -159,7 +160,7 @@ fn bench_micro_batches(c: &mut Criterion) {
             first_step_ms,
             first_plans,
             steady_plans: session.plans_built() - plans_before,
-            steady_prepared: session.executor().plans_prepared() - prepared_before,
+            steady_prepared: session.plan_cache().prepared - prepared_before,
             peak_bytes,
             held_bytes,
         });

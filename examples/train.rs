@@ -1014,9 +1014,9 @@ async fn train(
 /// of a sharded route from the ranks of its shard index, an owned route's whole tensor
 /// from its owner's shard column. Every replica of a piece must hold the same bits.
 fn full_params(s: &Session<CpuBackend>) -> Result<Params, Error> {
-    let mesh = s.planner().spec().mesh;
+    let mesh = s.spec().mesh;
     let mut out = Vec::new();
-    for (id, p) in s.planner().params().iter().enumerate() {
+    for (id, p) in s.params().iter().enumerate() {
         let numel = p.spec.numel() as usize;
         let mut full = vec![0.0f32; numel];
         let mut seen = vec![false; numel];
@@ -1073,9 +1073,9 @@ fn held_state(s: &Session<CpuBackend>) -> Result<Vec<Option<Vec<u32>>>, Error> {
 /// One rank's parameter pieces and optimizer states, as bits.
 fn rank_state(s: &Session<CpuBackend>, rank: u32) -> Result<Vec<Option<Vec<u32>>>, Error> {
     let mut out = Vec::new();
-    for param in 0..s.planner().params().len() as u32 {
+    for param in 0..s.params().len() as u32 {
         for buffer in [Buffer::Param { param }, Buffer::OptState { param }] {
-            out.push(s.executor().read(rank, buffer)?.map(|v| bits32(&v)));
+            out.push(s.read_buffer(rank, buffer)?.map(|v| bits32(&v)));
         }
     }
     Ok(out)

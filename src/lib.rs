@@ -85,7 +85,7 @@ pub use error::{DistError, Error};
 pub use overlap_executor as executor;
 pub use overlap_graph as graph;
 pub use overlap_ops as ops;
-pub use session::{Session, StepReport};
+pub use session::{PlanCache, Session, StepReport};
 
 // What an embedder touches, documented here as well as in its own crate.
 #[doc(inline)]

@@ -80,7 +80,7 @@
 
 use std::sync::Arc;
 
-use overlap_executor::{ExecConfig, Executor, GroupRate, HyperTable, StepStats};
+use overlap_executor::{ExecConfig, Executor, GroupRate, StepStats};
 use overlap_graph::{
     Buffer, Collective, Gate, Mode, Op, ParamId, PlacedParam, Plan, PlanSpec, Planner, RankMemory,
     Rejected, Validated,
@@ -167,6 +167,20 @@ struct StepPlan {
     plan: Validated,
     stage2: Stage2Bytes,
     memory: Arc<Vec<RankMemory>>,
+}
+
+/// What a session's plan caches hold and have done ([`Session::plan_cache`]).
+#[derive(Debug, Clone, PartialEq, Eq)]
+#[non_exhaustive]
+pub struct PlanCache {
+    /// Plans planned and validated so far ([`Session::plans_built`]).
+    pub built: u64,
+    /// Plans the executor prepared (bound to buffers and streams) so far.
+    pub prepared: u64,
+    /// Prepared plans held for reuse, summed over the local ranks.
+    pub held: usize,
+    /// Transient buffers each local rank holds for reuse: `(rank, count)`.
+    pub pooled_buffers: Vec<(u32, usize)>,
 }
 
 /// A running gradient path over a backend's local ranks.
@@ -486,20 +500,52 @@ impl<B: Backend> Session<B> {
         self.executor.step_deadline()
     }
 
-    /// The planner (parameters with owners, buckets, the spec).
-    pub fn planner(&self) -> &Planner {
-        &self.planner
+    /// The parameters in plan order (a parameter's [`ParamId`] is its index), each with
+    /// its spec, route, owner and layout on the mesh.
+    pub fn params(&self) -> &[PlacedParam] {
+        self.planner.params()
     }
 
-    /// The executor.
-    pub fn executor(&self) -> &Executor<B> {
-        &self.executor
+    /// The plan spec the session was built from: mesh, reduction, buckets, parameters.
+    pub fn spec(&self) -> &PlanSpec {
+        self.planner.spec()
     }
 
-    /// Every parameter's optimizer settings (groups resolved), before the learning-rate
-    /// factor.
-    pub fn hyper(&self) -> &HyperTable {
-        self.executor.hyper()
+    /// The buckets of the gradient path, in issue order (highest layer first).
+    pub fn buckets(&self) -> &[overlap_graph::Bucket] {
+        self.planner.buckets()
+    }
+
+    /// The backend the session runs on (a GPU trainer records its own work on the
+    /// backend's streams, or turns its timings on).
+    pub fn backend(&self) -> &Arc<B> {
+        self.executor.backend()
+    }
+
+    /// A plan buffer's values on local rank `rank`, read from the backend: a parameter's
+    /// shard, its optimizer state, a reduced gradient ([`Plan::buffers`] names them).
+    /// `None` where the rank holds no such buffer. Call between steps.
+    pub fn read_buffer(&self, rank: u32, buffer: Buffer) -> Result<Option<Vec<f32>>, Error> {
+        Ok(self.executor.read(rank, buffer)?)
+    }
+
+    /// The parameter group (its index in `[[optimizer.group]]` or
+    /// [`ExecConfig::groups`]) whose settings `param` uses; `None` for the base settings.
+    pub fn param_group(&self, param: ParamId) -> Option<usize> {
+        self.executor.hyper().group_of(param)
+    }
+
+    /// What the session's plan caches hold and have done: plans built, plans the
+    /// executor prepared, the prepared plans it holds and the transient buffers each
+    /// local rank keeps for reuse. A loop that repeats its gate pattern makes the first
+    /// two stop growing after its first step.
+    pub fn plan_cache(&self) -> PlanCache {
+        PlanCache {
+            built: self.plans_built,
+            prepared: self.executor.plans_prepared(),
+            held: self.executor.prepared_plans(),
+            pooled_buffers: self.executor.pooled_buffers(),
+        }
     }
 
     /// Sets the learning-rate factor from the next step on, replacing the configured

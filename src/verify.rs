@@ -304,7 +304,7 @@ pub async fn verify(
     let ref_gates = no_sync_pattern(gates.len());
     let mesh = config.plan.mesh;
     let (grad_tol, param_tol) = tolerances(config.plan.reduce.dtype);
-    let params = gated.planner().params().to_vec();
+    let params = gated.params().to_vec();
     let mut per_route: BTreeMap<String, f64> = BTreeMap::new();
     let mut worst = 0.0f64;
     let mut worst_at = String::new();
@@ -422,7 +422,7 @@ pub async fn verify(
 /// Every parameter's full tensor from the pieces the session's ranks hold
 /// ([`Session::full_param`]; a CPU session drives the whole mesh).
 pub fn current_params<B: overlap_ops::Backend>(s: &Session<B>) -> Result<Vec<Vec<f32>>, Error> {
-    (0..s.planner().params().len() as ParamId)
+    (0..s.params().len() as ParamId)
         .map(|id| s.full_param(id))
         .collect()
 }

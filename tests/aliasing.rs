@@ -49,8 +49,8 @@ async fn run_with(
     common::run_steps(&mut s, gates, 12, |s, r| {
         aliased = r.stats.aliased_nodes;
         pooled.push(
-            s.executor()
-                .pooled_buffers()
+            s.plan_cache()
+                .pooled_buffers
                 .iter()
                 .map(|&(_, n)| n)
                 .max()

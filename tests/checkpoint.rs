@@ -57,12 +57,9 @@ fn state(s: &Session<CpuBackend>) -> Vec<Held> {
     let bits = |v: Option<Vec<f32>>| v.map(|v| v.iter().map(|x| x.to_bits()).collect());
     let mut out = Vec::new();
     for rank in s.local_ranks() {
-        for p in 0..s.planner().params().len() as u32 {
+        for p in 0..s.params().len() as u32 {
             let values = s.param_values(rank, p).unwrap();
-            let opt = s
-                .executor()
-                .read(rank, Buffer::OptState { param: p })
-                .unwrap();
+            let opt = s.read_buffer(rank, Buffer::OptState { param: p }).unwrap();
             out.push((rank, p, bits(values), bits(opt)));
         }
     }
@@ -72,9 +69,8 @@ fn state(s: &Session<CpuBackend>) -> Vec<Held> {
 /// The full tensors of a session's parameters and optimizer state, from the ranks that
 /// hold them: `(values, AdamW m and v or Muon momentum as one or two full tensors)`.
 fn full_state(s: &Session<CpuBackend>) -> Vec<(Vec<f32>, Vec<Vec<f32>>)> {
-    let mesh = s.planner().spec().mesh;
-    s.planner()
-        .params()
+    let mesh = s.spec().mesh;
+    s.params()
         .iter()
         .enumerate()
         .map(|(i, p)| {
@@ -92,8 +88,7 @@ fn full_state(s: &Session<CpuBackend>) -> Vec<(Vec<f32>, Vec<Vec<f32>>)> {
                 let v = s.param_values(rank, i as u32).unwrap().unwrap();
                 values[r.clone()].copy_from_slice(&v);
                 let st = s
-                    .executor()
-                    .read(rank, Buffer::OptState { param: i as u32 })
+                    .read_buffer(rank, Buffer::OptState { param: i as u32 })
                     .unwrap()
                     .unwrap();
                 for (k, part) in st.chunks(r.len().max(1)).enumerate().take(opt.len()) {
@@ -152,11 +147,11 @@ type Piece = (u32, usize, Vec<f32>, Vec<f32>);
 /// `saved` under `s`'s mesh (values where it holds the parameter, state where it runs the
 /// optimizer, nothing elsewhere); returns the pieces with state.
 fn assert_pieces_of(s: &Session<CpuBackend>, saved: &[(Vec<f32>, Vec<Vec<f32>>)]) -> Vec<Piece> {
-    let mesh = s.planner().spec().mesh;
+    let mesh = s.spec().mesh;
     let mut pieces = Vec::new();
     for rank in s.local_ranks() {
         let c = mesh.coord(rank);
-        for (i, p) in s.planner().params().iter().enumerate() {
+        for (i, p) in s.params().iter().enumerate() {
             let id = i as u32;
             let r = p.spec.shard_range(mesh.shard, c.shard);
             let r = r.start as usize..r.end as usize;
@@ -169,10 +164,7 @@ fn assert_pieces_of(s: &Session<CpuBackend>, saved: &[(Vec<f32>, Vec<Vec<f32>>)]
             let held = held.unwrap();
             let name = &p.spec.name;
             assert_eq!(bits(&held), bits(&full[r.clone()]), "{name} on rank {rank}");
-            let state = s
-                .executor()
-                .read(rank, Buffer::OptState { param: id })
-                .unwrap();
+            let state = s.read_buffer(rank, Buffer::OptState { param: id }).unwrap();
             if p.owner.is_some_and(|o| o != c) {
                 assert_eq!(state, None, "{name} on rank {rank}");
                 continue;
@@ -193,9 +185,9 @@ fn assert_pieces_of(s: &Session<CpuBackend>, saved: &[(Vec<f32>, Vec<Vec<f32>>)]
 /// values and state, with the reduced gradient the step used.
 fn assert_reference_step(s: &Session<CpuBackend>, before: Vec<Piece>) {
     let hp = ExecConfig::default();
-    let mesh = s.planner().spec().mesh;
+    let mesh = s.spec().mesh;
     for (rank, i, mut p0, mut st) in before {
-        let spec = &s.planner().params()[i].spec;
+        let spec = &s.params()[i].spec;
         let grad = s.reduced_grad(rank, i as u32).unwrap().unwrap();
         if spec.route == Route::Muon {
             let (rows, cols) = spec.matrix_dims();
@@ -217,8 +209,7 @@ fn assert_reference_step(s: &Session<CpuBackend>, before: Vec<Piece>) {
         let name = &spec.name;
         assert_eq!(bits(&after), bits(&p0), "{name} on rank {rank} of {mesh}");
         let state = s
-            .executor()
-            .read(rank, Buffer::OptState { param: i as u32 })
+            .read_buffer(rank, Buffer::OptState { param: i as u32 })
             .unwrap()
             .unwrap();
         assert_eq!(

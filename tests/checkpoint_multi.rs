@@ -109,10 +109,10 @@ fn state<B: Backend>(s: &Session<B>) -> Vec<(u32, Vec<Option<Vec<u32>>>)> {
         .into_iter()
         .map(|rank| {
             let mut held = Vec::new();
-            for p in 0..s.planner().params().len() as u32 {
+            for p in 0..s.params().len() as u32 {
                 held.push(bits(s.param_values(rank, p).unwrap()));
                 let opt = Buffer::OptState { param: p };
-                held.push(bits(s.executor().read(rank, opt).unwrap()));
+                held.push(bits(s.read_buffer(rank, opt).unwrap()));
             }
             (rank, held)
         })

@@ -64,9 +64,8 @@ async fn step(
 /// The no_sync reference: each parameter's full reduced gradient (`avg` over the world,
 /// summed over micro-batches), in f64, from the gradients themselves.
 fn reference(s: &Session<CpuBackend>, micro_batches: usize, step: u32) -> Vec<Vec<f64>> {
-    let world = s.planner().spec().mesh.world();
-    s.planner()
-        .params()
+    let world = s.spec().mesh.world();
+    s.params()
         .iter()
         .enumerate()
         .map(|(p, placed)| {
@@ -91,8 +90,8 @@ fn norm(g: &[Vec<f64>]) -> f64 {
 
 /// The piece of parameter `p` rank `rank` holds, and where it starts, if it holds one.
 fn piece(s: &Session<CpuBackend>, rank: u32, p: u32) -> Option<std::ops::Range<usize>> {
-    let mesh = s.planner().spec().mesh;
-    let placed = &s.planner().params()[p as usize];
+    let mesh = s.spec().mesh;
+    let placed = &s.params()[p as usize];
     match placed.owner {
         Some(o) if mesh.rank(o) != rank => None,
         Some(_) => Some(0..placed.spec.numel() as usize),
@@ -134,8 +133,7 @@ async fn the_global_norm_equals_the_reference_on_every_mesh() {
                         continue;
                     };
                     let red = s
-                        .executor()
-                        .read(rank, Buffer::Reduced { param: p })
+                        .read_buffer(rank, Buffer::Reduced { param: p })
                         .unwrap()
                         .unwrap();
                     assert_eq!(red.len(), range.len(), "{shard}x{replicate} p{p}");
@@ -164,7 +162,7 @@ async fn clipped_steps_equal_the_reference_optimizers_on_the_clipped_gradient() 
         let factor = (f64::from(max_norm) / (n + 1e-6)).min(1.0);
         assert!(factor < 0.5, "the test must clip: factor {factor}");
         for rank in s.local_ranks() {
-            for (p, placed) in s.planner().params().iter().enumerate() {
+            for (p, placed) in s.params().iter().enumerate() {
                 let Some(range) = piece(&s, rank, p as u32) else {
                     continue;
                 };
@@ -191,13 +189,11 @@ async fn clipped_steps_equal_the_reference_optimizers_on_the_clipped_gradient() 
                     math::adamw(&mut want, &clipped, &mut m, &mut v, &hp, 1);
                 }
                 let red = s
-                    .executor()
-                    .read(rank, Buffer::Reduced { param: p as u32 })
+                    .read_buffer(rank, Buffer::Reduced { param: p as u32 })
                     .unwrap()
                     .unwrap();
                 let got = s
-                    .executor()
-                    .read(rank, Buffer::Param { param: p as u32 })
+                    .read_buffer(rank, Buffer::Param { param: p as u32 })
                     .unwrap()
                     .unwrap();
                 for (k, i) in range.enumerate() {
@@ -225,9 +221,9 @@ async fn clipped_steps_equal_the_reference_optimizers_on_the_clipped_gradient() 
 fn state(s: &Session<CpuBackend>) -> Vec<Option<Vec<u32>>> {
     let mut out = Vec::new();
     for rank in s.local_ranks() {
-        for param in 0..s.planner().params().len() as u32 {
+        for param in 0..s.params().len() as u32 {
             for b in [Buffer::Param { param }, Buffer::OptState { param }] {
-                let v = s.executor().read(rank, b).unwrap();
+                let v = s.read_buffer(rank, b).unwrap();
                 out.push(v.map(|v| v.iter().map(|x| x.to_bits()).collect()));
             }
         }
@@ -251,11 +247,7 @@ async fn a_nan_step_is_skipped_and_the_next_proceeds() {
         assert_eq!(r2.skipped, Some("nonfinite"));
         assert_eq!(r2.step, 2);
         assert!(r2.grad_norm.unwrap().is_nan());
-        assert_eq!(
-            s.executor().steps_done(),
-            1,
-            "the step counter did not advance"
-        );
+        assert_eq!(s.steps_done(), 1, "the step counter did not advance");
         assert_eq!(
             state(&s),
             before,
@@ -284,7 +276,7 @@ async fn a_nan_step_is_refused_with_on_nonfinite_error() {
     );
     assert!(err.to_string().contains("on_nonfinite"), "{err}");
     assert_eq!(state(&s), before);
-    assert_eq!(s.executor().steps_done(), 1);
+    assert_eq!(s.steps_done(), 1);
     let r = step(&mut s, &gates, 3, None).await.unwrap();
     assert_eq!((r.step, r.skipped), (2, None));
 }

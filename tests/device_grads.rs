@@ -36,7 +36,7 @@ fn values(rank: u32, param: u32, numel: usize, m: usize, step: u32) -> Vec<f32> 
 /// The trainer's "own stream" work: an event per local rank recorded on a stream the
 /// plan's points do not stand on.
 fn trainer_events(s: &Session<CpuBackend>) -> Vec<(u32, Event)> {
-    let b = s.executor().backend();
+    let b = s.backend();
     s.local_ranks()
         .into_iter()
         .map(|r| {
@@ -93,12 +93,12 @@ impl Grads {
 /// events, gathered buffers read where they are. Returns the step's buffers.
 async fn device_step(s: &mut Session<CpuBackend>, step: u32) -> Grads {
     let forward = s.has_forward();
-    let backend = s.executor().backend().clone();
+    let backend = s.backend().clone();
     let mut grads = Grads(Vec::new());
     for (m, &gate) in GATES.iter().enumerate() {
         s.begin_micro_batch(gate).await.unwrap();
         for rank in s.local_ranks() {
-            for (p, placed) in s.planner().params().iter().enumerate() {
+            for (p, placed) in s.params().iter().enumerate() {
                 let numel = placed.spec.numel() as usize;
                 let buf = backend.alloc(rank, numel).unwrap();
                 let v = values(rank, p as u32, numel, m, step);
@@ -147,7 +147,7 @@ async fn device_gradients_give_the_host_paths_steps_bit_for_bit_and_stay_unchang
                     host_step(&mut host, step).await;
                     let grads = device_step(&mut device, step).await;
                     // The plan only read the trainer's buffers.
-                    let backend = device.executor().backend();
+                    let backend = device.backend();
                     for ((m, rank, p), buf, v) in &grads.0 {
                         assert_eq!(
                             &backend.download(buf).unwrap(),
@@ -179,10 +179,10 @@ async fn gathered_device_buffers_hold_the_current_parameters() {
             let mut s = session(spec);
             // A step first, so the parameters are not their initial values.
             host_step(&mut s, 0).await;
-            let backend = s.executor().backend().clone();
+            let backend = s.backend().clone();
             let full = |s: &Session<CpuBackend>, param: u32| -> Vec<f32> {
                 // Every rank's piece put together: the owner's, or the shards in order.
-                let placed = &s.planner().params()[param as usize];
+                let placed = &s.params()[param as usize];
                 let numel = placed.spec.numel() as usize;
                 let mut out = Vec::new();
                 for rank in 0..shard {
@@ -205,12 +205,7 @@ async fn gathered_device_buffers_hold_the_current_parameters() {
                 .await
                 .unwrap();
                 let local = s.local_ranks().len();
-                let in_layer = s
-                    .planner()
-                    .params()
-                    .iter()
-                    .filter(|p| p.spec.layer == layer)
-                    .count();
+                let in_layer = s.params().iter().filter(|p| p.spec.layer == layer).count();
                 assert_eq!(got.len(), local * in_layer, "{what}: layer {layer}");
                 for (rank, param, v) in got {
                     let want = full(&s, param);
@@ -237,7 +232,7 @@ async fn gathered_device_buffers_hold_the_current_parameters() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn misuse_of_the_device_path_is_refused_by_name() {
     let mut s = session(common::mixed_spec(2, 1));
-    let backend = s.executor().backend().clone();
+    let backend = s.backend().clone();
     let top = s.layers()[0];
 
     // Before a micro-batch.
@@ -273,11 +268,11 @@ async fn misuse_of_the_device_path_is_refused_by_name() {
     let ev = stranger.event(3);
     let mut fresh = session(common::mixed_spec(2, 1));
     fresh.begin_micro_batch(Gate::On).await.unwrap();
-    let numel = |s: &Session<CpuBackend>, p: u32| s.planner().params()[p as usize].spec.numel();
-    let sizes: Vec<u64> = (0..fresh.planner().params().len() as u32)
+    let numel = |s: &Session<CpuBackend>, p: u32| s.params()[p as usize].spec.numel();
+    let sizes: Vec<u64> = (0..fresh.params().len() as u32)
         .map(|p| numel(&fresh, p))
         .collect();
-    let b = fresh.executor().backend().clone();
+    let b = fresh.backend().clone();
     let e = fresh
         .grad_ready_device(top, &[(3, ev)], |r, p| {
             b.alloc(r, sizes[p as usize] as usize).unwrap()

@@ -48,7 +48,7 @@ async fn many_micro_batches_build_and_prepare_no_plan_after_the_first_step() {
         let gates = Gate::default_pattern(m);
         synthetic_step(&mut s, SEED, 0, &gates).await.unwrap();
         let built = s.plans_built();
-        let prepared = s.executor().plans_prepared();
+        let prepared = s.plan_cache().prepared;
         // Plans of 2, 6, 14, … micro-batches while the guess holds, one when the last
         // gate breaks it, and the step's own: O(log M), not one per micro-batch.
         assert!(
@@ -62,12 +62,12 @@ async fn many_micro_batches_build_and_prepare_no_plan_after_the_first_step() {
         }
         assert_eq!(s.plans_built(), built, "M = {m}: later steps plan nothing");
         assert_eq!(
-            s.executor().plans_prepared(),
+            s.plan_cache().prepared,
             prepared,
             "M = {m}: later steps prepare nothing"
         );
         // Only the step plan stays prepared: the plans planned ahead are let go of.
-        assert_eq!(s.executor().prepared_plans(), 1, "M = {m}");
+        assert_eq!(s.plan_cache().held, 1, "M = {m}");
     }
 }
 
@@ -87,14 +87,14 @@ async fn alternating_patterns_reuse_their_step_plans() {
         "{} plans for the alternating step",
         s.plans_built() - after_long
     );
-    let (built, prepared) = (s.plans_built(), s.executor().plans_prepared());
+    let (built, prepared) = (s.plans_built(), s.plan_cache().prepared);
     for step in 2..6 {
         let gates = if step % 2 == 0 { &long } else { &alternating };
         synthetic_step(&mut s, SEED, step, gates).await.unwrap();
     }
     assert_eq!(s.plans_built(), built, "both step plans are cached");
-    assert_eq!(s.executor().plans_prepared(), prepared);
-    assert_eq!(s.executor().prepared_plans(), 2);
+    assert_eq!(s.plan_cache().prepared, prepared);
+    assert_eq!(s.plan_cache().held, 2);
 }
 
 /// The reference: an executor that runs every step on the plan of exactly its gates,
@@ -174,7 +174,7 @@ async fn same_as_fresh(spec: PlanSpec, acts: &[Act<'_>]) {
     let (mut s, backend) = session(spec.clone());
     let mut fresh = Fresh::new(spec);
     let ranks = s.local_ranks();
-    let params = s.planner().params().len() as ParamId;
+    let params = s.params().len() as ParamId;
     for (step, act) in acts.iter().enumerate() {
         let step = step as u64;
         match *act {

@@ -44,9 +44,8 @@ fn session(spec: PlanSpec) -> Session<CpuBackend> {
 
 /// Every parameter's full tensor from the pieces the ranks hold (replicas must agree).
 fn current_params(s: &Session<CpuBackend>) -> Vec<Vec<u32>> {
-    let mesh = s.planner().spec().mesh;
-    s.planner()
-        .params()
+    let mesh = s.spec().mesh;
+    s.params()
         .iter()
         .enumerate()
         .map(|(i, p)| {
@@ -75,7 +74,7 @@ async fn run(
     gates: &[Gate],
     steps: u64,
 ) -> (usize, Vec<Option<Vec<f32>>>, Vec<overlap::StepReport>) {
-    let world = s.planner().spec().mesh.world();
+    let world = s.spec().mesh.world();
     let mut checks = 0;
     let mut reports = Vec::new();
     for step in 1..=steps {
@@ -113,7 +112,7 @@ async fn run(
             }
             if s.has_forward() {
                 // Every rank got every parameter once per pass.
-                let params = s.planner().params().len() as u32;
+                let params = s.params().len() as u32;
                 assert_eq!(seen.len(), 2 * (world * params) as usize);
                 assert!(seen.values().all(|&k| k == 1));
             }

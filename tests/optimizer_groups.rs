@@ -58,7 +58,7 @@ fn runtime() -> tokio::runtime::Runtime {
 
 /// Every local rank's piece of every parameter: `[param][rank]`.
 fn values(s: &Session<CpuBackend>) -> Vec<Vec<Option<Vec<f32>>>> {
-    let n = s.planner().params().len() as u32;
+    let n = s.params().len() as u32;
     (0..n)
         .map(|p| {
             s.local_ranks()
@@ -142,9 +142,10 @@ fn the_first_matching_group_wins() {
     );
     runtime().block_on(async {
         let mut s = Session::cpu(&cfg).unwrap();
-        assert_eq!(s.hyper().group_of(0), Some(0));
-        assert_eq!(s.hyper().members(Some(1)), vec![1, 2, 3]);
-        assert!(s.hyper().members(None).is_empty());
+        let groups: Vec<Option<usize>> = (0..s.params().len() as u32)
+            .map(|p| s.param_group(p))
+            .collect();
+        assert_eq!(groups, [Some(0), Some(1), Some(1), Some(1)]);
         let before = values(&s);
         step_with(&mut s, 0.0).await.unwrap();
         let after = values(&s);

@@ -197,7 +197,7 @@ async fn buffers_are_reused_across_steps() {
         }
         s.step().await.unwrap();
     }
-    for (rank, pooled) in s.executor().pooled_buffers() {
+    for (rank, pooled) in s.plan_cache().pooled_buffers {
         assert!(
             pooled <= per_step[rank as usize],
             "rank {rank}: {pooled} pooled buffers after 6 steps, one step uses {}",
@@ -232,9 +232,9 @@ async fn plans_are_prepared_once_and_reused_across_steps() {
     // `off,on,off,on` when the second gate was not the guess) and the step `off,on`;
     // later steps run on the step plan and prepare nothing.
     assert_eq!(s.plans_built(), 3);
-    assert_eq!(s.executor().plans_prepared(), 3);
+    assert_eq!(s.plan_cache().prepared, 3);
     // Only the step plan stays prepared: the session let go of the others.
-    assert_eq!(s.executor().prepared_plans(), 1);
+    assert_eq!(s.plan_cache().held, 1);
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

@@ -41,7 +41,7 @@ async fn micro_batches(s: &mut Session<CpuBackend>, step: u32) {
 
 /// Every local rank's reduced gradient of every parameter.
 fn reduced(s: &Session<CpuBackend>) -> Vec<Option<Vec<f32>>> {
-    let params = s.planner().params().len() as u32;
+    let params = s.params().len() as u32;
     s.local_ranks()
         .into_iter()
         .flat_map(|rank| (0..params).map(move |p| (rank, p)))
@@ -81,11 +81,11 @@ async fn reduced_gradients_are_readable_before_the_update_and_the_step_is_unchan
                 // Each rank's piece of the reduced gradient is the reference's.
                 let world = shard * replicate;
                 for rank in phased.local_ranks() {
-                    for (p, placed) in phased.planner().params().iter().enumerate() {
+                    for (p, placed) in phased.params().iter().enumerate() {
                         let Some(g) = phased.reduced_grad(rank, p as u32).unwrap() else {
                             continue;
                         };
-                        let mesh = phased.planner().spec().mesh;
+                        let mesh = phased.spec().mesh;
                         let range = placed.spec.shard_range(mesh.shard, rank % mesh.shard);
                         for (k, x) in g.iter().enumerate() {
                             let i = range.start as usize + k;
@@ -125,8 +125,8 @@ async fn with_clipping_the_gradients_read_are_unclipped_and_their_norm_is_the_re
         // Each element once: an owned parameter on its owner, a sharded one's pieces on
         // the shard group of replicate index 0 (every replica holds the same).
         let mut sq = 0.0f64;
-        for (p, placed) in s.planner().params().iter().enumerate() {
-            let mesh = s.planner().spec().mesh;
+        for (p, placed) in s.params().iter().enumerate() {
+            let mesh = s.spec().mesh;
             for rank in 0..mesh.world() {
                 let (sh, rep) = (rank % mesh.shard, rank / mesh.shard);
                 let counted = match placed.owner {

@@ -132,21 +132,20 @@ pub(crate) async fn run_steps<B: overlap::ops::Backend>(
     let saves = Saves::new(&session, ckpt)?;
     let (start, steps) = resume_point(&mut session, cfg, ckpt, steps)?;
     let last = start + u64::from(steps);
-    let planner = session.planner();
     println!(
         "overlap run {}: mesh {} ({} ranks), {} params, {} buckets, gates {}, backend {backend}, transport {}, {steps} steps",
         cfg.source,
         cfg.plan.mesh,
         cfg.plan.mesh.world(),
-        planner.params().len(),
-        planner.buckets().len(),
+        session.params().len(),
+        session.buckets().len(),
         Gate::pattern_label(&cfg.gates),
         transport_label(cfg),
     );
     let local_ranks = session.local_ranks();
     for step in start..last {
         let on = timed(cfg, observe, steps, step - start + 1);
-        session.executor().backend().set_timings(on);
+        session.backend().set_timings(on);
         let r = match drive::synthetic_step(&mut session, cfg.run.seed, step, &cfg.gates).await {
             Ok(r) => r,
             Err(e) => return Err(abandon_on_timeout(session, e)),
@@ -195,7 +194,7 @@ fn param_digests<B: overlap::ops::Backend>(session: &Session<B>) -> Result<Vec<S
             .iter()
             .fold(h, |h, &b| (h ^ u64::from(b)).wrapping_mul(PRIME))
     };
-    let params = session.planner().params().len() as overlap::ParamId;
+    let params = session.params().len() as overlap::ParamId;
     let mut lines = Vec::new();
     for rank in session.local_ranks() {
         let mut pieces = Vec::new();
@@ -348,8 +347,7 @@ impl<'a> Saves<'a> {
         session: &Session<B>,
         ckpt: &'a CheckpointArgs,
     ) -> Result<Saves<'a>, Error> {
-        let whole =
-            session.local_ranks().len() as u64 == u64::from(session.planner().spec().mesh.world());
+        let whole = session.local_ranks().len() as u64 == u64::from(session.spec().mesh.world());
         let rank = overlap_dist::env::RankEnv::from_env()?.map_or(0, |e| e.rank);
         let dir = ckpt.checkpoint.as_deref().filter(|_| !whole || rank == 0);
         if dir.is_some() {

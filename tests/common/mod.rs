@@ -56,12 +56,12 @@ pub async fn run_steps<B: Backend>(
 
 /// Every parameter and reduced gradient of every local rank.
 pub fn read_all<B: Backend>(s: &Session<B>) -> Vec<Option<Vec<f32>>> {
-    let params = s.planner().params().len() as u32;
+    let params = s.params().len() as u32;
     let mut out = Vec::new();
     for rank in s.local_ranks() {
         for param in 0..params {
             for b in [Buffer::Param { param }, Buffer::Reduced { param }] {
-                out.push(s.executor().read(rank, b).expect("read"));
+                out.push(s.read_buffer(rank, b).expect("read"));
             }
         }
     }

@@ -61,7 +61,7 @@ pub async fn verify(
     // Another rank's failure ends this one's waits (the gather below still works).
     world.rendezvous.watch(gated.peer_abort())?;
     let ref_gates = no_sync_pattern(gates.len());
-    let params = gated.planner().params().to_vec();
+    let params = gated.params().to_vec();
     let micro_batches = gates.len() as u32;
     let mut fig = RankFigures {
         rank,
@@ -137,7 +137,7 @@ fn compare_grads(
     factor: f64,
 ) -> Result<(), Error> {
     let (rank, mesh) = (fig.rank, config.plan.mesh);
-    for (i, p) in gated.planner().params().iter().enumerate() {
+    for (i, p) in gated.params().iter().enumerate() {
         let Some(got) = gated.reduced_grad(rank, i as ParamId)? else {
             continue;
         };
@@ -159,7 +159,7 @@ fn compare_params(
     gated: &Session<CpuBackend>,
     reference: &Session<CpuBackend>,
 ) -> Result<(), Error> {
-    for i in 0..gated.planner().params().len() as ParamId {
+    for i in 0..gated.params().len() as ParamId {
         let (a, b) = (
             gated.param_values(fig.rank, i)?,
             reference.param_values(fig.rank, i)?,
@@ -174,10 +174,10 @@ fn compare_params(
 
 /// The pieces `rank` holds of every parameter, read as [`Session::full_param`] does.
 fn pieces(s: &Session<CpuBackend>, rank: u32) -> Result<Pieces, Error> {
-    let mesh = s.planner().spec().mesh;
+    let mesh = s.spec().mesh;
     let c = mesh.coord(rank);
     let mut out = Vec::new();
-    for (i, p) in s.planner().params().iter().enumerate() {
+    for (i, p) in s.params().iter().enumerate() {
         let r = p.spec.shard_range(mesh.shard, c.shard);
         let range = r.start as usize..r.end as usize;
         let held = match p.owner.is_some_and(|o| o.shard != c.shard) {

@@ -138,7 +138,7 @@ pub async fn verify(
     let mut cpu = Session::cpu(&cpu_config)?;
     gpu.inject_faults(*faults);
     cpu.inject_faults(*faults);
-    let params = gpu.planner().params().to_vec();
+    let params = gpu.params().to_vec();
     let mut fig = RankFigures {
         rank,
         ..RankFigures::default()
