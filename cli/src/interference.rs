@@ -38,9 +38,6 @@
 //! kernel waits for a peer whose GEMMs run behind: the first of each round meets the
 //! peers, the others run in step.
 
-// Without the `cuda` feature only the tests (on the CPU backend) use the engine.
-#![cfg_attr(not(feature = "cuda"), allow(dead_code))]
-
 use overlap_graph::{Collective, CollectiveKind, DType, Group, ReduceOp, Stream};
 use overlap_ops::{Backend, Kernel, Tag};
 use serde::Serialize;
@@ -158,6 +155,8 @@ fn tag(node: u32, op: &'static str) -> Tag {
 /// cache-streaming loads and stores (a no-op where the backend has none);
 /// `engine_copy(stream, tag, dst, src)` copies a whole buffer the way an exchange moves
 /// bytes (CUDA: `cuMemcpyDtoDAsync`, the copy engines), timed as a kernel.
+// Called by `crate::cuda`, which a build without CUDA replaces by `cuda_stub.rs`.
+#[allow(dead_code)]
 pub async fn run<B: Backend>(
     backend: &B,
     args: &InterferenceArgs,
@@ -611,31 +610,6 @@ pub async fn beside<B: Backend>(
         op_beside_s: beside_sum / beside_count as f64,
         work_beside_s: sum.work_beside_s / rounds,
     })
-}
-
-/// The probe on this process's GPU (`LOCAL_RANK`, else device 0), one rank.
-#[cfg(feature = "cuda")]
-pub async fn run_cuda(args: &InterferenceArgs) -> Result<InterferenceReport, Error> {
-    use overlap_ops::cuda::{CudaBackend, CudaOptions};
-    let device = std::env::var("LOCAL_RANK")
-        .ok()
-        .and_then(|v| v.parse().ok())
-        .unwrap_or(0);
-    let mesh = overlap_graph::Mesh::new(1, 1).map_err(|e| Error::Usage(e.to_string()))?;
-    let backend = CudaBackend::new(CudaOptions::new(mesh, 0, device).with_timings(true))
-        .map_err(|e| Error::Backend(e.to_string()))?;
-    backend.set_combine_ctas(args.combine_ctas);
-    run(
-        &backend,
-        args,
-        |on| backend.set_combine_streaming(on),
-        |stream, tag, dst, src| {
-            backend
-                .copy_engine_copy(stream, tag, dst, src)
-                .map_err(|e| Error::Backend(e.to_string()))
-        },
-    )
-    .await
 }
 
 #[cfg(test)]

@@ -7,19 +7,17 @@
 mod args;
 mod bench;
 mod bench_optim;
-#[cfg(feature = "cuda")]
-mod bench_optim_gpu;
 mod calibrate;
+// The GPU side of every command: `cuda/` with the `cuda` feature, else `cuda_stub.rs`,
+// the same entry points returning the error that says how to get a CUDA build.
+#[cfg_attr(not(feature = "cuda"), path = "cuda_stub.rs")]
+mod cuda;
 mod gpu;
 mod interference;
 mod job;
 mod launch;
 mod run;
 mod simulate;
-#[cfg(feature = "cuda")]
-mod smoke;
-#[cfg(feature = "cuda")]
-mod smoke_optim;
 mod tune;
 mod verify;
 
@@ -33,27 +31,19 @@ use overlap::Error;
 
 use args::{parse_gates, parse_ranks};
 use args::{CheckpointArgs, Cli, Command, Format, ObserveArgs, TransportArg, WireDType};
-use gpu::{bench_interference, cuda_smoke, env};
-use verify::{print_verify, use_cuda, verify_cpu_job, verify_cuda};
+use gpu::{bench_interference, env};
+use verify::{print_verify, use_cuda, verify_cpu_job};
 
 /// `overlap bench-optimizer`: the report as text or JSON.
 fn bench_optimizer(args: &bench_optim::BenchOptimizerArgs) -> Result<ExitCode, Error> {
-    #[cfg(feature = "cuda")]
-    {
-        let r = bench_optim_gpu::run(args)?;
-        if args.json {
-            let line = serde_json::to_string(&r).map_err(|e| Error::Usage(e.to_string()))?;
-            println!("{line}");
-        } else {
-            print!("{}", bench_optim::render(&r));
-        }
-        Ok(ExitCode::SUCCESS)
+    let r = cuda::bench_optimizer(args)?;
+    if args.json {
+        let line = serde_json::to_string(&r).map_err(|e| Error::Usage(e.to_string()))?;
+        println!("{line}");
+    } else {
+        print!("{}", bench_optim::render(&r));
     }
-    #[cfg(not(feature = "cuda"))]
-    {
-        let _ = bench_optim::shape_set(&args.shapes)?;
-        Err(bench::no_cuda("bench-optimizer"))
-    }
+    Ok(ExitCode::SUCCESS)
 }
 
 fn main() -> ExitCode {
@@ -202,7 +192,7 @@ async fn dispatch(cmd: Command) -> Result<ExitCode, Error> {
             iters,
             warmup,
         } => bench_collectives(&mesh, &mib, iters, warmup).await,
-        Command::CudaSmoke { mib, iters } => cuda_smoke(&mib, iters).await,
+        Command::CudaSmoke { mib, iters } => cuda::smoke(&mib, iters).await,
         Command::BenchOptimizer { args } => bench_optimizer(&args),
         Command::Plan {
             config,
@@ -282,7 +272,7 @@ async fn verify_steps(
     let steps = u64::from(steps.unwrap_or(cfg.run.steps));
     let seed = seed.unwrap_or(cfg.run.seed);
     if use_cuda(cfg.run.backend)? {
-        return verify_cuda(cfg, steps, seed, json).await;
+        return cuda::verify(cfg, steps, seed, json).await;
     }
     // The processes of a CPU job each verify their rank.
     if let Some(code) = verify_cpu_job(cfg, steps, seed, json).await? {
@@ -339,7 +329,7 @@ async fn bench_step(
 ) -> Result<ExitCode, Error> {
     args.timeline = timeline.is_some();
     args.check()?;
-    if let Some(r) = bench::bench_cuda(&args).await? {
+    if let Some(r) = cuda::bench(&args).await? {
         if let (Some(path), Some(svg), Some(lines)) = (timeline, &r.timeline_svg, &r.timeline_json)
         {
             write_timeline(path, svg)?;
@@ -379,7 +369,7 @@ async fn bench_collectives(
                 .map_err(|_| Error::Usage(format!("--mib: `{m}` is not a whole number of MiB")))
         })
         .collect::<Result<Vec<_>, _>>()?;
-    if let Some(rows) = bench::collectives_cuda(mesh, &sizes, iters, warmup).await? {
+    if let Some(rows) = cuda::collectives(mesh, &sizes, iters, warmup).await? {
         for r in rows {
             println!(
                 "{}",

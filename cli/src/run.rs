@@ -20,7 +20,6 @@ pub(crate) async fn run(
     ckpt: &CheckpointArgs,
 ) -> Result<ExitCode, Error> {
     let cuda = use_cuda(cfg.run.backend)?;
-    let backend = if cuda { "cuda" } else { "cpu" };
     if !cuda {
         // Before any file, listener or thread: the rank limit and the memory estimate.
         overlap::resources::check_cpu(cfg, 1)?;
@@ -44,45 +43,22 @@ pub(crate) async fn run(
         observe::metrics::install_prometheus(addr)?;
         println!("metrics: serving http://{addr}/metrics");
     }
-    #[cfg(feature = "cuda")]
     if cuda {
-        let env = overlap_dist::cuda::rank_env(cfg.plan.mesh)?;
-        let mut cfg = cfg.clone();
-        cfg.settle_transport(env.one_node());
-        let cfg = &cfg;
-        let what = overlap_dist::fingerprint::Fingerprint::of_config(
-            cfg,
-            "run",
-            backend,
-            u64::from(steps),
-            cfg.run.seed,
-        )?;
-        let mut world = overlap_dist::cuda::world(cfg, env, true, what)?;
-        let mut session = Session::cuda(cfg, world.backend.clone())?;
-        session.inject_faults(Faults::from_env()?);
-        share_save_job(Some(&mut world.rendezvous), &mut session)?;
-        watch_job(Some(&mut world.rendezvous), session.peer_abort())?;
-        watch_host(session.step_deadline())?;
-        // Peers learn of a failure through the watch: a failed rank's collectives no
-        // longer join, so no peer finishes a step on data it never produced.
-        world.backend.set_poisoned_collectives_join(false);
-        let result = run_steps(session, cfg, steps, observe, ckpt, recording, backend).await;
-        end_job(Some(&world.rendezvous), &result);
-        return result;
+        return crate::cuda::run(cfg, steps, observe, ckpt, recording).await;
     }
     let Some(mut world) = cpu_world(cfg, "run", u64::from(steps), cfg.run.seed)? else {
         // One process: every rank of the mesh in it.
         let mut session = Session::cpu(cfg)?;
         session.inject_faults(Faults::from_env()?);
         watch_host(session.step_deadline())?;
-        return run_steps(session, cfg, steps, observe, ckpt, recording, backend).await;
+        return run_steps(session, cfg, steps, observe, ckpt, recording, "cpu").await;
     };
     let mut session = overlap_dist::cpu::session(cfg, &world)?;
     session.inject_faults(Faults::from_env()?);
     share_save_job(Some(&mut world.rendezvous), &mut session)?;
     watch_job(Some(&mut world.rendezvous), session.peer_abort())?;
     watch_host(session.step_deadline())?;
-    let result = run_steps(session, cfg, steps, observe, ckpt, recording, backend).await;
+    let result = run_steps(session, cfg, steps, observe, ckpt, recording, "cpu").await;
     end_job(Some(&world.rendezvous), &result);
     result
 }
@@ -100,7 +76,7 @@ pub(crate) fn transport_label(cfg: &Config) -> String {
 /// Gives every process of a job the same [`SaveJob`] (rank 0 draws its id and sends it
 /// to the others), so that their checkpoint saves meet in one partial directory that no
 /// earlier job wrote (`docs/checkpoints.md`). Outside a job there is nothing to share.
-fn share_save_job<B: overlap::ops::Backend>(
+pub(crate) fn share_save_job<B: overlap::ops::Backend>(
     rdv: Option<&mut overlap_dist::rendezvous::Rendezvous>,
     session: &mut Session<B>,
 ) -> Result<(), Error> {

@@ -170,7 +170,7 @@ fn confirm(
             path.display(),
             a.confirm_steps
         );
-        if !cfg!(feature = "cuda") {
+        if !crate::cuda::IN_BUILD {
             eprintln!(
                 "tune: wrote {} (predicted {:.3} ms); this build has no `cuda` feature, so it is not measured; on GPUs: {command}",
                 path.display(),

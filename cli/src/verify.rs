@@ -95,55 +95,10 @@ pub(crate) async fn verify_cpu_job(
 pub(crate) fn use_cuda(choice: BackendChoice) -> Result<bool, Error> {
     match choice {
         BackendChoice::Cpu => Ok(false),
-        BackendChoice::Cuda if cfg!(feature = "cuda") => Ok(true),
+        BackendChoice::Cuda if crate::cuda::IN_BUILD => Ok(true),
         BackendChoice::Cuda => Err(Error::Backend(
             "backend \"cuda\" is not in this build: rebuild with `cargo build --release --features cuda`".into(),
         )),
-        BackendChoice::Auto => Ok(auto_cuda()),
+        BackendChoice::Auto => Ok(crate::cuda::detected()),
     }
-}
-
-#[cfg(feature = "cuda")]
-pub(crate) fn auto_cuda() -> bool {
-    matches!(overlap_dist::env::RankEnv::from_env(), Ok(Some(_)))
-        && overlap::ops::cuda::check_libraries().is_ok()
-}
-
-#[cfg(not(feature = "cuda"))]
-pub(crate) fn auto_cuda() -> bool {
-    false
-}
-
-#[cfg(feature = "cuda")]
-pub(crate) async fn verify_cuda(
-    cfg: &Config,
-    steps: u64,
-    seed: u64,
-    json: bool,
-) -> Result<ExitCode, Error> {
-    let env = overlap_dist::cuda::rank_env(cfg.plan.mesh)?;
-    let mut cfg = cfg.clone();
-    cfg.settle_transport(env.one_node());
-    let cfg = &cfg;
-    let what =
-        overlap_dist::fingerprint::Fingerprint::of_config(cfg, "verify", "cuda", steps, seed)?;
-    let mut world = overlap_dist::cuda::world(cfg, env, false, what)?;
-    let report =
-        overlap_dist::cuda::verify(cfg, steps, seed, &mut world, &Faults::from_env()?, |s| {
-            if !json {
-                eprintln!("verify: step {s}/{steps} done");
-            }
-        })
-        .await;
-    crate::job::end_job(Some(&world.rendezvous), &report);
-    let report = report?;
-    match report {
-        Some(report) => print_verify(cfg, &report, json),
-        None => Ok(ExitCode::SUCCESS),
-    }
-}
-
-#[cfg(not(feature = "cuda"))]
-pub(crate) async fn verify_cuda(_: &Config, _: u64, _: u64, _: bool) -> Result<ExitCode, Error> {
-    use_cuda(BackendChoice::Cuda).map(|_| ExitCode::from(2))
 }

@@ -1,6 +1,6 @@
 //! `overlap calibrate`'s measurements: every figure [`overlap_sim::calibrate::derive`] needs, taken
-//! on the job's backend ([`measure`]), and on GPUs under `overlap launch` ([`run_cuda`],
-//! the `cuda` feature).
+//! on the job's backend ([`measure`]), and on GPUs under `overlap launch` through
+//! [`crate::cuda::calibrate`].
 //!
 //! [`measure`] is generic over the backend, so the CPU tests run every step of it with
 //! small sizes (the CPU backend's times fit nothing: only the GPU's are figures). It
@@ -12,9 +12,6 @@
 //! Invariant: every rank of the job issues the same kernels in the same order, whatever
 //! its timings say (no size or count depends on a measurement), so cross-rank calls
 //! always meet; the figures are the first local rank's.
-
-// Without the `cuda` feature only the tests (on the CPU backend) use the engine.
-#![cfg_attr(not(feature = "cuda"), allow(dead_code))]
 
 use std::sync::Arc;
 
@@ -63,6 +60,8 @@ impl Sweep {
     /// workloads of the figures the shipped profiles were derived from (`overlap bench`'s
     /// defaults; 16 layers of three bf16 GEMMs of 4096³; a 64 MiB gradient; combines in
     /// 1, 2, 4 and 8 pieces; the config's default 32 MiB ring slot; Muon on 4096 × 4096).
+    // Called by `crate::cuda`, which a build without CUDA replaces by `cuda_stub.rs`.
+    #[allow(dead_code)]
     pub fn gpu(world: u32, mib: &[u32], warmup: u32, iters: u32) -> Result<Sweep, Error> {
         let mesh = Mesh::new(world, 1).map_err(|e| Error::Usage(e.to_string()))?;
         let (layers, gemms, d, grad_mib) = (16, 3, 4096, 64);
@@ -205,6 +204,8 @@ fn launch<B: Backend>(
 
 /// Runs every measurement of `sweep` on `backend` (module docs): `say` gets one line per
 /// measurement, named; `env` is where they were taken.
+// Called by `crate::cuda`, which a build without CUDA replaces by `cuda_stub.rs`.
+#[allow(dead_code)]
 pub async fn measure<B: Backend>(
     backend: Arc<B>,
     sweep: &Sweep,
@@ -738,91 +739,6 @@ async fn event_gap<B: Backend>(
     }
     let same: Vec<f64> = (from + 1..s.len()).map(|k| s[k].0 - s[k - 1].1).collect();
     Ok((mean(&cross, "event gaps")?, mean(&same, "kernel gaps")?))
-}
-
-/// `overlap calibrate` on this process's GPU, under `overlap launch` (or alone, on one
-/// GPU): opens the job (mesh `world × 1`, the copy ring for the exchanges with receives
-/// copied out, kernel timings on), runs [`measure`] at the GPU sizes of [`Sweep::gpu`] and
-/// returns rank 0's measurements (the other ranks `None`). Rank 0 says each measurement
-/// on stderr.
-#[cfg(feature = "cuda")]
-pub async fn run_cuda(
-    mib: &[u32],
-    warmup: u32,
-    iters: u32,
-    command: String,
-) -> Result<Option<Measurements>, Error> {
-    use overlap_graph::{Bindings, Transport};
-    let env =
-        overlap_dist::env::RankEnv::from_env()?.unwrap_or_else(overlap_dist::env::RankEnv::single);
-    let sweep = Sweep::gpu(env.world_size, mib, warmup, iters)?;
-    let mesh = sweep.bench.mesh;
-    // A ring on the copy stream for the exchanges; no receive stays in place (the
-    // exchanges are timed without combines), so each copies its receive out.
-    let copy_spec = BenchArgs {
-        transport: Transport::Copy,
-        ..sweep.bench
-    }
-    .spec(Bindings::default());
-    let links = overlap_dist::cuda::Links {
-        copy: (sweep.world >= 2).then(|| {
-            overlap_dist::cuda::copy_setup(
-                &[&copy_spec],
-                sweep.slot_bytes as usize,
-                overlap_ops::cuda::DEFAULT_COPY_RING_DEPTH,
-                false,
-            )
-        }),
-        ..Default::default()
-    };
-    let world = bench::open_cuda(
-        mesh,
-        Bindings::default(),
-        links,
-        bench::bench_fingerprint(
-            "calibrate",
-            format!("MiB {mib:?}, warmup {warmup}, iters {iters}"),
-        ),
-    )?;
-    let backend = world.backend.clone();
-    let info = backend.info().clone();
-    let now = std::time::SystemTime::now()
-        .duration_since(std::time::UNIX_EPOCH)
-        .map_or(0, |d| d.as_secs());
-    let environment = Environment {
-        gpu: info.name.clone(),
-        driver: info.driver.clone(),
-        nccl: info.nccl.clone(),
-        date: overlap_sim::calibrate::date_utc(now),
-        command,
-        world: sweep.world,
-        warmup,
-        iters,
-    };
-    let rank = world.env.rank;
-    if rank == 0 {
-        eprintln!(
-            "calibrate: {} × {}, driver {}, NCCL {}",
-            info.name, sweep.world, info.driver, info.nccl
-        );
-    }
-    let engine_copy = |_: u32, s: Stream, t: Tag, dst: &_, src: &_| {
-        backend
-            .copy_engine_copy(s, t, dst, src)
-            .map_err(|e| Error::Backend(e.to_string()))
-    };
-    let streaming = |on: bool| backend.set_combine_streaming(on);
-    let hooks = Hooks {
-        engine_copy: &engine_copy,
-        streaming: &streaming,
-    };
-    let say = |line: String| {
-        if rank == 0 {
-            eprintln!("calibrate: {line}");
-        }
-    };
-    let m = measure(backend.clone(), &sweep, environment, &hooks, &say).await?;
-    Ok((rank == 0).then_some(m))
 }
 
 #[cfg(test)]

@@ -121,7 +121,7 @@ pub(crate) async fn run(args: &CalibrateArgs) -> Result<ExitCode, Error> {
         .chain(std::env::args().skip(1))
         .collect::<Vec<_>>()
         .join(" ");
-    let Some(m) = measured(&sizes, args, command).await? else {
+    let Some(m) = crate::cuda::calibrate(&sizes, args.warmup, args.iters, command).await? else {
         return Ok(ExitCode::SUCCESS);
     };
     let calibrated = model::derive(
@@ -150,22 +150,4 @@ pub(crate) async fn run(args: &CalibrateArgs) -> Result<ExitCode, Error> {
     );
     print!("{}", model::summary(&calibrated));
     Ok(ExitCode::SUCCESS)
-}
-
-#[cfg(feature = "cuda")]
-async fn measured(
-    sizes: &[u32],
-    args: &CalibrateArgs,
-    command: String,
-) -> Result<Option<model::Measurements>, Error> {
-    measure::run_cuda(sizes, args.warmup, args.iters, command).await
-}
-
-#[cfg(not(feature = "cuda"))]
-async fn measured(
-    _: &[u32],
-    _: &CalibrateArgs,
-    _: String,
-) -> Result<Option<model::Measurements>, Error> {
-    Err(crate::bench::no_cuda("calibrate"))
 }

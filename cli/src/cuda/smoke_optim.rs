@@ -11,7 +11,7 @@ use overlap_ops::cuda::CudaBackend;
 use overlap_ops::math::pseudo_random as random;
 use overlap_ops::{math, AdamwParams, Backend, Kernel, MuonParams, NsDtype};
 
-use crate::smoke::{buffer, download, rel, tag, Check};
+use super::smoke::{buffer, download, rel, tag, Check};
 use overlap::Error;
 use overlap_dist::cuda::muon_update_tolerance;
 

@@ -164,7 +164,7 @@ pub async fn smoke(world: &mut CudaWorld, sizes: &[u64], iters: u32) -> Result<S
     let mut checks = Vec::new();
     collectives(&b, world.env.world_size, &mut checks).await?;
     kernels(&b, &mut checks).await?;
-    crate::smoke_optim::optimizer_batches(&b, &mut checks).await?;
+    super::smoke_optim::optimizer_batches(&b, &mut checks).await?;
     let bandwidth = bandwidth(&b, world.env.world_size, sizes, iters).await?;
     let host_costs = b
         .host_costs(500)

@@ -1,4 +1,4 @@
-//! `overlap bench-optimizer` on the GPU (`cuda` feature): opens device 0 as the one rank
+//! `overlap bench-optimizer` on the GPU: opens device 0 as the one rank
 //! of a `1 × 1` mesh, allocates every parameter, gradient and optimizer state of the
 //! shape set, and times the tail as the executor issues it (one kernel per parameter,
 //! on the compute stream) between CUDA timing events.
