@@ -458,8 +458,8 @@ fn mean(x: &[f64]) -> f64 {
 /// Runs the four variants on `backend` (its one local rank, or every rank of a CPU
 /// backend: figures are then rank `ranks[0]`'s) and returns the figures. The backend
 /// must record kernel timings.
-// Called by `crate::cuda`, which a build without CUDA replaces by `cuda_stub.rs`.
-#[allow(dead_code)]
+// Called only by `crate::cuda`, which a build without CUDA replaces by `cuda_stub.rs`.
+#[cfg_attr(not(feature = "cuda"), allow(dead_code))]
 pub async fn run<B: Backend>(backend: Arc<B>, args: &BenchArgs) -> Result<BenchReport, Error> {
     args.check()?;
     let ranks = backend.local_ranks();
@@ -938,8 +938,8 @@ pub struct CollectiveRow {
 /// reduce-scatter on `S×1`, all-reduce on `1×R`) run as one step, so its collectives are
 /// issued back to back, and the same collective launched directly `warmup + iters`
 /// times; the first `warmup` of each are not counted.
-// Called by `crate::cuda`, which a build without CUDA replaces by `cuda_stub.rs`.
-#[allow(dead_code)]
+// Called only by `crate::cuda`, which a build without CUDA replaces by `cuda_stub.rs`.
+#[cfg_attr(not(feature = "cuda"), allow(dead_code))]
 pub async fn collectives<B: Backend>(
     backend: Arc<B>,
     mesh: Mesh,

@@ -39,8 +39,8 @@ impl Tensor {
     }
 
     /// Its number of values.
-    // Called by `crate::cuda`, which a build without CUDA replaces by `cuda_stub.rs`.
-    #[allow(dead_code)]
+    // Called only by `crate::cuda`, which a build without CUDA replaces by `cuda_stub.rs`.
+    #[cfg_attr(not(feature = "cuda"), allow(dead_code))]
     pub fn numel(&self) -> usize {
         self.dims.iter().product()
     }
@@ -181,8 +181,8 @@ pub fn shape_set(spec: &str) -> Result<Vec<Tensor>, Error> {
 
 /// Newton–Schulz's floating-point operations for one `rows × cols` matrix and `steps`
 /// iterations ([`overlap::graph::owner::ns_flops`], the owner balance's model).
-// Called by `crate::cuda`, which a build without CUDA replaces by `cuda_stub.rs`.
-#[allow(dead_code)]
+// Called only by `crate::cuda`, which a build without CUDA replaces by `cuda_stub.rs`.
+#[cfg_attr(not(feature = "cuda"), allow(dead_code))]
 pub fn ns_flops(rows: usize, cols: usize, steps: u32) -> f64 {
     overlap::graph::owner::ns_flops(rows as u64, cols as u64, steps)
 }

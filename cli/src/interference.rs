@@ -155,8 +155,8 @@ fn tag(node: u32, op: &'static str) -> Tag {
 /// cache-streaming loads and stores (a no-op where the backend has none);
 /// `engine_copy(stream, tag, dst, src)` copies a whole buffer the way an exchange moves
 /// bytes (CUDA: `cuMemcpyDtoDAsync`, the copy engines), timed as a kernel.
-// Called by `crate::cuda`, which a build without CUDA replaces by `cuda_stub.rs`.
-#[allow(dead_code)]
+// Called only by `crate::cuda`, which a build without CUDA replaces by `cuda_stub.rs`.
+#[cfg_attr(not(feature = "cuda"), allow(dead_code))]
 pub async fn run<B: Backend>(
     backend: &B,
     args: &InterferenceArgs,

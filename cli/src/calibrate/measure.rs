@@ -60,8 +60,8 @@ impl Sweep {
     /// workloads of the figures the shipped profiles were derived from (`overlap bench`'s
     /// defaults; 16 layers of three bf16 GEMMs of 4096³; a 64 MiB gradient; combines in
     /// 1, 2, 4 and 8 pieces; the config's default 32 MiB ring slot; Muon on 4096 × 4096).
-    // Called by `crate::cuda`, which a build without CUDA replaces by `cuda_stub.rs`.
-    #[allow(dead_code)]
+    // Called only by `crate::cuda`, which a build without CUDA replaces by `cuda_stub.rs`.
+    #[cfg_attr(not(feature = "cuda"), allow(dead_code))]
     pub fn gpu(world: u32, mib: &[u32], warmup: u32, iters: u32) -> Result<Sweep, Error> {
         let mesh = Mesh::new(world, 1).map_err(|e| Error::Usage(e.to_string()))?;
         let (layers, gemms, d, grad_mib) = (16, 3, 4096, 64);
@@ -204,8 +204,8 @@ fn launch<B: Backend>(
 
 /// Runs every measurement of `sweep` on `backend` (module docs): `say` gets one line per
 /// measurement, named; `env` is where they were taken.
-// Called by `crate::cuda`, which a build without CUDA replaces by `cuda_stub.rs`.
-#[allow(dead_code)]
+// Called only by `crate::cuda`, which a build without CUDA replaces by `cuda_stub.rs`.
+#[cfg_attr(not(feature = "cuda"), allow(dead_code))]
 pub async fn measure<B: Backend>(
     backend: Arc<B>,
     sweep: &Sweep,
