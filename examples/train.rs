@@ -424,12 +424,10 @@ impl Hyper {
                     .with_ns_dtype(NsDtype::F32),
             )
             .with_groups(vec![no_decay("*.bias"), no_decay("*.norm")])
-            .with_schedule(LrSchedule {
-                kind: ScheduleKind::Cosine,
-                warmup_steps: self.warmup_steps,
-                total_steps: self.total_steps,
-                final_lr_frac: self.final_lr_frac,
-            })
+            .with_schedule(
+                LrSchedule::decay(ScheduleKind::Cosine, self.total_steps, self.final_lr_frac)
+                    .with_warmup(self.warmup_steps),
+            )
             .with_clip(
                 ClipConfig::default()
                     .with_max_norm(Some(self.max_norm))

@@ -920,11 +920,8 @@ impl Doc<'_> {
         let r = raw.get_ref();
         let kind = ScheduleKind::parse(r.kind.get_ref())
             .map_err(|reason| self.err("schedule.kind", Some(r.kind.span()), reason))?;
-        let mut s = LrSchedule {
-            kind,
-            warmup_steps: r.warmup_steps.as_ref().map_or(0, |v| *v.get_ref()),
-            ..LrSchedule::default()
-        };
+        let mut s = LrSchedule::decay(kind, 0, LrSchedule::default().final_lr_frac)
+            .with_warmup(r.warmup_steps.as_ref().map_or(0, |v| *v.get_ref()));
         if kind == ScheduleKind::Constant {
             let unused = [
                 ("total_steps", r.total_steps.as_ref().map(Spanned::span)),

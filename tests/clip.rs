@@ -325,12 +325,9 @@ async fn an_injected_nan_skips_the_step_on_every_mesh() {
                         .with_max_norm(Some(0.5))
                         .with_on_nonfinite(OnNonFinite::Skip),
                 )
-                .with_fault(Some(Fault {
-                    rank,
-                    kind: "grad_norm",
-                    step: 2,
-                    mode: FaultMode::Nan,
-                }));
+                .with_fault(Some(
+                    Fault::new(rank, "grad_norm", 2, FaultMode::Nan).unwrap(),
+                ));
             let mut s = Session::new(spec, backend, exec).unwrap();
             let gates = [Gate::ReplicateOff, Gate::On];
             let r1 = step(&mut s, &gates, 1, None).await.unwrap();

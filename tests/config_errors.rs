@@ -1129,12 +1129,7 @@ fn groups_and_schedule_parse_to_their_values() {
     assert_eq!(c.groups, vec![bias, w]);
     assert_eq!(
         c.schedule,
-        LrSchedule {
-            kind: overlap::executor::ScheduleKind::Linear,
-            warmup_steps: 2,
-            total_steps: 8,
-            final_lr_frac: 0.25,
-        }
+        LrSchedule::decay(overlap::executor::ScheduleKind::Linear, 8, 0.25).with_warmup(2)
     );
     let plain = Config::from_toml(BASE, FILE).unwrap();
     assert!(plain.groups.is_empty());

@@ -239,11 +239,7 @@ fn set_lr_factor_takes_effect_on_the_next_step_and_the_report_carries_it() {
         .with_adamw(AdamwParams::default().with_lr(0.1).with_weight_decay(0.2))
         .with_muon(MuonParams::default().with_lr(0.05).with_weight_decay(0.4))
         .with_groups(vec![norm])
-        .with_schedule(LrSchedule {
-            kind: ScheduleKind::Constant,
-            warmup_steps: 4,
-            ..LrSchedule::default()
-        });
+        .with_schedule(LrSchedule::constant().with_warmup(4));
     runtime().block_on(async {
         let mut s = Session::new(spec(), backend, exec).unwrap();
         s.init_params(|i, p| {

@@ -69,7 +69,9 @@ impl FaultMode {
 
 /// A fault to inject: rank `rank`'s first node of kind `kind` in step `step` (1-based,
 /// the executor's step number) fails, hangs, or reads a NaN gradient.
+/// Made by [`Fault::new`] or [`Fault::parse`], which check it.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[non_exhaustive]
 pub struct Fault {
     /// Global rank.
     pub rank: u32,
@@ -82,6 +84,27 @@ pub struct Fault {
 }
 
 impl Fault {
+    /// Rank `rank`'s first node of kind `kind` (one of `Op::KINDS`) in step `step`
+    /// (from 1) fails, hangs or (`FaultMode::Nan`, only with kind `grad_norm`) reads a
+    /// NaN gradient. The error says which argument is wrong.
+    pub fn new(rank: u32, kind: &str, step: u64, mode: FaultMode) -> Result<Fault, String> {
+        let kind = kind_value(kind)?;
+        if step == 0 {
+            return Err("step 0 is not a step number (1, 2, ...)".into());
+        }
+        if mode == FaultMode::Nan && kind != NAN_KIND {
+            return Err(format!(
+                "mode `nan` writes NaN into a reduced gradient just before the rank's global norm: it needs kind={NAN_KIND}, got kind={kind}"
+            ));
+        }
+        Ok(Fault {
+            rank,
+            kind,
+            step,
+            mode,
+        })
+    }
+
     /// Parses `rank=R,kind=K,step=S[,mode=fail|hang|nan]` (mode `fail` by default;
     /// `nan` needs `kind=grad_norm`). Every key at most once, no other key; the error
     /// says what is wrong. `attempt=K` is [`FaultSpec::parse`]'s (the environment says
@@ -151,18 +174,12 @@ impl FaultSpec {
             }
         }
         let missing = |what: &str| format!("`{what}=` is missing");
-        let fault = Fault {
-            rank: rank.ok_or_else(|| missing("rank"))?,
-            kind: kind.ok_or_else(|| missing("kind"))?,
-            step: step.ok_or_else(|| missing("step"))?,
-            mode: mode.unwrap_or(FaultMode::Fail),
-        };
-        if fault.mode == FaultMode::Nan && fault.kind != NAN_KIND {
-            return Err(format!(
-                "mode `nan` writes NaN into a reduced gradient just before the rank's global norm: it needs kind={NAN_KIND}, got kind={}",
-                fault.kind
-            ));
-        }
+        let fault = Fault::new(
+            rank.ok_or_else(|| missing("rank"))?,
+            kind.ok_or_else(|| missing("kind"))?,
+            step.ok_or_else(|| missing("step"))?,
+            mode.unwrap_or(FaultMode::Fail),
+        )?;
         Ok(FaultSpec { fault, attempt })
     }
 
@@ -286,6 +303,28 @@ impl std::fmt::Display for FaultSpec {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_fault_made_in_code_is_checked_as_a_parsed_one() {
+        let f = Fault::new(2, "pack", 3, FaultMode::Hang).unwrap();
+        assert_eq!(
+            f,
+            Fault::parse("rank=2,kind=pack,step=3,mode=hang").unwrap()
+        );
+        let bad = |e: Result<Fault, String>, what: &str| {
+            let e = e.unwrap_err();
+            assert!(e.contains(what), "{e}");
+        };
+        bad(
+            Fault::new(0, "packing", 1, FaultMode::Fail),
+            "`packing` is not a node kind",
+        );
+        bad(Fault::new(0, "pack", 0, FaultMode::Fail), "step 0");
+        bad(
+            Fault::new(0, "pack", 1, FaultMode::Nan),
+            "needs kind=grad_norm",
+        );
+    }
 
     #[test]
     fn faults_parse_strictly() {

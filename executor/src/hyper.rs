@@ -270,7 +270,11 @@ impl fmt::Display for ScheduleKind {
 ///
 /// A pure function of the step, so a run resumed at step `k` gets the rates it would
 /// have had.
+///
+/// Build one with [`LrSchedule::constant`] or [`LrSchedule::decay`], then
+/// [`LrSchedule::with_warmup`]; [`LrSchedule::check`] says whether it is valid.
 #[derive(Debug, Clone, Copy, PartialEq)]
+#[non_exhaustive]
 pub struct LrSchedule {
     /// The shape after the warm-up.
     pub kind: ScheduleKind,
@@ -296,6 +300,28 @@ impl Default for LrSchedule {
 }
 
 impl LrSchedule {
+    /// Factor 1 at every step (after a warm-up, if one is added).
+    pub fn constant() -> LrSchedule {
+        LrSchedule::default()
+    }
+
+    /// A decay of shape `kind` (`Linear` or `Cosine`) from the peak rate at the end of
+    /// the warm-up to `final_lr_frac` of it at step `total_steps`.
+    pub fn decay(kind: ScheduleKind, total_steps: u64, final_lr_frac: f64) -> LrSchedule {
+        LrSchedule {
+            kind,
+            total_steps,
+            final_lr_frac,
+            ..LrSchedule::default()
+        }
+    }
+
+    /// The same schedule after `steps` steps of linear warm-up.
+    pub fn with_warmup(mut self, steps: u64) -> LrSchedule {
+        self.warmup_steps = steps;
+        self
+    }
+
     /// The factor of 1-based `step` (step 0 counts as step 1).
     pub fn factor(&self, step: u64) -> f64 {
         let t = step.max(1);

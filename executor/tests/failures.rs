@@ -40,12 +40,7 @@ async fn a_kernel_failing_on_a_stream_fails_the_step_naming_its_node() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn an_injected_failure_is_named_as_injected_and_fires_once() {
-    let fault = Fault {
-        rank: 0,
-        kind: "stage1",
-        step: 2,
-        mode: FaultMode::Fail,
-    };
+    let fault = Fault::new(0, "stage1", 2, FaultMode::Fail).unwrap();
     let cfg = ExecConfig::default().with_fault(Some(fault));
     let mut rig = Rig::new(spec(2, 1, 3), cfg);
     let plan = rig.plan(&[Gate::On]);
@@ -68,12 +63,7 @@ async fn a_step_past_its_deadline_names_the_running_node_and_breaks_the_executor
     let timeout = Duration::from_millis(100);
     let cfg = ExecConfig::default()
         .with_host_timeout(timeout)
-        .with_fault(Some(Fault {
-            rank: 1,
-            kind: "pack",
-            step: 1,
-            mode: FaultMode::Hang,
-        }));
+        .with_fault(Some(Fault::new(1, "pack", 1, FaultMode::Hang).unwrap()));
     let mut rig = Rig::new(spec(2, 1, 2), cfg);
     assert_eq!(
         rig.exec.step_timeout(),
@@ -111,12 +101,8 @@ async fn a_step_past_its_deadline_names_the_running_node_and_breaks_the_executor
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn another_ranks_failure_ends_a_waiting_step_at_once_and_breaks_the_executor() {
     // Rank 1 hangs in its first pack, so the step would wait for its deadline (15 min).
-    let cfg = ExecConfig::default().with_fault(Some(Fault {
-        rank: 1,
-        kind: "pack",
-        step: 2,
-        mode: FaultMode::Hang,
-    }));
+    let cfg =
+        ExecConfig::default().with_fault(Some(Fault::new(1, "pack", 2, FaultMode::Hang).unwrap()));
     let mut rig = Rig::new(spec(2, 1, 2), cfg);
     let plan = rig.plan(&[Gate::On]);
     rig.step(&plan).await.expect("step 1 has no fault");
