@@ -132,6 +132,77 @@ pub struct OverlapConfig {
     pub transport: TransportChoice,
 }
 
+/// What a command line changes in a loaded config ([`Config::apply`]): each `Some`
+/// replaces the file's value. Start from [`Overrides::none`] and add with the `with_`
+/// methods.
+#[derive(Debug, Clone, Default, PartialEq)]
+#[non_exhaustive]
+pub struct Overrides {
+    /// `[run] backend`.
+    pub backend: Option<BackendChoice>,
+    /// `[run] seed`.
+    pub seed: Option<u64>,
+    /// `[overlap] transport` (and the plan's schedule with it).
+    pub transport: Option<TransportChoice>,
+    /// The step's gates (`[accumulation]`): 1 to `MAX_MICRO_BATCHES` micro-batches.
+    pub gates: Option<Vec<Gate>>,
+    /// `[reduce] dtype`, the wire type of the reductions.
+    pub wire_dtype: Option<DType>,
+    /// `[metrics] listen`.
+    pub metrics_listen: Option<SocketAddr>,
+    /// `[metrics] timing_every`.
+    pub timing_every: Option<u32>,
+}
+
+impl Overrides {
+    /// Nothing overridden.
+    pub fn none() -> Overrides {
+        Overrides::default()
+    }
+
+    /// With `[run] backend` replaced, when `b` is `Some`.
+    pub fn with_backend(mut self, b: Option<BackendChoice>) -> Overrides {
+        self.backend = b.or(self.backend);
+        self
+    }
+
+    /// With `[run] seed` replaced, when `seed` is `Some`.
+    pub fn with_seed(mut self, seed: Option<u64>) -> Overrides {
+        self.seed = seed.or(self.seed);
+        self
+    }
+
+    /// With `[overlap] transport` replaced, when `t` is `Some`.
+    pub fn with_transport(mut self, t: Option<TransportChoice>) -> Overrides {
+        self.transport = t.or(self.transport);
+        self
+    }
+
+    /// With the step's gates replaced, when `gates` is `Some`.
+    pub fn with_gates(mut self, gates: Option<Vec<Gate>>) -> Overrides {
+        self.gates = gates.or(self.gates.take());
+        self
+    }
+
+    /// With `[reduce] dtype` replaced, when `d` is `Some`.
+    pub fn with_wire_dtype(mut self, d: Option<DType>) -> Overrides {
+        self.wire_dtype = d.or(self.wire_dtype);
+        self
+    }
+
+    /// With `[metrics] listen` replaced, when `addr` is `Some`.
+    pub fn with_metrics_listen(mut self, addr: Option<SocketAddr>) -> Overrides {
+        self.metrics_listen = addr.or(self.metrics_listen);
+        self
+    }
+
+    /// With `[metrics] timing_every` replaced, when `n` is `Some`.
+    pub fn with_timing_every(mut self, n: Option<u32>) -> Overrides {
+        self.timing_every = n.or(self.timing_every);
+        self
+    }
+}
+
 /// `[overlap] transport`.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
 pub enum TransportChoice {
@@ -310,6 +381,66 @@ impl Config {
             }
         })?;
         Config::from_toml(&text, &source)
+    }
+
+    /// Applies what a command line changes ([`Overrides`]), keeping what depends on each
+    /// value consistent (the transport's plan schedule) and checking each as the file's
+    /// own value would be; an error names the key overridden and leaves the config as
+    /// it was.
+    pub fn apply(&mut self, o: &Overrides) -> Result<(), ConfigError> {
+        let refuse = |key: &str, reason: String| ConfigError {
+            file: self.source.clone(),
+            key: key.into(),
+            line: None,
+            column: None,
+            reason: format!("{reason} (as overridden)"),
+        };
+        if let Some(gates) = &o.gates {
+            if gates.is_empty() || gates.len() > MAX_MICRO_BATCHES {
+                return Err(refuse(
+                    "accumulation.gates",
+                    format!(
+                        "{} micro-batches; a step needs 1 to {MAX_MICRO_BATCHES}",
+                        gates.len()
+                    ),
+                ));
+            }
+        }
+        if let Some(n) = o.timing_every {
+            if !(1..=MAX_TIMING_EVERY).contains(&n) {
+                return Err(refuse(
+                    "metrics.timing_every",
+                    format!("must be between 1 and {MAX_TIMING_EVERY} steps, got {n}"),
+                ));
+            }
+        }
+        if let Some(t) = o.transport {
+            self.overlap.transport = t;
+            // As the file's `transport` would: `auto` waits for `settle_transport`.
+            self.plan.schedule.transport = match t {
+                TransportChoice::Copy => Transport::Copy,
+                TransportChoice::Nccl | TransportChoice::Auto => Transport::Nccl,
+            };
+        }
+        if let Some(gates) = &o.gates {
+            self.gates = gates.clone();
+        }
+        if let Some(d) = o.wire_dtype {
+            self.plan.reduce.dtype = d;
+        }
+        if let Some(b) = o.backend {
+            self.run.backend = b;
+        }
+        if let Some(seed) = o.seed {
+            self.run.seed = seed;
+        }
+        if let Some(addr) = o.metrics_listen {
+            self.metrics.listen = Some(addr);
+        }
+        if let Some(n) = o.timing_every {
+            self.metrics.timing_every = n;
+        }
+        Ok(())
     }
 
     /// Settles `[overlap] transport = "auto"` for a GPU job: the copy transport when

@@ -4,8 +4,8 @@
 use std::path::Path;
 
 use overlap::config::{
-    BackendChoice, Config, ConfigError, MetricsConfig, OverlapConfig, RunConfig, TransportChoice,
-    DEFAULT_BUCKET_CAP_BYTES,
+    BackendChoice, Config, ConfigError, MetricsConfig, OverlapConfig, Overrides, RunConfig,
+    TransportChoice, DEFAULT_BUCKET_CAP_BYTES,
 };
 use overlap::executor::LrSchedule;
 use overlap_graph::{
@@ -1215,4 +1215,53 @@ fn forward_errors_name_their_key() {
         Some(9),
         "unknown stream",
     );
+}
+
+#[test]
+fn overrides_are_checked_as_the_files_values_and_keep_the_transport_consistent() {
+    let base = Config::from_toml(BASE, FILE).unwrap();
+    let mut cfg = base.clone();
+    cfg.apply(
+        &Overrides::none()
+            .with_transport(Some(TransportChoice::Copy))
+            .with_seed(Some(9))
+            .with_gates(Some(vec![Gate::NoSync, Gate::On])),
+    )
+    .unwrap();
+    assert_eq!(cfg.overlap.transport, TransportChoice::Copy);
+    assert_eq!(cfg.plan.schedule.transport, Transport::Copy);
+    assert_eq!((cfg.run.seed, cfg.gates.len()), (9, 2));
+    // `auto` goes back to what the file's `auto` gives until the placement is known.
+    cfg.apply(&Overrides::none().with_transport(Some(TransportChoice::Auto)))
+        .unwrap();
+    assert_eq!(cfg.plan.schedule.transport, Transport::Nccl);
+
+    let refused = [
+        (
+            Overrides::none().with_gates(Some(Vec::new())),
+            "accumulation.gates",
+            "a step needs 1 to",
+        ),
+        (
+            Overrides::none()
+                .with_gates(Some(vec![Gate::On; overlap_graph::MAX_MICRO_BATCHES + 1])),
+            "accumulation.gates",
+            "65537 micro-batches",
+        ),
+        (
+            Overrides::none().with_timing_every(Some(0)),
+            "metrics.timing_every",
+            "must be between 1 and",
+        ),
+    ];
+    for (o, key, phrase) in refused {
+        let mut cfg = base.clone();
+        let e = cfg.apply(&o.with_seed(Some(5))).unwrap_err();
+        assert_eq!(e.key, key, "{e}");
+        assert!(
+            e.reason.contains(phrase) && e.reason.contains("overridden"),
+            "{e}"
+        );
+        assert_eq!(cfg, base, "a refused override changes nothing");
+    }
 }

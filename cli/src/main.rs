@@ -25,7 +25,7 @@ use std::path::Path;
 use std::process::ExitCode;
 
 use clap::Parser;
-use overlap::config::{BackendChoice, Config};
+use overlap::config::{BackendChoice, Config, Overrides, TransportChoice};
 use overlap::graph::{export, validate, Gate, Mode, Plan, Planner};
 use overlap::Error;
 
@@ -214,18 +214,13 @@ async fn run_steps(
     checkpoint: &CheckpointArgs,
 ) -> Result<ExitCode, Error> {
     let mut cfg = load(config)?;
-    if let Some(b) = backend {
-        cfg.run.backend = b;
-    }
-    if let Some(s) = seed {
-        cfg.run.seed = s;
-    }
-    if let Some(addr) = observe.metrics {
-        cfg.metrics.listen = Some(addr);
-    }
-    if let Some(n) = observe.timing_every {
-        cfg.metrics.timing_every = n;
-    }
+    cfg.apply(
+        &Overrides::none()
+            .with_backend(backend)
+            .with_seed(seed)
+            .with_metrics_listen(observe.metrics)
+            .with_timing_every(observe.timing_every),
+    )?;
     run::run(&cfg, steps.unwrap_or(cfg.run.steps), observe, checkpoint).await
 }
 
@@ -239,25 +234,21 @@ fn verify_config(
     backend: Option<BackendChoice>,
 ) -> Result<Config, Error> {
     let mut cfg = load(config)?;
-    if let Some(t) = transport {
-        cfg.plan.schedule.transport = t.into();
-        cfg.overlap.transport = match t {
-            TransportArg::Nccl => overlap::config::TransportChoice::Nccl,
-            TransportArg::Copy => overlap::config::TransportChoice::Copy,
-        };
-    }
-    if let Some(g) = gates {
-        cfg.gates = parse_gates(g)?;
-    }
-    if let Some(d) = dtype {
-        cfg.plan.reduce.dtype = match d {
-            WireDType::F32 => overlap::graph::DType::F32,
-            WireDType::Bf16 => overlap::graph::DType::Bf16,
-        };
-    }
-    if let Some(b) = backend {
-        cfg.run.backend = b;
-    }
+    let transport = transport.map(|t| match t {
+        TransportArg::Nccl => TransportChoice::Nccl,
+        TransportArg::Copy => TransportChoice::Copy,
+    });
+    let dtype = dtype.map(|d| match d {
+        WireDType::F32 => overlap::graph::DType::F32,
+        WireDType::Bf16 => overlap::graph::DType::Bf16,
+    });
+    cfg.apply(
+        &Overrides::none()
+            .with_transport(transport)
+            .with_gates(gates.map(parse_gates).transpose()?)
+            .with_wire_dtype(dtype)
+            .with_backend(backend),
+    )?;
     Ok(cfg)
 }
 

@@ -284,6 +284,19 @@ fn bad_arguments_fail_cleanly() {
         ]),
         &["--gates", "maybe"],
     );
+    // A count past a step's limit is refused before anything is allocated for it.
+    for cmd in ["plan", "verify"] {
+        assert_clean_failure(
+            &overlap(&[
+                cmd,
+                "--config",
+                "examples/hsdp_2x2.toml",
+                "--gates",
+                "on*10000000000000",
+            ]),
+            &["--gates", "more than 65536 micro-batches"],
+        );
+    }
     assert_clean_failure(
         &overlap(&["plan", "--config", "examples/hsdp_2x2.toml", "--ranks", "9"]),
         &["--ranks"],

@@ -85,7 +85,8 @@ impl Gate {
 
     /// Parses a comma-separated pattern whose entries are a gate, optionally repeated
     /// `×n` (or `*n`, easier to type): `no_sync,off*3,on`, as [`Gate::pattern_label`]
-    /// writes it. An empty pattern or a count of 0 is an error.
+    /// writes it. An empty pattern, a count of 0 or more micro-batches than
+    /// [`crate::MAX_MICRO_BATCHES`] in all is an error.
     pub fn parse_pattern(s: &str) -> Result<Vec<Gate>, String> {
         let mut gates = Vec::new();
         for entry in s.split(',') {
@@ -103,6 +104,12 @@ impl Gate {
                 return Err(format!("`{entry}`: a gate repeated 0 times"));
             }
             let gate = Gate::parse(name)?;
+            let max = crate::MAX_MICRO_BATCHES;
+            if count > max - gates.len() {
+                return Err(format!(
+                    "`{entry}`: the pattern has more than {max} micro-batches, the limit of a step"
+                ));
+            }
             gates.extend(std::iter::repeat(gate).take(count));
         }
         Ok(gates)
@@ -149,5 +156,19 @@ mod tests {
         assert!(Gate::parse_pattern("off×x").is_err());
         assert!(Gate::parse_pattern("").is_err());
         assert!(Gate::parse_pattern("up").is_err());
+        // A step's limit, not the memory of the machine, bounds a pattern.
+        let max = crate::MAX_MICRO_BATCHES;
+        assert_eq!(
+            Gate::parse_pattern(&format!("off×{max}")).map(|g| g.len()),
+            Ok(max)
+        );
+        for big in [
+            format!("off×{max},on"),
+            "on*10000000000000".to_string(),
+            format!("on*{}", usize::MAX),
+        ] {
+            let e = Gate::parse_pattern(&big).unwrap_err();
+            assert!(e.contains("more than 65536 micro-batches"), "{e}");
+        }
     }
 }
