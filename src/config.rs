@@ -365,13 +365,9 @@ impl Config {
     /// Reads and checks a config file. The error's `file` is `path` as given.
     pub fn from_file(path: &Path) -> Result<Config, ConfigError> {
         let source = path.display().to_string();
-        let text = std::fs::read_to_string(path).map_err(|e| {
-            let reason = match e.kind() {
-                std::io::ErrorKind::InvalidData => {
-                    "cannot read the config file: it is not valid UTF-8".to_string()
-                }
-                _ => format!("cannot read the config file: {e}"),
-            };
+        let limit = crate::resources::MAX_CONFIG_BYTES;
+        let text = crate::resources::read_text_bounded(path, limit).map_err(|e| {
+            let reason = format!("cannot read the config file: {e}");
             ConfigError {
                 file: source.clone(),
                 key: String::new(),

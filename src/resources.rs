@@ -208,6 +208,62 @@ pub struct Available {
     pub address_space: bool,
 }
 
+/// The largest config file read ([`crate::Config::from_file`]).
+pub const MAX_CONFIG_BYTES: u64 = 64 << 20;
+/// The largest plan file `overlap check` reads: a plan at the node limit
+/// (`overlap_graph::MAX_PLAN_NODES`, about 420 bytes of JSON a node) fits.
+pub const MAX_PLAN_BYTES: u64 = 8 << 30;
+
+/// Reads the UTF-8 text file at `path`, refusing, before it is all in memory, one longer
+/// than `limit` bytes or than a quarter of the memory available ([`available_memory`]):
+/// a device such as `/dev/zero`, or a runaway file, is an error naming the limit rather
+/// than an abort. The error is the reader's, or `InvalidData` (not UTF-8, too long).
+pub fn read_text_bounded(path: &std::path::Path, limit: u64) -> std::io::Result<String> {
+    use std::io::Read;
+    let limit = available_memory().map_or(limit, |a| limit.min(a / 4));
+    let file = std::fs::File::open(path)?;
+    let meta = file.metadata()?;
+    #[cfg(unix)]
+    {
+        use std::os::unix::fs::FileTypeExt;
+        let t = meta.file_type();
+        if t.is_char_device() || t.is_block_device() || t.is_socket() {
+            return Err(std::io::Error::new(
+                std::io::ErrorKind::InvalidInput,
+                "it is a device or a socket, not a file",
+            ));
+        }
+    }
+    if meta.is_file() && meta.len() > limit {
+        return Err(too_long(limit));
+    }
+    let mut bytes = Vec::new();
+    file.take(limit.saturating_add(1)).read_to_end(&mut bytes)?;
+    if bytes.len() as u64 > limit {
+        return Err(too_long(limit));
+    }
+    String::from_utf8(bytes)
+        .map_err(|_| std::io::Error::new(std::io::ErrorKind::InvalidData, "it is not valid UTF-8"))
+}
+
+fn too_long(limit: u64) -> std::io::Error {
+    std::io::Error::new(
+        std::io::ErrorKind::InvalidData,
+        format!(
+            "it is longer than {}, the most read from such a file here (at most a quarter of the memory available)",
+            human_bytes(limit)
+        ),
+    )
+}
+
+fn human_bytes(b: u64) -> String {
+    if b >= 1 << 30 {
+        format!("{:.1} GiB", b as f64 / f64::from(1u32 << 30))
+    } else {
+        format!("{:.1} MiB", b as f64 / f64::from(1u32 << 20))
+    }
+}
+
 /// The memory available to new allocations, in bytes: the smallest of `MemAvailable` of
 /// `/proc/meminfo`, what the process's address-space limit leaves, and what its cgroup's
 /// memory limit leaves; `None` where none can be read (then nothing is refused).
@@ -381,6 +437,26 @@ pub fn check_cpu(config: &Config, sessions: u32) -> Result<MemoryEstimate, Error
 
 #[cfg(test)]
 mod tests {
+    #[test]
+    fn text_files_are_read_within_a_limit_and_devices_are_refused() {
+        let dir = std::env::temp_dir().join(format!("overlap-read-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).unwrap();
+        let f = dir.join("a.toml");
+        std::fs::write(&f, "x = 1\n").unwrap();
+        assert_eq!(super::read_text_bounded(&f, 6).unwrap(), "x = 1\n");
+        let e = super::read_text_bounded(&f, 5).unwrap_err();
+        assert!(e.to_string().contains("longer than"), "{e}");
+        std::fs::write(&f, [0xff, 0xfe]).unwrap();
+        let e = super::read_text_bounded(&f, 64).unwrap_err();
+        assert!(e.to_string().contains("not valid UTF-8"), "{e}");
+        #[cfg(unix)]
+        {
+            let e = super::read_text_bounded("/dev/zero".as_ref(), 1 << 30).unwrap_err();
+            assert!(e.to_string().contains("a device"), "{e}");
+        }
+        std::fs::remove_dir_all(&dir).unwrap();
+    }
+
     #[test]
     fn the_address_space_limit_and_the_process_size_are_read_from_proc() {
         let limits = "Limit                     Soft Limit           Hard Limit           Units\nMax stack size            8388608              unlimited            bytes\nMax address space         4294967296           unlimited            bytes\n";

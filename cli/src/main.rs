@@ -453,7 +453,8 @@ fn optimizer_time_text(planner: &Planner, shown: &[u32]) -> String {
 /// when there is one.
 fn check_plan(path: &Path) -> Result<ExitCode, Error> {
     let name = path.display().to_string();
-    let text = std::fs::read_to_string(path).map_err(|source| Error::Io {
+    let limit = overlap::resources::MAX_PLAN_BYTES;
+    let text = overlap::resources::read_text_bounded(path, limit).map_err(|source| Error::Io {
         path: name.clone(),
         source,
     })?;

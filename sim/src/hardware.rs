@@ -52,7 +52,9 @@ impl fmt::Display for HardwareError {
 /// Reads and checks a profile file.
 pub fn from_file(path: &Path) -> Result<Profile, HardwareError> {
     let file = path.display().to_string();
-    let text = std::fs::read_to_string(path).map_err(|e| HardwareError {
+    // Profiles are a few KiB; a config's limit is ample.
+    let limit = overlap::resources::MAX_CONFIG_BYTES;
+    let text = overlap::resources::read_text_bounded(path, limit).map_err(|e| HardwareError {
         file: file.clone(),
         key: String::new(),
         line: None,
