@@ -100,8 +100,9 @@ impl Builder {
     /// The `overlap` config read from a file.
     pub fn config_file(self, path: impl AsRef<Path>) -> Result<Self, Error> {
         let path = path.as_ref();
-        let text = std::fs::read_to_string(path)
-            .map_err(|e| Error::Usage(format!("cannot read config {}: {e}", path.display())))?;
+        let text =
+            overlap::resources::read_text_bounded(path, overlap::resources::MAX_CONFIG_BYTES)
+                .map_err(|e| Error::Usage(format!("cannot read config {}: {e}", path.display())))?;
         Ok(self.config_toml(text, path.display().to_string()))
     }
 

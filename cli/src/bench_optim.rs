@@ -169,11 +169,13 @@ pub fn shape_set(spec: &str) -> Result<Vec<Tensor>, Error> {
         "gpt2-small" => Ok(gpt2_small()),
         "llama-1b" => Ok(llama_1b()),
         path => {
-            let text = std::fs::read_to_string(Path::new(path)).map_err(|e| {
-                Error::Usage(format!(
+            let limit = overlap::resources::MAX_CONFIG_BYTES;
+            let text =
+                overlap::resources::read_text_bounded(Path::new(path), limit).map_err(|e| {
+                    Error::Usage(format!(
                     "--shapes: `{path}` is neither gpt2-small, llama-1b nor a readable file: {e}"
                 ))
-            })?;
+                })?;
             parse_shapes(&text, path)
         }
     }

@@ -73,8 +73,9 @@ pub(crate) fn run(a: &TuneArgs) -> Result<ExitCode, Error> {
         return Err(usage("--confirm: must be at least 1"));
     }
     let profile = overlap_sim::hardware::from_file(&a.hardware).map_err(usage)?;
-    let text = std::fs::read_to_string(&a.config)
-        .map_err(|e| usage(format!("--config: cannot read {}: {e}", a.config.display())))?;
+    let text =
+        overlap::resources::read_text_bounded(&a.config, overlap::resources::MAX_CONFIG_BYTES)
+            .map_err(|e| usage(format!("--config: cannot read {}: {e}", a.config.display())))?;
     let mut cfg = Config::from_toml(&text, &a.config.display().to_string())?;
     let gates = match &a.gates {
         Some(g) => Gate::parse_pattern(g).map_err(|e| usage(format!("--gates: {e}")))?,

@@ -4,7 +4,6 @@
 //! order with a plain file name, and parameter names listed once.
 
 use std::collections::HashSet;
-use std::fs;
 use std::path::Path;
 
 use overlap_graph::{Coord, Mesh, Route};
@@ -150,9 +149,11 @@ impl StateKind {
 /// Reads and checks a manifest (its format version first, so a newer format is named as
 /// such rather than as an unknown field).
 pub fn read_manifest(path: &Path) -> Result<Manifest, Error> {
-    let bytes = fs::read(path).map_err(|e| err(path, format!("cannot be read: {e}")))?;
+    // A manifest lists every parameter and file once: far below a plan's limit.
+    let text = crate::resources::read_text_bounded(path, crate::resources::MAX_PLAN_BYTES)
+        .map_err(|e| err(path, format!("cannot be read: {e}")))?;
     let value: serde_json::Value =
-        serde_json::from_slice(&bytes).map_err(|e| err(path, format!("is not valid JSON: {e}")))?;
+        serde_json::from_str(&text).map_err(|e| err(path, format!("is not valid JSON: {e}")))?;
     check_version(path, &value)?;
     let m: Manifest = serde_json::from_value(value)
         .map_err(|e| err(path, format!("is not a valid manifest: {e}")))?;
