@@ -1404,11 +1404,26 @@ mod tests {
             assert_eq!(f.rank, 1, "rank {}", r.rank());
             assert!(f.reason.starts_with("rank 1's connection"), "{}", f.reason);
         }
-        // Another rank cannot speak for others: nothing is sent.
-        let job = watched_job(3);
+        // Another rank cannot speak for others: nothing is sent. Each rank's gather
+        // frame follows whatever it sent before on the same connection, so once rank 0
+        // has every rank's gather, anything sent earlier has been read.
+        let t = Duration::from_secs(10);
+        let mut job = watched_job(3);
         job[1].0.pass_on(2, "hearsay");
-        std::thread::sleep(Duration::from_millis(50));
-        assert!(job.iter().all(|(_, a)| a.failure().is_none()));
+        let (mut root, a0) = job.remove(0);
+        let peers: Vec<_> = job
+            .into_iter()
+            .map(|(mut r, a)| {
+                std::thread::spawn(move || {
+                    assert!(r.gather(&[1], t).unwrap().is_none());
+                    (r, a)
+                })
+            })
+            .collect();
+        assert_eq!(root.gather(&[1], t).unwrap().unwrap().len(), 3);
+        let peers: Vec<_> = peers.into_iter().map(|p| p.join().unwrap()).collect();
+        assert!(a0.failure().is_none(), "{:?}", a0.failure());
+        assert!(peers.iter().all(|(_, a)| a.failure().is_none()));
     }
 
     #[test]
