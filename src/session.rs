@@ -523,7 +523,7 @@ impl<B: Backend> Session<B> {
     }
 
     /// A plan buffer's values on local rank `rank`, read from the backend: a parameter's
-    /// shard, its optimizer state, a reduced gradient ([`Plan::buffers`] names them).
+    /// shard, its optimizer state, a reduced gradient ([`overlap_graph::Buffer`] names them).
     /// `None` where the rank holds no such buffer. Call between steps.
     pub fn read_buffer(&self, rank: u32, buffer: Buffer) -> Result<Option<Vec<f32>>, Error> {
         Ok(self.executor.read(rank, buffer)?)
