@@ -17,7 +17,7 @@
 
 use std::fmt;
 
-use overlap_graph::{Gate, Planner, Route, Stream};
+use overlap_graph::{Gate, Mesh, Planner, Route, Stream};
 use overlap_ops::cpu::CpuBackend;
 use overlap_ops::OpsError;
 
@@ -51,6 +51,17 @@ pub struct MemoryEstimate {
 }
 
 impl MemoryEstimate {
+    /// Both estimates' parts added (saturating): two processes' needs.
+    pub fn plus(&self, other: &MemoryEstimate) -> MemoryEstimate {
+        MemoryEstimate {
+            params: self.params.saturating_add(other.params),
+            optimizer: self.optimizer.saturating_add(other.optimizer),
+            gradients: self.gradients.saturating_add(other.gradients),
+            plans: self.plans.saturating_add(other.plans),
+            host: self.host.saturating_add(other.host),
+        }
+    }
+
     /// The sum of the parts (saturating).
     pub fn total(&self) -> u64 {
         [
@@ -100,28 +111,45 @@ pub fn human(bytes: u64) -> String {
 /// runs one, `overlap verify` two: the gated one and the no_sync reference), with the
 /// planner `planner` of `config.plan`. Saturates instead of overflowing.
 pub fn estimate_cpu(config: &Config, planner: &Planner, sessions: u32) -> MemoryEstimate {
+    let all: Vec<u32> = (0..config.plan.mesh.world()).collect();
+    estimate_cpu_ranks(config, planner, sessions, &all, false)
+}
+
+/// [`estimate_cpu`] for the ranks `ranks` of the mesh only: what one process of a job
+/// of one process per rank holds (its ranks' parameters, state and gradients, with the
+/// owners' whole tensors on the owners' shard columns), the whole step's plans (every
+/// process plans every rank) and, when `linked`, what its links to the other ranks
+/// receive: a whole Stage-1 buffer from every other rank at most.
+pub fn estimate_cpu_ranks(
+    config: &Config,
+    planner: &Planner,
+    sessions: u32,
+    ranks: &[u32],
+    linked: bool,
+) -> MemoryEstimate {
     const F32: u64 = 4;
     let mesh = config.plan.mesh;
-    let (s, r) = (u64::from(mesh.shard), u64::from(mesh.replicate));
-    let world = s * r;
+    let world = u64::from(mesh.world());
+    let n_ranks = ranks.len() as u64;
     let mul = u64::saturating_mul;
-    let (mut params, mut optimizer, mut numel_all, mut chunks) = (0u64, 0u64, 0u64, 0u64);
-    let (mut largest, mut largest_muon) = (0u64, 0u64);
+    let (mut params, mut numel_all, mut chunks) = (0u64, 0u64, 0u64);
+    let (mut adamw_held, mut largest, mut largest_muon) = (0u64, 0u64, 0u64);
     for p in planner.params() {
         let numel = p.spec.numel();
         let chunk = p.spec.chunk(mesh.shard);
         // Owned routes: the owner's whole shard column holds the parameter; sharded
         // ones: a chunk on every rank.
-        let held = if p.spec.route.is_owned() {
-            mul(numel, r)
-        } else {
-            mul(chunk, world)
+        let held = match p.owner {
+            Some(o) if p.spec.route.is_owned() => {
+                let column = ranks.iter().filter(|&&g| mesh.coord(g).shard == o.shard);
+                mul(numel, column.count() as u64)
+            }
+            _ => mul(chunk, n_ranks),
         };
         params = params.saturating_add(held);
-        optimizer = optimizer.saturating_add(match p.spec.route {
-            Route::Muon => held,
-            _ => mul(held, 2),
-        });
+        if p.spec.route != Route::Muon {
+            adamw_held = adamw_held.saturating_add(held);
+        }
         numel_all = numel_all.saturating_add(numel);
         chunks = chunks.saturating_add(chunk);
         largest = largest.max(numel);
@@ -129,36 +157,12 @@ pub fn estimate_cpu(config: &Config, planner: &Planner, sessions: u32) -> Memory
             largest_muon = largest_muon.max(numel);
         }
     }
-    // `[forward]`: every rank holds gathered full parameters too, at most `prefetch + 1`
-    // layers of them per pass (bounded here by the largest layers), or every layer when
-    // the forward's are kept for the backward.
-    if let Some(f) = config.plan.forward {
-        let mut layers: std::collections::BTreeMap<u32, u64> = std::collections::BTreeMap::new();
-        for p in planner.params() {
-            let full = if p.spec.route.is_owned() {
-                p.spec.numel()
-            } else {
-                mul(p.spec.chunk(mesh.shard), s)
-            };
-            let l = layers.entry(p.spec.layer).or_insert(0);
-            *l = l.saturating_add(full);
-        }
-        let mut sizes: Vec<u64> = layers.into_values().collect();
-        sizes.sort_unstable_by(|a, b| b.cmp(a));
-        let held = if f.reshard_after_forward {
-            (f.prefetch as usize).saturating_add(1)
-        } else {
-            sizes.len()
-        };
-        let gathered = sizes
-            .iter()
-            .take(held)
-            .fold(0u64, |acc, &x| acc.saturating_add(x));
-        params = params.saturating_add(mul(gathered, world));
-    }
+    // Muon's momentum, AdamW's two moments.
+    let mut optimizer = params.saturating_add(adamw_held);
+    params = params.saturating_add(mul(forward_gathered(config, planner), n_ranks));
     // Newton–Schulz on every rank at once: the iterate, its Gram matrix and two
     // products.
-    optimizer = optimizer.saturating_add(mul(mul(largest_muon, 4), world));
+    optimizer = optimizer.saturating_add(mul(mul(largest_muon, 4), n_ranks));
     let no_sync = config.gates.contains(&Gate::NoSync);
     // Per rank: a micro-batch's gradients, as many Stage-1 bytes and as many again for
     // the collectives' outputs and the pool, the no_sync accumulation, and partials
@@ -166,16 +170,21 @@ pub fn estimate_cpu(config: &Config, planner: &Planner, sessions: u32) -> Memory
     // parameters of 6 M elements in all on a 2x2 mesh, gates no_sync,off,on, peaks at
     // 624 MiB; this estimates 705 MiB.)
     let per_rank = mul(numel_all, 3 + u64::from(no_sync)).saturating_add(mul(chunks, 2));
-    let gradients = mul(per_rank, world);
+    let gradients = mul(per_rank, n_ranks);
     // The step plan, and the current plan the session runs micro-batches on: planned
     // ahead, at most twice the step's micro-batches (`session` module docs); each also
     // prepared once per rank by the executor (counted in the per-node bytes).
     let step = planner.step_nodes_bound(config.gates.len());
     let ahead = planner.step_nodes_bound(config.gates.len().saturating_mul(2));
     let plans = mul(step.saturating_add(ahead), PLAN_NODE_BYTES);
-    let threads = mul(mul(world, Stream::ALL.len() as u64), THREAD_BYTES);
+    let threads = mul(mul(n_ranks, Stream::ALL.len() as u64), THREAD_BYTES);
     // verify's reference: two f64 sums and an f32 gradient of the largest parameter.
     let reference = if sessions > 1 { mul(largest, 20) } else { 0 };
+    let received = if linked {
+        mul(mul(numel_all, world.saturating_sub(1)), F32)
+    } else {
+        0
+    };
     let n = u64::from(sessions);
     MemoryEstimate {
         params: mul(mul(params, F32), n),
@@ -184,10 +193,86 @@ pub fn estimate_cpu(config: &Config, planner: &Planner, sessions: u32) -> Memory
         plans: mul(plans, n),
         host: mul(largest, F32)
             .saturating_add(reference)
-            .saturating_add(mul(threads, n)),
+            .saturating_add(mul(threads, n))
+            .saturating_add(mul(received, n)),
     }
 }
 
+/// `[forward]`: the gathered full parameters a rank holds, at most `prefetch + 1`
+/// layers of them per pass (bounded here by the largest layers), or every layer when
+/// the forward's are kept for the backward; 0 without a forward.
+fn forward_gathered(config: &Config, planner: &Planner) -> u64 {
+    let Some(f) = config.plan.forward else {
+        return 0;
+    };
+    let mesh = config.plan.mesh;
+    let mut layers: std::collections::BTreeMap<u32, u64> = std::collections::BTreeMap::new();
+    for p in planner.params() {
+        let full = if p.spec.route.is_owned() {
+            p.spec.numel()
+        } else {
+            p.spec
+                .chunk(mesh.shard)
+                .saturating_mul(u64::from(mesh.shard))
+        };
+        let l = layers.entry(p.spec.layer).or_insert(0);
+        *l = l.saturating_add(full);
+    }
+    let mut sizes: Vec<u64> = layers.into_values().collect();
+    sizes.sort_unstable_by(|a, b| b.cmp(a));
+    let held = if f.reshard_after_forward {
+        (f.prefetch as usize).saturating_add(1)
+    } else {
+        sizes.len()
+    };
+    sizes
+        .iter()
+        .take(held)
+        .fold(0u64, |acc, &x| acc.saturating_add(x))
+}
+
+/// Which ranks a memory check counts ([`check_cpu_ranks`]).
+#[derive(Debug, Clone, PartialEq, Eq)]
+#[non_exhaustive]
+pub struct RanksHere {
+    /// The ranks this process drives: held against its own address-space limit.
+    pub process: Vec<u32>,
+    /// The processes on this machine, each with its ranks: together held against the
+    /// machine's available memory and the cgroup's limit.
+    pub machine: Vec<Vec<u32>>,
+}
+
+impl RanksHere {
+    /// Every rank of `mesh` in this process (the in-process CPU backend).
+    pub fn all(mesh: Mesh) -> RanksHere {
+        let all: Vec<u32> = (0..mesh.world()).collect();
+        RanksHere {
+            process: all.clone(),
+            machine: vec![all],
+        }
+    }
+
+    /// Rank `rank` of a job of one process per rank on `mesh`, the process
+    /// `local_rank` of `local_world_size` on its machine (launchers number a machine's
+    /// processes consecutively); without `local_world_size`, every rank is taken to
+    /// share this machine.
+    pub fn one(mesh: Mesh, rank: u32, local_rank: u32, local_world_size: Option<u32>) -> RanksHere {
+        let world = mesh.world();
+        let machine: Vec<Vec<u32>> = match local_world_size {
+            Some(n) if local_rank <= rank => {
+                let first = rank - local_rank;
+                (first..first.saturating_add(n).min(world))
+                    .map(|r| vec![r])
+                    .collect()
+            }
+            _ => (0..world).map(|r| vec![r]).collect(),
+        };
+        RanksHere {
+            process: vec![rank],
+            machine,
+        }
+    }
+}
 /// Address space a stream thread reserves beyond what it touches: its stack (2 MiB, the
 /// standard library's default) and, for the first threads, an allocator arena (glibc
 /// reserves 64 MiB of address space per arena, at most 8 per core). Only a limit on the
@@ -273,6 +358,12 @@ pub fn available_memory() -> Option<u64> {
 
 /// [`available_memory`], with the bound that decides it.
 pub fn available() -> Option<Available> {
+    bounds().into_iter().min_by_key(|a| a.bytes)
+}
+
+/// Every bound on the memory this process may take that can be read: the machine's
+/// `MemAvailable`, the address-space limit, the cgroup's limit.
+pub fn bounds() -> Vec<Available> {
     let read = |path: &str| std::fs::read_to_string(path).ok();
     let meminfo = read("/proc/meminfo")
         .and_then(|t| meminfo_available(&t))
@@ -298,10 +389,7 @@ pub fn available() -> Option<Available> {
         bound: "the cgroup's memory.max",
         address_space: false,
     });
-    [meminfo, address, cgroup]
-        .into_iter()
-        .flatten()
-        .min_by_key(|a| a.bytes)
+    [meminfo, address, cgroup].into_iter().flatten().collect()
 }
 
 /// The soft `Max address space` of a `/proc/self/limits` text, in bytes; `None` when
@@ -409,30 +497,95 @@ pub fn thread_address_bytes(threads: u64) -> u64 {
 /// planner's limits for the config's gates, and an [`estimate_cpu`] within
 /// [`available_memory`]. Returns the estimate.
 pub fn check_cpu(config: &Config, sessions: u32) -> Result<MemoryEstimate, Error> {
+    check_cpu_ranks(config, sessions, &RanksHere::all(config.plan.mesh))
+}
+
+/// [`check_cpu`] for a process that drives only some ranks (`here`): its own ranks'
+/// [`estimate_cpu_ranks`] against its address-space limit, and every process of its
+/// machine together against the machine's available memory and the cgroup's limit.
+/// Returns this process's estimate.
+pub fn check_cpu_ranks(
+    config: &Config,
+    sessions: u32,
+    here: &RanksHere,
+) -> Result<MemoryEstimate, Error> {
     CpuBackend::check_mesh(config.plan.mesh).map_err(|e| match e {
         OpsError::Backend(reason) => Error::Backend(reason),
         other => Error::Backend(other.to_string()),
     })?;
     let planner = Planner::new(config.plan.clone())?;
     planner.check_step(config.gates.len())?;
-    let estimate = estimate_cpu(config, &planner, sessions);
-    let what = format!(
-        "{} on the CPU backend (mesh {}, {} ranks, {} micro-batches{})",
-        config.source,
-        config.plan.mesh,
-        config.plan.mesh.world(),
-        config.gates.len(),
-        if sessions > 1 {
-            format!(", {sessions} sessions")
-        } else {
-            String::new()
-        }
-    );
-    let threads = u64::from(config.plan.mesh.world())
-        .saturating_mul(Stream::ALL.len() as u64)
-        .saturating_mul(u64::from(sessions));
-    check_within(&estimate, thread_address_bytes(threads), available(), &what)?;
-    Ok(estimate)
+    let world = config.plan.mesh.world();
+    let linked = here.process.len() < world as usize;
+    let estimate = |ranks: &[u32]| estimate_cpu_ranks(config, &planner, sessions, ranks, linked);
+    let mine = estimate(&here.process);
+    let machine = here
+        .machine
+        .iter()
+        .map(|p| estimate(p))
+        .reduce(|a, b| a.plus(&b))
+        .unwrap_or(mine);
+    let what = |scope: &str| job_text(config, sessions, &here.process, linked, scope);
+    let threads = |n: usize| {
+        thread_address_bytes(
+            (n as u64)
+                .saturating_mul(Stream::ALL.len() as u64)
+                .saturating_mul(u64::from(sessions)),
+        )
+    };
+    let all = bounds();
+    let process_bound = all
+        .iter()
+        .copied()
+        .filter(|a| a.address_space)
+        .min_by_key(|a| a.bytes);
+    let machine_bound = all
+        .iter()
+        .copied()
+        .filter(|a| !a.address_space)
+        .min_by_key(|a| a.bytes);
+    check_within(
+        &mine,
+        threads(here.process.len()),
+        process_bound,
+        &what("this process"),
+    )?;
+    let on_machine: usize = here.machine.iter().map(Vec::len).sum();
+    let scope = if linked {
+        "the processes on this machine"
+    } else {
+        "this process"
+    };
+    check_within(&machine, threads(on_machine), machine_bound, &what(scope))?;
+    Ok(mine)
+}
+
+/// What a memory check names: the config and mesh, and for a process of a job its
+/// ranks and `scope` (this process, or the processes on its machine).
+fn job_text(config: &Config, sessions: u32, ranks: &[u32], linked: bool, scope: &str) -> String {
+    let (mesh, m) = (config.plan.mesh, config.gates.len());
+    let n = sessions_text(sessions);
+    if linked {
+        format!(
+            "{} ({scope}: rank(s) {ranks:?} of a job of {} processes on the CPU backend (mesh {mesh}, {m} micro-batches{n}))",
+            config.source,
+            mesh.world()
+        )
+    } else {
+        format!(
+            "{} on the CPU backend (mesh {mesh}, {} ranks, {m} micro-batches{n})",
+            config.source,
+            mesh.world()
+        )
+    }
+}
+
+fn sessions_text(sessions: u32) -> String {
+    if sessions > 1 {
+        format!(", {sessions} sessions")
+    } else {
+        String::new()
+    }
 }
 
 #[cfg(test)]

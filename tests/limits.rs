@@ -338,3 +338,43 @@ fn example(name: &str) -> PathBuf {
         .join("examples")
         .join(name)
 }
+
+#[test]
+fn a_process_of_a_job_counts_its_own_ranks_and_its_machine_counts_every_process() {
+    let cfg = Config::from_file(&example("hsdp_2x2.toml")).unwrap();
+    let mesh = cfg.plan.mesh;
+    let planner = Planner::new(cfg.plan.clone()).unwrap();
+    let all: Vec<u32> = (0..mesh.world()).collect();
+    let whole = resources::estimate_cpu_ranks(&cfg, &planner, 1, &all, false);
+    assert_eq!(whole, resources::estimate_cpu(&cfg, &planner, 1));
+    // The ranks' parameters, state and gradients add up to the whole mesh's: the owned
+    // parameters sit on their owners' shard columns only.
+    let ranks: Vec<_> = all
+        .iter()
+        .map(|&r| resources::estimate_cpu_ranks(&cfg, &planner, 1, &[r], false))
+        .collect();
+    let sum = |f: fn(&resources::MemoryEstimate) -> u64| ranks.iter().map(f).sum::<u64>();
+    assert_eq!(sum(|e| e.params), whole.params);
+    assert_eq!(sum(|e| e.optimizer), whole.optimizer);
+    assert_eq!(sum(|e| e.gradients), whole.gradients);
+    assert!(
+        ranks.iter().any(|e| e.params != ranks[0].params),
+        "owners differ"
+    );
+    // A linked rank also holds what the other ranks send it.
+    let linked = resources::estimate_cpu_ranks(&cfg, &planner, 1, &[1], true);
+    assert!(linked.host > ranks[1].host, "{linked} vs {}", ranks[1]);
+
+    // Processes on a machine: launchers number them consecutively.
+    let here = resources::RanksHere::one(mesh, 3, 1, Some(2));
+    assert_eq!(here.process, vec![3]);
+    assert_eq!(here.machine, vec![vec![2], vec![3]]);
+    let unknown = resources::RanksHere::one(mesh, 3, 1, None);
+    assert_eq!(
+        unknown.machine.len(),
+        4,
+        "every rank taken to share the machine"
+    );
+    assert_eq!(resources::RanksHere::all(mesh).machine, vec![all]);
+    assert!(resources::check_cpu_ranks(&cfg, 2, &here).is_ok());
+}

@@ -5,6 +5,7 @@
 use std::time::{Duration, Instant};
 
 use overlap::config::Config;
+use overlap::resources::RanksHere;
 use overlap::{Error, PeerAbort, StepDeadline};
 use overlap_dist::cpu::CpuWorld;
 use overlap_dist::rendezvous::Rendezvous;
@@ -33,6 +34,18 @@ pub(crate) fn cpu_world(
         );
     }
     Ok(Some(world))
+}
+
+/// The memory check of `overlap run` and `verify` on the CPU backend, before anything is
+/// allocated: for a process of a multi-process job its own rank (and its machine's
+/// processes together), else the whole mesh (`overlap::resources::check_cpu_ranks`).
+pub(crate) fn check_cpu_memory(cfg: &Config, sessions: u32) -> Result<(), Error> {
+    let mesh = cfg.plan.mesh;
+    let here = match overlap_dist::cpu::rank_env(mesh)? {
+        Some(env) => RanksHere::one(mesh, env.rank, env.local_rank, env.local_world_size),
+        None => RanksHere::all(mesh),
+    };
+    overlap::resources::check_cpu_ranks(cfg, sessions, &here).map(drop)
 }
 
 /// How long a rank told of another rank's failure may take to stop by itself before it

@@ -22,7 +22,7 @@ pub(crate) async fn run(
     let cuda = use_cuda(cfg.run.backend)?;
     if !cuda {
         // Before any file, listener or thread: the rank limit and the memory estimate.
-        overlap::resources::check_cpu(cfg, 1)?;
+        crate::job::check_cpu_memory(cfg, 1)?;
     }
     // In a multi-process job only rank 0 writes the trace and picture, and each rank
     // serves metrics on the base port plus its local rank.

@@ -72,6 +72,11 @@ pub(crate) async fn verify_cpu_job(
     seed: u64,
     json: bool,
 ) -> Result<Option<ExitCode>, Error> {
+    if overlap_dist::cpu::rank_env(cfg.plan.mesh)?.is_none() {
+        return Ok(None);
+    }
+    // Before the world's links and buffers: this rank's memory, two sessions.
+    crate::job::check_cpu_memory(cfg, 2)?;
     let Some(mut world) = crate::job::cpu_world(cfg, "verify", steps, seed)? else {
         return Ok(None);
     };

@@ -76,10 +76,29 @@ fn cli_refuses_a_job_the_machine_cannot_hold_with_the_estimate() {
 /// `verify` of a 2x1 job with a 400 MB parameter under a 4 GiB address-space limit
 /// (`prlimit --as`, `ulimit -v`): it would take about 9 GB, and used to abort on a failed
 /// allocation (signal 6); it is exit 2 naming the limit, before any allocation.
+/// Starts `c` under an address-space limit of `bytes` (`prlimit --as`).
+#[cfg(target_os = "linux")]
+fn limit_address_space(c: &mut Command, bytes: u64) {
+    use std::os::unix::process::CommandExt;
+    // SAFETY: setrlimit is async-signal-safe, and the closure touches nothing else.
+    unsafe {
+        c.pre_exec(move || {
+            let lim = libc::rlimit {
+                rlim_cur: bytes,
+                rlim_max: bytes,
+            };
+            if libc::setrlimit(libc::RLIMIT_AS, &lim) == 0 {
+                Ok(())
+            } else {
+                Err(std::io::Error::last_os_error())
+            }
+        });
+    }
+}
+
 #[cfg(target_os = "linux")]
 #[test]
 fn cli_respects_the_address_space_limit() {
-    use std::os::unix::process::CommandExt;
     let f = scratch(
         "address.toml",
         "[mesh]\nshard = 2\nreplicate = 1\n[[param]]\nname = \"w\"\nshape = [100000000]\nroute = \"fsdp\"\n",
@@ -87,23 +106,33 @@ fn cli_respects_the_address_space_limit() {
     for cmd in ["verify", "run"] {
         let mut c = Command::new(env!("CARGO_BIN_EXE_overlap"));
         c.args([cmd, "--config", &f, "--backend", "cpu"]);
-        // SAFETY: setrlimit is async-signal-safe, and the closure touches nothing else.
-        unsafe {
-            c.pre_exec(|| {
-                let lim = libc::rlimit {
-                    rlim_cur: 4 << 30,
-                    rlim_max: 4 << 30,
-                };
-                if libc::setrlimit(libc::RLIMIT_AS, &lim) == 0 {
-                    Ok(())
-                } else {
-                    Err(std::io::Error::last_os_error())
-                }
-            });
-        }
+        limit_address_space(&mut c, 4 << 30);
         let o = c.output().expect("the binary runs");
         exits(&o, 2, &["needs about", "address-space limit (ulimit -v)"]);
     }
+    // One process per rank: each counts its own rank, its links' receptions and the
+    // reference session, against its own limit; verify's two sessions do not fit and
+    // every rank says so with exit 2 instead of aborting in an allocation.
+    let mut c = Command::new(env!("CARGO_BIN_EXE_overlap"));
+    c.args([
+        "launch",
+        "--nproc-per-node",
+        "2",
+        "--",
+        "verify",
+        "--config",
+        &f,
+    ])
+    .args(["--backend", "cpu", "--steps", "1"]);
+    // The ranks inherit the launcher's limit.
+    limit_address_space(&mut c, 4 << 30);
+    let o = c.output().expect("the launcher runs");
+    exits(
+        &o,
+        2,
+        &["this process: rank(s) [", "address-space limit (ulimit -v)"],
+    );
+    assert!(!String::from_utf8_lossy(&o.stderr).contains("signal"));
 }
 
 #[test]
