@@ -500,6 +500,35 @@ impl<B: Backend> Session<B> {
         self.executor.step_deadline()
     }
 
+    /// The planner. Deprecated: it exposes the session's internals; what programs read
+    /// through it has accessors of its own ([`Session::params`], [`Session::spec`],
+    /// [`Session::buckets`]). Kept for one release so that programs migrate.
+    #[deprecated(
+        since = "0.1.0",
+        note = "use Session::params, Session::spec or Session::buckets"
+    )]
+    pub fn planner(&self) -> &Planner {
+        &self.planner
+    }
+
+    /// The executor. Deprecated: it exposes the session's internals; use
+    /// [`Session::backend`], [`Session::read_buffer`], [`Session::steps_done`] and
+    /// [`Session::plan_cache`]. Kept for one release so that programs migrate.
+    #[deprecated(
+        since = "0.1.0",
+        note = "use Session::backend, read_buffer, steps_done or plan_cache"
+    )]
+    pub fn executor(&self) -> &Executor<B> {
+        &self.executor
+    }
+
+    /// Every parameter's resolved optimizer settings. Deprecated: use
+    /// [`Session::param_group`]. Kept for one release so that programs migrate.
+    #[deprecated(since = "0.1.0", note = "use Session::param_group")]
+    pub fn hyper(&self) -> &overlap_executor::HyperTable {
+        self.executor.hyper()
+    }
+
     /// The parameters in plan order (a parameter's [`ParamId`] is its index), each with
     /// its spec, route, owner and layout on the mesh.
     pub fn params(&self) -> &[PlacedParam] {

@@ -265,3 +265,20 @@ async fn the_step_deadline_is_readable_from_other_threads_during_a_step_only() {
     s.zero_grad().await.unwrap();
     assert_eq!(s.step_deadline().get(), None);
 }
+
+/// The internals' accessors are deprecated for one release: they still answer, and
+/// what replaces each answers the same.
+#[test]
+#[allow(deprecated)]
+fn deprecated_internals_answer_as_their_replacements() {
+    let (s, backend) = session(2, 2);
+    assert_eq!(s.planner().params(), s.params());
+    assert_eq!(s.planner().spec(), s.spec());
+    assert_eq!(s.planner().buckets(), s.buckets());
+    assert!(Arc::ptr_eq(s.executor().backend(), s.backend()));
+    assert!(Arc::ptr_eq(s.backend(), &backend));
+    assert_eq!(s.executor().steps_done(), s.steps_done());
+    for p in 0..s.params().len() as u32 {
+        assert_eq!(s.hyper().group_of(p), s.param_group(p));
+    }
+}
