@@ -242,7 +242,7 @@ impl Session<CpuBackend> {
         // The rank limit, the step's size and the memory it needs, before any thread.
         crate::resources::check_cpu(config, 1)?;
         let backend = Arc::new(CpuBackend::new(config.plan.mesh));
-        let mut s = Session::new(config.plan.clone(), backend, exec_config(config))?;
+        let mut s = Session::new(config.plan.clone(), backend, exec_config(config)?)?;
         let seed = config.run.seed;
         s.init_params(|i, p| crate::synthetic::init(seed, i, p.spec.numel() as usize))?;
         Ok(s)
@@ -250,9 +250,10 @@ impl Session<CpuBackend> {
 }
 
 /// The executor settings a config asks for. No fault: a session injects one only when
-/// handed it ([`Session::inject_faults`]).
-pub fn exec_config(config: &Config) -> ExecConfig {
-    ExecConfig::default()
+/// handed it ([`Session::inject_faults`]). A `Result` so that a check added later is not
+/// a breaking change; it fails on nothing today.
+pub fn exec_config(config: &Config) -> Result<ExecConfig, Error> {
+    Ok(ExecConfig::default()
         .with_stage1_window(config.overlap.stage1_window as usize)
         .with_adamw(config.adamw)
         .with_muon(config.muon)
@@ -264,7 +265,7 @@ pub fn exec_config(config: &Config) -> ExecConfig {
         .with_clip(config.clip.unwrap_or_default())
         .with_host_timeout(std::time::Duration::from_secs(u64::from(
             config.run.step_timeout_s,
-        )))
+        ))))
 }
 
 impl<B: Backend> Session<B> {

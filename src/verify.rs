@@ -283,9 +283,19 @@ pub fn tolerances(dtype: DType) -> (f64, f64) {
     }
 }
 
-/// Runs the verification of a config for `steps` steps with `seed`, both sessions
-/// injecting `faults` (a NaN step is then expected to be skipped by both).
+/// Runs the verification of a config for `steps` steps with `seed`, without faults.
 pub async fn verify(
+    config: &Config,
+    steps: u64,
+    seed: u64,
+    progress: impl FnMut(u64),
+) -> Result<VerifyReport, Error> {
+    verify_with_faults(config, steps, seed, &Faults::none(), progress).await
+}
+
+/// [`verify`] with both sessions injecting `faults` (a NaN step is then expected to be
+/// skipped by both; `overlap verify` passes what `OVERLAP_FAULT` names).
+pub async fn verify_with_faults(
     config: &Config,
     steps: u64,
     seed: u64,

@@ -265,7 +265,7 @@ async fn verify_checks_every_gathered_element() {
         "forward.toml",
     )
     .unwrap();
-    let r = overlap::verify::verify(&config, 2, 5, &overlap::faults::Faults::none(), |_| {})
+    let r = overlap::verify::verify(&config, 2, 5, |_| {})
         .await
         .unwrap();
     assert_eq!(r.forward_mismatches, Some(0));

@@ -17,13 +17,7 @@ fn check(file: &str, gates: &[Gate], dtype: DType) {
     cfg.plan.reduce.dtype = dtype;
     let rt = tokio::runtime::Runtime::new().expect("a runtime");
     let report = rt
-        .block_on(overlap::verify::verify(
-            &cfg,
-            3,
-            cfg.run.seed,
-            &overlap::faults::Faults::none(),
-            |_| {},
-        ))
+        .block_on(overlap::verify::verify(&cfg, 3, cfg.run.seed, |_| {}))
         .expect("verify runs");
     assert!(report.ok, "{file} {gates:?} {dtype:?}: {report:?}");
     assert_eq!(report.partials_left, 0);

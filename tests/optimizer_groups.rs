@@ -6,7 +6,6 @@ use std::path::Path;
 use std::sync::Arc;
 
 use overlap::executor::{ExecConfig, LrSchedule, ParamGroup, ScheduleKind};
-use overlap::faults::Faults;
 use overlap::graph::OptimizerKind;
 use overlap::ops::cpu::CpuBackend;
 use overlap::ops::{math, AdamwParams, MuonParams};
@@ -377,7 +376,7 @@ fn the_example_with_groups_and_a_schedule_verifies() {
     assert_eq!(cfg.groups.len(), 4);
     assert_eq!(cfg.schedule.kind, ScheduleKind::Cosine);
     let report = runtime()
-        .block_on(overlap::verify::verify(&cfg, 6, 3, &Faults::none(), |_| {}))
+        .block_on(overlap::verify::verify(&cfg, 6, 3, |_| {}))
         .unwrap();
     assert!(report.ok, "{report:?}");
     assert_eq!(report.partials_left, 0);

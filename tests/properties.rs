@@ -77,7 +77,7 @@ proptest! {
         let v = validate(&plan, Mode::Step);
         prop_assert!(v.is_empty(), "{:?}", v);
         let rt = tokio::runtime::Builder::new_multi_thread().worker_threads(2).enable_all().build().unwrap();
-        let report = rt.block_on(verify(&cfg, 2, 11, &overlap::faults::Faults::none(), |_| {})).unwrap();
+        let report = rt.block_on(verify(&cfg, 2, 11, |_| {})).unwrap();
         prop_assert!(report.ok, "mesh {:?} gates {} : {:?}", mesh, Gate::pattern_label(&gates), report);
         prop_assert_eq!(report.partials_left, 0);
     }

@@ -64,9 +64,7 @@ async fn check(shard: u32, replicate: u32, gates: &str) {
 async fn check_with(shard: u32, replicate: u32, gates: &str, overlap: &str) {
     for cap in [64, 1 << 20] {
         let cfg = config(shard, replicate, gates, cap, overlap);
-        let r = verify(&cfg, 3, 42, &overlap::faults::Faults::none(), |_| {})
-            .await
-            .unwrap();
+        let r = verify(&cfg, 3, 42, |_| {}).await.unwrap();
         let label = format!("mesh {shard}x{replicate} gates {gates} cap {cap} {overlap}");
         assert!(
             r.worst_rel_err <= 1e-6,

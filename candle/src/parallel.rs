@@ -268,7 +268,7 @@ impl DataParallel<CpuBackend> {
 
 impl<B: Backend> DataParallel<B> {
     fn with_backend(params: Vec<Param>, config: &Config, backend: Arc<B>) -> Result<Self, Error> {
-        let exec = overlap::session::exec_config(config);
+        let exec = overlap::session::exec_config(config)?;
         let mut session = Session::new(config.plan.clone(), backend.clone(), exec)?;
         // The session starts from the model's current values.
         let mut first = None;

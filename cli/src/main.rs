@@ -269,7 +269,7 @@ async fn verify_steps(
     if let Some(code) = verify_cpu_job(cfg, steps, seed, json).await? {
         return Ok(code);
     }
-    let report = overlap::verify::verify(
+    let report = overlap::verify::verify_with_faults(
         cfg,
         steps,
         seed,

@@ -14,7 +14,7 @@ impl Session<CudaBackend> {
     /// A session on this rank's GPU, parameters initialised from the config's seed
     /// exactly as [`Session::cpu`] does (each rank keeps its piece).
     pub fn cuda(config: &Config, backend: Arc<CudaBackend>) -> Result<Self, Error> {
-        let mut s = Session::new(config.plan.clone(), backend, exec_config(config))?;
+        let mut s = Session::new(config.plan.clone(), backend, exec_config(config)?)?;
         let seed = config.run.seed;
         s.init_params(|i, p| crate::synthetic::init(seed, i, p.spec.numel() as usize))?;
         Ok(s)

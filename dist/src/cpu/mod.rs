@@ -131,7 +131,7 @@ pub(crate) fn session_on(
     config: &Config,
     backend: Arc<CpuBackend>,
 ) -> Result<Session<CpuBackend>, Error> {
-    let mut s = Session::new(config.plan.clone(), backend, exec_config(config))?;
+    let mut s = Session::new(config.plan.clone(), backend, exec_config(config)?)?;
     let seed = config.run.seed;
     s.init_params(|i, p| overlap::synthetic::init(seed, i, p.spec.numel() as usize))?;
     Ok(s)
