@@ -16,7 +16,7 @@ pub(crate) fn env(rendezvous: bool) -> Result<ExitCode, Error> {
         serde_json::to_string(&env).map_err(|e| Error::Usage(e.to_string()))?
     );
     if rendezvous {
-        let timeout = overlap_dist::rendezvous::start_timeout(std::time::Duration::from_secs(60));
+        let timeout = overlap_dist::rendezvous::start_timeout(std::time::Duration::from_secs(60))?;
         let mut rdv = overlap_dist::rendezvous::Rendezvous::connect(&env, timeout)?;
         let me = format!("rank {} pid {}", env.rank, std::process::id());
         if let Some(all) = rdv.gather(me.as_bytes(), timeout)? {

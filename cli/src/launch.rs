@@ -79,11 +79,26 @@ fn catch_signals() {
     }
 }
 
-fn grace() -> Duration {
-    std::env::var(GRACE_VAR)
+/// The longest grace period [`GRACE_VAR`] may ask for: an hour.
+pub const MAX_GRACE_S: u64 = 3600;
+
+/// The grace period: [`GRACE_VAR`] seconds when set (and not empty), else
+/// [`DEFAULT_GRACE`]; anything but a whole number from 0 to [`MAX_GRACE_S`] is an error
+/// naming the variable (checked before any rank starts).
+fn grace() -> Result<Duration, DistError> {
+    let Some(v) = std::env::var(GRACE_VAR)
         .ok()
-        .and_then(|v| v.trim().parse::<u64>().ok())
-        .map_or(DEFAULT_GRACE, Duration::from_secs)
+        .filter(|v| !v.trim().is_empty())
+    else {
+        return Ok(DEFAULT_GRACE);
+    };
+    match v.trim().parse::<u64>() {
+        Ok(s) if s <= MAX_GRACE_S => Ok(Duration::from_secs(s)),
+        _ => Err(DistError::Env {
+            var: GRACE_VAR.into(),
+            reason: format!("`{v}` is not a whole number of seconds from 0 to {MAX_GRACE_S}"),
+        }),
+    }
 }
 
 /// What to launch.
@@ -128,6 +143,7 @@ pub fn program_of(args: &[OsString], subcommands: &[String]) -> Option<PathBuf> 
 /// them all again after a failure while `--max-restarts` allows; returns the exit status
 /// to exit with.
 pub fn launch(spec: &LaunchSpec) -> Result<u8, DistError> {
+    grace()?;
     let job = Job::new(spec)?;
     catch_signals();
     let mut restart = 0;
@@ -415,7 +431,8 @@ fn watch(children: &mut [(u32, Child)]) -> Result<Ended, DistError> {
 /// Sends `sig` to every rank still running, waits up to the grace period for them to
 /// exit, kills the rest; the exit status is 128 + `sig`.
 fn forward(children: &mut [(u32, Child)], sig: i32) -> u8 {
-    let grace = grace();
+    // Checked when the launch began.
+    let grace = grace().unwrap_or(DEFAULT_GRACE);
     eprintln!(
         "[launch] received signal {sig}; forwarding it to the ranks (killed after {grace:?}, {GRACE_VAR})"
     );

@@ -83,7 +83,7 @@ pub(crate) fn share_save_job<B: overlap::ops::Backend>(
     let Some(rdv) = rdv else {
         return Ok(());
     };
-    let timeout = overlap_dist::rendezvous::start_timeout(std::time::Duration::from_secs(180));
+    let timeout = overlap_dist::rendezvous::start_timeout(std::time::Duration::from_secs(180))?;
     let got = rdv.broadcast(&SaveJob::fresh().id.to_le_bytes(), timeout)?;
     let id = <[u8; 8]>::try_from(got.as_slice()).map_err(|_| {
         Error::Usage(format!(

@@ -167,6 +167,32 @@ fn a_rank_without_its_peers_times_out_naming_them() {
 
 const SECRET: &str = "a test secret that is long enough";
 
+#[test]
+fn malformed_timeouts_are_refused_naming_the_variable() {
+    // Past a week would have overflowed the deadline (a panic); garbage was ignored.
+    for bad in ["18446744073709551615", "soon", "0"] {
+        let out = rank(1, 2, free_port(), Some(SECRET), &["env", "--rendezvous"])
+            .env("OVERLAP_RENDEZVOUS_TIMEOUT_S", bad)
+            .output()
+            .expect("overlap runs");
+        let stderr = String::from_utf8_lossy(&out.stderr);
+        assert_eq!(out.status.code(), Some(2), "{stderr}");
+        assert!(
+            stderr.contains("OVERLAP_RENDEZVOUS_TIMEOUT_S") && !stderr.contains("panicked"),
+            "{stderr}"
+        );
+    }
+    let out = overlap()
+        .args(["launch", "--nproc-per-node", "2", "--", "env"])
+        .env("OVERLAP_LAUNCH_GRACE_S", "forever")
+        .output()
+        .expect("overlap runs");
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert_eq!(out.status.code(), Some(2), "{stderr}");
+    assert!(stderr.contains("OVERLAP_LAUNCH_GRACE_S"), "{stderr}");
+    assert!(!stderr.contains("[rank 0]"), "no rank starts: {stderr}");
+}
+
 /// `overlap <args>` as rank `rank` of `world` on 127.0.0.1:`port`, with `secret`.
 fn rank(rank: u32, world: u32, port: u16, secret: Option<&str>, args: &[&str]) -> Command {
     let mut c = overlap();

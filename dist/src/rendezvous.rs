@@ -104,13 +104,29 @@ impl Kind {
 /// The variable that overrides how long ranks wait for each other at start, in seconds.
 pub const TIMEOUT_VAR: &str = "OVERLAP_RENDEZVOUS_TIMEOUT_S";
 
+/// The longest start timeout `OVERLAP_RENDEZVOUS_TIMEOUT_S` may ask for: a week.
+pub const MAX_START_TIMEOUT_S: u64 = 7 * 24 * 3600;
+
 /// How long to wait for the other ranks at start: `OVERLAP_RENDEZVOUS_TIMEOUT_S`
-/// seconds when set to a number, else `default`.
-pub fn start_timeout(default: Duration) -> Duration {
-    std::env::var(TIMEOUT_VAR)
-        .ok()
-        .and_then(|v| v.trim().parse::<u64>().ok())
-        .map_or(default, Duration::from_secs)
+/// seconds when set (and not empty), else `default`. A value that is not a whole number
+/// of seconds from 1 to [`MAX_START_TIMEOUT_S`] is an error naming the variable.
+pub fn start_timeout(default: Duration) -> Result<Duration, DistError> {
+    timeout_from(std::env::var(TIMEOUT_VAR).ok().as_deref(), default)
+}
+
+fn timeout_from(value: Option<&str>, default: Duration) -> Result<Duration, DistError> {
+    let Some(v) = value.map(str::trim).filter(|v| !v.is_empty()) else {
+        return Ok(default);
+    };
+    match v.parse::<u64>() {
+        Ok(s) if (1..=MAX_START_TIMEOUT_S).contains(&s) => Ok(Duration::from_secs(s)),
+        _ => Err(DistError::Env {
+            var: TIMEOUT_VAR.into(),
+            reason: format!(
+                "`{v}` is not a whole number of seconds from 1 to {MAX_START_TIMEOUT_S} (a week)"
+            ),
+        }),
+    }
 }
 
 /// The job's shared secret: what a rank proves it holds before rank 0 accepts it (and
@@ -467,7 +483,7 @@ impl Rendezvous {
                 mesh.world()
             )));
         }
-        let timeout = start_timeout(default);
+        let timeout = start_timeout(default)?;
         let mut rendezvous = Rendezvous::connect(env, timeout)?;
         rendezvous.agree(what, timeout)?;
         Ok((rendezvous, timeout))
@@ -1383,6 +1399,18 @@ mod tests {
         job[0].0.abort("rank 0 broke");
         for (_, a) in &job[1..] {
             assert_eq!(wait_for(a).rank, 0);
+        }
+    }
+
+    #[test]
+    fn the_start_timeout_is_read_strictly() {
+        let d = Duration::from_secs(180);
+        assert_eq!(timeout_from(None, d).unwrap(), d);
+        assert_eq!(timeout_from(Some(" "), d).unwrap(), d);
+        assert_eq!(timeout_from(Some("5"), d).unwrap(), Duration::from_secs(5));
+        for bad in ["0", "-1", "1.5", "soon", "18446744073709551615", "604801"] {
+            let e = timeout_from(Some(bad), d).unwrap_err().to_string();
+            assert!(e.contains(TIMEOUT_VAR) && e.contains(bad), "{e}");
         }
     }
 
