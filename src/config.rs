@@ -402,6 +402,23 @@ impl Config {
                 ));
             }
         }
+        if o.gates.is_some() || o.wire_dtype.is_some() {
+            // As at load: the step's plan within the planner's limits (buckets are sized
+            // in bytes of the wire type, so the dtype moves it too).
+            let mut plan = self.plan.clone();
+            if let Some(d) = o.wire_dtype {
+                plan.reduce.dtype = d;
+            }
+            let m = o.gates.as_ref().map_or(self.gates.len(), Vec::len);
+            let key = if o.gates.is_some() {
+                "accumulation.gates"
+            } else {
+                "reduce.dtype"
+            };
+            Planner::new(plan)
+                .and_then(|p| p.check_step(m))
+                .map_err(|e| refuse(key, plan_reason(e)))?;
+        }
         if let Some(n) = o.timing_every {
             if !(1..=MAX_TIMING_EVERY).contains(&n) {
                 return Err(refuse(

@@ -1264,4 +1264,16 @@ fn overrides_are_checked_as_the_files_values_and_keep_the_transport_consistent()
         );
         assert_eq!(cfg, base, "a refused override changes nothing");
     }
+    // Within the micro-batch limit but past the planner's node limit, as a file's
+    // `[accumulation]` would be.
+    let path = concat!(env!("CARGO_MANIFEST_DIR"), "/examples/hsdp_2x2.toml");
+    let file = Config::from_file(Path::new(path)).unwrap();
+    let mut cfg = file.clone();
+    let many = vec![Gate::NoSync; overlap_graph::MAX_MICRO_BATCHES];
+    let e = cfg
+        .apply(&Overrides::none().with_gates(Some(many)))
+        .unwrap_err();
+    assert_eq!(e.key, "accumulation.gates", "{e}");
+    assert!(e.reason.contains("plan nodes"), "{e}");
+    assert_eq!(cfg, file);
 }

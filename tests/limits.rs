@@ -346,7 +346,6 @@ fn a_process_of_a_job_counts_its_own_ranks_and_its_machine_counts_every_process(
     let planner = Planner::new(cfg.plan.clone()).unwrap();
     let all: Vec<u32> = (0..mesh.world()).collect();
     let whole = resources::estimate_cpu_ranks(&cfg, &planner, 1, &all, false);
-    assert_eq!(whole, resources::estimate_cpu(&cfg, &planner, 1));
     // The ranks' parameters, state and gradients add up to the whole mesh's: the owned
     // parameters sit on their owners' shard columns only.
     let ranks: Vec<_> = all

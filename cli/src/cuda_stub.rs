@@ -10,6 +10,7 @@
 use std::process::ExitCode;
 
 use overlap::config::{BackendChoice, Config};
+use overlap::faults::Faults;
 use overlap::{observe, Error, Mesh};
 use overlap_sim::calibrate::Measurements;
 
@@ -35,14 +36,19 @@ fn no_cuda(what: &str) -> Error {
 }
 
 /// Without the `cuda` feature: the error of `--backend cuda`.
-pub(crate) async fn verify(_: &Config, _: u64, _: u64, _: bool) -> Result<ExitCode, Error> {
+pub(crate) async fn verify(
+    _: &Config,
+    _: (u64, u64),
+    _: &Faults,
+    _: bool,
+) -> Result<ExitCode, Error> {
     use_cuda(BackendChoice::Cuda).map(|_| ExitCode::from(2))
 }
 
 /// Without the `cuda` feature: the error of `--backend cuda`.
 pub(crate) async fn run(
     _: &Config,
-    _: u32,
+    _: (u32, Faults),
     _: &ObserveArgs,
     _: &CheckpointArgs,
     _: observe::Recording,

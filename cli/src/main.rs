@@ -262,24 +262,20 @@ async fn verify_steps(
 ) -> Result<ExitCode, Error> {
     let steps = u64::from(steps.unwrap_or(cfg.run.steps));
     let seed = seed.unwrap_or(cfg.run.seed);
+    // Before any job forms: a malformed fault variable is refused here.
+    let faults = overlap::faults::Faults::from_env()?;
     if use_cuda(cfg.run.backend)? {
-        return cuda::verify(cfg, steps, seed, json).await;
+        return cuda::verify(cfg, (steps, seed), &faults, json).await;
     }
     // The processes of a CPU job each verify their rank.
-    if let Some(code) = verify_cpu_job(cfg, steps, seed, json).await? {
+    if let Some(code) = verify_cpu_job(cfg, (steps, seed), &faults, json).await? {
         return Ok(code);
     }
-    let report = overlap::verify::verify_with_faults(
-        cfg,
-        steps,
-        seed,
-        &overlap::faults::Faults::from_env()?,
-        |s| {
-            if !json {
-                eprintln!("verify: step {s}/{steps} done");
-            }
-        },
-    )
+    let report = overlap::verify::verify_with_faults(cfg, steps, seed, &faults, |s| {
+        if !json {
+            eprintln!("verify: step {s}/{steps} done");
+        }
+    })
     .await?;
     print_verify(cfg, &report, json)
 }

@@ -20,6 +20,8 @@ pub(crate) async fn run(
     ckpt: &CheckpointArgs,
 ) -> Result<ExitCode, Error> {
     let cuda = use_cuda(cfg.run.backend)?;
+    // Before anything else: a malformed fault variable is refused here.
+    let faults = Faults::from_env()?;
     if !cuda {
         // Before any file, listener or thread: the rank limit and the memory estimate.
         crate::job::check_cpu_memory(cfg, 1)?;
@@ -44,17 +46,17 @@ pub(crate) async fn run(
         println!("metrics: serving http://{addr}/metrics");
     }
     if cuda {
-        return crate::cuda::run(cfg, steps, observe, ckpt, recording).await;
+        return crate::cuda::run(cfg, (steps, faults), observe, ckpt, recording).await;
     }
     let Some(mut world) = cpu_world(cfg, "run", u64::from(steps), cfg.run.seed)? else {
         // One process: every rank of the mesh in it.
         let mut session = Session::cpu(cfg)?;
-        session.inject_faults(Faults::from_env()?);
+        session.inject_faults(faults);
         watch_host(session.step_deadline())?;
         return run_steps(session, cfg, steps, observe, ckpt, recording, "cpu").await;
     };
     let mut session = overlap_dist::cpu::session(cfg, &world)?;
-    session.inject_faults(Faults::from_env()?);
+    session.inject_faults(faults);
     share_save_job(Some(&mut world.rendezvous), &mut session)?;
     watch_job(Some(&mut world.rendezvous), session.peer_abort())?;
     watch_host(session.step_deadline())?;

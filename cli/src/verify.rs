@@ -68,8 +68,8 @@ pub(crate) fn print_verify(
 /// rank itself).
 pub(crate) async fn verify_cpu_job(
     cfg: &Config,
-    steps: u64,
-    seed: u64,
+    (steps, seed): (u64, u64),
+    faults: &Faults,
     json: bool,
 ) -> Result<Option<ExitCode>, Error> {
     if overlap_dist::cpu::rank_env(cfg.plan.mesh)?.is_none() {
@@ -80,13 +80,12 @@ pub(crate) async fn verify_cpu_job(
     let Some(mut world) = crate::job::cpu_world(cfg, "verify", steps, seed)? else {
         return Ok(None);
     };
-    let report =
-        overlap_dist::cpu::verify(cfg, steps, seed, &mut world, &Faults::from_env()?, |s| {
-            if !json {
-                eprintln!("verify: step {s}/{steps} done");
-            }
-        })
-        .await;
+    let report = overlap_dist::cpu::verify(cfg, steps, seed, &mut world, faults, |s| {
+        if !json {
+            eprintln!("verify: step {s}/{steps} done");
+        }
+    })
+    .await;
     crate::job::end_job(Some(&world.rendezvous), &report);
     match report? {
         Some(report) => print_verify(cfg, &report, json).map(Some),

@@ -429,6 +429,9 @@ pub struct Rendezvous {
     role: Role,
     /// Set when this end closes its connections: its watch threads then end quietly.
     closed: Arc<AtomicBool>,
+    /// Rank 0: set once it has told the other ranks of a failure (by its watch or
+    /// [`Rendezvous::pass_on`]); it tells them only once.
+    forwarded: Arc<AtomicBool>,
 }
 
 /// Closing the rendezvous closes its connections: a rank that did not say
@@ -532,6 +535,7 @@ impl Rendezvous {
             addr: local,
             role: Role::Root(peers),
             closed: Arc::new(AtomicBool::new(false)),
+            forwarded: Arc::new(AtomicBool::new(false)),
         })
     }
 
@@ -597,6 +601,7 @@ impl Rendezvous {
             addr: addr.to_string(),
             role: Role::Peer(conn),
             closed: Arc::new(AtomicBool::new(false)),
+            forwarded: Arc::new(AtomicBool::new(false)),
         })
     }
 
@@ -721,11 +726,15 @@ impl Rendezvous {
                 inbox: None,
             };
             let (tx, rx) = mpsc::channel();
-            let (abort, outs, closed) = (abort.clone(), outs.clone(), self.closed.clone());
+            let (abort, outs) = (abort.clone(), outs.clone());
+            let (closed, forwarded) = (self.closed.clone(), self.forwarded.clone());
             std::thread::Builder::new()
                 .name(format!("watch-rank-{peer}"))
                 .stack_size(128 << 10)
-                .spawn(move || watch_conn(reader, (me, peer, world), &tx, &abort, &outs, &closed))
+                .spawn(move || {
+                    let flags = (&*closed, &*forwarded);
+                    watch_conn(reader, (me, peer, world), &tx, &abort, &outs, flags)
+                })
                 .map_err(|e| err(format!("rank {me}: cannot start watching rank {peer}: {e}")))?;
             conn.inbox = Some(rx);
         }
@@ -751,6 +760,9 @@ impl Rendezvous {
         let Role::Root(peers) = &self.role else {
             return;
         };
+        // Even when the watch told them already: its thread may still be sending when
+        // this process exits. A second report is ignored by its receivers.
+        self.forwarded.store(true, Ordering::SeqCst);
         let reason = truncated(reason);
         for (i, c) in peers.iter().enumerate() {
             if i as u32 + 1 != rank {
@@ -824,19 +836,22 @@ fn watch_conn(
     inbox: &mpsc::Sender<Result<Frame, String>>,
     abort: &PeerAbort,
     outs: &[(u32, Arc<Mutex<Out>>)],
-    closed: &AtomicBool,
+    (closed, forwarded): (&AtomicBool, &AtomicBool),
 ) {
     let report = |rank: u32, reason: String| {
         abort.trigger(PeerFailure {
             rank,
             reason: reason.clone(),
         });
-        // Rank 0 passes every failure it sees on, even when this rank had already
-        // learned of a failure another way (a data link): the others may not have.
-        if me == 0 {
+        // Rank 0 tells the others once, and what it recorded first (perhaps through a
+        // data link before this watch saw anything): later failures are mostly ranks
+        // exiting because of that one, and would name the wrong rank.
+        if me == 0 && !forwarded.swap(true, Ordering::SeqCst) {
+            let first = abort.failure().unwrap_or(PeerFailure { rank, reason });
             for (r, out) in outs {
-                if *r != peer && *r != rank {
-                    let _ = lock(out).send(Kind::Abort, rank, world, truncated(&reason).as_bytes());
+                if *r != peer && *r != first.rank {
+                    let why = truncated(&first.reason).as_bytes();
+                    let _ = lock(out).send(Kind::Abort, first.rank, world, why);
                 }
             }
         }

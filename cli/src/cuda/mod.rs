@@ -50,8 +50,8 @@ pub(crate) fn detected() -> bool {
 /// report.
 pub(crate) async fn verify(
     cfg: &Config,
-    steps: u64,
-    seed: u64,
+    (steps, seed): (u64, u64),
+    faults: &Faults,
     json: bool,
 ) -> Result<ExitCode, Error> {
     let env = overlap_dist::cuda::rank_env(cfg.plan.mesh)?;
@@ -61,13 +61,12 @@ pub(crate) async fn verify(
     let what =
         overlap_dist::fingerprint::Fingerprint::of_config(cfg, "verify", "cuda", steps, seed)?;
     let mut world = overlap_dist::cuda::world(cfg, env, false, what)?;
-    let report =
-        overlap_dist::cuda::verify(cfg, steps, seed, &mut world, &Faults::from_env()?, |s| {
-            if !json {
-                eprintln!("verify: step {s}/{steps} done");
-            }
-        })
-        .await;
+    let report = overlap_dist::cuda::verify(cfg, steps, seed, &mut world, faults, |s| {
+        if !json {
+            eprintln!("verify: step {s}/{steps} done");
+        }
+    })
+    .await;
     end_job(Some(&world.rendezvous), &report);
     let report = report?;
     match report {
@@ -81,7 +80,7 @@ pub(crate) async fn verify(
 /// [`crate::run::run_steps`].
 pub(crate) async fn run(
     cfg: &Config,
-    steps: u32,
+    (steps, faults): (u32, Faults),
     observe: &ObserveArgs,
     ckpt: &CheckpointArgs,
     recording: observe::Recording,
@@ -99,7 +98,7 @@ pub(crate) async fn run(
     )?;
     let mut world = overlap_dist::cuda::world(cfg, env, true, what)?;
     let mut session = Session::cuda(cfg, world.backend.clone())?;
-    session.inject_faults(Faults::from_env()?);
+    session.inject_faults(faults);
     crate::run::share_save_job(Some(&mut world.rendezvous), &mut session)?;
     watch_job(Some(&mut world.rendezvous), session.peer_abort())?;
     watch_host(session.step_deadline())?;
