@@ -12,20 +12,23 @@ use overlap_dist::rendezvous::Rendezvous;
 
 /// Started as ranks of a job (`overlap launch`, torchrun, Slurm, Open MPI: two or more
 /// processes), each process runs one rank of the mesh on the CPU backend: it meets the
-/// others at the rendezvous, checks that they run the same thing and links to every
-/// rank (`overlap_dist::cpu`). `None` for a process alone, which runs every rank.
+/// others at the rendezvous, checks that they run the same thing, that its rank's
+/// `sessions` sessions fit its memory (every rank stops with the error of one that does
+/// not), and links to every rank (`overlap_dist::cpu`). `None` for a process alone,
+/// which runs every rank.
 pub(crate) fn cpu_world(
     cfg: &Config,
     command: &str,
-    steps: u64,
-    seed: u64,
+    (steps, seed): (u64, u64),
+    sessions: u32,
 ) -> Result<Option<CpuWorld>, Error> {
     let Some(env) = overlap_dist::cpu::rank_env(cfg.plan.mesh)? else {
         return Ok(None);
     };
     let what = overlap_dist::fingerprint::Fingerprint::of_config(cfg, command, "cpu", steps, seed)?;
     let digest = what.digest();
-    let world = overlap_dist::cpu::world(cfg, env, what)?;
+    let world =
+        overlap_dist::cpu::world_checked(cfg, env, what, || check_cpu_memory(cfg, sessions))?;
     if world.env.rank == 0 {
         eprintln!(
             "rendezvous: {} ranks agree on what they run (fingerprint {}); one rank per process, linked",

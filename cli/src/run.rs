@@ -22,8 +22,9 @@ pub(crate) async fn run(
     let cuda = use_cuda(cfg.run.backend)?;
     // Before anything else: a malformed fault variable is refused here.
     let faults = Faults::from_env()?;
-    if !cuda {
-        // Before any file, listener or thread: the rank limit and the memory estimate.
+    if !cuda && overlap_dist::cpu::rank_env(cfg.plan.mesh)?.is_none() {
+        // Before any file, listener or thread: the rank limit and the memory estimate
+        // (a process of a job checks its own when the ranks meet, `cpu_world`).
         crate::job::check_cpu_memory(cfg, 1)?;
     }
     // In a multi-process job only rank 0 writes the trace and picture, and each rank
@@ -48,7 +49,7 @@ pub(crate) async fn run(
     if cuda {
         return crate::cuda::run(cfg, (steps, faults), observe, ckpt, recording).await;
     }
-    let Some(mut world) = cpu_world(cfg, "run", u64::from(steps), cfg.run.seed)? else {
+    let Some(mut world) = cpu_world(cfg, "run", (u64::from(steps), cfg.run.seed), 1)? else {
         // One process: every rank of the mesh in it.
         let mut session = Session::cpu(cfg)?;
         session.inject_faults(faults);

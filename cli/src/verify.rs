@@ -72,12 +72,8 @@ pub(crate) async fn verify_cpu_job(
     faults: &Faults,
     json: bool,
 ) -> Result<Option<ExitCode>, Error> {
-    if overlap_dist::cpu::rank_env(cfg.plan.mesh)?.is_none() {
-        return Ok(None);
-    }
-    // Before the world's links and buffers: this rank's memory, two sessions.
-    crate::job::check_cpu_memory(cfg, 2)?;
-    let Some(mut world) = crate::job::cpu_world(cfg, "verify", steps, seed)? else {
+    // Two sessions: the gated one and the reference.
+    let Some(mut world) = crate::job::cpu_world(cfg, "verify", (steps, seed), 2)? else {
         return Ok(None);
     };
     let report = overlap_dist::cpu::verify(cfg, steps, seed, &mut world, faults, |s| {

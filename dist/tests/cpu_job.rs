@@ -143,3 +143,34 @@ fn ranks_that_run_different_things_get_no_world_and_the_same_reason() {
         assert_eq!(e, &errors[0], "rank {rank} says what rank 0 says");
     }
 }
+
+#[test]
+fn a_rank_that_is_not_ready_stops_every_rank_with_its_reason() {
+    job_secret();
+    let cfg = config();
+    let world = cfg.plan.mesh.world();
+    let port = free_port();
+    let ranks: Vec<_> = (0..world)
+        .map(|r| {
+            let cfg = cfg.clone();
+            thread::spawn(move || {
+                let what = Fingerprint::of_config(&cfg, "test", "cpu", STEPS, cfg.run.seed)?;
+                cpu::world_checked(&cfg, rank_env(r, world, port), what, || match r {
+                    2 => Err(Error::Resources("rank 2 cannot hold its tensors".into())),
+                    _ => Ok(()),
+                })
+                .map(drop)
+            })
+        })
+        .collect();
+    for (rank, h) in ranks.into_iter().enumerate() {
+        let e = match h.join().expect("a rank thread") {
+            Ok(()) => panic!("rank {rank} got a world although rank 2 was not ready"),
+            Err(e) => e.to_string(),
+        };
+        assert!(e.contains("cannot hold its tensors"), "rank {rank}: {e}");
+        if rank != 2 {
+            assert!(e.contains("rank 2"), "rank {rank} names rank 2: {e}");
+        }
+    }
+}

@@ -90,26 +90,38 @@ pub fn world(config: &Config, env: RankEnv, what: Fingerprint) -> Result<CpuWorl
     open(env, config.plan.mesh, what)
 }
 
+/// [`world`], with `ready` run on every rank once the ranks agree and before any link
+/// or buffer exists (a memory check, say): when it fails on any rank, every rank stops
+/// with that rank's error instead of waiting for it.
+pub fn world_checked(
+    config: &Config,
+    env: RankEnv,
+    what: Fingerprint,
+    ready: impl FnOnce() -> Result<(), Error>,
+) -> Result<CpuWorld, Error> {
+    open_checked(env, config.plan.mesh, what, ready)
+}
+
 /// Meets the other ranks, compares `what` (this rank's fingerprint) with theirs, opens
 /// the links to every rank and this rank's backend over them. Every step waits at most
 /// `OVERLAP_RENDEZVOUS_TIMEOUT_S` (default [`START_TIMEOUT`]).
-pub fn open(env: RankEnv, mesh: Mesh, mut what: Fingerprint) -> Result<CpuWorld, Error> {
+pub fn open(env: RankEnv, mesh: Mesh, what: Fingerprint) -> Result<CpuWorld, Error> {
+    open_checked(env, mesh, what, || Ok(()))
+}
+
+/// [`open`], with `ready` run on every rank before the links ([`world_checked`]).
+pub fn open_checked(
+    env: RankEnv,
+    mesh: Mesh,
+    mut what: Fingerprint,
+    ready: impl FnOnce() -> Result<(), Error>,
+) -> Result<CpuWorld, Error> {
     what.push("cpu.ranks_per_process", "1");
     let (mut rendezvous, timeout) = Rendezvous::meet(&env, mesh, &what, START_TIMEOUT)?;
+    all_ok(&mut rendezvous, ready(), timeout)?;
     let secret = crate::rendezvous::JobSecret::for_job(&env)?;
     let linked = links::connect(&mut rendezvous, &secret, timeout);
-    // Every rank says whether its links opened; rank 0 hands out the first failure.
-    let status = match &linked {
-        Ok(_) => vec![0u8],
-        Err(e) => [vec![1u8], e.to_string().into_bytes()].concat(),
-    };
-    let verdict = match rendezvous.gather(&status, timeout)? {
-        Some(all) => first_failure(&all),
-        None => Vec::new(),
-    };
-    let verdict = rendezvous.broadcast(&verdict, timeout)?;
-    let links = linked?;
-    check_verdict(&verdict)?;
+    let links = all_ok(&mut rendezvous, linked, timeout)?;
     let backend =
         CpuBackend::one_rank(mesh, env.rank, &links).map_err(|e| Error::Backend(e.to_string()))?;
     Ok(CpuWorld {
@@ -137,7 +149,28 @@ pub(crate) fn session_on(
     Ok(s)
 }
 
-/// Rank 0's verdict from every rank's link status: `0`, or `1`, the first failed rank
+/// Every rank says whether `mine` succeeded; rank 0 hands out the first failure. This
+/// rank's own error comes first, then another rank's ([`DistError::Peer`]).
+fn all_ok<T>(
+    rendezvous: &mut Rendezvous,
+    mine: Result<T, impl Into<Error> + std::fmt::Display>,
+    timeout: Duration,
+) -> Result<T, Error> {
+    let status = match &mine {
+        Ok(_) => vec![0u8],
+        Err(e) => [vec![1u8], e.to_string().into_bytes()].concat(),
+    };
+    let verdict = match rendezvous.gather(&status, timeout)? {
+        Some(all) => first_failure(&all),
+        None => Vec::new(),
+    };
+    let verdict = rendezvous.broadcast(&verdict, timeout)?;
+    let value = mine.map_err(Into::into)?;
+    check_verdict(&verdict)?;
+    Ok(value)
+}
+
+/// Rank 0's verdict from every rank's status: `0`, or `1`, the first failed rank
 /// and its error.
 fn first_failure(statuses: &[Vec<u8>]) -> Vec<u8> {
     let failed = statuses
