@@ -319,13 +319,35 @@ pub(crate) fn parse_timing_every(s: &str) -> Result<u32, String> {
     }
 }
 
+/// `--ranks 0,2`: ranks of the mesh, each listed once (a repeat is dropped), in the
+/// order given.
 pub(crate) fn parse_ranks(s: &str, world: u32) -> Result<Vec<u32>, Error> {
-    s.split(',')
-        .map(|r| match r.trim().parse::<u32>() {
-            Ok(x) if x < world => Ok(x),
-            _ => Err(Error::Usage(format!(
-                "--ranks: `{r}` is not a rank of this mesh (0..{world})"
-            ))),
-        })
-        .collect()
+    let mut ranks = Vec::new();
+    for r in s.split(',') {
+        match r.trim().parse::<u32>() {
+            Ok(x) if x < world => {
+                if !ranks.contains(&x) {
+                    ranks.push(x);
+                }
+            }
+            _ => {
+                return Err(Error::Usage(format!(
+                    "--ranks: `{r}` is not a rank of this mesh (0..{world})"
+                )))
+            }
+        }
+    }
+    Ok(ranks)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn ranks_are_listed_once_in_the_order_given_and_out_of_range_is_named() {
+        assert_eq!(parse_ranks("2, 0,2,0", 4).unwrap(), vec![2, 0]);
+        let e = parse_ranks("0,4", 4).unwrap_err().to_string();
+        assert!(e.contains("`4` is not a rank of this mesh (0..4)"), "{e}");
+    }
 }
