@@ -27,8 +27,12 @@ pub(crate) fn cpu_world(
     };
     let what = overlap_dist::fingerprint::Fingerprint::of_config(cfg, command, "cpu", steps, seed)?;
     let digest = what.digest();
-    let world =
-        overlap_dist::cpu::world_checked(cfg, env, what, || check_cpu_memory(cfg, sessions))?;
+    // This rank's memory, and its machine's processes' together.
+    let mesh = cfg.plan.mesh;
+    let here = RanksHere::one(mesh, env.rank, env.local_rank, env.local_world_size);
+    let world = overlap_dist::cpu::world_checked(cfg, env, what, || {
+        overlap::resources::check_cpu_ranks(cfg, sessions, &here).map(drop)
+    })?;
     if world.env.rank == 0 {
         eprintln!(
             "rendezvous: {} ranks agree on what they run (fingerprint {}); one rank per process, linked",
@@ -37,18 +41,6 @@ pub(crate) fn cpu_world(
         );
     }
     Ok(Some(world))
-}
-
-/// The memory check of `overlap run` and `verify` on the CPU backend, before anything is
-/// allocated: for a process of a multi-process job its own rank (and its machine's
-/// processes together), else the whole mesh (`overlap::resources::check_cpu_ranks`).
-pub(crate) fn check_cpu_memory(cfg: &Config, sessions: u32) -> Result<(), Error> {
-    let mesh = cfg.plan.mesh;
-    let here = match overlap_dist::cpu::rank_env(mesh)? {
-        Some(env) => RanksHere::one(mesh, env.rank, env.local_rank, env.local_world_size),
-        None => RanksHere::all(mesh),
-    };
-    overlap::resources::check_cpu_ranks(cfg, sessions, &here).map(drop)
 }
 
 /// How long a rank told of another rank's failure may take to stop by itself before it

@@ -25,7 +25,7 @@ pub(crate) async fn run(
     if !cuda && overlap_dist::cpu::rank_env(cfg.plan.mesh)?.is_none() {
         // Before any file, listener or thread: the rank limit and the memory estimate
         // (a process of a job checks its own when the ranks meet, `cpu_world`).
-        crate::job::check_cpu_memory(cfg, 1)?;
+        overlap::resources::check_cpu(cfg, 1)?;
     }
     // In a multi-process job only rank 0 writes the trace and picture, and each rank
     // serves metrics on the base port plus its local rank.

@@ -54,6 +54,27 @@ fn pieces(s: &Session<overlap::CpuBackend>, rank: u32) -> Vec<Option<Vec<u32>>> 
         .collect()
 }
 
+/// Runs `rank` for every rank of the example's job on a thread of its own (the job's
+/// rendezvous on a fresh port) and returns their results in rank order.
+fn every_rank<T: Send + 'static>(
+    cfg: &Config,
+    rank: impl Fn(Config, RankEnv) -> T + Clone + Send + 'static,
+) -> Vec<T> {
+    job_secret();
+    let world = cfg.plan.mesh.world();
+    let port = free_port();
+    let threads: Vec<_> = (0..world)
+        .map(|r| {
+            let (cfg, rank) = (cfg.clone(), rank.clone());
+            thread::spawn(move || rank(cfg, rank_env(r, world, port)))
+        })
+        .collect();
+    threads
+        .into_iter()
+        .map(|h| h.join().expect("a rank thread"))
+        .collect()
+}
+
 fn runtime() -> tokio::runtime::Runtime {
     tokio::runtime::Builder::new_current_thread()
         .enable_all()
@@ -80,20 +101,14 @@ fn run_rank(cfg: &Config, env: RankEnv) -> Result<Vec<Option<Vec<u32>>>, Error> 
 
 #[test]
 fn ranks_linked_over_tcp_end_with_the_in_process_bits() {
-    job_secret();
     let cfg = config();
-    let world = cfg.plan.mesh.world();
-    assert!(world >= 2, "the example is a multi-rank mesh");
-    let port = free_port();
-    let ranks: Vec<_> = (0..world)
-        .map(|r| {
-            let cfg = cfg.clone();
-            thread::spawn(move || run_rank(&cfg, rank_env(r, world, port)))
-        })
-        .collect();
-    let linked: Vec<_> = ranks
+    assert!(
+        cfg.plan.mesh.world() >= 2,
+        "the example is a multi-rank mesh"
+    );
+    let linked: Vec<_> = every_rank(&cfg, |cfg, env| run_rank(&cfg, env))
         .into_iter()
-        .map(|h| h.join().expect("a rank thread").expect("a rank's run"))
+        .map(|r| r.expect("a rank's run"))
         .collect();
 
     let mut alone = Session::cpu(&cfg).expect("an in-process session");
@@ -113,28 +128,18 @@ fn ranks_linked_over_tcp_end_with_the_in_process_bits() {
 
 #[test]
 fn ranks_that_run_different_things_get_no_world_and_the_same_reason() {
-    job_secret();
-    let cfg = config();
-    let world = cfg.plan.mesh.world();
-    let port = free_port();
-    let ranks: Vec<_> = (0..world)
-        .map(|r| {
-            let cfg = cfg.clone();
-            thread::spawn(move || {
-                // Rank 1 was started with another seed.
-                let seed = if r == 1 { 7 } else { cfg.run.seed };
-                let what = Fingerprint::of_config(&cfg, "test", "cpu", STEPS, seed)?;
-                cpu::world(&cfg, rank_env(r, world, port), what).map(drop)
-            })
-        })
-        .collect();
-    let errors: Vec<String> = ranks
-        .into_iter()
-        .map(|h| match h.join().expect("a rank thread") {
-            Ok(()) => panic!("a rank got a world although rank 1 differs"),
-            Err(e) => e.to_string(),
-        })
-        .collect();
+    let errors: Vec<String> = every_rank(&config(), |cfg, env| {
+        // Rank 1 was started with another seed.
+        let seed = if env.rank == 1 { 7 } else { cfg.run.seed };
+        let what = Fingerprint::of_config(&cfg, "test", "cpu", STEPS, seed)?;
+        cpu::world(&cfg, env, what).map(drop)
+    })
+    .into_iter()
+    .map(|r: Result<(), Error>| match r {
+        Ok(()) => panic!("a rank got a world although rank 1 differs"),
+        Err(e) => e.to_string(),
+    })
+    .collect();
     for (rank, e) in errors.iter().enumerate() {
         assert!(
             e.contains("ranks 0 and 1") && e.contains("run.seed"),
@@ -146,25 +151,17 @@ fn ranks_that_run_different_things_get_no_world_and_the_same_reason() {
 
 #[test]
 fn a_rank_that_is_not_ready_stops_every_rank_with_its_reason() {
-    job_secret();
-    let cfg = config();
-    let world = cfg.plan.mesh.world();
-    let port = free_port();
-    let ranks: Vec<_> = (0..world)
-        .map(|r| {
-            let cfg = cfg.clone();
-            thread::spawn(move || {
-                let what = Fingerprint::of_config(&cfg, "test", "cpu", STEPS, cfg.run.seed)?;
-                cpu::world_checked(&cfg, rank_env(r, world, port), what, || match r {
-                    2 => Err(Error::Resources("rank 2 cannot hold its tensors".into())),
-                    _ => Ok(()),
-                })
-                .map(drop)
-            })
+    let ranks = every_rank(&config(), |cfg, env| {
+        let r = env.rank;
+        let what = Fingerprint::of_config(&cfg, "test", "cpu", STEPS, cfg.run.seed)?;
+        cpu::world_checked(&cfg, env, what, || match r {
+            2 => Err(Error::Resources("rank 2 cannot hold its tensors".into())),
+            _ => Ok(()),
         })
-        .collect();
-    for (rank, h) in ranks.into_iter().enumerate() {
-        let e = match h.join().expect("a rank thread") {
+        .map(drop)
+    });
+    for (rank, result) in ranks.into_iter().enumerate() {
+        let e = match result {
             Ok(()) => panic!("rank {rank} got a world although rank 2 was not ready"),
             Err(e) => e.to_string(),
         };
