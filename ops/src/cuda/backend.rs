@@ -149,7 +149,7 @@ impl CudaBackend {
                 },
                 pending: Default::default(),
                 fuse_clip: true,
-                ns_graphs: Default::default(),
+                tail_graphs: Default::default(),
             }),
             waiter: Some(waiter),
             info,
@@ -211,13 +211,14 @@ impl CudaBackend {
         lock(&self.issue).combine_streaming = on;
     }
 
-    /// Whether each Muon batch's Newton–Schulz is captured once into a CUDA graph and
-    /// replayed (default on: one launch instead of five driver and cuBLAS calls per
-    /// iteration and three before them; the results are the same bits either way; `overlap bench-optimizer
+    /// Whether each stream's optimizer flush (the held clip, AdamW and Muon kernels,
+    /// Newton–Schulz included) is captured into a CUDA graph when it repeats and
+    /// replayed (default on: one graph launch instead of dozens of launches and cuBLASLt
+    /// calls; the results are the same bits either way; `overlap bench-optimizer
     /// --muon` times the first precision both ways).
     pub fn set_tail_graphs(&self, on: bool) {
         let mut issue = lock(&self.issue);
-        issue.ns_graphs.iter_mut().for_each(|g| g.off = !on);
+        issue.tail_graphs.iter_mut().for_each(|g| g.off = !on);
     }
 
     /// Whether the global norm's clip ([`Kernel::Clip`]) is fused into the optimizer
@@ -400,7 +401,7 @@ impl Drop for CudaBackend {
         for c in st.comms.drain(..) {
             c.close();
         }
-        for g in &mut st.ns_graphs {
+        for g in &mut st.tail_graphs {
             if idle {
                 g.clear();
             } else {

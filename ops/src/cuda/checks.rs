@@ -134,7 +134,7 @@ pub(super) fn check_muon(
     expect(K, rank, "momentum (rows × cols)", momentum, n)?;
     distinct(K, &[param, grad, momentum])?;
     guarded(K, guard, &[param, momentum])?;
-    if n > 0 && muon::BatchLayout::new((rows, cols), 1, crate::NsDtype::F32).is_none() {
+    if n > 0 && muon::ClassLayout::new(&[((rows, cols), 1)], crate::NsDtype::F32).is_none() {
         return Err(too_big());
     }
     Ok(())

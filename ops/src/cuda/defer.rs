@@ -39,11 +39,9 @@ use cudarc::driver::sys;
 use overlap_graph::Stream;
 
 use super::backend::Shared;
+use super::flush::FlushPlan;
 use super::issue::Issue;
-use super::kernels::Span;
 use super::memory::CudaBuffer;
-use super::muon::{self, BatchLayout};
-use super::optim::{adamw_scalars, adamw_tables, AdamwTensor, FusedClip, MuonMats, MUON_MATS};
 use crate::{AdamwParams, MuonParams, OpsError, Tag};
 
 /// Most kernels held per stream before a flush.
@@ -70,7 +68,7 @@ pub(super) enum Held {
 }
 
 impl Held {
-    fn buffers(&self) -> [&CudaBuffer; 3] {
+    pub(super) fn buffers(&self) -> [&CudaBuffer; 3] {
         match self {
             Held::Adamw {
                 param, grad, state, ..
@@ -98,7 +96,7 @@ pub(super) struct HeldClip {
 
 /// One held optimizer step: its tag, the step, its guard, and whether it applies the
 /// held clip to its gradient.
-type Entry = (Tag, Held, Option<CudaBuffer>, bool);
+pub(super) type Entry = (Tag, Held, Option<CudaBuffer>, bool);
 
 /// A stream's held clip and optimizer kernels, in launch order (the clip first), with
 /// the identities ([`CudaBuffer::id`]) of their buffers, so that checking a new kernel
@@ -152,66 +150,6 @@ impl Pending {
     }
 }
 
-/// AdamW groups: tensors sharing hyper-parameters, step, guard and fused clip, in
-/// first-seen order.
-type AdamwGroups = Vec<(
-    (AdamwParams, u64, sys::CUdeviceptr, FusedClip),
-    Vec<AdamwTensor>,
-)>;
-/// Muon groups: matrices sharing shape, hyper-parameters, guard and fused clip.
-type MuonKey = ((usize, usize), MuonParams, sys::CUdeviceptr, FusedClip);
-type MuonGroups = Vec<(MuonKey, Vec<(u64, u64, u64)>)>;
-
-/// The held kernels grouped for their launches; `clip` is what a step that applies the
-/// held clip passes its kernel.
-fn groups(held: &[Entry], clip: FusedClip) -> (AdamwGroups, MuonGroups) {
-    let mut adamw: AdamwGroups = Vec::new();
-    let mut muon: MuonGroups = Vec::new();
-    for (_, h, guard, clipped) in held {
-        let g = guard.as_ref().map_or(0, CudaBuffer::ptr);
-        let c = if *clipped { clip } else { FusedClip::default() };
-        match h {
-            Held::Adamw {
-                param,
-                grad,
-                state,
-                hp,
-                step,
-            } => {
-                let key = (*hp, *step, g, c);
-                let t = AdamwTensor {
-                    p: param.ptr(),
-                    g: grad.ptr(),
-                    m: state.ptr(),
-                    v: state.at(param.len as u64),
-                    n: param.len as u64,
-                    block0: 0,
-                };
-                match adamw.iter_mut().find(|(k, _)| *k == key) {
-                    Some((_, v)) => v.push(t),
-                    None => adamw.push((key, vec![t])),
-                }
-            }
-            Held::Muon {
-                param,
-                grad,
-                momentum,
-                rows,
-                cols,
-                hp,
-            } => {
-                let key = ((*rows, *cols), *hp, g, c);
-                let m = (param.ptr(), momentum.ptr(), grad.ptr());
-                match muon.iter_mut().find(|(k, _)| *k == key) {
-                    Some((_, v)) => v.push(m),
-                    None => muon.push((key, vec![m])),
-                }
-            }
-        }
-    }
-    (adamw, muon)
-}
-
 impl Issue {
     /// Holds a validated optimizer step on `stream` (flushing first what it conflicts
     /// with, or a full queue).
@@ -256,9 +194,7 @@ impl Issue {
         } else {
             None
         };
-        let result = self
-            .clip_unread(raw, clip.as_ref(), &held)
-            .and_then(|fused| self.issue_held(shared, stream, raw, &held, fused));
+        let result = self.issue_held(shared, stream, raw, clip.as_ref(), &held);
         self.end_timing(
             shared,
             (stream, raw),
@@ -278,41 +214,6 @@ impl Issue {
         drop((clip, held));
     }
 
-    /// Issues the held clip for the buffers no held step reads as its gradient (those
-    /// steps apply it themselves); returns what those steps pass their kernels.
-    fn clip_unread(
-        &mut self,
-        raw: sys::CUstream,
-        clip: Option<&HeldClip>,
-        held: &[Entry],
-    ) -> Result<FusedClip, OpsError> {
-        let Some(c) = clip else {
-            return Ok(FusedClip::default());
-        };
-        let read: HashSet<usize> = held
-            .iter()
-            .filter(|e| e.3)
-            .map(|e| e.1.buffers()[1].id())
-            .collect();
-        let read = |b: &CudaBuffer| read.contains(&b.id());
-        let spans: Vec<Span> = c
-            .bufs
-            .iter()
-            .filter(|b| !read(b))
-            .map(|b| Span {
-                p: b.ptr(),
-                len: b.len as u64,
-            })
-            .collect();
-        if !spans.is_empty() {
-            self.kernels.clip(raw, &spans, c.norm.ptr(), c.max_norm)?;
-        }
-        Ok(FusedClip {
-            norm: c.norm.ptr(),
-            max_norm: c.max_norm,
-        })
-    }
-
     /// Flushes every stream.
     pub(super) fn flush_all(&mut self, shared: &Shared) {
         for s in Stream::ALL {
@@ -320,47 +221,24 @@ impl Issue {
         }
     }
 
+    /// Plans the flush of `held` behind `clip` (`flush.rs`), uploads its scalars and
+    /// issues it on `stream`: replayed as a graph when it repeats (`tail_graph.rs`).
     fn issue_held(
         &mut self,
         shared: &Shared,
         stream: Stream,
         raw: sys::CUstream,
+        clip: Option<&HeldClip>,
         held: &[Entry],
-        clip: FusedClip,
     ) -> Result<(), OpsError> {
-        let (adamw, muon) = groups(held, clip);
-        for ((hp, step, guard, clip), tensors) in adamw {
-            for launch in adamw_tables(&tensors, adamw_scalars(&hp, step), (guard, clip)) {
-                self.kernels.optim.adamw_multi(raw, &launch)?;
-            }
+        let plan = FlushPlan::new(clip, held)?;
+        if plan.is_empty() {
+            return Ok(());
         }
-        for (((rows, cols), hp, guard, clip), mats) in muon {
-            for chunk in mats.chunks(MUON_MATS) {
-                let layout =
-                    BatchLayout::new((rows, cols), chunk.len(), hp.ns_dtype).ok_or_else(|| {
-                        OpsError::Shape {
-                            kernel: "muon",
-                            reason: format!(
-                            "{} matrices of {rows} × {cols} need more scratch than fits in memory",
-                            chunk.len()
-                        ),
-                        }
-                    })?;
-                let scratch = self.scratch(shared, stream, layout.bytes)?;
-                muon::run_batch(
-                    &self.kernels,
-                    (
-                        &self.blas[stream.index()],
-                        &mut self.ns_graphs[stream.index()],
-                    ),
-                    raw,
-                    (scratch, &layout),
-                    &MuonMats::of(chunk, clip),
-                    &hp,
-                    guard,
-                )?;
-            }
-        }
-        Ok(())
+        let scratch = self.scratch(shared, stream, plan.scratch_bytes().max(8))?;
+        plan.upload(raw, scratch)?;
+        let key = plan.key(scratch);
+        let (kernels, blas) = (&self.kernels, &self.blas[stream.index()]);
+        self.tail_graphs[stream.index()].run(raw, key, || plan.issue(kernels, blas, raw, scratch))
     }
 }

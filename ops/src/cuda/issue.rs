@@ -22,7 +22,7 @@ use super::kernels::Kernels;
 use super::memory::{CudaBuffer, DevMem};
 use super::muon::Blas;
 use super::nccl::Comm;
-use super::ns_graph::NsGraphs;
+use super::tail_graph::TailGraphs;
 use super::timing::{PendingTiming, Timings};
 use crate::{CommId, Kernel, OpsError, Tag};
 
@@ -60,9 +60,9 @@ pub(super) struct Issue {
     /// Whether optimizers apply a held clip to the gradients they read (`defer.rs`;
     /// [`CudaBackend::set_clip_fusion`]).
     pub(super) fuse_clip: bool,
-    /// Each stream's captured Newton–Schulz graphs, at [`Stream::index`]
-    /// (`ns_graph.rs`).
-    pub(super) ns_graphs: [NsGraphs; Stream::COUNT],
+    /// Each stream's captured optimizer flushes, at [`Stream::index`]
+    /// (`tail_graph.rs`).
+    pub(super) tail_graphs: [TailGraphs; Stream::COUNT],
 }
 
 /// Whether `kernel` is held on its stream rather than issued at once (`defer.rs`): an

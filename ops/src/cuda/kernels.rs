@@ -600,20 +600,37 @@ mod tests {
         );
         // The guard is the last parameter of every kernel that writes an optimizer's
         // persistent state (the multi-tensor AdamW's is in its table).
-        for (name, count) in [("ov_mb_momentum", 5), ("ov_mb_update", 7)] {
+        for (name, count) in [("ov_mb_momentum", 8), ("ov_mb_update", 7)] {
             let p = params(name);
             assert_eq!(p.len(), count, "{name}: {p:?}");
             assert_eq!(p.last().unwrap(), "const float* guard", "{name}");
         }
         assert_eq!(
-            params("ov_mb_init"),
+            params("ov_mb_momentum"),
             [
-                "const float* u",
+                "const __grid_constant__ MuonMats t",
                 "void* x",
                 "u64 numel",
+                "u64 stride",
+                "const double* sc",
+                "int bf16",
+                "double* partial",
+                "const float* guard"
+            ]
+        );
+        assert_eq!(
+            params("ov_mb_scale"),
+            [
+                "void* x",
+                "u64 numel",
+                "u64 stride",
                 "const double* norms",
                 "int bf16"
             ]
+        );
+        assert_eq!(
+            params("ov_mb_norm"),
+            ["const double* partial", "u32 count", "double* norms"]
         );
         for name in [
             "ov_add",
@@ -629,11 +646,9 @@ mod tests {
             "ov_spin",
             "ov_adamw_multi",
             "ov_mb_momentum",
-            "ov_mb_sumsq",
             "ov_mb_norm",
-            "ov_mb_init",
+            "ov_mb_scale",
             "ov_mb_update",
-            "ov_mb_diag",
         ] {
             assert!(
                 source.contains(&format!("extern \"C\" __global__ void {name}(")),

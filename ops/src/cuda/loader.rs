@@ -124,6 +124,21 @@ pub(super) const CUBLAS: Lib = Lib {
     ],
 };
 
+/// cuBLASLt, for Newton–Schulz's products with a separate output (`lt.rs`).
+pub(super) const CUBLASLT: Lib = Lib {
+    stem: "cublasLt",
+    what: "cuBLASLt",
+    hint: "set LD_LIBRARY_PATH to the CUDA lib64 directory, e.g. /usr/local/cuda/lib64",
+    symbols: &[
+        "cublasLtCreate",
+        "cublasLtDestroy",
+        "cublasLtMatmul",
+        "cublasLtMatmulAlgoGetHeuristic",
+        "cublasLtMatmulDescCreate",
+        "cublasLtMatrixLayoutCreate",
+    ],
+};
+
 /// NCCL, for every collective.
 pub(super) const NCCL: Lib = Lib {
     stem: "nccl",
@@ -147,7 +162,7 @@ pub(super) const NCCL: Lib = Lib {
 };
 
 /// Every library the backend needs.
-pub(super) const ALL: [&Lib; 4] = [&DRIVER, &NVRTC, &CUBLAS, &NCCL];
+pub(super) const ALL: [&Lib; 5] = [&DRIVER, &NVRTC, &CUBLAS, &CUBLASLT, &NCCL];
 
 impl Lib {
     /// Opens the library under the first name cudarc would use and looks up every
@@ -196,7 +211,7 @@ impl Lib {
 }
 
 /// Checks every library the backend needs; returns the file names opened, in the order
-/// driver, NVRTC, cuBLAS, NCCL.
+/// driver, NVRTC, cuBLAS, cuBLASLt, NCCL.
 pub fn check() -> Result<Vec<String>, OpsError> {
     ALL.iter().map(|lib| lib.check()).collect()
 }

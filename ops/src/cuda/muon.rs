@@ -1,25 +1,34 @@
-//! Muon on the GPU, a batch of same-shape matrices at a time: momentum and Nesterov
-//! input (element-wise, as the reference, one launch for the batch), the per-matrix
-//! norms, the working matrices in the Newton–Schulz precision ([`crate::NsDtype`]),
-//! each quintic iteration as three strided-batched cuBLAS GEMMs over the whole batch,
-//! then the scaled updates.
+//! Muon on the GPU, the matrices of a flush in classes that share `m = min(rows, cols)`,
+//! the precision ([`crate::NsDtype`]) and the iteration count: per batch of same-shape
+//! matrices, the momentum and Nesterov input written straight into the working
+//! precision with each block's sum of squares (one launch), the norms and the
+//! normalisation (two), then every quintic iteration in lockstep across the class's
+//! batches, as three kinds of strided-batched cuBLASLt products, then the scaled
+//! updates (one launch per batch).
 //!
 //! The working matrix `X` is `m × n` with `m ≤ n` (the gradient, or its transpose when
 //! `rows > cols`, as in [`crate::math::newton_schulz`]). A matrix is never transposed
 //! in memory: cuBLAS is column-major, so the buffer holding a wide matrix row-major is
 //! `Y = Xᵀ` (`n × m`, leading dimension `n`) to cuBLAS, and the buffer holding a tall
-//! one row-major is `X` itself (`m × n`, leading dimension `m`). Each iteration, for a
-//! wide matrix (a tall one uses the mirrored operations on `X`):
+//! one row-major is `X` itself (`m × n`, leading dimension `m`). Each iteration:
 //!
-//! - `A = X·Xᵀ = Yᵀ·Y` (`m × m`): `gemm(T, N, m, m, n, 1, Y, Y, 0, A)`;
-//! - `B = b·A + c·A·A`: `B := A`, then `gemm(N, N, m, m, m, c, A, A, b, B)`;
-//! - `X' = a·X + B·X = (B + a·I)·X`: `a` added to `B`'s diagonal, then
-//!   `Y' = Y·(B + a·I)ᵀ`: `gemm(N, T, n, m, m, 1, Y, B, 0, Z)`, and `Y, Z` swap.
+//! - per batch, `A = X·Xᵀ` (`m × m`): `Yᵀ·Y` for a wide matrix, `X·Xᵀ` for a tall one,
+//!   into the class's `A` array;
+//! - once for the whole class, `B = c·A·A + b·A`: one product over every `m × m`
+//!   matrix of the class (so its grid fills the GPU, where one batch's would leave
+//!   most of the last wave idle), `A` read as operand and as `C`, `B` written;
+//! - per batch, `X' = a·X + B·X`: `Y' = Y·Bᵀ + a·Y` (wide) or `X' = B·X + a·X` (tall),
+//!   `X` read as operand and as `C`, `X'` written to the other buffer.
+//!
+//! cuBLASLt's separate `C` and `D` make those three products the whole iteration: no
+//! copy of `A` into `B` and no shift of `B`'s diagonal, and the `a·X` term is added in
+//! f32 in the product's epilogue. Every matrix's region starts 256-byte aligned.
 //!
 //! In bf16 the operands and results are bfloat16 and the products accumulate in f32 on
-//! the tensor cores (as `torch.optim.Muon`); in TF32 the f32 operands are rounded to
-//! TF32 inside the products; in f32 the products are full f32. The distance of each
-//! from the f64 reference is measured in `docs/performance.md`.
+//! the tensor cores (as `torch.optim.Muon`, which also takes the norm of the bf16
+//! matrix); in TF32 the f32 operands are rounded to TF32 inside the products; in f32
+//! the products are full f32. The distance of each from the f64 reference is measured
+//! in `docs/performance.md`.
 //!
 //! Guarded by [`crate::Kernel::IfFinite`], the two kernels that write persistent state
 //! (the momentum, then the parameter) read the squared global norm on the device and do
@@ -28,7 +37,7 @@
 //! synchronisation.
 //!
 //! Invariant: everything runs on the stream the Muon node is bound to, with that
-//! stream's cuBLAS handle and scratch, so stream order alone protects the scratch.
+//! stream's cuBLAS handles and scratch, so stream order alone protects the scratch.
 
 use std::sync::Arc;
 
@@ -37,26 +46,29 @@ use cudarc::cublas::sys as blas_sys;
 use cudarc::driver::sys;
 
 use super::kernels::Kernels;
+use super::lt::{Lt, LtShape};
 use super::memory::{DevMem, Memory};
-use super::ns_graph::{NsGraphs, NsKey};
-use super::optim::{MuonMats, MB_SUMSQ_BLOCKS};
+use super::optim::{MuonMats, Working, MB_MAX_BLOCKS};
 use crate::{MuonParams, NsDtype, OpsError};
 
 /// Quintic coefficients, as in [`crate::math::newton_schulz`].
 const NS_A: f32 = 3.4445;
 const NS_B: f32 = -4.7750;
 const NS_C: f32 = 2.0315;
-/// Muon's update scale per `sqrt(max(rows, cols))`.
-const MUON_SCALE: f64 = 0.2;
 /// cuBLAS workspace per handle (NVIDIA's recommendation for Hopper).
 const WORKSPACE_BYTES: usize = 32 << 20;
-/// Alignment of scratch regions.
+/// Alignment of scratch regions and of every matrix in them, in bytes.
 const ALIGN: usize = 256;
+/// Most scratch bytes of one class (`ClassLayout`): a class larger than this is
+/// split, so that lockstep never costs much more memory than one batch at a time.
+const CLASS_BYTES: usize = 1 << 30;
 
 /// A cuBLAS handle bound to one stream, with its own workspace.
 pub(super) struct Blas {
     handle: blas_sys::cublasHandle_t,
     _workspace: Arc<DevMem>,
+    /// The cuBLASLt handle of the same stream (Newton–Schulz).
+    pub(super) lt: Lt,
 }
 
 // SAFETY: the handle is used by one thread at a time (under the backend's issue lock)
@@ -89,14 +101,20 @@ impl Blas {
                 .result()
                 .map_err(|e| blas_err("cublasSetMathMode", e))?;
         }
+        let lt = Lt::new(memory).inspect_err(|_| {
+            // SAFETY: the handle made above, not used by anything else.
+            let _ = unsafe { blas::destroy_handle(handle) };
+        })?;
         Ok(Blas {
             handle,
             _workspace: workspace,
+            lt,
         })
     }
 
     /// Destroys the handle. The caller has the context bound.
     pub(super) fn destroy(&self) {
+        self.lt.destroy();
         // SAFETY: destroyed once, when the backend is dropped.
         let _ = unsafe { blas::destroy_handle(self.handle) };
     }
@@ -145,322 +163,304 @@ impl Blas {
             reason: format!("cublasGemmEx: {:?}", e.0),
         })
     }
-
-    /// `count` GEMMs `C_i = alpha·op(A_i)·op(B_i) + beta·C_i` (column-major, as
-    /// cuBLAS), the operands `stride` elements apart, in `dtype`'s data and compute
-    /// types: bf16 data with f32 accumulation, or f32 data with TF32 or full f32
-    /// arithmetic.
-    #[allow(clippy::too_many_arguments)]
-    fn gemm_batched(
-        &self,
-        dtype: NsDtype,
-        (ta, tb): (bool, bool),
-        (m, n, k): (i32, i32, i32),
-        alpha: f32,
-        (a, lda, sa): (u64, i32, i64),
-        (b, ldb, sb): (u64, i32, i64),
-        beta: f32,
-        (c, ldc, sc): (u64, i32, i64),
-        count: i32,
-    ) -> Result<(), OpsError> {
-        let op = |t: bool| {
-            if t {
-                blas_sys::cublasOperation_t::CUBLAS_OP_T
-            } else {
-                blas_sys::cublasOperation_t::CUBLAS_OP_N
-            }
-        };
-        let (data, compute) = match dtype {
-            NsDtype::Bf16 => (
-                blas_sys::cudaDataType::CUDA_R_16BF,
-                blas_sys::cublasComputeType_t::CUBLAS_COMPUTE_32F,
-            ),
-            NsDtype::Tf32 => (
-                blas_sys::cudaDataType::CUDA_R_32F,
-                blas_sys::cublasComputeType_t::CUBLAS_COMPUTE_32F_FAST_TF32,
-            ),
-            NsDtype::F32 => (
-                blas_sys::cudaDataType::CUDA_R_32F,
-                blas_sys::cublasComputeType_t::CUBLAS_COMPUTE_32F,
-            ),
-        };
-        // SAFETY: the caller passes `count` device matrices of the stated shapes and
-        // strides in scratch it owns on this handle's stream; alpha and beta are host
-        // scalars of the compute type's scale type (f32), read at the call.
-        unsafe {
-            blas::gemm_strided_batched_ex(
-                self.handle,
-                op(ta),
-                op(tb),
-                m,
-                n,
-                k,
-                (&alpha as *const f32).cast(),
-                a as *const std::ffi::c_void,
-                data,
-                lda,
-                sa,
-                b as *const std::ffi::c_void,
-                data,
-                ldb,
-                sb,
-                (&beta as *const f32).cast(),
-                c as *mut std::ffi::c_void,
-                data,
-                ldc,
-                sc,
-                count,
-                compute,
-                blas_sys::cublasGemmAlgo_t::CUBLAS_GEMM_DFALT,
-            )
-        }
-        .map_err(|e| OpsError::Failed {
-            kernel: "muon",
-            reason: format!("cublasGemmStridedBatchedEx: {:?}", e.0),
-        })
-    }
 }
 
-/// Where each scratch region of one batched Muon step lies, as byte offsets: `count`
-/// matrices of `rows × cols`, the working matrices in the Newton–Schulz precision.
-pub(super) struct BatchLayout {
-    /// `count` Nesterov inputs `U`, f32, back to back.
-    u: usize,
+/// One batch of a class: up to [`super::optim::MUON_MATS`] matrices of one shape with
+/// their hyper-parameters and guard ([`crate::Kernel::IfFinite`]'s squared norm, or 0).
+pub(super) struct Batch {
+    pub shape: (usize, usize),
+    pub mats: MuonMats,
+    pub count: usize,
+    pub hp: MuonParams,
+    pub guard: u64,
+}
+
+/// A batch's scratch regions, as byte offsets, and where its matrices start in the
+/// class's `A` and `B` arrays.
+#[derive(Debug, Clone)]
+struct BatchRegions {
+    shape: (usize, usize),
+    count: usize,
+    /// Elements from one working matrix to the next (`m·n` rounded up so that each
+    /// starts aligned).
+    xstride: usize,
     y: usize,
     z: usize,
-    a: usize,
-    b: usize,
     partial: usize,
     norms: usize,
-    rows: usize,
-    cols: usize,
-    count: usize,
+    /// The batch's first matrix in the `A` and `B` arrays.
+    first: usize,
+}
+
+/// Where each scratch region of a class lies: per batch its two working buffers, its
+/// partial sums and norms; for the class one `A` and one `B` array of every matrix's
+/// `m × m` products, `astride` elements apart.
+#[derive(Debug, Clone)]
+pub(super) struct ClassLayout {
+    m: usize,
     dtype: NsDtype,
+    batches: Vec<BatchRegions>,
+    astride: usize,
+    a: usize,
+    b: usize,
+    /// Matrices in the class.
+    total: usize,
     /// Total bytes.
     pub(super) bytes: usize,
 }
 
-impl BatchLayout {
-    /// The scratch of `count` `rows × cols` Muon steps in `dtype`, or `None` if it
-    /// overflows.
-    pub(super) fn new((rows, cols): (usize, usize), count: usize, dtype: NsDtype) -> Option<Self> {
-        let (m, n) = (rows.min(cols), rows.max(cols));
-        let esize = if dtype == NsDtype::Bf16 { 2 } else { 4 };
+/// Elements of `esize` bytes rounded up to a whole number of [`ALIGN`] bytes.
+fn aligned_elems(elems: usize, esize: usize) -> Option<usize> {
+    elems.checked_next_multiple_of(ALIGN / esize)
+}
+
+impl ClassLayout {
+    /// The scratch of a class of batches (`(rows, cols)` and matrix count each, every
+    /// one with the same `min(rows, cols)`) in `dtype`, or `None` if it overflows.
+    pub(super) fn new(batches: &[((usize, usize), usize)], dtype: NsDtype) -> Option<Self> {
+        let m = batches.first().map(|((r, c), _)| *r.min(c))?;
+        let esize = dtype_size(dtype);
         let mut at = 0usize;
         let mut region = |bytes: usize| -> Option<usize> {
             let start = at;
             at = at.checked_add(bytes.checked_next_multiple_of(ALIGN)?)?;
             Some(start)
         };
-        let mn = m.checked_mul(n)?.checked_mul(count)?;
-        let mm = m.checked_mul(m)?.checked_mul(count)?;
-        Some(BatchLayout {
-            u: region(mn.checked_mul(4)?)?,
-            y: region(mn.checked_mul(esize)?)?,
-            z: region(mn.checked_mul(esize)?)?,
-            a: region(mm.checked_mul(esize)?)?,
-            b: region(mm.checked_mul(esize)?)?,
-            partial: region(count.checked_mul(MB_SUMSQ_BLOCKS as usize * 8)?)?,
-            norms: region(count.checked_mul(8)?)?,
-            rows,
-            cols,
-            count,
+        let mut regions = Vec::with_capacity(batches.len());
+        let mut total = 0usize;
+        for &((rows, cols), count) in batches {
+            debug_assert_eq!(rows.min(cols), m);
+            let xstride = aligned_elems(rows.checked_mul(cols)?, esize)?;
+            let xbytes = xstride.checked_mul(count)?.checked_mul(esize)?;
+            regions.push(BatchRegions {
+                shape: (rows, cols),
+                count,
+                xstride,
+                y: region(xbytes)?,
+                z: region(xbytes)?,
+                partial: region(count.checked_mul(MB_MAX_BLOCKS as usize * 8)?)?,
+                norms: region(count.checked_mul(8)?)?,
+                first: total,
+            });
+            total = total.checked_add(count)?;
+        }
+        let astride = aligned_elems(m.checked_mul(m)?, esize)?;
+        let abytes = astride.checked_mul(total)?.checked_mul(esize)?;
+        let (a, b) = (region(abytes)?, region(abytes)?);
+        Some(ClassLayout {
+            m,
             dtype,
+            batches: regions,
+            astride,
+            a,
+            b,
+            total,
             bytes: at,
         })
     }
+}
 
-    fn esize(&self) -> usize {
-        if self.dtype == NsDtype::Bf16 {
-            2
-        } else {
-            4
-        }
+fn dtype_size(dtype: NsDtype) -> usize {
+    if dtype == NsDtype::Bf16 {
+        2
+    } else {
+        4
     }
 }
 
-/// Runs the Muon steps of `mats` (all of `layout`'s shape) on `stream` with `scratch`
-/// laid out by `layout`: the momentum of every matrix in one launch, the norms in two,
-/// the working matrices in one, each Newton–Schulz GEMM once for the whole batch
-/// (strided-batched), the updates in one. `guard`: the squared global norm of
-/// [`crate::Kernel::IfFinite`], or 0.
-pub(super) fn run_batch(
-    kernels: &Kernels,
-    (blas, graphs): (&Blas, &mut NsGraphs),
-    stream: sys::CUstream,
-    (scratch, layout): (u64, &BatchLayout),
-    mats: &MuonMats,
-    hp: &MuonParams,
-    guard: u64,
-) -> Result<(), OpsError> {
-    let (rows, cols, count) = (layout.rows, layout.cols, layout.count);
-    if rows == 0 || cols == 0 || count == 0 {
-        return Ok(());
+/// Splits `batches` (in order) into classes that can run in lockstep: the same `m`,
+/// precision and iteration count, and at most [`CLASS_BYTES`] of scratch unless one
+/// batch alone needs more. Returns each class's batch indices.
+pub(super) fn classes(batches: &[&Batch]) -> Vec<Vec<usize>> {
+    type Key = (usize, NsDtype, u32);
+    let key = |b: &Batch| (b.shape.0.min(b.shape.1), b.hp.ns_dtype, b.hp.ns_steps);
+    let mut out: Vec<(Key, Vec<usize>)> = Vec::new();
+    for (i, b) in batches.iter().enumerate() {
+        let k = key(b);
+        let fits = |members: &[usize]| {
+            let mut dims: Vec<_> = members
+                .iter()
+                .map(|&j| (batches[j].shape, batches[j].count))
+                .collect();
+            dims.push((b.shape, b.count));
+            ClassLayout::new(&dims, k.1).is_some_and(|l| l.bytes <= CLASS_BYTES)
+        };
+        match out.iter_mut().rev().find(|(ck, _)| *ck == k) {
+            Some((_, members)) if fits(members) => members.push(i),
+            _ => out.push((k, vec![i])),
+        }
     }
-    let (m, n) = (rows.min(cols), rows.max(cols));
-    let too_big = || OpsError::Shape {
+    out.into_iter().map(|(_, members)| members).collect()
+}
+
+/// Runs the Muon steps of a class's `batches` (each with the device address of its
+/// [`super::optim::muon_scalars`]) on `stream` with `scratch` laid out by `layout`:
+/// per batch the momentum into the working precision (one launch), then the norms and
+/// Newton–Schulz of the whole class in lockstep, then per batch the updates (one
+/// launch).
+pub(super) fn run_class(
+    kernels: &Kernels,
+    blas: &Blas,
+    stream: sys::CUstream,
+    (scratch, layout): (u64, &ClassLayout),
+    batches: &[(&Batch, u64)],
+) -> Result<(), OpsError> {
+    let Some((first, _)) = batches.first() else {
+        return Ok(());
+    };
+    let steps = first.hp.ns_steps;
+    let at = |off: usize| scratch + off as u64;
+    let fns = &kernels.optim;
+    let bf16 = layout.dtype == NsDtype::Bf16;
+    let working = |r: &BatchRegions, x: usize| Working {
+        x: at(x),
+        numel: (r.shape.0 * r.shape.1) as u64,
+        stride: r.xstride as u64,
+        bf16,
+    };
+    for ((b, sc), r) in batches.iter().zip(&layout.batches) {
+        let w = working(r, r.y);
+        fns.mb_momentum(stream, &b.mats, (w, at(r.partial)), *sc, b.guard)?;
+    }
+    for r in &layout.batches {
+        let count = u32::try_from(r.count).map_err(|_| too_big(r))?;
+        fns.mb_normalise(stream, (working(r, r.y), count), at(r.partial), at(r.norms))?;
+    }
+    let ns = Lockstep::new(layout, scratch)?;
+    for i in 0..steps {
+        ns.iteration(&blas.lt, stream, i % 2 == 1)?;
+    }
+    for ((b, sc), r) in batches.iter().zip(&layout.batches) {
+        // The iterations alternate between Y and Z: the result is in Z after an odd count.
+        let w = working(r, if steps % 2 == 1 { r.z } else { r.y });
+        fns.mb_update(stream, (&b.mats, w), *sc, b.guard)?;
+    }
+    Ok(())
+}
+
+fn too_big(r: &BatchRegions) -> OpsError {
+    OpsError::Shape {
         kernel: "muon",
         reason: format!(
-            "a batch of {count} {rows} × {cols} matrices exceeds cuBLAS's 32-bit dimensions"
+            "a batch of {} {} × {} matrices exceeds cuBLAS's 32-bit dimensions",
+            r.count, r.shape.0, r.shape.1
         ),
-    };
-    let mi = i32::try_from(m).map_err(|_| too_big())?;
-    let ni = i32::try_from(n).map_err(|_| too_big())?;
-    let ci = i32::try_from(count).map_err(|_| too_big())?;
-    let at = |off: usize| scratch + off as u64;
-    let (u, y, z) = (at(layout.u), at(layout.y), at(layout.z));
-    let numel = (rows * cols) as u64;
-    let bf16 = layout.dtype == NsDtype::Bf16;
-    let fns = &kernels.optim;
-
-    // U = g + μ·(μ·buf + g); X = U / (‖U‖ + 1e-7) into Y, in the working precision.
-    fns.mb_momentum(stream, mats, (u, numel), f64::from(hp.momentum), guard)?;
-    let key = NsKey {
-        scratch,
-        shape: (rows, cols),
-        count,
-        dtype: layout.dtype,
-        steps: hp.ns_steps,
-    };
-    graphs.run(stream, key, || {
-        fns.mb_norms(
-            stream,
-            (u, numel, ci as u32),
-            at(layout.partial),
-            at(layout.norms),
-        )?;
-        fns.mb_init(stream, (u, y), (numel, ci as u32), at(layout.norms), bf16)?;
-        let ns = NsIteration {
-            dt: layout.dtype,
-            esize: layout.esize(),
-            // The buffer holds the row-major `rows × cols` matrix: to cuBLAS
-            // (column-major), `Y = Xᵀ` (`n × m`, ld `n`) for a wide one, `X` itself
-            // (`m × n`, ld `m`) for a tall one (whose `X` is `Gᵀ`), so neither is ever
-            // transposed in memory.
-            tall: rows > cols,
-            m,
-            count,
-            dims: (mi, ni, ci),
-            strides: ((m * n) as i64, (m * m) as i64),
-            a: at(layout.a),
-            b: at(layout.b),
-        };
-        let (mut y, mut z) = (y, z);
-        for _ in 0..hp.ns_steps {
-            ns.run(kernels, blas, stream, (y, z))?;
-            std::mem::swap(&mut y, &mut z);
-        }
-        Ok(())
-    })?;
-    // The iterations alternate between Y and Z: the result is in Z after an odd count.
-    let y = if hp.ns_steps % 2 == 1 { z } else { y };
-    let lr = f64::from(hp.lr);
-    let decay = 1.0 - lr * f64::from(hp.weight_decay);
-    let scale = lr * MUON_SCALE * (rows.max(cols) as f64).sqrt();
-    fns.mb_update(stream, (mats, y, numel), (decay, scale), bf16, guard)
+    }
 }
 
-/// One quintic Newton–Schulz iteration over a batch of [`run_batch`], in cuBLAS's
-/// terms: the working precision, the shape and the scratch regions of `A` and `B`.
-struct NsIteration {
-    /// The working precision.
-    dt: NsDtype,
-    /// Bytes per element in `dt`.
-    esize: usize,
-    /// Whether the matrices have more rows than columns (`X` is then `Gᵀ`).
-    tall: bool,
-    /// `min(rows, cols)`.
-    m: usize,
-    /// Matrices in the batch.
-    count: usize,
-    /// `m`, `n = max(rows, cols)` and `count` as cuBLAS takes them.
-    dims: (i32, i32, i32),
-    /// The strides between the batch's `m × n` and `m × m` matrices.
-    strides: (i64, i64),
-    /// `A = X·Xᵀ` in scratch.
+/// A class's Newton–Schulz iterations as cuBLASLt products: per batch the shapes of
+/// `A = X·Xᵀ` and `X' = a·X + B·X` with its buffers, and the class's `B = c·A·A + b·A`.
+struct Lockstep {
+    batches: Vec<LockstepBatch>,
+    /// `B = c·A·A + b·A` over every matrix of the class.
+    square: LtShape,
     a: u64,
-    /// `B = b·A + c·A·A` (then `+ a·I`) in scratch.
     b: u64,
 }
 
-impl NsIteration {
-    /// Runs one iteration on `stream`: `X` in `y`, `X'` written to `z`.
-    fn run(
-        &self,
-        kernels: &Kernels,
-        blas: &Blas,
-        stream: sys::CUstream,
-        (y, z): (u64, u64),
-    ) -> Result<(), OpsError> {
-        let (dt, tall, (a, b)) = (self.dt, self.tall, (self.a, self.b));
-        let (mi, ni, ci) = self.dims;
-        let (smn, smm) = self.strides;
-        let bf16 = dt == NsDtype::Bf16;
-        let copy = |dst: u64, src: u64, bytes: usize| -> Result<(), OpsError> {
-            // SAFETY: both regions lie in this call's scratch and hold `bytes` bytes.
-            unsafe { sys::cuMemcpyDtoDAsync_v2(dst, src, bytes, stream) }
-                .result()
-                .map_err(|e| super::device::failed("muon", e))
-        };
-        // A = X·Xᵀ: Yᵀ·Y (wide) or X·Xᵀ (tall).
-        let (ta, tb, ld) = if tall {
-            (false, true, mi)
-        } else {
-            (true, false, ni)
-        };
-        blas.gemm_batched(
-            dt,
-            (ta, tb),
-            (mi, mi, ni),
-            1.0,
-            (y, ld, smn),
-            (y, ld, smn),
-            0.0,
-            (a, mi, smm),
-            ci,
-        )?;
-        // B = b·A + c·A·A
-        copy(b, a, self.count * self.m * self.m * self.esize)?;
-        blas.gemm_batched(
-            dt,
-            (false, false),
-            (mi, mi, mi),
-            NS_C,
-            (a, mi, smm),
-            (a, mi, smm),
-            NS_B,
-            (b, mi, smm),
-            ci,
-        )?;
-        // X' = a·X + B·X = (B + a·I)·X: Z = Y·B'ᵀ (wide) or Z = B'·X (tall), one
-        // product that reads X once and writes Z without a copy of X first.
-        let fns = &kernels.optim;
-        fns.mb_diag(stream, (b, self.m as u64, ci as u32), NS_A, bf16)?;
-        if tall {
-            blas.gemm_batched(
-                dt,
-                (false, false),
-                (mi, ni, mi),
-                1.0,
-                (b, mi, smm),
-                (y, mi, smn),
-                0.0,
-                (z, mi, smn),
-                ci,
-            )
-        } else {
-            blas.gemm_batched(
-                dt,
-                (false, true),
-                (ni, mi, mi),
-                1.0,
-                (y, ni, smn),
-                (b, mi, smm),
-                0.0,
-                (z, ni, smn),
-                ci,
-            )
+/// One batch's products in [`Lockstep`].
+struct LockstepBatch {
+    gram: LtShape,
+    apply: LtShape,
+    /// Whether the matrices have more rows than columns (`X` is then `Gᵀ`).
+    tall: bool,
+    /// Its working buffers.
+    y: u64,
+    z: u64,
+    /// Its first `A` and `B`.
+    a: u64,
+    b: u64,
+}
+
+impl Lockstep {
+    fn new(layout: &ClassLayout, scratch: u64) -> Result<Lockstep, OpsError> {
+        let (dtype, m) = (layout.dtype, layout.m as u64);
+        let esize = dtype_size(dtype) as u64;
+        let astride = layout.astride as i64;
+        let total = i32::try_from(layout.total).map_err(|_| OpsError::Shape {
+            kernel: "muon",
+            reason: format!("{} matrices in one batch exceed cuBLAS's int", layout.total),
+        })?;
+        let at = |off: usize| scratch + off as u64;
+        let mi = m as i64;
+        let mut batches = Vec::with_capacity(layout.batches.len());
+        for r in &layout.batches {
+            let count = i32::try_from(r.count).map_err(|_| too_big(r))?;
+            let (rows, cols) = r.shape;
+            let tall = rows > cols;
+            let n = rows.max(cols) as u64;
+            let ni = n as i64;
+            let xs = r.xstride as i64;
+            let lt = |trans, mnk, ld, stride| LtShape {
+                dtype,
+                trans,
+                mnk,
+                ld,
+                stride,
+                count,
+            };
+            let (gram, apply) = if tall {
+                // X is m × n (ld m): A = X·Xᵀ; X' = B·X + a·X.
+                (
+                    lt((false, true), (m, m, n), (mi, mi, mi), (xs, xs, astride)),
+                    lt((false, false), (m, n, m), (mi, mi, mi), (astride, xs, xs)),
+                )
+            } else {
+                // Y = Xᵀ is n × m (ld n): A = Yᵀ·Y; Y' = Y·Bᵀ + a·Y.
+                (
+                    lt((true, false), (m, m, n), (ni, ni, mi), (xs, xs, astride)),
+                    lt((false, true), (n, m, m), (ni, mi, ni), (xs, astride, xs)),
+                )
+            };
+            let first = (r.first as u64) * (layout.astride as u64) * esize;
+            batches.push(LockstepBatch {
+                gram,
+                apply,
+                tall,
+                y: at(r.y),
+                z: at(r.z),
+                a: at(layout.a) + first,
+                b: at(layout.b) + first,
+            });
         }
+        let square = LtShape {
+            dtype,
+            trans: (false, false),
+            mnk: (m, m, m),
+            ld: (mi, mi, mi),
+            stride: (astride, astride, astride),
+            count: total,
+        };
+        Ok(Lockstep {
+            batches,
+            square,
+            a: at(layout.a),
+            b: at(layout.b),
+        })
+    }
+
+    /// One iteration of every batch: `X` in each batch's `y` (`z` when `swapped`),
+    /// `X'` written to the other.
+    fn iteration(&self, lt: &Lt, stream: sys::CUstream, swapped: bool) -> Result<(), OpsError> {
+        let xs = |b: &LockstepBatch| if swapped { (b.z, b.y) } else { (b.y, b.z) };
+        for b in &self.batches {
+            let (x, _) = xs(b);
+            lt.matmul(stream, &b.gram, 1.0, (x, x), 0.0, (b.a, b.a))?;
+        }
+        lt.matmul(
+            stream,
+            &self.square,
+            NS_C,
+            (self.a, self.a),
+            NS_B,
+            (self.a, self.b),
+        )?;
+        for b in &self.batches {
+            let (x, next) = xs(b);
+            let operands = if b.tall { (b.b, x) } else { (x, b.b) };
+            lt.matmul(stream, &b.apply, 1.0, operands, NS_A, (x, next))?;
+        }
+        Ok(())
     }
 }
 
@@ -469,19 +469,26 @@ mod tests {
     use super::*;
 
     #[test]
-    fn batch_scratch_regions_are_aligned_and_disjoint() {
+    fn class_scratch_regions_are_aligned_and_disjoint() {
         for dtype in NsDtype::ALL {
-            let l = BatchLayout::new((33, 7), 5, dtype).expect("fits");
-            let e = l.esize();
-            let regions = [
-                (l.u, 5 * 7 * 33 * 4),
-                (l.y, 5 * 7 * 33 * e),
-                (l.z, 5 * 7 * 33 * e),
-                (l.a, 5 * 7 * 7 * e),
-                (l.b, 5 * 7 * 7 * e),
-                (l.partial, 5 * MB_SUMSQ_BLOCKS as usize * 8),
-                (l.norms, 5 * 8),
-            ];
+            let dims = [((33, 7), 5), ((7, 96), 3), ((7, 7), 1)];
+            let l = ClassLayout::new(&dims, dtype).expect("fits");
+            let e = dtype_size(dtype);
+            assert_eq!((l.m, l.total), (7, 9));
+            let mut regions = vec![(l.a, 9 * l.astride * e), (l.b, 9 * l.astride * e)];
+            for (r, &((rows, cols), count)) in l.batches.iter().zip(&dims) {
+                assert!(r.xstride >= rows * cols);
+                assert_eq!((r.xstride * e) % ALIGN, 0, "every matrix starts aligned");
+                regions.push((r.y, count * r.xstride * e));
+                regions.push((r.z, count * r.xstride * e));
+                regions.push((r.partial, count * MB_MAX_BLOCKS as usize * 8));
+                regions.push((r.norms, count * 8));
+            }
+            assert_eq!((l.astride * e) % ALIGN, 0);
+            assert_eq!(
+                l.batches.iter().map(|r| r.first).collect::<Vec<_>>(),
+                [0, 5, 8]
+            );
             for (i, &(start, len)) in regions.iter().enumerate() {
                 assert_eq!(start % ALIGN, 0);
                 assert!(start + len <= l.bytes);
@@ -490,7 +497,42 @@ mod tests {
                 }
             }
         }
-        assert!(BatchLayout::new((usize::MAX, 2), 1, NsDtype::F32).is_none());
-        assert!(BatchLayout::new((1 << 31, 1 << 31), 1 << 10, NsDtype::Bf16).is_none());
+        assert!(ClassLayout::new(&[((usize::MAX, 2), 1)], NsDtype::F32).is_none());
+        assert!(ClassLayout::new(&[((1 << 31, 1 << 31), 1 << 10)], NsDtype::Bf16).is_none());
+        assert!(ClassLayout::new(&[], NsDtype::Bf16).is_none());
+    }
+
+    #[test]
+    fn classes_join_batches_that_share_m_precision_and_steps_within_the_cap() {
+        let batch = |shape: (usize, usize), count: usize, ns: NsDtype, steps: u32| Batch {
+            shape,
+            mats: MuonMats::of(&[], super::super::optim::FusedClip::default()),
+            count,
+            hp: MuonParams::default().with_ns_dtype(ns).with_ns_steps(steps),
+            guard: 0,
+        };
+        let bf = NsDtype::Bf16;
+        let batches = [
+            batch((768, 2304), 12, bf, 5),
+            batch((768, 768), 12, bf, 5),
+            batch((3072, 768), 12, bf, 5),
+            batch((512, 768), 4, bf, 5),
+            batch((768, 3072), 12, NsDtype::F32, 5),
+            batch((768, 3072), 12, bf, 4),
+            batch((768, 3072), 12, bf, 5),
+        ];
+        let batches: Vec<&Batch> = batches.iter().collect();
+        assert_eq!(
+            classes(&batches),
+            vec![vec![0, 1, 2, 6], vec![3], vec![4], vec![5]]
+        );
+        // Past the cap a class is split: 64 matrices of 4096 × 16384 in bf16 need
+        // about 17 GiB each batch; each goes alone.
+        let big = [
+            batch((4096, 16384), 64, bf, 5),
+            batch((16384, 4096), 64, bf, 5),
+        ];
+        let big: Vec<&Batch> = big.iter().collect();
+        assert_eq!(classes(&big), vec![vec![0], vec![1]]);
     }
 }

@@ -24,13 +24,19 @@ struct AdamwTensor {
 // Elements per block: every thread takes OV_ADAMW_UNROLL float4s of each operand.
 #define OV_ADAMW_CHUNK (OV_REDUCE_THREADS * 4 * OV_ADAMW_UNROLL)
 
-// Up to OV_ADAMW_TENSORS tensors sharing their hyper-parameters and guard. The scalars
-// are computed on the host in double exactly as ops::math::adamw does: decay =
-// 1 - lr*wd, bc1 = 1 - b1^step, bc2 = 1 - b2^step. `guard`: ov_skip. `clip_norm`,
-// `max_norm`: ov_fused_clip.
+// AdamW's scalars, computed on the host in double exactly as ops::math::adamw does:
+// decay = 1 - lr*wd, bc1 = 1 - b1^step, bc2 = 1 - b2^step. They sit in device memory
+// (uploaded before each flush), so a launch captured in a graph reads the current
+// step's values when it is replayed.
+struct AdamwScalars {
+    double b1, b2, eps, lr, decay, bc1, bc2;
+};
+
+// Up to OV_ADAMW_TENSORS tensors sharing their hyper-parameters and guard; `sc`: their
+// AdamwScalars. `guard`: ov_skip. `clip_norm`, `max_norm`: ov_fused_clip.
 struct AdamwTable {
     AdamwTensor t[OV_ADAMW_TENSORS];
-    double b1, b2, eps, lr, decay, bc1, bc2;
+    const AdamwScalars* sc;
     const float* guard;
     u64 count;
     const float* clip_norm;
@@ -62,7 +68,7 @@ __device__ __forceinline__ void ov_scale4(float4& g, float f) {
 
 // ops::math::adamw's arithmetic on one element.
 __device__ __forceinline__ void ov_adamw_elem(float& p, float g, float& m, float& v,
-                                              const AdamwTable& t) {
+                                              const AdamwScalars& t) {
     double gd = (double)g;
     double m_new = t.b1 * (double)m + (1.0 - t.b1) * gd;
     double v_new = t.b2 * (double)v + (1.0 - t.b2) * gd * gd;
@@ -73,7 +79,7 @@ __device__ __forceinline__ void ov_adamw_elem(float& p, float g, float& m, float
 }
 
 __device__ __forceinline__ void ov_adamw_elem4(float4& p, float4 g, float4& m, float4& v,
-                                               const AdamwTable& t) {
+                                               const AdamwScalars& t) {
     ov_adamw_elem(p.x, g.x, m.x, v.x, t);
     ov_adamw_elem(p.y, g.y, m.y, v.y, t);
     ov_adamw_elem(p.z, g.z, m.z, v.z, t);
@@ -86,6 +92,7 @@ __device__ __forceinline__ void ov_adamw_elem4(float4& p, float4 g, float4& m, f
 // at a time otherwise. Every block reads the guard first (ov_skip).
 extern "C" __global__ void ov_adamw_multi(const __grid_constant__ AdamwTable t) {
     if (ov_skip(t.guard)) return;
+    const AdamwScalars sc = *t.sc;
     float cf = 1.0f;
     const bool clip = ov_fused_clip(t.clip_norm, t.max_norm, &cf);
     const u64 b = blockIdx.x;
@@ -118,7 +125,7 @@ extern "C" __global__ void ov_adamw_multi(const __grid_constant__ AdamwTable t) 
             for (int u = 0; u < OV_ADAMW_UNROLL; ++u) ov_scale4(g[u], cf);
         }
 #pragma unroll
-        for (int u = 0; u < OV_ADAMW_UNROLL; ++u) ov_adamw_elem4(p[u], g[u], m[u], v[u], t);
+        for (int u = 0; u < OV_ADAMW_UNROLL; ++u) ov_adamw_elem4(p[u], g[u], m[u], v[u], sc);
 #pragma unroll
         for (int u = 0; u < OV_ADAMW_UNROLL; ++u) {
             const u32 e = u * OV_REDUCE_THREADS + threadIdx.x;
@@ -134,7 +141,7 @@ extern "C" __global__ void ov_adamw_multi(const __grid_constant__ AdamwTable t) 
                 g = g * cf;
                 s.g[i] = g;
             }
-            ov_adamw_elem(p, g, m, v, t);
+            ov_adamw_elem(p, g, m, v, sc);
             s.m[i] = m;
             s.v[i] = v;
             s.p[i] = p;
@@ -157,18 +164,25 @@ struct MuonMats {
 };
 
 // Matrix blockIdx.y: buf = mu*buf + g (stored as float), u = g + mu*buf
-// (ops::math::muon) into u + y*numel. `guard`: ov_skip (a skipped step writes neither
-// buf nor u: Newton-Schulz then runs on stale scratch, and its result is discarded by
-// ov_mb_update's own guard).
-extern "C" __global__ void ov_mb_momentum(const __grid_constant__ MuonMats t, float* u,
-                                          u64 numel, double mu, const float* guard) {
+// (ops::math::muon), stored as the unnormalised working matrix at element y*stride of
+// x: float, or with bf16 rounded to bfloat16 (as torch.optim.Muon's G.bfloat16()).
+// Each block also writes the sum of squares of the values it stored (in double) to
+// partial[y * gridDim.x + blockIdx.x], for ov_mb_norm. sc: the batch's scalars in
+// device memory (mu, decay, scale; see AdamwScalars). `guard`: ov_skip (a skipped step
+// writes nothing: Newton-Schulz then runs on stale scratch, and its result is
+// discarded by ov_mb_update's own guard).
+extern "C" __global__ void ov_mb_momentum(const __grid_constant__ MuonMats t, void* x,
+                                          u64 numel, u64 stride, const double* sc, int bf16,
+                                          double* partial, const float* guard) {
     if (ov_skip(guard)) return;
+    const double mu = sc[0];
     float cf = 1.0f;
     const bool clip = ov_fused_clip(t.clip_norm, t.max_norm, &cf);
     const u32 y = blockIdx.y;
     float* buf = t.buf[y];
     float* g = t.g[y];
-    float* uy = u + (u64)y * numel;
+    const u64 base = (u64)y * stride;
+    double acc = 0.0;
     GRID_STRIDE(i, numel) {
         float gf = g[i];
         if (clip) {
@@ -178,21 +192,18 @@ extern "C" __global__ void ov_mb_momentum(const __grid_constant__ MuonMats t, fl
         double gd = (double)gf;
         float b = (float)(mu * (double)buf[i] + gd);
         buf[i] = b;
-        uy[i] = (float)(gd + mu * (double)b);
-    }
-}
-
-// Block (x, y): the sum of squares of its grid-stride share of matrix y (numel floats
-// at u + y*numel), in double, to partial[y * gridDim.x + x].
-extern "C" __global__ void ov_mb_sumsq(const float* u, u64 numel, double* partial) {
-    const float* uy = u + (u64)blockIdx.y * numel;
-    double acc = 0.0;
-    GRID_STRIDE(i, numel) {
-        double v = (double)uy[i];
-        acc += v * v;
+        float u = (float)(gd + mu * (double)b);
+        if (bf16) {
+            const u16 h = ov_f2bf(u);
+            ((u16*)x)[base + i] = h;
+            u = __uint_as_float(((u32)h) << 16);
+        } else {
+            ((float*)x)[base + i] = u;
+        }
+        acc += (double)u * (double)u;
     }
     double sum = ov_block_sum(acc);
-    if (threadIdx.x == 0) partial[(u64)blockIdx.y * gridDim.x + blockIdx.x] = sum;
+    if (threadIdx.x == 0) partial[(u64)y * gridDim.x + blockIdx.x] = sum;
 }
 
 // Block y: norms[y] = sqrt(sum of partial[y*count .. y*count + count]) + 1e-7.
@@ -204,51 +215,37 @@ extern "C" __global__ void ov_mb_norm(const double* partial, u32 count, double* 
     if (threadIdx.x == 0) norms[blockIdx.y] = sqrt(sum) + 1e-7;
 }
 
-// Matrix y's working matrix X_y = U_y / norms[y], element by element in U's own
-// (row-major) layout, stored as float or, with bf16, rounded to bfloat16 (u16), at
-// element offset y*numel of x. (A tall matrix is not transposed: muon.rs reads the same
-// buffer as the column-major transpose.)
-extern "C" __global__ void ov_mb_init(const float* u, void* x, u64 numel,
-                                      const double* norms, int bf16) {
+// Matrix y's working matrix, in place: X_y = U_y / norms[y], element by element in
+// U's own (row-major) layout at element y*stride of x, float or bfloat16 (rounded
+// again). (A tall matrix is not transposed: muon.rs reads the same buffer as the
+// column-major transpose.)
+extern "C" __global__ void ov_mb_scale(void* x, u64 numel, u64 stride, const double* norms,
+                                       int bf16) {
     const u32 y = blockIdx.y;
-    const float* uy = u + (u64)y * numel;
+    const u64 base = (u64)y * stride;
     const double d = norms[y];
     GRID_STRIDE(k, numel) {
-        const float r = (float)((double)uy[k] / d);
         if (bf16) {
-            ((u16*)x)[(u64)y * numel + k] = ov_f2bf(r);
+            u16* p = (u16*)x + base;
+            p[k] = ov_f2bf((float)((double)__uint_as_float(((u32)p[k]) << 16) / d));
         } else {
-            ((float*)x)[(u64)y * numel + k] = r;
+            float* p = (float*)x + base;
+            p[k] = (float)((double)p[k] / d);
         }
     }
 }
 
-// Matrix y's m x m block of b (float or bf16): every diagonal element plus `shift`
-// (B' = B + a*I, so that Newton-Schulz's a*X + B*X is one product B'*X).
-extern "C" __global__ void ov_mb_diag(void* b, u64 m, float shift, int bf16) {
-    const u64 base = (u64)blockIdx.y * m * m;
-    GRID_STRIDE(i, m) {
-        const u64 at = base + i * m + i;
-        if (bf16) {
-            u16* p = (u16*)b;
-            p[at] = ov_f2bf(__uint_as_float(((u32)p[at]) << 16) + shift);
-        } else {
-            float* p = (float*)b;
-            p[at] = p[at] + shift;
-        }
-    }
-}
-
-// Matrix y: p = p*decay - scale*O, O the working matrix y of x (float or bf16), in the
-// parameter's layout. `guard`: ov_skip.
+// Matrix y: p = p*decay - scale*O, O the working matrix at element y*stride of x (float
+// or bf16), in the parameter's layout; decay = sc[1], scale = sc[2]. `guard`: ov_skip.
 extern "C" __global__ void ov_mb_update(const __grid_constant__ MuonMats t, const void* x,
-                                        u64 numel, double decay, double scale, int bf16,
+                                        u64 numel, u64 stride, const double* sc, int bf16,
                                         const float* guard) {
     if (ov_skip(guard)) return;
+    const double decay = sc[1], scale = sc[2];
     const u32 y = blockIdx.y;
     float* p = t.p[y];
     GRID_STRIDE(k, numel) {
-        const u64 at = k + (u64)y * numel;
+        const u64 at = k + (u64)y * stride;
         const float o = bf16 ? __uint_as_float(((u32)((const u16*)x)[at]) << 16)
                              : ((const float*)x)[at];
         p[k] = (float)((double)p[k] * decay - scale * (double)o);

@@ -48,8 +48,8 @@ pub(super) struct AdamwTensor {
 #[derive(Clone, Copy)]
 pub(super) struct AdamwTable {
     t: [AdamwTensor; ADAMW_TENSORS],
-    /// `b1, b2, eps, lr, decay, bc1, bc2`, as `ov_adamw` takes them.
-    scalars: [f64; 7],
+    /// The device address of [`adamw_scalars`]' seven values (`struct AdamwScalars`).
+    scalars: sys::CUdeviceptr,
     guard: sys::CUdeviceptr,
     count: u64,
     clip: FusedClip,
@@ -68,8 +68,9 @@ pub(super) struct FusedClip {
     pub max_norm: f32,
 }
 
-/// `ov_adamw`'s host-side scalars, exactly [`crate::math::adamw`]'s: `b1, b2, eps, lr,
-/// 1 − lr·wd, 1 − b1^step, 1 − b2^step`, in f64.
+/// `ov_adamw`'s scalars, exactly [`crate::math::adamw`]'s: `b1, b2, eps, lr, 1 − lr·wd,
+/// 1 − b1^step, 1 − b2^step`, in f64 (`struct AdamwScalars`; uploaded to the device at
+/// each flush, `defer.rs`).
 pub(super) fn adamw_scalars(hp: &AdamwParams, step: u64) -> [f64; 7] {
     let lr = f64::from(hp.lr);
     let (b1, b2) = (f64::from(hp.beta1), f64::from(hp.beta2));
@@ -84,12 +85,28 @@ pub(super) fn adamw_scalars(hp: &AdamwParams, step: u64) -> [f64; 7] {
     ]
 }
 
+/// A Muon batch's scalars as `ov_mb_momentum` and `ov_mb_update` read them from the
+/// device: `mu, 1 − lr·wd, lr · 0.2 · sqrt(max(rows, cols))` (Muon's momentum, decay
+/// and update scale, as [`crate::math::muon`]).
+pub(super) fn muon_scalars(hp: &crate::MuonParams, (rows, cols): (usize, usize)) -> [f64; 3] {
+    let lr = f64::from(hp.lr);
+    [
+        f64::from(hp.momentum),
+        1.0 - lr * f64::from(hp.weight_decay),
+        lr * MUON_SCALE * (rows.max(cols) as f64).sqrt(),
+    ]
+}
+
+/// Muon's update scale per `sqrt(max(rows, cols))`.
+const MUON_SCALE: f64 = 0.2;
+
 /// The launches that update `tensors` (their `block0` ignored; empty ones left out):
 /// up to [`ADAMW_TENSORS`] per table, in order, each with its grid width (the sum of
-/// its tensors' chunks). A function of the lengths only.
+/// its tensors' chunks), reading their scalars at the device address `scalars`. A
+/// function of the lengths only.
 pub(super) fn adamw_tables(
     tensors: &[AdamwTensor],
-    scalars: [f64; 7],
+    scalars: sys::CUdeviceptr,
     (guard, clip): (sys::CUdeviceptr, FusedClip),
 ) -> Vec<(AdamwTable, u32)> {
     let live: Vec<AdamwTensor> = tensors.iter().copied().filter(|t| t.n > 0).collect();
@@ -159,26 +176,48 @@ impl MuonMats {
     fn count(&self) -> u32 {
         self.count as u32
     }
+
+    /// Every address the batch's launches take, and its clip's threshold (the part of a
+    /// flush's key that is this batch's, `flush.rs`).
+    pub(super) fn key(&self) -> impl Iterator<Item = u64> + '_ {
+        let n = self.count as usize;
+        let clip = [self.clip.norm, u64::from(self.clip.max_norm.to_bits())];
+        self.p[..n]
+            .iter()
+            .chain(&self.buf[..n])
+            .chain(&self.g[..n])
+            .copied()
+            .chain(clip)
+    }
 }
 
 /// The batched kernels of the module.
 pub(super) struct OptimFns {
     adamw_multi: sys::CUfunction,
     mb_momentum: sys::CUfunction,
-    mb_sumsq: sys::CUfunction,
     mb_norm: sys::CUfunction,
-    mb_init: sys::CUfunction,
+    mb_scale: sys::CUfunction,
     mb_update: sys::CUfunction,
-    mb_diag: sys::CUfunction,
 }
 
 /// The width of a batched Muon grid for `numel` elements per matrix.
-fn mb_blocks(numel: u64) -> u32 {
-    numel.div_ceil(256).clamp(1, 1024) as u32
+pub(super) fn mb_blocks(numel: u64) -> u32 {
+    numel.div_ceil(256).clamp(1, MB_MAX_BLOCKS as u64) as u32
 }
 
-/// Blocks per matrix of the batched sum of squares (its partials go to one block).
-pub(super) const MB_SUMSQ_BLOCKS: u32 = 64;
+/// Most blocks per matrix of a batched Muon grid, so most partial sums per matrix
+/// that [`OptimFns::mb_momentum`] writes.
+pub(super) const MB_MAX_BLOCKS: u32 = 1024;
+
+/// A batch's working matrices as the Muon kernels take them: `count` matrices of
+/// `numel` elements, `stride` elements apart from `x`, bf16 or f32.
+#[derive(Clone, Copy)]
+pub(super) struct Working {
+    pub x: sys::CUdeviceptr,
+    pub numel: u64,
+    pub stride: u64,
+    pub bf16: bool,
+}
 
 impl OptimFns {
     /// Looks the functions up in the loaded module.
@@ -188,11 +227,9 @@ impl OptimFns {
         Ok(OptimFns {
             adamw_multi: get("ov_adamw_multi")?,
             mb_momentum: get("ov_mb_momentum")?,
-            mb_sumsq: get("ov_mb_sumsq")?,
             mb_norm: get("ov_mb_norm")?,
-            mb_init: get("ov_mb_init")?,
+            mb_scale: get("ov_mb_scale")?,
             mb_update: get("ov_mb_update")?,
-            mb_diag: get("ov_mb_diag")?,
         })
     }
 
@@ -209,99 +246,75 @@ impl OptimFns {
         Kernels::launch_with("adamw", self.adamw_multi, (*grid, 1), 256, stream, args)
     }
 
-    /// Muon's momentum and Nesterov input of every matrix into `u` (`numel` floats
-    /// each, back to back); `guard` as for AdamW.
+    /// Muon's momentum and Nesterov input `U` of every matrix, stored (unnormalised)
+    /// as its working matrix in `w`, and per block the sum of squares of what it stored
+    /// into `partial` (room for `count ·` [`MB_MAX_BLOCKS`] doubles); `guard` as for
+    /// AdamW; `scalars`: the device address of the batch's [`muon_scalars`].
     pub(super) fn mb_momentum(
         &self,
         stream: sys::CUstream,
         mats: &MuonMats,
-        (u, numel): (sys::CUdeviceptr, u64),
-        mu: f64,
+        (w, partial): (Working, sys::CUdeviceptr),
+        scalars: sys::CUdeviceptr,
         guard: sys::CUdeviceptr,
     ) -> Result<(), OpsError> {
         let args = Args::default()
             .push(*mats)
-            .push(u)
-            .push(numel)
-            .push(mu)
+            .push(w.x)
+            .push(w.numel)
+            .push(w.stride)
+            .push(scalars)
+            .push(i32::from(w.bf16))
+            .push(partial)
             .push(guard);
-        let grid = (mb_blocks(numel), mats.count());
+        let grid = (mb_blocks(w.numel), mats.count());
         Kernels::launch_with("muon", self.mb_momentum, grid, 256, stream, args)
     }
 
-    /// `norms[y] = sqrt(Σ u_y²) + 1e-7` for the `count` matrices of `u`, through
-    /// `partial` (room for `count ·` [`MB_SUMSQ_BLOCKS`] doubles).
-    pub(super) fn mb_norms(
+    /// Each working matrix of `w` divided by its norm, in place: `norms[y] =
+    /// sqrt(Σ u_y²) + 1e-7` from the `count` matrices' partial sums of
+    /// [`Self::mb_momentum`], then `X_y = U_y / norms[y]`.
+    pub(super) fn mb_normalise(
         &self,
         stream: sys::CUstream,
-        (u, numel, count): (sys::CUdeviceptr, u64, u32),
+        (w, count): (Working, u32),
         partial: sys::CUdeviceptr,
         norms: sys::CUdeviceptr,
     ) -> Result<(), OpsError> {
-        let g = mb_blocks(numel).min(MB_SUMSQ_BLOCKS);
-        let args = Args::default().push(u).push(numel).push(partial);
-        Kernels::launch_with("muon", self.mb_sumsq, (g, count), 256, stream, args)?;
-        let args = Args::default().push(partial).push(g).push(norms);
-        Kernels::launch_with("muon", self.mb_norm, (1, count), 256, stream, args)
-    }
-
-    /// The working matrices `X_y = U_y / norms[y]` (in `U`'s layout), in f32 or bf16
-    /// at `x`.
-    pub(super) fn mb_init(
-        &self,
-        stream: sys::CUstream,
-        (u, x): (sys::CUdeviceptr, sys::CUdeviceptr),
-        (numel, count): (u64, u32),
-        norms: sys::CUdeviceptr,
-        bf16: bool,
-    ) -> Result<(), OpsError> {
         let args = Args::default()
-            .push(u)
-            .push(x)
-            .push(numel)
+            .push(partial)
+            .push(mb_blocks(w.numel))
+            .push(norms);
+        Kernels::launch_with("muon", self.mb_norm, (1, count), 256, stream, args)?;
+        let args = Args::default()
+            .push(w.x)
+            .push(w.numel)
+            .push(w.stride)
             .push(norms)
-            .push(i32::from(bf16));
-        let grid = (mb_blocks(numel), count);
-        Kernels::launch_with("muon", self.mb_init, grid, 256, stream, args)
-    }
-
-    /// Adds `shift` to the diagonal of each of the `count` `m × m` matrices at `b` (f32
-    /// or bf16).
-    pub(super) fn mb_diag(
-        &self,
-        stream: sys::CUstream,
-        (b, m, count): (sys::CUdeviceptr, u64, u32),
-        shift: f32,
-        bf16: bool,
-    ) -> Result<(), OpsError> {
-        let args = Args::default()
-            .push(b)
-            .push(m)
-            .push(shift)
-            .push(i32::from(bf16));
-        let grid = (mb_blocks(m), count);
-        Kernels::launch_with("muon", self.mb_diag, grid, 256, stream, args)
+            .push(i32::from(w.bf16));
+        let grid = (mb_blocks(w.numel), count);
+        Kernels::launch_with("muon", self.mb_scale, grid, 256, stream, args)
     }
 
     /// Every parameter `p_y = p_y·decay − scale·O_y`, `O_y` the working matrix `y` of
-    /// `x` (f32 or bf16, in the parameter's layout); `guard` as for AdamW.
+    /// `w` (in the parameter's layout), `decay` and `scale` the batch's
+    /// [`muon_scalars`] at the device address `scalars`; `guard` as for AdamW.
     pub(super) fn mb_update(
         &self,
         stream: sys::CUstream,
-        (mats, x, numel): (&MuonMats, sys::CUdeviceptr, u64),
-        (decay, scale): (f64, f64),
-        bf16: bool,
+        (mats, w): (&MuonMats, Working),
+        scalars: sys::CUdeviceptr,
         guard: sys::CUdeviceptr,
     ) -> Result<(), OpsError> {
         let args = Args::default()
             .push(*mats)
-            .push(x)
-            .push(numel)
-            .push(decay)
-            .push(scale)
-            .push(i32::from(bf16))
+            .push(w.x)
+            .push(w.numel)
+            .push(w.stride)
+            .push(scalars)
+            .push(i32::from(w.bf16))
             .push(guard);
-        let grid = (mb_blocks(numel), mats.count());
+        let grid = (mb_blocks(w.numel), mats.count());
         Kernels::launch_with("muon", self.mb_update, grid, 256, stream, args)
     }
 }
@@ -315,7 +328,7 @@ mod tests {
         assert_eq!(std::mem::size_of::<AdamwTensor>(), 48);
         assert_eq!(
             std::mem::size_of::<AdamwTable>(),
-            48 * ADAMW_TENSORS + 7 * 8 + 16 + 16
+            48 * ADAMW_TENSORS + 8 + 16 + 16
         );
         assert_eq!(std::mem::size_of::<FusedClip>(), 16);
         assert_eq!(std::mem::size_of::<MuonMats>(), 3 * 8 * MUON_MATS + 8 + 16);
@@ -341,7 +354,7 @@ mod tests {
         let tensors: Vec<AdamwTensor> = (0..600u64)
             .map(|i| t(if i % 7 == 3 { 0 } else { 1 + i * 1000 }))
             .collect();
-        let tables = adamw_tables(&tensors, [0.0; 7], (0, FusedClip::default()));
+        let tables = adamw_tables(&tensors, 0x5000, (0, FusedClip::default()));
         let live: Vec<u64> = tensors.iter().map(|t| t.n).filter(|&n| n > 0).collect();
         assert_eq!(tables.len(), live.len().div_ceil(ADAMW_TENSORS));
         let mut seen = Vec::new();
@@ -355,7 +368,7 @@ mod tests {
             assert_eq!(u64::from(*grid), next);
         }
         assert_eq!(seen, live);
-        assert!(adamw_tables(&[t(0)], [0.0; 7], (0, FusedClip::default())).is_empty());
+        assert!(adamw_tables(&[t(0)], 0x5000, (0, FusedClip::default())).is_empty());
     }
 
     #[test]

@@ -1,0 +1,283 @@
+//! Strided-batched GEMMs through cuBLASLt, for Newton–Schulz: `D = α·op(A)·op(B) + β·C`
+//! with `C` and `D` distinct, which plain cuBLAS cannot do. That lets an iteration be
+//! three products and nothing else: `B = c·A·A + b·A` reads `A` as both operand and
+//! `C`, and `X' = B·X + a·X` reads `X` as both operand and `C` and writes a new buffer,
+//! with no copy of `A` and no shift of `B`'s diagonal in between.
+//!
+//! A product's descriptors and algorithm (cuBLASLt's first heuristic choice for its
+//! shapes, types, strides and the workspace) are made once per [`LtShape`] and cached;
+//! making them is host work only, so it may happen while a stream is being captured.
+//!
+//! Invariant: one handle per stream, used under the backend's issue lock with the
+//! context bound; its workspace is used only by products on that stream.
+
+use std::cell::RefCell;
+use std::collections::HashMap;
+use std::sync::Arc;
+
+use cudarc::cublaslt::result as lt;
+use cudarc::cublaslt::sys;
+use cudarc::driver::sys as drv;
+
+use super::memory::{DevMem, Memory};
+use crate::{NsDtype, OpsError};
+
+/// cuBLASLt workspace per handle (NVIDIA's recommendation for Hopper).
+const WORKSPACE_BYTES: usize = 32 << 20;
+
+/// What a product's descriptors and algorithm depend on (column-major, as cuBLAS):
+/// `op(A)` is `m × k`, `op(B)` is `k × n`, `C` and `D` are `m × n`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub(super) struct LtShape {
+    pub dtype: NsDtype,
+    /// Whether `A` and `B` are transposed.
+    pub trans: (bool, bool),
+    pub mnk: (u64, u64, u64),
+    /// Leading dimensions of `A`, `B` and `C`/`D`.
+    pub ld: (i64, i64, i64),
+    /// Elements between the batch's consecutive `A`, `B` and `C`/`D`.
+    pub stride: (i64, i64, i64),
+    pub count: i32,
+}
+
+/// A product's descriptors and chosen algorithm.
+struct LtPlan {
+    desc: sys::cublasLtMatmulDesc_t,
+    /// `A`, `B`, then `C` (also `D`'s).
+    layouts: [sys::cublasLtMatrixLayout_t; 3],
+    algo: sys::cublasLtMatmulAlgo_t,
+}
+
+/// A cuBLASLt handle bound to one stream's products, with its workspace and plans.
+pub(super) struct Lt {
+    handle: sys::cublasLtHandle_t,
+    workspace: Arc<DevMem>,
+    plans: RefCell<HashMap<LtShape, LtPlan>>,
+}
+
+// SAFETY: the handle and plans are used by one thread at a time (under the backend's
+// issue lock) with the context bound; none is tied to the thread that made it.
+unsafe impl Send for Lt {}
+
+fn lt_err(what: &str, e: lt::CublasError) -> OpsError {
+    OpsError::Failed {
+        kernel: "muon",
+        reason: format!("cuBLASLt {what}: {:?}", e.0),
+    }
+}
+
+impl Lt {
+    /// A handle with its own workspace. The caller has the context bound.
+    pub(super) fn new(memory: &Arc<Memory>) -> Result<Lt, OpsError> {
+        let handle = lt::create_handle().map_err(|e| lt_err("cublasLtCreate", e))?;
+        let workspace = memory.alloc_raw(WORKSPACE_BYTES)?;
+        Ok(Lt {
+            handle,
+            workspace,
+            plans: RefCell::new(HashMap::new()),
+        })
+    }
+
+    /// Destroys the plans and the handle. The caller has the context bound.
+    pub(super) fn destroy(&self) {
+        for (_, p) in self.plans.borrow_mut().drain() {
+            // SAFETY: descriptors made by `plan`, no longer used.
+            unsafe {
+                let _ = lt::destroy_matmul_desc(p.desc);
+                for l in p.layouts {
+                    let _ = lt::destroy_matrix_layout(l);
+                }
+            }
+        }
+        // SAFETY: destroyed once, when the backend is dropped.
+        let _ = unsafe { lt::destroy_handle(self.handle) };
+    }
+
+    /// `D = alpha·op(A)·op(B) + beta·C` for each of the batch's `count` products, on
+    /// `stream`. `c` and `d` may be the same buffer or distinct ones.
+    #[allow(clippy::too_many_arguments)]
+    pub(super) fn matmul(
+        &self,
+        stream: drv::CUstream,
+        shape: &LtShape,
+        alpha: f32,
+        (a, b): (u64, u64),
+        beta: f32,
+        (c, d): (u64, u64),
+    ) -> Result<(), OpsError> {
+        let mut plans = self.plans.borrow_mut();
+        let plan = match plans.get(shape) {
+            Some(p) => p,
+            None => {
+                let p = self.plan(shape)?;
+                plans.entry(*shape).or_insert(p)
+            }
+        };
+        // SAFETY: the caller passes device matrices of `shape`'s dimensions and strides
+        // in memory it owns on this stream; alpha and beta are host f32 scalars read at
+        // the call; the workspace is this handle's, used only on this stream.
+        unsafe {
+            lt::matmul(
+                self.handle,
+                plan.desc,
+                (&alpha as *const f32).cast(),
+                (&beta as *const f32).cast(),
+                a as *const std::ffi::c_void,
+                plan.layouts[0],
+                b as *const std::ffi::c_void,
+                plan.layouts[1],
+                c as *const std::ffi::c_void,
+                plan.layouts[2],
+                d as *mut std::ffi::c_void,
+                plan.layouts[2],
+                &plan.algo,
+                self.workspace.ptr() as *mut std::ffi::c_void,
+                self.workspace.bytes(),
+                stream as sys::cudaStream_t,
+            )
+        }
+        .map_err(|e| lt_err("cublasLtMatmul", e))
+    }
+
+    /// The descriptors of `shape` and cuBLASLt's first choice of algorithm for them.
+    fn plan(&self, s: &LtShape) -> Result<LtPlan, OpsError> {
+        let (data, compute) = match s.dtype {
+            NsDtype::Bf16 => (
+                sys::cudaDataType::CUDA_R_16BF,
+                sys::cublasComputeType_t::CUBLAS_COMPUTE_32F,
+            ),
+            NsDtype::Tf32 => (
+                sys::cudaDataType::CUDA_R_32F,
+                sys::cublasComputeType_t::CUBLAS_COMPUTE_32F_FAST_TF32,
+            ),
+            NsDtype::F32 => (
+                sys::cudaDataType::CUDA_R_32F,
+                sys::cublasComputeType_t::CUBLAS_COMPUTE_32F,
+            ),
+        };
+        // cublasOperation_t as the attribute's int32: CUBLAS_OP_N = 0, CUBLAS_OP_T = 1.
+        let op = |t: bool| i32::from(t);
+        let desc = lt::create_matmul_desc(compute, sys::cudaDataType::CUDA_R_32F)
+            .map_err(|e| lt_err("cublasLtMatmulDescCreate", e))?;
+        let mut plan = LtPlan {
+            desc,
+            layouts: [std::ptr::null_mut(); 3],
+            // SAFETY: a plain C struct of integers, filled by the heuristic below.
+            algo: unsafe { std::mem::zeroed() },
+        };
+        let (m, n, k) = s.mnk;
+        // The stored (not transposed) dimensions of A, B and C.
+        let stored = |t: bool, r: u64, c: u64| if t { (c, r) } else { (r, c) };
+        let dims = [stored(s.trans.0, m, k), stored(s.trans.1, k, n), (m, n)];
+        let lds = [s.ld.0, s.ld.1, s.ld.2];
+        let strides = [s.stride.0, s.stride.1, s.stride.2];
+        let made = (|| -> Result<(), lt::CublasError> {
+            let (ta, tb) = (op(s.trans.0), op(s.trans.1));
+            // SAFETY: attributes of the documented types and sizes on a live descriptor.
+            unsafe {
+                set_desc(
+                    desc,
+                    sys::cublasLtMatmulDescAttributes_t::CUBLASLT_MATMUL_DESC_TRANSA,
+                    &ta,
+                )?;
+                set_desc(
+                    desc,
+                    sys::cublasLtMatmulDescAttributes_t::CUBLASLT_MATMUL_DESC_TRANSB,
+                    &tb,
+                )?;
+            }
+            for i in 0..3 {
+                let l = lt::create_matrix_layout(data, dims[i].0, dims[i].1, lds[i])?;
+                plan.layouts[i] = l;
+                // SAFETY: as above, on a live layout.
+                unsafe {
+                    set_layout(
+                        l,
+                        sys::cublasLtMatrixLayoutAttribute_t::CUBLASLT_MATRIX_LAYOUT_BATCH_COUNT,
+                        &s.count,
+                    )?;
+                    set_layout(
+                        l,
+                        sys::cublasLtMatrixLayoutAttribute_t::CUBLASLT_MATRIX_LAYOUT_STRIDED_BATCH_OFFSET,
+                        &strides[i],
+                    )?;
+                }
+            }
+            let pref = lt::create_matmul_pref()?;
+            let bytes = self.workspace.bytes() as u64;
+            // SAFETY: a live preference, the attribute's documented type (u64); the
+            // preference is destroyed whatever the heuristic answers.
+            let found = unsafe {
+                let set = lt::set_matmul_pref_attribute(
+                    pref,
+                    sys::cublasLtMatmulPreferenceAttributes_t::CUBLASLT_MATMUL_PREF_MAX_WORKSPACE_BYTES,
+                    (&bytes as *const u64).cast(),
+                    std::mem::size_of::<u64>(),
+                );
+                let found = set.and_then(|()| {
+                    lt::get_matmul_algo_heuristic(
+                        self.handle,
+                        desc,
+                        plan.layouts[0],
+                        plan.layouts[1],
+                        plan.layouts[2],
+                        plan.layouts[2],
+                        pref,
+                    )
+                });
+                let _ = lt::destroy_matmul_pref(pref);
+                found
+            }?;
+            plan.algo = found.algo;
+            Ok(())
+        })();
+        match made {
+            Ok(()) => Ok(plan),
+            Err(e) => {
+                // SAFETY: what was made above, never used.
+                unsafe {
+                    let _ = lt::destroy_matmul_desc(plan.desc);
+                    for l in plan.layouts.into_iter().filter(|l| !l.is_null()) {
+                        let _ = lt::destroy_matrix_layout(l);
+                    }
+                }
+                Err(OpsError::Failed {
+                    kernel: "muon",
+                    reason: format!(
+                        "cuBLASLt has no algorithm for a {:?} product of {m} × {n} × {k} \
+                         (batch {}): {:?}",
+                        s.dtype, s.count, e.0
+                    ),
+                })
+            }
+        }
+    }
+}
+
+/// Sets a descriptor attribute from a value of its documented type.
+unsafe fn set_desc<T>(
+    desc: sys::cublasLtMatmulDesc_t,
+    attr: sys::cublasLtMatmulDescAttributes_t,
+    value: &T,
+) -> Result<(), lt::CublasError> {
+    lt::set_matmul_desc_attribute(
+        desc,
+        attr,
+        (value as *const T).cast(),
+        std::mem::size_of::<T>(),
+    )
+}
+
+/// Sets a layout attribute from a value of its documented type.
+unsafe fn set_layout<T>(
+    layout: sys::cublasLtMatrixLayout_t,
+    attr: sys::cublasLtMatrixLayoutAttribute_t,
+    value: &T,
+) -> Result<(), lt::CublasError> {
+    lt::set_matrix_layout_attribute(
+        layout,
+        attr,
+        (value as *const T).cast(),
+        std::mem::size_of::<T>(),
+    )
+}
