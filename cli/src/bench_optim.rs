@@ -207,6 +207,10 @@ pub struct TailRow {
     pub back_to_back_ms: f64,
     /// Median host time to issue one step (launch calls and the flush), µs.
     pub host_us: f64,
+    /// Median host time to issue one step while the device still runs earlier work
+    /// (the covered steps): issuing never waits for the device, so it matches
+    /// `host_us`, µs.
+    pub host_covered_us: f64,
     /// The memory-bound limit of the AdamW part (28 bytes a value at the copy
     /// bandwidth), ms.
     pub adamw_limit_ms: f64,
@@ -251,7 +255,7 @@ pub fn render(r: &OptimReport) -> String {
         r.warmup
     );
     out.push_str(
-        "tail          alone ms  device ms  back-to-back ms  host us  AdamW limit ms  NS TFLOP/s (device)\n",
+        "tail          alone ms  device ms  back-to-back ms  host us  host us (busy)  AdamW limit ms  NS TFLOP/s (device)\n",
     );
     for row in &r.rows {
         let tflops = if row.ns_tflop > 0.0 {
@@ -260,12 +264,13 @@ pub fn render(r: &OptimReport) -> String {
             "-".into()
         };
         out.push_str(&format!(
-            "{:<12} {:>9.3} {:>10.3} {:>16.3} {:>8.1} {:>15.3} {:>20}\n",
+            "{:<12} {:>9.3} {:>10.3} {:>16.3} {:>8.1} {:>15.1} {:>15.3} {:>20}\n",
             row.tail,
             row.alone_ms,
             row.device_ms,
             row.back_to_back_ms,
             row.host_us,
+            row.host_covered_us,
             row.adamw_limit_ms,
             tflops
         ));

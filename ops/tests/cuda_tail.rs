@@ -266,9 +266,9 @@ fn a_clip_fused_into_the_optimizers_is_the_references_bit_for_bit() {
     fused_clip_case(f32::INFINITY, 1.0);
 }
 
-/// One step of the replay test: a clip, then guarded AdamW (an aligned and an odd
-/// tensor) and Muon (two shapes of one class, bf16), learning rates that change with
-/// the step.
+/// One step of the replay test: the global norm, the clip, then guarded AdamW (an
+/// aligned and an odd tensor) and Muon (two shapes of one class, bf16), learning rates
+/// that change with the step.
 struct ReplaySet {
     norm: CudaBuffer,
     grads: Vec<CudaBuffer>,
@@ -320,6 +320,15 @@ impl ReplaySet {
         for (g, host) in self.grads.iter().zip(&self.pristine) {
             b.upload(g, host).unwrap();
         }
+        b.launch(
+            0,
+            Stream::Compute,
+            TAG,
+            Kernel::SumSquares {
+                dst: self.norm.clone(),
+                srcs: self.grads.clone().into(),
+            },
+        );
         b.launch(
             0,
             Stream::Compute,
@@ -390,8 +399,16 @@ fn a_replayed_flush_reads_each_steps_scalars_and_matches_one_issued_call_by_call
             "step {step}: replayed against direct"
         );
     }
-    // AdamW against the reference, bit for bit, after the five steps.
-    let factor = math::clip_factor(4.0e6, 0.5).unwrap();
+    // AdamW against the reference, bit for bit, after the five steps, with the norm
+    // the GPU computed (the same every step: the gradients are restored).
+    let sq = b.download(&a.norm).unwrap()[0];
+    let all: Vec<f32> = a.pristine.concat();
+    let want = math::sum_squares(&all);
+    assert!(
+        (f64::from(sq) - want).abs() <= 1e-6 * want,
+        "norm {sq} vs {want}"
+    );
+    let factor = math::clip_factor(f64::from(sq), 0.5).unwrap();
     for (i, &n) in REPLAY_ADAMW.iter().enumerate() {
         let mut g = a.pristine[i].clone();
         math::scale(&mut g, factor);

@@ -254,15 +254,16 @@ const COVER_US: u32 = 20_000;
 /// Times one tail: steps alone (median; `covered`: issued while a spin occupies the
 /// stream, as a tail is issued while the backward still runs, so the host's issue time
 /// is not counted), then `iters` back to back. Returns (alone, covered, back to back)
-/// in ms and the host's µs per step.
+/// in ms and the host's µs per step (alone, covered).
 fn time_tail(
     b: &CudaBackend,
     timer: &Timer,
     slots: &[Slot],
     tail: Tail<'_>,
     (iters, warmup): (u32, u32),
-) -> Result<([f64; 3], f64), Error> {
-    let (mut alone, mut covered, mut host) = (Vec::new(), Vec::new(), Vec::new());
+) -> Result<([f64; 3], [f64; 2]), Error> {
+    let (mut alone, mut covered) = (Vec::new(), Vec::new());
+    let (mut host, mut host_covered) = (Vec::new(), Vec::new());
     let mut step = 1;
     for i in 0..2 * (warmup + iters) {
         let kernels = tail.kernels(slots, step);
@@ -286,6 +287,7 @@ fn time_tail(
         if i >= 2 * warmup {
             if cover {
                 covered.push(ms);
+                host_covered.push(us);
             } else {
                 alone.push(ms);
                 host.push(us);
@@ -297,7 +299,10 @@ fn time_tail(
     if !errors.is_empty() {
         return Err(Error::Backend(format!("bench-optimizer: {errors:?}")));
     }
-    Ok(([median(alone), median(covered), b2b], median(host)))
+    Ok((
+        [median(alone), median(covered), b2b],
+        [median(host), median(host_covered)],
+    ))
 }
 
 /// Milliseconds per step of `iters` steps issued back to back from `step` on; a tail
@@ -396,7 +401,7 @@ impl TailRow {
     fn of(
         tail: String,
         [alone_ms, device_ms, back_to_back_ms]: [f64; 3],
-        host_us: f64,
+        [host_us, host_covered_us]: [f64; 2],
         adamw_limit_ms: f64,
         ns_tflop: f64,
     ) -> TailRow {
@@ -406,6 +411,7 @@ impl TailRow {
             device_ms,
             back_to_back_ms,
             host_us,
+            host_covered_us,
             adamw_limit_ms,
             ns_tflop,
         }

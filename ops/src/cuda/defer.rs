@@ -35,6 +35,8 @@
 
 use std::collections::HashSet;
 
+use super::fast_hash::WordHash;
+
 use cudarc::driver::sys;
 use overlap_graph::Stream;
 
@@ -43,6 +45,9 @@ use super::flush::FlushPlan;
 use super::issue::Issue;
 use super::memory::CudaBuffer;
 use crate::{AdamwParams, MuonParams, OpsError, Tag};
+
+/// A set of buffer identities ([`CudaBuffer::id`]).
+type IdSet = HashSet<usize, WordHash>;
 
 /// Most kernels held per stream before a flush.
 const MAX_HELD: usize = 512;
@@ -83,6 +88,17 @@ impl Held {
     }
 }
 
+/// A held [`crate::Kernel::SumSquares`] (the global norm), validated: issued first at
+/// the flush, so the clip and the guarded optimizers held behind it read its result.
+#[derive(Debug)]
+pub(super) struct HeldNorm {
+    pub(super) tag: Tag,
+    /// The one-float squared norm it writes.
+    pub(super) dst: CudaBuffer,
+    /// The gradients it reads (the non-empty ones).
+    pub(super) srcs: Vec<CudaBuffer>,
+}
+
 /// A held [`crate::Kernel::Clip`], validated.
 #[derive(Debug)]
 pub(super) struct HeldClip {
@@ -103,14 +119,17 @@ pub(super) type Entry = (Tag, Held, Option<CudaBuffer>, bool);
 /// against everything held is a few set lookups.
 #[derive(Debug, Default)]
 pub(super) struct Pending {
+    norm: Option<HeldNorm>,
+    /// The held norm's sources and destination.
+    norm_ids: IdSet,
     clip: Option<HeldClip>,
     /// The held clip's gradients.
-    clip_ids: HashSet<usize>,
+    clip_ids: IdSet,
     held: Vec<Entry>,
     /// Every held step's parameter, gradient and state.
-    bufs: HashSet<usize>,
+    bufs: IdSet,
     /// Every held step's guard.
-    guards: HashSet<usize>,
+    guards: IdSet,
 }
 
 impl Pending {
@@ -123,6 +142,13 @@ impl Pending {
             .iter()
             .any(|i| self.bufs.contains(i) || self.guards.contains(i))
             || guard.is_some_and(|g| self.bufs.contains(&g.id()));
+        // The norm is issued first: a step may read what it reads (its gradient, which
+        // a fused clip then scales) and its result (as the guard), but not write it.
+        let with_norm = self.norm.as_ref().is_some_and(|n| {
+            let [param, _, state] = new;
+            let dst = n.dst.id();
+            self.norm_ids.contains(&param) || self.norm_ids.contains(&state) || new.contains(&dst)
+        });
         let with_clip = self.clip.as_ref().is_some_and(|c| {
             let [param, _, state] = new;
             let scaled = |i: usize| self.clip_ids.contains(&i);
@@ -131,7 +157,7 @@ impl Pending {
                 || new.contains(&c.norm.id())
                 || guard.is_some_and(|g| scaled(g.id()))
         });
-        with_held || with_clip
+        with_held || with_clip || with_norm
     }
 
     /// Whether the held clip scales `step`'s gradient.
@@ -146,7 +172,7 @@ impl Pending {
     }
 
     pub(super) fn is_empty(&self) -> bool {
-        self.held.is_empty() && self.clip.is_none()
+        self.held.is_empty() && self.clip.is_none() && self.norm.is_none()
     }
 }
 
@@ -170,10 +196,27 @@ impl Issue {
         pending.push((tag, step, guard.cloned(), clipped));
     }
 
-    /// Holds a validated clip on `stream`, behind nothing: what is held there is
-    /// issued first.
-    pub(super) fn hold_clip(&mut self, shared: &Shared, stream: Stream, clip: HeldClip) {
+    /// Holds a validated global norm on `stream`, behind nothing: what is held there
+    /// is issued first.
+    pub(super) fn hold_norm(&mut self, shared: &Shared, stream: Stream, norm: HeldNorm) {
         self.flush(shared, stream);
+        let pending = &mut self.pending[stream.index()];
+        pending.norm_ids = norm
+            .srcs
+            .iter()
+            .chain([&norm.dst])
+            .map(CudaBuffer::id)
+            .collect();
+        pending.norm = Some(norm);
+    }
+
+    /// Holds a validated clip on `stream`, behind nothing but a held norm: what else
+    /// is held there is issued first.
+    pub(super) fn hold_clip(&mut self, shared: &Shared, stream: Stream, clip: HeldClip) {
+        let pending = &self.pending[stream.index()];
+        if !pending.held.is_empty() || pending.clip.is_some() {
+            self.flush(shared, stream);
+        }
         let pending = &mut self.pending[stream.index()];
         pending.clip_ids = clip.bufs.iter().map(CudaBuffer::id).collect();
         pending.clip = Some(clip);
@@ -183,8 +226,9 @@ impl Issue {
     /// first held kernel's tag and poisons the stream, as a failed launch does.
     pub(super) fn flush(&mut self, shared: &Shared, stream: Stream) {
         let pending = std::mem::take(&mut self.pending[stream.index()]);
-        let (clip, held) = (pending.clip, pending.held);
-        let first = clip.as_ref().map(|c| c.tag);
+        let (norm, clip, held) = (pending.norm, pending.clip, pending.held);
+        let first = norm.as_ref().map(|n| n.tag);
+        let first = first.or_else(|| clip.as_ref().map(|c| c.tag));
         let Some(tag) = first.or_else(|| held.first().map(|e| e.0)) else {
             return;
         };
@@ -194,7 +238,7 @@ impl Issue {
         } else {
             None
         };
-        let result = self.issue_held(shared, stream, raw, clip.as_ref(), &held);
+        let result = self.issue_held(shared, stream, raw, (norm.as_ref(), clip.as_ref()), &held);
         self.end_timing(
             shared,
             (stream, raw),
@@ -211,7 +255,7 @@ impl Issue {
             self.poison[stream.index()].get_or_insert(OpsError::Cancelled(cause));
         }
         // The buffers go back to the pool only now, after their kernels were issued.
-        drop((clip, held));
+        drop((norm, clip, held));
     }
 
     /// Flushes every stream.
@@ -221,17 +265,18 @@ impl Issue {
         }
     }
 
-    /// Plans the flush of `held` behind `clip` (`flush.rs`), uploads its scalars and
-    /// issues it on `stream`: replayed as a graph when it repeats (`tail_graph.rs`).
+    /// Plans the flush of `held` behind `norm` and `clip` (`flush.rs`), uploads its
+    /// scalars and issues it on `stream`: replayed as a graph when it repeats
+    /// (`tail_graph.rs`).
     fn issue_held(
         &mut self,
         shared: &Shared,
         stream: Stream,
         raw: sys::CUstream,
-        clip: Option<&HeldClip>,
+        (norm, clip): (Option<&HeldNorm>, Option<&HeldClip>),
         held: &[Entry],
     ) -> Result<(), OpsError> {
-        let plan = FlushPlan::new(clip, held)?;
+        let plan = FlushPlan::new((norm, clip), held)?;
         if plan.is_empty() {
             return Ok(());
         }

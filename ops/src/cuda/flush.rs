@@ -1,5 +1,6 @@
 //! What a stream's flush issues (`defer.rs` holds the kernels, this plans their
-//! launches): the held clip for the gradients no held optimizer reads, the multi-tensor
+//! launches): the held global norm (two passes through the scratch), the held clip for
+//! the gradients no held optimizer reads, the multi-tensor
 //! AdamW launches (grouped by hyper-parameters, step, guard and fused clip), and the
 //! Muon batches (grouped by shape, hyper-parameters, guard and fused clip, at most
 //! [`MUON_MATS`] matrices each) in lockstep classes (`muon.rs`).
@@ -11,15 +12,17 @@
 //! flush that repeats is replayed as one captured graph (`tail_graph.rs`).
 //!
 //! Invariant: the scratch holds the largest Muon class's regions from its start (the
-//! classes run one after another on the stream) and the scalars after them; nothing
-//! else of the flush touches it.
+//! classes run one after another on the stream), the scalars after them, then the
+//! norm's partial sums; nothing else of the flush touches it.
 
 use std::collections::HashSet;
 
 use cudarc::driver::sys;
 
-use super::defer::{Entry, Held, HeldClip};
-use super::kernels::{Kernels, Span};
+use super::defer::{Entry, Held, HeldClip, HeldNorm};
+use super::fast_hash::WordHash;
+use super::kernels::{self, Kernels, Span, SumSqLaunch};
+use super::memory::CudaBuffer;
 use super::muon::{self, Blas, ClassLayout};
 use super::optim::{
     adamw_scalars, adamw_tables, muon_scalars, AdamwTable, AdamwTensor, FusedClip, MuonMats,
@@ -41,8 +44,17 @@ type AdamwGroups = Vec<(
 type MuonKey = ((usize, usize), MuonParams, sys::CUdeviceptr, FusedClip);
 type MuonGroups = Vec<(MuonKey, Vec<(u64, u64, u64)>)>;
 
+/// The held norm's launches: its sources, destination, passes and partial sums.
+struct NormPlan {
+    spans: Vec<Span>,
+    dst: sys::CUdeviceptr,
+    launches: Vec<SumSqLaunch>,
+    partials: u64,
+}
+
 /// One flush's launches, planned on the host.
 pub(super) struct FlushPlan {
+    norm: Option<NormPlan>,
     /// The held clip's norm, threshold and the gradients no held step reads.
     clip: Option<(sys::CUdeviceptr, f32, Vec<Span>)>,
     /// Each AdamW group's tensors, guard and fused clip, and where its scalars start.
@@ -55,11 +67,17 @@ pub(super) struct FlushPlan {
     scalars: Vec<f64>,
     /// Where the scalars start in the scratch (after the largest class).
     scalars_at: usize,
+    /// Where the norm's partial sums start (after the scalars).
+    partials_at: usize,
 }
 
 impl FlushPlan {
-    /// Plans the launches of `held` behind the held `clip`.
-    pub(super) fn new(clip: Option<&HeldClip>, held: &[Entry]) -> Result<FlushPlan, OpsError> {
+    /// Plans the launches of `held` behind the held `norm` and `clip`.
+    pub(super) fn new(
+        (norm, clip): (Option<&HeldNorm>, Option<&HeldClip>),
+        held: &[Entry],
+    ) -> Result<FlushPlan, OpsError> {
+        let norm = norm.map(NormPlan::new).transpose()?;
         let fused = clip.map_or(FusedClip::default(), |c| FusedClip {
             norm: c.norm.ptr(),
             max_norm: c.max_norm,
@@ -103,33 +121,54 @@ impl FlushPlan {
             classes.push((members, layout));
         }
         let largest = classes.iter().map(|(_, l)| l.bytes).max().unwrap_or(0);
-        let scalars_at =
-            largest
-                .checked_next_multiple_of(ALIGN)
-                .ok_or_else(|| OpsError::Shape {
-                    kernel: "muon",
-                    reason: "the Muon scratch overflows".into(),
-                })?;
+        let overflow = || OpsError::Shape {
+            kernel: "optimizer",
+            reason: "the tail's scratch overflows".into(),
+        };
+        let scalars_at = largest
+            .checked_next_multiple_of(ALIGN)
+            .ok_or_else(overflow)?;
+        let partials_at = scalars
+            .len()
+            .checked_mul(8)
+            .and_then(|b| b.checked_add(scalars_at))
+            .and_then(|b| b.checked_next_multiple_of(ALIGN))
+            .ok_or_else(overflow)?;
+        let partial_bytes = norm
+            .as_ref()
+            .map_or(0, |n| n.partials.max(1).saturating_mul(8));
+        usize::try_from(partial_bytes)
+            .ok()
+            .and_then(|b| b.checked_add(partials_at))
+            .ok_or_else(overflow)?;
         Ok(FlushPlan {
+            norm,
             clip,
             adamw,
             batches,
             classes,
             scalars,
             scalars_at,
+            partials_at,
         })
     }
 
     /// Whether the flush launches anything.
     pub(super) fn is_empty(&self) -> bool {
-        self.clip.as_ref().map_or(true, |c| c.2.is_empty())
+        self.norm.is_none()
+            && self.clip.as_ref().map_or(true, |c| c.2.is_empty())
             && self.adamw.is_empty()
             && self.batches.is_empty()
     }
 
-    /// The scratch bytes the flush needs: the largest class, then the scalars.
+    /// The scratch bytes the flush needs: the largest class, the scalars, then the
+    /// norm's partial sums (checked not to overflow in [`Self::new`]).
     pub(super) fn scratch_bytes(&self) -> usize {
-        self.scalars_at + self.scalars.len() * 8
+        self.partials_at
+            + self
+                .norm
+                .as_ref()
+                .map_or(0, |n| n.partials.max(1) as usize * 8)
     }
 
     /// Copies the scalars to their place in `scratch`, on `stream`, before the flush.
@@ -166,6 +205,10 @@ impl FlushPlan {
     /// scratch at `scratch` (`tail_graph.rs`).
     pub(super) fn key(&self, scratch: u64) -> TailKey {
         let mut k: Vec<u64> = vec![scratch, self.scalars_at as u64, self.scalars.len() as u64];
+        if let Some(n) = &self.norm {
+            k.extend([0, n.dst, n.spans.len() as u64]);
+            k.extend(n.spans.iter().flat_map(|s| [s.p, s.len]));
+        }
         if let Some((norm, max_norm, spans)) = &self.clip {
             k.extend([1, *norm, u64::from(max_norm.to_bits()), spans.len() as u64]);
             k.extend(spans.iter().flat_map(|s| [s.p, s.len]));
@@ -203,6 +246,10 @@ impl FlushPlan {
         stream: sys::CUstream,
         scratch: u64,
     ) -> Result<(), OpsError> {
+        if let Some(n) = &self.norm {
+            let partial = scratch + self.partials_at as u64;
+            kernels.sum_squares(stream, &n.spans, (&n.launches, n.partials), partial, n.dst)?;
+        }
         if let Some((norm, max_norm, spans)) = &self.clip {
             if !spans.is_empty() {
                 kernels.clip(stream, spans, *norm, *max_norm)?;
@@ -223,6 +270,37 @@ impl FlushPlan {
     }
 }
 
+impl NormPlan {
+    fn new(n: &HeldNorm) -> Result<NormPlan, OpsError> {
+        let spans: Vec<Span> = n.srcs.iter().map(span).collect();
+        let (launches, partials) = kernels::sumsq_launches(&spans);
+        if usize::try_from(partials)
+            .ok()
+            .and_then(|p| p.checked_mul(8))
+            .is_none()
+        {
+            return Err(OpsError::Shape {
+                kernel: "sum_squares",
+                reason: format!("{} sources need too many partial sums", spans.len()),
+            });
+        }
+        Ok(NormPlan {
+            spans,
+            dst: n.dst.ptr(),
+            launches,
+            partials,
+        })
+    }
+}
+
+/// A buffer as the tail's kernels take it.
+fn span(b: &CudaBuffer) -> Span {
+    Span {
+        p: b.ptr(),
+        len: b.len as u64,
+    }
+}
+
 fn dtype_code(d: NsDtype) -> u64 {
     match d {
         NsDtype::Bf16 => 0,
@@ -234,7 +312,7 @@ fn dtype_code(d: NsDtype) -> u64 {
 /// The held clip's gradients that no held step reads as its gradient (those steps
 /// apply the clip themselves).
 fn unread(c: &HeldClip, held: &[Entry]) -> Vec<Span> {
-    let read: HashSet<usize> = held
+    let read: HashSet<usize, WordHash> = held
         .iter()
         .filter(|e| e.3)
         .map(|e| e.1.buffers()[1].id())
@@ -242,10 +320,7 @@ fn unread(c: &HeldClip, held: &[Entry]) -> Vec<Span> {
     c.bufs
         .iter()
         .filter(|b| !read.contains(&b.id()))
-        .map(|b| Span {
-            p: b.ptr(),
-            len: b.len as u64,
-        })
+        .map(span)
         .collect()
 }
 

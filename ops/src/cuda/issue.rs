@@ -66,10 +66,13 @@ pub(super) struct Issue {
 }
 
 /// Whether `kernel` is held on its stream rather than issued at once (`defer.rs`): an
-/// optimizer, guarded or not, or the global norm's clip.
+/// optimizer, guarded or not, the global norm or its clip.
 fn is_held(kernel: &Kernel<CudaBuffer>) -> bool {
     match kernel {
-        Kernel::Adamw { .. } | Kernel::Muon { .. } | Kernel::Clip { .. } => true,
+        Kernel::Adamw { .. }
+        | Kernel::Muon { .. }
+        | Kernel::Clip { .. }
+        | Kernel::SumSquares { .. } => true,
         Kernel::IfFinite { kernel, .. } => {
             matches!(**kernel, Kernel::Adamw { .. } | Kernel::Muon { .. })
         }

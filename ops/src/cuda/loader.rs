@@ -49,6 +49,8 @@ pub(super) const DRIVER: Lib = Lib {
         "cuStreamWaitEvent",
         "cuEventCreate",
         "cuEventRecord",
+        "cuEventSynchronize",
+        "cuStreamIsCapturing",
         "cuEventQuery",
         "cuEventElapsedTime_v2",
         "cuEventDestroy_v2",

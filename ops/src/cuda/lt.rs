@@ -4,9 +4,11 @@
 //! `C`, and `X' = B·X + a·X` reads `X` as both operand and `C` and writes a new buffer,
 //! with no copy of `A` and no shift of `B`'s diagonal in between.
 //!
-//! A product's descriptors and algorithm (cuBLASLt's first heuristic choice for its
-//! shapes, types, strides and the workspace) are made once per [`LtShape`] and cached;
-//! making them is host work only, so it may happen while a stream is being captured.
+//! A product's descriptors and algorithm are made once per [`LtShape`] and cached. The
+//! algorithm is the fastest of cuBLASLt's first [`CANDIDATES`] heuristic choices for
+//! its shapes, types, strides and the workspace, each timed with events on the first
+//! call's own operands (its output is scratch that the call then overwrites); when the
+//! stream is being captured (nothing can be timed) it is the heuristic's first choice.
 //!
 //! Invariant: one handle per stream, used under the backend's issue lock with the
 //! context bound; its workspace is used only by products on that stream.
@@ -17,6 +19,7 @@ use std::sync::Arc;
 
 use cudarc::cublaslt::result as lt;
 use cudarc::cublaslt::sys;
+use cudarc::driver::result as cu;
 use cudarc::driver::sys as drv;
 
 use super::memory::{DevMem, Memory};
@@ -24,6 +27,10 @@ use crate::{NsDtype, OpsError};
 
 /// cuBLASLt workspace per handle (NVIDIA's recommendation for Hopper).
 const WORKSPACE_BYTES: usize = 32 << 20;
+/// Heuristic choices timed per product.
+const CANDIDATES: usize = 8;
+/// Timed calls per candidate (after one untimed).
+const TIMED_CALLS: u32 = 3;
 
 /// What a product's descriptors and algorithm depend on (column-major, as cuBLAS):
 /// `op(A)` is `m × k`, `op(B)` is `k × n`, `C` and `D` are `m × n`.
@@ -38,6 +45,14 @@ pub(super) struct LtShape {
     /// Elements between the batch's consecutive `A`, `B` and `C`/`D`.
     pub stride: (i64, i64, i64),
     pub count: i32,
+}
+
+/// A product's scalars and operands: `D = alpha·op(A)·op(B) + beta·C`.
+struct Operands {
+    alpha: f32,
+    beta: f32,
+    ab: (u64, u64),
+    cd: (u64, u64),
 }
 
 /// A product's descriptors and chosen algorithm.
@@ -105,32 +120,50 @@ impl Lt {
         beta: f32,
         (c, d): (u64, u64),
     ) -> Result<(), OpsError> {
-        let mut plans = self.plans.borrow_mut();
-        let plan = match plans.get(shape) {
-            Some(p) => p,
-            None => {
-                let p = self.plan(shape)?;
-                plans.entry(*shape).or_insert(p)
-            }
+        let args = Operands {
+            alpha,
+            beta,
+            ab: (a, b),
+            cd: (c, d),
         };
-        // SAFETY: the caller passes device matrices of `shape`'s dimensions and strides
-        // in memory it owns on this stream; alpha and beta are host f32 scalars read at
-        // the call; the workspace is this handle's, used only on this stream.
+        let mut plans = self.plans.borrow_mut();
+        if !plans.contains_key(shape) {
+            let (mut plan, candidates) = self.plan(shape)?;
+            if let Some(best) = self.fastest(stream, &plan, &candidates, &args) {
+                plan.algo = best;
+            }
+            plans.insert(*shape, plan);
+        }
+        let plan = &plans[shape];
+        self.call(stream, plan, &plan.algo, &args)
+    }
+
+    /// One product with `algo`.
+    fn call(
+        &self,
+        stream: drv::CUstream,
+        plan: &LtPlan,
+        algo: &sys::cublasLtMatmulAlgo_t,
+        o: &Operands,
+    ) -> Result<(), OpsError> {
+        // SAFETY: the caller passes device matrices of the plan's dimensions and
+        // strides in memory it owns on this stream; alpha and beta are host f32 scalars
+        // read at the call; the workspace is this handle's, used only on this stream.
         unsafe {
             lt::matmul(
                 self.handle,
                 plan.desc,
-                (&alpha as *const f32).cast(),
-                (&beta as *const f32).cast(),
-                a as *const std::ffi::c_void,
+                (&o.alpha as *const f32).cast(),
+                (&o.beta as *const f32).cast(),
+                o.ab.0 as *const std::ffi::c_void,
                 plan.layouts[0],
-                b as *const std::ffi::c_void,
+                o.ab.1 as *const std::ffi::c_void,
                 plan.layouts[1],
-                c as *const std::ffi::c_void,
+                o.cd.0 as *const std::ffi::c_void,
                 plan.layouts[2],
-                d as *mut std::ffi::c_void,
+                o.cd.1 as *mut std::ffi::c_void,
                 plan.layouts[2],
-                &plan.algo,
+                algo,
                 self.workspace.ptr() as *mut std::ffi::c_void,
                 self.workspace.bytes(),
                 stream as sys::cudaStream_t,
@@ -139,8 +172,64 @@ impl Lt {
         .map_err(|e| lt_err("cublasLtMatmul", e))
     }
 
-    /// The descriptors of `shape` and cuBLASLt's first choice of algorithm for them.
-    fn plan(&self, s: &LtShape) -> Result<LtPlan, OpsError> {
+    /// The fastest of `candidates` on these operands, timed on `stream` with events
+    /// (waiting for the stream); `None` when there is one, the stream is being
+    /// captured, or timing fails (the heuristic's first choice stands).
+    fn fastest(
+        &self,
+        stream: drv::CUstream,
+        plan: &LtPlan,
+        candidates: &[sys::cublasLtMatmulAlgo_t],
+        o: &Operands,
+    ) -> Option<sys::cublasLtMatmulAlgo_t> {
+        if candidates.len() < 2 {
+            return None;
+        }
+        // SAFETY: a live stream of the bound context.
+        let capturing = unsafe { cu::stream::is_capturing(stream) }.ok()?;
+        if capturing != drv::CUstreamCaptureStatus::CU_STREAM_CAPTURE_STATUS_NONE {
+            return None;
+        }
+        let flags = drv::CUevent_flags::CU_EVENT_DEFAULT;
+        let (start, end) = (cu::event::create(flags).ok()?, cu::event::create(flags));
+        let Ok(end) = end else {
+            // SAFETY: the event made above, unused.
+            let _ = unsafe { cu::event::destroy(start) };
+            return None;
+        };
+        let mut best: Option<(f32, sys::cublasLtMatmulAlgo_t)> = None;
+        for algo in candidates {
+            let timed = || -> Option<f32> {
+                self.call(stream, plan, algo, o).ok()?;
+                // SAFETY: live events and stream of the bound context.
+                unsafe { cu::event::record(start, stream) }.ok()?;
+                for _ in 0..TIMED_CALLS {
+                    self.call(stream, plan, algo, o).ok()?;
+                }
+                // SAFETY: as above; elapsed reads two completed events.
+                unsafe {
+                    cu::event::record(end, stream).ok()?;
+                    cu::event::synchronize(end).ok()?;
+                    cu::event::elapsed(start, end).ok()
+                }
+            };
+            if let Some(ms) = timed() {
+                if best.map_or(true, |(b, _)| ms < b) {
+                    best = Some((ms, *algo));
+                }
+            }
+        }
+        // SAFETY: the events made above, no longer used (`end` was waited for).
+        unsafe {
+            let _ = cu::event::destroy(start);
+            let _ = cu::event::destroy(end);
+        }
+        best.map(|(_, algo)| algo)
+    }
+
+    /// The descriptors of `shape`, with cuBLASLt's first choice of algorithm for them,
+    /// and its first [`CANDIDATES`] choices.
+    fn plan(&self, s: &LtShape) -> Result<(LtPlan, Vec<sys::cublasLtMatmulAlgo_t>), OpsError> {
         let (data, compute) = match s.dtype {
             NsDtype::Bf16 => (
                 sys::cudaDataType::CUDA_R_16BF,
@@ -171,6 +260,7 @@ impl Lt {
         let dims = [stored(s.trans.0, m, k), stored(s.trans.1, k, n), (m, n)];
         let lds = [s.ld.0, s.ld.1, s.ld.2];
         let strides = [s.stride.0, s.stride.1, s.stride.2];
+        let mut candidates = Vec::new();
         let made = (|| -> Result<(), lt::CublasError> {
             let (ta, tb) = (op(s.trans.0), op(s.trans.1));
             // SAFETY: attributes of the documented types and sizes on a live descriptor.
@@ -206,7 +296,8 @@ impl Lt {
             let pref = lt::create_matmul_pref()?;
             let bytes = self.workspace.bytes() as u64;
             // SAFETY: a live preference, the attribute's documented type (u64); the
-            // preference is destroyed whatever the heuristic answers.
+            // results array holds CANDIDATES entries; the preference is destroyed
+            // whatever the heuristic answers.
             let found = unsafe {
                 let set = lt::set_matmul_pref_attribute(
                     pref,
@@ -214,8 +305,11 @@ impl Lt {
                     (&bytes as *const u64).cast(),
                     std::mem::size_of::<u64>(),
                 );
+                let mut results: [sys::cublasLtMatmulHeuristicResult_t; CANDIDATES] =
+                    std::mem::zeroed();
+                let mut count = 0i32;
                 let found = set.and_then(|()| {
-                    lt::get_matmul_algo_heuristic(
+                    sys::cublasLtMatmulAlgoGetHeuristic(
                         self.handle,
                         desc,
                         plan.layouts[0],
@@ -223,16 +317,33 @@ impl Lt {
                         plan.layouts[2],
                         plan.layouts[2],
                         pref,
+                        CANDIDATES as i32,
+                        results.as_mut_ptr(),
+                        &mut count,
                     )
+                    .result()
                 });
                 let _ = lt::destroy_matmul_pref(pref);
-                found
+                found.map(|()| {
+                    let n = usize::try_from(count).unwrap_or(0).min(CANDIDATES);
+                    results[..n]
+                        .iter()
+                        .filter(|r| r.state == sys::cublasStatus_t::CUBLAS_STATUS_SUCCESS)
+                        .map(|r| r.algo)
+                        .collect::<Vec<_>>()
+                })
             }?;
-            plan.algo = found.algo;
+            let Some(first) = found.first() else {
+                return Err(lt::CublasError(
+                    sys::cublasStatus_t::CUBLAS_STATUS_NOT_SUPPORTED,
+                ));
+            };
+            plan.algo = *first;
+            candidates = found;
             Ok(())
         })();
         match made {
-            Ok(()) => Ok(plan),
+            Ok(()) => Ok((plan, candidates)),
             Err(e) => {
                 // SAFETY: what was made above, never used.
                 unsafe {

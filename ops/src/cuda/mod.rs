@@ -94,6 +94,7 @@ mod defer;
 mod device;
 mod event;
 mod exchange;
+mod fast_hash;
 mod flush;
 mod gemm;
 mod issue;

@@ -215,22 +215,50 @@ extern "C" __global__ void ov_mb_norm(const double* partial, u32 count, double* 
     if (threadIdx.x == 0) norms[blockIdx.y] = sqrt(sum) + 1e-7;
 }
 
-// Matrix y's working matrix, in place: X_y = U_y / norms[y], element by element in
-// U's own (row-major) layout at element y*stride of x, float or bfloat16 (rounded
-// again). (A tall matrix is not transposed: muon.rs reads the same buffer as the
-// column-major transpose.)
+// Two bfloat16 in one word, each times f, rounded again.
+__device__ __forceinline__ u32 ov_scale_bf2(u32 w, float f) {
+    const u32 lo = ov_f2bf(__uint_as_float(w << 16) * f);
+    const u32 hi = ov_f2bf(__uint_as_float(w & 0xffff0000u) * f);
+    return lo | (hi << 16);
+}
+
+// Matrix y's working matrix, in place: X_y = U_y * (1 / norms[y]) in float, element by
+// element in U's own (row-major) layout at element y*stride of x, float or bfloat16
+// (rounded again). 16-byte loads and stores (x + y*stride is 256-byte aligned), the
+// last numel % 8 (bf16) or % 4 (float) elements one at a time. (A tall matrix is not
+// transposed: muon.rs reads the same buffer as the column-major transpose.)
 extern "C" __global__ void ov_mb_scale(void* x, u64 numel, u64 stride, const double* norms,
                                        int bf16) {
     const u32 y = blockIdx.y;
-    const u64 base = (u64)y * stride;
-    const double d = norms[y];
-    GRID_STRIDE(k, numel) {
-        if (bf16) {
-            u16* p = (u16*)x + base;
-            p[k] = ov_f2bf((float)((double)__uint_as_float(((u32)p[k]) << 16) / d));
-        } else {
-            float* p = (float*)x + base;
-            p[k] = (float)((double)p[k] / d);
+    const float f = (float)(1.0 / norms[y]);
+    if (bf16) {
+        u16* p = (u16*)x + (u64)y * stride;
+        const u64 vecs = numel / 8;
+        uint4* p8 = (uint4*)p;
+        GRID_STRIDE(k, vecs) {
+            uint4 v = p8[k];
+            v.x = ov_scale_bf2(v.x, f);
+            v.y = ov_scale_bf2(v.y, f);
+            v.z = ov_scale_bf2(v.z, f);
+            v.w = ov_scale_bf2(v.w, f);
+            p8[k] = v;
+        }
+        GRID_STRIDE(k, numel - vecs * 8) {
+            const u64 i = vecs * 8 + k;
+            p[i] = ov_f2bf(__uint_as_float(((u32)p[i]) << 16) * f);
+        }
+    } else {
+        float* p = (float*)x + (u64)y * stride;
+        const u64 vecs = numel / 4;
+        float4* p4 = (float4*)p;
+        GRID_STRIDE(k, vecs) {
+            float4 v = p4[k];
+            ov_scale4(v, f);
+            p4[k] = v;
+        }
+        GRID_STRIDE(k, numel - vecs * 4) {
+            const u64 i = vecs * 4 + k;
+            p[i] = p[i] * f;
         }
     }
 }

@@ -273,7 +273,7 @@ impl OptimFns {
 
     /// Each working matrix of `w` divided by its norm, in place: `norms[y] =
     /// sqrt(Σ u_y²) + 1e-7` from the `count` matrices' partial sums of
-    /// [`Self::mb_momentum`], then `X_y = U_y / norms[y]`.
+    /// [`Self::mb_momentum`], then `X_y = U_y · (1 / norms[y])` in f32.
     pub(super) fn mb_normalise(
         &self,
         stream: sys::CUstream,

@@ -1,19 +1,18 @@
 //! The step's tail as issued: the global norm ([`Kernel::SumSquares`], two atomics-free
 //! passes through the stream's scratch), [`Kernel::Clip`], and the optimizer kernels
 //! ([`Kernel::Adamw`], [`Kernel::Muon`], guarded or not by [`Kernel::IfFinite`]),
-//! validated here and then held on their stream (`defer.rs`).
+//! validated here and then held on their stream (`defer.rs`) until a flush issues
+//! them together (`flush.rs`).
 //!
 //! Invariant: the norm never reaches the host during a step: the clip and the guarded
 //! optimizers read it in device memory.
 
-use cudarc::driver::sys;
 use overlap_graph::Stream;
 
 use super::backend::Shared;
 use super::checks::{check_adamw, check_muon, expect};
-use super::defer::{Held, HeldClip};
+use super::defer::{Held, HeldClip, HeldNorm};
 use super::issue::Issue;
-use super::kernels::{self, Span};
 use super::memory::CudaBuffer;
 use crate::{Kernel, OpsError, Tag};
 
@@ -23,12 +22,12 @@ impl Issue {
     pub(super) fn tail(
         &mut self,
         shared: &Shared,
-        (stream, raw, tag): (Stream, sys::CUstream, Tag),
+        (stream, _raw, tag): (Stream, cudarc::driver::sys::CUstream, Tag),
         kernel: Kernel<CudaBuffer>,
     ) -> Result<(), OpsError> {
         let rank = shared.rank;
         match kernel {
-            Kernel::SumSquares { dst, srcs } => self.sum_squares(shared, stream, raw, &dst, &srcs),
+            Kernel::SumSquares { dst, srcs } => self.sum_squares(shared, (stream, tag), dst, &srcs),
             Kernel::Clip {
                 norm,
                 bufs,
@@ -141,48 +140,32 @@ impl Issue {
         Ok(())
     }
 
-    /// [`Kernel::SumSquares`]: validated as the CPU backend does, then two passes
-    /// (`kernels.cu`'s `ov_sumsq_spans` and `ov_sumsq_final`) through the stream's
-    /// scratch. Buffers hold f32 on this backend (reduced gradients included, whatever
-    /// the wire dtype), and the sum is taken in f64 and stored as f32, as the reference.
+    /// [`Kernel::SumSquares`]: validated as the CPU backend does, then held on the
+    /// stream (`defer.rs`) and issued first at its flush as two passes (`kernels.cu`'s
+    /// `ov_sumsq_spans` and `ov_sumsq_final`) through the stream's scratch
+    /// (`flush.rs`). Buffers hold f32 on this backend (reduced gradients included,
+    /// whatever the wire dtype), and the sum is taken in f64 and stored as f32, as the
+    /// reference.
     pub(super) fn sum_squares(
         &mut self,
         shared: &Shared,
-        stream: Stream,
-        raw: sys::CUstream,
-        dst: &CudaBuffer,
+        (stream, tag): (Stream, Tag),
+        dst: CudaBuffer,
         srcs: &[CudaBuffer],
     ) -> Result<(), OpsError> {
         const K: &str = "sum_squares";
-        expect(K, shared.rank, "dst", dst, 1)?;
+        expect(K, shared.rank, "dst", &dst, 1)?;
         for src in srcs {
             expect(K, shared.rank, "src", src, src.len)?;
-            if src.same(dst) {
+            if src.same(&dst) {
                 return Err(OpsError::Shape {
                     kernel: K,
                     reason: "a source is the destination".into(),
                 });
             }
         }
-        let spans: Vec<Span> = srcs.iter().filter(|b| b.len > 0).map(span).collect();
-        let (launches, partials) = kernels::sumsq_launches(&spans);
-        let bytes = usize::try_from(partials)
-            .ok()
-            .and_then(|n| n.checked_mul(8))
-            .ok_or_else(|| OpsError::Shape {
-                kernel: K,
-                reason: format!("{} sources need too many partial sums", srcs.len()),
-            })?;
-        let partial = self.scratch(shared, stream, bytes.max(8))?;
-        self.kernels
-            .sum_squares(raw, &spans, (&launches, partials), partial, dst.ptr())
-    }
-}
-
-/// A buffer as the global norm's kernels take it.
-fn span(b: &CudaBuffer) -> Span {
-    Span {
-        p: b.ptr(),
-        len: b.len as u64,
+        let srcs = srcs.iter().filter(|b| b.len > 0).cloned().collect();
+        self.hold_norm(shared, stream, HeldNorm { tag, dst, srcs });
+        Ok(())
     }
 }

@@ -25,6 +25,8 @@
 
 use std::collections::HashMap;
 
+use super::fast_hash::WordHash;
+
 use cudarc::driver::sys;
 
 use crate::OpsError;
@@ -55,7 +57,7 @@ enum Known {
 /// One stream's flushes and their graphs.
 #[derive(Default)]
 pub(super) struct TailGraphs {
-    graphs: HashMap<TailKey, Known>,
+    graphs: HashMap<TailKey, Known, WordHash>,
     /// Whether to capture at all ([`super::CudaBackend::set_tail_graphs`]).
     pub off: bool,
 }
