@@ -171,6 +171,22 @@ struct MuonMats {
 // device memory (mu, decay, scale; see AdamwScalars). `guard`: ov_skip (a skipped step
 // writes nothing: Newton-Schulz then runs on stale scratch, and its result is
 // discarded by ov_mb_update's own guard).
+// One element of ov_mb_momentum: g scaled by the fused clip (stored back), buf and the
+// working value u (as stored: rounded to bfloat16 with bf16) from ops::math::muon's
+// arithmetic.
+__device__ __forceinline__ float ov_muon_elem(float& g, float& b, double mu, bool clip,
+                                              float cf, int bf16, u16* h) {
+    if (clip) g = g * cf;
+    const double gd = (double)g;
+    b = (float)(mu * (double)b + gd);
+    float u = (float)(gd + mu * (double)b);
+    if (bf16) {
+        *h = ov_f2bf(u);
+        u = __uint_as_float(((u32)*h) << 16);
+    }
+    return u;
+}
+
 extern "C" __global__ void ov_mb_momentum(const __grid_constant__ MuonMats t, void* x,
                                           u64 numel, u64 stride, const double* sc, int bf16,
                                           double* partial, const float* guard) {
@@ -183,20 +199,41 @@ extern "C" __global__ void ov_mb_momentum(const __grid_constant__ MuonMats t, vo
     float* g = t.g[y];
     const u64 base = (u64)y * stride;
     double acc = 0.0;
-    GRID_STRIDE(i, numel) {
-        float gf = g[i];
-        if (clip) {
-            gf = gf * cf;
-            g[i] = gf;
+    // Four elements a thread with 16-byte loads when the gradient and the momentum are
+    // aligned (x + base always is), the rest one at a time.
+    const bool vec = (((u64)buf | (u64)g) & 15) == 0;
+    const u64 quads = vec ? numel / 4 : 0;
+    GRID_STRIDE(q, quads) {
+        float4 g4 = ((float4*)g)[q];
+        float4 b4 = ((float4*)buf)[q];
+        float gs[4] = {g4.x, g4.y, g4.z, g4.w};
+        float bs[4] = {b4.x, b4.y, b4.z, b4.w};
+        float us[4];
+        u16 hs[4];
+#pragma unroll
+        for (int j = 0; j < 4; ++j) {
+            us[j] = ov_muon_elem(gs[j], bs[j], mu, clip, cf, bf16, &hs[j]);
+            acc += (double)us[j] * (double)us[j];
         }
-        double gd = (double)gf;
-        float b = (float)(mu * (double)buf[i] + gd);
-        buf[i] = b;
-        float u = (float)(gd + mu * (double)b);
+        if (clip) ((float4*)g)[q] = make_float4(gs[0], gs[1], gs[2], gs[3]);
+        ((float4*)buf)[q] = make_float4(bs[0], bs[1], bs[2], bs[3]);
         if (bf16) {
-            const u16 h = ov_f2bf(u);
+            const uint2 w = make_uint2((u32)hs[0] | ((u32)hs[1] << 16),
+                                       (u32)hs[2] | ((u32)hs[3] << 16));
+            ((uint2*)((u16*)x + base))[q] = w;
+        } else {
+            ((float4*)((float*)x + base))[q] = make_float4(us[0], us[1], us[2], us[3]);
+        }
+    }
+    GRID_STRIDE(k, numel - quads * 4) {
+        const u64 i = quads * 4 + k;
+        float gf = g[i], b = buf[i];
+        u16 h = 0;
+        const float u = ov_muon_elem(gf, b, mu, clip, cf, bf16, &h);
+        if (clip) g[i] = gf;
+        buf[i] = b;
+        if (bf16) {
             ((u16*)x)[base + i] = h;
-            u = __uint_as_float(((u32)h) << 16);
         } else {
             ((float*)x)[base + i] = u;
         }
@@ -272,10 +309,36 @@ extern "C" __global__ void ov_mb_update(const __grid_constant__ MuonMats t, cons
     const double decay = sc[1], scale = sc[2];
     const u32 y = blockIdx.y;
     float* p = t.p[y];
-    GRID_STRIDE(k, numel) {
-        const u64 at = k + (u64)y * stride;
-        const float o = bf16 ? __uint_as_float(((u32)((const u16*)x)[at]) << 16)
-                             : ((const float*)x)[at];
-        p[k] = (float)((double)p[k] * decay - scale * (double)o);
+    const u64 base = (u64)y * stride;
+    // Four elements a thread with 16-byte parameter loads when the parameter is aligned
+    // (x + base always is), the rest one at a time.
+    const u64 quads = (((u64)p & 15) == 0) ? numel / 4 : 0;
+    GRID_STRIDE(q, quads) {
+        float os[4];
+        if (bf16) {
+            const uint2 w = ((const uint2*)((const u16*)x + base))[q];
+            os[0] = __uint_as_float(w.x << 16);
+            os[1] = __uint_as_float(w.x & 0xffff0000u);
+            os[2] = __uint_as_float(w.y << 16);
+            os[3] = __uint_as_float(w.y & 0xffff0000u);
+        } else {
+            const float4 o4 = ((const float4*)((const float*)x + base))[q];
+            os[0] = o4.x;
+            os[1] = o4.y;
+            os[2] = o4.z;
+            os[3] = o4.w;
+        }
+        float4 p4 = ((float4*)p)[q];
+        p4.x = (float)((double)p4.x * decay - scale * (double)os[0]);
+        p4.y = (float)((double)p4.y * decay - scale * (double)os[1]);
+        p4.z = (float)((double)p4.z * decay - scale * (double)os[2]);
+        p4.w = (float)((double)p4.w * decay - scale * (double)os[3]);
+        ((float4*)p)[q] = p4;
+    }
+    GRID_STRIDE(k, numel - quads * 4) {
+        const u64 i = quads * 4 + k;
+        const float o = bf16 ? __uint_as_float(((u32)((const u16*)x)[base + i]) << 16)
+                             : ((const float*)x)[base + i];
+        p[i] = (float)((double)p[i] * decay - scale * (double)o);
     }
 }
