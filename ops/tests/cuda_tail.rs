@@ -267,8 +267,8 @@ fn a_clip_fused_into_the_optimizers_is_the_references_bit_for_bit() {
 }
 
 /// One step of the replay test: the global norm, the clip, then guarded AdamW (an
-/// aligned and an odd tensor) and Muon (two shapes of one class, bf16), learning rates
-/// that change with the step.
+/// aligned and an odd tensor) and Muon (four shapes in two classes, bf16), learning
+/// rates that change with the step.
 struct ReplaySet {
     norm: CudaBuffer,
     grads: Vec<CudaBuffer>,
@@ -278,7 +278,8 @@ struct ReplaySet {
 }
 
 const REPLAY_ADAMW: [usize; 2] = [8192, 4099];
-const REPLAY_MUON: [(usize, usize); 2] = [(48, 64), (96, 48)];
+/// Two shapes iterated directly (one class) and two on their Gram matrix (another).
+const REPLAY_MUON: [(usize, usize); 4] = [(48, 64), (96, 48), (64, 256), (256, 64)];
 
 impl ReplaySet {
     fn new(b: &overlap_ops::cuda::CudaBackend) -> ReplaySet {

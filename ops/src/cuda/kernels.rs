@@ -629,6 +629,10 @@ mod tests {
             ]
         );
         assert_eq!(
+            params("ov_mb_diag"),
+            ["void* b", "u64 m", "u64 astride", "float shift", "int bf16"]
+        );
+        assert_eq!(
             params("ov_mb_norm"),
             ["const double* partial", "u32 count", "double* norms"]
         );
@@ -648,6 +652,7 @@ mod tests {
             "ov_mb_momentum",
             "ov_mb_norm",
             "ov_mb_scale",
+            "ov_mb_diag",
             "ov_mb_update",
         ] {
             assert!(

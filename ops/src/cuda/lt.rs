@@ -4,11 +4,13 @@
 //! `C`, and `X' = B·X + a·X` reads `X` as both operand and `C` and writes a new buffer,
 //! with no copy of `A` and no shift of `B`'s diagonal in between.
 //!
-//! A product's descriptors and algorithm are made once per [`LtShape`] and cached. The
-//! algorithm is the fastest of cuBLASLt's first [`CANDIDATES`] heuristic choices for
-//! its shapes, types, strides and the workspace, each timed with events on the first
-//! call's own operands (its output is scratch that the call then overwrites); when the
-//! stream is being captured (nothing can be timed) it is the heuristic's first choice.
+//! A product's descriptors and algorithm (cuBLASLt's first heuristic choice for its
+//! shapes, types, strides and the workspace) are made once per [`LtShape`] and cached;
+//! making them is host work only, so it may happen while a stream is being captured.
+//! The choice is deliberately not timed: the heuristic answers the same in every
+//! process, so every rank and a run resumed from a checkpoint compute the same bits as
+//! an uninterrupted one, where timing candidates picked differently from one process
+//! to the next (a GPU checkpoint resumed in another process then differed).
 //!
 //! Invariant: one handle per stream, used under the backend's issue lock with the
 //! context bound; its workspace is used only by products on that stream.
@@ -19,7 +21,6 @@ use std::sync::Arc;
 
 use cudarc::cublaslt::result as lt;
 use cudarc::cublaslt::sys;
-use cudarc::driver::result as cu;
 use cudarc::driver::sys as drv;
 
 use super::memory::{DevMem, Memory};
@@ -27,10 +28,8 @@ use crate::{NsDtype, OpsError};
 
 /// cuBLASLt workspace per handle (NVIDIA's recommendation for Hopper).
 const WORKSPACE_BYTES: usize = 32 << 20;
-/// Heuristic choices timed per product.
+/// Heuristic answers asked for (the first valid one is used).
 const CANDIDATES: usize = 8;
-/// Timed calls per candidate (after one untimed).
-const TIMED_CALLS: u32 = 3;
 
 /// What a product's descriptors and algorithm depend on (column-major, as cuBLAS):
 /// `op(A)` is `m × k`, `op(B)` is `k × n`, `C` and `D` are `m × n`.
@@ -128,10 +127,7 @@ impl Lt {
         };
         let mut plans = self.plans.borrow_mut();
         if !plans.contains_key(shape) {
-            let (mut plan, candidates) = self.plan(shape)?;
-            if let Some(best) = self.fastest(stream, &plan, &candidates, &args) {
-                plan.algo = best;
-            }
+            let plan = self.plan(shape)?;
             plans.insert(*shape, plan);
         }
         let plan = &plans[shape];
@@ -172,64 +168,8 @@ impl Lt {
         .map_err(|e| lt_err("cublasLtMatmul", e))
     }
 
-    /// The fastest of `candidates` on these operands, timed on `stream` with events
-    /// (waiting for the stream); `None` when there is one, the stream is being
-    /// captured, or timing fails (the heuristic's first choice stands).
-    fn fastest(
-        &self,
-        stream: drv::CUstream,
-        plan: &LtPlan,
-        candidates: &[sys::cublasLtMatmulAlgo_t],
-        o: &Operands,
-    ) -> Option<sys::cublasLtMatmulAlgo_t> {
-        if candidates.len() < 2 {
-            return None;
-        }
-        // SAFETY: a live stream of the bound context.
-        let capturing = unsafe { cu::stream::is_capturing(stream) }.ok()?;
-        if capturing != drv::CUstreamCaptureStatus::CU_STREAM_CAPTURE_STATUS_NONE {
-            return None;
-        }
-        let flags = drv::CUevent_flags::CU_EVENT_DEFAULT;
-        let (start, end) = (cu::event::create(flags).ok()?, cu::event::create(flags));
-        let Ok(end) = end else {
-            // SAFETY: the event made above, unused.
-            let _ = unsafe { cu::event::destroy(start) };
-            return None;
-        };
-        let mut best: Option<(f32, sys::cublasLtMatmulAlgo_t)> = None;
-        for algo in candidates {
-            let timed = || -> Option<f32> {
-                self.call(stream, plan, algo, o).ok()?;
-                // SAFETY: live events and stream of the bound context.
-                unsafe { cu::event::record(start, stream) }.ok()?;
-                for _ in 0..TIMED_CALLS {
-                    self.call(stream, plan, algo, o).ok()?;
-                }
-                // SAFETY: as above; elapsed reads two completed events.
-                unsafe {
-                    cu::event::record(end, stream).ok()?;
-                    cu::event::synchronize(end).ok()?;
-                    cu::event::elapsed(start, end).ok()
-                }
-            };
-            if let Some(ms) = timed() {
-                if best.map_or(true, |(b, _)| ms < b) {
-                    best = Some((ms, *algo));
-                }
-            }
-        }
-        // SAFETY: the events made above, no longer used (`end` was waited for).
-        unsafe {
-            let _ = cu::event::destroy(start);
-            let _ = cu::event::destroy(end);
-        }
-        best.map(|(_, algo)| algo)
-    }
-
-    /// The descriptors of `shape`, with cuBLASLt's first choice of algorithm for them,
-    /// and its first [`CANDIDATES`] choices.
-    fn plan(&self, s: &LtShape) -> Result<(LtPlan, Vec<sys::cublasLtMatmulAlgo_t>), OpsError> {
+    /// The descriptors of `shape` and cuBLASLt's first choice of algorithm for them.
+    fn plan(&self, s: &LtShape) -> Result<LtPlan, OpsError> {
         let (data, compute) = match s.dtype {
             NsDtype::Bf16 => (
                 sys::cudaDataType::CUDA_R_16BF,
@@ -260,7 +200,6 @@ impl Lt {
         let dims = [stored(s.trans.0, m, k), stored(s.trans.1, k, n), (m, n)];
         let lds = [s.ld.0, s.ld.1, s.ld.2];
         let strides = [s.stride.0, s.stride.1, s.stride.2];
-        let mut candidates = Vec::new();
         let made = (|| -> Result<(), lt::CublasError> {
             let (ta, tb) = (op(s.trans.0), op(s.trans.1));
             // SAFETY: attributes of the documented types and sizes on a live descriptor.
@@ -339,11 +278,10 @@ impl Lt {
                 ));
             };
             plan.algo = *first;
-            candidates = found;
             Ok(())
         })();
         match made {
-            Ok(()) => Ok((plan, candidates)),
+            Ok(()) => Ok(plan),
             Err(e) => {
                 // SAFETY: what was made above, never used.
                 unsafe {

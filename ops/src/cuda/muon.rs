@@ -194,15 +194,20 @@ struct BatchRegions {
 
 /// Where each scratch region of a class lies: per batch its two working buffers, its
 /// partial sums and norms; for the class one `A` and one `B` array of every matrix's
-/// `m × m` products, `astride` elements apart.
+/// `m × m` products, `astride` elements apart (and with [`gram`] two more, `c` and
+/// `d`).
 #[derive(Debug, Clone)]
 pub(super) struct ClassLayout {
     m: usize,
     dtype: NsDtype,
+    /// Whether the class iterates on the Gram matrix ([`gram`]).
+    gram: bool,
     batches: Vec<BatchRegions>,
     astride: usize,
     a: usize,
     b: usize,
+    c: usize,
+    d: usize,
     /// Matrices in the class.
     total: usize,
     /// Total bytes.
@@ -247,18 +252,50 @@ impl ClassLayout {
         let astride = aligned_elems(m.checked_mul(m)?, esize)?;
         let abytes = astride.checked_mul(total)?.checked_mul(esize)?;
         let (a, b) = (region(abytes)?, region(abytes)?);
+        let gram = gram(batches[0].0, dtype);
+        let (c, d) = if gram {
+            (region(abytes)?, region(abytes)?)
+        } else {
+            (a, b)
+        };
         Some(ClassLayout {
             m,
             dtype,
+            gram,
             batches: regions,
             astride,
             a,
             b,
+            c,
+            d,
             total,
             bytes: at,
         })
     }
 }
+
+/// Whether matrices of `shape` in `dtype` iterate on their Gram matrix: in bf16, when
+/// `max(rows, cols) ≥ 2.5 · min(rows, cols)`.
+///
+/// Newton–Schulz's iterates are `X_k = Q_k·X_0` with `Q_k` a polynomial in
+/// `R = X_0·X_0ᵀ` (`m × m`), so the iteration can run on `m × m` matrices only: `Z =
+/// a·I + b·R + c·R²`, `Q ← Z·Q`, `R ← Z·R·Z`, and `X = Q·X_0` at the end. That is `8m³`
+/// an iteration against `4m²n + 2m³`, plus `4m²n` once: fewer products when `n` is
+/// well above `m` (about 26 % fewer at `n = 3m`, 33 % at `n = 4m`). In bf16 the `m × m`
+/// products drift away from a polynomial of `R` and the iteration diverges, so it
+/// restarts from `X = Q·X_0` before every third iteration (before the fourth of
+/// Muon's five): measured against the f64 reference (`scripts/ns_gram_probe.py`,
+/// docs/performance.md) it is then as close as the direct iteration (0.021 against
+/// 0.023 on Gaussian 768 × 3072 matrices, 0.15 against 0.22 on low-rank ones). In TF32
+/// and f32 the direct iteration is kept: its error there (1e-5) is below the Gram
+/// iteration's.
+fn gram((rows, cols): (usize, usize), dtype: NsDtype) -> bool {
+    let (m, n) = (rows.min(cols), rows.max(cols));
+    dtype == NsDtype::Bf16 && n.saturating_mul(2) >= m.saturating_mul(5)
+}
+
+/// Iterations between restarts of the Gram iteration ([`gram`]).
+const GRAM_RESTART: u32 = 3;
 
 fn dtype_size(dtype: NsDtype) -> usize {
     if dtype == NsDtype::Bf16 {
@@ -272,8 +309,11 @@ fn dtype_size(dtype: NsDtype) -> usize {
 /// precision and iteration count, and at most [`CLASS_BYTES`] of scratch unless one
 /// batch alone needs more. Returns each class's batch indices.
 pub(super) fn classes(batches: &[&Batch]) -> Vec<Vec<usize>> {
-    type Key = (usize, NsDtype, u32);
-    let key = |b: &Batch| (b.shape.0.min(b.shape.1), b.hp.ns_dtype, b.hp.ns_steps);
+    type Key = (usize, NsDtype, u32, bool);
+    let key = |b: &Batch| {
+        let (m, dtype) = (b.shape.0.min(b.shape.1), b.hp.ns_dtype);
+        (m, dtype, b.hp.ns_steps, gram(b.shape, dtype))
+    };
     let mut out: Vec<(Key, Vec<usize>)> = Vec::new();
     for (i, b) in batches.iter().enumerate() {
         let k = key(b);
@@ -327,12 +367,18 @@ pub(super) fn run_class(
         fns.mb_normalise(stream, (working(r, r.y), count), at(r.partial), at(r.norms))?;
     }
     let ns = Lockstep::new(layout, scratch)?;
-    for i in 0..steps {
-        ns.iteration(&blas.lt, stream, i % 2 == 1)?;
-    }
+    let in_z = if layout.gram {
+        ns.gram_iterations(&blas.lt, kernels, stream, steps)?
+    } else {
+        for i in 0..steps {
+            ns.iteration(&blas.lt, stream, i % 2 == 1)?;
+        }
+        // The iterations alternate between Y and Z: the result is in Z after an odd
+        // count.
+        steps % 2 == 1
+    };
     for ((b, sc), r) in batches.iter().zip(&layout.batches) {
-        // The iterations alternate between Y and Z: the result is in Z after an odd count.
-        let w = working(r, if steps % 2 == 1 { r.z } else { r.y });
+        let w = working(r, if in_z { r.z } else { r.y });
         fns.mb_update(stream, (&b.mats, w), *sc, b.guard)?;
     }
     Ok(())
@@ -352,10 +398,16 @@ fn too_big(r: &BatchRegions) -> OpsError {
 /// `A = X·Xᵀ` and `X' = a·X + B·X` with its buffers, and the class's `B = c·A·A + b·A`.
 struct Lockstep {
     batches: Vec<LockstepBatch>,
-    /// `B = c·A·A + b·A` over every matrix of the class.
+    /// `B = c·A·A + b·A` over every matrix of the class (and every `m × m` product of
+    /// the Gram iteration).
     square: LtShape,
-    a: u64,
-    b: u64,
+    /// The class's `m × m` arrays: `A`, `B`, then (Gram iteration) two more.
+    arrays: [u64; 4],
+    m: u64,
+    /// Elements between consecutive matrices of an array.
+    astride: u64,
+    total: u32,
+    bf16: bool,
 }
 
 /// One batch's products in [`Lockstep`].
@@ -367,9 +419,8 @@ struct LockstepBatch {
     /// Its working buffers.
     y: u64,
     z: u64,
-    /// Its first `A` and `B`.
-    a: u64,
-    b: u64,
+    /// Its first matrix's offset in bytes in each `m × m` array.
+    first: u64,
 }
 
 impl Lockstep {
@@ -412,15 +463,13 @@ impl Lockstep {
                     lt((false, true), (n, m, m), (ni, mi, ni), (xs, astride, xs)),
                 )
             };
-            let first = (r.first as u64) * (layout.astride as u64) * esize;
             batches.push(LockstepBatch {
                 gram,
                 apply,
                 tall,
                 y: at(r.y),
                 z: at(r.z),
-                a: at(layout.a) + first,
-                b: at(layout.b) + first,
+                first: (r.first as u64) * (layout.astride as u64) * esize,
             });
         }
         let square = LtShape {
@@ -434,8 +483,11 @@ impl Lockstep {
         Ok(Lockstep {
             batches,
             square,
-            a: at(layout.a),
-            b: at(layout.b),
+            arrays: [at(layout.a), at(layout.b), at(layout.c), at(layout.d)],
+            m,
+            astride: layout.astride as u64,
+            total: total as u32,
+            bf16: dtype == NsDtype::Bf16,
         })
     }
 
@@ -443,25 +495,157 @@ impl Lockstep {
     /// `X'` written to the other.
     fn iteration(&self, lt: &Lt, stream: sys::CUstream, swapped: bool) -> Result<(), OpsError> {
         let xs = |b: &LockstepBatch| if swapped { (b.z, b.y) } else { (b.y, b.z) };
+        let [a, bb, ..] = self.arrays;
         for b in &self.batches {
             let (x, _) = xs(b);
-            lt.matmul(stream, &b.gram, 1.0, (x, x), 0.0, (b.a, b.a))?;
+            lt.matmul(
+                stream,
+                &b.gram,
+                1.0,
+                (x, x),
+                0.0,
+                (a + b.first, a + b.first),
+            )?;
         }
-        lt.matmul(
-            stream,
-            &self.square,
-            NS_C,
-            (self.a, self.a),
-            NS_B,
-            (self.a, self.b),
-        )?;
+        lt.matmul(stream, &self.square, NS_C, (a, a), NS_B, (a, bb))?;
         for b in &self.batches {
             let (x, next) = xs(b);
-            let operands = if b.tall { (b.b, x) } else { (x, b.b) };
+            let bm = bb + b.first;
+            let operands = if b.tall { (bm, x) } else { (x, bm) };
             lt.matmul(stream, &b.apply, 1.0, operands, NS_A, (x, next))?;
         }
         Ok(())
     }
+
+    /// `R = X·Xᵀ` of every batch into the array at `r` (`X` in `y`, or `z` when `in_z`).
+    fn grams(&self, lt: &Lt, stream: sys::CUstream, r: u64, in_z: bool) -> Result<(), OpsError> {
+        for b in &self.batches {
+            let x = if in_z { b.z } else { b.y };
+            lt.matmul(
+                stream,
+                &b.gram,
+                1.0,
+                (x, x),
+                0.0,
+                (r + b.first, r + b.first),
+            )?;
+        }
+        Ok(())
+    }
+
+    /// `X' = Q·X` of every batch (`Q` in the array at `q`, `X` in `y` or `z`), into the
+    /// other buffer.
+    fn applies(&self, lt: &Lt, stream: sys::CUstream, q: u64, in_z: bool) -> Result<(), OpsError> {
+        for b in &self.batches {
+            let (x, next) = if in_z { (b.z, b.y) } else { (b.y, b.z) };
+            let qm = q + b.first;
+            let operands = if b.tall { (qm, x) } else { (x, qm) };
+            lt.matmul(stream, &b.apply, 1.0, operands, 0.0, (next, next))?;
+        }
+        Ok(())
+    }
+
+    /// `D = A·B` over the class's `m × m` arrays.
+    fn product(
+        &self,
+        lt: &Lt,
+        stream: sys::CUstream,
+        (a, b): (u64, u64),
+        d: u64,
+    ) -> Result<(), OpsError> {
+        lt.matmul(stream, &self.square, 1.0, (a, b), 0.0, (d, d))
+    }
+
+    /// Newton–Schulz of every batch iterated on its Gram matrix ([`gram`]), `X_0` in
+    /// each batch's `y`, as [`gram_schedule`] orders it; returns whether the result is
+    /// in `z` (else `y`).
+    fn gram_iterations(
+        &self,
+        lt: &Lt,
+        kernels: &Kernels,
+        stream: sys::CUstream,
+        steps: u32,
+    ) -> Result<bool, OpsError> {
+        let (ops, in_z) = gram_schedule(steps);
+        let at = |i: usize| self.arrays[i];
+        for op in ops {
+            match op {
+                GramOp::Gram { r, in_z } => self.grams(lt, stream, at(r), in_z)?,
+                GramOp::Apply { q, in_z } => self.applies(lt, stream, at(q), in_z)?,
+                GramOp::Poly { r, z } => {
+                    lt.matmul(
+                        stream,
+                        &self.square,
+                        NS_C,
+                        (at(r), at(r)),
+                        NS_B,
+                        (at(r), at(z)),
+                    )?;
+                    let dims = (at(z), self.m, self.total);
+                    kernels
+                        .optim
+                        .mb_shift(stream, dims, self.astride, NS_A, self.bf16)?;
+                }
+                GramOp::Product { a, b, d } => self.product(lt, stream, (at(a), at(b)), at(d))?,
+            }
+        }
+        Ok(in_z)
+    }
+}
+
+/// One step of the Gram iteration over a class's four `m × m` arrays (by index) and
+/// each batch's two working buffers.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum GramOp {
+    /// `R = X·Xᵀ` per batch into array `r`, `X` in `z` when `in_z` (else `y`).
+    Gram { r: usize, in_z: bool },
+    /// `X' = Q·X` per batch, `Q` in array `q`, `X` in `z` when `in_z`, into the other.
+    Apply { q: usize, in_z: bool },
+    /// `Z = c·R·R + b·R + a·I`, arrays `r` to `z`.
+    Poly { r: usize, z: usize },
+    /// `D = A·B`, arrays.
+    Product { a: usize, b: usize, d: usize },
+}
+
+/// The Gram iteration of `steps` quintic steps ([`gram`]) as operations over four
+/// `m × m` arrays whose roles (`R`, the next `Z`, `Q`, a spare) rotate so that nothing
+/// is copied, with a restart (`X_0 = Q·X_0`, `R = X_0·X_0ᵀ`) before every
+/// [`GRAM_RESTART`]-th step; and whether the result ends in `z`.
+fn gram_schedule(steps: u32) -> (Vec<GramOp>, bool) {
+    let (r, mut z, mut q, mut t) = (0, 1, 2, 3);
+    let mut in_z = false;
+    let mut ops = vec![GramOp::Gram { r, in_z }];
+    // Q = I until the first step (and again after a restart).
+    let mut q_identity = true;
+    for k in 0..steps {
+        if k > 0 && k % GRAM_RESTART == 0 {
+            ops.push(GramOp::Apply { q, in_z });
+            in_z = !in_z;
+            ops.push(GramOp::Gram { r, in_z });
+            q_identity = true;
+        }
+        ops.push(GramOp::Poly { r, z });
+        let zc = z;
+        if q_identity {
+            // Q = Z; the old Q's array holds the next Z.
+            (z, q) = (q, zc);
+            q_identity = false;
+        } else {
+            // Q = Z·Q into the spare; the old Q's array becomes the spare.
+            ops.push(GramOp::Product { a: zc, b: q, d: t });
+            (q, t) = (t, q);
+        }
+        if k + 1 < steps && (k + 1) % GRAM_RESTART != 0 {
+            // R = Z·R·Z through the spare.
+            ops.push(GramOp::Product { a: zc, b: r, d: t });
+            ops.push(GramOp::Product { a: t, b: zc, d: r });
+        }
+    }
+    if steps > 0 {
+        ops.push(GramOp::Apply { q, in_z });
+        in_z = !in_z;
+    }
+    (ops, in_z)
 }
 
 #[cfg(test)]
@@ -484,6 +668,15 @@ mod tests {
                 regions.push((r.partial, count * MB_MAX_BLOCKS as usize * 8));
                 regions.push((r.norms, count * 8));
             }
+            if l.gram {
+                regions.push((l.c, 9 * l.astride * e));
+                regions.push((l.d, 9 * l.astride * e));
+            }
+            assert_eq!(
+                l.gram,
+                dtype == NsDtype::Bf16,
+                "33 × 7 iterates on its Gram matrix in bf16"
+            );
             assert_eq!((l.astride * e) % ALIGN, 0);
             assert_eq!(
                 l.batches.iter().map(|r| r.first).collect::<Vec<_>>(),
@@ -522,9 +715,10 @@ mod tests {
             batch((768, 3072), 12, bf, 5),
         ];
         let batches: Vec<&Batch> = batches.iter().collect();
+        // The bf16 shapes with n ≥ 2.5 m iterate on the Gram matrix: a class of their own.
         assert_eq!(
             classes(&batches),
-            vec![vec![0, 1, 2, 6], vec![3], vec![4], vec![5]]
+            vec![vec![0, 2, 6], vec![1], vec![3], vec![4], vec![5]]
         );
         // Past the cap a class is split: 64 matrices of 4096 × 16384 in bf16 need
         // about 17 GiB each batch; each goes alone.
@@ -534,5 +728,73 @@ mod tests {
         ];
         let big: Vec<&Batch> = big.iter().collect();
         assert_eq!(classes(&big), vec![vec![0], vec![1]]);
+    }
+
+    /// The Gram schedule run in f64 on the CPU (arrays, buffers and all) ends where
+    /// it says with the direct iteration's result: the roles of the four arrays never
+    /// overwrite what a later step reads.
+    #[test]
+    fn the_gram_schedule_computes_the_direct_iteration() {
+        type M = Vec<f64>;
+        let mul = |a: &M, b: &M, (p, k, q): (usize, usize, usize)| -> M {
+            let mut c = vec![0.0; p * q];
+            for i in 0..p {
+                for l in 0..k {
+                    for j in 0..q {
+                        c[i * q + j] += a[i * k + l] * b[l * q + j];
+                    }
+                }
+            }
+            c
+        };
+        let t = |a: &M, (p, q): (usize, usize)| -> M {
+            let mut o = vec![0.0; p * q];
+            for i in 0..p {
+                for j in 0..q {
+                    o[j * p + i] = a[i * q + j];
+                }
+            }
+            o
+        };
+        let (m, n) = (6usize, 17usize);
+        for steps in 0..8u32 {
+            let g = crate::math::pseudo_random(m * n, 40 + u64::from(steps));
+            let want = crate::math::newton_schulz(&g, m, n, steps);
+            let norm = g.iter().map(|&v| f64::from(v).powi(2)).sum::<f64>().sqrt() + 1e-7;
+            let x0: M = g.iter().map(|&v| f64::from(v) / norm).collect();
+            let (ops, in_z) = gram_schedule(steps);
+            let mut arrays: Vec<M> = vec![vec![f64::NAN; m * m]; 4];
+            let mut bufs: [M; 2] = [x0, vec![f64::NAN; m * n]];
+            let (a, b, c) = (f64::from(NS_A), f64::from(NS_B), f64::from(NS_C));
+            for op in ops {
+                match op {
+                    GramOp::Gram { r, in_z } => {
+                        let x = &bufs[usize::from(in_z)];
+                        arrays[r] = mul(x, &t(x, (m, n)), (m, n, m));
+                    }
+                    GramOp::Apply { q, in_z } => {
+                        let x = mul(&arrays[q], &bufs[usize::from(in_z)], (m, m, n));
+                        bufs[usize::from(!in_z)] = x;
+                    }
+                    GramOp::Poly { r, z } => {
+                        let rr = mul(&arrays[r], &arrays[r], (m, m, m));
+                        let mut out: M = (0..m * m).map(|i| c * rr[i] + b * arrays[r][i]).collect();
+                        (0..m).for_each(|i| out[i * m + i] += a);
+                        arrays[z] = out;
+                    }
+                    GramOp::Product { a, b, d } => {
+                        assert!(d != a && d != b, "a product writes one of its operands");
+                        arrays[d] = mul(&arrays[a], &arrays[b], (m, m, m));
+                    }
+                }
+            }
+            let got = &bufs[usize::from(in_z)];
+            for (i, (x, w)) in got.iter().zip(&want).enumerate() {
+                assert!(
+                    (x - f64::from(*w)).abs() < 1e-5,
+                    "{steps} steps, element {i}: {x} against {w}"
+                );
+            }
+        }
     }
 }

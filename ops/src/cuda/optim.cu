@@ -300,6 +300,23 @@ extern "C" __global__ void ov_mb_scale(void* x, u64 numel, u64 stride, const dou
     }
 }
 
+// Matrix y's m x m block of b (float or bf16, blocks `astride` elements apart): every
+// diagonal element plus `shift` (the a*I of the Gram iteration's Z = a*I + b*R + c*R*R,
+// muon.rs).
+extern "C" __global__ void ov_mb_diag(void* b, u64 m, u64 astride, float shift, int bf16) {
+    const u64 base = (u64)blockIdx.y * astride;
+    GRID_STRIDE(i, m) {
+        const u64 at = base + i * m + i;
+        if (bf16) {
+            u16* p = (u16*)b;
+            p[at] = ov_f2bf(__uint_as_float(((u32)p[at]) << 16) + shift);
+        } else {
+            float* p = (float*)b;
+            p[at] = p[at] + shift;
+        }
+    }
+}
+
 // Matrix y: p = p*decay - scale*O, O the working matrix at element y*stride of x (float
 // or bf16), in the parameter's layout; decay = sc[1], scale = sc[2]. `guard`: ov_skip.
 extern "C" __global__ void ov_mb_update(const __grid_constant__ MuonMats t, const void* x,

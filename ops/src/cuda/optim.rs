@@ -197,6 +197,7 @@ pub(super) struct OptimFns {
     mb_momentum: sys::CUfunction,
     mb_norm: sys::CUfunction,
     mb_scale: sys::CUfunction,
+    mb_diag: sys::CUfunction,
     mb_update: sys::CUfunction,
 }
 
@@ -229,6 +230,7 @@ impl OptimFns {
             mb_momentum: get("ov_mb_momentum")?,
             mb_norm: get("ov_mb_norm")?,
             mb_scale: get("ov_mb_scale")?,
+            mb_diag: get("ov_mb_diag")?,
             mb_update: get("ov_mb_update")?,
         })
     }
@@ -294,6 +296,26 @@ impl OptimFns {
             .push(i32::from(w.bf16));
         let grid = (mb_blocks(w.numel), count);
         Kernels::launch_with("muon", self.mb_scale, grid, 256, stream, args)
+    }
+
+    /// Adds `shift` to the diagonal of each of the `count` `m × m` matrices at `b`
+    /// (`astride` elements apart, f32 or bf16).
+    pub(super) fn mb_shift(
+        &self,
+        stream: sys::CUstream,
+        (b, m, count): (sys::CUdeviceptr, u64, u32),
+        astride: u64,
+        shift: f32,
+        bf16: bool,
+    ) -> Result<(), OpsError> {
+        let args = Args::default()
+            .push(b)
+            .push(m)
+            .push(astride)
+            .push(shift)
+            .push(i32::from(bf16));
+        let grid = (mb_blocks(m), count);
+        Kernels::launch_with("muon", self.mb_diag, grid, 256, stream, args)
     }
 
     /// Every parameter `p_y = p_y·decay − scale·O_y`, `O_y` the working matrix `y` of
