@@ -29,7 +29,7 @@ use crate::{NsDtype, OpsError};
 /// cuBLASLt workspace per handle (NVIDIA's recommendation for Hopper).
 const WORKSPACE_BYTES: usize = 32 << 20;
 /// Heuristic answers asked for (the first valid one is used).
-const CANDIDATES: usize = 8;
+const ANSWERS: usize = 8;
 
 /// What a product's descriptors and algorithm depend on (column-major, as cuBLAS):
 /// `op(A)` is `m × k`, `op(B)` is `k × n`, `C` and `D` are `m × n`.
@@ -96,12 +96,7 @@ impl Lt {
     pub(super) fn destroy(&self) {
         for (_, p) in self.plans.borrow_mut().drain() {
             // SAFETY: descriptors made by `plan`, no longer used.
-            unsafe {
-                let _ = lt::destroy_matmul_desc(p.desc);
-                for l in p.layouts {
-                    let _ = lt::destroy_matrix_layout(l);
-                }
-            }
+            unsafe { p.destroy() };
         }
         // SAFETY: destroyed once, when the backend is dropped.
         let _ = unsafe { lt::destroy_handle(self.handle) };
@@ -184,8 +179,6 @@ impl Lt {
                 sys::cublasComputeType_t::CUBLAS_COMPUTE_32F,
             ),
         };
-        // cublasOperation_t as the attribute's int32: CUBLAS_OP_N = 0, CUBLAS_OP_T = 1.
-        let op = |t: bool| i32::from(t);
         let desc = lt::create_matmul_desc(compute, sys::cudaDataType::CUDA_R_32F)
             .map_err(|e| lt_err("cublasLtMatmulDescCreate", e))?;
         let mut plan = LtPlan {
@@ -201,106 +194,113 @@ impl Lt {
         let lds = [s.ld.0, s.ld.1, s.ld.2];
         let strides = [s.stride.0, s.stride.1, s.stride.2];
         let made = (|| -> Result<(), lt::CublasError> {
-            let (ta, tb) = (op(s.trans.0), op(s.trans.1));
+            // cublasOperation_t as the attribute's int32: CUBLAS_OP_N = 0, CUBLAS_OP_T = 1.
+            let (ta, tb) = (i32::from(s.trans.0), i32::from(s.trans.1));
+            use sys::cublasLtMatmulDescAttributes_t as D;
             // SAFETY: attributes of the documented types and sizes on a live descriptor.
             unsafe {
-                set_desc(
-                    desc,
-                    sys::cublasLtMatmulDescAttributes_t::CUBLASLT_MATMUL_DESC_TRANSA,
-                    &ta,
-                )?;
-                set_desc(
-                    desc,
-                    sys::cublasLtMatmulDescAttributes_t::CUBLASLT_MATMUL_DESC_TRANSB,
-                    &tb,
-                )?;
+                set_desc(desc, D::CUBLASLT_MATMUL_DESC_TRANSA, &ta)?;
+                set_desc(desc, D::CUBLASLT_MATMUL_DESC_TRANSB, &tb)?;
             }
             for i in 0..3 {
-                let l = lt::create_matrix_layout(data, dims[i].0, dims[i].1, lds[i])?;
-                plan.layouts[i] = l;
+                plan.layouts[i] = lt::create_matrix_layout(data, dims[i].0, dims[i].1, lds[i])?;
                 // SAFETY: as above, on a live layout.
-                unsafe {
-                    set_layout(
-                        l,
-                        sys::cublasLtMatrixLayoutAttribute_t::CUBLASLT_MATRIX_LAYOUT_BATCH_COUNT,
-                        &s.count,
-                    )?;
-                    set_layout(
-                        l,
-                        sys::cublasLtMatrixLayoutAttribute_t::CUBLASLT_MATRIX_LAYOUT_STRIDED_BATCH_OFFSET,
-                        &strides[i],
-                    )?;
-                }
+                unsafe { set_batch(plan.layouts[i], s.count, strides[i])? };
             }
-            let pref = lt::create_matmul_pref()?;
-            let bytes = self.workspace.bytes() as u64;
-            // SAFETY: a live preference, the attribute's documented type (u64); the
-            // results array holds CANDIDATES entries; the preference is destroyed
-            // whatever the heuristic answers.
-            let found = unsafe {
-                let set = lt::set_matmul_pref_attribute(
-                    pref,
-                    sys::cublasLtMatmulPreferenceAttributes_t::CUBLASLT_MATMUL_PREF_MAX_WORKSPACE_BYTES,
-                    (&bytes as *const u64).cast(),
-                    std::mem::size_of::<u64>(),
-                );
-                let mut results: [sys::cublasLtMatmulHeuristicResult_t; CANDIDATES] =
-                    std::mem::zeroed();
-                let mut count = 0i32;
-                let found = set.and_then(|()| {
-                    sys::cublasLtMatmulAlgoGetHeuristic(
-                        self.handle,
-                        desc,
-                        plan.layouts[0],
-                        plan.layouts[1],
-                        plan.layouts[2],
-                        plan.layouts[2],
-                        pref,
-                        CANDIDATES as i32,
-                        results.as_mut_ptr(),
-                        &mut count,
-                    )
-                    .result()
-                });
-                let _ = lt::destroy_matmul_pref(pref);
-                found.map(|()| {
-                    let n = usize::try_from(count).unwrap_or(0).min(CANDIDATES);
-                    results[..n]
-                        .iter()
-                        .filter(|r| r.state == sys::cublasStatus_t::CUBLAS_STATUS_SUCCESS)
-                        .map(|r| r.algo)
-                        .collect::<Vec<_>>()
-                })
-            }?;
-            let Some(first) = found.first() else {
-                return Err(lt::CublasError(
-                    sys::cublasStatus_t::CUBLAS_STATUS_NOT_SUPPORTED,
-                ));
-            };
-            plan.algo = *first;
+            plan.algo = self.first_algo(desc, plan.layouts)?;
             Ok(())
         })();
-        match made {
-            Ok(()) => Ok(plan),
-            Err(e) => {
-                // SAFETY: what was made above, never used.
-                unsafe {
-                    let _ = lt::destroy_matmul_desc(plan.desc);
-                    for l in plan.layouts.into_iter().filter(|l| !l.is_null()) {
-                        let _ = lt::destroy_matrix_layout(l);
-                    }
-                }
-                Err(OpsError::Failed {
-                    kernel: "muon",
-                    reason: format!(
-                        "cuBLASLt has no algorithm for a {:?} product of {m} × {n} × {k} \
-                         (batch {}): {:?}",
-                        s.dtype, s.count, e.0
-                    ),
-                })
-            }
+        if let Err(e) = made {
+            // SAFETY: what was made above, never used.
+            unsafe { plan.destroy() };
+            return Err(OpsError::Failed {
+                kernel: "muon",
+                reason: format!(
+                    "cuBLASLt has no algorithm for a {:?} product of {m} × {n} × {k} \
+                     (batch {}): {:?}",
+                    s.dtype, s.count, e.0
+                ),
+            });
+        }
+        Ok(plan)
+    }
+
+    /// cuBLASLt's first heuristic choice for `desc` over `layouts` (`A`, `B`, `C` as
+    /// `D`) within the workspace: the first valid one of its first [`ANSWERS`].
+    fn first_algo(
+        &self,
+        desc: sys::cublasLtMatmulDesc_t,
+        [a, b, c]: [sys::cublasLtMatrixLayout_t; 3],
+    ) -> Result<sys::cublasLtMatmulAlgo_t, lt::CublasError> {
+        let pref = lt::create_matmul_pref()?;
+        let bytes = self.workspace.bytes() as u64;
+        // SAFETY: a live preference, the attribute's documented type (u64), live
+        // descriptor and layouts, a results array of ANSWERS entries; the preference is
+        // destroyed whatever the answer.
+        unsafe {
+            let mut results: [sys::cublasLtMatmulHeuristicResult_t; ANSWERS] = std::mem::zeroed();
+            let mut count = 0i32;
+            let found = lt::set_matmul_pref_attribute(
+                pref,
+                sys::cublasLtMatmulPreferenceAttributes_t::CUBLASLT_MATMUL_PREF_MAX_WORKSPACE_BYTES,
+                (&bytes as *const u64).cast(),
+                std::mem::size_of::<u64>(),
+            )
+            .and_then(|()| {
+                sys::cublasLtMatmulAlgoGetHeuristic(
+                    self.handle,
+                    desc,
+                    a,
+                    b,
+                    c,
+                    c,
+                    pref,
+                    ANSWERS as i32,
+                    results.as_mut_ptr(),
+                    &mut count,
+                )
+                .result()
+            });
+            let _ = lt::destroy_matmul_pref(pref);
+            found?;
+            let n = usize::try_from(count).unwrap_or(0).min(ANSWERS);
+            results[..n]
+                .iter()
+                .find(|r| r.state == sys::cublasStatus_t::CUBLAS_STATUS_SUCCESS)
+                .map(|r| r.algo)
+                .ok_or(lt::CublasError(
+                    sys::cublasStatus_t::CUBLAS_STATUS_NOT_SUPPORTED,
+                ))
         }
     }
+}
+
+impl LtPlan {
+    /// Destroys the descriptors made so far.
+    ///
+    /// # Safety
+    /// Nothing uses the plan any more.
+    unsafe fn destroy(&self) {
+        let _ = lt::destroy_matmul_desc(self.desc);
+        for &l in self.layouts.iter().filter(|l| !l.is_null()) {
+            let _ = lt::destroy_matrix_layout(l);
+        }
+    }
+}
+
+/// Sets a layout's batch: `count` matrices `stride` elements apart.
+unsafe fn set_batch(
+    layout: sys::cublasLtMatrixLayout_t,
+    count: i32,
+    stride: i64,
+) -> Result<(), lt::CublasError> {
+    use sys::cublasLtMatrixLayoutAttribute_t as L;
+    set_layout(layout, L::CUBLASLT_MATRIX_LAYOUT_BATCH_COUNT, &count)?;
+    set_layout(
+        layout,
+        L::CUBLASLT_MATRIX_LAYOUT_STRIDED_BATCH_OFFSET,
+        &stride,
+    )
 }
 
 /// Sets a descriptor attribute from a value of its documented type.
