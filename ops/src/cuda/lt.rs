@@ -35,15 +35,15 @@ const ANSWERS: usize = 8;
 /// `op(A)` is `m × k`, `op(B)` is `k × n`, `C` and `D` are `m × n`.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
 pub(super) struct LtShape {
-    pub dtype: NsDtype,
+    pub(super) dtype: NsDtype,
     /// Whether `A` and `B` are transposed.
-    pub trans: (bool, bool),
-    pub mnk: (u64, u64, u64),
+    pub(super) trans: (bool, bool),
+    pub(super) mnk: (u64, u64, u64),
     /// Leading dimensions of `A`, `B` and `C`/`D`.
-    pub ld: (i64, i64, i64),
+    pub(super) ld: (i64, i64, i64),
     /// Elements between the batch's consecutive `A`, `B` and `C`/`D`.
-    pub stride: (i64, i64, i64),
-    pub count: i32,
+    pub(super) stride: (i64, i64, i64),
+    pub(super) count: i32,
 }
 
 /// A product's scalars and operands: `D = alpha·op(A)·op(B) + beta·C`.

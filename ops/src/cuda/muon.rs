@@ -168,11 +168,11 @@ impl Blas {
 /// One batch of a class: up to [`super::optim::MUON_MATS`] matrices of one shape with
 /// their hyper-parameters and guard ([`crate::Kernel::IfFinite`]'s squared norm, or 0).
 pub(super) struct Batch {
-    pub shape: (usize, usize),
-    pub mats: MuonMats,
-    pub count: usize,
-    pub hp: MuonParams,
-    pub guard: u64,
+    pub(super) shape: (usize, usize),
+    pub(super) mats: MuonMats,
+    pub(super) count: usize,
+    pub(super) hp: MuonParams,
+    pub(super) guard: u64,
 }
 
 /// A batch's scratch regions, as byte offsets, and where its matrices start in the

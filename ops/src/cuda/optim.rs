@@ -214,10 +214,10 @@ pub(super) const MB_MAX_BLOCKS: u32 = 1024;
 /// `numel` elements, `stride` elements apart from `x`, bf16 or f32.
 #[derive(Clone, Copy)]
 pub(super) struct Working {
-    pub x: sys::CUdeviceptr,
-    pub numel: u64,
-    pub stride: u64,
-    pub bf16: bool,
+    pub(super) x: sys::CUdeviceptr,
+    pub(super) numel: u64,
+    pub(super) stride: u64,
+    pub(super) bf16: bool,
 }
 
 impl OptimFns {

@@ -59,7 +59,7 @@ enum Known {
 pub(super) struct TailGraphs {
     graphs: HashMap<TailKey, Known, WordHash>,
     /// Whether to capture at all ([`super::CudaBackend::set_tail_graphs`]).
-    pub off: bool,
+    pub(super) off: bool,
 }
 
 impl std::fmt::Debug for TailGraphs {
