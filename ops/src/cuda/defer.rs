@@ -26,21 +26,27 @@
 //! scales the gradient as it reads it and stores it back (`FusedClip`), so the clip
 //! costs no pass of its own over those gradients; at the flush a separate clip kernel
 //! scales only the clip's buffers that no held optimizer read. A clip is held only
-//! behind nothing (the stream is flushed first), and an optimizer that would write a
-//! buffer the clip scales (other than reading it as its gradient) flushes the clip
-//! first, so every buffer ends as the unfused order leaves it.
+//! behind nothing or a held norm (the stream is flushed first otherwise), and an
+//! optimizer that would write a buffer the clip scales (other than reading it as its
+//! gradient) flushes the clip first, so every buffer ends as the unfused order leaves
+//! it.
+//!
+//! The global norm ([`crate::Kernel::SumSquares`]) is held too, behind nothing, and
+//! issued first at the flush (`flush.rs`), so a clipped tail (the norm, the clip, the
+//! guarded optimizers) is one flush and, once it repeats, one replayed graph
+//! (`tail_graph.rs`). An optimizer that would write a buffer the norm reads, or the
+//! norm itself, flushes it first.
 //!
 //! Invariant: a held kernel is issued before any work that the caller issued after it
 //! on the same stream, and before any event the caller records on that stream.
 
 use std::collections::HashSet;
 
-use super::fast_hash::WordHash;
-
 use cudarc::driver::sys;
 use overlap_graph::Stream;
 
 use super::backend::Shared;
+use super::fast_hash::WordHash;
 use super::flush::FlushPlan;
 use super::issue::Issue;
 use super::memory::CudaBuffer;
@@ -114,9 +120,9 @@ pub(super) struct HeldClip {
 /// held clip to its gradient.
 pub(super) type Entry = (Tag, Held, Option<CudaBuffer>, bool);
 
-/// A stream's held clip and optimizer kernels, in launch order (the clip first), with
-/// the identities ([`CudaBuffer::id`]) of their buffers, so that checking a new kernel
-/// against everything held is a few set lookups.
+/// A stream's held norm, clip and optimizer kernels, in launch order (the norm, then
+/// the clip, first), with the identities ([`CudaBuffer::id`]) of their buffers, so that
+/// checking a new kernel against everything held is a few set lookups.
 #[derive(Debug, Default)]
 pub(super) struct Pending {
     norm: Option<HeldNorm>,
