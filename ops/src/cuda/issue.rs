@@ -229,7 +229,7 @@ impl Issue {
             | Kernel::Muon { .. }
             | Kernel::SumSquares { .. }
             | Kernel::Clip { .. }
-            | Kernel::IfFinite { .. }) => self.tail(shared, (stream, raw, tag), tail).map(|()| 0),
+            | Kernel::IfFinite { .. }) => self.tail(shared, (stream, tag), tail).map(|()| 0),
         }
     }
 

@@ -22,7 +22,7 @@ impl Issue {
     pub(super) fn tail(
         &mut self,
         shared: &Shared,
-        (stream, _raw, tag): (Stream, cudarc::driver::sys::CUstream, Tag),
+        (stream, tag): (Stream, Tag),
         kernel: Kernel<CudaBuffer>,
     ) -> Result<(), OpsError> {
         let rank = shared.rank;
