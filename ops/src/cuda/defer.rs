@@ -288,8 +288,8 @@ impl Issue {
         }
         let scratch = self.scratch(shared, stream, plan.scratch_bytes().max(8))?;
         plan.upload(raw, scratch)?;
-        let key = plan.key(scratch);
         let (kernels, blas) = (&self.kernels, &self.blas[stream.index()]);
+        let key = || plan.key(scratch);
         self.tail_graphs[stream.index()].run(raw, key, || plan.issue(kernels, blas, raw, scratch))
     }
 }

@@ -496,17 +496,7 @@ impl Lockstep {
     fn iteration(&self, lt: &Lt, stream: sys::CUstream, swapped: bool) -> Result<(), OpsError> {
         let xs = |b: &LockstepBatch| if swapped { (b.z, b.y) } else { (b.y, b.z) };
         let [a, bb, ..] = self.arrays;
-        for b in &self.batches {
-            let (x, _) = xs(b);
-            lt.matmul(
-                stream,
-                &b.gram,
-                1.0,
-                (x, x),
-                0.0,
-                (a + b.first, a + b.first),
-            )?;
-        }
+        self.grams(lt, stream, a, swapped)?;
         lt.matmul(stream, &self.square, NS_C, (a, a), NS_B, (a, bb))?;
         for b in &self.batches {
             let (x, next) = xs(b);
