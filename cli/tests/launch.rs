@@ -337,6 +337,45 @@ fn backend_cuda_without_the_feature_says_how_to_rebuild() {
     }
 }
 
+/// Ranks sharing one GPU (`OVERLAP_SHARE_GPU=1`) run over the copy transport only:
+/// a job whose collectives go through NCCL is refused naming NCCL, before any rank
+/// opens a GPU (so no GPU is needed to see it), and a value that is neither 1 nor 0 is
+/// refused naming the variable.
+#[cfg(feature = "cuda")]
+#[test]
+fn ranks_sharing_a_gpu_refuse_nccl_by_name() {
+    let config = concat!(env!("CARGO_MANIFEST_DIR"), "/../examples/gpu/gpu_2x1.toml");
+    let port = free_port().to_string();
+    let job = |share: &str| {
+        overlap()
+            .env("OVERLAP_SHARE_GPU", share)
+            .args([
+                "launch",
+                "--nproc-per-node",
+                "2",
+                "--master-port",
+                &port,
+                "--",
+            ])
+            .args(["verify", "--config", config, "--backend", "cuda"])
+            .args(["--transport", "nccl", "--steps", "1"])
+            .output()
+            .expect("overlap runs")
+    };
+    let out = job("1");
+    assert_eq!(out.status.code(), Some(2));
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(
+        stderr.contains("NCCL refuses two ranks on one device")
+            && stderr.contains("transport = \"copy\""),
+        "{stderr}"
+    );
+    let out = job("yes");
+    assert_eq!(out.status.code(), Some(2));
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(stderr.contains("OVERLAP_SHARE_GPU=\"yes\""), "{stderr}");
+}
+
 /// The pids of the processes whose parent is `parent` (from /proc).
 #[cfg(target_os = "linux")]
 fn children_of(parent: u32) -> Vec<u32> {

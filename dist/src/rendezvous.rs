@@ -690,6 +690,49 @@ impl Rendezvous {
         }
     }
 
+    /// Every rank's `payload`, in rank order, on every rank: a [`Rendezvous::gather`]
+    /// at rank 0, then its [`Rendezvous::broadcast`] of all of them. Each step waits at
+    /// most `timeout`.
+    pub fn all_gather(
+        &mut self,
+        payload: &[u8],
+        timeout: Duration,
+    ) -> Result<Vec<Vec<u8>>, DistError> {
+        let packed = self
+            .gather(payload, timeout)?
+            .map(|all| {
+                all.iter()
+                    .flat_map(|p| {
+                        (p.len() as u64)
+                            .to_le_bytes()
+                            .into_iter()
+                            .chain(p.iter().copied())
+                    })
+                    .collect::<Vec<u8>>()
+            })
+            .unwrap_or_default();
+        let packed = self.broadcast(&packed, timeout)?;
+        let mut out = Vec::with_capacity(self.world as usize);
+        let mut rest = &packed[..];
+        while let Some((len, tail)) = rest.split_first_chunk::<8>() {
+            let len = usize::try_from(u64::from_le_bytes(*len)).unwrap_or(usize::MAX);
+            let Some((one, tail)) = (len <= tail.len()).then(|| tail.split_at(len)) else {
+                break;
+            };
+            out.push(one.to_vec());
+            rest = tail;
+        }
+        if out.len() != self.world as usize || !rest.is_empty() {
+            return Err(err(format!(
+                "rank {} got a malformed all-gather from rank 0 ({} bytes for {} ranks)",
+                self.rank,
+                packed.len(),
+                self.world
+            )));
+        }
+        Ok(out)
+    }
+
     /// Watches the job from here on, on a thread per connection: a rank that reports a
     /// failure ([`Rendezvous::abort`]) or whose connection closes without a goodbye
     /// ([`Rendezvous::bye`]: it exited, was killed, or its machine failed) triggers
@@ -1354,6 +1397,8 @@ mod tests {
                     let got = r.broadcast(&[], t).unwrap();
                     assert_eq!(got, b"ids");
                     assert!(r.gather(&[rank as u8; 2], t).unwrap().is_none());
+                    let all = r.all_gather(&vec![rank as u8; rank as usize], t).unwrap();
+                    assert_eq!(all, vec![vec![], vec![1], vec![2, 2]]);
                 })
             })
             .collect();
@@ -1361,6 +1406,8 @@ mod tests {
         assert_eq!(root.broadcast(b"ids", t).unwrap(), b"ids");
         let all = root.gather(&[0, 0], t).unwrap().unwrap();
         assert_eq!(all, vec![vec![0, 0], vec![1, 1], vec![2, 2]]);
+        let all = root.all_gather(&[], t).unwrap();
+        assert_eq!(all, vec![vec![], vec![1], vec![2, 2]]);
         peers.into_iter().for_each(|p| p.join().unwrap());
     }
 

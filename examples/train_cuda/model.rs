@@ -7,7 +7,8 @@
 //! ```
 //!
 //! Each process opens its rank's GPU through `overlap_dist::cuda::open` (the rendezvous, the
-//! NCCL communicators) and a [`Session`] over the CUDA backend. Its model is the CPU
+//! NCCL communicators; with `OVERLAP_SHARE_GPU=1`, every rank on one GPU over the copy
+//! transport, a test mode) and a [`Session`] over the CUDA backend. Its model is the CPU
 //! model's, run on the device: the affine maps are cuBLAS SGEMMs, the rest a few NVRTC
 //! kernels (`kernels.cu`), all on a stream of the trainer's own, in the device's primary
 //! context (the one the backend uses). Per micro-batch:
@@ -32,16 +33,20 @@ use std::process::ExitCode;
 use std::sync::Arc;
 use std::time::Instant;
 
+use overlap::graph::Transport;
 use overlap::ops::cuda::cudarc::cublas::{result as cublas, sys as cublas_sys, CudaBlas};
 use overlap::ops::cuda::cudarc::driver::{
     sys as cu_sys, CudaContext, CudaFunction, CudaSlice, CudaStream, DevicePtr, LaunchConfig,
     PushKernelArg,
 };
 use overlap::ops::cuda::cudarc::nvrtc::{self, CompileOptions};
-use overlap::ops::cuda::{mesh_comms_with_forward, CudaBackend, CudaBuffer, CudaEvent};
+use overlap::ops::cuda::{
+    mesh_comms_with_forward, CudaBackend, CudaBuffer, CudaEvent, DEFAULT_COPY_RING_DEPTH,
+    DEFAULT_COPY_SLOT_BYTES,
+};
 use overlap::ops::Backend;
 use overlap::{ParamId, Session};
-use overlap_dist::cuda::{open, rank_env, Links};
+use overlap_dist::cuda::{copy_setup, open, rank_env, shared_gpu, Links};
 use overlap_dist::fingerprint::Fingerprint;
 use serde::Serialize;
 
@@ -208,12 +213,31 @@ pub fn run(args: &Args) -> Result<GpuReport, Error> {
     let log = !args.json;
     let env = rank_env(args.mesh)?;
     let rank = env.rank;
+    // Ranks sharing one GPU (`OVERLAP_SHARE_GPU=1`, a test mode) have no NCCL: the plan
+    // moves everything over the copy transport.
+    let shared = shared_gpu()?;
+    let mut spec = plan_spec(&task);
+    if shared {
+        let schedule = spec.schedule.with_transport(Transport::Copy);
+        spec = spec.with_schedule(schedule);
+    }
+    let links = Links {
+        copy: shared.then(|| {
+            copy_setup(
+                &[&spec],
+                DEFAULT_COPY_SLOT_BYTES,
+                DEFAULT_COPY_RING_DEPTH,
+                true,
+            )
+        }),
+        ..Links::default()
+    };
     let world = open(
         env,
         args.mesh,
-        mesh_comms_with_forward(args.mesh, &Default::default(), false, true),
+        mesh_comms_with_forward(args.mesh, &spec.bindings, shared, true),
         false,
-        Links::default(),
+        links,
         Fingerprint::build(),
     )?;
     let backend = world.backend.clone();
@@ -222,7 +246,7 @@ pub fn run(args: &Args) -> Result<GpuReport, Error> {
         .enable_all()
         .build()?;
 
-    let mut session = Session::new(plan_spec(&task), backend.clone(), hyper.exec_config())?;
+    let mut session = Session::new(spec, backend.clone(), hyper.exec_config())?;
     session.init_params(|i, _| task.init[i as usize].clone())?;
     let mut model = Model::new(&backend, &task)?;
     let mut grad_ready_seconds = 0.0;

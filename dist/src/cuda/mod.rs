@@ -33,6 +33,28 @@ use crate::DistError;
 
 pub use verify::{muon_update_tolerance, verify};
 
+/// The variable that puts every rank of a job on one GPU (`1` or `true`): a test mode
+/// for the multi-process path where only one GPU is at hand. The ranks use the first
+/// visible device and talk over the copy transport only (NCCL refuses two ranks on one
+/// device, so a job whose plan needs NCCL collectives is refused); the GPU's engines
+/// are shared, so timings from this mode say nothing of a job on several GPUs.
+pub const SHARE_GPU_VAR: &str = "OVERLAP_SHARE_GPU";
+
+/// Whether [`SHARE_GPU_VAR`] asks for every rank on one GPU; an unreadable value is an
+/// error naming the variable.
+pub fn shared_gpu() -> Result<bool, Error> {
+    match std::env::var(SHARE_GPU_VAR) {
+        Err(std::env::VarError::NotPresent) => Ok(false),
+        Ok(v) if v.is_empty() || v == "0" || v.eq_ignore_ascii_case("false") => Ok(false),
+        Ok(v) if v == "1" || v.eq_ignore_ascii_case("true") => Ok(true),
+        Ok(v) => Err(DistError::Inconsistent(format!(
+            "{SHARE_GPU_VAR}={v:?}: expected 1 or 0 (true or false)"
+        ))
+        .into()),
+        Err(e) => Err(DistError::Inconsistent(format!("{SHARE_GPU_VAR}: {e}")).into()),
+    }
+}
+
 /// How long ranks wait for each other at start (and rank 0 for the others' status),
 /// unless `OVERLAP_RENDEZVOUS_TIMEOUT_S` says otherwise.
 pub const START_TIMEOUT: Duration = Duration::from_secs(180);
@@ -281,11 +303,24 @@ pub fn open(
     links: Links,
     mut what: Fingerprint,
 ) -> Result<CudaWorld, Error> {
+    let shared = shared_gpu()?;
+    if shared && links.copy.is_none() && mesh.world() > 1 {
+        return Err(DistError::Inconsistent(format!(
+            "{SHARE_GPU_VAR}=1 puts the job's {} ranks on one GPU, and NCCL refuses two ranks on one device: \
+             this job's collectives go through NCCL ([overlap] transport = \"nccl\"); \
+             set transport = \"copy\" (or \"auto\") to run it on one GPU",
+            mesh.world()
+        ))
+        .into());
+    }
     what.push("cuda.comms", format!("{comms:?}"));
     what.push("cuda.links", format!("{links:?}"));
+    what.push("cuda.shared_gpu", shared.to_string());
     let (mut rendezvous, timeout) = Rendezvous::meet(&env, mesh, &what, START_TIMEOUT)?;
+    // Sharing one GPU: every rank on the first visible device.
+    let ordinal = if shared { 0 } else { env.local_rank };
     let opened = CudaBackend::new(
-        CudaOptions::new(mesh, env.rank, env.local_rank)
+        CudaOptions::new(mesh, env.rank, ordinal)
             .with_timings(timings)
             .with_uniform_priority(links.uniform_priority),
     );
@@ -295,14 +330,44 @@ pub fn open(
         Err(e) => [vec![1u8], e.to_string().into_bytes()].concat(),
     };
     let statuses = rendezvous.gather(&status, timeout)?;
-    // Phase 2: rank 0 hands out the NCCL ids, or the first failure.
+    // Phase 2: rank 0 hands out the NCCL ids (none when the ranks share a GPU), or the
+    // first failure.
+    let n_ids = if shared { 0 } else { comms.len() };
     let payload = match statuses {
-        Some(all) => decide(&all, comms.len()),
+        Some(all) => decide(&all, n_ids),
         None => Vec::new(),
     };
     let payload = rendezvous.broadcast(&payload, timeout)?;
-    let ids = decode(&payload, comms.len())?;
+    let ids = decode(&payload, n_ids)?;
     let mut backend = opened.map_err(|e| Error::Backend(e.to_string()))?;
+    if shared {
+        let mut setup = links.copy.clone().unwrap_or_else(|| ops_cuda::CopySetup {
+            slot_bytes: ops_cuda::DEFAULT_COPY_SLOT_BYTES,
+            depth: ops_cuda::DEFAULT_COPY_RING_DEPTH,
+            streams: Vec::new(),
+            in_place: Vec::new(),
+            gather_lane: Vec::new(),
+        });
+        // Broadcasts and all-gathers acknowledge at once, like gathers: on a ring read
+        // in place they take the gather lane.
+        setup.gather_lane.extend(setup.in_place.iter().copied());
+        setup.gather_lane.sort();
+        setup.gather_lane.dedup();
+        backend
+            .connect_copy_only(&comms, &setup, |mine| {
+                rendezvous
+                    .all_gather(mine, timeout)
+                    .map_err(|e| e.to_string())
+            })
+            .map_err(|e| Error::Backend(e.to_string()))?;
+        backend.set_combine_ctas(links.combine_ctas);
+        backend.set_combine_streaming(!links.combine_cached);
+        return Ok(CudaWorld {
+            env,
+            rendezvous,
+            backend: Arc::new(backend),
+        });
+    }
     let list: Vec<(CommId, NcclUniqueId)> = comms.into_iter().zip(ids).collect();
     backend
         .connect(&list, links.nccl_max_ctas)
@@ -338,6 +403,9 @@ fn decide(statuses: &[Vec<u8>], n: usize) -> Vec<u8> {
     };
     if let Some((rank, s)) = failed {
         return failure(rank, s.get(1..).unwrap_or_default());
+    }
+    if n == 0 {
+        return vec![0u8];
     }
     match ops_cuda::unique_ids(n) {
         Ok(ids) => {

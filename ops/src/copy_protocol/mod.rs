@@ -55,7 +55,9 @@
 //! Reduce-scatter and all-reduce move data between every pair. A reduce moves data from
 //! every non-root to the root only: the root issues no step 1, a non-root no step 2,
 //! and the counters of pairs that move nothing do not advance, so no member ever waits
-//! for a flag nobody writes. (A single counter per ring, advanced for every piece, would
+//! for a flag nobody writes. A relay (a broadcast or an all-gather between ranks that
+//! share a GPU and have no NCCL, `Plan::relay`) moves the root's buffer to every other
+//! member, or every member's buffer to every other, under the same rules. (A single counter per ring, advanced for every piece, would
 //! not do: once reduces with different roots are interleaved with other exchanges, a
 //! pair's `t − depth` would name a piece that pair never moved, and the wait would never
 //! end.) Received in place, a piece is neither copied out nor acknowledged in step 2
@@ -185,6 +187,9 @@ pub(crate) struct Plan {
     pub(crate) index: u32,
     /// The stage's collective (its count and kind give the chunks).
     desc: Collective,
+    /// An exchange whose receives are copied out and acknowledged at once, like a
+    /// gather's ([`Plan::at_once`]).
+    at_once: bool,
 }
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -197,6 +202,12 @@ enum Moves {
     /// All-reduce, after the combine: every member gets chunk `j` of member `j`'s
     /// buffer, in place in its own buffer (send and receive buffer are one).
     Gather,
+    /// Broadcast (a relay): every other member gets the root's whole send buffer, at
+    /// the start of its receive buffer.
+    FromRoot(u32),
+    /// All-gather (a relay): every member gets member `j`'s whole send buffer at `j ·
+    /// count` of its receive buffer (its own place is the caller's local copy).
+    All,
 }
 
 impl Plan {
@@ -214,6 +225,29 @@ impl Plan {
             (kind, _) => {
                 return Err(format!(
                     "{} reduces nothing and has no copy-transport exchange",
+                    kind.name()
+                ))
+            }
+        };
+        Plan::checked(kind, desc, size, index)
+    }
+
+    /// Member `index`'s part of a relay: a broadcast or an all-gather `desc` moved by
+    /// the copy engines, for communicators without NCCL (several ranks on one GPU).
+    /// Like a gather, a relay's receives are copied out and acknowledged at once.
+    pub(crate) fn relay(desc: &Collective, size: u32, index: u32) -> Result<Plan, String> {
+        let kind = match (desc.kind, desc.root) {
+            (CollectiveKind::Broadcast, Some(root)) if root < size => Moves::FromRoot(root),
+            (CollectiveKind::Broadcast, root) => {
+                return Err(format!(
+                    "root {root:?} is not a member index of {} ({size} members)",
+                    desc.group
+                ))
+            }
+            (CollectiveKind::AllGather, _) => Moves::All,
+            (kind, _) => {
+                return Err(format!(
+                    "a {} reduces and is an exchange, not a relay",
                     kind.name()
                 ))
             }
@@ -247,12 +281,32 @@ impl Plan {
             size,
             index,
             desc: *desc,
+            at_once: false,
         })
     }
 
+    /// The same moves, its receives copied out and acknowledged at once (on the gather
+    /// lane of a ring read in place): for a reduction whose combine runs right after it
+    /// (a collective on a communicator without NCCL), whose acknowledgements must not
+    /// overtake the deferred ones of exchanges still waiting for their combines.
+    pub(crate) fn at_once(self) -> Plan {
+        Plan {
+            at_once: true,
+            ..self
+        }
+    }
+
     /// Whether this is an all-reduce's gather (which receives into its output).
+    #[cfg(test)]
     pub(crate) fn is_gather(&self) -> bool {
         self.kind == Moves::Gather
+    }
+
+    /// Whether its receives are acknowledged at once (a gather or a relay): on a ring
+    /// whose exchanges are read in place, it needs the gather lane, where its
+    /// acknowledgements cannot overtake a combine's deferred ones.
+    pub(crate) fn acks_at_once(&self) -> bool {
+        self.at_once || matches!(self.kind, Moves::Gather | Moves::FromRoot(_) | Moves::All)
     }
 
     /// Chunk `j` as `(offset, len)` in bytes.
@@ -266,8 +320,9 @@ impl Plan {
     pub(crate) fn moves(&self, from: u32, to: u32) -> bool {
         from != to
             && match self.kind {
-                Moves::Chunks | Moves::Gather => true,
+                Moves::Chunks | Moves::Gather | Moves::All => true,
                 Moves::ToRoot(root) => to == root,
+                Moves::FromRoot(root) => from == root,
             }
     }
 
@@ -276,7 +331,7 @@ impl Plan {
         match self.kind {
             Moves::Chunks => self.chunk(to).1,
             Moves::Gather => self.chunk(from).1,
-            Moves::ToRoot(_) => self.desc.count as usize * ELEM,
+            Moves::ToRoot(_) | Moves::FromRoot(_) | Moves::All => self.desc.count as usize * ELEM,
         }
     }
 
@@ -285,16 +340,19 @@ impl Plan {
         match self.kind {
             Moves::Chunks => self.chunk(to).0,
             Moves::Gather => self.chunk(self.index).0,
-            Moves::ToRoot(_) => 0,
+            Moves::ToRoot(_) | Moves::FromRoot(_) | Moves::All => 0,
         }
     }
 
     /// Where member `from`'s data goes in this member's receive buffer, in bytes: its
-    /// slot (the others in group order) of this member's chunk length, or for a gather
-    /// its own chunk's place.
+    /// slot (the others in group order) of this member's chunk length; for a gather
+    /// its own chunk's place; for a broadcast the start; for an all-gather its place in
+    /// member order.
     fn recv_offset(&self, from: u32) -> usize {
         match self.kind {
             Moves::Gather => self.chunk(from).0,
+            Moves::FromRoot(_) => 0,
+            Moves::All => from as usize * self.desc.count as usize * ELEM,
             Moves::Chunks | Moves::ToRoot(_) => {
                 exchange_slot(self.index, from) * self.bytes(from, self.index)
             }

@@ -291,6 +291,58 @@ impl CudaBackend {
         Ok(())
     }
 
+    /// Connects ranks that share one GPU, where NCCL cannot run (it refuses two ranks
+    /// of a communicator on one device): instead of [`CudaBackend::connect`] and
+    /// [`CudaBackend::connect_copy`], this rank's member of every communicator of
+    /// `comms` (the global list, the same on every rank) whose group it belongs to,
+    /// without NCCL, and a copy ring for each of more than one member, whatever its
+    /// stream (`setup.streams` is not consulted). Every collective on them, not only
+    /// the copy transport's exchanges and gathers, then moves over the ring: broadcasts
+    /// and all-gathers as relays of the copy engines, reductions as an exchange, a
+    /// combine kernel and, for an all-reduce, a gather. The rings' records and verdicts
+    /// go through `all_gather` (this rank's bytes in, every rank's out in rank order),
+    /// called exactly twice on every rank. A test mode: the ranks share the GPU's
+    /// engines, so its timings say nothing of a job on several GPUs.
+    pub fn connect_copy_only(
+        &mut self,
+        comms: &[CommId],
+        setup: &CopySetup,
+        mut all_gather: impl FnMut(&[u8]) -> Result<Vec<Vec<u8>>, String>,
+    ) -> Result<(), OpsError> {
+        let (rank, mesh) = (self.shared.rank, self.shared.mesh);
+        self.shared.device.bind()?;
+        let shared = Arc::clone(&self.shared);
+        let issue = self
+            .issue
+            .get_mut()
+            .unwrap_or_else(std::sync::PoisonError::into_inner);
+        if !issue.comms.is_empty() || !issue.copy.is_empty() {
+            return Err(OpsError::Backend(
+                "connect_copy_only is called once, instead of connect and connect_copy".into(),
+            ));
+        }
+        for &id in comms {
+            if !mesh.has_group(id.group) {
+                return Err(OpsError::Backend(format!(
+                    "communicator {id} names a group that mesh {mesh} does not have"
+                )));
+            }
+            let Some(index) = mesh.index_in(id.group, rank) else {
+                continue;
+            };
+            if issue.comms.iter().any(|c| c.id == id) {
+                return Err(OpsError::Backend(format!(
+                    "communicator {id} was created twice"
+                )));
+            }
+            let size = mesh.group_size(id.group);
+            issue.comms.push(Comm::copy_only(id, size, index));
+        }
+        issue.copy =
+            exchange::connect_shared(&issue.comms, &shared.device, rank, setup, &mut all_gather)?;
+        Ok(())
+    }
+
     /// The global rank this backend drives.
     pub fn rank(&self) -> u32 {
         self.shared.rank

@@ -28,6 +28,11 @@
 //! group has a working ring or every member reports an error. A member that failed
 //! still takes part in every later all-gather, so no peer is left waiting in setup.
 //!
+//! Ranks that share a GPU have no NCCL (it refuses two ranks on one device):
+//! [`connect_shared`] gives every communicator of two or more members a ring, on any
+//! stream, and swaps the records and the verdicts through two all-gathers the caller
+//! supplies (the job's rendezvous), every rank's in one round.
+//!
 //! # One exchange ([`CopyRing::exchange`])
 //!
 //! The protocol's `schedule` gives the member's operations, advancing the ring's
@@ -181,11 +186,11 @@ impl CopyRing {
         // exchanges all move between the same pairs). Every member checks the largest
         // message of any pair, so all of them refuse the same exchange, before issuing
         // anything: no member waits for a piece another will not send.
-        // A gather has its own lane where the ring has one.
-        let lane = usize::from(plan.is_gather() && self.layout.lanes > 1);
-        if self.in_place && plan.is_gather() && lane == 0 {
+        // A gather (or a relay) has its own lane where the ring has one.
+        let lane = usize::from(plan.acks_at_once() && self.layout.lanes > 1);
+        if self.in_place && plan.acks_at_once() && lane == 0 {
             return Err(self.err(
-                "a gather on a ring whose receives are read in place and that has no gather lane: its immediate acknowledgements could overtake the combines' (CopySetup::gather_lane names the communicators that gather)".into(),
+                "a gather or relay on a ring whose receives are read in place and that has no gather lane: its immediate acknowledgements could overtake the combines' (CopySetup::gather_lane names the communicators that gather)".into(),
             ));
         }
         let in_place = self.in_place && lane == 0;
@@ -708,6 +713,129 @@ pub(super) fn connect(
 }
 
 /// Why one ring could not be set up.
+/// [`connect`] for ranks without NCCL (several ranks on one GPU): a ring for every
+/// communicator of `comms` with more than one member, whatever its stream, set up in
+/// two rounds of `all_gather` (every rank's bytes, in rank order; every rank calls it
+/// exactly twice, whether or not it has a ring): the records of every ring, then every
+/// rank's verdict. Either every rank has all its rings or every rank returns an error
+/// (the first failed rank's).
+pub(super) fn connect_shared(
+    comms: &[Comm],
+    device: &Device,
+    rank: u32,
+    setup: &CopySetup,
+    all_gather: &mut dyn FnMut(&[u8]) -> Result<Vec<Vec<u8>>, String>,
+) -> Result<Vec<CopyRing>, OpsError> {
+    let support = check_support();
+    let node = node_id();
+    let setup_error = |reason: String| OpsError::Collective {
+        comm: "copy transport".into(),
+        reason,
+    };
+    let mut rings = Vec::new();
+    let mut problem: Option<String> = None;
+    let mut mine = Vec::new();
+    for comm in comms.iter().filter(|c| c.size > 1) {
+        let (ring, record, p) = prepare_ring(comm, device, rank, setup, &support, node);
+        rings.extend(ring);
+        if problem.is_none() {
+            problem = p;
+        }
+        shared_entry(&mut mine, comm, &record);
+    }
+    let close = |rings: Vec<CopyRing>| rings.into_iter().for_each(CopyRing::close);
+    let all = match all_gather(&mine) {
+        Ok(all) => all,
+        Err(e) => {
+            close(rings);
+            return Err(setup_error(format!("exchanging the rings' records: {e}")));
+        }
+    };
+    if problem.is_none() {
+        for ring in &mut rings {
+            let comm = comms.iter().find(|c| c.id == ring.id);
+            let Some(comm) = comm else { continue };
+            let records = shared_records(&all, comm);
+            let me = records.get(comm.index as usize).copied().flatten();
+            problem = match me {
+                Some(me) => agree(&records, comm, &me)
+                    .or_else(|| open_peers(ring, &records, comm, device, rank)),
+                None => Some(format!(
+                    "rank {rank} finds no record of its own ring of {}",
+                    comm.id
+                )),
+            };
+            if problem.is_some() {
+                break;
+            }
+        }
+    }
+    let verdict = match &problem {
+        None => vec![1u8],
+        Some(p) => [vec![0u8], p.clone().into_bytes()].concat(),
+    };
+    let verdicts = match all_gather(&verdict) {
+        Ok(v) => v,
+        Err(e) => {
+            close(rings);
+            return Err(setup_error(format!("exchanging the setup verdicts: {e}")));
+        }
+    };
+    let failed = verdicts
+        .iter()
+        .enumerate()
+        .find(|(_, v)| v.first() != Some(&1));
+    match (problem, failed) {
+        (None, None) => Ok(rings),
+        (Some(p), _) => {
+            close(rings);
+            Err(setup_error(p))
+        }
+        (None, Some((r, v))) => {
+            close(rings);
+            Err(setup_error(format!(
+                "rank {r} could not set up the copy transport: {}",
+                String::from_utf8_lossy(v.get(1..).unwrap_or_default())
+            )))
+        }
+    }
+}
+
+/// Appends one ring's entry to a rank's setup bytes: the communicator's name (length
+/// first), the member index, the record.
+fn shared_entry(out: &mut Vec<u8>, comm: &Comm, record: &Record) {
+    let name = comm.id.to_string().into_bytes();
+    out.extend_from_slice(&(name.len() as u32).to_le_bytes());
+    out.extend_from_slice(&name);
+    out.extend_from_slice(&comm.index.to_le_bytes());
+    out.extend_from_slice(&record.encode());
+}
+
+/// The records of `comm`'s members, by member index, from every rank's setup bytes
+/// (`None` where a member sent none or a malformed one).
+fn shared_records(all: &[Vec<u8>], comm: &Comm) -> Vec<Option<Record>> {
+    let name = comm.id.to_string().into_bytes();
+    let mut out = vec![None; comm.size as usize];
+    for bytes in all {
+        let mut at = 0;
+        while let Some(len) = bytes.get(at..at + 4) {
+            let len = u32::from_le_bytes(len.try_into().unwrap_or_default()) as usize;
+            let end = at + 4 + len + 4 + RECORD_BYTES;
+            let Some(entry) = bytes.get(at + 4..end) else {
+                break;
+            };
+            let index = u32::from_le_bytes(entry[len..len + 4].try_into().unwrap_or_default());
+            if entry[..len] == name[..] {
+                if let Some(slot) = out.get_mut(index as usize) {
+                    *slot = Record::decode(&entry[len + 4..]);
+                }
+            }
+            at = end;
+        }
+    }
+    out
+}
+
 enum Failure {
     /// The group agreed that setup failed: the next communicator can still be set up.
     Agreed(OpsError),

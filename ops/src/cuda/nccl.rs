@@ -123,6 +123,7 @@ fn config_with_max_ctas(max: u32) -> sys::ncclConfig_t {
 /// One communicator of this rank.
 pub(super) struct Comm {
     pub(super) id: CommId,
+    /// Null for a communicator without NCCL ([`Comm::copy_only`]).
     raw: sys::ncclComm_t,
     /// Members of the group.
     pub(super) size: u32,
@@ -180,6 +181,33 @@ impl Comm {
         })
     }
 
+    /// This rank's member of a communicator that has no NCCL communicator: ranks that
+    /// share a GPU (which NCCL refuses) move all of its collectives over the copy
+    /// transport's ring (`collective.rs`). Creates nothing and waits for nobody.
+    pub(super) fn copy_only(id: CommId, size: u32, index: u32) -> Comm {
+        Comm {
+            id,
+            raw: std::ptr::null_mut(),
+            size,
+            index,
+        }
+    }
+
+    /// Whether the communicator has no NCCL communicator ([`Comm::copy_only`]).
+    pub(super) fn is_copy_only(&self) -> bool {
+        self.raw.is_null()
+    }
+
+    /// The error of an NCCL call on a communicator without NCCL.
+    fn no_nccl(&self, what: &str) -> OpsError {
+        OpsError::Collective {
+            comm: self.id.to_string(),
+            reason: format!(
+                "{what} on a communicator without NCCL (ranks sharing a GPU move every collective over the copy transport)"
+            ),
+        }
+    }
+
     fn err(&self, e: nccl::NcclError, what: &str) -> OpsError {
         OpsError::Collective {
             comm: self.id.to_string(),
@@ -202,6 +230,9 @@ impl Comm {
         recv: u64,
         count: usize,
     ) -> Result<(), OpsError> {
+        if self.is_copy_only() {
+            return Err(self.no_nccl(kind.name()));
+        }
         let dt = match dtype {
             DType::F32 => sys::ncclDataType_t::ncclFloat32,
             DType::Bf16 => sys::ncclDataType_t::ncclBfloat16,
@@ -241,6 +272,9 @@ impl Comm {
         recv: u64,
         bytes: usize,
     ) -> Result<(), OpsError> {
+        if self.is_copy_only() {
+            return Err(self.no_nccl("all-gather (copy transport setup)"));
+        }
         // SAFETY: as in `issue`: device buffers of the sizes the all-gather needs, a live
         // stream of the communicator's device, no concurrent call on this communicator.
         unsafe {
@@ -259,6 +293,9 @@ impl Comm {
 
     /// The communicator's asynchronous error, if NCCL reported one.
     pub(super) fn async_error(&self) -> Option<OpsError> {
+        if self.is_copy_only() {
+            return None;
+        }
         let mut code = sys::ncclResult_t::ncclSuccess;
         // SAFETY: a live communicator and an out-parameter.
         let r = unsafe { sys::ncclCommGetAsyncError(self.raw, &mut code) };
@@ -272,6 +309,9 @@ impl Comm {
     /// `ncclCommDestroy`, which may wait for peers that already exited), and harmless on
     /// an idle communicator.
     pub(super) fn close(self) {
+        if self.is_copy_only() {
+            return;
+        }
         // SAFETY: the communicator is closed once (this consumes it).
         let _ = unsafe { nccl::comm_abort(self.raw) };
     }

@@ -92,6 +92,35 @@ fn who_sends_to_whom_follows_the_kernel_contract() {
 }
 
 #[test]
+fn a_relay_moves_the_roots_buffer_or_every_members_whole_buffer() {
+    let b = Plan::relay(&desc(CollectiveKind::Broadcast, 5, Some(2)), 3, 0).unwrap();
+    assert!(b.moves(2, 0) && b.moves(2, 1) && !b.moves(0, 2) && !b.moves(0, 1));
+    assert!(b.acks_at_once() && !b.is_gather());
+    assert_eq!(
+        (b.bytes(2, 0), b.send_offset(1), b.recv_offset(2)),
+        (20, 0, 0)
+    );
+    let g = Plan::relay(&desc(CollectiveKind::AllGather, 5, None), 3, 1).unwrap();
+    assert!(g.moves(0, 1) && g.moves(1, 2) && g.moves(2, 0) && !g.moves(1, 1));
+    assert_eq!((g.bytes(0, 1), g.send_offset(2)), (20, 0));
+    assert_eq!((g.recv_offset(0), g.recv_offset(2)), (0, 40));
+    // An exchange's plan is not a relay, nor the reverse.
+    let ar = Plan::new(&desc(CollectiveKind::AllReduce, 5, None), 3, 0).unwrap();
+    assert!(!ar.acks_at_once() && ar.at_once().acks_at_once());
+    assert_eq!(ar.at_once().bytes(1, 0), ar.bytes(1, 0));
+    assert!(Plan::relay(&desc(CollectiveKind::AllReduce, 5, None), 3, 0).is_err());
+    assert!(Plan::relay(&desc(CollectiveKind::Broadcast, 5, Some(3)), 3, 0).is_err());
+    assert!(Plan::relay(&desc(CollectiveKind::Broadcast, 5, None), 3, 0).is_err());
+    // A broadcast's pieces advance only the root's pairs.
+    let l = Layout::new(3, 256, 2, 1).unwrap();
+    let mut c = Counters::new(2);
+    let ops = schedule(&b, &l, &mut c, false);
+    assert_eq!(c.received, vec![0, 1]);
+    assert_eq!(c.sent, vec![0, 0]);
+    assert!(ops.iter().all(|op| !matches!(op, Op::Send { .. })));
+}
+
+#[test]
 fn messages_are_split_into_pieces_and_slots_alternate() {
     // 2 members, reduce-scatter of 1000 floats per member (4000 bytes, chunk 1 at
     // byte 4000) in slots of 1024 bytes.

@@ -140,6 +140,10 @@ impl Sim {
                 }
                 continue;
             }
+            if is_relay(&plans[0].desc) {
+                wrong.extend(self.relay_mismatches(e));
+                continue;
+            }
             for (i, plan) in plans.iter().enumerate() {
                 for j in (0..plan.size).filter(|&j| plan.moves(j, i as u32)) {
                     let c = plan.bytes(j, i as u32);
@@ -149,6 +153,36 @@ impl Sim {
                     if &self.recvs[e][i][at..at + c] != want {
                         wrong.push(format!("exchange {e}: member {i}'s chunk from member {j}"));
                     }
+                }
+            }
+        }
+        wrong
+    }
+
+    /// A relay's receive buffers against the collective's contract, independently of
+    /// `Plan`: a broadcast's non-roots hold the root's buffer, an all-gather's members
+    /// member `j`'s buffer at `j · count` for every other `j`.
+    fn relay_mismatches(&self, e: usize) -> Vec<String> {
+        let d = self.plans[e][0].desc;
+        let n = self.plans[e].len();
+        let c = d.count as usize * ELEM;
+        let mut wrong = Vec::new();
+        for i in 0..n {
+            let froms: Vec<usize> = match d.root {
+                Some(root) if d.kind == CollectiveKind::Broadcast => vec![root as usize],
+                _ => (0..n).collect(),
+            };
+            for j in froms.into_iter().filter(|&j| j != i) {
+                let at = if d.kind == CollectiveKind::Broadcast {
+                    0
+                } else {
+                    j * c
+                };
+                if self.recvs[e][i][at..at + c] != self.sends[e][j][..c] {
+                    wrong.push(format!(
+                        "{} {e}: member {i}'s copy of member {j}'s buffer",
+                        d.kind.name()
+                    ));
                 }
             }
         }
@@ -193,9 +227,16 @@ fn simulate(
         let mut p = Vec::new();
         for i in 0..n {
             // A gather's one buffer is its send side, and also where it receives.
-            let (roles, _) = crate::copy_roles(d, n, i, gather).unwrap();
+            let relay = !gather && is_relay(d);
+            let roles = if relay {
+                crate::collective_roles(d, n, i).unwrap()
+            } else {
+                crate::copy_roles(d, n, i, gather).unwrap().0
+            };
             let plan = if gather {
                 Plan::gather(d, n, i).unwrap()
+            } else if relay {
+                Plan::relay(d, n, i).unwrap()
             } else {
                 Plan::new(d, n, i).unwrap()
             };
@@ -240,9 +281,10 @@ fn simulate(
     }
 }
 
-/// Twelve random exchanges; each all-reduce's gather follows it, at once or after
-/// the next exchange (as a combine lag places it).
-fn mixed(n: u32, seed: u64) -> Vec<(Collective, bool)> {
+/// Twelve random exchanges (with `relays`, broadcasts and all-gathers among them);
+/// each all-reduce's gather follows it, at once or after the next exchange (as a
+/// combine lag places it).
+fn mixed(n: u32, seed: u64, relays: bool) -> Vec<(Collective, bool)> {
     let mut s = seed;
     let mut out = Vec::new();
     let mut pending: Option<Collective> = None;
@@ -251,9 +293,15 @@ fn mixed(n: u32, seed: u64) -> Vec<(Collective, bool)> {
             .wrapping_mul(6364136223846793005)
             .wrapping_add(1442695040888963407);
         let count = (s >> 33) % 600;
-        let d = match (s >> 20) % 4 {
+        let d = match (s >> 20) % 6 {
             0 => desc(CollectiveKind::ReduceScatter, count, None),
             1 => desc(CollectiveKind::AllReduce, count, None),
+            2 if relays => desc(
+                CollectiveKind::Broadcast,
+                count,
+                Some(((s >> 40) % u64::from(n)) as u32),
+            ),
+            3 if relays => desc(CollectiveKind::AllGather, count, None),
             _ => desc(
                 CollectiveKind::Reduce,
                 count,
@@ -276,6 +324,14 @@ fn mixed(n: u32, seed: u64) -> Vec<(Collective, bool)> {
     out
 }
 
+/// Whether `d` moves no reduction: a broadcast or an all-gather (a relay).
+fn is_relay(d: &Collective) -> bool {
+    matches!(
+        d.kind,
+        CollectiveKind::Broadcast | CollectiveKind::AllGather
+    )
+}
+
 fn exchanges(descs: &[Collective]) -> Vec<(Collective, bool)> {
     descs.iter().map(|&d| (d, false)).collect()
 }
@@ -285,7 +341,7 @@ fn every_interleaving_delivers_every_chunk_without_deadlock() {
     for n in 2..=4 {
         for depth in 1..=3 {
             for seed in 1..=25u64 {
-                let descs = mixed(n, seed * 7919 + u64::from(n));
+                let descs = mixed(n, seed * 7919 + u64::from(n), seed % 2 == 0);
                 // Slots of 256 bytes: messages of up to 299 floats take up to 5 pieces.
                 let mut sim = simulate(n, 256, depth, 0, &descs, false);
                 sim.run(rng(seed));
@@ -322,7 +378,7 @@ fn reduces_with_changing_roots_between_other_exchanges_do_not_deadlock() {
 
 #[test]
 fn counters_may_wrap_past_u32_max() {
-    let descs = mixed(3, 99);
+    let descs = mixed(3, 99, true);
     for seed in 1..=20 {
         let mut sim = simulate(3, 256, 2, u64::from(u32::MAX) - 3, &descs, false);
         sim.run(rng(seed));
