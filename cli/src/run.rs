@@ -127,7 +127,7 @@ pub(crate) async fn run_steps<B: overlap::ops::Backend>(
         session.backend().set_timings(on);
         let r = match drive::synthetic_step(&mut session, cfg.run.seed, step, &cfg.gates).await {
             Ok(r) => r,
-            Err(e) => return Err(abandon_on_timeout(session, e)),
+            Err(e) => return Err(abandon_if_stuck(session, e)),
         };
         let plan = session.step_plan(&r.gates)?;
         recording.step(&r, &plan)?;
@@ -390,13 +390,18 @@ fn save_figures(t: &SaveTicket) -> String {
     )
 }
 
-/// After a step timed out the device may still be running it (a hung kernel, a
-/// collective whose peer is gone): dropping the session would synchronise the device
+/// After a step timed out, or another rank failed, the device may still be running it
+/// (a hung kernel, a collective whose peer is gone, a copy-transport wait for a flag
+/// the dead peer will never write): dropping the session would synchronise the device
 /// (the CUDA backend does, to free its memory) and so hang the exit. The session is
 /// leaked instead and the process exits with the error; the operating system and the
 /// driver reclaim the rest. Any other error drops the session as usual.
-pub(crate) fn abandon_on_timeout<B: overlap::ops::Backend>(session: Session<B>, e: Error) -> Error {
-    if matches!(e, Error::Exec(overlap::executor::ExecError::Timeout { .. })) {
+pub(crate) fn abandon_if_stuck<B: overlap::ops::Backend>(session: Session<B>, e: Error) -> Error {
+    use overlap::executor::ExecError;
+    if matches!(
+        e,
+        Error::Exec(ExecError::Timeout { .. } | ExecError::PeerFailed { .. })
+    ) {
         std::mem::forget(session);
     }
     e

@@ -366,7 +366,7 @@ impl Plan {
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub(crate) struct Counters {
     pub(crate) sent: Vec<u64>,
-    received: Vec<u64>,
+    pub(crate) received: Vec<u64>,
 }
 
 impl Counters {

@@ -250,8 +250,9 @@ impl Backend for CudaBackend {
     }
 
     /// Aborts every NCCL communicator (`ncclCommAbort`; a collective in flight on it
-    /// ends with an error). The copy transport's rings stay (their flag waits end with
-    /// the process).
+    /// ends with an error) and releases every wait on the copy transport's flags
+    /// ([`super::exchange::CopyRing::release`]; the rings stay, refusing later
+    /// exchanges).
     ///
     /// The aborts run on a thread of their own, waited for at most [`ABORT_WAIT`]:
     /// `ncclCommAbort` frees pinned host memory, which waits for the device, and a
@@ -260,7 +261,13 @@ impl Backend for CudaBackend {
     /// communicators are gone from the backend either way, and the caller goes on to
     /// report the timeout (the process must exit: its device never becomes idle).
     fn abort(&self) {
-        let comms: Vec<nccl::Comm> = lock(&self.issue).comms.drain(..).collect();
+        let comms: Vec<nccl::Comm> = {
+            let mut st = lock(&self.issue);
+            if !st.copy.is_empty() && self.shared.device.bind().is_ok() {
+                release_rings(&mut st.copy);
+            }
+            st.comms.drain(..).collect()
+        };
         if comms.is_empty() {
             return;
         }
@@ -325,4 +332,24 @@ impl Backend for CudaBackend {
         }
         st.take_timings(&self.shared)
     }
+}
+
+/// Releases every copy ring's waits ([`super::exchange::CopyRing::release`]) on a
+/// stream of its own (the backend's may all be blocked behind those waits), destroyed
+/// once its writes are done. Best effort: the process is giving up on the device.
+fn release_rings(rings: &mut [super::exchange::CopyRing]) {
+    let mut stream: cudarc::driver::sys::CUstream = std::ptr::null_mut();
+    let flags = cudarc::driver::sys::CUstream_flags::CU_STREAM_NON_BLOCKING as u32;
+    // SAFETY: an out-parameter; the context is bound by the caller.
+    if unsafe { cudarc::driver::sys::cuStreamCreate(&mut stream, flags) }
+        .result()
+        .is_err()
+    {
+        return;
+    }
+    for ring in rings.iter_mut() {
+        let _ = ring.release(stream);
+    }
+    // SAFETY: a stream created above; the driver frees it once its work is done.
+    let _ = unsafe { cudarc::driver::sys::cuStreamDestroy_v2(stream) };
 }

@@ -396,6 +396,25 @@ impl CopyRing {
         Ok(())
     }
 
+    /// Ends every wait issued on this member's flags so far, for good: writes each
+    /// flag of its ring, on `stream` (one that no copy-transport work is queued on), to
+    /// the last value any of its waits names. After an abort (a peer died and will
+    /// never write them, or this rank timed out): the streams blocked on them drain, on
+    /// whatever data the ring holds, and the ring refuses every later exchange.
+    pub(super) fn release(&mut self, stream: sys::CUstream) -> Result<(), String> {
+        let mut writes = Vec::new();
+        for (lane, c) in self.counters.iter().enumerate() {
+            let l = self.layout.lane(lane);
+            for (k, (&received, &sent)) in c.received.iter().zip(&c.sent).enumerate() {
+                writes.push(Flag::Write(self.local + l.ready(k) as u64, received as u32));
+                writes.push(Flag::Write(self.local + l.ack(k) as u64, sent as u32));
+            }
+        }
+        self.broken
+            .get_or_insert_with(|| "its waits were released after an abort".into());
+        flags(stream, &writes)
+    }
+
     /// The communicator the ring belongs to.
     pub(super) fn comm(&self) -> CommId {
         self.id
