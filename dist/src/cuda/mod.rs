@@ -45,13 +45,22 @@ pub const SHARE_GPU_VAR: &str = "OVERLAP_SHARE_GPU";
 pub fn shared_gpu() -> Result<bool, Error> {
     match std::env::var(SHARE_GPU_VAR) {
         Err(std::env::VarError::NotPresent) => Ok(false),
-        Ok(v) if v.is_empty() || v == "0" || v.eq_ignore_ascii_case("false") => Ok(false),
-        Ok(v) if v == "1" || v.eq_ignore_ascii_case("true") => Ok(true),
-        Ok(v) => Err(DistError::Inconsistent(format!(
+        Ok(v) => parse_share(&v),
+        Err(e) => Err(DistError::Inconsistent(format!("{SHARE_GPU_VAR}: {e}")).into()),
+    }
+}
+
+/// [`SHARE_GPU_VAR`]'s value: `1`/`true` or `0`/`false`/empty.
+fn parse_share(v: &str) -> Result<bool, Error> {
+    match v {
+        "" | "0" => Ok(false),
+        "1" => Ok(true),
+        v if v.eq_ignore_ascii_case("false") => Ok(false),
+        v if v.eq_ignore_ascii_case("true") => Ok(true),
+        v => Err(DistError::Inconsistent(format!(
             "{SHARE_GPU_VAR}={v:?}: expected 1 or 0 (true or false)"
         ))
         .into()),
-        Err(e) => Err(DistError::Inconsistent(format!("{SHARE_GPU_VAR}: {e}")).into()),
     }
 }
 
@@ -598,5 +607,27 @@ mod tests {
         assert_eq!(ids.len(), 2);
         assert_eq!(ids[1].0, [7u8; 128]);
         assert!(decode(&ok, 3).is_err());
+        // Ranks sharing a GPU: no NCCL ids, and no NCCL library asked for them.
+        let none = decide(&[vec![0], vec![0]], 0);
+        assert_eq!(none, vec![0]);
+        assert!(decode(&none, 0).unwrap().is_empty());
+    }
+
+    #[test]
+    fn the_share_variable_is_a_switch_and_anything_else_is_named() {
+        for (v, want) in [
+            ("1", true),
+            ("true", true),
+            ("TRUE", true),
+            ("0", false),
+            ("", false),
+            ("False", false),
+        ] {
+            assert_eq!(parse_share(v).unwrap(), want, "{v:?}");
+        }
+        for v in ["yes", "2", " 1"] {
+            let e = parse_share(v).unwrap_err().to_string();
+            assert!(e.contains("OVERLAP_SHARE_GPU"), "{e}");
+        }
     }
 }

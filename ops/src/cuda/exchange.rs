@@ -743,7 +743,7 @@ pub(super) fn connect_shared(
     device: &Device,
     rank: u32,
     setup: &CopySetup,
-    all_gather: &mut dyn FnMut(&[u8]) -> Result<Vec<Vec<u8>>, String>,
+    all_gather: &mut AllGather<'_>,
 ) -> Result<Vec<CopyRing>, OpsError> {
     let support = check_support();
     let node = node_id();
@@ -819,6 +819,10 @@ pub(super) fn connect_shared(
         }
     }
 }
+
+/// An all-gather of every rank's bytes, in rank order, supplied by the caller of
+/// [`connect_shared`] (the job's rendezvous).
+pub(super) type AllGather<'a> = dyn FnMut(&[u8]) -> Result<Vec<Vec<u8>>, String> + 'a;
 
 /// Appends one ring's entry to a rank's setup bytes: the communicator's name (length
 /// first), the member index, the record.
@@ -1089,6 +1093,50 @@ mod tests {
         assert_eq!(copy_ring_bytes(2, 256, 0, 1), None);
         assert_eq!(copy_ring_bytes(2, 256, d, 0), None);
         assert_eq!(copy_ring_bytes(3, usize::MAX / 2, d, 1), None);
+    }
+
+    /// The setup bytes of ranks that share a GPU: each rank's entries for its rings,
+    /// read back per communicator by member index, whatever the order of the ranks'
+    /// entries; entries of other communicators and truncated bytes are skipped, never
+    /// a panic.
+    #[test]
+    fn shared_setup_entries_are_found_per_communicator_and_member() {
+        use overlap_graph::{Group, Stream};
+        let id = |stream| CommId {
+            group: Group::Shard { replicate: 0 },
+            stream,
+        };
+        let record = |rank: u32| Record {
+            ok: true,
+            rank,
+            slot_bytes: 256,
+            depth: 2,
+            lanes: 1,
+            node: [1; 16],
+            handle: [rank as u8; 64],
+        };
+        let (a, b) = (id(Stream::Copy), id(Stream::Publish));
+        let bytes = |rank: u32| {
+            let mut out = Vec::new();
+            shared_entry(&mut out, &Comm::copy_only(b, 2, rank), &record(rank + 10));
+            shared_entry(&mut out, &Comm::copy_only(a, 2, rank), &record(rank));
+            out
+        };
+        let all = vec![bytes(1), bytes(0)];
+        let got = shared_records(&all, &Comm::copy_only(a, 2, 0));
+        assert_eq!(got, vec![Some(record(0)), Some(record(1))]);
+        let got = shared_records(&all, &Comm::copy_only(b, 2, 1));
+        assert_eq!(got, vec![Some(record(10)), Some(record(11))]);
+        // A rank that sent nothing, or bytes cut anywhere: no record for its member.
+        for cut in 0..bytes(1).len() {
+            let all = vec![bytes(0), bytes(1)[..cut].to_vec()];
+            let got = shared_records(&all, &Comm::copy_only(a, 2, 0));
+            assert_eq!(got[0], Some(record(0)));
+        }
+        assert_eq!(
+            shared_records(&[], &Comm::copy_only(a, 2, 0)),
+            vec![None, None]
+        );
     }
 
     #[test]
