@@ -33,6 +33,7 @@ use std::process::ExitCode;
 use std::sync::Arc;
 use std::time::Instant;
 
+use overlap::graph::PlanSpec;
 use overlap::graph::Transport;
 use overlap::ops::cuda::cudarc::cublas::{result as cublas, sys as cublas_sys, CudaBlas};
 use overlap::ops::cuda::cudarc::driver::{
@@ -46,7 +47,7 @@ use overlap::ops::cuda::{
 };
 use overlap::ops::Backend;
 use overlap::{ParamId, Session};
-use overlap_dist::cuda::{copy_setup, open, rank_env, shared_gpu, Links};
+use overlap_dist::cuda::{copy_setup, open, rank_env, shared_gpu, CudaWorld, Links};
 use overlap_dist::fingerprint::Fingerprint;
 use serde::Serialize;
 
@@ -205,18 +206,13 @@ struct GpuStep {
     grad_norm: f64,
 }
 
-/// The GPU run and the CPU run, compared.
-pub fn run(args: &Args) -> Result<GpuReport, Error> {
-    super::check_args(args)?;
-    let hyper = Hyper::new(args.steps);
-    let task = Task::new(args);
-    let log = !args.json;
+/// This rank's GPU and line to the others, and the plan to run on it. Ranks sharing one
+/// GPU (`OVERLAP_SHARE_GPU=1`, a test mode) have no NCCL: the plan then moves
+/// everything over the copy transport.
+fn open_world(args: &Args, task: &Task) -> Result<(CudaWorld, PlanSpec), Error> {
     let env = rank_env(args.mesh)?;
-    let rank = env.rank;
-    // Ranks sharing one GPU (`OVERLAP_SHARE_GPU=1`, a test mode) have no NCCL: the plan
-    // moves everything over the copy transport.
     let shared = shared_gpu()?;
-    let mut spec = plan_spec(&task);
+    let mut spec = plan_spec(task);
     if shared {
         let schedule = spec.schedule.with_transport(Transport::Copy);
         spec = spec.with_schedule(schedule);
@@ -240,6 +236,17 @@ pub fn run(args: &Args) -> Result<GpuReport, Error> {
         links,
         Fingerprint::build(),
     )?;
+    Ok((world, spec))
+}
+
+/// The GPU run and the CPU run, compared.
+pub fn run(args: &Args) -> Result<GpuReport, Error> {
+    super::check_args(args)?;
+    let hyper = Hyper::new(args.steps);
+    let task = Task::new(args);
+    let log = !args.json;
+    let (world, spec) = open_world(args, &task)?;
+    let rank = world.env.rank;
     let backend = world.backend.clone();
     let gpu = backend.info().name.clone();
     let runtime = tokio::runtime::Builder::new_current_thread()
