@@ -174,22 +174,18 @@ impl CudaBackend {
             .issue
             .get_mut()
             .unwrap_or_else(std::sync::PoisonError::into_inner);
-        for &(id, uid) in comms {
-            if !mesh.has_group(id.group) {
-                return Err(OpsError::Backend(format!(
-                    "communicator {id} names a group that mesh {mesh} does not have"
-                )));
-            }
-            let Some(index) = mesh.index_in(id.group, rank) else {
-                continue;
-            };
+        let ids: Vec<CommId> = comms.iter().map(|&(id, _)| id).collect();
+        for (id, size, index) in memberships(mesh, rank, &ids)? {
             if issue.comms.iter().any(|c| c.id == id) {
                 return Err(OpsError::Backend(format!(
                     "communicator {id} was created twice"
                 )));
             }
-            let comm = Comm::init(id, uid, mesh.group_size(id.group), index, max_ctas)?;
-            issue.comms.push(comm);
+            let uid = comms.iter().find(|(c, _)| *c == id).map(|&(_, uid)| uid);
+            let uid = uid.ok_or_else(|| OpsError::Backend(format!("no NCCL id for {id}")))?;
+            issue
+                .comms
+                .push(Comm::init(id, uid, size, index, max_ctas)?);
         }
         Ok(())
     }
@@ -321,21 +317,7 @@ impl CudaBackend {
                 "connect_copy_only is called once, instead of connect and connect_copy".into(),
             ));
         }
-        for &id in comms {
-            if !mesh.has_group(id.group) {
-                return Err(OpsError::Backend(format!(
-                    "communicator {id} names a group that mesh {mesh} does not have"
-                )));
-            }
-            let Some(index) = mesh.index_in(id.group, rank) else {
-                continue;
-            };
-            if issue.comms.iter().any(|c| c.id == id) {
-                return Err(OpsError::Backend(format!(
-                    "communicator {id} was created twice"
-                )));
-            }
-            let size = mesh.group_size(id.group);
+        for (id, size, index) in memberships(mesh, rank, comms)? {
             issue.comms.push(Comm::copy_only(id, size, index));
         }
         issue.copy =
@@ -501,6 +483,33 @@ fn wait_idle(shared: &Shared, limit: Duration) -> bool {
     }
 }
 
+/// Of the global list `comms`, the communicators `rank` of `mesh` is a member of, as
+/// (communicator, group size, member index), in list order. A communicator that names
+/// a group the mesh lacks, or one listed twice, is an error.
+fn memberships(
+    mesh: Mesh,
+    rank: u32,
+    comms: &[CommId],
+) -> Result<Vec<(CommId, u32, u32)>, OpsError> {
+    let mut out: Vec<(CommId, u32, u32)> = Vec::new();
+    for (i, &id) in comms.iter().enumerate() {
+        if !mesh.has_group(id.group) {
+            return Err(OpsError::Backend(format!(
+                "communicator {id} names a group that mesh {mesh} does not have"
+            )));
+        }
+        if comms[..i].contains(&id) {
+            return Err(OpsError::Backend(format!(
+                "communicator {id} was created twice"
+            )));
+        }
+        if let Some(index) = mesh.index_in(id.group, rank) {
+            out.push((id, mesh.group_size(id.group), index));
+        }
+    }
+    Ok(out)
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -523,5 +532,32 @@ mod tests {
         assert!(err.contains("cannot load lib"), "{err}");
         let bad = CudaOptions::new(mesh, 3, 0);
         assert!(CudaBackend::new(bad).is_err());
+    }
+
+    #[test]
+    fn a_rank_joins_the_communicators_of_its_groups_in_list_order() {
+        let mesh = Mesh::new(2, 3).unwrap();
+        let comms = super::super::mesh_comms(mesh, &overlap_graph::Bindings::default(), true);
+        // Rank 3 is shard 1 of replicate 1: one shard group and one replicate group per
+        // stream that uses them.
+        let mine = memberships(mesh, 3, &comms).unwrap();
+        assert!(!mine.is_empty());
+        for &(id, size, index) in &mine {
+            assert_eq!(Some(index), mesh.index_in(id.group, 3), "{id}");
+            assert_eq!(size, mesh.group_size(id.group), "{id}");
+        }
+        let order: Vec<CommId> = mine.iter().map(|m| m.0).collect();
+        let listed: Vec<CommId> = comms
+            .iter()
+            .copied()
+            .filter(|c| order.contains(c))
+            .collect();
+        assert_eq!(order, listed);
+        let twice = [comms[0], comms[1], comms[0]];
+        let e = memberships(mesh, 0, &twice).unwrap_err().to_string();
+        assert!(e.contains("created twice"), "{e}");
+        let small = Mesh::new(1, 1).unwrap();
+        let e = memberships(small, 0, &comms).unwrap_err().to_string();
+        assert!(e.contains("does not have"), "{e}");
     }
 }
