@@ -5,12 +5,13 @@
 //! Invariant: a member that is poisoned or whose call is invalid still joins the NCCL
 //! call, on scratch buffers of the size its role needs, so its peers never hang.
 
-use cudarc::driver::{sys, DriverError};
+use cudarc::driver::sys;
 use overlap_graph::{Collective, CollectiveKind, DType, ReduceOp, Stream};
 
 use super::backend::Shared;
 use super::checks::check_collective;
 use super::device;
+use super::exchange::copy;
 use super::issue::Issue;
 use super::memory::CudaBuffer;
 use crate::copy_protocol::Plan;
@@ -141,7 +142,7 @@ impl Issue {
     ) -> Result<(), OpsError> {
         let kernel = desc.kind.name();
         let shape = |reason: String| OpsError::Shape { kernel, reason };
-        let failed = |e| device::failed(kernel, e);
+        let failed = |reason| OpsError::Failed { kernel, reason };
         let count = usize::try_from(desc.count).map_err(|_| shape("count too large".into()))?;
         let (s, r) = (
             send.as_ref().map(CudaBuffer::ptr),
@@ -170,8 +171,9 @@ impl Issue {
                     (s, _) => s,
                 };
                 if desc.kind == CollectiveKind::AllGather {
-                    if let (Some(s), Some(r)) = (s, r) {
-                        let own = r + (index as usize * count * 4) as u64;
+                    // This member's own place, unless it gathers in place.
+                    let own = r.map(|r| r + (index as usize * count * 4) as u64);
+                    if let (Some(s), Some(own)) = (s, own.filter(|&o| Some(o) != s)) {
                         copy(raw, own, s, count * 4).map_err(failed)?;
                     }
                 }
@@ -236,16 +238,6 @@ impl Issue {
         self.kernels.widen_bf16(raw, wide, base, n as u64)?;
         Ok(wide)
     }
-}
-
-/// Copies `bytes` from `src` to `dst` on `stream` (nothing when they are one place).
-fn copy(stream: sys::CUstream, dst: u64, src: u64, bytes: usize) -> Result<(), DriverError> {
-    if bytes == 0 || dst == src {
-        return Ok(());
-    }
-    // SAFETY: the caller checked both buffers against the collective's roles; the copy
-    // is ordered on the collective's stream.
-    unsafe { sys::cuMemcpyDtoDAsync_v2(dst, src, bytes, stream) }.result()
 }
 
 /// The error of a collective on a communicator without NCCL and without a ring.

@@ -510,7 +510,7 @@ fn write(stream: sys::CUstream, addr: sys::CUdeviceptr, value: u32) -> Result<()
 }
 
 /// Copies `bytes` from `src` to `dst` on `stream` (a copy-engine copy).
-fn copy(
+pub(super) fn copy(
     stream: sys::CUstream,
     dst: sys::CUdeviceptr,
     src: sys::CUdeviceptr,
