@@ -17,6 +17,8 @@
 #   ckpt    a two-rank save and resume: 8 steps straight against 4 + 4 resumed, and a
 #           job whose rank 1 fails in step 6 restarted by `--max-restarts 1`; the
 #           step-8 files must be the same bytes;
+#   four    four ranks on the GPU: `verify` of gpu_2x1.toml rewritten to 2x2 (HSDP's two
+#           stages, both over the copy transport) and 4x1, gates off,on and no_sync,off,on;
 #   faults  an injected failure and hang on rank 1 under `overlap launch`; then ranks
 #           started by hand (no launcher to kill them): rank 1 hangs in step 2, rank 0
 #           waits for it on a copy-transport flag, rank 1 is killed with SIGKILL, and rank
@@ -27,7 +29,7 @@
 set -u
 BIN=${1:?BIN_DIR holding overlap and train}
 OUT=${2:?OUT_DIR}
-PARTS=${PARTS:-refuse verify train ckpt faults}
+PARTS=${PARTS:-refuse verify train ckpt faults four}
 mkdir -p "$OUT"
 export LD_LIBRARY_PATH=/usr/local/cuda/lib64${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}
 export OVERLAP_SHARE_GPU=1
@@ -52,8 +54,9 @@ step() {
   tail -n 3 "$OUT/$name.log" | cut -c1-400 | sed 's/^/  | /'
   return $rc
 }
-# next [FLAGS...]: L becomes `overlap launch` of two ranks on a fresh port, with FLAGS.
-next() { PORT=$((PORT + 1)); L=("$B" launch --nproc-per-node 2 --master-port "$PORT" "$@"); }
+# next [FLAGS...]: L becomes `overlap launch` of NPROC ranks (2 unless set) on a fresh
+# port, with FLAGS.
+next() { PORT=$((PORT + 1)); L=("$B" launch --nproc-per-node "${NPROC:-2}" --master-port "$PORT" "$@"); }
 want() { [[ " $PARTS " == *" $1 "* ]]; }
 sums() { (cd "$1" && sha256sum -- * | sort -k2); }
 
@@ -165,6 +168,17 @@ if want verify; then
     { cat "examples/gpu/gpu_$mesh.toml"; printf '\n[forward]\nprefetch = 1\n'; } >"$cfg"
     next
     step "verify-$mesh-forward" 90 ok "${L[@]}" -- $V --config "$cfg" --gates off,on
+  done
+fi
+
+if want four; then
+  for mesh in 2x2 4x1; do
+    cfg="$OUT/four-$mesh.toml"
+    sed "s/^shard = 2$/shard = ${mesh%x*}/; s/^replicate = 1$/replicate = ${mesh#*x}/" examples/gpu/gpu_2x1.toml >"$cfg"
+    for gates in off,on no_sync,off,on; do
+      NPROC=4 next
+      step "four-$mesh-$gates" 120 ok "${L[@]}" -- verify --backend cuda --transport copy --steps 3 --json --config "$cfg" --gates "$gates"
+    done
   done
 fi
 
