@@ -150,6 +150,7 @@ impl CudaBackend {
                 pending: Default::default(),
                 fuse_clip: true,
                 tail_graphs: Default::default(),
+                flush_clock: super::defer::flush_clocks_from_env(),
             }),
             waiter: Some(waiter),
             info,
@@ -418,6 +419,9 @@ impl Drop for CudaBackend {
             return;
         }
         st.flush_all(&shared);
+        if let Some(c) = &st.flush_clock {
+            eprintln!("{}", super::defer::flush_clock_report(c));
+        }
         // Every peer's last acknowledgement must land in our rings before they go.
         for ring in &st.copy {
             let _ = ring.await_acks(shared.device.stream(ring.comm().stream));

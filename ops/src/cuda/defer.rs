@@ -282,14 +282,132 @@ impl Issue {
         (norm, clip): (Option<&HeldNorm>, Option<&HeldClip>),
         held: &[Entry],
     ) -> Result<(), OpsError> {
+        let t0 = std::time::Instant::now();
         let plan = FlushPlan::new((norm, clip), held)?;
         if plan.is_empty() {
             return Ok(());
         }
+        let t1 = std::time::Instant::now();
         let scratch = self.scratch(shared, stream, plan.scratch_bytes().max(8))?;
         plan.upload(raw, scratch)?;
+        let t2 = std::time::Instant::now();
         let (kernels, blas) = (&self.kernels, &self.blas[stream.index()]);
-        let key = || plan.key(scratch);
-        self.tail_graphs[stream.index()].run(raw, key, || plan.issue(kernels, blas, raw, scratch))
+        let keyed = std::cell::Cell::new(std::time::Duration::ZERO);
+        let key = || {
+            let t = std::time::Instant::now();
+            let k = plan.key(scratch);
+            keyed.set(t.elapsed());
+            k
+        };
+        let ran = self.tail_graphs[stream.index()]
+            .run(raw, key, || plan.issue(kernels, blas, raw, scratch));
+        if let Some(c) = &mut self.flush_clock {
+            let muon = held
+                .iter()
+                .filter(|e| matches!(e.1, Held::Muon { .. }))
+                .count();
+            let graphs = !self.tail_graphs[stream.index()].off;
+            let kind = (held.len(), muon, norm.is_some(), clip.is_some(), graphs);
+            let parts = [t1 - t0, t2 - t1, keyed.get(), t2.elapsed() - keyed.get()];
+            c.entry(kind).or_default().add(parts);
+        }
+        ran
+    }
+}
+
+/// Where the host's time in optimizer flushes goes, summed over the backend's life per
+/// kind of flush (`OVERLAP_FLUSH_CLOCK=1`, a diagnostic: printed on stderr when the
+/// backend is dropped, [`flush_clock_report`]): planning the launches, the scratch and
+/// the scalars' upload, the graph key, and the launch itself (a replayed graph, or the
+/// calls one by one). A kind is (kernels held, Muon among them, norm held, clip held,
+/// graphs on).
+pub(super) type FlushClocks =
+    std::collections::BTreeMap<(usize, usize, bool, bool, bool), FlushClock>;
+
+/// The clocks when `OVERLAP_FLUSH_CLOCK` is `1`.
+pub(super) fn flush_clocks_from_env() -> Option<FlushClocks> {
+    (std::env::var("OVERLAP_FLUSH_CLOCK").as_deref() == Ok("1")).then(FlushClocks::new)
+}
+
+/// One line per kind of flush.
+pub(super) fn flush_clock_report(clocks: &FlushClocks) -> String {
+    clocks
+        .iter()
+        .map(|(&(held, muon, norm, clip, graphs), c)| {
+            format!(
+                "{held} held ({muon} Muon), norm {norm}, clip {clip}, graphs {graphs}: {}",
+                c.summary()
+            )
+        })
+        .collect::<Vec<_>>()
+        .join("\n")
+}
+
+/// One kind of flush's host time.
+#[derive(Debug, Default)]
+pub(super) struct FlushClock {
+    flushes: u64,
+    parts: [std::time::Duration; 4],
+}
+
+impl FlushClock {
+    fn add(&mut self, parts: [std::time::Duration; 4]) {
+        self.flushes += 1;
+        for (sum, p) in self.parts.iter_mut().zip(parts) {
+            *sum += p;
+        }
+    }
+
+    /// The mean of each part per flush, in µs.
+    fn summary(&self) -> String {
+        let n = self.flushes.max(1) as f64;
+        let us = |i: usize| self.parts[i].as_secs_f64() * 1e6 / n;
+        format!(
+            "{} flushes, host µs per flush: plan {:.1}, scratch and upload {:.1}, graph key {:.1}, launch {:.1}",
+            self.flushes,
+            us(0),
+            us(1),
+            us(2),
+            us(3)
+        )
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::time::Duration;
+
+    #[test]
+    fn the_flush_clock_reports_each_kind_of_flush_apart_as_means() {
+        let mut clocks = FlushClocks::new();
+        let us = Duration::from_micros;
+        let kind = (148, 48, true, true, true);
+        clocks
+            .entry(kind)
+            .or_default()
+            .add([us(10), us(4), us(2), us(30)]);
+        clocks
+            .entry(kind)
+            .or_default()
+            .add([us(20), us(6), us(4), us(50)]);
+        clocks
+            .entry((148, 0, false, false, false))
+            .or_default()
+            .add([us(1), us(1), us(0), us(500)]);
+        let report = flush_clock_report(&clocks);
+        let lines: Vec<&str> = report.lines().collect();
+        assert_eq!(lines.len(), 2, "{report}");
+        assert!(
+            lines[1]
+                .starts_with("148 held (48 Muon), norm true, clip true, graphs true: 2 flushes")
+                && lines[1]
+                    .ends_with("plan 15.0, scratch and upload 5.0, graph key 3.0, launch 40.0"),
+            "{report}"
+        );
+        assert!(
+            lines[0].contains("graphs false: 1 flushes") && lines[0].ends_with("launch 500.0"),
+            "{report}"
+        );
     }
 }

@@ -63,6 +63,8 @@ pub(super) struct Issue {
     /// Each stream's captured optimizer flushes, at [`Stream::index`]
     /// (`tail_graph.rs`).
     pub(super) tail_graphs: [TailGraphs; Stream::COUNT],
+    /// Where the flushes' host time goes (`OVERLAP_FLUSH_CLOCK=1`; `defer.rs`).
+    pub(super) flush_clock: Option<super::defer::FlushClocks>,
 }
 
 /// Whether `kernel` is held on its stream rather than issued at once (`defer.rs`): an
