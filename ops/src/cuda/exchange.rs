@@ -400,7 +400,10 @@ impl CopyRing {
     /// flag of its ring, on `stream` (one that no copy-transport work is queued on), to
     /// the last value any of its waits names. After an abort (a peer died and will
     /// never write them, or this rank timed out): the streams blocked on them drain, on
-    /// whatever data the ring holds, and the ring refuses every later exchange.
+    /// whatever data the ring holds, and the ring refuses every later exchange. What
+    /// they then send a live peer is undefined; that peer's step is failing too (the
+    /// job's watch tells it this rank stopped), and no checkpoint commits a step
+    /// without this rank's report.
     pub(super) fn release(&mut self, stream: sys::CUstream) -> Result<(), String> {
         let mut writes = Vec::new();
         for (lane, c) in self.counters.iter().enumerate() {
@@ -731,7 +734,6 @@ pub(super) fn connect(
     }
 }
 
-/// Why one ring could not be set up.
 /// [`connect`] for ranks without NCCL (several ranks on one GPU): a ring for every
 /// communicator of `comms` with more than one member, whatever its stream, set up in
 /// two rounds of `all_gather` (every rank's bytes, in rank order; every rank calls it
@@ -859,6 +861,7 @@ fn shared_records(all: &[Vec<u8>], comm: &Comm) -> Vec<Option<Record>> {
     out
 }
 
+/// Why one ring could not be set up.
 enum Failure {
     /// The group agreed that setup failed: the next communicator can still be set up.
     Agreed(OpsError),
