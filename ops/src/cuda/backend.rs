@@ -170,11 +170,7 @@ impl CudaBackend {
         max_ctas: Option<u32>,
     ) -> Result<(), OpsError> {
         let (rank, mesh) = (self.shared.rank, self.shared.mesh);
-        self.shared.device.bind()?;
-        let issue = self
-            .issue
-            .get_mut()
-            .unwrap_or_else(std::sync::PoisonError::into_inner);
+        let (_, issue) = self.set_up()?;
         let ids: Vec<CommId> = comms.iter().map(|&(id, _)| id).collect();
         for (id, size, index) in memberships(mesh, rank, &ids)? {
             if issue.comms.iter().any(|c| c.id == id) {
@@ -267,12 +263,7 @@ impl CudaBackend {
     /// peer's ready flag, which the peer writes after its copy with the default
     /// (fencing) flags.
     pub fn connect_copy(&mut self, setup: &CopySetup) -> Result<(), OpsError> {
-        self.shared.device.bind()?;
-        let shared = Arc::clone(&self.shared);
-        let issue = self
-            .issue
-            .get_mut()
-            .unwrap_or_else(std::sync::PoisonError::into_inner);
+        let (shared, issue) = self.set_up()?;
         if !issue.copy.is_empty() {
             return Err(OpsError::Backend(
                 "the copy transport was set up twice (connect_copy is called once)".into(),
@@ -307,12 +298,7 @@ impl CudaBackend {
         mut all_gather: impl FnMut(&[u8]) -> Result<Vec<Vec<u8>>, String>,
     ) -> Result<(), OpsError> {
         let (rank, mesh) = (self.shared.rank, self.shared.mesh);
-        self.shared.device.bind()?;
-        let shared = Arc::clone(&self.shared);
-        let issue = self
-            .issue
-            .get_mut()
-            .unwrap_or_else(std::sync::PoisonError::into_inner);
+        let (shared, issue) = self.set_up()?;
         if !issue.comms.is_empty() || !issue.copy.is_empty() {
             return Err(OpsError::Backend(
                 "connect_copy_only is called once, instead of connect and connect_copy".into(),
@@ -324,6 +310,18 @@ impl CudaBackend {
         issue.copy =
             exchange::connect_shared(&issue.comms, &shared.device, rank, setup, &mut all_gather)?;
         Ok(())
+    }
+
+    /// For setting up (the `connect` calls, before any work): the context bound on this
+    /// thread, the shared state and the issue state, taken without the lock (`&mut`).
+    fn set_up(&mut self) -> Result<(Arc<Shared>, &mut Issue), OpsError> {
+        self.shared.device.bind()?;
+        let shared = Arc::clone(&self.shared);
+        let issue = self
+            .issue
+            .get_mut()
+            .unwrap_or_else(std::sync::PoisonError::into_inner);
+        Ok((shared, issue))
     }
 
     /// The global rank this backend drives.
