@@ -350,49 +350,61 @@ pub fn open(
     let ids = decode(&payload, n_ids)?;
     let mut backend = opened.map_err(|e| Error::Backend(e.to_string()))?;
     if shared {
-        let mut setup = links.copy.clone().unwrap_or_else(|| ops_cuda::CopySetup {
-            slot_bytes: ops_cuda::DEFAULT_COPY_SLOT_BYTES,
-            depth: ops_cuda::DEFAULT_COPY_RING_DEPTH,
-            streams: Vec::new(),
-            in_place: Vec::new(),
-            gather_lane: Vec::new(),
-        });
-        // Broadcasts and all-gathers acknowledge at once, like gathers: on a ring read
-        // in place they take the gather lane.
-        setup.gather_lane.extend(setup.in_place.iter().copied());
-        setup.gather_lane.sort();
-        setup.gather_lane.dedup();
+        connect_shared(
+            &mut backend,
+            &comms,
+            links.copy.clone(),
+            &mut rendezvous,
+            timeout,
+        )?;
+    } else {
+        let list: Vec<(CommId, NcclUniqueId)> = comms.into_iter().zip(ids).collect();
         backend
-            .connect_copy_only(&comms, &setup, |mine| {
-                rendezvous
-                    .all_gather(mine, timeout)
-                    .map_err(|e| e.to_string())
-            })
+            .connect(&list, links.nccl_max_ctas)
             .map_err(|e| Error::Backend(e.to_string()))?;
-        backend.set_combine_ctas(links.combine_ctas);
-        backend.set_combine_streaming(!links.combine_cached);
-        return Ok(CudaWorld {
-            env,
-            rendezvous,
-            backend: Arc::new(backend),
-        });
+        if let Some(copy) = &links.copy {
+            backend
+                .connect_copy(copy)
+                .map_err(|e| Error::Backend(e.to_string()))?;
+        }
     }
-    let list: Vec<(CommId, NcclUniqueId)> = comms.into_iter().zip(ids).collect();
-    backend
-        .connect(&list, links.nccl_max_ctas)
-        .map_err(|e| Error::Backend(e.to_string()))?;
     backend.set_combine_ctas(links.combine_ctas);
     backend.set_combine_streaming(!links.combine_cached);
-    if let Some(copy) = &links.copy {
-        backend
-            .connect_copy(copy)
-            .map_err(|e| Error::Backend(e.to_string()))?;
-    }
     Ok(CudaWorld {
         env,
         rendezvous,
         backend: Arc::new(backend),
     })
+}
+
+/// Connects ranks that share one GPU ([`SHARE_GPU_VAR`]): copy-only communicators, a
+/// ring for each of two or more members set up through the rendezvous, with `copy`'s
+/// ring sizes (the defaults without one) and a gather lane on every ring read in place
+/// (broadcasts and all-gathers acknowledge at once, like gathers).
+fn connect_shared(
+    backend: &mut CudaBackend,
+    comms: &[CommId],
+    copy: Option<ops_cuda::CopySetup>,
+    rendezvous: &mut Rendezvous,
+    timeout: Duration,
+) -> Result<(), Error> {
+    let mut setup = copy.unwrap_or_else(|| ops_cuda::CopySetup {
+        slot_bytes: ops_cuda::DEFAULT_COPY_SLOT_BYTES,
+        depth: ops_cuda::DEFAULT_COPY_RING_DEPTH,
+        streams: Vec::new(),
+        in_place: Vec::new(),
+        gather_lane: Vec::new(),
+    });
+    setup.gather_lane.extend(setup.in_place.iter().copied());
+    setup.gather_lane.sort();
+    setup.gather_lane.dedup();
+    backend
+        .connect_copy_only(comms, &setup, |mine| {
+            rendezvous
+                .all_gather(mine, timeout)
+                .map_err(|e| e.to_string())
+        })
+        .map_err(|e| Error::Backend(e.to_string()))
 }
 
 /// Rank 0's decision from every rank's status: `0` and the ids, or `1`, the failed

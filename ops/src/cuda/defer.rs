@@ -282,26 +282,29 @@ impl Issue {
         (norm, clip): (Option<&HeldNorm>, Option<&HeldClip>),
         held: &[Entry],
     ) -> Result<(), OpsError> {
-        let t0 = std::time::Instant::now();
+        // Timed only with `OVERLAP_FLUSH_CLOCK=1`: no clock reads on the hot path else.
+        let clocked = self.flush_clock.is_some();
+        let now = || clocked.then(std::time::Instant::now);
+        let t0 = now();
         let plan = FlushPlan::new((norm, clip), held)?;
         if plan.is_empty() {
             return Ok(());
         }
-        let t1 = std::time::Instant::now();
+        let t1 = now();
         let scratch = self.scratch(shared, stream, plan.scratch_bytes().max(8))?;
         plan.upload(raw, scratch)?;
-        let t2 = std::time::Instant::now();
+        let t2 = now();
         let (kernels, blas) = (&self.kernels, &self.blas[stream.index()]);
         let keyed = std::cell::Cell::new(std::time::Duration::ZERO);
         let key = || {
-            let t = std::time::Instant::now();
+            let t = now();
             let k = plan.key(scratch);
-            keyed.set(t.elapsed());
+            keyed.set(t.map_or(std::time::Duration::ZERO, |t| t.elapsed()));
             k
         };
         let ran = self.tail_graphs[stream.index()]
             .run(raw, key, || plan.issue(kernels, blas, raw, scratch));
-        if let Some(c) = &mut self.flush_clock {
+        if let (Some(c), Some(t0), Some(t1), Some(t2)) = (&mut self.flush_clock, t0, t1, t2) {
             let muon = held
                 .iter()
                 .filter(|e| matches!(e.1, Held::Muon { .. }))
