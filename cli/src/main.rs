@@ -13,6 +13,7 @@ mod calibrate;
 #[cfg_attr(not(feature = "cuda"), path = "cuda_stub.rs")]
 mod cuda;
 mod gpu;
+mod host_kinds;
 mod interference;
 mod job;
 mod launch;

@@ -10,6 +10,7 @@ use overlap::graph::Gate;
 use overlap::{drive, observe, Error, Session};
 
 use crate::args::{CheckpointArgs, ObserveArgs};
+use crate::host_kinds::HostKinds;
 use crate::job::{cpu_world, end_job, watch_host, watch_job};
 use crate::verify::use_cuda;
 
@@ -122,6 +123,7 @@ pub(crate) async fn run_steps<B: overlap::ops::Backend>(
         transport_label(cfg),
     );
     let local_ranks = session.local_ranks();
+    let mut host = HostKinds::default();
     for step in start..last {
         let on = timed(cfg, observe, steps, step - start + 1);
         session.backend().set_timings(on);
@@ -131,6 +133,7 @@ pub(crate) async fn run_steps<B: overlap::ops::Backend>(
         };
         let plan = session.step_plan(&r.gates)?;
         recording.step(&r, &plan)?;
+        host.add(&r.stats);
         let analysis = observe::StepAnalysis::on_ranks(&r, &plan, &local_ranks);
         let ticket = saves.after_step(&session, cfg, r.step, last)?;
         if let Some(t) = &ticket {
@@ -145,6 +148,9 @@ pub(crate) async fn run_steps<B: overlap::ops::Backend>(
         if observe.step_interval_ms > 0 {
             tokio::time::sleep(std::time::Duration::from_millis(observe.step_interval_ms)).await;
         }
+    }
+    for line in host.table() {
+        println!("{line}");
     }
     saves.report(session.wait_for_saves()?);
     for line in recording.finish()? {

@@ -258,7 +258,11 @@ impl Planner {
 
     /// The step's tail on a rank: with the global norm, its `grad_norm`, the two
     /// `norm_reduce`s and the `clip`; then the optimizer of every parameter the rank
-    /// updates, and the publish of every owned parameter of the rank's shard column.
+    /// updates, and after all of them the publish of every owned parameter of the
+    /// rank's shard column. The optimizers come first, back to back on their stream,
+    /// so that a backend can issue them together (the CUDA backend holds them and
+    /// issues one flush: `ops/src/cuda/defer.rs`) before the first publish waits for
+    /// one of them; each publish still waits for its own parameter's update only.
     fn tail_nodes(&self, plan: &Plan, rank: u32, nodes: &mut SerialNodes) {
         let b = &self.spec.bindings;
         let me = self.spec.mesh.coord(rank);
@@ -274,20 +278,15 @@ impl Planner {
         }
         for (i, p) in self.params.iter().enumerate() {
             let param = i as ParamId;
-            let optimizer = Op::Optimizer {
-                param,
-                optimizer: plan.optimizer_kind(param),
-            };
-            match p.owner {
-                None => nodes.push(None, b.optimizer, optimizer),
-                Some(o) if o.shard != me.shard => {}
-                Some(o) => {
-                    if o == me {
-                        nodes.push(None, b.optimizer, optimizer);
-                    }
-                    let Some(collective) = plan.publish_collective(param) else {
-                        continue;
-                    };
+            if p.owner.map_or(true, |o| o == me) {
+                let optimizer = plan.optimizer_kind(param);
+                nodes.push(None, b.optimizer, Op::Optimizer { param, optimizer });
+            }
+        }
+        for (i, p) in self.params.iter().enumerate() {
+            let param = i as ParamId;
+            if p.owner.is_some_and(|o| o.shard == me.shard) {
+                if let Some(collective) = plan.publish_collective(param) {
                     nodes.push(None, b.publish, Op::Publish { param, collective });
                 }
             }

@@ -94,6 +94,99 @@ fn a_download_and_another_streams_wait_see_the_held_updates() {
 }
 
 #[test]
+fn records_behind_held_updates_keep_them_in_one_flush_and_order_each_waiter() {
+    let Some(b) = gpu() else { return };
+    // Three parameters, an event recorded after each update (as a plan records one for
+    // each parameter's publish), then another stream waits for each event and copies
+    // that parameter: the copies see the updates, and the three were issued together.
+    let sizes = [4096, 333, 70_001];
+    let mut bufs = Vec::new();
+    let mut expect = Vec::new();
+    for (i, &n) in sizes.iter().enumerate() {
+        let (p0, g) = (
+            math::pseudo_random(n, 20 + i as u64),
+            math::pseudo_random(n, 30 + i as u64),
+        );
+        bufs.push((buffer(&b, &p0), buffer(&b, &g), b.alloc(0, 2 * n).unwrap()));
+        let (mut p, mut m, mut v) = (p0, vec![0.0; n], vec![0.0; n]);
+        math::adamw(&mut p, &g, &mut m, &mut v, &AdamwParams::default(), 1);
+        expect.push(p);
+    }
+    let before = b.flushes();
+    let mut events = Vec::new();
+    for (pb, gb, sb) in &bufs {
+        b.launch(0, Stream::Compute, TAG, adamw(pb, gb, sb, 1));
+        let ev = b.event(0);
+        b.record(0, Stream::Compute, &ev);
+        events.push(ev);
+    }
+    let mut copies = Vec::new();
+    for ((pb, _, _), ev) in bufs.iter().zip(&events) {
+        b.wait(0, Stream::Reduce, ev);
+        let copy = b.alloc(0, b.len(pb)).unwrap();
+        let add = Kernel::Add {
+            dst: copy.clone(),
+            src: pb.clone(),
+            accumulate: false,
+        };
+        b.launch(0, Stream::Reduce, TAG, add);
+        copies.push(copy);
+    }
+    assert_eq!(
+        b.flushes() - before,
+        1,
+        "the records split the held updates"
+    );
+    sync(&b, Stream::Reduce);
+    for (copy, p) in copies.iter().zip(&expect) {
+        assert_eq!(&b.download(copy).unwrap(), p);
+    }
+    // A host wait and a status of an event deferred behind a held update land it.
+    let (pb, gb, sb) = &bufs[0];
+    b.launch(0, Stream::Compute, TAG, adamw(pb, gb, sb, 2));
+    let ev = b.event(0);
+    b.record(0, Stream::Compute, &ev);
+    let flushed = b.flushes();
+    let _ = b.status(&ev);
+    assert_eq!(
+        b.flushes(),
+        flushed + 1,
+        "a status lands the deferred record"
+    );
+    let waited = block_on(b.host_wait(&ev));
+    assert!(waited.is_ok(), "{waited:?}");
+    // Re-recorded on an idle stream before its flush: the later record wins, and the
+    // flush behind a long spin does not redirect it.
+    b.launch(0, Stream::Compute, TAG, Kernel::Spin { micros: 300_000 });
+    b.launch(0, Stream::Compute, TAG, adamw(pb, gb, sb, 3));
+    b.record(0, Stream::Compute, &ev);
+    b.record(0, Stream::Reduce, &ev);
+    b.launch(0, Stream::Compute, TAG, Kernel::Marker);
+    sync(&b, Stream::Reduce);
+    assert_eq!(b.status(&ev), overlap_ops::EventStatus::Complete);
+    sync(&b, Stream::Compute);
+}
+
+/// Runs a host wait to its end on this thread.
+fn block_on<T>(f: overlap_ops::BoxFuture<T>) -> T {
+    struct Unpark(std::thread::Thread);
+    impl std::task::Wake for Unpark {
+        fn wake(self: std::sync::Arc<Self>) {
+            self.0.unpark();
+        }
+    }
+    let waker = std::task::Waker::from(std::sync::Arc::new(Unpark(std::thread::current())));
+    let mut cx = std::task::Context::from_waker(&waker);
+    let mut f = f;
+    loop {
+        if let std::task::Poll::Ready(v) = f.as_mut().poll(&mut cx) {
+            return v;
+        }
+        std::thread::park_timeout(Duration::from_millis(1));
+    }
+}
+
+#[test]
 fn muon_matrices_of_two_shapes_held_together_match_one_by_one() {
     let Some(b) = gpu() else { return };
     let hp = MuonParams::default()

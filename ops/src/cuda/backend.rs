@@ -26,7 +26,7 @@ use super::muon::Blas;
 use super::nccl::{self, Comm, NcclUniqueId};
 use super::options::{CudaOptions, DeviceInfo};
 use super::timing::Timings;
-use crate::{CommId, OpsError, Tag};
+use crate::{CommId, EventStatus, OpsError, Tag};
 #[cfg(doc)]
 use {
     super::{copy_ring_bytes, mesh_comms, DEFAULT_COPY_RING_DEPTH, DEFAULT_COPY_SLOT_BYTES},
@@ -151,6 +151,9 @@ impl CudaBackend {
                 fuse_clip: true,
                 tail_graphs: Default::default(),
                 flush_clock: super::defer::flush_clocks_from_env(),
+                flushes: 0,
+                tickets: 0,
+                last_wait: Default::default(),
             }),
             waiter: Some(waiter),
             info,
@@ -202,6 +205,13 @@ impl CudaBackend {
     /// --combine-cache normal` turns it off for comparison).
     pub fn set_combine_streaming(&self, on: bool) {
         lock(&self.issue).combine_streaming = on;
+    }
+
+    /// How many times held optimizer kernels were issued (`defer.rs`): once per step's
+    /// tail when nothing in between observes them, however many events the plan records
+    /// behind them. A diagnostic of how the tail is issued.
+    pub fn flushes(&self) -> u64 {
+        lock(&self.issue).flushes
     }
 
     /// Whether each stream's optimizer flush (the held clip, AdamW and Muon kernels,
@@ -349,6 +359,35 @@ impl CudaBackend {
             st.flush(&self.shared, stream);
         }
         self.shared.device.stream(stream)
+    }
+
+    /// The record `event` points at, a record deferred behind held optimizer kernels
+    /// landed first (`defer.rs`); `None` when it was never recorded. Takes the issue
+    /// lock only for a deferred record.
+    pub(super) fn resolve(&self, event: &CudaEvent) -> Option<Arc<Record>> {
+        if event.deferred().is_none() {
+            return event.latest();
+        }
+        lock(&self.issue).resolve(&self.shared, event)
+    }
+
+    /// A record's state as the [`crate::Backend`] reports an event's.
+    pub(super) fn status_of(&self, record: &Record) -> EventStatus {
+        if let Err(e) = self.shared.device.bind() {
+            return EventStatus::Failed(e);
+        }
+        match record.query() {
+            Ok(false) => EventStatus::Pending,
+            Ok(true) => match &record.failed {
+                None => EventStatus::Complete,
+                Some(e) => EventStatus::Failed(e.clone()),
+            },
+            Err(e) => {
+                self.shared
+                    .report(Stream::Compute, host_tag("device"), e.clone());
+                EventStatus::Failed(e)
+            }
+        }
     }
 
     /// Records `event` on a stream the trainer owns, capturing the work issued on it so

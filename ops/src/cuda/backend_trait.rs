@@ -128,6 +128,11 @@ impl Backend for CudaBackend {
 
     fn record(&self, rank: u32, stream: Stream, event: &CudaEvent) {
         let mut st = lock(&self.issue);
+        let mine = rank == self.shared.rank && event.rank == self.shared.rank;
+        // Behind held optimizer kernels the record waits for their flush (`defer.rs`).
+        if mine && st.defer_record(stream, event) {
+            return;
+        }
         let device = &self.shared.device;
         if !st.pending[stream.index()].is_empty() && device.bind().is_ok() {
             st.flush(&self.shared, stream);
@@ -152,15 +157,16 @@ impl Backend for CudaBackend {
     }
 
     fn wait(&self, rank: u32, stream: Stream, event: &CudaEvent) {
-        let Some(record) = event.latest() else {
+        let mut st = lock(&self.issue);
+        let Some(record) = st.resolve(&self.shared, event) else {
             // Waiting for a never-recorded event is a no-op, as in CUDA.
             return;
         };
         if rank != self.shared.rank {
+            drop(st);
             self.misuse(stream, "wait", self.not_mine(rank));
             return;
         }
-        let mut st = lock(&self.issue);
         if !st.pending[stream.index()].is_empty() && self.shared.device.bind().is_ok() {
             st.flush(&self.shared, stream);
         }
@@ -170,6 +176,11 @@ impl Backend for CudaBackend {
                 other => OpsError::Cancelled(other.to_string()),
             };
             st.poison[stream.index()].get_or_insert(cancel);
+        }
+        let last = &mut st.last_wait[stream.index()];
+        if last.as_ref().is_some_and(|w| Arc::ptr_eq(w, &record)) {
+            // The stream already waits for this very record.
+            return;
         }
         let device = &self.shared.device;
         // The one cross-stream edge: the consumer stream waits for the producer's record.
@@ -184,30 +195,17 @@ impl Backend for CudaBackend {
             }
             .map_err(|e| device::backend("cuStreamWaitEvent", e))
         });
-        if let Err(e) = waited {
-            self.shared.report(stream, host_tag("wait"), e);
+        match waited {
+            Ok(()) => *last = Some(record),
+            Err(e) => self.shared.report(stream, host_tag("wait"), e),
         }
     }
 
     fn status(&self, event: &CudaEvent) -> EventStatus {
-        let Some(record) = event.latest() else {
+        let Some(record) = self.resolve(event) else {
             return EventStatus::Complete;
         };
-        if let Err(e) = self.shared.device.bind() {
-            return EventStatus::Failed(e);
-        }
-        match record.query() {
-            Ok(false) => EventStatus::Pending,
-            Ok(true) => match &record.failed {
-                None => EventStatus::Complete,
-                Some(e) => EventStatus::Failed(e.clone()),
-            },
-            Err(e) => {
-                self.shared
-                    .report(Stream::Compute, host_tag("device"), e.clone());
-                EventStatus::Failed(e)
-            }
-        }
+        self.status_of(&record)
     }
 
     fn host_wait(&self, event: &CudaEvent) -> BoxFuture<Result<(), OpsError>> {
@@ -217,10 +215,10 @@ impl Backend for CudaBackend {
                 slot: None,
             })
         };
-        let Some(record) = event.latest() else {
+        let Some(record) = self.resolve(event) else {
             return ready(Ok(()));
         };
-        match self.status(event) {
+        match self.status_of(&record) {
             EventStatus::Complete => ready(Ok(())),
             EventStatus::Failed(e) => ready(Err(e)),
             EventStatus::Pending => match &self.waiter {

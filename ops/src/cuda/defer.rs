@@ -41,11 +41,13 @@
 //! on the same stream, and before any event the caller records on that stream.
 
 use std::collections::HashSet;
+use std::sync::Arc;
 
 use cudarc::driver::sys;
 use overlap_graph::Stream;
 
 use super::backend::Shared;
+use super::event::{CudaEvent, Record};
 use super::fast_hash::WordHash;
 use super::flush::FlushPlan;
 use super::issue::Issue;
@@ -136,6 +138,9 @@ pub(super) struct Pending {
     bufs: IdSet,
     /// Every held step's guard.
     guards: IdSet,
+    /// Events recorded on the stream behind the held kernels, with their tickets: they
+    /// land on one record made after the flush.
+    records: Vec<(CudaEvent, u64)>,
 }
 
 impl Pending {
@@ -228,16 +233,67 @@ impl Issue {
         pending.clip = Some(clip);
     }
 
-    /// Issues every optimizer step held on `stream`. A failure is reported under the
-    /// first held kernel's tag and poisons the stream, as a failed launch does.
+    /// Defers a record of `event` on `stream` behind the kernels held there (`false`,
+    /// and nothing done, when none is held): the event lands on the record the flush
+    /// makes after them, so recording after each held optimizer (as a plan does, for
+    /// its publish) does not break the held set into single launches.
+    pub(super) fn defer_record(&mut self, stream: Stream, event: &CudaEvent) -> bool {
+        let pending = &mut self.pending[stream.index()];
+        if pending.is_empty() {
+            return false;
+        }
+        self.tickets += 1;
+        event.defer(stream, self.tickets);
+        pending.records.push((event.clone(), self.tickets));
+        true
+    }
+
+    /// The record `event` points at, its deferred record landed first (its stream
+    /// flushed); `None` when it was never recorded.
+    pub(super) fn resolve(&mut self, shared: &Shared, event: &CudaEvent) -> Option<Arc<Record>> {
+        if let Some(stream) = event.deferred() {
+            if shared.device.bind().is_ok() {
+                self.flush(shared, stream);
+            }
+        }
+        event.latest()
+    }
+
+    /// Issues every optimizer step held on `stream`, then lands the records deferred
+    /// behind them. A failure is reported under the first held kernel's tag and
+    /// poisons the stream, as a failed launch does.
     pub(super) fn flush(&mut self, shared: &Shared, stream: Stream) {
-        let pending = std::mem::take(&mut self.pending[stream.index()]);
+        let mut pending = std::mem::take(&mut self.pending[stream.index()]);
+        let records = std::mem::take(&mut pending.records);
+        self.flush_held(shared, stream, pending);
+        if !records.is_empty() {
+            self.land_records(shared, stream, records);
+        }
+    }
+
+    /// One record on `stream` (carrying its poison, as a record does), shared by every
+    /// event deferred behind the flush.
+    fn land_records(&mut self, shared: &Shared, stream: Stream, records: Vec<(CudaEvent, u64)>) {
+        let raw = shared.device.stream(stream);
+        let failed = self.poison[stream.index()].clone();
+        let made = Record::new(&shared.events, raw, failed).map(Arc::new);
+        if let Err(e) = &made {
+            shared.report(stream, super::backend::host_tag("record"), e.clone());
+        }
+        for (event, ticket) in records {
+            event.land((stream, ticket), made.as_ref().ok());
+        }
+    }
+
+    /// The kernels of [`Self::flush`].
+    fn flush_held(&mut self, shared: &Shared, stream: Stream, pending: Pending) {
         let (norm, clip, held) = (pending.norm, pending.clip, pending.held);
         let first = norm.as_ref().map(|n| n.tag);
         let first = first.or_else(|| clip.as_ref().map(|c| c.tag));
         let Some(tag) = first.or_else(|| held.first().map(|e| e.0)) else {
             return;
         };
+        self.flushes += 1;
         let raw = shared.device.stream(stream);
         let start = if self.timings.on {
             self.timing_event(shared, raw)

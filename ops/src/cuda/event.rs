@@ -7,6 +7,12 @@
 //! the host-side poison of its stream at record time, so a stream waiting on a record of
 //! a poisoned stream is poisoned in turn, as on the CPU backend.
 //!
+//! A record on a stream that holds optimizer kernels (`defer.rs`) is deferred: the
+//! event remembers the stream and a ticket, and the record is made when the stream is
+//! flushed, after the held kernels; every event deferred behind one flush shares that
+//! one record. Whoever looks at a deferred event (a wait, a status, a host wait)
+//! flushes its stream first (`Issue::resolve`).
+//!
 //! Ordering events are created with `CU_EVENT_DISABLE_TIMING` (the cheapest kind, and
 //! the one that lets `cuStreamWaitEvent` be resolved without timestamps); only the
 //! kernel timings use timing-capable events ([`EventPool::take_timed`]).
@@ -30,6 +36,8 @@ use std::time::Duration;
 use crossbeam::channel::{self, Receiver, Sender};
 use cudarc::driver::result as cu;
 use cudarc::driver::sys;
+
+use overlap_graph::Stream;
 
 use super::device::{backend, describe, Device};
 use crate::OpsError;
@@ -188,25 +196,62 @@ impl Drop for Record {
 #[derive(Clone)]
 pub struct CudaEvent {
     pub(super) rank: u32,
-    pub(super) latest: Arc<Mutex<Option<Arc<Record>>>>,
+    pub(super) latest: Arc<Mutex<Latest>>,
+}
+
+/// What an event points at: its latest record, or a record deferred behind the
+/// optimizer kernels held on a stream (`defer.rs`), which lands when that stream is
+/// flushed.
+#[derive(Default)]
+pub(super) struct Latest {
+    record: Option<Arc<Record>>,
+    /// The stream and ticket of a deferred record; `record` is stale while it is set.
+    deferred: Option<(Stream, u64)>,
 }
 
 impl CudaEvent {
     pub(super) fn new(rank: u32) -> CudaEvent {
         CudaEvent {
             rank,
-            latest: Arc::new(Mutex::new(None)),
+            latest: Arc::new(Mutex::new(Latest::default())),
         }
     }
 
-    /// The latest record, or `None` when the event was never recorded.
-    pub(super) fn latest(&self) -> Option<Arc<Record>> {
-        lock(&self.latest).clone()
+    /// The stream whose flush lands this event's deferred record, if it has one.
+    pub(super) fn deferred(&self) -> Option<Stream> {
+        lock(&self.latest).deferred.map(|(s, _)| s)
     }
 
-    /// Points the event at a new record.
+    /// Defers the event's record behind what is held on `stream`, under `ticket`.
+    pub(super) fn defer(&self, stream: Stream, ticket: u64) {
+        lock(&self.latest).deferred = Some((stream, ticket));
+    }
+
+    /// Lands the record deferred under `(stream, ticket)` as `record` (`None`: the
+    /// record could not be made, and the event keeps its earlier one). A record made
+    /// since (the event re-recorded) is left alone.
+    pub(super) fn land(&self, (stream, ticket): (Stream, u64), record: Option<&Arc<Record>>) {
+        let mut l = lock(&self.latest);
+        if l.deferred == Some((stream, ticket)) {
+            l.deferred = None;
+            if let Some(r) = record {
+                l.record = Some(Arc::clone(r));
+            }
+        }
+    }
+
+    /// The latest record, or `None` when the event was never recorded. A deferred
+    /// record is not seen here: the backend lands it first (`Issue::resolve`).
+    pub(super) fn latest(&self) -> Option<Arc<Record>> {
+        lock(&self.latest).record.clone()
+    }
+
+    /// Points the event at a new record (a deferred one is forgotten).
     pub(super) fn set(&self, record: Record) {
-        *lock(&self.latest) = Some(Arc::new(record));
+        *lock(&self.latest) = Latest {
+            record: Some(Arc::new(record)),
+            deferred: None,
+        };
     }
 }
 

@@ -65,6 +65,14 @@ pub(super) struct Issue {
     pub(super) tail_graphs: [TailGraphs; Stream::COUNT],
     /// Where the flushes' host time goes (`OVERLAP_FLUSH_CLOCK=1`; `defer.rs`).
     pub(super) flush_clock: Option<super::defer::FlushClocks>,
+    /// Flushes that issued held kernels ([`super::CudaBackend::flushes`]).
+    pub(super) flushes: u64,
+    /// The last ticket of a record deferred behind held kernels (`defer.rs`).
+    pub(super) tickets: u64,
+    /// The record each stream last waited for, at [`Stream::index`]: waiting for it
+    /// again orders nothing more, so it costs no `cuStreamWaitEvent` (the events
+    /// deferred behind one flush share one record, and a plan waits for each).
+    pub(super) last_wait: [Option<Arc<super::event::Record>>; Stream::COUNT],
 }
 
 /// Whether `kernel` is held on its stream rather than issued at once (`defer.rs`): an
