@@ -362,9 +362,13 @@ fn a_clip_fused_into_the_optimizers_is_the_references_bit_for_bit() {
 /// One step of the replay test: the global norm, the clip, then guarded AdamW (an
 /// aligned and an odd tensor) and Muon (four shapes in two classes, bf16), learning
 /// rates that change with the step.
+/// A tail of AdamW and Muon behind the norm and the clip whose gradients and norm
+/// move every step: step `s` takes gradient set `s % 2` and norm `s % 3`, as a pool
+/// hands out buffers (or a trainer makes new gradients), so a replayed graph must take
+/// each step's buffers from the words the flush uploads.
 struct ReplaySet {
-    norm: CudaBuffer,
-    grads: Vec<CudaBuffer>,
+    norms: Vec<CudaBuffer>,
+    sets: Vec<Vec<CudaBuffer>>,
     pristine: Vec<Vec<f32>>,
     params: Vec<CudaBuffer>,
     states: Vec<CudaBuffer>,
@@ -386,7 +390,9 @@ impl ReplaySet {
             .enumerate()
             .map(|(i, &n)| math::pseudo_random(n, 900 + i as u64))
             .collect();
-        let grads = pristine.iter().map(|g| buffer(b, g)).collect();
+        let sets = (0..2)
+            .map(|_| pristine.iter().map(|g| buffer(b, g)).collect())
+            .collect();
         let params = sizes
             .iter()
             .enumerate()
@@ -401,17 +407,29 @@ impl ReplaySet {
             })
             .collect();
         ReplaySet {
-            norm: buffer(b, &[4.0e6]),
-            grads,
+            norms: (0..3).map(|_| buffer(b, &[4.0e6])).collect(),
+            sets,
             pristine,
             params,
             states,
         }
     }
 
-    /// Launches one step (restoring the gradients the previous step's clip scaled).
+    /// The gradients step `step` reads.
+    fn grads(&self, step: u64) -> &[CudaBuffer] {
+        &self.sets[step as usize % self.sets.len()]
+    }
+
+    /// The norm step `step` writes and guards with.
+    fn norm(&self, step: u64) -> &CudaBuffer {
+        &self.norms[step as usize % self.norms.len()]
+    }
+
+    /// Launches one step (its gradients restored: the clip of an earlier step scaled
+    /// them).
     fn step(&self, b: &overlap_ops::cuda::CudaBackend, step: u64) {
-        for (g, host) in self.grads.iter().zip(&self.pristine) {
+        let (grads, norm) = (self.grads(step), self.norm(step));
+        for (g, host) in grads.iter().zip(&self.pristine) {
             b.upload(g, host).unwrap();
         }
         b.launch(
@@ -419,8 +437,8 @@ impl ReplaySet {
             Stream::Compute,
             TAG,
             Kernel::SumSquares {
-                dst: self.norm.clone(),
-                srcs: self.grads.clone().into(),
+                dst: norm.clone(),
+                srcs: grads.to_vec().into(),
             },
         );
         b.launch(
@@ -428,8 +446,8 @@ impl ReplaySet {
             Stream::Compute,
             TAG,
             Kernel::Clip {
-                norm: self.norm.clone(),
-                bufs: self.grads.clone().into(),
+                norm: norm.clone(),
+                bufs: grads.to_vec().into(),
                 max_norm: 0.5,
             },
         );
@@ -439,7 +457,7 @@ impl ReplaySet {
             let kernel = if i < n {
                 Kernel::Adamw {
                     param: self.params[i].clone(),
-                    grad: self.grads[i].clone(),
+                    grad: grads[i].clone(),
                     state: self.states[i].clone(),
                     hp: AdamwParams::default().with_lr(lr),
                     step,
@@ -448,7 +466,7 @@ impl ReplaySet {
                 let (rows, cols) = REPLAY_MUON[i - n];
                 Kernel::Muon {
                     param: self.params[i].clone(),
-                    grad: self.grads[i].clone(),
+                    grad: grads[i].clone(),
                     momentum: self.states[i].clone(),
                     rows,
                     cols,
@@ -459,7 +477,7 @@ impl ReplaySet {
                 }
             };
             let guarded = Kernel::IfFinite {
-                norm: self.norm.clone(),
+                norm: norm.clone(),
                 kernel: Box::new(kernel),
             };
             b.launch(0, Stream::Compute, TAG, guarded);
@@ -481,7 +499,10 @@ fn a_replayed_flush_reads_each_steps_scalars_and_matches_one_issued_call_by_call
     let Some(b) = gpu() else { return };
     // Set `a` is flushed with graphs (issued, then captured, then replayed), set `b`
     // call by call; the learning rate and AdamW's bias corrections change every step.
+    // The gradients and the norm move every step: the graph captured at step 2 is
+    // replayed at steps 3 to 5 on other buffers.
     let (a, d) = (ReplaySet::new(&b), ReplaySet::new(&b));
+    let replays = b.tail_replays();
     for step in 1..=5 {
         b.set_tail_graphs(true);
         a.step(&b, step);
@@ -493,9 +514,14 @@ fn a_replayed_flush_reads_each_steps_scalars_and_matches_one_issued_call_by_call
             "step {step}: replayed against direct"
         );
     }
+    assert_eq!(
+        b.tail_replays() - replays,
+        4,
+        "captured at step 2, replayed after"
+    );
     // AdamW against the reference, bit for bit, after the five steps, with the norm
     // the GPU computed (the same every step: the gradients are restored).
-    let sq = b.download(&a.norm).unwrap()[0];
+    let sq = b.download(a.norm(5)).unwrap()[0];
     let all: Vec<f32> = a.pristine.concat();
     let want = math::sum_squares(&all);
     assert!(

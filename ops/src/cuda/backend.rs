@@ -214,6 +214,17 @@ impl CudaBackend {
         lock(&self.issue).flushes
     }
 
+    /// How many of [`Self::flushes`] were one launch of a captured graph
+    /// (`tail_graph.rs`): every flush of the same shapes after the first two, whichever
+    /// buffers it updates. A diagnostic of how the tail is issued.
+    pub fn tail_replays(&self) -> u64 {
+        lock(&self.issue)
+            .tail_graphs
+            .iter()
+            .map(|g| g.replays)
+            .sum()
+    }
+
     /// Whether each stream's optimizer flush (the held clip, AdamW and Muon kernels,
     /// Newton–Schulz included) is captured into a CUDA graph when it repeats and
     /// replayed (default on: one graph launch instead of dozens of launches and cuBLASLt

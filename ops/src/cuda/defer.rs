@@ -342,7 +342,7 @@ impl Issue {
         let clocked = self.flush_clock.is_some();
         let now = || clocked.then(std::time::Instant::now);
         let t0 = now();
-        let plan = FlushPlan::new((norm, clip), held)?;
+        let mut plan = FlushPlan::new((norm, clip), held)?;
         if plan.is_empty() {
             return Ok(());
         }

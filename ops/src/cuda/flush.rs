@@ -5,14 +5,18 @@
 //! Muon batches (grouped by shape, hyper-parameters, guard and fused clip, at most
 //! [`MUON_MATS`] matrices each) in lockstep classes (`muon.rs`).
 //!
-//! Every scalar that changes from step to step (AdamW's seven, each Muon batch's
-//! three) goes into one array that the flush uploads to the end of the stream's
-//! scratch before its launches; the launches take its device address. So the launches
-//! of a flush are a function of addresses and sizes only ([`FlushPlan::key`]), and a
-//! flush that repeats is replayed as one captured graph (`tail_graph.rs`).
+//! Everything that changes from step to step goes into one array of words that the
+//! flush uploads to the stream's scratch before its launches: the scalars (AdamW's
+//! seven, each Muon batch's three) and the tables of buffer addresses (each AdamW
+//! launch's tensors and guard, each Muon batch's matrices and guard, the norm's sources
+//! and destination, the clip's gradients and norm). The launches take device addresses
+//! into the scratch only. So the launches of a flush are a function of sizes only
+//! ([`FlushPlan::key`]): a flush of the same shapes is replayed as one captured graph
+//! (`tail_graph.rs`) whichever buffers the step's gradients, guards and norm are in
+//! (a pool hands them out in any order; a trainer's own gradients move every step).
 //!
 //! Invariant: the scratch holds the largest Muon class's regions from its start (the
-//! classes run one after another on the stream), the scalars after them, then the
+//! classes run one after another on the stream), the words after them, then the
 //! norm's partial sums; nothing else of the flush touches it.
 
 use std::collections::HashSet;
@@ -25,8 +29,7 @@ use super::kernels::{self, Kernels, Span, SumSqLaunch};
 use super::memory::CudaBuffer;
 use super::muon::{self, Blas, ClassLayout};
 use super::optim::{
-    adamw_scalars, adamw_tables, muon_scalars, AdamwTable, AdamwTensor, FusedClip, MuonMats,
-    MUON_MATS,
+    adamw_scalars, adamw_tables, muon_scalars, AdamwTensor, FusedClip, MuonMats, MUON_MATS,
 };
 use super::tail_graph::TailKey;
 use crate::{AdamwParams, MuonParams, NsDtype, OpsError};
@@ -44,30 +47,49 @@ type AdamwGroups = Vec<(
 type MuonKey = ((usize, usize), MuonParams, sys::CUdeviceptr, FusedClip);
 type MuonGroups = Vec<(MuonKey, Vec<(u64, u64, u64)>)>;
 
-/// The held norm's launches: its sources, destination, passes and partial sums.
+/// The held norm's launches: per first-pass launch its grid, where its partial sums
+/// start and where its spans' table is in the flush's words; where the destination's
+/// address is; the partial sums.
 struct NormPlan {
-    spans: Vec<Span>,
-    dst: sys::CUdeviceptr,
-    launches: Vec<SumSqLaunch>,
+    launches: Vec<(u32, u64, usize)>,
+    dst_at: usize,
     partials: u64,
 }
 
+/// The held clip's launches over the gradients no held step reads (each one's grid and
+/// the place of its spans' table in the flush's words), where the norm's address is,
+/// and the threshold.
+struct ClipPlan {
+    launches: Vec<((u32, u32), usize)>,
+    norm_at: usize,
+    max_norm: f32,
+}
+
 /// One flush's launches, planned on the host.
+///
+/// Everything a launch reads that changes from step to step (the scalars, and every
+/// buffer's address: the tensors' tables, the guards, the norm's sources and
+/// destination) is in `words`, which the flush uploads to the scratch before its
+/// launches; the launches take device addresses into the scratch only. So the same
+/// shapes give the same launches, whichever buffers hold them ([`Self::key`]).
 pub(super) struct FlushPlan {
     norm: Option<NormPlan>,
-    /// The held clip's norm, threshold and the gradients no held step reads.
-    clip: Option<(sys::CUdeviceptr, f32, Vec<Span>)>,
-    /// Each AdamW group's tensors, guard and fused clip, and where its scalars start.
-    adamw: Vec<(Vec<AdamwTensor>, (sys::CUdeviceptr, FusedClip), usize)>,
-    /// The Muon batches, each with where its scalars start.
-    batches: Vec<(muon::Batch, usize)>,
+    clip: Option<ClipPlan>,
+    /// The multi-tensor AdamW launches: grid, tensors and the place of the table.
+    adamw: Vec<(u32, u64, usize)>,
+    /// The Muon batches: shape, count, precision and steps, and the places of their
+    /// scalars and of their `MuonMats`.
+    batches: Vec<(muon::Batch, usize, usize)>,
     /// Lockstep classes: their batches' indices and scratch layout.
     classes: Vec<(Vec<usize>, ClassLayout)>,
-    /// Every scalar of the flush, uploaded before it.
-    scalars: Vec<f64>,
-    /// Where the scalars start in the scratch (after the largest class).
+    /// The flush's words: scalars (f64 bits) and tables, uploaded before it.
+    words: Vec<u64>,
+    /// Words that hold the device address of another word (an AdamW table's scalars):
+    /// `(word, target)`, filled in once the scratch is known.
+    links: Vec<(usize, usize)>,
+    /// Where the words start in the scratch (after the largest class).
     scalars_at: usize,
-    /// Where the norm's partial sums start (after the scalars).
+    /// Where the norm's partial sums start (after the words).
     partials_at: usize,
 }
 
@@ -77,49 +99,47 @@ impl FlushPlan {
         (norm, clip): (Option<&HeldNorm>, Option<&HeldClip>),
         held: &[Entry],
     ) -> Result<FlushPlan, OpsError> {
-        let norm = norm.map(NormPlan::new).transpose()?;
+        let mut words = Vec::new();
+        let norm = norm.map(|n| NormPlan::new(n, &mut words)).transpose()?;
         let fused = clip.map_or(FusedClip::default(), |c| FusedClip {
             norm: c.norm.ptr(),
             max_norm: c.max_norm,
         });
-        let clip = clip.map(|c| (c.norm.ptr(), c.max_norm, unread(c, held)));
+        let clip = clip.map(|c| ClipPlan::new(c, held, &mut words));
         let (adamw_groups, muon_groups) = groups(held, fused);
-        let mut scalars = Vec::new();
-        let mut adamw = Vec::with_capacity(adamw_groups.len());
+        let (mut adamw, mut links) = (Vec::new(), Vec::new());
         for ((hp, step, guard, clip), tensors) in adamw_groups {
-            adamw.push((tensors, (guard, clip), scalars.len()));
-            scalars.extend(adamw_scalars(&hp, step));
+            let scalars = words.len();
+            words.extend(adamw_scalars(&hp, step).map(f64::to_bits));
+            for (table, grid) in adamw_tables(&tensors, 0, (guard, clip)) {
+                // The table's first word is its scalars' address.
+                links.push((words.len(), scalars));
+                adamw.push((grid, table.count(), words.len()));
+                words.extend(table.words());
+            }
         }
         let mut batches = Vec::new();
         for ((shape, hp, guard, clip), mats) in muon_groups {
             for chunk in mats.chunks(MUON_MATS) {
-                let batch = muon::Batch {
-                    shape,
-                    mats: MuonMats::of(chunk, clip),
-                    count: chunk.len(),
-                    hp,
-                    guard,
-                };
-                batches.push((batch, scalars.len()));
-                scalars.extend(muon_scalars(&hp, shape));
+                let scalars = words.len();
+                words.extend(muon_scalars(&hp, shape).map(f64::to_bits));
+                let mats = MuonMats::of(chunk, clip, guard);
+                let at = words.len();
+                words.extend(mats.words());
+                let count = chunk.len();
+                batches.push((
+                    muon::Batch {
+                        shape,
+                        mats,
+                        count,
+                        hp,
+                    },
+                    scalars,
+                    at,
+                ));
             }
         }
-        let only: Vec<&muon::Batch> = batches.iter().map(|(b, _)| b).collect();
-        let mut classes = Vec::new();
-        for members in muon::classes(&only) {
-            let dims: Vec<_> = members
-                .iter()
-                .map(|&i| (only[i].shape, only[i].count))
-                .collect();
-            let dtype = only[members[0]].hp.ns_dtype;
-            let layout = ClassLayout::new(&dims, dtype).ok_or_else(|| OpsError::Shape {
-                kernel: "muon",
-                reason: format!(
-                    "Muon matrices of shapes {dims:?} need more scratch than fits in memory"
-                ),
-            })?;
-            classes.push((members, layout));
-        }
+        let classes = muon_classes(&batches)?;
         let largest = classes.iter().map(|(_, l)| l.bytes).max().unwrap_or(0);
         let overflow = || OpsError::Shape {
             kernel: "optimizer",
@@ -128,7 +148,7 @@ impl FlushPlan {
         let scalars_at = largest
             .checked_next_multiple_of(ALIGN)
             .ok_or_else(overflow)?;
-        let partials_at = scalars
+        let partials_at = words
             .len()
             .checked_mul(8)
             .and_then(|b| b.checked_add(scalars_at))
@@ -147,7 +167,8 @@ impl FlushPlan {
             adamw,
             batches,
             classes,
-            scalars,
+            words,
+            links,
             scalars_at,
             partials_at,
         })
@@ -156,7 +177,7 @@ impl FlushPlan {
     /// Whether the flush launches anything.
     pub(super) fn is_empty(&self) -> bool {
         self.norm.is_none()
-            && self.clip.as_ref().map_or(true, |c| c.2.is_empty())
+            && self.clip.as_ref().map_or(true, |c| c.launches.is_empty())
             && self.adamw.is_empty()
             && self.batches.is_empty()
     }
@@ -171,10 +192,14 @@ impl FlushPlan {
                 .map_or(0, |n| n.partials.max(1) as usize * 8)
     }
 
-    /// Copies the scalars to their place in `scratch`, on `stream`, before the flush.
-    pub(super) fn upload(&self, stream: sys::CUstream, scratch: u64) -> Result<(), OpsError> {
-        if self.scalars.is_empty() {
+    /// Copies the words (the scalars and the tables, the links to the scalars filled
+    /// in) to their place in `scratch`, on `stream`, before the flush.
+    pub(super) fn upload(&mut self, stream: sys::CUstream, scratch: u64) -> Result<(), OpsError> {
+        if self.words.is_empty() {
             return Ok(());
+        }
+        for &(word, target) in &self.links {
+            self.words[word] = self.at(scratch, target);
         }
         // SAFETY: the scratch holds `scratch_bytes`; the host memory is pageable, so the
         // driver has staged it before the call returns, and the copy is ordered on the
@@ -183,8 +208,8 @@ impl FlushPlan {
         unsafe {
             sys::cuMemcpyHtoDAsync_v2(
                 scratch + self.scalars_at as u64,
-                self.scalars.as_ptr().cast(),
-                self.scalars.len() * 8,
+                self.words.as_ptr().cast(),
+                self.words.len() * 8,
                 stream,
             )
         }
@@ -192,44 +217,42 @@ impl FlushPlan {
         .map_err(|e| super::device::failed("optimizer", e))
     }
 
-    /// The AdamW launches, reading their scalars in `scratch`.
-    fn tables(&self, scratch: u64) -> Vec<(AdamwTable, u32)> {
-        let at = |i: usize| scratch + (self.scalars_at + i * 8) as u64;
-        self.adamw
-            .iter()
-            .flat_map(|(tensors, gc, i)| adamw_tables(tensors, at(*i), *gc))
-            .collect()
+    /// The device address of word `i` of the flush in `scratch`.
+    fn at(&self, scratch: u64, i: usize) -> u64 {
+        scratch + (self.scalars_at + i * 8) as u64
     }
 
-    /// Everything the launches depend on but the scalars' values, with the flush's
-    /// scratch at `scratch` (`tail_graph.rs`).
+    /// Everything the launches depend on but the words' values, with the flush's
+    /// scratch at `scratch` (`tail_graph.rs`): the scratch, the sizes, grids, shapes,
+    /// precisions and where each launch's words are. No buffer address: the tables
+    /// carry those, so a flush over other buffers of the same sizes replays the graph.
     pub(super) fn key(&self, scratch: u64) -> TailKey {
-        let mut k: Vec<u64> = vec![scratch, self.scalars_at as u64, self.scalars.len() as u64];
+        let mut k: Vec<u64> = vec![scratch, self.scalars_at as u64, self.words.len() as u64];
         if let Some(n) = &self.norm {
-            k.extend([0, n.dst, n.spans.len() as u64]);
-            k.extend(n.spans.iter().flat_map(|s| [s.p, s.len]));
+            k.extend([0, n.dst_at as u64, n.partials, n.launches.len() as u64]);
+            k.extend(
+                n.launches
+                    .iter()
+                    .flat_map(|&(g, a, t)| [u64::from(g), a, t as u64]),
+            );
         }
-        if let Some((norm, max_norm, spans)) = &self.clip {
-            k.extend([1, *norm, u64::from(max_norm.to_bits()), spans.len() as u64]);
-            k.extend(spans.iter().flat_map(|s| [s.p, s.len]));
+        if let Some(c) = &self.clip {
+            k.extend([1, c.norm_at as u64, u64::from(c.max_norm.to_bits())]);
+            k.push(c.launches.len() as u64);
+            k.extend(
+                c.launches
+                    .iter()
+                    .flat_map(|&((x, y), t)| [u64::from(x), u64::from(y), t as u64]),
+            );
         }
-        for (tensors, (guard, clip), i) in &self.adamw {
-            k.extend([2, *guard, clip.norm, u64::from(clip.max_norm.to_bits())]);
-            k.extend([*i as u64, tensors.len() as u64]);
-            k.extend(tensors.iter().flat_map(|t| [t.p, t.g, t.m, t.v, t.n]));
+        for &(grid, count, at) in &self.adamw {
+            k.extend([2, u64::from(grid), count, at as u64]);
         }
-        for (b, i) in &self.batches {
+        for (b, sc, at) in &self.batches {
             let (rows, cols) = b.shape;
-            k.extend([
-                3,
-                rows as u64,
-                cols as u64,
-                b.count as u64,
-                b.guard,
-                *i as u64,
-            ]);
+            k.extend([3, rows as u64, cols as u64, b.count as u64]);
+            k.extend([*sc as u64, *at as u64]);
             k.extend([dtype_code(b.hp.ns_dtype), u64::from(b.hp.ns_steps)]);
-            k.extend(b.mats.key());
         }
         for (members, _) in &self.classes {
             k.push(4);
@@ -238,7 +261,7 @@ impl FlushPlan {
         k
     }
 
-    /// Issues the flush on `stream` (its scalars already uploaded to `scratch`).
+    /// Issues the flush on `stream` (its words already uploaded to `scratch`).
     pub(super) fn issue(
         &self,
         kernels: &Kernels,
@@ -246,23 +269,26 @@ impl FlushPlan {
         stream: sys::CUstream,
         scratch: u64,
     ) -> Result<(), OpsError> {
+        let at = |i: usize| self.at(scratch, i);
         if let Some(n) = &self.norm {
             let partial = scratch + self.partials_at as u64;
-            kernels.sum_squares(stream, &n.spans, (&n.launches, n.partials), partial, n.dst)?;
+            let launches: Vec<_> = n.launches.iter().map(|&(g, a, t)| (g, a, at(t))).collect();
+            kernels.sum_squares(stream, &launches, (partial, n.partials), at(n.dst_at))?;
         }
-        if let Some((norm, max_norm, spans)) = &self.clip {
-            if !spans.is_empty() {
-                kernels.clip(stream, spans, *norm, *max_norm)?;
-            }
+        if let Some(c) = &self.clip {
+            let launches: Vec<_> = c.launches.iter().map(|&(g, t)| (g, at(t))).collect();
+            kernels.clip(stream, &launches, at(c.norm_at), c.max_norm)?;
         }
-        for launch in self.tables(scratch) {
-            kernels.optim.adamw_multi(stream, &launch)?;
+        for &(grid, _, table) in &self.adamw {
+            kernels.optim.adamw_multi(stream, at(table), grid)?;
         }
-        let sc = |i: usize| scratch + (self.scalars_at + i * 8) as u64;
         for (members, layout) in &self.classes {
-            let batches: Vec<(&muon::Batch, u64)> = members
+            let batches: Vec<(&muon::Batch, u64, u64)> = members
                 .iter()
-                .map(|&i| (&self.batches[i].0, sc(self.batches[i].1)))
+                .map(|&i| {
+                    let (b, sc, mats) = &self.batches[i];
+                    (b, at(*sc), at(*mats))
+                })
                 .collect();
             muon::run_class(kernels, blas, stream, (scratch, layout), &batches)?;
         }
@@ -270,8 +296,33 @@ impl FlushPlan {
     }
 }
 
+/// The lockstep classes of `batches` (`muon.rs`) with their scratch layouts.
+fn muon_classes(
+    batches: &[(muon::Batch, usize, usize)],
+) -> Result<Vec<(Vec<usize>, ClassLayout)>, OpsError> {
+    let only: Vec<&muon::Batch> = batches.iter().map(|(b, _, _)| b).collect();
+    let mut classes = Vec::new();
+    for members in muon::classes(&only) {
+        let dims: Vec<_> = members
+            .iter()
+            .map(|&i| (only[i].shape, only[i].count))
+            .collect();
+        let dtype = only[members[0]].hp.ns_dtype;
+        let layout = ClassLayout::new(&dims, dtype).ok_or_else(|| OpsError::Shape {
+            kernel: "muon",
+            reason: format!(
+                "Muon matrices of shapes {dims:?} need more scratch than fits in memory"
+            ),
+        })?;
+        classes.push((members, layout));
+    }
+    Ok(classes)
+}
+
 impl NormPlan {
-    fn new(n: &HeldNorm) -> Result<NormPlan, OpsError> {
+    /// The held norm's launches, their tables and the destination's address appended
+    /// to `words`.
+    fn new(n: &HeldNorm, words: &mut Vec<u64>) -> Result<NormPlan, OpsError> {
         let spans: Vec<Span> = n.srcs.iter().map(span).collect();
         let (launches, partials) = kernels::sumsq_launches(&spans);
         if usize::try_from(partials)
@@ -284,12 +335,43 @@ impl NormPlan {
                 reason: format!("{} sources need too many partial sums", spans.len()),
             });
         }
+        let launches = launches
+            .iter()
+            .map(|l: &SumSqLaunch| {
+                let table = words.len();
+                words.extend(kernels::sumsq_words(&spans[l.spans.clone()]));
+                (l.grid, l.at, table)
+            })
+            .collect();
+        let dst_at = words.len();
+        words.push(n.dst.ptr());
         Ok(NormPlan {
-            spans,
-            dst: n.dst.ptr(),
             launches,
+            dst_at,
             partials,
         })
+    }
+}
+
+impl ClipPlan {
+    /// The held clip's launches over the gradients no held step reads, their tables
+    /// and the norm's address appended to `words`.
+    fn new(c: &HeldClip, held: &[Entry], words: &mut Vec<u64>) -> ClipPlan {
+        let launches = kernels::clip_launches(&unread(c, held))
+            .into_iter()
+            .map(|(table, grid)| {
+                let at = words.len();
+                words.extend(table);
+                (grid, at)
+            })
+            .collect();
+        let norm_at = words.len();
+        words.push(c.norm.ptr());
+        ClipPlan {
+            launches,
+            norm_at,
+            max_norm: c.max_norm,
+        }
     }
 }
 

@@ -278,7 +278,8 @@ __device__ __forceinline__ void ov_sq4(double& acc, float4 v) {
     acc += (double)v.w * (double)v.w;
 }
 
-extern "C" __global__ void ov_sumsq_spans(const SumsqSpans p, double* partial) {
+extern "C" __global__ void ov_sumsq_spans(const SumsqSpans* __restrict__ spans, double* partial) {
+    const SumsqSpans& p = *spans;
     const u64 b = blockIdx.x;
     u32 lo = 0, hi = (u32)p.count;
     while (hi - lo > 1) {
@@ -306,24 +307,29 @@ extern "C" __global__ void ov_sumsq_spans(const SumsqSpans p, double* partial) {
     if (threadIdx.x == 0) partial[b] = sum;
 }
 
-// Kernel::SumSquares, pass 2 (one block): dst[0] = the sum of partial[0..count], in
+// Kernel::SumSquares, pass 2 (one block): (*dst)[0] = the sum of partial[0..count], in
 // double (thread t adds partials t, t + 256, ... in order, then ov_block_sum), rounded
-// to float once (as the reference stores its f64 sum).
-extern "C" __global__ void ov_sumsq_final(const double* partial, u64 count, float* dst) {
+// to float once (as the reference stores its f64 sum). The destination's address is
+// read from device memory (uploaded with the flush, as the spans are).
+extern "C" __global__ void ov_sumsq_final(const double* partial, u64 count,
+                                          float* const* __restrict__ dst) {
     double acc = 0.0;
     for (u64 i = threadIdx.x; i < count; i += OV_REDUCE_THREADS) acc += partial[i];
     double sum = ov_block_sum(acc);
-    if (threadIdx.x == 0) dst[0] = (float)sum;
+    if (threadIdx.x == 0) (*dst)[0] = (float)sum;
 }
 
 // Kernel::Clip (ops::math::clip_factor and scale): with sq = norm[0], the squared
 // global norm, f = max_norm / (sqrt(sq) + 1e-6) in double; when sq is finite and
 // f < 1, every element of every span is multiplied by (float)f in float. Otherwise
 // (a non-finite norm: the step is skipped; or f >= 1) nothing is written. Every thread
-// reads the norm from device memory: no host synchronisation.
-extern "C" __global__ void ov_clip(const Spans p, const float* norm, float max_norm) {
+// reads the norm from device memory: no host synchronisation. The spans and the norm's
+// address are in device memory too (uploaded with the flush).
+extern "C" __global__ void ov_clip(const Spans* __restrict__ spans,
+                                   const float* const* __restrict__ norm, float max_norm) {
+    const Spans& p = *spans;
     if ((u64)blockIdx.y >= p.count) return;
-    const float sq = norm[0];
+    const float sq = (*norm)[0];
     if (!ov_finite(sq)) return;
     const double f = (double)max_norm / (sqrt((double)sq) + 1e-6);
     if (!(f < 1.0)) return;

@@ -96,6 +96,13 @@ impl Spans {
         batch.s[..spans.len()].copy_from_slice(spans);
         batch
     }
+
+    /// The struct's bytes as the kernel reads them from device memory, in words.
+    fn words(&self) -> Vec<u64> {
+        let mut w: Vec<u64> = self.s.iter().flat_map(|s| [s.p, s.len]).collect();
+        w.push(self.count);
+        w
+    }
 }
 
 /// One launch of the first pass of [`Kernels::sum_squares`]: which spans (a range of the
@@ -166,6 +173,34 @@ impl SumsqSpans {
         }
         t
     }
+
+    /// The struct's bytes as the kernel reads them from device memory, in words.
+    fn words(&self) -> Vec<u64> {
+        let mut w: Vec<u64> = self.s.iter().flat_map(|s| [s.p, s.len]).collect();
+        w.extend(self.block0);
+        w.push(self.count);
+        w
+    }
+}
+
+/// The table (`struct SumsqSpans`, in words) of the first-pass launch of
+/// [`Kernels::sum_squares`] over `chunk`, one [`SumSqLaunch`]'s spans: the kernel reads
+/// it from device memory, where the flush uploads it (`flush.rs`).
+pub(super) fn sumsq_words(chunk: &[Span]) -> Vec<u64> {
+    SumsqSpans::of(chunk).words()
+}
+
+/// The launches of [`Kernels::clip`] over `spans` (as [`clip_batches`] groups them):
+/// each one's table (`struct Spans`, in words, for device memory) and grid.
+pub(super) fn clip_launches(spans: &[Span]) -> Vec<(Vec<u64>, (u32, u32))> {
+    clip_batches(spans)
+        .into_iter()
+        .filter_map(|batch| {
+            let longest = batch.iter().map(|s| s.len).max().unwrap_or(0);
+            let grid = (blocks(longest).min(CLIP_BLOCKS), batch.len() as u32);
+            (longest > 0).then(|| (Spans::of(&batch).words(), grid))
+        })
+        .collect()
 }
 
 /// How [`Kernels::clip`] batches `spans`: in order, up to [`MAX_SPANS`] per launch, a
@@ -495,51 +530,43 @@ impl Kernels {
         }
     }
 
-    /// `dst[0] = Σ x²` over every element of `spans` (non-empty, as
-    /// [`sumsq_launches`] laid them out in `launches`), stored as f32: the first pass
-    /// writes one double per block into `partial` (room for the doubles
-    /// [`sumsq_launches`] counts), the second, one block, sums them in index order and
-    /// stores the result. No atomics and no host synchronisation.
+    /// `dst[0] = Σ x²` over every element of the spans [`sumsq_launches`] laid out,
+    /// stored as f32: each first-pass launch `(grid, at, table)` reads its spans from
+    /// the device address `table` ([`sumsq_words`]) and writes one double per block
+    /// into `partial` from `at` on (room for the `partials` doubles
+    /// [`sumsq_launches`] counts); the second, one block, sums them in index order and
+    /// stores the result where the device word at `dst_at` points. No atomics and no
+    /// host synchronisation, and no buffer address in the launches' parameters, so a
+    /// captured graph of them serves any buffers.
     pub(super) fn sum_squares(
         &self,
         stream: sys::CUstream,
-        spans: &[Span],
-        (launches, partials): (&[SumSqLaunch], u64),
-        partial: sys::CUdeviceptr,
-        dst: sys::CUdeviceptr,
+        launches: &[(u32, u64, sys::CUdeviceptr)],
+        (partial, partials): (sys::CUdeviceptr, u64),
+        dst_at: sys::CUdeviceptr,
     ) -> Result<(), OpsError> {
         const K: &str = "sum_squares";
-        for l in launches {
-            let chunk = &spans[l.spans.clone()];
-            let args = Args::default()
-                .push(SumsqSpans::of(chunk))
-                .push(partial + l.at * 8);
-            Self::launch(K, self.sumsq_spans, (l.grid, 1), stream, args)?;
+        for &(grid, at, table) in launches {
+            let args = Args::default().push(table).push(partial + at * 8);
+            Self::launch(K, self.sumsq_spans, (grid, 1), stream, args)?;
         }
-        let args = Args::default().push(partial).push(partials).push(dst);
+        let args = Args::default().push(partial).push(partials).push(dst_at);
         Self::launch(K, self.sumsq_final, (1, 1), stream, args)
     }
 
-    /// Scales every span by the clip factor of the squared norm at `norm` (one float,
-    /// read on the device) and `max_norm`; nothing when the norm is not finite or the
-    /// factor is not below 1. Launches as [`clip_batches`] groups the spans.
+    /// Scales every span by the clip factor of the squared norm (one float, read on the
+    /// device where the device word at `norm_at` points) and `max_norm`; nothing when
+    /// the norm is not finite or the factor is not below 1. One launch per
+    /// [`clip_launches`] entry, its spans at the device address `table`.
     pub(super) fn clip(
         &self,
         stream: sys::CUstream,
-        spans: &[Span],
-        norm: sys::CUdeviceptr,
+        launches: &[((u32, u32), sys::CUdeviceptr)],
+        norm_at: sys::CUdeviceptr,
         max_norm: f32,
     ) -> Result<(), OpsError> {
-        for batch in clip_batches(spans) {
-            let longest = batch.iter().map(|s| s.len).max().unwrap_or(0);
-            if longest == 0 {
-                continue;
-            }
-            let grid = (blocks(longest).min(CLIP_BLOCKS), batch.len() as u32);
-            let args = Args::default()
-                .push(Spans::of(&batch))
-                .push(norm)
-                .push(max_norm);
+        for &(grid, table) in launches {
+            let args = Args::default().push(table).push(norm_at).push(max_norm);
             Self::launch("clip", self.clip, grid, stream, args)?;
         }
         Ok(())
@@ -586,36 +613,53 @@ mod tests {
                 .map(|p| p.split_whitespace().collect::<Vec<_>>().join(" "))
                 .collect()
         };
+        // The tail's kernels take their buffers' addresses from device memory (tables
+        // the flush uploads), never as parameters: a captured graph serves any buffers.
         assert_eq!(
             params("ov_sumsq_spans"),
-            ["const SumsqSpans p", "double* partial"]
+            ["const SumsqSpans* __restrict__ spans", "double* partial"]
         );
         assert_eq!(
             params("ov_sumsq_final"),
-            ["const double* partial", "u64 count", "float* dst"]
+            [
+                "const double* partial",
+                "u64 count",
+                "float* const* __restrict__ dst"
+            ]
         );
         assert_eq!(
             params("ov_clip"),
-            ["const Spans p", "const float* norm", "float max_norm"]
+            [
+                "const Spans* __restrict__ spans",
+                "const float* const* __restrict__ norm",
+                "float max_norm"
+            ]
         );
-        // The guard is the last parameter of every kernel that writes an optimizer's
-        // persistent state (the multi-tensor AdamW's is in its table).
-        for (name, count) in [("ov_mb_momentum", 8), ("ov_mb_update", 7)] {
-            let p = params(name);
-            assert_eq!(p.len(), count, "{name}: {p:?}");
-            assert_eq!(p.last().unwrap(), "const float* guard", "{name}");
-        }
+        assert_eq!(
+            params("ov_adamw_multi"),
+            ["const AdamwTable* __restrict__ table"]
+        );
         assert_eq!(
             params("ov_mb_momentum"),
             [
-                "const __grid_constant__ MuonMats t",
+                "const MuonMats* __restrict__ mats",
                 "void* x",
                 "u64 numel",
                 "u64 stride",
                 "const double* sc",
                 "int bf16",
-                "double* partial",
-                "const float* guard"
+                "double* partial"
+            ]
+        );
+        assert_eq!(
+            params("ov_mb_update"),
+            [
+                "const MuonMats* __restrict__ mats",
+                "const void* x",
+                "u64 numel",
+                "u64 stride",
+                "const double* sc",
+                "int bf16"
             ]
         );
         assert_eq!(
@@ -685,6 +729,13 @@ mod tests {
         assert_eq!(n, 5);
         let t = SumsqSpans::of(&[span(0x1000, 10), span(0x2000, long)]);
         assert_eq!(&t.block0[..2], &[0, 1]);
+        // In device memory as the struct lays it out: spans, first blocks, count.
+        let w = sumsq_words(&[span(0x1000, 10), span(0x2000, long)]);
+        assert_eq!(w.len() * 8, std::mem::size_of::<SumsqSpans>());
+        assert_eq!(
+            (&w[..4], w[2 * MAX_SPANS + 1], w[3 * MAX_SPANS]),
+            (&[0x1000, 10, 0x2000, long][..], 1, 2)
+        );
         // More spans than one launch takes: consecutive launches, partials back to back.
         let spans: Vec<Span> = (0..MAX_SPANS as u64 + 5)
             .map(|i| span(0x1000 * (i + 1), 3000 * (i + 1)))

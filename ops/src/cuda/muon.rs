@@ -166,13 +166,13 @@ impl Blas {
 }
 
 /// One batch of a class: up to [`super::optim::MUON_MATS`] matrices of one shape with
-/// their hyper-parameters and guard ([`crate::Kernel::IfFinite`]'s squared norm, or 0).
+/// their hyper-parameters (their guard, [`crate::Kernel::IfFinite`]'s squared norm, is
+/// in `mats`).
 pub(super) struct Batch {
     pub(super) shape: (usize, usize),
     pub(super) mats: MuonMats,
     pub(super) count: usize,
     pub(super) hp: MuonParams,
-    pub(super) guard: u64,
 }
 
 /// A batch's scratch regions, as byte offsets, and where its matrices start in the
@@ -333,8 +333,8 @@ pub(super) fn classes(batches: &[&Batch]) -> Vec<Vec<usize>> {
     out.into_iter().map(|(_, members)| members).collect()
 }
 
-/// Runs the Muon steps of a class's `batches` (each with the device address of its
-/// [`super::optim::muon_scalars`]) on `stream` with `scratch` laid out by `layout`:
+/// Runs the Muon steps of a class's `batches` (each with the device addresses of its
+/// [`super::optim::muon_scalars`] and of its [`MuonMats`]' words) on `stream` with `scratch` laid out by `layout`:
 /// per batch the momentum into the working precision (one launch), then the norms and
 /// Newton–Schulz of the whole class in lockstep, then per batch the updates (one
 /// launch).
@@ -343,9 +343,9 @@ pub(super) fn run_class(
     blas: &Blas,
     stream: sys::CUstream,
     (scratch, layout): (u64, &ClassLayout),
-    batches: &[(&Batch, u64)],
+    batches: &[(&Batch, u64, u64)],
 ) -> Result<(), OpsError> {
-    let Some((first, _)) = batches.first() else {
+    let Some((first, _, _)) = batches.first() else {
         return Ok(());
     };
     let steps = first.hp.ns_steps;
@@ -358,9 +358,9 @@ pub(super) fn run_class(
         stride: r.xstride as u64,
         bf16,
     };
-    for ((b, sc), r) in batches.iter().zip(&layout.batches) {
+    for ((b, sc, mats), r) in batches.iter().zip(&layout.batches) {
         let w = working(r, r.y);
-        fns.mb_momentum(stream, &b.mats, (w, at(r.partial)), *sc, b.guard)?;
+        fns.mb_momentum(stream, (*mats, b.mats.count()), (w, at(r.partial)), *sc)?;
     }
     for r in &layout.batches {
         let count = u32::try_from(r.count).map_err(|_| too_big(r))?;
@@ -377,9 +377,9 @@ pub(super) fn run_class(
         // count.
         steps % 2 == 1
     };
-    for ((b, sc), r) in batches.iter().zip(&layout.batches) {
+    for ((b, sc, mats), r) in batches.iter().zip(&layout.batches) {
         let w = working(r, if in_z { r.z } else { r.y });
-        fns.mb_update(stream, (&b.mats, w), *sc, b.guard)?;
+        fns.mb_update(stream, ((*mats, b.mats.count()), w), *sc)?;
     }
     Ok(())
 }
@@ -689,10 +689,9 @@ mod tests {
     fn classes_join_batches_that_share_m_precision_and_steps_within_the_cap() {
         let batch = |shape: (usize, usize), count: usize, ns: NsDtype, steps: u32| Batch {
             shape,
-            mats: MuonMats::of(&[], super::super::optim::FusedClip::default()),
+            mats: MuonMats::of(&[], super::super::optim::FusedClip::default(), 0),
             count,
             hp: MuonParams::default().with_ns_dtype(ns).with_ns_steps(steps),
-            guard: 0,
         };
         let bf = NsDtype::Bf16;
         let batches = [

@@ -33,14 +33,16 @@ struct AdamwScalars {
 };
 
 // Up to OV_ADAMW_TENSORS tensors sharing their hyper-parameters and guard; `sc`: their
-// AdamwScalars. `guard`: ov_skip. `clip_norm`, `max_norm`: ov_fused_clip.
+// AdamwScalars. `guard`: ov_skip. `clip_norm`, `max_norm`: ov_fused_clip. The table sits
+// in device memory, uploaded with the flush's scalars (only its first `count` tensors),
+// so a launch captured in a graph takes this step's buffers when it is replayed.
 struct AdamwTable {
-    AdamwTensor t[OV_ADAMW_TENSORS];
     const AdamwScalars* sc;
     const float* guard;
     u64 count;
     const float* clip_norm;
     float max_norm;
+    AdamwTensor t[OV_ADAMW_TENSORS];
 };
 
 // Kernel::Clip fused into an optimizer that reads the gradient anyway (defer.rs): with
@@ -90,7 +92,8 @@ __device__ __forceinline__ void ov_adamw_elem4(float4& p, float4 g, float4& m, f
 // parameter in one pass, 16-byte loads and stores when the four operands are aligned
 // and the chunk is whole (every load of the chunk issued before any is used), one float
 // at a time otherwise. Every block reads the guard first (ov_skip).
-extern "C" __global__ void ov_adamw_multi(const __grid_constant__ AdamwTable t) {
+extern "C" __global__ void ov_adamw_multi(const AdamwTable* __restrict__ table) {
+    const AdamwTable& t = *table;
     if (ov_skip(t.guard)) return;
     const AdamwScalars sc = *t.sc;
     float cf = 1.0f;
@@ -153,14 +156,16 @@ extern "C" __global__ void ov_adamw_multi(const __grid_constant__ AdamwTable t) 
 
 // The matrices of a batched Muon launch: parameter, momentum buffer and gradient of
 // each, `count` of them, all rows x cols; `clip_norm`, `max_norm`: ov_fused_clip, in
-// ov_mb_momentum (the one kernel that reads the gradients).
+// ov_mb_momentum (the one kernel that reads the gradients); `guard`: ov_skip. In device
+// memory, uploaded with the flush's scalars (as AdamwTable).
 struct MuonMats {
-    float* p[OV_MUON_MATS];
-    float* buf[OV_MUON_MATS];
-    float* g[OV_MUON_MATS];
     u64 count;
     const float* clip_norm;
     float max_norm;
+    const float* guard;
+    float* p[OV_MUON_MATS];
+    float* buf[OV_MUON_MATS];
+    float* g[OV_MUON_MATS];
 };
 
 // Matrix blockIdx.y: buf = mu*buf + g (stored as float), u = g + mu*buf
@@ -168,7 +173,7 @@ struct MuonMats {
 // x: float, or with bf16 rounded to bfloat16 (as torch.optim.Muon's G.bfloat16()).
 // Each block also writes the sum of squares of the values it stored (in double) to
 // partial[y * gridDim.x + blockIdx.x], for ov_mb_norm. sc: the batch's scalars in
-// device memory (mu, decay, scale; see AdamwScalars). `guard`: ov_skip (a skipped step
+// device memory (mu, decay, scale; see AdamwScalars). `t.guard`: ov_skip (a skipped step
 // writes nothing: Newton-Schulz then runs on stale scratch, and its result is
 // discarded by ov_mb_update's own guard).
 // One element of ov_mb_momentum: g scaled by the fused clip (stored back), buf and the
@@ -187,10 +192,11 @@ __device__ __forceinline__ float ov_muon_elem(float& g, float& b, double mu, boo
     return u;
 }
 
-extern "C" __global__ void ov_mb_momentum(const __grid_constant__ MuonMats t, void* x,
+extern "C" __global__ void ov_mb_momentum(const MuonMats* __restrict__ mats, void* x,
                                           u64 numel, u64 stride, const double* sc, int bf16,
-                                          double* partial, const float* guard) {
-    if (ov_skip(guard)) return;
+                                          double* partial) {
+    const MuonMats& t = *mats;
+    if (ov_skip(t.guard)) return;
     const double mu = sc[0];
     float cf = 1.0f;
     const bool clip = ov_fused_clip(t.clip_norm, t.max_norm, &cf);
@@ -318,11 +324,11 @@ extern "C" __global__ void ov_mb_diag(void* b, u64 m, u64 astride, float shift, 
 }
 
 // Matrix y: p = p*decay - scale*O, O the working matrix at element y*stride of x (float
-// or bf16), in the parameter's layout; decay = sc[1], scale = sc[2]. `guard`: ov_skip.
-extern "C" __global__ void ov_mb_update(const __grid_constant__ MuonMats t, const void* x,
-                                        u64 numel, u64 stride, const double* sc, int bf16,
-                                        const float* guard) {
-    if (ov_skip(guard)) return;
+// or bf16), in the parameter's layout; decay = sc[1], scale = sc[2]. `t.guard`: ov_skip.
+extern "C" __global__ void ov_mb_update(const MuonMats* __restrict__ mats, const void* x,
+                                        u64 numel, u64 stride, const double* sc, int bf16) {
+    const MuonMats& t = *mats;
+    if (ov_skip(t.guard)) return;
     const double decay = sc[1], scale = sc[2];
     const u32 y = blockIdx.y;
     float* p = t.p[y];

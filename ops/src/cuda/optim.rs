@@ -43,16 +43,42 @@ pub(super) struct AdamwTensor {
     pub block0: u64,
 }
 
-/// A multi-tensor AdamW launch's parameter (`struct AdamwTable`).
+/// A multi-tensor AdamW launch's table (`struct AdamwTable`), which the kernel reads
+/// from device memory ([`AdamwTable::words`]).
 #[repr(C)]
 #[derive(Clone, Copy)]
 pub(super) struct AdamwTable {
-    t: [AdamwTensor; ADAMW_TENSORS],
     /// The device address of [`adamw_scalars`]' seven values (`struct AdamwScalars`).
     scalars: sys::CUdeviceptr,
     guard: sys::CUdeviceptr,
     count: u64,
     clip: FusedClip,
+    t: [AdamwTensor; ADAMW_TENSORS],
+}
+
+impl AdamwTable {
+    /// The tensors of the launch.
+    pub(super) fn count(&self) -> u64 {
+        self.count
+    }
+
+    /// The table as `struct AdamwTable` lays it out, in words, up to its last tensor
+    /// (the kernel reads no further).
+    pub(super) fn words(&self) -> Vec<u64> {
+        let mut w = vec![
+            self.scalars,
+            self.guard,
+            self.count,
+            self.clip.norm,
+            u64::from(self.clip.max_norm.to_bits()),
+        ];
+        w.extend(
+            self.t[..self.count as usize]
+                .iter()
+                .flat_map(|t| [t.p, t.g, t.m, t.v, t.n, t.block0]),
+        );
+        w
+    }
 }
 
 /// [`crate::Kernel::Clip`] fused into the optimizer kernels that read the clipped
@@ -114,11 +140,11 @@ pub(super) fn adamw_tables(
     let mut i = 0;
     while i < live.len() {
         let mut table = AdamwTable {
-            t: [AdamwTensor::default(); ADAMW_TENSORS],
             scalars,
             guard,
             count: 0,
             clip,
+            t: [AdamwTensor::default(); ADAMW_TENSORS],
         };
         let mut blocks = 0u64;
         // A grid's x dimension is at most 2^31 − 1 blocks.
@@ -140,15 +166,18 @@ pub(super) fn adamw_tables(
     out
 }
 
-/// The matrices of a batched Muon launch (`struct MuonMats`).
+/// The matrices of a batched Muon launch (`struct MuonMats`), which the kernels read
+/// from device memory ([`MuonMats::words`]).
 #[repr(C)]
 #[derive(Clone, Copy)]
 pub(super) struct MuonMats {
+    count: u64,
+    clip: FusedClip,
+    /// [`crate::Kernel::IfFinite`]'s squared norm, or 0.
+    guard: sys::CUdeviceptr,
     p: [sys::CUdeviceptr; MUON_MATS],
     buf: [sys::CUdeviceptr; MUON_MATS],
     g: [sys::CUdeviceptr; MUON_MATS],
-    count: u64,
-    clip: FusedClip,
 }
 
 impl MuonMats {
@@ -156,14 +185,16 @@ impl MuonMats {
     pub(super) fn of(
         mats: &[(sys::CUdeviceptr, sys::CUdeviceptr, sys::CUdeviceptr)],
         clip: FusedClip,
+        guard: sys::CUdeviceptr,
     ) -> Self {
         debug_assert!(mats.len() <= MUON_MATS);
         let mut out = MuonMats {
+            count: mats.len() as u64,
+            clip,
+            guard,
             p: [0; MUON_MATS],
             buf: [0; MUON_MATS],
             g: [0; MUON_MATS],
-            count: mats.len() as u64,
-            clip,
         };
         for (i, &(p, buf, g)) in mats.iter().enumerate() {
             out.p[i] = p;
@@ -173,21 +204,21 @@ impl MuonMats {
         out
     }
 
-    fn count(&self) -> u32 {
+    /// The matrices of the batch.
+    pub(super) fn count(&self) -> u32 {
         self.count as u32
     }
 
-    /// Every address the batch's launches take, and its clip's threshold (the part of a
-    /// flush's key that is this batch's, `flush.rs`).
-    pub(super) fn key(&self) -> impl Iterator<Item = u64> + '_ {
-        let n = self.count as usize;
-        let clip = [self.clip.norm, u64::from(self.clip.max_norm.to_bits())];
-        self.p[..n]
-            .iter()
-            .chain(&self.buf[..n])
-            .chain(&self.g[..n])
-            .copied()
-            .chain(clip)
+    /// The struct as `struct MuonMats` lays it out, in words.
+    pub(super) fn words(&self) -> Vec<u64> {
+        let mut w = vec![
+            self.count,
+            self.clip.norm,
+            u64::from(self.clip.max_norm.to_bits()),
+            self.guard,
+        ];
+        w.extend(self.p.iter().chain(&self.buf).chain(&self.g));
+        w
     }
 }
 
@@ -235,41 +266,42 @@ impl OptimFns {
         })
     }
 
-    /// One multi-tensor AdamW launch of [`adamw_tables`].
+    /// One multi-tensor AdamW launch of [`adamw_tables`], its table at the device
+    /// address `table` ([`AdamwTable::words`]).
     pub(super) fn adamw_multi(
         &self,
         stream: sys::CUstream,
-        (table, grid): &(AdamwTable, u32),
+        table: sys::CUdeviceptr,
+        grid: u32,
     ) -> Result<(), OpsError> {
-        if *grid == 0 {
+        if grid == 0 {
             return Ok(());
         }
-        let args = Args::default().push(*table);
-        Kernels::launch_with("adamw", self.adamw_multi, (*grid, 1), 256, stream, args)
+        let args = Args::default().push(table);
+        Kernels::launch_with("adamw", self.adamw_multi, (grid, 1), 256, stream, args)
     }
 
-    /// Muon's momentum and Nesterov input `U` of every matrix, stored (unnormalised)
-    /// as its working matrix in `w`, and per block the sum of squares of what it stored
-    /// into `partial` (room for `count ·` [`MB_MAX_BLOCKS`] doubles); `guard` as for
-    /// AdamW; `scalars`: the device address of the batch's [`muon_scalars`].
+    /// Muon's momentum and Nesterov input `U` of every matrix of the batch (its
+    /// [`MuonMats`] at the device address `mats`, `count` of them), stored
+    /// (unnormalised) as its working matrix in `w`, and per block the sum of squares of
+    /// what it stored into `partial` (room for `count ·` [`MB_MAX_BLOCKS`] doubles);
+    /// `scalars`: the device address of the batch's [`muon_scalars`].
     pub(super) fn mb_momentum(
         &self,
         stream: sys::CUstream,
-        mats: &MuonMats,
+        (mats, count): (sys::CUdeviceptr, u32),
         (w, partial): (Working, sys::CUdeviceptr),
         scalars: sys::CUdeviceptr,
-        guard: sys::CUdeviceptr,
     ) -> Result<(), OpsError> {
         let args = Args::default()
-            .push(*mats)
+            .push(mats)
             .push(w.x)
             .push(w.numel)
             .push(w.stride)
             .push(scalars)
             .push(i32::from(w.bf16))
-            .push(partial)
-            .push(guard);
-        let grid = (mb_blocks(w.numel), mats.count());
+            .push(partial);
+        let grid = (mb_blocks(w.numel), count);
         Kernels::launch_with("muon", self.mb_momentum, grid, 256, stream, args)
     }
 
@@ -318,25 +350,24 @@ impl OptimFns {
         Kernels::launch_with("muon", self.mb_diag, grid, 256, stream, args)
     }
 
-    /// Every parameter `p_y = p_y·decay − scale·O_y`, `O_y` the working matrix `y` of
-    /// `w` (in the parameter's layout), `decay` and `scale` the batch's
-    /// [`muon_scalars`] at the device address `scalars`; `guard` as for AdamW.
+    /// Every parameter `p_y = p_y·decay − scale·O_y` of the batch (as for
+    /// [`Self::mb_momentum`]), `O_y` the working matrix `y` of `w` (in the parameter's
+    /// layout), `decay` and `scale` the batch's [`muon_scalars`] at the device address
+    /// `scalars`.
     pub(super) fn mb_update(
         &self,
         stream: sys::CUstream,
-        (mats, w): (&MuonMats, Working),
+        ((mats, count), w): ((sys::CUdeviceptr, u32), Working),
         scalars: sys::CUdeviceptr,
-        guard: sys::CUdeviceptr,
     ) -> Result<(), OpsError> {
         let args = Args::default()
-            .push(*mats)
+            .push(mats)
             .push(w.x)
             .push(w.numel)
             .push(w.stride)
             .push(scalars)
-            .push(i32::from(w.bf16))
-            .push(guard);
-        let grid = (mb_blocks(w.numel), mats.count());
+            .push(i32::from(w.bf16));
+        let grid = (mb_blocks(w.numel), count);
         Kernels::launch_with("muon", self.mb_update, grid, 256, stream, args)
     }
 }
@@ -350,13 +381,56 @@ mod tests {
         assert_eq!(std::mem::size_of::<AdamwTensor>(), 48);
         assert_eq!(
             std::mem::size_of::<AdamwTable>(),
-            48 * ADAMW_TENSORS + 8 + 16 + 16
+            8 + 8 + 8 + 16 + 48 * ADAMW_TENSORS
         );
         assert_eq!(std::mem::size_of::<FusedClip>(), 16);
-        assert_eq!(std::mem::size_of::<MuonMats>(), 3 * 8 * MUON_MATS + 8 + 16);
-        // Kernel parameters are limited to 32,764 bytes (CUDA 12.1 and later).
-        assert!(std::mem::size_of::<AdamwTable>() <= 32_764);
-        assert!(std::mem::size_of::<MuonMats>() + 64 <= 32_764);
+        assert_eq!(
+            std::mem::size_of::<MuonMats>(),
+            8 + 16 + 8 + 3 * 8 * MUON_MATS
+        );
+        // The words the device reads are the structs' bytes: the header (the clip's
+        // f32 threshold in the low half of its word), then the tensors or matrices.
+        let t = AdamwTensor {
+            p: 1,
+            g: 2,
+            m: 3,
+            v: 4,
+            n: 5,
+            block0: 0,
+        };
+        let clip = FusedClip {
+            norm: 0x77,
+            max_norm: 0.5,
+        };
+        let (tables, _) = (adamw_tables(&[t, t], 0x50, (0x60, clip)), ());
+        let w = tables[0].0.words();
+        assert_eq!(
+            w,
+            [
+                0x50,
+                0x60,
+                2,
+                0x77,
+                u64::from(0.5f32.to_bits()),
+                1,
+                2,
+                3,
+                4,
+                5,
+                0,
+                1,
+                2,
+                3,
+                4,
+                5,
+                1
+            ]
+        );
+        let m = MuonMats::of(&[(1, 2, 3)], clip, 0x60);
+        let w = m.words();
+        assert_eq!(w.len() * 8, std::mem::size_of::<MuonMats>());
+        assert_eq!(&w[..5], &[1, 0x77, u64::from(0.5f32.to_bits()), 0x60, 1]);
+        assert_eq!((w[4 + MUON_MATS], w[4 + 2 * MUON_MATS]), (2, 3));
         assert!(SOURCE.contains(&format!("#define OV_ADAMW_TENSORS {ADAMW_TENSORS}")));
         assert!(SOURCE.contains(&format!("#define OV_MUON_MATS {MUON_MATS}")));
         assert!(SOURCE.contains("#define OV_ADAMW_UNROLL 4"));

@@ -1,16 +1,18 @@
 //! A stream's optimizer flush as one captured CUDA graph, replayed.
 //!
-//! A flush (`flush.rs`: the clip of the gradients no optimizer reads, the multi-tensor
-//! AdamW launches, and per Muon class the momentum, the norms, the Newton–Schulz
-//! products and the updates) is the same work from step to step: the same parameters,
-//! gradients, states, guards and scratch. Only its scalars change (AdamW's bias
-//! corrections with the step, the learning rate with its schedule), and those are read
-//! from device memory that the flush uploads first. Issued call by call, GPT-2 small's
+//! A flush (`flush.rs`: the global norm, the clip of the gradients no optimizer reads,
+//! the multi-tensor AdamW launches, and per Muon class the momentum, the norms, the
+//! Newton–Schulz products and the updates) is the same work from step to step: the
+//! same shapes in the same scratch. What changes (AdamW's bias corrections with the
+//! step, the learning rate with its schedule, and the addresses of the step's
+//! gradients, guards and norm) is read from device memory that the flush uploads
+//! first. Issued call by call, GPT-2 small's
 //! Muon tail is 22 launches and 41 cuBLASLt calls (counted from `flush.rs` and
 //! `muon.rs`); replayed, it is one `cuGraphLaunch` (docs/performance.md, "Host time of
 //! the tail").
 //!
-//! A flush is keyed by every address and size its launches take ([`TailKey`]). A key
+//! A flush is keyed by every address and size its launches take ([`TailKey`]): the
+//! scratch and the sizes, never a buffer's address. A key
 //! seen a second time is captured (`cuStreamBeginCapture` in thread-local mode on the
 //! stream, the same calls, `cuStreamEndCapture`, `cuGraphInstantiate`) and launched;
 //! replayed from then on. A key seen once is issued directly, so a flush that never
@@ -20,9 +22,9 @@
 //! either way.
 //!
 //! Invariant: a graph is launched only on the stream it was captured on, with the
-//! same buffers at the same addresses (the key holds every address its nodes touch,
-//! the scratch's included, and the scratch is at least as large as when it was
-//! captured: the same key asks for the same bytes).
+//! same scratch (the key holds the scratch's address, and the scratch is at least as
+//! large as when it was captured: the same key asks for the same bytes), right after
+//! the upload of this flush's words into it, which name the buffers its nodes touch.
 
 use std::collections::HashMap;
 
@@ -32,8 +34,9 @@ use cudarc::driver::sys;
 
 use crate::OpsError;
 
-/// Everything a flush's launches depend on but its scalars: every address, size, grid,
-/// precision and count, in issue order (`flush.rs` builds it).
+/// Everything a flush's launches depend on but its uploaded words: the scratch's
+/// address, every size, grid, precision, count and place of a table, in issue order
+/// (`flush.rs` builds it).
 pub(super) type TailKey = Vec<u64>;
 
 /// Most flushes remembered per stream.
@@ -61,6 +64,8 @@ pub(super) struct TailGraphs {
     graphs: HashMap<TailKey, Known, WordHash>,
     /// Whether to capture at all ([`super::CudaBackend::set_tail_graphs`]).
     pub(super) off: bool,
+    /// Flushes issued as one graph launch ([`super::CudaBackend::tail_replays`]).
+    pub(super) replays: u64,
 }
 
 impl std::fmt::Debug for TailGraphs {
@@ -112,6 +117,7 @@ impl TailGraphs {
         }
         match known {
             Known::Captured(g) => {
+                self.replays += 1;
                 // SAFETY: an instantiated graph of this stream's context; its nodes
                 // touch the buffers and scratch the key names, which are still
                 // allocated (the caller keeps them alive until the stream passes).
