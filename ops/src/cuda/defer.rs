@@ -374,10 +374,10 @@ impl Issue {
     }
 }
 
-/// Where the host's time in optimizer flushes goes, summed over the backend's life per
-/// kind of flush (`OVERLAP_FLUSH_CLOCK=1`, a diagnostic: printed on stderr when the
-/// backend is dropped, [`flush_clock_report`]): planning the launches, the scratch and
-/// the scalars' upload, the graph key, and the launch itself (a replayed graph, or the
+/// Where the host's time in optimizer flushes goes, over the backend's life per kind of
+/// flush (`OVERLAP_FLUSH_CLOCK=1`, a diagnostic: printed on stderr when the backend is
+/// dropped, [`flush_clock_report`]): planning the launches, the scratch and the words'
+/// upload, the graph key, and the launch itself (a replayed graph, or the
 /// calls one by one). A kind is (kernels held, Muon among them, norm held, clip held,
 /// graphs on).
 pub(super) type FlushClocks =
@@ -402,27 +402,40 @@ pub(super) fn flush_clock_report(clocks: &FlushClocks) -> String {
         .join("\n")
 }
 
-/// One kind of flush's host time.
+/// One kind of flush's host time: every flush's parts (the first
+/// [`FLUSH_CLOCK_SAMPLES`]), summarised by their medians, so that the one-time costs
+/// (a first flush issued call by call, the capture of its graph) do not hide what a
+/// steady step costs.
 #[derive(Debug, Default)]
 pub(super) struct FlushClock {
     flushes: u64,
-    parts: [std::time::Duration; 4],
+    samples: Vec<[std::time::Duration; 4]>,
 }
+
+/// Most flushes of one kind kept for the medians.
+const FLUSH_CLOCK_SAMPLES: usize = 100_000;
 
 impl FlushClock {
     fn add(&mut self, parts: [std::time::Duration; 4]) {
         self.flushes += 1;
-        for (sum, p) in self.parts.iter_mut().zip(parts) {
-            *sum += p;
+        if self.samples.len() < FLUSH_CLOCK_SAMPLES {
+            self.samples.push(parts);
         }
     }
 
-    /// The mean of each part per flush, in µs.
+    /// The median of each part per flush, in µs.
     fn summary(&self) -> String {
-        let n = self.flushes.max(1) as f64;
-        let us = |i: usize| self.parts[i].as_secs_f64() * 1e6 / n;
+        let us = |i: usize| {
+            let mut v: Vec<f64> = self
+                .samples
+                .iter()
+                .map(|s| s[i].as_secs_f64() * 1e6)
+                .collect();
+            v.sort_by(f64::total_cmp);
+            v.get(v.len() / 2).copied().unwrap_or(0.0)
+        };
         format!(
-            "{} flushes, host µs per flush: plan {:.1}, scratch and upload {:.1}, graph key {:.1}, launch {:.1}",
+            "{} flushes, host µs per flush (median): plan {:.1}, scratch and upload {:.1}, graph key {:.1}, launch {:.1}",
             self.flushes,
             us(0),
             us(1),
@@ -438,7 +451,7 @@ mod tests {
     use std::time::Duration;
 
     #[test]
-    fn the_flush_clock_reports_each_kind_of_flush_apart_as_means() {
+    fn the_flush_clock_reports_each_kind_of_flush_apart_as_medians() {
         let mut clocks = FlushClocks::new();
         let us = Duration::from_micros;
         let kind = (148, 48, true, true, true);
@@ -451,6 +464,10 @@ mod tests {
             .or_default()
             .add([us(20), us(6), us(4), us(50)]);
         clocks
+            .entry(kind)
+            .or_default()
+            .add([us(15), us(5), us(3), us(40_000)]);
+        clocks
             .entry((148, 0, false, false, false))
             .or_default()
             .add([us(1), us(1), us(0), us(500)]);
@@ -459,9 +476,9 @@ mod tests {
         assert_eq!(lines.len(), 2, "{report}");
         assert!(
             lines[1]
-                .starts_with("148 held (48 Muon), norm true, clip true, graphs true: 2 flushes")
+                .starts_with("148 held (48 Muon), norm true, clip true, graphs true: 3 flushes")
                 && lines[1]
-                    .ends_with("plan 15.0, scratch and upload 5.0, graph key 3.0, launch 40.0"),
+                    .ends_with("plan 15.0, scratch and upload 5.0, graph key 3.0, launch 50.0"),
             "{report}"
         );
         assert!(
