@@ -249,7 +249,7 @@ impl Backend for CudaBackend {
 
     /// Aborts every NCCL communicator (`ncclCommAbort`; a collective in flight on it
     /// ends with an error) and releases every wait on the copy transport's flags
-    /// ([`super::exchange::CopyRing::release`]; the rings stay, refusing later
+    /// (`exchange.rs`, `CopyRing::release`; the rings stay, refusing later
     /// exchanges).
     ///
     /// The aborts run on a thread of their own, waited for at most [`ABORT_WAIT`]:

@@ -9,11 +9,17 @@
 //! (grouped by hyper-parameters, step and guard) and batched Muon steps (grouped by
 //! shape, hyper-parameters and guard), before whichever comes first:
 //!
-//! - any other kernel launched on the stream, a record on it or a wait on it (so the
-//!   stream's order with everything else is the order the caller issued);
+//! - any other kernel launched on the stream, or a wait on it (so the stream's order
+//!   with everything else is the order the caller issued);
+//! - a wait for, or a query of, an event recorded on the stream behind held kernels;
 //! - an optimizer kernel that shares a buffer with a held one (a parameter updated
 //!   twice stays in order);
 //! - an upload, a download, [`super::CudaBackend::raw_stream`], a reset or the drop.
+//!
+//! A record on a stream that holds kernels does not flush it: the record is deferred
+//! ([`Issue::defer_record`]) and made after the flush, one record for every event
+//! deferred behind it (a plan records an event after each optimizer, for its publish,
+//! and would otherwise cut the held set into single launches).
 //!
 //! Held kernels touch pairwise distinct parameters and states, so running them in
 //! another order, or together, gives the same bits. Held kernels keep their buffers
@@ -38,7 +44,9 @@
 //! norm itself, flushes it first.
 //!
 //! Invariant: a held kernel is issued before any work that the caller issued after it
-//! on the same stream, and before any event the caller records on that stream.
+//! on the same stream, and before the record of any event the caller records on that
+//! stream after it (a deferred record is made after the flush, and no wait or query
+//! sees the event before).
 
 use std::collections::HashSet;
 use std::sync::Arc;
