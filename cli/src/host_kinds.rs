@@ -10,6 +10,8 @@
 pub(crate) const TAIL_KINDS: [&str; 5] =
     ["grad_norm", "norm_reduce", "clip", "optimizer", "publish"];
 
+use crate::tune::median;
+
 /// One step's host figures by kind: (kind, seconds, nodes, seconds inside the
 /// backend's launch).
 type StepKinds = Vec<(&'static str, f64, usize, f64)>;
@@ -95,8 +97,9 @@ fn row(name: &str, steps: &[StepKinds], pick: impl Fn(&str) -> bool) -> String {
                 .fold((0.0, 0, 0.0), |a, k| (a.0 + k.1, a.1 + k.2, a.2 + k.3))
         })
         .collect();
-    let secs = median(sums.iter().map(|s| s.0).collect());
-    let inside = median(sums.iter().map(|s| s.2).collect());
+    // `steps` is never empty here (`HostKinds::table`).
+    let secs = median(&sums.iter().map(|s| s.0).collect::<Vec<_>>());
+    let inside = median(&sums.iter().map(|s| s.2).collect::<Vec<_>>());
     let nodes = sums.iter().map(|s| s.1).max().unwrap_or(0);
     let per = |x: f64| {
         if nodes == 0 {
@@ -111,15 +114,6 @@ fn row(name: &str, steps: &[StepKinds], pick: impl Fn(&str) -> bool) -> String {
         per(secs),
         per(inside)
     )
-}
-
-fn median(mut v: Vec<f64>) -> f64 {
-    v.sort_by(f64::total_cmp);
-    match v.len() {
-        0 => 0.0,
-        n if n % 2 == 1 => v[n / 2],
-        n => (v[n / 2 - 1] + v[n / 2]) / 2.0,
-    }
 }
 
 #[cfg(test)]

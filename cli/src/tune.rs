@@ -256,8 +256,8 @@ fn rank0_spans(stdout: &str) -> Vec<f64> {
         .collect()
 }
 
-/// The median of a non-empty list.
-fn median(v: &[f64]) -> f64 {
+/// The median of a non-empty list (the mean of the middle two of an even one).
+pub(crate) fn median(v: &[f64]) -> f64 {
     let mut v = v.to_vec();
     v.sort_by(f64::total_cmp);
     let n = v.len();

@@ -376,10 +376,10 @@ impl CudaBackend {
     /// landed first (`defer.rs`); `None` when it was never recorded. Takes the issue
     /// lock only for a deferred record.
     pub(super) fn resolve(&self, event: &CudaEvent) -> Option<Arc<Record>> {
-        if event.deferred().is_none() {
-            return event.latest();
+        match event.current() {
+            Ok(record) => record,
+            Err(_) => lock(&self.issue).resolve(&self.shared, event),
         }
-        lock(&self.issue).resolve(&self.shared, event)
     }
 
     /// A record's state as the [`crate::Backend`] reports an event's.

@@ -259,12 +259,15 @@ impl Issue {
     /// The record `event` points at, its deferred record landed first (its stream
     /// flushed); `None` when it was never recorded.
     pub(super) fn resolve(&mut self, shared: &Shared, event: &CudaEvent) -> Option<Arc<Record>> {
-        if let Some(stream) = event.deferred() {
-            if shared.device.bind().is_ok() {
-                self.flush(shared, stream);
+        match event.current() {
+            Ok(record) => record,
+            Err(stream) => {
+                if shared.device.bind().is_ok() {
+                    self.flush(shared, stream);
+                }
+                event.latest()
             }
         }
-        event.latest()
     }
 
     /// Issues every optimizer step held on `stream`, then lands the records deferred

@@ -217,9 +217,15 @@ impl CudaEvent {
         }
     }
 
-    /// The stream whose flush lands this event's deferred record, if it has one.
-    pub(super) fn deferred(&self) -> Option<Stream> {
-        lock(&self.latest).deferred.map(|(s, _)| s)
+    /// The latest record (`None`: never recorded), or, when the event's record is
+    /// deferred, `Err` with the stream whose flush lands it. One lock: a status query,
+    /// which the executor's pool makes often, pays nothing for deferral.
+    pub(super) fn current(&self) -> Result<Option<Arc<Record>>, Stream> {
+        let l = lock(&self.latest);
+        match l.deferred {
+            Some((stream, _)) => Err(stream),
+            None => Ok(l.record.clone()),
+        }
     }
 
     /// Defers the event's record behind what is held on `stream`, under `ticket`.
