@@ -339,8 +339,9 @@ fn a_killed_process_stops_the_others() {
             let r = if i == 0 { 0 } else { i + 1 };
             let e = stderr(&o);
             assert_eq!(o.status.code(), Some(2), "rank {r} of {world}: {e}");
-            // Its links or the rendezvous name rank 1 (or, for a rank that shares no
-            // group with it, the rank whose collective failed because of it).
+            // Its links or the rendezvous name rank 1; a rank that learns of the end
+            // from another survivor's closed connection reads that survivor's farewell,
+            // which names rank 1 too.
             assert!(
                 e.contains("without a goodbye") && e.contains("rank 1"),
                 "rank {r} of {world}: {e}"

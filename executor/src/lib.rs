@@ -815,10 +815,10 @@ impl<B: Backend> Executor<B> {
             step,
             stalled,
         };
+        self.backend.abort(&err.to_string());
         self.broken = Some(format!(
             "the executor cannot be used after a timed-out step (the device may still run it): {err}"
         ));
-        self.backend.abort();
         err
     }
 
@@ -890,11 +890,12 @@ impl<B: Backend> Executor<B> {
         let failures = self.root_causes();
         let busy = self.running_now();
         if self.broken.is_none() {
+            self.backend
+                .abort(&format!("rank {} of the job failed: {}", f.rank, f.reason));
             self.broken = Some(format!(
                 "the executor cannot be used after rank {} of the job failed: {}",
                 f.rank, f.reason
             ));
-            self.backend.abort();
         }
         if !failures.is_empty() {
             return ExecError::Step { failures };

@@ -762,9 +762,12 @@ pub trait Backend: Send + Sync + 'static {
 
     /// Gives up on the work in flight after a step timed out, so that the process can
     /// exit: CUDA aborts every NCCL communicator (`ncclCommAbort`; later collectives
-    /// fail); the CPU backend does nothing (its collectives time out by themselves and
-    /// dropping it ends its streams). The backend is not usable for collectives after.
-    fn abort(&self) {}
+    /// fail); the CPU backend with one rank per process ends its waits for other
+    /// processes and tells them `why` (in one process it does nothing: its collectives
+    /// time out by themselves and dropping it ends its streams). `why` says what ended
+    /// the work (the timeout, or another rank's failure). The backend is not usable for
+    /// collectives after.
+    fn abort(&self, _why: &str) {}
 }
 
 #[cfg(test)]

@@ -114,8 +114,9 @@ struct Shared {
     /// Ranks driven: `0..world` in one process (empty for an invalid mesh), `rank..rank
     /// + 1` for one rank of a multi-process job.
     local: Range<u32>,
-    /// Whether the communicators have members in other processes.
-    remote: bool,
+    /// Whether the communicators have members in other processes, and where this
+    /// process's farewell goes ([`Backend::abort`]).
+    remote: Option<remote::Outbox>,
     epoch: Instant,
     comms: HashMap<CommId, Comm>,
     /// Each local stream's poison (always a cancellation naming the root cause), at
@@ -163,7 +164,7 @@ impl CpuBackend {
             0
         };
         let comms = comms_of(mesh, 0..world, None);
-        let shared = Arc::new(Shared::new(mesh, 0..world, comms, false));
+        let shared = Arc::new(Shared::new(mesh, 0..world, comms, None));
         CpuBackend::start(shared, world <= MAX_RANKS)
     }
 
@@ -187,8 +188,8 @@ impl CpuBackend {
             )));
         }
         let shared = links.register(|outbox| {
-            let comms = comms_of(mesh, rank..rank + 1, Some(outbox));
-            Arc::new(Shared::new(mesh, rank..rank + 1, comms, true))
+            let comms = comms_of(mesh, rank..rank + 1, Some(outbox.clone()));
+            Arc::new(Shared::new(mesh, rank..rank + 1, comms, Some(outbox)))
         });
         Ok(CpuBackend::start(shared, true))
     }
@@ -263,7 +264,7 @@ impl CpuBackend {
             None => cmd,
         };
         let err = match CpuBackend::check_mesh(self.shared.mesh) {
-            Err(e) if !self.shared.local.is_empty() && !self.shared.remote => e,
+            Err(e) if !self.shared.local.is_empty() && self.shared.remote.is_none() => e,
             _ => OpsError::Backend(format!(
                 "rank {rank} has no running {stream} stream on this backend ({})",
                 self.shared.drives()
@@ -399,9 +400,12 @@ impl Backend for CpuBackend {
     /// In one process, nothing: its collectives time out by themselves and dropping the
     /// backend ends its streams. With one rank per process ([`CpuBackend::one_rank`]),
     /// every call waiting for other processes ends at once, cancelled, and so do later
-    /// ones: the backend is not usable for communication after.
-    fn abort(&self) {
-        if self.shared.remote {
+    /// ones: the backend is not usable for communication after; and every other process
+    /// is told `why` (a farewell on the links), so that a rank which learns of the end
+    /// from this process's closed connection names the cause, not only this rank.
+    fn abort(&self, why: &str) {
+        if let Some(outbox) = &self.shared.remote {
+            outbox.farewell(why);
             self.shared.halt.aborted.store(true, Ordering::Release);
             self.shared.comms.values().for_each(Comm::wake_all);
         }
@@ -633,7 +637,12 @@ fn comms_of(
 }
 
 impl Shared {
-    fn new(mesh: Mesh, local: Range<u32>, comms: HashMap<CommId, Comm>, remote: bool) -> Shared {
+    fn new(
+        mesh: Mesh,
+        local: Range<u32>,
+        comms: HashMap<CommId, Comm>,
+        remote: Option<remote::Outbox>,
+    ) -> Shared {
         let streams = local.len() * Stream::ALL.len();
         Shared {
             mesh,
@@ -662,7 +671,7 @@ impl Shared {
 
     /// What the backend drives, for errors: `mesh 2x2, 4 ranks` or `rank 1 of mesh 2x2`.
     fn drives(&self) -> String {
-        if self.remote {
+        if self.remote.is_some() {
             format!("rank {} of mesh {}", self.local.start, self.mesh)
         } else {
             format!("mesh {}, {} ranks", self.mesh, self.local.len())

@@ -17,7 +17,10 @@
 //! process), the communicator, the sender's generation (resets) and call number, the
 //! sender's rank, then the arrival. A process that ends sends `Bye` (empty) to every
 //! peer and waits until each answers `ByeAck` (empty; its reader has read everything
-//! before), so closing never discards what a peer has not read yet. The connections come
+//! before), so closing never discards what a peer has not read yet. A process that gives
+//! up on the job (a timed-out step, another rank's failure: [`crate::Backend::abort`])
+//! sends `Farewell` (the reason, UTF-8) first, so that its peers name the cause when its
+//! connection closes. The connections come
 //! authenticated from the caller (`overlap_dist::cpu` proves the job's secret with an
 //! HMAC challenge-response before handing them over); the frames after that carry no
 //! tag and nothing is encrypted, as with gloo and NCCL: keep the job on a trusted
@@ -62,6 +65,7 @@ const MAX_BODY: u64 = 1 << 40;
 const ARRIVAL: u8 = 1;
 const BYE: u8 = 2;
 const BYE_ACK: u8 = 3;
+const FAREWELL: u8 = 4;
 
 const KINDS: [CollectiveKind; 5] = [
     CollectiveKind::ReduceScatter,
@@ -135,6 +139,8 @@ enum Received {
     Arrival(Delivery),
     Bye,
     ByeAck,
+    /// The peer gives up on the job, for this reason; its connection closes next.
+    Farewell(String),
 }
 
 /// Where a communicator with remote members sends its local members' arrivals.
@@ -333,6 +339,11 @@ impl Net {
                     self.mark_done(peer);
                     continue;
                 }
+                Ok(Received::Farewell(why)) => {
+                    said_bye = true;
+                    self.lose(peer, format!("rank {peer} stopped: {why}"));
+                    continue;
+                }
                 Ok(Received::Arrival(d)) if d.sender != peer => {
                     format!("rank {peer}'s connection sent an arrival as rank {}", d.sender)
                 }
@@ -386,6 +397,19 @@ impl Net {
 }
 
 impl Outbox {
+    /// Tells every peer that this process gives up on the job, and why: each fails its
+    /// rounds waiting for this rank with `rank R stopped: why` instead of learning of
+    /// it from the connection's close, which says nothing of the cause.
+    pub(super) fn farewell(&self, why: &str) {
+        let net = &self.links.net;
+        let frame = frame(FAREWELL, why.as_bytes());
+        for (rank, out) in net.outs.iter().enumerate() {
+            if out.is_some() {
+                net.send_to(rank as u32, &frame);
+            }
+        }
+    }
+
     /// Sends member `sender`'s arrival at call `call` of generation `generation` on
     /// `comm` to the ranks `to`.
     pub(super) fn send(
@@ -479,6 +503,9 @@ fn read_frame(r: &mut impl Read) -> Result<Received, String> {
     match h[5] {
         BYE => Ok(Received::Bye),
         BYE_ACK => Ok(Received::ByeAck),
+        FAREWELL => Ok(Received::Farewell(
+            String::from_utf8_lossy(&body).into_owned(),
+        )),
         ARRIVAL => decode_delivery(&body).map(Received::Arrival),
         k => Err(format!("a frame of unknown kind {k}")),
     }

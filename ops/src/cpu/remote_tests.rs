@@ -388,9 +388,31 @@ fn a_missing_remote_member_times_out_naming_it_and_abort_ends_a_wait_at_once() {
     all_reduce(&job, &[0], 1);
     let ev = job.record(0, Stream::Reduce);
     std::thread::sleep(Duration::from_millis(20));
-    job.at(0).abort();
+    job.at(0).abort("a test gives up");
     let why = wait_failed(job.at(0), &ev, Duration::from_secs(2));
     assert!(why.contains("aborted"), "{why}");
+}
+
+#[test]
+fn a_rank_that_gives_up_tells_the_others_why() {
+    let mesh = Mesh::new(2, 1).unwrap();
+    let job = Job::one_rank_each(mesh);
+    all_reduce(&job, &[0], 1);
+    let ev = job.record(0, Stream::Reduce);
+    std::thread::sleep(Duration::from_millis(20));
+    let start = Instant::now();
+    job.at(1)
+        .abort("rank 3 of the job failed: its connection closed");
+    let why = wait_failed(job.at(0), &ev, Duration::from_secs(5));
+    assert!(
+        why.contains("rank 1 stopped: rank 3 of the job failed: its connection closed"),
+        "{why}"
+    );
+    assert!(
+        start.elapsed() < Duration::from_secs(2),
+        "{:?}",
+        start.elapsed()
+    );
 }
 
 #[test]

@@ -258,7 +258,7 @@ impl Backend for CudaBackend {
     /// hold the caller there forever. Past the wait the thread is left behind, the
     /// communicators are gone from the backend either way, and the caller goes on to
     /// report the timeout (the process must exit: its device never becomes idle).
-    fn abort(&self) {
+    fn abort(&self, _why: &str) {
         let comms: Vec<nccl::Comm> = {
             let mut st = lock(&self.issue);
             if !st.copy.is_empty() && self.shared.device.bind().is_ok() {
