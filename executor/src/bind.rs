@@ -112,7 +112,14 @@ pub(crate) fn bind<S: Buffers>(
         Op::Optimizer { param, optimizer } => {
             one(optimizer_step(plan, param, optimizer, set, bufs)?)
         }
-        Op::GradNorm | Op::NormReduce { .. } | Op::Clip => one(norm(plan, rank, node, set, bufs)?),
+        // A publish or a norm's all-reduce over a group of one leaves its buffer as it
+        // is: nothing to bind or move.
+        Op::Publish { collective, .. } | Op::NormReduce { collective }
+            if plan.mesh.group_size(collective.group) == 1 =>
+        {
+            one(Kernel::Marker)
+        }
+        Op::GradNorm | Op::NormReduce { .. } | Op::Clip => one(norm(p, node, set, bufs)?),
         Op::Publish { param, collective } => {
             one(publish(plan, rank, node.stream, param, collective, bufs)?)
         }
@@ -451,21 +458,20 @@ fn optimizer_step<S: Buffers>(
 
 /// The global norm's nodes: this rank's sum of squares, its all-reduce, and the clip.
 fn norm<S: Buffers>(
-    plan: &Plan,
-    rank: u32,
+    p: &Prepared,
     node: &Node,
     set: &Settings<'_>,
     bufs: &S,
 ) -> Result<Kernel<S::Buf>, ExecError> {
-    let reduced = |params: Vec<ParamId>| {
+    let reduced = |params: &[ParamId]| {
         params
-            .into_iter()
-            .map(|param| bufs.get(&Buffer::Reduced { param }))
+            .iter()
+            .map(|&param| bufs.get(&Buffer::Reduced { param }))
             .collect::<Result<Vec<_>, _>>()
     };
     Ok(match node.op {
         Op::GradNorm => {
-            let srcs = reduced(plan.norm_params(rank))?;
+            let srcs = reduced(&p.norm_params)?;
             Kernel::SumSquares {
                 dst: bufs.get(&Buffer::Norm)?,
                 srcs: srcs.into(),
@@ -482,7 +488,7 @@ fn norm<S: Buffers>(
         }
         Op::Clip => match set.max_norm {
             Some(max_norm) => {
-                let bufs_ = reduced(plan.held_params(rank))?;
+                let bufs_ = reduced(&p.held_params)?;
                 Kernel::Clip {
                     norm: bufs.get(&Buffer::Norm)?,
                     bufs: bufs_.into(),
@@ -653,6 +659,41 @@ mod tests {
         let mut missing: Vec<_> = Op::KINDS.iter().filter(|k| !kinds.contains(*k)).collect();
         missing.sort();
         assert!(missing.is_empty(), "kinds never bound: {missing:?}");
+    }
+
+    /// A publish, or a norm's all-reduce, over a group of one moves nothing: it binds
+    /// to a marker and looks no buffer up; over a group of two it is a collective.
+    #[test]
+    fn collectives_over_a_group_of_one_bind_to_markers() {
+        let hyper = HyperTable::base(AdamwParams::default(), MuonParams::default());
+        let plan = plan(Mesh::new(2, 1).unwrap(), Transport::Nccl, true);
+        let mut seen = HashSet::default();
+        for rank in plan.mesh.ranks() {
+            let p = Prepared::new(plan.clone(), rank, false);
+            for (n, node) in plan.rank(rank).nodes.iter().enumerate() {
+                let (Op::Publish { collective, .. } | Op::NormReduce { collective }) = node.op
+                else {
+                    continue;
+                };
+                let store = Store::new(&plan, rank);
+                let kernels = bind(&p, rank, n, &settings(&hyper), &store).unwrap();
+                let one = plan.mesh.group_size(collective.group) == 1;
+                seen.insert((node.op.kind(), one));
+                match kernels.as_slice() {
+                    [Kernel::Marker] => assert!(one, "{}", plan.label(node)),
+                    [Kernel::Collective { .. }] => assert!(!one, "{}", plan.label(node)),
+                    other => panic!("{}: {} kernels", plan.label(node), other.len()),
+                }
+                assert_eq!(store.looked_up.into_inner().is_empty(), one);
+            }
+        }
+        for want in [
+            ("publish", true),
+            ("norm_reduce", true),
+            ("norm_reduce", false),
+        ] {
+            assert!(seen.contains(&want), "{want:?} not in {seen:?}");
+        }
     }
 
     /// The node at the first position where `pick` holds, on `rank`.

@@ -32,6 +32,7 @@ pub mod hyper;
 mod peer;
 mod prepared;
 mod rank;
+mod slots;
 
 pub use deadline::StepDeadline;
 pub use fault::{

@@ -44,6 +44,19 @@
 //! and `Unpack` with `accumulate = false` overwrite what they cover); otherwise it is
 //! allocated without zeroing ([`overlap_ops::Backend::alloc_uninit`]: on the CUDA
 //! backend no memset and no synchronisation).
+//!
+//! # Runs
+//!
+//! The step's tail is a long row of nodes of one kind on one stream: a rank's
+//! optimizers back to back, then its publishes (`docs/plan-format.md` §7.4). The
+//! executor issues such a row as one unit ([`Prepared::runs`]): every wait of the row
+//! first, then every node's kernels in order, then every record, and one release event
+//! for the row. Moving a wait earlier and a record later on the same stream only adds
+//! ordering, and cannot deadlock: a wait can only name an event recorded before the row
+//! on the host (the row's own records, on its own stream, are excluded), so what it
+//! waits for never waits for the row. A row is a maximal sequence of optimizer, or of
+//! publish, nodes on one stream whose instructions are waits before the node's run and
+//! records after it, none waiting for an event recorded in the row.
 
 use rustc_hash::{FxHashMap as HashMap, FxHashSet as HashSet};
 use std::sync::Arc;
@@ -87,6 +100,13 @@ pub(crate) struct Prepared {
     pub pack: HashMap<BucketId, Arc<[CopySeg]>>,
     /// Unpack copies per bucket on this rank.
     pub unpack: HashMap<BucketId, Arc<[CopySeg]>>,
+    /// Per node: one past the last node of the row issued as a unit from it (see the
+    /// module docs); `n + 1` where node `n` is issued alone.
+    pub runs: Vec<usize>,
+    /// The parameters whose reduced gradients the rank's `grad_norm` sums
+    /// ([`Plan::norm_params`]) and its `clip` scales ([`Plan::held_params`]).
+    pub norm_params: Vec<overlap_graph::ParamId>,
+    pub held_params: Vec<overlap_graph::ParamId>,
 }
 
 /// Whether `segs` copy one parameter's `len` elements to the same offsets, each once.
@@ -122,7 +142,11 @@ impl Prepared {
         let allocs = groups.allocations(&plan, rank, &access, &unpack);
         let finals = groups.final_accessors(&access);
         let Groups { alias, names, .. } = groups;
+        let runs = runs(&plan, rank, &issue, &issue_end);
         Prepared {
+            runs,
+            norm_params: plan.norm_params(rank),
+            held_params: plan.held_params(rank),
             plan,
             access,
             issue,
@@ -167,6 +191,65 @@ fn issue_ends(nodes: usize, issue: &[(Stream, Instr)]) -> Vec<usize> {
         }
     }
     issue_end
+}
+
+/// Per node: one past the last node of the row of optimizers, or of publishes, issued
+/// as a unit from it (the module docs' conditions), or `n + 1`.
+fn runs(plan: &Plan, rank: u32, issue: &[(Stream, Instr)], issue_end: &[usize]) -> Vec<usize> {
+    let nodes = &plan.rank(rank).nodes;
+    let row_kind = |n: usize| match nodes[n].op {
+        Op::Optimizer { .. } => Some(0),
+        Op::Publish { .. } => Some(1),
+        _ => None,
+    };
+    // Whether node `n`'s instructions are waits, its run, then records (all on its
+    // stream, as the issue order makes them).
+    let plain = |n: usize| {
+        let start = if n == 0 { 0 } else { issue_end[n - 1] };
+        let mut seen_run = false;
+        issue[start..issue_end[n]].iter().all(|&(s, ins)| {
+            s == nodes[n].stream
+                && match ins {
+                    Instr::Wait(_) => !seen_run,
+                    Instr::Run(_) => !std::mem::replace(&mut seen_run, true),
+                    Instr::Record(_) => seen_run,
+                }
+        })
+    };
+    let mut runs: Vec<usize> = (1..=nodes.len()).collect();
+    let mut n = 0;
+    while n < nodes.len() {
+        let (Some(kind), true) = (row_kind(n), plain(n)) else {
+            n += 1;
+            continue;
+        };
+        let mut recorded = HashSet::default();
+        let mut m = n;
+        while m < nodes.len()
+            && row_kind(m) == Some(kind)
+            && nodes[m].stream == nodes[n].stream
+            && plain(m)
+        {
+            let start = if m == 0 { 0 } else { issue_end[m - 1] };
+            let group = &issue[start..issue_end[m]];
+            if group
+                .iter()
+                .any(|(_, i)| matches!(i, Instr::Wait(e) if recorded.contains(e)))
+            {
+                break;
+            }
+            recorded.extend(group.iter().filter_map(|(_, i)| match i {
+                Instr::Record(e) => Some(*e),
+                _ => None,
+            }));
+            m += 1;
+        }
+        for (k, r) in runs.iter_mut().enumerate().take(m).skip(n) {
+            *r = m.max(k + 1);
+        }
+        n = m.max(n + 1);
+    }
+    runs
 }
 
 /// The pack copies of every bucket the rank packs, and the unpack copies of every
@@ -503,6 +586,8 @@ fn overwrites(op: Op, w: &Buffer, unpack: &HashMap<BucketId, Arc<[CopySeg]>>, le
         (Op::Combine { stage: 2, .. }, Buffer::Stage2Out { .. }) => true,
         // A gather writes the whole full buffer (the broadcast's root by its copy).
         (Op::Unshard { .. }, Buffer::Full { .. }) => true,
+        // The sum of squares stores its one element (`dst[0] = Σ x²`, 0 without sources).
+        (Op::GradNorm, Buffer::Norm) => true,
         (Op::Fold { accumulate, .. }, Buffer::Partial { .. }) => !accumulate,
         (Op::Accumulate { accumulate, .. }, Buffer::Accum { .. }) => !accumulate,
         (
@@ -517,5 +602,98 @@ fn overwrites(op: Op, w: &Buffer, unpack: &HashMap<BucketId, Arc<[CopySeg]>>, le
             covers(segs.iter().filter(|s| s.param == *param), len)
         }
         _ => false,
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use overlap_graph::{Gate, Mesh, ParamSpec, PlanSpec, Planner, Route};
+
+    use super::*;
+
+    /// GPT-2-like rows: block matrices on Muon, vectors on AdamW, behind the global norm.
+    fn plan(mesh: Mesh) -> Arc<Plan> {
+        let mut params = Vec::new();
+        for layer in 0..4 {
+            let p = |n: &str, shape: Vec<u64>, route| {
+                ParamSpec::new(format!("h.{layer}.{n}"), shape, route, layer)
+            };
+            params.push(p("w", vec![8, 16], Route::Muon));
+            params.push(p("b", vec![16], Route::Adamw));
+            params.push(p("ln", vec![8], Route::Adamw));
+        }
+        let spec = PlanSpec::new(mesh, params).with_grad_norm(true);
+        Arc::new(Planner::new(spec).unwrap().plan(&[Gate::On]).unwrap())
+    }
+
+    /// The rows of `p` as `(start, end)`, each checked against the module docs'
+    /// conditions.
+    fn rows(plan: &Plan, rank: u32, p: &Prepared) -> Vec<(usize, usize)> {
+        let nodes = &plan.rank(rank).nodes;
+        let mut out = Vec::new();
+        let mut n = 0;
+        while n < nodes.len() {
+            let end = p.runs[n];
+            assert!(end > n && end <= nodes.len());
+            if end > n + 1 {
+                let (kind, stream) = (nodes[n].op.kind(), nodes[n].stream);
+                assert!(matches!(kind, "optimizer" | "publish"), "{kind}");
+                let mut recorded = HashSet::default();
+                for (m, node) in nodes.iter().enumerate().take(end).skip(n) {
+                    assert_eq!((node.op.kind(), node.stream), (kind, stream));
+                    assert_eq!(p.runs[m], end, "every node of a row names its end");
+                    let group = &p.issue[p.group(m)];
+                    let run = group.iter().position(|i| i.1 == Instr::Run(m as u32));
+                    let run = run.expect("a node's group runs it");
+                    for (j, &(s, ins)) in group.iter().enumerate() {
+                        assert_eq!(s, stream);
+                        match ins {
+                            Instr::Wait(e) => assert!(j < run && !recorded.contains(&e)),
+                            Instr::Record(e) => {
+                                assert!(j > run);
+                                recorded.insert(e);
+                            }
+                            Instr::Run(_) => assert_eq!(j, run),
+                        }
+                    }
+                }
+                out.push((n, end));
+            }
+            n = end;
+        }
+        out
+    }
+
+    #[test]
+    fn a_ranks_optimizers_and_its_publishes_are_issued_as_two_rows() {
+        let plan = plan(Mesh::new(1, 1).unwrap());
+        let p = Prepared::new(plan.clone(), 0, true);
+        let nodes = &plan.rank(0).nodes;
+        let of = |kind: &str| nodes.iter().filter(|n| n.op.kind() == kind).count();
+        let rows = rows(&plan, 0, &p);
+        let lens: Vec<(&str, usize)> = rows
+            .iter()
+            .map(|&(a, b)| (nodes[a].op.kind(), b - a))
+            .collect();
+        assert_eq!(
+            lens,
+            [("optimizer", of("optimizer")), ("publish", of("publish"))]
+        );
+        assert_eq!(of("optimizer"), 12);
+    }
+
+    #[test]
+    fn rows_keep_their_conditions_on_every_rank_of_larger_meshes() {
+        for (shard, replicate) in [(2, 1), (1, 2), (2, 2)] {
+            let plan = plan(Mesh::new(shard, replicate).unwrap());
+            for rank in plan.mesh.ranks() {
+                let p = Prepared::new(plan.clone(), rank, true);
+                let rows = rows(&plan, rank, &p);
+                let optimizers = plan.rank(rank).nodes.iter();
+                if optimizers.filter(|n| n.op.kind() == "optimizer").count() > 1 {
+                    assert!(!rows.is_empty(), "{shard}x{replicate} rank {rank}");
+                }
+            }
+        }
     }
 }

@@ -13,10 +13,14 @@ use overlap_ops::{Backend, CommId, EventStatus, Kernel, OpsError, Tag};
 
 use crate::bind::{Buffers, Settings};
 use crate::prepared::Prepared;
+use crate::slots::BufferMap;
 use crate::ExecError;
 
 /// Pooled buffers of one length [`RankState::take`] looks at before allocating.
 const POOL_PROBE: usize = 4;
+
+/// A node bound to its kernels: its tag and what it launches, in order.
+type Bound<B> = (Tag, Vec<Kernel<<B as Backend>::Buffer>>);
 
 /// A pooled buffer waiting for its release events.
 struct Pooled<B: Backend> {
@@ -28,7 +32,7 @@ pub(crate) struct RankState<B: Backend> {
     pub rank: u32,
     /// Live buffers: persistent (parameters, optimizer state), step (accumulations,
     /// partials, reduced gradients) and transient ones in flight.
-    pub buffers: HashMap<Buffer, B::Buffer>,
+    pub buffers: BufferMap<B::Buffer>,
     /// Released transient buffers by length, oldest release first, each reusable once
     /// its release events completed.
     pool: HashMap<usize, VecDeque<Pooled<B>>>,
@@ -36,6 +40,12 @@ pub(crate) struct RankState<B: Backend> {
     pending: HashMap<Buffer, Vec<B::Event>>,
     /// Plan event id -> backend event.
     events: Vec<B::Event>,
+    /// Plan event id -> the point of the issue order where it was last recorded: events
+    /// recorded together at the end of a row share one, and a wait for one of them
+    /// stands for a wait for all ([`RankState::issue_row`]).
+    points: Vec<u64>,
+    /// The next point.
+    next_point: u64,
     /// Plans prepared for this rank, most recently prepared last.
     pub prepared_cache: Vec<Arc<Prepared>>,
     /// The plan being issued and the next node.
@@ -107,7 +117,7 @@ impl IssueCtx {
 /// A rank's buffers as binding looks them up; scratch memory comes from the backend.
 struct RankBuffers<'a, B: Backend> {
     rank: u32,
-    buffers: &'a HashMap<Buffer, B::Buffer>,
+    buffers: &'a BufferMap<B::Buffer>,
     backend: &'a B,
 }
 
@@ -128,11 +138,7 @@ impl<B: Backend> Buffers for RankBuffers<'_, B> {
 }
 
 /// The memory `name` has on `rank`; an internal error when it has none.
-fn buffer<T: Clone>(
-    rank: u32,
-    buffers: &HashMap<Buffer, T>,
-    name: &Buffer,
-) -> Result<T, ExecError> {
+fn buffer<T: Clone>(rank: u32, buffers: &BufferMap<T>, name: &Buffer) -> Result<T, ExecError> {
     buffers
         .get(name)
         .cloned()
@@ -143,10 +149,12 @@ impl<B: Backend> RankState<B> {
     pub(crate) fn new(rank: u32) -> Self {
         RankState {
             rank,
-            buffers: HashMap::default(),
+            buffers: BufferMap::default(),
             pool: HashMap::default(),
             pending: HashMap::default(),
             events: Vec::new(),
+            points: Vec::new(),
+            next_point: 0,
             prepared_cache: Vec::new(),
             prepared: None,
             next_node: 0,
@@ -171,6 +179,7 @@ impl<B: Backend> RankState<B> {
         let need = prepared.plan.rank(self.rank).events as usize;
         while self.events.len() < need {
             self.events.push(backend.event(self.rank));
+            self.points.push(u64::MAX);
         }
         self.prepared = Some(prepared);
     }
@@ -210,6 +219,12 @@ impl<B: Backend> RankState<B> {
         backend.alloc_uninit(self.rank, len)
     }
 
+    /// A new point of the issue order ([`RankState::points`]).
+    fn point(&mut self) -> u64 {
+        self.next_point += 1;
+        self.next_point
+    }
+
     /// Buffers held in the pool (for tests and metrics).
     pub(crate) fn pooled(&self) -> usize {
         self.pool.values().map(VecDeque::len).sum()
@@ -232,10 +247,80 @@ impl<B: Backend> RankState<B> {
             .ok_or_else(|| ExecError::Internal("no plan adopted".into()))?;
         while self.next_node < end {
             let n = self.next_node;
-            self.issue_node(backend, &prepared, n, ctx).await?;
-            self.next_node += 1;
-            self.issued += 1;
+            let m = prepared.runs[n].min(end);
+            if m > n + 1 {
+                self.issue_row(backend, &prepared, n..m, ctx)?;
+            } else {
+                self.issue_node(backend, &prepared, n, ctx).await?;
+            }
+            self.issued += m.max(n + 1) - n;
+            self.next_node = m.max(n + 1);
         }
+        Ok(())
+    }
+
+    /// Issues nodes `row` (optimizers, or publishes, on one stream: `prepared.rs`'s
+    /// runs) as one unit: every wait, then each node's kernels in order, then every
+    /// record, and one release event after the row. The row's host time is shared
+    /// evenly among its nodes in `issue_by_kind`.
+    fn issue_row(
+        &mut self,
+        backend: &B,
+        p: &Prepared,
+        row: std::ops::Range<usize>,
+        ctx: &IssueCtx,
+    ) -> Result<(), ExecError> {
+        let t0 = std::time::Instant::now();
+        let first = p.group(row.start).start;
+        let instrs = &p.issue[first..p.issue_end[row.end - 1]];
+        let stream = p.plan.rank(self.rank).nodes[row.start].stream;
+        // A wait for an event recorded at the same point as the one waited for just
+        // before adds nothing (a publish row waits for the optimizer row's records, all
+        // made at one point).
+        let mut last = u64::MAX;
+        for &(s, ins) in instrs {
+            if let Instr::Wait(e) = ins {
+                let point = self.points[e as usize];
+                if point == u64::MAX || point != last {
+                    backend.wait(self.rank, s, &self.events[e as usize]);
+                }
+                last = point;
+            }
+        }
+        let mut bound = Vec::with_capacity(row.len());
+        for n in row.clone() {
+            bound.push(self.prepare_node(backend, p, n, ctx)?);
+        }
+        let kind = p.plan.rank(self.rank).nodes[row.start].op.kind_index();
+        let mut launched = 0.0;
+        for (n, (tag, kernels)) in row.clone().zip(bound) {
+            let node = &p.plan.rank(self.rank).nodes[n];
+            self.inject(backend, &p.plan, (n as u32, node.op.kind(), stream), ctx);
+            let t = std::time::Instant::now();
+            for k in kernels {
+                backend.launch(self.rank, stream, tag, k);
+            }
+            launched += t.elapsed().as_secs_f64();
+        }
+        let point = self.point();
+        for &(s, ins) in instrs {
+            if let Instr::Record(e) = ins {
+                backend.record(self.rank, s, &self.events[e as usize]);
+                self.points[e as usize] = point;
+            }
+        }
+        self.last_issued[stream.index()] = Some(row.end as u32 - 1);
+        if row.clone().any(|n| !p.finals[n].is_empty()) {
+            let ev = backend.event(self.rank);
+            backend.record(self.rank, stream, &ev);
+            for n in row.clone() {
+                self.release_behind(backend, p, n, &ev);
+            }
+        }
+        self.launch_by_kind[kind] += launched;
+        let k = &mut self.issue_by_kind[kind];
+        k.0 += t0.elapsed().as_secs_f64();
+        k.1 += row.len();
         Ok(())
     }
 
@@ -252,7 +337,10 @@ impl<B: Backend> RankState<B> {
         let start = prepared.issue_end.last().copied().unwrap_or(0);
         for &(stream, ins) in &prepared.issue[start..] {
             match ins {
-                Instr::Record(e) => backend.record(self.rank, stream, &self.events[e as usize]),
+                Instr::Record(e) => {
+                    backend.record(self.rank, stream, &self.events[e as usize]);
+                    self.points[e as usize] = self.point();
+                }
                 Instr::Wait(e) => backend.wait(self.rank, stream, &self.events[e as usize]),
                 Instr::Run(_) => {}
             }
@@ -282,7 +370,10 @@ impl<B: Backend> RankState<B> {
         for &(stream, ins) in &p.issue[p.group(n)] {
             match ins {
                 Instr::Wait(e) => backend.wait(self.rank, stream, &self.events[e as usize]),
-                Instr::Record(e) => backend.record(self.rank, stream, &self.events[e as usize]),
+                Instr::Record(e) => {
+                    backend.record(self.rank, stream, &self.events[e as usize]);
+                    self.points[e as usize] = self.point();
+                }
                 Instr::Run(id) => {
                     debug_assert_eq!(id as usize, n);
                     self.run(backend, p, n, ctx)?;
@@ -430,11 +521,28 @@ impl<B: Backend> RankState<B> {
         ctx: &IssueCtx,
     ) -> Result<(), ExecError> {
         let node = &p.plan.rank(self.rank).nodes[n];
-        self.alias_or_allocate(backend, p, n)?;
-        self.track_partials(&p.access[n]);
         let stream = node.stream;
         self.last_issued[stream.index()] = Some(n as u32);
         self.inject(backend, &p.plan, (n as u32, node.op.kind(), stream), ctx);
+        let (tag, kernels) = self.prepare_node(backend, p, n, ctx)?;
+        self.launch_timed(backend, stream, tag, node.op.kind_index(), kernels);
+        self.release_after(backend, p, n, stream);
+        Ok(())
+    }
+
+    /// Node `n` up to its launch: its outputs get memory, partials are tracked, and it
+    /// is bound to its kernels (an aliasing node to a marker). Returns its tag and
+    /// kernels.
+    fn prepare_node(
+        &mut self,
+        backend: &B,
+        p: &Prepared,
+        n: usize,
+        ctx: &IssueCtx,
+    ) -> Result<Bound<B>, ExecError> {
+        let node = &p.plan.rank(self.rank).nodes[n];
+        self.alias_or_allocate(backend, p, n)?;
+        self.track_partials(&p.access[n]);
         let kernels = if p.alias[n].is_some() {
             self.aliased += 1;
             vec![Kernel::Marker]
@@ -451,9 +559,7 @@ impl<B: Backend> RankState<B> {
             op: node.op.kind(),
             micro_batch: node.micro_batch.unwrap_or(u32::MAX),
         };
-        self.launch_timed(backend, stream, tag, node.op.kind_index(), kernels);
-        self.release_after(backend, p, n, stream);
-        Ok(())
+        Ok((tag, kernels))
     }
 
     /// Gives node `n`'s outputs their memory: an aliasing node's output is its input's
@@ -498,14 +604,11 @@ impl<B: Backend> RankState<B> {
 
     /// Tracks partials and no_sync accumulations: a read flushes, a write (re)fills.
     fn track_partials(&mut self, access: &Access) {
-        for r in &access.reads {
+        let partial = |b: &&Buffer| matches!(b, Buffer::Partial { .. } | Buffer::Accum { .. });
+        for r in access.reads.iter().filter(partial) {
             self.live_partials.remove(r);
         }
-        for w in access
-            .writes
-            .iter()
-            .filter(|b| matches!(b, Buffer::Partial { .. } | Buffer::Accum { .. }))
-        {
+        for w in access.writes.iter().filter(partial) {
             self.live_partials.insert(*w);
         }
     }
@@ -537,6 +640,11 @@ impl<B: Backend> RankState<B> {
         }
         let ev = backend.event(self.rank);
         backend.record(self.rank, stream, &ev);
+        self.release_behind(backend, p, n, &ev);
+    }
+
+    /// Releases node `n`'s final accesses behind `ev`, an event recorded after it.
+    fn release_behind(&mut self, backend: &B, p: &Prepared, n: usize, ev: &B::Event) {
         for &(root, last) in &p.finals[n] {
             self.pending.entry(root).or_default().push(ev.clone());
             if !last {
