@@ -66,6 +66,7 @@ use overlap_graph::HappensBefore;
 use overlap_graph::{
     Access, BucketId, Buffer, Collective, CopySeg, DType, Instr, Op, Plan, Stream,
 };
+use overlap_ops::Tag;
 
 /// How a node allocates a buffer it is the first writer of.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -107,6 +108,12 @@ pub(crate) struct Prepared {
     /// ([`Plan::norm_params`]) and its `clip` scales ([`Plan::held_params`]).
     pub norm_params: Vec<overlap_graph::ParamId>,
     pub held_params: Vec<overlap_graph::ParamId>,
+    /// Per node: its tag (node, kind, micro-batch), as the backend reports it.
+    pub tags: Vec<Tag>,
+    /// Per node: whether issuing it is only its marker: a publish or a norm's
+    /// all-reduce over a group of one (`bind.rs`), which allocates, aliases and
+    /// releases nothing. A row skips everything else for it.
+    pub noop: Vec<bool>,
 }
 
 /// Whether `segs` copy one parameter's `len` elements to the same offsets, each once.
@@ -143,7 +150,21 @@ impl Prepared {
         let finals = groups.final_accessors(&access);
         let Groups { alias, names, .. } = groups;
         let runs = runs(&plan, rank, &issue, &issue_end);
+        let tags = rp.nodes.iter().map(tag).collect();
+        let noop = (0..rp.nodes.len())
+            .map(|n| {
+                let one = match rp.nodes[n].op {
+                    Op::Publish { collective, .. } | Op::NormReduce { collective } => {
+                        plan.mesh.group_size(collective.group) == 1
+                    }
+                    _ => false,
+                };
+                one && allocs[n].is_empty() && finals[n].is_empty() && alias[n].is_none()
+            })
+            .collect();
         Prepared {
+            tags,
+            noop,
             runs,
             norm_params: plan.norm_params(rank),
             held_params: plan.held_params(rank),
@@ -191,6 +212,15 @@ fn issue_ends(nodes: usize, issue: &[(Stream, Instr)]) -> Vec<usize> {
         }
     }
     issue_end
+}
+
+/// The tag the backend reports node `node` by.
+fn tag(node: &overlap_graph::Node) -> Tag {
+    Tag {
+        node: node.id,
+        op: node.op.kind(),
+        micro_batch: node.micro_batch.unwrap_or(u32::MAX),
+    }
 }
 
 /// Per node: one past the last node of the row of optimizers, or of publishes, issued
@@ -680,6 +710,29 @@ mod tests {
             [("optimizer", of("optimizer")), ("publish", of("publish"))]
         );
         assert_eq!(of("optimizer"), 12);
+    }
+
+    #[test]
+    fn only_collectives_over_a_group_of_one_are_no_ops_and_tags_name_their_nodes() {
+        for (shard, replicate) in [(1, 1), (2, 1), (1, 2)] {
+            let plan = plan(Mesh::new(shard, replicate).unwrap());
+            for rank in plan.mesh.ranks() {
+                let p = Prepared::new(plan.clone(), rank, true);
+                for (n, node) in plan.rank(rank).nodes.iter().enumerate() {
+                    assert_eq!((p.tags[n].node, p.tags[n].op), (n as u32, node.op.kind()));
+                    let one = match node.op {
+                        Op::Publish { collective, .. } | Op::NormReduce { collective } => {
+                            plan.mesh.group_size(collective.group) == 1
+                        }
+                        _ => false,
+                    };
+                    assert_eq!(p.noop[n], one, "{}", plan.label(node));
+                    if one {
+                        assert!(p.allocs[n].is_empty() && p.finals[n].is_empty());
+                    }
+                }
+            }
+        }
     }
 
     #[test]

@@ -289,7 +289,13 @@ impl<B: Backend> RankState<B> {
         }
         let mut bound = Vec::with_capacity(row.len());
         for n in row.clone() {
-            bound.push(self.prepare_node(backend, p, n, ctx)?);
+            // A no-op node is its marker (no kernels here): nothing to allocate, track,
+            // bind or release.
+            bound.push(if p.noop[n] {
+                (p.tags[n], Vec::new())
+            } else {
+                self.prepare_node(backend, p, n, ctx)?
+            });
         }
         let kind = p.plan.rank(self.rank).nodes[row.start].op.kind_index();
         let mut launched = 0.0;
@@ -297,6 +303,9 @@ impl<B: Backend> RankState<B> {
             let node = &p.plan.rank(self.rank).nodes[n];
             self.inject(backend, &p.plan, (n as u32, node.op.kind(), stream), ctx);
             let t = std::time::Instant::now();
+            if kernels.is_empty() {
+                backend.launch(self.rank, stream, tag, Kernel::Marker);
+            }
             for k in kernels {
                 backend.launch(self.rank, stream, tag, k);
             }
@@ -540,7 +549,6 @@ impl<B: Backend> RankState<B> {
         n: usize,
         ctx: &IssueCtx,
     ) -> Result<Bound<B>, ExecError> {
-        let node = &p.plan.rank(self.rank).nodes[n];
         self.alias_or_allocate(backend, p, n)?;
         self.track_partials(&p.access[n]);
         let kernels = if p.alias[n].is_some() {
@@ -554,12 +562,7 @@ impl<B: Backend> RankState<B> {
             };
             crate::bind::bind(p, self.rank, n, &ctx.settings(), &bufs)?
         };
-        let tag = Tag {
-            node: n as u32,
-            op: node.op.kind(),
-            micro_batch: node.micro_batch.unwrap_or(u32::MAX),
-        };
-        Ok((tag, kernels))
+        Ok((p.tags[n], kernels))
     }
 
     /// Gives node `n`'s outputs their memory: an aliasing node's output is its input's
