@@ -112,17 +112,22 @@ pub(crate) fn bind<S: Buffers>(
         Op::Optimizer { param, optimizer } => {
             one(optimizer_step(plan, param, optimizer, set, bufs)?)
         }
-        // A publish or a norm's all-reduce over a group of one leaves its buffer as it
-        // is: nothing to bind or move.
-        Op::Publish { collective, .. } | Op::NormReduce { collective }
-            if plan.mesh.group_size(collective.group) == 1 =>
-        {
-            one(Kernel::Marker)
-        }
+        op if moves_nothing(plan, &op) => one(Kernel::Marker),
         Op::GradNorm | Op::NormReduce { .. } | Op::Clip => one(norm(p, node, set, bufs)?),
         Op::Publish { param, collective } => {
             one(publish(plan, rank, node.stream, param, collective, bufs)?)
         }
+    }
+}
+
+/// Whether `op` leaves every buffer as it is: a publish or a norm's all-reduce over a
+/// group of one. It binds to a marker and looks nothing up.
+pub(crate) fn moves_nothing(plan: &Plan, op: &Op) -> bool {
+    match op {
+        Op::Publish { collective, .. } | Op::NormReduce { collective } => {
+            plan.mesh.group_size(collective.group) == 1
+        }
+        _ => false,
     }
 }
 

@@ -153,13 +153,10 @@ impl Prepared {
         let tags = rp.nodes.iter().map(tag).collect();
         let noop = (0..rp.nodes.len())
             .map(|n| {
-                let one = match rp.nodes[n].op {
-                    Op::Publish { collective, .. } | Op::NormReduce { collective } => {
-                        plan.mesh.group_size(collective.group) == 1
-                    }
-                    _ => false,
-                };
-                one && allocs[n].is_empty() && finals[n].is_empty() && alias[n].is_none()
+                crate::bind::moves_nothing(&plan, &rp.nodes[n].op)
+                    && allocs[n].is_empty()
+                    && finals[n].is_empty()
+                    && alias[n].is_none()
             })
             .collect();
         Prepared {
