@@ -300,8 +300,7 @@ impl<B: Backend> RankState<B> {
         let kind = p.plan.rank(self.rank).nodes[row.start].op.kind_index();
         let mut launched = 0.0;
         for (n, (tag, kernels)) in row.clone().zip(bound) {
-            let node = &p.plan.rank(self.rank).nodes[n];
-            self.inject(backend, &p.plan, (n as u32, node.op.kind(), stream), ctx);
+            self.inject(backend, &p.plan, (n as u32, tag.op, stream), ctx);
             let t = std::time::Instant::now();
             if kernels.is_empty() {
                 backend.launch(self.rank, stream, tag, Kernel::Marker);
