@@ -52,6 +52,9 @@ use crate::{CommId, OpsError};
 /// How long a send may wait for the peer to read before the peer counts as lost.
 pub const SEND_TIMEOUT: Duration = Duration::from_secs(60);
 
+/// How long a farewell waits for each peer to take it ([`Outbox::farewell`]).
+const FAREWELL_WAIT: Duration = Duration::from_millis(200);
+
 /// How long dropping the links waits for the peers to acknowledge the goodbye (so that
 /// this process's closing never discards what a peer has not read yet).
 const LINGER: Duration = Duration::from_secs(5);
@@ -400,12 +403,25 @@ impl Outbox {
     /// Tells every peer that this process gives up on the job, and why: each fails its
     /// rounds waiting for this rank with `rank R stopped: why` instead of learning of
     /// it from the connection's close, which says nothing of the cause.
+    ///
+    /// It never holds the caller up for long: a connection another thread keeps
+    /// writing to for [`FAREWELL_WAIT`] is skipped, and a peer that does not take the
+    /// frame within as long (its machine lost, its buffers full) does without it.
     pub(super) fn farewell(&self, why: &str) {
-        let net = &self.links.net;
         let frame = frame(FAREWELL, why.as_bytes());
-        for (rank, out) in net.outs.iter().enumerate() {
-            if out.is_some() {
-                net.send_to(rank as u32, &frame);
+        for out in self.links.net.outs.iter().flatten() {
+            let deadline = Instant::now() + FAREWELL_WAIT;
+            let mut stream = loop {
+                match out.try_lock() {
+                    Ok(s) => break Some(s),
+                    Err(_) if Instant::now() >= deadline => break None,
+                    Err(_) => thread::sleep(Duration::from_millis(1)),
+                }
+            };
+            if let Some(stream) = stream.as_mut() {
+                // The process gives up on the job: later sends may wait as little.
+                let _ = stream.set_write_timeout(Some(FAREWELL_WAIT));
+                let _ = stream.write_all(&frame);
             }
         }
     }
