@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The host time of the optimizer tail on one GPU, GPT-2 small's 148 parameters:
 #   scripts/gpu-tail-host.sh [BINARY (target/release/overlap)] [OUTDIR] [BASELINE]
-# BINARY is an `overlap` built with --features cuda. It runs, twice each,
+# BINARY is an `overlap` built with --features cuda. It runs, three times each,
 #   overlap run --config examples/gpu/gpt2_small_1x1_{muon,adamw}.toml --timing-every 1000
 # (20 steps through the executor: the plan's norm, clip, 148 optimizer and 148 publish
 # nodes), whose closing table gives the host time by node kind and the tail's sum, and

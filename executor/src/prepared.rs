@@ -105,8 +105,10 @@ pub(crate) struct Prepared {
     /// module docs); `n + 1` where node `n` is issued alone.
     pub runs: Vec<usize>,
     /// The parameters whose reduced gradients the rank's `grad_norm` sums
-    /// ([`Plan::norm_params`]) and its `clip` scales ([`Plan::held_params`]).
+    /// ([`Plan::norm_params`]).
     pub norm_params: Vec<overlap_graph::ParamId>,
+    /// The parameters whose reduced gradients the rank's `clip` scales
+    /// ([`Plan::held_params`]).
     pub held_params: Vec<overlap_graph::ParamId>,
     /// Per node: its tag (node, kind, micro-batch), as the backend reports it.
     pub tags: Vec<Tag>,
@@ -180,8 +182,7 @@ impl Prepared {
 
     /// The slice of the issue order that issues node `n`.
     pub(crate) fn group(&self, n: usize) -> std::ops::Range<usize> {
-        let start = if n == 0 { 0 } else { self.issue_end[n - 1] };
-        start..self.issue_end[n]
+        group(&self.issue_end, n)
     }
 
     /// Every name of the memory a group's first name stands for.
@@ -211,6 +212,12 @@ fn issue_ends(nodes: usize, issue: &[(Stream, Instr)]) -> Vec<usize> {
     issue_end
 }
 
+/// The slice of the issue order that issues node `n`, from every node's end in it.
+fn group(issue_end: &[usize], n: usize) -> std::ops::Range<usize> {
+    let start = if n == 0 { 0 } else { issue_end[n - 1] };
+    start..issue_end[n]
+}
+
 /// The tag the backend reports node `node` by.
 fn tag(node: &overlap_graph::Node) -> Tag {
     Tag {
@@ -232,9 +239,8 @@ fn runs(plan: &Plan, rank: u32, issue: &[(Stream, Instr)], issue_end: &[usize]) 
     // Whether node `n`'s instructions are waits, its run, then records (all on its
     // stream, as the issue order makes them).
     let plain = |n: usize| {
-        let start = if n == 0 { 0 } else { issue_end[n - 1] };
         let mut seen_run = false;
-        issue[start..issue_end[n]].iter().all(|&(s, ins)| {
+        issue[group(issue_end, n)].iter().all(|&(s, ins)| {
             s == nodes[n].stream
                 && match ins {
                     Instr::Wait(_) => !seen_run,
@@ -257,8 +263,7 @@ fn runs(plan: &Plan, rank: u32, issue: &[(Stream, Instr)], issue_end: &[usize]) 
             && nodes[m].stream == nodes[n].stream
             && plain(m)
         {
-            let start = if m == 0 { 0 } else { issue_end[m - 1] };
-            let group = &issue[start..issue_end[m]];
+            let group = &issue[group(issue_end, m)];
             if group
                 .iter()
                 .any(|(_, i)| matches!(i, Instr::Wait(e) if recorded.contains(e)))
@@ -653,6 +658,18 @@ mod tests {
         Arc::new(Planner::new(spec).unwrap().plan(&[Gate::On]).unwrap())
     }
 
+    /// Every rank of each mesh `shard x replicate`, with its plan and its prepared plan.
+    fn prepared_ranks(meshes: &[(u32, u32)]) -> Vec<(Arc<Plan>, u32, Prepared)> {
+        let mut out = Vec::new();
+        for &(shard, replicate) in meshes {
+            let plan = plan(Mesh::new(shard, replicate).unwrap());
+            for rank in plan.mesh.ranks() {
+                out.push((plan.clone(), rank, Prepared::new(plan.clone(), rank, true)));
+            }
+        }
+        out
+    }
+
     /// The rows of `p` as `(start, end)`, each checked against the module docs'
     /// conditions.
     fn rows(plan: &Plan, rank: u32, p: &Prepared) -> Vec<(usize, usize)> {
@@ -711,22 +728,18 @@ mod tests {
 
     #[test]
     fn only_collectives_over_a_group_of_one_are_no_ops_and_tags_name_their_nodes() {
-        for (shard, replicate) in [(1, 1), (2, 1), (1, 2)] {
-            let plan = plan(Mesh::new(shard, replicate).unwrap());
-            for rank in plan.mesh.ranks() {
-                let p = Prepared::new(plan.clone(), rank, true);
-                for (n, node) in plan.rank(rank).nodes.iter().enumerate() {
-                    assert_eq!((p.tags[n].node, p.tags[n].op), (n as u32, node.op.kind()));
-                    let one = match node.op {
-                        Op::Publish { collective, .. } | Op::NormReduce { collective } => {
-                            plan.mesh.group_size(collective.group) == 1
-                        }
-                        _ => false,
-                    };
-                    assert_eq!(p.noop[n], one, "{}", plan.label(node));
-                    if one {
-                        assert!(p.allocs[n].is_empty() && p.finals[n].is_empty());
+        for (plan, rank, p) in prepared_ranks(&[(1, 1), (2, 1), (1, 2)]) {
+            for (n, node) in plan.rank(rank).nodes.iter().enumerate() {
+                assert_eq!((p.tags[n].node, p.tags[n].op), (n as u32, node.op.kind()));
+                let one = match node.op {
+                    Op::Publish { collective, .. } | Op::NormReduce { collective } => {
+                        plan.mesh.group_size(collective.group) == 1
                     }
+                    _ => false,
+                };
+                assert_eq!(p.noop[n], one, "{}", plan.label(node));
+                if one {
+                    assert!(p.allocs[n].is_empty() && p.finals[n].is_empty());
                 }
             }
         }
@@ -734,15 +747,11 @@ mod tests {
 
     #[test]
     fn rows_keep_their_conditions_on_every_rank_of_larger_meshes() {
-        for (shard, replicate) in [(2, 1), (1, 2), (2, 2)] {
-            let plan = plan(Mesh::new(shard, replicate).unwrap());
-            for rank in plan.mesh.ranks() {
-                let p = Prepared::new(plan.clone(), rank, true);
-                let rows = rows(&plan, rank, &p);
-                let optimizers = plan.rank(rank).nodes.iter();
-                if optimizers.filter(|n| n.op.kind() == "optimizer").count() > 1 {
-                    assert!(!rows.is_empty(), "{shard}x{replicate} rank {rank}");
-                }
+        for (plan, rank, p) in prepared_ranks(&[(2, 1), (1, 2), (2, 2)]) {
+            let rows = rows(&plan, rank, &p);
+            let optimizers = plan.rank(rank).nodes.iter();
+            if optimizers.filter(|n| n.op.kind() == "optimizer").count() > 1 {
+                assert!(!rows.is_empty(), "mesh {} rank {rank}", plan.mesh);
             }
         }
     }

@@ -3,10 +3,11 @@
 //! indexed by parameter, the rest in a hash map.
 //!
 //! Why: the step's tail binds three or four of these per parameter (the global norm
-//! reads every reduced gradient, each optimizer its parameter, state and gradient). By
-//! then the backward has gone through the host's caches, and a hash lookup is two or
-//! three dependent cache misses where an index into a dense vector is about one (its
-//! handles sit side by side, eight to a cache line).
+//! reads every reduced gradient, each optimizer its parameter, state and gradient), by
+//! when the backward has gone through the host's caches: an index into a vector whose
+//! handles sit side by side touches fewer cache lines than a hash lookup. Its share of
+//! the tail's host time was not measured on its own (docs/performance.md, "Through the
+//! executor", measured it together with the rows).
 
 use std::ops::Index;
 
