@@ -1,14 +1,27 @@
 //! `overlap run`'s closing table: the host's issue time by node kind, per step, and the
-//! step's tail (the global norm, the clip, the optimizers and the publishes) summed.
+//! step's tail (the global norm, the clip, the optimizers, the publishes and the step's
+//! end) summed.
 //!
 //! Each step's [`overlap::executor::StepStats::issue_by_kind`] is kept; the table shows
 //! the median over the steady steps (the first two are left out when the run has more
 //! than three: the first prepares its plans, the second captures the CUDA backend's
 //! tail graphs), so one slow step does not move it.
 
-/// The node kinds of a step's tail, after the last gradient is reduced.
-pub(crate) const TAIL_KINDS: [&str; 5] =
-    ["grad_norm", "norm_reduce", "clip", "optimizer", "publish"];
+/// The node kinds of a step's tail, after the last gradient is reduced, and
+/// [`STEP_END`].
+pub(crate) const TAIL_KINDS: [&str; 6] = [
+    "grad_norm",
+    "norm_reduce",
+    "clip",
+    "optimizer",
+    "publish",
+    STEP_END,
+];
+
+/// The table's line for the instructions after the step's last node
+/// ([`overlap::executor::StepStats::trailing_seconds`]): where the executor puts the
+/// waits of no-op nodes, and so where the CUDA backend flushes the held tail.
+pub(crate) const STEP_END: &str = "step_end";
 
 use crate::tune::median;
 
@@ -32,13 +45,15 @@ impl HostKinds {
                 .find(|l| l.0 == kind)
                 .map_or(0.0, |l| l.1)
         };
-        self.steps.push(
-            stats
-                .issue_by_kind
-                .iter()
-                .map(|&(kind, secs, nodes)| (kind, secs, nodes, launch(kind)))
-                .collect(),
-        );
+        let mut kinds: StepKinds = stats
+            .issue_by_kind
+            .iter()
+            .map(|&(kind, secs, nodes)| (kind, secs, nodes, launch(kind)))
+            .collect();
+        if stats.trailing_seconds > 0.0 {
+            kinds.push((STEP_END, stats.trailing_seconds, 0, 0.0));
+        }
+        self.steps.push(kinds);
     }
 
     /// The steps the table summarises: all but the first two when there are more than
@@ -129,6 +144,7 @@ mod tests {
                 ("publish", publish_us * 1e-6, 4),
             ],
             launch_by_kind: vec![("optimizer", optimizer_us * 0.5e-6)],
+            trailing_seconds: 2e-6,
             ..StepStats::default()
         }
     }
@@ -160,8 +176,9 @@ mod tests {
         };
         assert_eq!(line("optimizer"), vec![4.0, 44.0, 11.0, 5.5]);
         assert_eq!(line("publish"), vec![4.0, 8.0, 2.0, 0.0]);
-        // The tail's median is of the per-step sums (48, 52, 408).
-        assert_eq!(line("tail"), vec![8.0, 52.0, 6.5, 2.75]);
+        assert_eq!(line("step_end"), vec![0.0, 2.0, 0.0, 0.0]);
+        // The tail's median is of the per-step sums (50, 54, 410).
+        assert_eq!(line("tail"), vec![8.0, 54.0, 6.75, 2.75]);
         assert_eq!(line("grad_ready"), vec![2.0, 10.0, 5.0, 0.0]);
     }
 

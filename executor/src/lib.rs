@@ -29,6 +29,7 @@ mod deadline;
 mod fault;
 mod forward;
 pub mod hyper;
+mod order;
 mod peer;
 mod prepared;
 mod rank;
@@ -420,6 +421,11 @@ pub struct StepStats {
     /// and driver calls), by node kind, summed over local ranks: the rest of a node's
     /// host time is the executor's (events, buffers, bookkeeping).
     pub launch_by_kind: Vec<(&'static str, f64)>,
+    /// Host time of the instructions after the step's last node, in seconds, summed
+    /// over local ranks: the waits that close the streams, where the executor's order
+    /// put the waits of no-op nodes (`ARCHITECTURE.md`, "Issue order"), and so, on the
+    /// CUDA backend, where the held optimizer tail is flushed. In `issue_seconds`.
+    pub trailing_seconds: f64,
     /// Wall time from the first issue to the end of the step, in seconds.
     pub wall_seconds: f64,
     /// Kernel timings of the step.
@@ -1248,9 +1254,12 @@ impl<B: Backend> Executor<B> {
                 (kind, self.ranks.iter().map(|r| r.launch_by_kind[i]).sum())
             })
             .collect();
-        let issue_seconds =
-            self.adopt_time.as_secs_f64() + issue_by_kind.iter().map(|k| k.1).sum::<f64>();
+        let trailing_seconds = self.ranks.iter().map(|r| r.trailing_seconds).sum();
+        let issue_seconds = self.adopt_time.as_secs_f64()
+            + trailing_seconds
+            + issue_by_kind.iter().map(|k| k.1).sum::<f64>();
         StepStats {
+            trailing_seconds,
             aliased_nodes,
             issue_seconds,
             issue_by_kind,

@@ -68,6 +68,8 @@ use overlap_graph::{
 };
 use overlap_ops::Tag;
 
+use crate::order::{group, issue_ends};
+
 /// How a node allocates a buffer it is the first writer of.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub(crate) struct Alloc {
@@ -142,7 +144,6 @@ impl Prepared {
         let rp = plan.rank(rank);
         let access: Vec<Access> = rp.nodes.iter().map(|n| plan.access(rank, n)).collect();
         let issue = issue_order(rp);
-        let issue_end = issue_ends(rp.nodes.len(), &issue);
         let (pack, unpack) = copy_tables(&plan, rank);
         let mut groups = Groups::new(rp.nodes.len());
         if aliasing {
@@ -151,9 +152,8 @@ impl Prepared {
         let allocs = groups.allocations(&plan, rank, &access, &unpack);
         let finals = groups.final_accessors(&access);
         let Groups { alias, names, .. } = groups;
-        let runs = runs(&plan, rank, &issue, &issue_end);
         let tags = rp.nodes.iter().map(tag).collect();
-        let noop = (0..rp.nodes.len())
+        let noop: Vec<bool> = (0..rp.nodes.len())
             .map(|n| {
                 crate::bind::moves_nothing(&plan, &rp.nodes[n].op)
                     && allocs[n].is_empty()
@@ -161,6 +161,12 @@ impl Prepared {
                     && alias[n].is_none()
             })
             .collect();
+        let streams: Vec<Stream> = rp.nodes.iter().map(|n| n.stream).collect();
+        let issue = crate::order::thin(&streams, &noop, issue, |issue, ends| {
+            runs(&plan, rank, issue, ends)
+        });
+        let issue_end = issue_ends(rp.nodes.len(), &issue);
+        let runs = runs(&plan, rank, &issue, &issue_end);
         Prepared {
             tags,
             noop,
@@ -193,31 +199,6 @@ impl Prepared {
     }
 }
 
-/// Per node: one past its last instruction in `issue` (its run and trailing records).
-fn issue_ends(nodes: usize, issue: &[(Stream, Instr)]) -> Vec<usize> {
-    let mut issue_end = vec![0; nodes];
-    let mut i = 0;
-    while i < issue.len() {
-        if let Instr::Run(n) = issue[i].1 {
-            let mut j = i + 1;
-            while matches!(issue.get(j), Some((_, Instr::Record(_)))) {
-                j += 1;
-            }
-            issue_end[n as usize] = j;
-            i = j;
-        } else {
-            i += 1;
-        }
-    }
-    issue_end
-}
-
-/// The slice of the issue order that issues node `n`, from every node's end in it.
-fn group(issue_end: &[usize], n: usize) -> std::ops::Range<usize> {
-    let start = if n == 0 { 0 } else { issue_end[n - 1] };
-    start..issue_end[n]
-}
-
 /// The tag the backend reports node `node` by.
 fn tag(node: &overlap_graph::Node) -> Tag {
     Tag {
@@ -236,19 +217,7 @@ fn runs(plan: &Plan, rank: u32, issue: &[(Stream, Instr)], issue_end: &[usize]) 
         Op::Publish { .. } => Some(1),
         _ => None,
     };
-    // Whether node `n`'s instructions are waits, its run, then records (all on its
-    // stream, as the issue order makes them).
-    let plain = |n: usize| {
-        let mut seen_run = false;
-        issue[group(issue_end, n)].iter().all(|&(s, ins)| {
-            s == nodes[n].stream
-                && match ins {
-                    Instr::Wait(_) => !seen_run,
-                    Instr::Run(_) => !std::mem::replace(&mut seen_run, true),
-                    Instr::Record(_) => seen_run,
-                }
-        })
-    };
+    let plain = |n: usize| crate::order::plain(&issue[group(issue_end, n)], nodes[n].stream);
     let mut runs: Vec<usize> = (1..=nodes.len()).collect();
     let mut n = 0;
     while n < nodes.len() {
@@ -742,6 +711,74 @@ mod tests {
                     assert!(p.allocs[n].is_empty() && p.finals[n].is_empty());
                 }
             }
+        }
+    }
+
+    /// The instructions of `p`'s issue order after its last node.
+    fn trailing(p: &Prepared) -> &[(Stream, Instr)] {
+        &p.issue[p.issue_end.last().copied().unwrap_or(0)..]
+    }
+
+    #[test]
+    fn without_replicas_the_tail_waits_only_at_the_end_of_the_step() {
+        let plan = plan(Mesh::new(1, 1).unwrap());
+        let p = Prepared::new(plan.clone(), 0, true);
+        let nodes = &plan.rank(0).nodes;
+        let waits = |n: usize| {
+            p.issue[p.group(n)]
+                .iter()
+                .filter(|i| matches!(i.1, Instr::Wait(_)))
+                .count()
+        };
+        let records = |n: usize| {
+            p.issue[p.group(n)]
+                .iter()
+                .filter(|i| matches!(i.1, Instr::Record(_)))
+                .count()
+        };
+        let of = |kind: &'static str| (0..nodes.len()).filter(move |&n| nodes[n].op.kind() == kind);
+        // The norm's all-reduces and the publishes are no-ops: nothing waits for them,
+        // and they wait for nothing; the clip, on the norm's stream, waits for nothing.
+        for kind in ["norm_reduce", "publish", "clip"] {
+            assert!(of(kind).count() > 0, "{kind}");
+            for n in of(kind) {
+                assert_eq!((waits(n), records(n)), (0, 0), "{}", plan.label(&nodes[n]));
+            }
+        }
+        // The optimizers' records are one, made after the row.
+        let optimizers: Vec<usize> = of("optimizer").collect();
+        let made: usize = optimizers.iter().map(|&n| records(n)).sum();
+        assert_eq!(made, 1);
+        assert_eq!(records(*optimizers.last().unwrap()), 1);
+        // What the no-ops waited for is waited for at the end of the step, once per
+        // stream and event.
+        let end = trailing(&p);
+        let mut seen = HashSet::default();
+        for &(s, ins) in end {
+            if let Instr::Wait(e) = ins {
+                assert!(seen.insert((s, e)), "{s} waits twice for e{e}");
+            }
+        }
+        assert!(end.iter().any(|i| i.0 == Stream::Publish));
+    }
+
+    #[test]
+    fn the_executors_order_is_thinned_on_every_rank_of_every_mesh() {
+        for (plan, rank, p) in prepared_ranks(&[(1, 1), (2, 1), (1, 2), (2, 2), (4, 1)]) {
+            let plans = issue_order(plan.rank(rank));
+            let count = |issue: &[(Stream, Instr)]| {
+                issue
+                    .iter()
+                    .filter(|i| !matches!(i.1, Instr::Run(_)))
+                    .count()
+            };
+            assert!(
+                count(&p.issue) < count(&plans),
+                "mesh {} rank {rank}: {} of {} waits and records",
+                plan.mesh,
+                count(&p.issue),
+                count(&plans)
+            );
         }
     }
 

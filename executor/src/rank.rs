@@ -71,6 +71,9 @@ pub(crate) struct RankState<B: Backend> {
     /// checks and driver calls); the rest is the executor's own (events, allocation,
     /// bookkeeping).
     pub launch_by_kind: [f64; Op::KINDS.len()],
+    /// Host seconds of the step's instructions after its last node
+    /// ([`Self::issue_trailing`]).
+    pub trailing_seconds: f64,
     /// Partials and no_sync accumulations written and not yet flushed, as issued.
     pub live_partials: HashSet<Buffer>,
     /// Gradient buffers the caller owns (`grad_ready_bound`): dropped after their last
@@ -165,6 +168,7 @@ impl<B: Backend> RankState<B> {
             aliased: 0,
             issue_by_kind: Default::default(),
             launch_by_kind: Default::default(),
+            trailing_seconds: 0.0,
             peak_in_flight: 0,
             live_partials: HashSet::default(),
             borrowed: HashSet::default(),
@@ -342,6 +346,7 @@ impl<B: Backend> RankState<B> {
         if self.next_node < prepared.issue_end.len() {
             return;
         }
+        let t0 = std::time::Instant::now();
         let start = prepared.issue_end.last().copied().unwrap_or(0);
         for &(stream, ins) in &prepared.issue[start..] {
             match ins {
@@ -353,6 +358,7 @@ impl<B: Backend> RankState<B> {
                 Instr::Run(_) => {}
             }
         }
+        self.trailing_seconds += t0.elapsed().as_secs_f64();
     }
 
     async fn issue_node(
@@ -705,6 +711,7 @@ impl<B: Backend> RankState<B> {
         self.aliased = 0;
         self.issue_by_kind = Default::default();
         self.launch_by_kind = Default::default();
+        self.trailing_seconds = 0.0;
         self.peak_in_flight = 0;
         self.issue_errors.clear();
         self.last_issued = Default::default();
