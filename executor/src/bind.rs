@@ -61,10 +61,10 @@ pub(crate) fn bind<S: Buffers>(
     n: usize,
     set: &Settings<'_>,
     bufs: &S,
-) -> Result<Vec<Kernel<S::Buf>>, ExecError> {
+) -> Result<Kernels<S::Buf>, ExecError> {
     let plan = &*p.plan;
     let node = &plan.rank(rank).nodes[n];
-    let one = |k: Kernel<S::Buf>| Ok(vec![k]);
+    let one = |k: Kernel<S::Buf>| Ok(Kernels::One(k));
     match node.op {
         Op::GradReady { .. } => one(set.backward.kernel()),
         // Points of the trainer's own work, and a free (the memory goes back to the
@@ -82,8 +82,11 @@ pub(crate) fn bind<S: Buffers>(
             (param, micro_batch, pass),
             collective,
             bufs,
-        ),
-        Op::Accumulate { .. } | Op::Fold { .. } | Op::FoldPartial { .. } => adds(plan, node, bufs),
+        )
+        .map(Kernels::Many),
+        Op::Accumulate { .. } | Op::Fold { .. } | Op::FoldPartial { .. } => {
+            adds(plan, node, bufs).map(Kernels::Many)
+        }
         Op::Pack {
             bucket,
             micro_batch,
@@ -116,6 +119,37 @@ pub(crate) fn bind<S: Buffers>(
         Op::GradNorm | Op::NormReduce { .. } | Op::Clip => one(norm(p, node, set, bufs)?),
         Op::Publish { param, collective } => {
             one(publish(plan, rank, node.stream, param, collective, bufs)?)
+        }
+    }
+}
+
+/// A node's kernels, in order: almost always one, which then needs no allocation.
+#[derive(Debug)]
+pub(crate) enum Kernels<T> {
+    One(Kernel<T>),
+    Many(Vec<Kernel<T>>),
+}
+
+impl<T> std::ops::Deref for Kernels<T> {
+    type Target = [Kernel<T>];
+
+    fn deref(&self) -> &[Kernel<T>] {
+        match self {
+            Kernels::One(k) => std::slice::from_ref(k),
+            Kernels::Many(v) => v,
+        }
+    }
+}
+
+impl<T> IntoIterator for Kernels<T> {
+    type Item = Kernel<T>;
+    type IntoIter =
+        std::iter::Chain<std::option::IntoIter<Kernel<T>>, std::vec::IntoIter<Kernel<T>>>;
+
+    fn into_iter(self) -> Self::IntoIter {
+        match self {
+            Kernels::One(k) => Some(k).into_iter().chain(Vec::new()),
+            Kernels::Many(v) => None.into_iter().chain(v),
         }
     }
 }
@@ -684,7 +718,7 @@ mod tests {
                 let kernels = bind(&p, rank, n, &settings(&hyper), &store).unwrap();
                 let one = plan.mesh.group_size(collective.group) == 1;
                 seen.insert((node.op.kind(), one));
-                match kernels.as_slice() {
+                match &kernels[..] {
                     [Kernel::Marker] => assert!(one, "{}", plan.label(node)),
                     [Kernel::Collective { .. }] => assert!(!one, "{}", plan.label(node)),
                     other => panic!("{}: {} kernels", plan.label(node), other.len()),
@@ -728,7 +762,7 @@ mod tests {
             let store = Store::new(&plan, rank);
             let kernels = bind(&p, rank, n, &settings(&hyper), &store).unwrap();
             let shard = Some(Buffer::Param { param: odd });
-            match (padded, kernels.as_slice()) {
+            match (padded, &kernels[..]) {
                 (false, [Kernel::Collective { send, recv, .. }]) => {
                     assert_eq!(send.as_ref().map(|b| b.name), Some(shard));
                     assert!(recv.is_some());

@@ -20,7 +20,7 @@ use crate::ExecError;
 const POOL_PROBE: usize = 4;
 
 /// A node bound to its kernels: its tag and what it launches, in order.
-type Bound<B> = (Tag, Vec<Kernel<<B as Backend>::Buffer>>);
+type Bound<B> = (Tag, crate::bind::Kernels<<B as Backend>::Buffer>);
 
 /// A pooled buffer waiting for its release events.
 struct Pooled<B: Backend> {
@@ -296,24 +296,23 @@ impl<B: Backend> RankState<B> {
             // A no-op node is its marker (no kernels here): nothing to allocate, track,
             // bind or release.
             bound.push(if p.noop[n] {
-                (p.tags[n], Vec::new())
+                (p.tags[n], crate::bind::Kernels::Many(Vec::new()))
             } else {
                 self.prepare_node(backend, p, n, ctx)?
             });
         }
         let kind = p.plan.rank(self.rank).nodes[row.start].op.kind_index();
-        let mut launched = 0.0;
+        let mut launches = Vec::with_capacity(bound.len());
         for (n, (tag, kernels)) in row.clone().zip(bound) {
-            self.inject(backend, &p.plan, (n as u32, tag.op, stream), ctx);
-            let t = std::time::Instant::now();
+            launches.extend(self.inject(backend, &p.plan, (n as u32, tag.op), ctx));
             if kernels.is_empty() {
-                backend.launch(self.rank, stream, tag, Kernel::Marker);
+                launches.push((tag, Kernel::Marker));
             }
-            for k in kernels {
-                backend.launch(self.rank, stream, tag, k);
-            }
-            launched += t.elapsed().as_secs_f64();
+            launches.extend(kernels.into_iter().map(|k| (tag, k)));
         }
+        let t = std::time::Instant::now();
+        backend.launch_row(self.rank, stream, launches);
+        let launched = t.elapsed().as_secs_f64();
         let point = self.point();
         for &(s, ins) in instrs {
             if let Instr::Record(e) = ins {
@@ -450,14 +449,12 @@ impl<B: Backend> RankState<B> {
         &mut self,
         backend: &B,
         plan: &Plan,
-        (n, kind, stream): (u32, &'static str, Stream),
+        (n, kind): (u32, &'static str),
         ctx: &IssueCtx,
-    ) {
-        let Some(fault) = ctx.fault else {
-            return;
-        };
+    ) -> Option<(Tag, Kernel<B::Buffer>)> {
+        let fault = ctx.fault?;
         if self.fault_fired || !fault.hits(self.rank, kind, ctx.step) {
-            return;
+            return None;
         }
         self.fault_fired = true;
         let tag = Tag {
@@ -471,7 +468,7 @@ impl<B: Backend> RankState<B> {
                 Ok(k) => k,
                 Err(e) => {
                     self.issue_errors.push(e);
-                    return;
+                    return None;
                 }
             },
             crate::FaultMode::Fail => {
@@ -484,12 +481,12 @@ impl<B: Backend> RankState<B> {
                     },
                     (Err(e), _) | (_, Err(e)) => {
                         self.issue_errors.push(e);
-                        return;
+                        return None;
                     }
                 }
             }
         };
-        backend.launch(self.rank, stream, tag, kernel);
+        Some((tag, kernel))
     }
 
     /// The kernel of a [`crate::FaultMode::Nan`] fault: a one-element unpack of NaN into
@@ -537,7 +534,9 @@ impl<B: Backend> RankState<B> {
         let node = &p.plan.rank(self.rank).nodes[n];
         let stream = node.stream;
         self.last_issued[stream.index()] = Some(n as u32);
-        self.inject(backend, &p.plan, (n as u32, node.op.kind(), stream), ctx);
+        if let Some((tag, k)) = self.inject(backend, &p.plan, (n as u32, node.op.kind()), ctx) {
+            backend.launch(self.rank, stream, tag, k);
+        }
         let (tag, kernels) = self.prepare_node(backend, p, n, ctx)?;
         self.launch_timed(backend, stream, tag, node.op.kind_index(), kernels);
         self.release_after(backend, p, n, stream);
@@ -558,7 +557,7 @@ impl<B: Backend> RankState<B> {
         self.track_partials(&p.access[n]);
         let kernels = if p.alias[n].is_some() {
             self.aliased += 1;
-            vec![Kernel::Marker]
+            crate::bind::Kernels::One(Kernel::Marker)
         } else {
             let bufs = RankBuffers {
                 rank: self.rank,
@@ -629,7 +628,7 @@ impl<B: Backend> RankState<B> {
         stream: Stream,
         tag: Tag,
         kind: usize,
-        kernels: Vec<Kernel<B::Buffer>>,
+        kernels: crate::bind::Kernels<B::Buffer>,
     ) {
         let mut spent = 0.0f64;
         for k in kernels {

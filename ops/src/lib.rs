@@ -727,6 +727,15 @@ pub trait Backend: Send + Sync + 'static {
     fn event(&self, rank: u32) -> Self::Event;
     /// Enqueues a kernel on a stream of a rank; returns at once.
     fn launch(&self, rank: u32, stream: Stream, tag: Tag, kernel: Kernel<Self::Buffer>);
+    /// Launches `kernels` on `stream` in order, each under its tag: what calling
+    /// [`Self::launch`] for each does, which is the default. A backend that takes a lock
+    /// or binds a context per launch does that once for the whole row here (the
+    /// executor hands it a step's optimizers, or its publishes, in one call).
+    fn launch_row(&self, rank: u32, stream: Stream, kernels: Vec<(Tag, Kernel<Self::Buffer>)>) {
+        for (tag, kernel) in kernels {
+            self.launch(rank, stream, tag, kernel);
+        }
+    }
     /// Enqueues a record of `event` on a stream.
     fn record(&self, rank: u32, stream: Stream, event: &Self::Event);
     /// Makes later work on a stream wait for the latest record of `event`.

@@ -132,6 +132,28 @@ impl Backend for CudaBackend {
         st.launch(&self.shared, stream, tag, kernel);
     }
 
+    fn launch_row(&self, rank: u32, stream: Stream, kernels: Vec<(Tag, Kernel<CudaBuffer>)>) {
+        if rank != self.shared.rank {
+            for (tag, kernel) in kernels {
+                self.launch(rank, stream, tag, kernel);
+            }
+            return;
+        }
+        // One lock and one context bind for the row (a step's optimizers, or its
+        // publishes), each kernel then as `launch` handles it.
+        let mut st = lock(&self.issue);
+        let mut bound = None;
+        for (tag, kernel) in kernels {
+            if matches!(kernel, Kernel::Marker) && !st.timings.on {
+                continue;
+            }
+            match bound.get_or_insert_with(|| self.shared.device.bind()) {
+                Ok(()) => st.launch(&self.shared, stream, tag, kernel),
+                Err(e) => self.shared.report(stream, tag, e.clone()),
+            }
+        }
+    }
+
     fn record(&self, rank: u32, stream: Stream, event: &CudaEvent) {
         let mut st = lock(&self.issue);
         let mine = rank == self.shared.rank && event.rank == self.shared.rank;
