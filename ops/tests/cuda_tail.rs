@@ -503,6 +503,7 @@ fn a_replayed_flush_reads_each_steps_scalars_and_matches_one_issued_call_by_call
     // replayed at steps 3 to 5 on other buffers.
     let (a, d) = (ReplaySet::new(&b), ReplaySet::new(&b));
     let replays = b.tail_replays();
+    let reuses = b.tail_plan_reuses();
     for step in 1..=5 {
         b.set_tail_graphs(true);
         a.step(&b, step);
@@ -519,6 +520,9 @@ fn a_replayed_flush_reads_each_steps_scalars_and_matches_one_issued_call_by_call
         4,
         "captured at step 2, replayed after"
     );
+    // Both sets' flushes have one shape: planned once, then only their addresses and
+    // scalars written (`flush_cache.rs`).
+    assert_eq!(b.tail_plan_reuses() - reuses, 9, "one plan for ten flushes");
     // AdamW against the reference, bit for bit, after the five steps, with the norm
     // the GPU computed (the same every step: the gradients are restored).
     let sq = b.download(a.norm(5)).unwrap()[0];

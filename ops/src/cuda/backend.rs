@@ -150,6 +150,7 @@ impl CudaBackend {
                 pending: Default::default(),
                 fuse_clip: true,
                 tail_graphs: Default::default(),
+                plans: Default::default(),
                 flush_clock: super::defer::flush_clocks_from_env(),
                 flushes: 0,
                 tickets: 0,
@@ -212,6 +213,13 @@ impl CudaBackend {
     /// behind them. A diagnostic of how the tail is issued.
     pub fn flushes(&self) -> u64 {
         lock(&self.issue).flushes
+    }
+
+    /// How many of [`Self::flushes`] reused the plan of an earlier flush of the same
+    /// shape on their stream (`flush_cache.rs`), only their addresses and scalars
+    /// written anew. A diagnostic of how the tail is issued.
+    pub fn tail_plan_reuses(&self) -> u64 {
+        lock(&self.issue).plans.iter().map(|p| p.reuses).sum()
     }
 
     /// How many of [`Self::flushes`] were one launch of a captured graph

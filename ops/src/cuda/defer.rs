@@ -57,7 +57,7 @@ use overlap_graph::Stream;
 use super::backend::Shared;
 use super::event::{CudaEvent, Record};
 use super::fast_hash::WordHash;
-use super::flush::FlushPlan;
+use super::flush_cache::FlushCache;
 use super::issue::Issue;
 use super::memory::CudaBuffer;
 use crate::{AdamwParams, MuonParams, OpsError, Tag};
@@ -338,9 +338,9 @@ impl Issue {
         }
     }
 
-    /// Plans the flush of `held` behind `norm` and `clip` (`flush.rs`), uploads its
-    /// scalars and issues it on `stream`: replayed as a graph when it repeats
-    /// (`tail_graph.rs`).
+    /// Plans the flush of `held` behind `norm` and `clip` (`flush.rs`; once per shape,
+    /// `flush_cache.rs`), uploads its words and issues it on `stream`: replayed as a
+    /// graph when it repeats (`tail_graph.rs`).
     fn issue_held(
         &mut self,
         shared: &Shared,
@@ -349,11 +349,26 @@ impl Issue {
         (norm, clip): (Option<&HeldNorm>, Option<&HeldClip>),
         held: &[Entry],
     ) -> Result<(), OpsError> {
+        let mut plans = std::mem::take(&mut self.plans[stream.index()]);
+        let ran = self.issue_planned(shared, (stream, raw), &mut plans, (norm, clip), held);
+        self.plans[stream.index()] = plans;
+        ran
+    }
+
+    /// [`Self::issue_held`] with the stream's plans taken out.
+    fn issue_planned(
+        &mut self,
+        shared: &Shared,
+        (stream, raw): (Stream, sys::CUstream),
+        plans: &mut FlushCache,
+        (norm, clip): (Option<&HeldNorm>, Option<&HeldClip>),
+        held: &[Entry],
+    ) -> Result<(), OpsError> {
         // Timed only with `OVERLAP_FLUSH_CLOCK=1`: no clock reads on the hot path else.
         let clocked = self.flush_clock.is_some();
         let now = || clocked.then(std::time::Instant::now);
         let t0 = now();
-        let mut plan = FlushPlan::new((norm, clip), held)?;
+        let plan = plans.plan((norm, clip), held)?;
         if plan.is_empty() {
             return Ok(());
         }

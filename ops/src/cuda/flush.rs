@@ -25,6 +25,7 @@ use cudarc::driver::sys;
 
 use super::defer::{Entry, Held, HeldClip, HeldNorm};
 use super::fast_hash::WordHash;
+use super::flush_cache::Reloc;
 use super::kernels::{self, Kernels, Span, SumSqLaunch};
 use super::memory::CudaBuffer;
 use super::muon::{self, Blas, ClassLayout};
@@ -41,11 +42,11 @@ const ALIGN: usize = 256;
 /// first-seen order.
 type AdamwGroups = Vec<(
     (AdamwParams, u64, sys::CUdeviceptr, FusedClip),
-    Vec<AdamwTensor>,
+    (usize, Vec<AdamwTensor>),
 )>;
 /// Muon groups: matrices sharing shape, hyper-parameters, guard and fused clip.
 type MuonKey = ((usize, usize), MuonParams, sys::CUdeviceptr, FusedClip);
-type MuonGroups = Vec<(MuonKey, Vec<(u64, u64, u64)>)>;
+type MuonGroups = Vec<(MuonKey, (usize, Vec<(u64, u64, u64)>))>;
 
 /// The held norm's launches: per first-pass launch its grid, where its partial sums
 /// start and where its spans' table is in the flush's words; where the destination's
@@ -91,25 +92,40 @@ pub(super) struct FlushPlan {
     scalars_at: usize,
     /// Where the norm's partial sums start (after the words).
     partials_at: usize,
+    /// Where each scalar block is in `words`, with the held step (its index) whose
+    /// settings give it: AdamW's seven (hyper-parameters and step), a Muon batch's
+    /// three (hyper-parameters and shape). `flush_cache.rs` rewrites them each flush.
+    pub(super) scalars: Vec<(usize, usize)>,
 }
 
+/// How planning reads a buffer's device address: the real one, or a stand-in
+/// (`flush_cache.rs`).
+pub(super) type Addr<'a> = &'a dyn Fn(&CudaBuffer) -> u64;
+
 impl FlushPlan {
-    /// Plans the launches of `held` behind the held `norm` and `clip`.
-    pub(super) fn new(
+    /// Plans the launches of `held` behind the held `norm` and `clip`, taking every
+    /// buffer's address from `addr`: the launches and every word but the addresses are
+    /// the same whatever `addr` gives, and each address word is `addr` of one buffer
+    /// plus an offset (`flush_cache.rs` relies on both).
+    pub(super) fn with_addresses(
+        addr: Addr<'_>,
         (norm, clip): (Option<&HeldNorm>, Option<&HeldClip>),
         held: &[Entry],
     ) -> Result<FlushPlan, OpsError> {
         let mut words = Vec::new();
-        let norm = norm.map(|n| NormPlan::new(n, &mut words)).transpose()?;
+        let norm = norm
+            .map(|n| NormPlan::new(n, addr, &mut words))
+            .transpose()?;
         let fused = clip.map_or(FusedClip::default(), |c| FusedClip {
-            norm: c.norm.ptr(),
+            norm: addr(&c.norm),
             max_norm: c.max_norm,
         });
-        let clip = clip.map(|c| ClipPlan::new(c, held, &mut words));
-        let (adamw_groups, muon_groups) = groups(held, fused);
-        let (mut adamw, mut links) = (Vec::new(), Vec::new());
-        for ((hp, step, guard, clip), tensors) in adamw_groups {
+        let clip = clip.map(|c| ClipPlan::new(c, held, addr, &mut words));
+        let (adamw_groups, muon_groups) = groups(held, fused, addr);
+        let (mut adamw, mut links, mut slots) = (Vec::new(), Vec::new(), Vec::new());
+        for ((hp, step, guard, clip), (first, tensors)) in adamw_groups {
             let scalars = words.len();
+            slots.push((scalars, first));
             words.extend(adamw_scalars(&hp, step).map(f64::to_bits));
             for (table, grid) in adamw_tables(&tensors, 0, (guard, clip)) {
                 // The table's first word is its scalars' address.
@@ -119,9 +135,10 @@ impl FlushPlan {
             }
         }
         let mut batches = Vec::new();
-        for ((shape, hp, guard, clip), mats) in muon_groups {
+        for ((shape, hp, guard, clip), (first, mats)) in muon_groups {
             for chunk in mats.chunks(MUON_MATS) {
                 let scalars = words.len();
+                slots.push((scalars, first));
                 words.extend(muon_scalars(&hp, shape).map(f64::to_bits));
                 let mats = MuonMats::of(chunk, clip, guard);
                 let at = words.len();
@@ -171,7 +188,37 @@ impl FlushPlan {
             links,
             scalars_at,
             partials_at,
+            scalars: slots,
         })
+    }
+
+    /// Writes this flush's buffer addresses (`ptrs[t] + offset` at each relocation,
+    /// `flush_cache.rs`) and each scalar block (from its held step's settings) into the
+    /// words.
+    pub(super) fn patch(&mut self, relocs: &[Reloc], ptrs: &[u64], held: &[Entry]) {
+        for &(i, t, off) in relocs {
+            self.words[i] = ptrs[t as usize] + off;
+        }
+        for &(at, e) in &self.scalars {
+            let words = &mut self.words[at..];
+            match &held[e].1 {
+                Held::Adamw { hp, step, .. } => {
+                    for (w, x) in words.iter_mut().zip(adamw_scalars(hp, *step)) {
+                        *w = x.to_bits();
+                    }
+                }
+                Held::Muon { hp, rows, cols, .. } => {
+                    for (w, x) in words.iter_mut().zip(muon_scalars(hp, (*rows, *cols))) {
+                        *w = x.to_bits();
+                    }
+                }
+            }
+        }
+    }
+
+    /// The flush's words.
+    pub(super) fn words(&self) -> &[u64] {
+        &self.words
     }
 
     /// Whether the flush launches anything.
@@ -322,8 +369,8 @@ fn muon_classes(
 impl NormPlan {
     /// The held norm's launches, their tables and the destination's address appended
     /// to `words`.
-    fn new(n: &HeldNorm, words: &mut Vec<u64>) -> Result<NormPlan, OpsError> {
-        let spans: Vec<Span> = n.srcs.iter().map(span).collect();
+    fn new(n: &HeldNorm, addr: Addr<'_>, words: &mut Vec<u64>) -> Result<NormPlan, OpsError> {
+        let spans: Vec<Span> = n.srcs.iter().map(|b| span(b, addr)).collect();
         let (launches, partials) = kernels::sumsq_launches(&spans);
         if usize::try_from(partials)
             .ok()
@@ -344,7 +391,7 @@ impl NormPlan {
             })
             .collect();
         let dst_at = words.len();
-        words.push(n.dst.ptr());
+        words.push(addr(&n.dst));
         Ok(NormPlan {
             launches,
             dst_at,
@@ -356,8 +403,8 @@ impl NormPlan {
 impl ClipPlan {
     /// The held clip's launches over the gradients no held step reads, their tables
     /// and the norm's address appended to `words`.
-    fn new(c: &HeldClip, held: &[Entry], words: &mut Vec<u64>) -> ClipPlan {
-        let launches = kernels::clip_launches(&unread(c, held))
+    fn new(c: &HeldClip, held: &[Entry], addr: Addr<'_>, words: &mut Vec<u64>) -> ClipPlan {
+        let launches = kernels::clip_launches(&unread(c, held, addr))
             .into_iter()
             .map(|(table, grid)| {
                 let at = words.len();
@@ -366,7 +413,7 @@ impl ClipPlan {
             })
             .collect();
         let norm_at = words.len();
-        words.push(c.norm.ptr());
+        words.push(addr(&c.norm));
         ClipPlan {
             launches,
             norm_at,
@@ -376,9 +423,9 @@ impl ClipPlan {
 }
 
 /// A buffer as the tail's kernels take it.
-fn span(b: &CudaBuffer) -> Span {
+fn span(b: &CudaBuffer, addr: Addr<'_>) -> Span {
     Span {
-        p: b.ptr(),
+        p: addr(b),
         len: b.len as u64,
     }
 }
@@ -393,7 +440,7 @@ fn dtype_code(d: NsDtype) -> u64 {
 
 /// The held clip's gradients that no held step reads as its gradient (those steps
 /// apply the clip themselves).
-fn unread(c: &HeldClip, held: &[Entry]) -> Vec<Span> {
+fn unread(c: &HeldClip, held: &[Entry], addr: Addr<'_>) -> Vec<Span> {
     let read: HashSet<usize, WordHash> = held
         .iter()
         .filter(|e| e.3)
@@ -402,17 +449,17 @@ fn unread(c: &HeldClip, held: &[Entry]) -> Vec<Span> {
     c.bufs
         .iter()
         .filter(|b| !read.contains(&b.id()))
-        .map(span)
+        .map(|b| span(b, addr))
         .collect()
 }
 
-/// The held kernels grouped for their launches; `clip` is what a step that applies the
-/// held clip passes its kernel.
-fn groups(held: &[Entry], clip: FusedClip) -> (AdamwGroups, MuonGroups) {
+/// The held kernels grouped for their launches, each group with its first step's
+/// index; `clip` is what a step that applies the held clip passes its kernel.
+fn groups(held: &[Entry], clip: FusedClip, addr: Addr<'_>) -> (AdamwGroups, MuonGroups) {
     let mut adamw: AdamwGroups = Vec::new();
     let mut muon: MuonGroups = Vec::new();
-    for (_, h, guard, clipped) in held {
-        let g = guard.as_ref().map_or(0, |b| b.ptr());
+    for (i, (_, h, guard, clipped)) in held.iter().enumerate() {
+        let g = guard.as_ref().map_or(0, addr);
         let c = if *clipped { clip } else { FusedClip::default() };
         match h {
             Held::Adamw {
@@ -423,17 +470,19 @@ fn groups(held: &[Entry], clip: FusedClip) -> (AdamwGroups, MuonGroups) {
                 step,
             } => {
                 let key = (*hp, *step, g, c);
+                let m = addr(state);
                 let t = AdamwTensor {
-                    p: param.ptr(),
-                    g: grad.ptr(),
-                    m: state.ptr(),
-                    v: state.at(param.len as u64),
+                    p: addr(param),
+                    g: addr(grad),
+                    m,
+                    // `CudaBuffer::at`: the second moment follows the first.
+                    v: m + param.len as u64 * 4,
                     n: param.len as u64,
                     block0: 0,
                 };
                 match adamw.iter_mut().find(|(k, _)| *k == key) {
-                    Some((_, v)) => v.push(t),
-                    None => adamw.push((key, vec![t])),
+                    Some((_, (_, v))) => v.push(t),
+                    None => adamw.push((key, (i, vec![t]))),
                 }
             }
             Held::Muon {
@@ -445,10 +494,10 @@ fn groups(held: &[Entry], clip: FusedClip) -> (AdamwGroups, MuonGroups) {
                 hp,
             } => {
                 let key = ((*rows, *cols), *hp, g, c);
-                let m = (param.ptr(), momentum.ptr(), grad.ptr());
+                let m = (addr(param), addr(momentum), addr(grad));
                 match muon.iter_mut().find(|(k, _)| *k == key) {
-                    Some((_, v)) => v.push(m),
-                    None => muon.push((key, vec![m])),
+                    Some((_, (_, v))) => v.push(m),
+                    None => muon.push((key, (i, vec![m]))),
                 }
             }
         }

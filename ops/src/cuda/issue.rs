@@ -63,6 +63,8 @@ pub(super) struct Issue {
     /// Each stream's captured optimizer flushes, at [`Stream::index`]
     /// (`tail_graph.rs`).
     pub(super) tail_graphs: [TailGraphs; Stream::COUNT],
+    /// Each stream's flush planned once per shape (`flush_cache.rs`).
+    pub(super) plans: [super::flush_cache::FlushCache; Stream::COUNT],
     /// Where the flushes' host time goes (`OVERLAP_FLUSH_CLOCK=1`; `defer.rs`).
     pub(super) flush_clock: Option<super::defer::FlushClocks>,
     /// Flushes that issued held kernels ([`super::CudaBackend::flushes`]).

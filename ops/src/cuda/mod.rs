@@ -96,6 +96,7 @@ mod event;
 mod exchange;
 mod fast_hash;
 mod flush;
+mod flush_cache;
 mod gemm;
 mod issue;
 mod kernels;
