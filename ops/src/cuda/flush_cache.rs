@@ -35,7 +35,9 @@ const SYMBOL: u64 = 1 << 63;
 const SHIFT: u32 = 40;
 
 /// A flush's shape and its buffers' real addresses, numbered in the order the key names
-/// them.
+/// them. Kept by the stream's cache and refilled each flush, so that a steady step
+/// allocates nothing and grows no table here.
+#[derive(Default)]
 struct Shape {
     key: Vec<u64>,
     /// Per buffer number: its device address.
@@ -45,13 +47,11 @@ struct Shape {
 }
 
 impl Shape {
-    /// The shape of the flush of `held` behind `norm` and `clip`.
-    fn of((norm, clip): (Option<&HeldNorm>, Option<&HeldClip>), held: &[Entry]) -> Shape {
-        let mut s = Shape {
-            key: Vec::with_capacity(16 + held.len() * 12),
-            ptrs: Vec::with_capacity(held.len() * 3 + 2),
-            ids: HashMap::default(),
-        };
+    /// Refills `s` with the shape of the flush of `held` behind `norm` and `clip`.
+    fn fill(s: &mut Shape, (norm, clip): (Option<&HeldNorm>, Option<&HeldClip>), held: &[Entry]) {
+        s.key.clear();
+        s.ptrs.clear();
+        s.ids.clear();
         match norm {
             Some(n) => {
                 let dst = s.number(&n.dst);
@@ -110,7 +110,6 @@ impl Shape {
                 }
             }
         }
-        s
     }
 
     /// Buffer `b`'s number, given where it is first named.
@@ -185,6 +184,8 @@ struct Cached {
 /// One stream's planned flush (module docs).
 #[derive(Default)]
 pub(super) struct FlushCache {
+    /// The shape of the flush being issued.
+    shape: Shape,
     cached: Option<Cached>,
     /// A flush whose shape could not be cached, planned directly.
     direct: Option<FlushPlan>,
@@ -206,14 +207,15 @@ impl FlushCache {
         (norm, clip): (Option<&HeldNorm>, Option<&HeldClip>),
         held: &[Entry],
     ) -> Result<&mut FlushPlan, OpsError> {
-        let shape = Shape::of((norm, clip), held);
+        Shape::fill(&mut self.shape, (norm, clip), held);
+        let shape = &self.shape;
         let hit = self.cached.as_ref().is_some_and(|c| c.key == shape.key);
         if hit {
             self.reuses += 1;
         } else {
             self.cached = None;
             let direct = FlushPlan::with_addresses(&|b| b.ptr(), (norm, clip), held)?;
-            match Self::learn(&shape, (norm, clip), held, &direct)? {
+            match Self::learn(shape, (norm, clip), held, &direct)? {
                 Some((plan, relocs)) => {
                     self.cached = Some(Cached {
                         key: shape.key.clone(),
