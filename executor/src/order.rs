@@ -219,32 +219,60 @@ fn merge_rows(issue: &[(Stream, Instr)], ends: &[usize], runs: &[usize]) -> Issu
 
 /// Pass 3: waits already implied by the waiting stream's position dropped.
 fn drop_redundant(noop: &[bool], issue: &[(Stream, Instr)]) -> Issue {
-    let mut cur: [Clock; Stream::COUNT] = Default::default();
-    let mut recorded: HashMap<EventId, Clock> = HashMap::default();
-    let mut out = Vec::with_capacity(issue.len());
-    for &(s, ins) in issue {
-        let x = s.index();
+    let mut walk = Walk::default();
+    issue
+        .iter()
+        .copied()
+        .filter(|&i| walk.step(noop, i) != Step::Implied)
+        .collect()
+}
+
+/// What [`Walk::step`] found.
+#[derive(PartialEq)]
+enum Step {
+    /// A node ran: what is known complete as it runs.
+    Ran(Clock),
+    /// A wait whose event's record the stream already knows complete.
+    Implied,
+    Other,
+}
+
+/// Vector clocks along an issue order: per stream, how many runs of nodes that do work
+/// on each stream are known complete; per event, what its latest record knew. A wait
+/// before any record of its event orders nothing.
+#[derive(Default)]
+struct Walk {
+    cur: [Clock; Stream::COUNT],
+    recorded: HashMap<EventId, Clock>,
+}
+
+impl Walk {
+    /// Applies one instruction.
+    fn step(&mut self, noop: &[bool], (s, ins): (Stream, Instr)) -> Step {
+        let cur = &mut self.cur[s.index()];
         match ins {
             Instr::Run(n) => {
                 if !noop[n as usize] {
-                    cur[x][x] += 1;
+                    cur[s.index()] += 1;
                 }
+                Step::Ran(*cur)
             }
             Instr::Record(e) => {
-                recorded.insert(e, cur[x]);
+                self.recorded.insert(e, *cur);
+                Step::Other
             }
-            Instr::Wait(e) => {
-                if let Some(c) = recorded.get(&e) {
-                    if dominates(&cur[x], c) {
-                        continue;
+            Instr::Wait(e) => match self.recorded.get(&e) {
+                Some(c) if dominates(cur, c) => Step::Implied,
+                Some(c) => {
+                    for (x, y) in cur.iter_mut().zip(c) {
+                        *x = (*x).max(*y);
                     }
-                    join(&mut cur[x], c);
+                    Step::Other
                 }
-            }
+                None => Step::Other,
+            },
         }
-        out.push((s, ins));
     }
-    out
 }
 
 /// Whether `a` knows at least everything `b` does.
@@ -252,43 +280,21 @@ fn dominates(a: &Clock, b: &Clock) -> bool {
     a.iter().zip(b).all(|(x, y)| x >= y)
 }
 
-fn join(a: &mut Clock, b: &Clock) {
-    for (x, y) in a.iter_mut().zip(b) {
-        *x = (*x).max(*y);
-    }
-}
-
-/// Per node that does work: what is known complete when it runs; and per stream what is
-/// known complete at its end. A wait before any record of its event orders nothing.
+/// Per node: what is known complete when it runs; and per stream what is known
+/// complete at its end ([`Walk`]).
 fn clocks(
     nodes: usize,
     noop: &[bool],
     issue: &[(Stream, Instr)],
 ) -> (Vec<Clock>, [Clock; Stream::COUNT]) {
-    let mut cur: [Clock; Stream::COUNT] = Default::default();
-    let mut recorded: HashMap<EventId, Clock> = HashMap::default();
+    let mut walk = Walk::default();
     let mut at = vec![Clock::default(); nodes];
-    for &(s, ins) in issue {
-        let x = s.index();
-        match ins {
-            Instr::Run(n) => {
-                if !noop[n as usize] {
-                    cur[x][x] += 1;
-                }
-                at[n as usize] = cur[x];
-            }
-            Instr::Record(e) => {
-                recorded.insert(e, cur[x]);
-            }
-            Instr::Wait(e) => {
-                if let Some(c) = recorded.get(&e) {
-                    let c = *c;
-                    join(&mut cur[x], &c);
-                }
-            }
+    for &i in issue {
+        if let (Instr::Run(n), Step::Ran(c)) = (i.1, walk.step(noop, i)) {
+            at[n as usize] = c;
         }
     }
-    (at, cur)
+    (at, walk.cur)
 }
 
 /// Whether `new` runs every node, in the same order per stream, and orders at least what
