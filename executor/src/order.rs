@@ -115,10 +115,11 @@ fn forward(streams: &[Stream], noop: &[bool], issue: &[(Stream, Instr)]) -> Issu
     let resolve = |stands_for: &HashMap<EventId, Vec<EventId>>, e: EventId| {
         stands_for.get(&e).cloned().unwrap_or_else(|| vec![e])
     };
-    // Issues an instruction of a node that does work, after the waits owed to its stream.
+    // Issues an instruction of a node that does work, after the waits owed to its stream;
+    // an event it records stands for itself again.
     let emit = |out: &mut Issue,
                 pending: &mut [Vec<EventId>; Stream::COUNT],
-                stands_for: &HashMap<EventId, Vec<EventId>>,
+                stands_for: &mut HashMap<EventId, Vec<EventId>>,
                 (s, ins): (Stream, Instr)| {
         out.extend(
             std::mem::take(&mut pending[s.index()])
@@ -131,14 +132,18 @@ fn forward(streams: &[Stream], noop: &[bool], issue: &[(Stream, Instr)]) -> Issu
                     .into_iter()
                     .map(|a| (s, Instr::Wait(a))),
             ),
-            _ => out.push((s, ins)),
+            Instr::Record(e) => {
+                stands_for.remove(&e);
+                out.push((s, ins));
+            }
+            Instr::Run(_) => out.push((s, ins)),
         }
     };
     for (n, &stream) in streams.iter().enumerate() {
         let g = &issue[group(&ends, n)];
         if !(noop[n] && plain(g, stream)) {
             for &i in g {
-                emit(&mut out, &mut pending, &stands_for, i);
+                emit(&mut out, &mut pending, &mut stands_for, i);
             }
             continue;
         }
@@ -161,7 +166,7 @@ fn forward(streams: &[Stream], noop: &[bool], issue: &[(Stream, Instr)]) -> Issu
     }
     let trailing = ends.last().copied().unwrap_or(0);
     for &i in &issue[trailing..] {
-        emit(&mut out, &mut pending, &stands_for, i);
+        emit(&mut out, &mut pending, &mut stands_for, i);
     }
     for s in Stream::ALL {
         let owed = std::mem::take(&mut pending[s.index()]);
@@ -188,9 +193,7 @@ fn merge_rows(issue: &[(Stream, Instr)], ends: &[usize], runs: &[usize]) -> Issu
     while n < runs.len() {
         let end = runs[n];
         if end > n + 1 {
-            let span = group(ends, n).start..ends[end - 1];
-            let row: Vec<(usize, EventId)> = span
-                .clone()
+            let row: Vec<(usize, EventId)> = (group(ends, n).start..ends[end - 1])
                 .filter_map(|i| match issue[i].1 {
                     Instr::Record(e) => Some((i, e)),
                     _ => None,
@@ -387,6 +390,28 @@ mod tests {
             (R, Run(2)),
         ];
         assert_eq!(thinned, want);
+    }
+
+    #[test]
+    fn an_event_recorded_again_by_a_node_that_does_work_stands_for_itself() {
+        // e0 is recorded by the no-op n1, then again by n2: n3's wait is for n2's record.
+        let streams = [C, R, X, P];
+        let noop = [false, true, false, false];
+        let issue = vec![
+            (C, Run(0)),
+            (C, Rec(1)),
+            (R, Wait(1)),
+            (R, Run(1)),
+            (R, Rec(0)),
+            (X, Run(2)),
+            (X, Rec(0)),
+            (P, Wait(0)),
+            (P, Run(3)),
+        ];
+        let thinned = thin(&streams, &noop, issue.clone(), single);
+        assert_ne!(thinned, issue, "the no-op's wait moves to the end");
+        assert!(thinned.contains(&(P, Wait(0))), "{thinned:?}");
+        assert!(!thinned.contains(&(P, Wait(1))), "{thinned:?}");
     }
 
     #[test]
