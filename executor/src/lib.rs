@@ -423,7 +423,7 @@ pub struct StepStats {
     pub launch_by_kind: Vec<(&'static str, f64)>,
     /// Host time of the instructions after the step's last node, in seconds, summed
     /// over local ranks: the waits that close the streams, where the executor's order
-    /// put the waits of no-op nodes (`ARCHITECTURE.md`, "Issue order"), and so, on the
+    /// put the waits of no-op nodes (`ARCHITECTURE.md`, the `executor/` section), and so, on the
     /// CUDA backend, where the held optimizer tail is flushed. In `issue_seconds`.
     pub trailing_seconds: f64,
     /// Wall time from the first issue to the end of the step, in seconds.
