@@ -11,6 +11,10 @@
 # flush spends its host time. With BASELINE (another `overlap` binary, say one built
 # from an earlier commit) each run of BINARY is preceded by the same run of BASELINE, so
 # both see the same host; the last lines compare their tail sums (median of the runs).
+# GRADS="host device" (default "host") runs BINARY once per gradient source
+# ([run] grads: "device" hands the gradients in where they are on the GPU, as a trainer
+# whose backward runs there, instead of writing them on the host each step); BASELINE
+# runs with the configs as they are (host).
 # Everything goes to OUTDIR/log.txt as well.
 set -u
 BIN=${1:-target/release/overlap}
@@ -25,10 +29,14 @@ export OVERLAP_FLUSH_CLOCK=1
   echo "== host: $(grep -m1 'model name' /proc/cpuinfo | cut -d: -f2) ($(nproc) cores)"
   for rep in 1 2 3; do
     for opt in muon adamw; do
-      for who in ${BASE:+base} new; do
+      for who in ${BASE:+base} $(for g in ${GRADS:-host}; do [ "$g" = host ] && echo new || echo "new-$g"; done); do
         bin=$BIN
         [ "$who" = base ] && bin=$BASE
         cfg=examples/gpu/gpt2_small_1x1_$opt.toml
+        if [ "${who#new-}" != "$who" ]; then
+          sed "s/^\[run\]/[run]\ngrads = \"${who#new-}\"/" "$cfg" >"$OUT/$opt-$who.toml"
+          cfg=$OUT/$opt-$who.toml
+        fi
         o=$OUT/run-$opt-$who-$rep
         echo "== run $rep ($who): $bin run --config $cfg --timing-every 1000"
         timeout 300 "$bin" run --config "$cfg" --timing-every 1000 >"$o.out" 2>"$o.err"
@@ -42,9 +50,9 @@ export OVERLAP_FLUSH_CLOCK=1
   done
   echo "== tail host us/step, median of the runs (optimizer, binary: runs)"
   for opt in muon adamw; do
-    for who in ${BASE:+base} new; do
+    for who in ${BASE:+base} $(for g in ${GRADS:-host}; do [ "$g" = host ] && echo new || echo "new-$g"; done); do
       awk -v o="$opt" -v w="$who" '$1 == o && $2 == w { print $3 }' "$OUT/tails.txt" | sort -n |
-        awk -v o="$opt" -v w="$who" '{ v[NR] = $1 } END { printf "%-6s %-4s median %s (runs:", o, w, v[int((NR + 1) / 2)]; for (i = 1; i <= NR; i++) printf " %s", v[i]; print ")" }'
+        awk -v o="$opt" -v w="$who" '{ v[NR] = $1 } END { printf "%-6s %-10s median %s (runs:", o, w, v[int((NR + 1) / 2)]; for (i = 1; i <= NR; i++) printf " %s", v[i]; print ")" }'
     done
   done
   echo "== $BIN bench-optimizer --shapes gpt2-small --muon --clip"

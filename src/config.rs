@@ -87,6 +87,49 @@ pub struct RunConfig {
     /// on. The first step gets [`overlap_executor::FIRST_STEP_TIMEOUT_FACTOR`] times as
     /// long (warm-up).
     pub step_timeout_s: u32,
+    /// Where the synthetic trainer's gradients come from (`grads`; default
+    /// [`GradSource::Host`]).
+    pub grads: GradSource,
+}
+
+/// `run.grads`: how `overlap run`'s synthetic trainer hands its gradients in.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Default)]
+pub enum GradSource {
+    /// Each step's gradients are written on the host and handed in with
+    /// `Session::grad_ready` (on CUDA: uploaded).
+    #[default]
+    Host,
+    /// One set of gradients per micro-batch is written into backend buffers before the
+    /// first step and handed in where it is, every step, with
+    /// `Session::grad_ready_device`, as a trainer whose backward runs on the GPU does:
+    /// no host writes and no uploads during the steps (the gradients are the same every
+    /// step).
+    Device,
+}
+
+impl GradSource {
+    /// Every source, in the order the docs list them.
+    pub const ALL: [GradSource; 2] = [GradSource::Host, GradSource::Device];
+
+    /// The name used in configs: `host`, `device`.
+    pub fn name(self) -> &'static str {
+        match self {
+            GradSource::Host => "host",
+            GradSource::Device => "device",
+        }
+    }
+}
+
+impl FromStr for GradSource {
+    type Err = String;
+
+    /// Parses `host` or `device`; the error lists the valid names.
+    fn from_str(s: &str) -> Result<Self, String> {
+        GradSource::ALL
+            .into_iter()
+            .find(|g| g.name() == s)
+            .ok_or_else(|| format!("unknown gradient source `{s}`; expected host or device"))
+    }
 }
 
 /// The default `run.step_timeout`, in seconds.
@@ -106,6 +149,7 @@ impl Default for RunConfig {
             backend: BackendChoice::Auto,
             backward_us_per_layer: 0,
             step_timeout_s: DEFAULT_STEP_TIMEOUT_S,
+            grads: GradSource::Host,
         }
     }
 }
@@ -1462,7 +1506,15 @@ impl Doc<'_> {
                 .parse()
                 .map_err(|reason: String| self.err("run.backend", Some(b.span()), reason))?,
         };
+        let grads = match raw.grads {
+            None => d.grads,
+            Some(g) => g
+                .get_ref()
+                .parse()
+                .map_err(|reason: String| self.err("run.grads", Some(g.span()), reason))?,
+        };
         Ok(RunConfig {
+            grads,
             steps: self.at_least_one("run.steps", raw.steps, d.steps)?,
             seed: raw.seed.unwrap_or(d.seed),
             backend,
@@ -1922,6 +1974,7 @@ mod raw {
         pub backend: Option<Spanned<String>>,
         pub backward_us_per_layer: Option<Spanned<u32>>,
         pub step_timeout: Option<Spanned<u32>>,
+        pub grads: Option<Spanned<String>>,
     }
 
     #[derive(Deserialize, Default)]

@@ -4,8 +4,8 @@
 use std::path::Path;
 
 use overlap::config::{
-    BackendChoice, Config, ConfigError, MetricsConfig, OverlapConfig, Overrides, RunConfig,
-    TransportChoice, DEFAULT_BUCKET_CAP_BYTES,
+    BackendChoice, Config, ConfigError, GradSource, MetricsConfig, OverlapConfig, Overrides,
+    RunConfig, TransportChoice, DEFAULT_BUCKET_CAP_BYTES,
 };
 use overlap::executor::LrSchedule;
 use overlap_graph::{
@@ -559,6 +559,23 @@ fn unknown_backend() {
 }
 
 #[test]
+fn unknown_gradient_source() {
+    expect(
+        &with_base("[run]\ngrads = \"disk\"\n"),
+        "run.grads",
+        Some(9),
+        "unknown gradient source `disk`; expected host or device",
+    );
+}
+
+#[test]
+fn gradient_source_round_trips_its_names() {
+    for g in GradSource::ALL {
+        assert_eq!(g.name().parse::<GradSource>(), Ok(g));
+    }
+}
+
+#[test]
 fn backward_cost_above_one_second_per_layer() {
     expect(
         &with_base("[run]\nbackward_us_per_layer = 5000000\n"),
@@ -776,6 +793,7 @@ steps = 5
 seed = 7
 backend = "cpu"
 backward_us_per_layer = 250
+grads = "device"
 step_timeout = 30
 
 [overlap]
@@ -841,6 +859,7 @@ timing_every = 10
             backend: BackendChoice::Cpu,
             backward_us_per_layer: 250,
             step_timeout_s: 30,
+            grads: GradSource::Device,
         },
         overlap: OverlapConfig {
             stage1_window: 4,
@@ -890,6 +909,7 @@ fn minimal_config_takes_the_defaults() {
             backend: BackendChoice::Auto,
             backward_us_per_layer: 0,
             step_timeout_s: 300,
+            grads: GradSource::Host,
         }
     );
     assert_eq!(c.overlap, OverlapConfig::default());
@@ -950,6 +970,7 @@ fn example_hsdp_2x2_loads() {
             backend: BackendChoice::Auto,
             backward_us_per_layer: 400,
             step_timeout_s: 300,
+            grads: GradSource::Host,
         }
     );
     for r in Route::ALL {

@@ -288,3 +288,34 @@ async fn misuse_of_the_device_path_is_refused_by_name() {
         .unwrap_err();
     assert!(e.to_string().contains("PlanSpec::with_forward"), "{e}");
 }
+
+/// `overlap run`'s `[run] grads = "device"`: `drive::device_step` hands in, every step,
+/// the gradients `drive::synthetic_step` writes on the host for step 0, so the two agree
+/// bit for bit step after step (with no_sync micro-batches, a forward, and several
+/// ranks): the buffers are never written, or the later steps would differ.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn drives_device_gradients_are_the_synthetic_step_zero_ones_every_step() {
+    use overlap::drive;
+    const SEED: u64 = 7;
+    for (shard, replicate) in [(1, 1), (2, 2)] {
+        for forward in [None, Some(ForwardSpec::default())] {
+            let spec = common::mixed_spec(shard, replicate).with_forward(forward);
+            let what = format!("{shard}x{replicate} forward {forward:?}");
+            let (mut host, mut device) = (session(spec.clone()), session(spec));
+            let grads = drive::DeviceGrads::new(&device, SEED, GATES.len()).unwrap();
+            for step in 0..3 {
+                drive::synthetic_step(&mut host, SEED, 0, &GATES)
+                    .await
+                    .unwrap();
+                drive::device_step(&mut device, &grads, &GATES)
+                    .await
+                    .unwrap();
+                common::assert_same_bits(
+                    &common::read_all(&host),
+                    &common::read_all(&device),
+                    &format!("{what} step {step}"),
+                );
+            }
+        }
+    }
+}

@@ -4,7 +4,7 @@
 use std::process::ExitCode;
 
 use overlap::checkpoint::{SaveJob, SaveTicket, Saved};
-use overlap::config::Config;
+use overlap::config::{Config, GradSource};
 use overlap::faults::Faults;
 use overlap::graph::Gate;
 use overlap::{drive, observe, Error, Session};
@@ -124,10 +124,22 @@ pub(crate) async fn run_steps<B: overlap::ops::Backend>(
     );
     let local_ranks = session.local_ranks();
     let mut host = HostKinds::default();
+    let device_grads = match cfg.run.grads {
+        GradSource::Host => None,
+        GradSource::Device => Some(drive::DeviceGrads::new(
+            &session,
+            cfg.run.seed,
+            cfg.gates.len(),
+        )?),
+    };
     for step in start..last {
         let on = timed(cfg, observe, steps, step - start + 1);
         session.backend().set_timings(on);
-        let r = match drive::synthetic_step(&mut session, cfg.run.seed, step, &cfg.gates).await {
+        let stepped = match &device_grads {
+            Some(g) => drive::device_step(&mut session, g, &cfg.gates).await,
+            None => drive::synthetic_step(&mut session, cfg.run.seed, step, &cfg.gates).await,
+        };
+        let r = match stepped {
             Ok(r) => r,
             Err(e) => return Err(abandon_if_stuck(session, e)),
         };

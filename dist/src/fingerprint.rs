@@ -97,6 +97,7 @@ impl Fingerprint {
             "run.backward_us_per_layer",
             config.run.backward_us_per_layer.to_string(),
         );
+        f.push("run.grads", config.run.grads.name().to_string());
         f.push("optimizer.adamw", format!("{:?}", config.adamw));
         f.push("optimizer.muon", format!("{:?}", config.muon));
         f.push("optimizer.groups", config.groups.len().to_string());

@@ -502,11 +502,12 @@ fn norm<S: Buffers>(
     set: &Settings<'_>,
     bufs: &S,
 ) -> Result<Kernel<S::Buf>, ExecError> {
-    let reduced = |params: &[ParamId]| {
-        params
-            .iter()
-            .map(|&param| bufs.get(&Buffer::Reduced { param }))
-            .collect::<Result<Vec<_>, _>>()
+    let reduced = |params: &[ParamId]| -> Result<Vec<S::Buf>, ExecError> {
+        let mut out = Vec::with_capacity(params.len());
+        for &param in params {
+            out.push(bufs.get(&Buffer::Reduced { param })?);
+        }
+        Ok(out)
     };
     Ok(match node.op {
         Op::GradNorm => {

@@ -118,6 +118,10 @@ pub(crate) struct Prepared {
     /// all-reduce over a group of one (`bind.rs`), which allocates, aliases and
     /// releases nothing. A row skips everything else for it.
     pub noop: Vec<bool>,
+    /// Per node: whether it aliases nothing, allocates nothing and touches no partial or
+    /// no_sync accumulation, so issuing it needs no memory bookkeeping before its
+    /// binding (every optimizer of a step's tail).
+    pub plain: Vec<bool>,
 }
 
 /// Whether `segs` copy one parameter's `len` elements to the same offsets, each once.
@@ -161,6 +165,14 @@ impl Prepared {
                     && alias[n].is_none()
             })
             .collect();
+        let partial = |b: &Buffer| matches!(b, Buffer::Partial { .. } | Buffer::Accum { .. });
+        let plain = (0..rp.nodes.len())
+            .map(|n| {
+                alias[n].is_none()
+                    && allocs[n].is_empty()
+                    && !access[n].reads.iter().chain(&access[n].writes).any(partial)
+            })
+            .collect();
         let streams: Vec<Stream> = rp.nodes.iter().map(|n| n.stream).collect();
         let issue = crate::order::thin(&streams, &noop, issue, |issue, ends| {
             runs(&plan, rank, issue, ends)
@@ -170,6 +182,7 @@ impl Prepared {
         Prepared {
             tags,
             noop,
+            plain,
             runs,
             norm_params: plan.norm_params(rank),
             held_params: plan.held_params(rank),

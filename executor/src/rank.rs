@@ -22,6 +22,9 @@ const POOL_PROBE: usize = 4;
 /// A node bound to its kernels: its tag and what it launches, in order.
 type Bound<B> = (Tag, crate::bind::Kernels<<B as Backend>::Buffer>);
 
+/// A row's kernels, in order, each under its node's tag.
+type Launches<B> = Vec<(Tag, Kernel<<B as Backend>::Buffer>)>;
+
 /// A pooled buffer waiting for its release events.
 struct Pooled<B: Backend> {
     buf: B::Buffer,
@@ -291,25 +294,8 @@ impl<B: Backend> RankState<B> {
                 last = point;
             }
         }
-        let mut bound = Vec::with_capacity(row.len());
-        for n in row.clone() {
-            // A no-op node is its marker (no kernels here): nothing to allocate, track,
-            // bind or release.
-            bound.push(if p.noop[n] {
-                (p.tags[n], crate::bind::Kernels::Many(Vec::new()))
-            } else {
-                self.prepare_node(backend, p, n, ctx)?
-            });
-        }
         let kind = p.plan.rank(self.rank).nodes[row.start].op.kind_index();
-        let mut launches = Vec::with_capacity(bound.len());
-        for (n, (tag, kernels)) in row.clone().zip(bound) {
-            launches.extend(self.inject(backend, &p.plan, (n as u32, tag.op), ctx));
-            if kernels.is_empty() {
-                launches.push((tag, Kernel::Marker));
-            }
-            launches.extend(kernels.into_iter().map(|k| (tag, k)));
-        }
+        let launches = self.bind_row(backend, p, row.clone(), ctx)?;
         let t = std::time::Instant::now();
         backend.launch_row(self.rank, stream, launches);
         let launched = t.elapsed().as_secs_f64();
@@ -333,6 +319,51 @@ impl<B: Backend> RankState<B> {
         k.0 += t0.elapsed().as_secs_f64();
         k.1 += row.len();
         Ok(())
+    }
+
+    /// The kernels of `row`, in order, each under its node's tag: a no-op node is its
+    /// marker, a node that binds to nothing too; an injected fault goes before its node.
+    /// Every node is bound before any fault is injected, so a binding that fails leaves
+    /// the fault to fire later.
+    fn bind_row(
+        &mut self,
+        backend: &B,
+        p: &Prepared,
+        row: std::ops::Range<usize>,
+        ctx: &IssueCtx,
+    ) -> Result<Launches<B>, ExecError> {
+        let mut launches = Vec::with_capacity(row.len());
+        if ctx.fault.is_none() {
+            // The steady case, each node's kernels straight into the row.
+            for n in row {
+                if p.noop[n] {
+                    launches.push((p.tags[n], Kernel::Marker));
+                    continue;
+                }
+                let (tag, kernels) = self.prepare_node(backend, p, n, ctx)?;
+                if kernels.is_empty() {
+                    launches.push((tag, Kernel::Marker));
+                }
+                launches.extend(kernels.into_iter().map(|k| (tag, k)));
+            }
+            return Ok(launches);
+        }
+        let mut bound = Vec::with_capacity(row.len());
+        for n in row.clone() {
+            bound.push(if p.noop[n] {
+                (p.tags[n], crate::bind::Kernels::Many(Vec::new()))
+            } else {
+                self.prepare_node(backend, p, n, ctx)?
+            });
+        }
+        for (n, (tag, kernels)) in row.zip(bound) {
+            launches.extend(self.inject(backend, &p.plan, (n as u32, tag.op), ctx));
+            if kernels.is_empty() {
+                launches.push((tag, Kernel::Marker));
+            }
+            launches.extend(kernels.into_iter().map(|k| (tag, k)));
+        }
+        Ok(launches)
     }
 
     /// Issues what is left of the plan's instructions after its last node, once every
@@ -553,8 +584,10 @@ impl<B: Backend> RankState<B> {
         n: usize,
         ctx: &IssueCtx,
     ) -> Result<Bound<B>, ExecError> {
-        self.alias_or_allocate(backend, p, n)?;
-        self.track_partials(&p.access[n]);
+        if !p.plain[n] {
+            self.alias_or_allocate(backend, p, n)?;
+            self.track_partials(&p.access[n]);
+        }
         let kernels = if p.alias[n].is_some() {
             self.aliased += 1;
             crate::bind::Kernels::One(Kernel::Marker)
@@ -653,11 +686,17 @@ impl<B: Backend> RankState<B> {
     /// Releases node `n`'s final accesses behind `ev`, an event recorded after it.
     fn release_behind(&mut self, backend: &B, p: &Prepared, n: usize, ev: &B::Event) {
         for &(root, last) in &p.finals[n] {
-            self.pending.entry(root).or_default().push(ev.clone());
             if !last {
+                self.pending.entry(root).or_default().push(ev.clone());
                 continue;
             }
-            let release = self.pending.remove(&root).unwrap_or_default();
+            let release = match self.pending.remove(&root) {
+                Some(mut earlier) => {
+                    earlier.push(ev.clone());
+                    earlier
+                }
+                None => vec![ev.clone()],
+            };
             // Every name of the memory goes; the memory itself once.
             let mut mem = None;
             let mut borrowed = false;

@@ -1,6 +1,7 @@
 //! A rank's live buffers by name ([`BufferMap`]): the names every step looks up once per
 //! parameter (its values, its optimizer state, its reduced gradient) live in vectors
-//! indexed by parameter, the rest in a hash map.
+//! indexed by parameter, the global norm (which every guarded optimizer reads) in a slot
+//! of its own, the rest in a hash map.
 //!
 //! Why: the step's tail binds three or four of these per parameter (the global norm
 //! reads every reduced gradient, each optimizer its parameter, state and gradient), by
@@ -15,7 +16,7 @@ use overlap_graph::{Buffer, ParamId};
 use rustc_hash::FxHashMap as HashMap;
 
 /// The dense kinds, at the index [`dense`] gives.
-const DENSE: usize = 3;
+const DENSE: usize = 4;
 
 /// Where a name lives in the dense vectors: (kind, parameter).
 fn dense(b: &Buffer) -> Option<(usize, usize)> {
@@ -23,6 +24,7 @@ fn dense(b: &Buffer) -> Option<(usize, usize)> {
         Buffer::Param { param } => (0, param),
         Buffer::OptState { param } => (1, param),
         Buffer::Reduced { param } => (2, param),
+        Buffer::Norm => (3, 0),
         _ => return None,
     };
     Some((kind, param as usize))
@@ -34,7 +36,8 @@ fn name(kind: usize, param: usize) -> Buffer {
     match kind {
         0 => Buffer::Param { param },
         1 => Buffer::OptState { param },
-        _ => Buffer::Reduced { param },
+        2 => Buffer::Reduced { param },
+        _ => Buffer::Norm,
     }
 }
 

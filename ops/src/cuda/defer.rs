@@ -193,6 +193,17 @@ impl Pending {
     pub(super) fn is_empty(&self) -> bool {
         self.held.is_empty() && self.clip.is_none() && self.norm.is_none()
     }
+
+    /// What is held, taken out (the norm, the clip, the steps); the sets are cleared
+    /// and keep their memory, so that the next step's tail does not grow them again.
+    fn take(&mut self) -> (Option<HeldNorm>, Option<HeldClip>, Vec<Entry>) {
+        self.norm_ids.clear();
+        self.clip_ids.clear();
+        self.bufs.clear();
+        self.guards.clear();
+        let held = std::mem::take(&mut self.held);
+        (self.norm.take(), self.clip.take(), held)
+    }
 }
 
 impl Issue {
@@ -220,12 +231,10 @@ impl Issue {
     pub(super) fn hold_norm(&mut self, shared: &Shared, stream: Stream, norm: HeldNorm) {
         self.flush(shared, stream);
         let pending = &mut self.pending[stream.index()];
-        pending.norm_ids = norm
-            .srcs
-            .iter()
-            .chain([&norm.dst])
-            .map(CudaBuffer::id)
-            .collect();
+        pending.norm_ids.clear();
+        pending
+            .norm_ids
+            .extend(norm.srcs.iter().chain([&norm.dst]).map(CudaBuffer::id));
         pending.norm = Some(norm);
     }
 
@@ -237,7 +246,10 @@ impl Issue {
             self.flush(shared, stream);
         }
         let pending = &mut self.pending[stream.index()];
-        pending.clip_ids = clip.bufs.iter().map(CudaBuffer::id).collect();
+        pending.clip_ids.clear();
+        pending
+            .clip_ids
+            .extend(clip.bufs.iter().map(CudaBuffer::id));
         pending.clip = Some(clip);
     }
 
@@ -274,9 +286,19 @@ impl Issue {
     /// behind them. A failure is reported under the first held kernel's tag and
     /// poisons the stream, as a failed launch does.
     pub(super) fn flush(&mut self, shared: &Shared, stream: Stream) {
-        let mut pending = std::mem::take(&mut self.pending[stream.index()]);
+        let pending = &mut self.pending[stream.index()];
+        if pending.is_empty() && pending.records.is_empty() {
+            return;
+        }
         let records = std::mem::take(&mut pending.records);
-        self.flush_held(shared, stream, pending);
+        let (norm, clip, mut held) = pending.take();
+        self.flush_held(shared, stream, (norm, clip), &mut held);
+        // The steps' vector goes back, empty, for the stream's next held tail.
+        held.clear();
+        let pending = &mut self.pending[stream.index()];
+        if pending.held.capacity() < held.capacity() {
+            pending.held = held;
+        }
         if !records.is_empty() {
             self.land_records(shared, stream, records);
         }
@@ -297,8 +319,13 @@ impl Issue {
     }
 
     /// The kernels of [`Self::flush`].
-    fn flush_held(&mut self, shared: &Shared, stream: Stream, pending: Pending) {
-        let (norm, clip, held) = (pending.norm, pending.clip, pending.held);
+    fn flush_held(
+        &mut self,
+        shared: &Shared,
+        stream: Stream,
+        (norm, clip): (Option<HeldNorm>, Option<HeldClip>),
+        held: &mut Vec<Entry>,
+    ) {
         let first = norm.as_ref().map(|n| n.tag);
         let first = first.or_else(|| clip.as_ref().map(|c| c.tag));
         let Some(tag) = first.or_else(|| held.first().map(|e| e.0)) else {
@@ -311,7 +338,7 @@ impl Issue {
         } else {
             None
         };
-        let result = self.issue_held(shared, stream, raw, (norm.as_ref(), clip.as_ref()), &held);
+        let result = self.issue_held(shared, stream, raw, (norm.as_ref(), clip.as_ref()), held);
         self.end_timing(
             shared,
             (stream, raw),
@@ -328,7 +355,8 @@ impl Issue {
             self.poison[stream.index()].get_or_insert(OpsError::Cancelled(cause));
         }
         // The buffers go back to the pool only now, after their kernels were issued.
-        drop((norm, clip, held));
+        drop((norm, clip));
+        held.clear();
     }
 
     /// Flushes every stream.
