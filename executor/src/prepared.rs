@@ -118,10 +118,13 @@ pub(crate) struct Prepared {
     /// all-reduce over a group of one (`bind.rs`), which allocates, aliases and
     /// releases nothing. A row skips everything else for it.
     pub noop: Vec<bool>,
-    /// Per node: whether it aliases nothing, allocates nothing and touches no partial or
-    /// no_sync accumulation, so issuing it needs no memory bookkeeping before its
-    /// binding (every optimizer of a step's tail).
+    /// Per node: whether it aliases nothing and allocates nothing (no first write of new
+    /// memory, nor of a persistent buffer such as an optimizer's state, which its first
+    /// step allocates), so issuing it needs no allocation before its binding.
     pub plain: Vec<bool>,
+    /// Per node: whether it reads or writes a partial or a no_sync accumulation (whose
+    /// liveness the rank tracks as it issues).
+    pub partials: Vec<bool>,
 }
 
 /// Whether `segs` copy one parameter's `len` elements to the same offsets, each once.
@@ -167,11 +170,11 @@ impl Prepared {
             .collect();
         let partial = |b: &Buffer| matches!(b, Buffer::Partial { .. } | Buffer::Accum { .. });
         let plain = (0..rp.nodes.len())
-            .map(|n| {
-                alias[n].is_none()
-                    && allocs[n].is_empty()
-                    && !access[n].reads.iter().chain(&access[n].writes).any(partial)
-            })
+            .map(|n| alias[n].is_none() && allocs[n].is_empty())
+            .collect();
+        let partials = access
+            .iter()
+            .map(|a| a.reads.iter().chain(&a.writes).any(partial))
             .collect();
         let streams: Vec<Stream> = rp.nodes.iter().map(|n| n.stream).collect();
         let issue = crate::order::thin(&streams, &noop, issue, |issue, ends| {
@@ -183,6 +186,7 @@ impl Prepared {
             tags,
             noop,
             plain,
+            partials,
             runs,
             norm_params: plan.norm_params(rank),
             held_params: plan.held_params(rank),

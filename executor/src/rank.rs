@@ -322,7 +322,8 @@ impl<B: Backend> RankState<B> {
     }
 
     /// The kernels of `row`, in order, each under its node's tag: a no-op node is its
-    /// marker, a node that binds to nothing too; an injected fault goes before its node.
+    /// marker, a node that binds to nothing too (left out where the backend does nothing
+    /// with markers); an injected fault goes before its node.
     /// Every node is bound before any fault is injected, so a binding that fails leaves
     /// the fault to fire later.
     fn bind_row(
@@ -334,14 +335,18 @@ impl<B: Backend> RankState<B> {
     ) -> Result<Launches<B>, ExecError> {
         let mut launches = Vec::with_capacity(row.len());
         if ctx.fault.is_none() {
-            // The steady case, each node's kernels straight into the row.
+            // The steady case, each node's kernels straight into the row; its markers
+            // only where the backend does something with them.
+            let markers = backend.needs_markers(self.rank);
             for n in row {
                 if p.noop[n] {
-                    launches.push((p.tags[n], Kernel::Marker));
+                    if markers {
+                        launches.push((p.tags[n], Kernel::Marker));
+                    }
                     continue;
                 }
                 let (tag, kernels) = self.prepare_node(backend, p, n, ctx)?;
-                if kernels.is_empty() {
+                if kernels.is_empty() && markers {
                     launches.push((tag, Kernel::Marker));
                 }
                 launches.extend(kernels.into_iter().map(|k| (tag, k)));
@@ -586,6 +591,8 @@ impl<B: Backend> RankState<B> {
     ) -> Result<Bound<B>, ExecError> {
         if !p.plain[n] {
             self.alias_or_allocate(backend, p, n)?;
+        }
+        if p.partials[n] {
             self.track_partials(&p.access[n]);
         }
         let kernels = if p.alias[n].is_some() {

@@ -755,6 +755,12 @@ pub trait Backend: Send + Sync + 'static {
     /// them costs host time (the CUDA backend: two event records per kernel). The
     /// default ignores it (the backend always records them).
     fn set_timings(&self, _on: bool) {}
+    /// Whether a [`Kernel::Marker`] on `rank` does anything (a timing point): `false`
+    /// lets a caller leave markers out of a row. The default says yes; the CUDA backend
+    /// says no while timings are off (its markers then launch nothing).
+    fn needs_markers(&self, _rank: u32) -> bool {
+        true
+    }
     /// Whether [`Kernel::Exchange`]s on `comm` leave what they receive where it
     /// arrived, for the combine to read there: then their `recv` buffer only names the
     /// exchange to its [`Kernel::Combine`] and is never read or written, so a caller may

@@ -48,7 +48,6 @@
 //! stream after it (a deferred record is made after the flush, and no wait or query
 //! sees the event before).
 
-use std::collections::HashSet;
 use std::sync::Arc;
 
 use cudarc::driver::sys;
@@ -56,14 +55,10 @@ use overlap_graph::Stream;
 
 use super::backend::Shared;
 use super::event::{CudaEvent, Record};
-use super::fast_hash::WordHash;
-use super::flush_cache::FlushCache;
+use super::flush_cache::{role, FlushCache, Shape};
 use super::issue::Issue;
 use super::memory::CudaBuffer;
 use crate::{AdamwParams, MuonParams, OpsError, Tag};
-
-/// A set of buffer identities ([`CudaBuffer::id`]).
-type IdSet = HashSet<usize, WordHash>;
 
 /// Most kernels held per stream before a flush.
 const MAX_HELD: usize = 512;
@@ -111,8 +106,9 @@ pub(super) struct HeldNorm {
     pub(super) tag: Tag,
     /// The one-float squared norm it writes.
     pub(super) dst: CudaBuffer,
-    /// The gradients it reads (the non-empty ones).
-    pub(super) srcs: Vec<CudaBuffer>,
+    /// The gradients it reads (the non-empty ones): the kernel's own list when none is
+    /// empty (no copy).
+    pub(super) srcs: Arc<[CudaBuffer]>,
 }
 
 /// A held [`crate::Kernel::Clip`], validated.
@@ -121,9 +117,13 @@ pub(super) struct HeldClip {
     pub(super) tag: Tag,
     /// The one-float squared global norm.
     pub(super) norm: CudaBuffer,
-    /// The gradients it scales.
-    pub(super) bufs: Vec<CudaBuffer>,
+    /// The gradients it scales (the non-empty ones), as [`HeldNorm::srcs`].
+    pub(super) bufs: Arc<[CudaBuffer]>,
     pub(super) max_norm: f32,
+    /// Whether it scales exactly the held norm's sources, in their order, and reads the
+    /// norm's result: then the norm's checks were its own, and a flush's shape names the
+    /// buffers once (`flush_cache.rs`).
+    pub(super) norms_list: bool,
 }
 
 /// One held optimizer step: its tag, the step, its guard, and whether it applies the
@@ -131,21 +131,15 @@ pub(super) struct HeldClip {
 pub(super) type Entry = (Tag, Held, Option<CudaBuffer>, bool);
 
 /// A stream's held norm, clip and optimizer kernels, in launch order (the norm, then
-/// the clip, first), with the identities ([`CudaBuffer::id`]) of their buffers, so that
-/// checking a new kernel against everything held is a few set lookups.
+/// the clip, first), with the flush's shape so far ([`Shape`]: its key, its buffers'
+/// numbers and each buffer's roles), so that checking a new kernel against everything
+/// held is a few lookups of its buffers.
 #[derive(Debug, Default)]
 pub(super) struct Pending {
     norm: Option<HeldNorm>,
-    /// The held norm's sources and destination.
-    norm_ids: IdSet,
     clip: Option<HeldClip>,
-    /// The held clip's gradients.
-    clip_ids: IdSet,
     held: Vec<Entry>,
-    /// Every held step's parameter, gradient and state.
-    bufs: IdSet,
-    /// Every held step's guard.
-    guards: IdSet,
+    shape: Shape,
     /// Events recorded on the stream behind the held kernels, with their tickets: they
     /// land on one record made after the flush.
     records: Vec<(CudaEvent, u64)>,
@@ -156,37 +150,36 @@ impl Pending {
     /// shared by two is no conflict: nothing writes it), or touches one the held clip
     /// scales or reads other than as its gradient.
     fn conflicts(&self, step: &Held, guard: Option<&CudaBuffer>) -> bool {
-        let new = step.buffers().map(CudaBuffer::id);
-        let with_held = new
-            .iter()
-            .any(|i| self.bufs.contains(i) || self.guards.contains(i))
-            || guard.is_some_and(|g| self.bufs.contains(&g.id()));
+        let [p, g, s] = step.buffers().map(|b| self.shape.roles(b.id()));
+        let guard = guard.map_or(0, |b| self.shape.roles(b.id()));
+        let any = p | g | s;
+        let with_held = any & (role::HELD | role::GUARD) != 0 || guard & role::HELD != 0;
         // The norm is issued first: a step may read what it reads (its gradient, which
         // a fused clip then scales) and its result (as the guard), but not write it.
-        let with_norm = self.norm.as_ref().is_some_and(|n| {
-            let [param, _, state] = new;
-            let dst = n.dst.id();
-            self.norm_ids.contains(&param) || self.norm_ids.contains(&state) || new.contains(&dst)
-        });
-        let with_clip = self.clip.as_ref().is_some_and(|c| {
-            let [param, _, state] = new;
-            let scaled = |i: usize| self.clip_ids.contains(&i);
-            scaled(param)
-                || scaled(state)
-                || new.contains(&c.norm.id())
-                || guard.is_some_and(|g| scaled(g.id()))
-        });
+        let with_norm = self.norm.is_some()
+            && ((p | s) & (role::NORM_SRC | role::NORM_DST) != 0 || g & role::NORM_DST != 0);
+        let scaled = self.scaled();
+        let with_clip = self.clip.is_some()
+            && ((p | s) & scaled != 0 || any & role::CLIP_NORM != 0 || guard & scaled != 0);
         with_held || with_clip || with_norm
+    }
+
+    /// The role of the buffers the held clip scales: its own list's, or the norm's
+    /// sources when it scales those.
+    fn scaled(&self) -> u8 {
+        match &self.clip {
+            Some(c) if c.norms_list => role::NORM_SRC,
+            _ => role::CLIP_BUF,
+        }
     }
 
     /// Whether the held clip scales `step`'s gradient.
     fn clips(&self, step: &Held) -> bool {
-        self.clip_ids.contains(&step.buffers()[1].id())
+        self.clip.is_some() && self.shape.roles(step.buffers()[1].id()) & self.scaled() != 0
     }
 
     fn push(&mut self, entry: Entry) {
-        self.bufs.extend(entry.1.buffers().map(CudaBuffer::id));
-        self.guards.extend(entry.2.as_ref().map(CudaBuffer::id));
+        self.shape.add_step(&entry);
         self.held.push(entry);
     }
 
@@ -194,15 +187,17 @@ impl Pending {
         self.held.is_empty() && self.clip.is_none() && self.norm.is_none()
     }
 
-    /// What is held, taken out (the norm, the clip, the steps); the sets are cleared
-    /// and keep their memory, so that the next step's tail does not grow them again.
-    fn take(&mut self) -> (Option<HeldNorm>, Option<HeldClip>, Vec<Entry>) {
-        self.norm_ids.clear();
-        self.clip_ids.clear();
-        self.bufs.clear();
-        self.guards.clear();
+    /// The held norm, if any.
+    pub(super) fn norm(&self) -> Option<&HeldNorm> {
+        self.norm.as_ref()
+    }
+
+    /// What is held, taken out (the norm, the clip, the steps, the shape); what stays
+    /// is empty.
+    fn take(&mut self) -> (Option<HeldNorm>, Option<HeldClip>, Vec<Entry>, Shape) {
         let held = std::mem::take(&mut self.held);
-        (self.norm.take(), self.clip.take(), held)
+        let shape = std::mem::take(&mut self.shape);
+        (self.norm.take(), self.clip.take(), held, shape)
     }
 }
 
@@ -231,25 +226,22 @@ impl Issue {
     pub(super) fn hold_norm(&mut self, shared: &Shared, stream: Stream, norm: HeldNorm) {
         self.flush(shared, stream);
         let pending = &mut self.pending[stream.index()];
-        pending.norm_ids.clear();
-        pending
-            .norm_ids
-            .extend(norm.srcs.iter().chain([&norm.dst]).map(CudaBuffer::id));
+        pending.shape.add_norm(&norm);
         pending.norm = Some(norm);
     }
 
     /// Holds a validated clip on `stream`, behind nothing but a held norm: what else
-    /// is held there is issued first.
-    pub(super) fn hold_clip(&mut self, shared: &Shared, stream: Stream, clip: HeldClip) {
+    /// is held there is issued first (the norm with it, and the clip then no longer
+    /// shares the norm's list).
+    pub(super) fn hold_clip(&mut self, shared: &Shared, stream: Stream, mut clip: HeldClip) {
         let pending = &self.pending[stream.index()];
         if !pending.held.is_empty() || pending.clip.is_some() {
             self.flush(shared, stream);
+            clip.norms_list = false;
         }
         let pending = &mut self.pending[stream.index()];
-        pending.clip_ids.clear();
-        pending
-            .clip_ids
-            .extend(clip.bufs.iter().map(CudaBuffer::id));
+        clip.norms_list &= pending.norm.is_some();
+        pending.shape.add_clip(&clip);
         pending.clip = Some(clip);
     }
 
@@ -291,14 +283,14 @@ impl Issue {
             return;
         }
         let records = std::mem::take(&mut pending.records);
-        let (norm, clip, mut held) = pending.take();
-        self.flush_held(shared, stream, (norm, clip), &mut held);
-        // The steps' vector goes back, empty, for the stream's next held tail.
+        let (norm, clip, mut held, mut shape) = pending.take();
+        self.flush_held(shared, stream, (norm, clip), (&mut held, &mut shape));
+        // The steps' vector and the shape go back, empty, for the stream's next tail.
         held.clear();
+        shape.clear();
         let pending = &mut self.pending[stream.index()];
-        if pending.held.capacity() < held.capacity() {
-            pending.held = held;
-        }
+        pending.held = held;
+        pending.shape = shape;
         if !records.is_empty() {
             self.land_records(shared, stream, records);
         }
@@ -324,7 +316,7 @@ impl Issue {
         shared: &Shared,
         stream: Stream,
         (norm, clip): (Option<HeldNorm>, Option<HeldClip>),
-        held: &mut Vec<Entry>,
+        (held, shape): (&mut Vec<Entry>, &mut Shape),
     ) {
         let first = norm.as_ref().map(|n| n.tag);
         let first = first.or_else(|| clip.as_ref().map(|c| c.tag));
@@ -338,7 +330,8 @@ impl Issue {
         } else {
             None
         };
-        let result = self.issue_held(shared, stream, raw, (norm.as_ref(), clip.as_ref()), held);
+        let held_now = (norm.as_ref(), clip.as_ref(), &held[..]);
+        let result = self.issue_held(shared, (stream, raw), held_now, shape);
         self.end_timing(
             shared,
             (stream, raw),
@@ -372,13 +365,18 @@ impl Issue {
     fn issue_held(
         &mut self,
         shared: &Shared,
-        stream: Stream,
-        raw: sys::CUstream,
-        (norm, clip): (Option<&HeldNorm>, Option<&HeldClip>),
-        held: &[Entry],
+        (stream, raw): (Stream, sys::CUstream),
+        (norm, clip, held): (Option<&HeldNorm>, Option<&HeldClip>, &[Entry]),
+        shape: &mut Shape,
     ) -> Result<(), OpsError> {
         let mut plans = std::mem::take(&mut self.plans[stream.index()]);
-        let ran = self.issue_planned(shared, (stream, raw), &mut plans, (norm, clip), held);
+        let ran = self.issue_planned(
+            shared,
+            (stream, raw),
+            (&mut plans, shape),
+            (norm, clip),
+            held,
+        );
         self.plans[stream.index()] = plans;
         ran
     }
@@ -388,7 +386,7 @@ impl Issue {
         &mut self,
         shared: &Shared,
         (stream, raw): (Stream, sys::CUstream),
-        plans: &mut FlushCache,
+        (plans, shape): (&mut FlushCache, &mut Shape),
         (norm, clip): (Option<&HeldNorm>, Option<&HeldClip>),
         held: &[Entry],
     ) -> Result<(), OpsError> {
@@ -396,7 +394,7 @@ impl Issue {
         let clocked = self.flush_clock.is_some();
         let now = || clocked.then(std::time::Instant::now);
         let t0 = now();
-        let plan = plans.plan((norm, clip), held)?;
+        let plan = plans.plan(shape, (norm, clip), held)?;
         if plan.is_empty() {
             return Ok(());
         }

@@ -1,4 +1,4 @@
-//! A fast hasher for the tail's own integer keys: buffer identities in `defer.rs`'s
+//! A fast hasher for the tail's own integer keys: buffer identities in `flush_cache.rs`'s
 //! sets and the flush keys of `tail_graph.rs` (a few thousand addresses and sizes,
 //! hashed once per flush). These keys are made by the backend, never by a user, so
 //! SipHash's resistance to chosen collisions buys nothing and costs most of a

@@ -7,7 +7,7 @@
 //! stand-in addresses, and each later flush of that shape only writes its buffers'
 //! addresses and its scalars into the planned words.
 //!
-//! The shape ([`Shape::key`]) is everything planning reads but buffer addresses and the
+//! The shape (the key of a [`Shape`]) is everything planning reads but buffer addresses and the
 //! scalars' values: each held kernel's kind, lengths, matrix shape and Newton–Schulz
 //! precision and steps, the group it falls in (the same rule as `flush.rs`'s grouping:
 //! equal settings, step, guard and fused clip), whether it applies the clip; the norm's
@@ -16,6 +16,10 @@
 //! `t` at the stand-in address `SYMBOL + (t << SHIFT)`, every word that names an address
 //! is one buffer's stand-in plus an offset (`FlushPlan::with_addresses`), and no other
 //! word reaches `SYMBOL` outside the scalar blocks: the relocations are those words.
+//!
+//! The shape is built as the kernels are held (`defer.rs` adds each one), with the
+//! roles each buffer has among them, which is what a new kernel is checked against: a
+//! buffer is hashed once per kernel that names it, for both.
 //!
 //! Invariant: a cached plan is used only for a flush of the same key, and only once the
 //! plan it gives with the real addresses was found equal, word for word and launch for
@@ -28,105 +32,187 @@ use super::fast_hash::WordHash;
 use super::flush::FlushPlan;
 use super::memory::CudaBuffer;
 use crate::OpsError;
+use crate::{AdamwParams, MuonParams};
 
 /// Where the stand-in addresses start: no scalar table word, count or length reaches it.
 const SYMBOL: u64 = 1 << 63;
 /// Stand-in addresses are `1 << SHIFT` bytes apart: room for any offset into a buffer.
 const SHIFT: u32 = 40;
 
-/// A flush's shape and its buffers' real addresses, numbered in the order the key names
-/// them. Kept by the stream's cache and refilled each flush, so that a steady step
-/// allocates nothing and grows no table here.
+/// What a held buffer is to the held kernels ([`Shape::roles`]): bits of a byte.
+pub(super) mod role {
+    /// A held step's parameter, gradient or state.
+    pub(in super::super) const HELD: u8 = 1;
+    /// A held step's guard (the norm it reads).
+    pub(in super::super) const GUARD: u8 = 2;
+    /// One of the held norm's sources.
+    pub(in super::super) const NORM_SRC: u8 = 4;
+    /// The held norm's result.
+    pub(in super::super) const NORM_DST: u8 = 8;
+    /// One of the held clip's buffers (when the clip has a list of its own).
+    pub(in super::super) const CLIP_BUF: u8 = 16;
+    /// The norm the held clip reads.
+    pub(in super::super) const CLIP_NORM: u8 = 32;
+}
+
+/// A buffer the held kernels name: its number in the shape and its roles.
+#[derive(Debug, Clone, Copy)]
+struct Named {
+    number: u32,
+    roles: u8,
+}
+
+/// A stream's held flush as it grows (`defer.rs` adds each kernel as it is held): its
+/// shape's key, its buffers' real addresses numbered in the order the key names them,
+/// and every named buffer's roles, which is what a new kernel is checked against. Built
+/// once per held kernel, so a flush finds its key ready; cleared after each flush with
+/// its memory kept, so that a steady step allocates nothing and grows no table here.
 #[derive(Default)]
-struct Shape {
+pub(super) struct Shape {
+    /// The norm's part of the key (empty: none held).
+    norm: Vec<u64>,
+    /// The clip's part of the key (empty: none held).
+    clip: Vec<u64>,
+    /// The held steps' part of the key.
+    steps: Vec<u64>,
+    /// The whole key, put together at the flush.
     key: Vec<u64>,
     /// Per buffer number: its device address.
     ptrs: Vec<u64>,
-    /// Buffer identity ([`CudaBuffer::id`]) to number.
-    ids: HashMap<usize, u32, WordHash>,
+    /// Buffer identity ([`CudaBuffer::id`]) to number and roles.
+    ids: HashMap<usize, Named, WordHash>,
+    /// AdamW's groups (`flush.rs`'s grouping) by (settings, step, guard, clipped).
+    adamw: Vec<(AdamwParams, u64, u64, u64)>,
+    /// Muon's groups by (shape, settings, guard, clipped).
+    muon: Vec<((u64, u64), MuonParams, u64, u64)>,
+}
+
+impl std::fmt::Debug for Shape {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "Shape({} buffers)", self.ptrs.len())
+    }
 }
 
 impl Shape {
-    /// Refills `s` with the shape of the flush of `held` behind `norm` and `clip`.
-    fn fill(s: &mut Shape, (norm, clip): (Option<&HeldNorm>, Option<&HeldClip>), held: &[Entry]) {
-        s.key.clear();
-        s.ptrs.clear();
-        s.ids.clear();
-        match norm {
-            Some(n) => {
-                let dst = s.number(&n.dst);
-                s.key.extend([1, dst, n.srcs.len() as u64]);
-                for b in n.srcs.iter() {
-                    let t = s.number(b);
-                    s.key.extend([t, b.len as u64]);
-                }
-            }
-            None => s.key.push(0),
-        }
-        match clip {
-            Some(c) => {
-                let norm = s.number(&c.norm);
-                s.key.extend([1, norm, u64::from(c.max_norm.to_bits())]);
-                s.key.push(c.bufs.len() as u64);
-                for b in c.bufs.iter() {
-                    let t = s.number(b);
-                    s.key.extend([t, b.len as u64]);
-                }
-            }
-            None => s.key.push(0),
-        }
-        let mut adamw = Vec::new();
-        let mut muon = Vec::new();
-        for (_, h, guard, clipped) in held {
-            let g = guard.as_ref().map_or(u64::MAX, |b| s.number(b));
-            let clipped = u64::from(*clipped);
-            match h {
-                Held::Adamw {
-                    param,
-                    grad,
-                    state,
-                    hp,
-                    step,
-                } => {
-                    let group = group_of(&mut adamw, (*hp, *step, g, clipped));
-                    let (p, gr, st) = (s.number(param), s.number(grad), s.number(state));
-                    s.key
-                        .extend([2, p, param.len as u64, gr, st, g, clipped, group]);
-                }
-                Held::Muon {
-                    param,
-                    grad,
-                    momentum,
-                    rows,
-                    cols,
-                    hp,
-                } => {
-                    let shape = (*rows as u64, *cols as u64);
-                    let group = group_of(&mut muon, (shape, *hp, g, clipped));
-                    let (p, gr, m) = (s.number(param), s.number(grad), s.number(momentum));
-                    s.key
-                        .extend([3, p, shape.0, shape.1, gr, m, g, clipped, group]);
-                    s.key.extend([u64::from(hp.ns_steps), hp.ns_dtype as u64]);
-                }
-            }
-        }
+    /// Forgets everything held (the memory stays).
+    pub(super) fn clear(&mut self) {
+        self.norm.clear();
+        self.clip.clear();
+        self.steps.clear();
+        self.key.clear();
+        self.ptrs.clear();
+        self.ids.clear();
+        self.adamw.clear();
+        self.muon.clear();
     }
 
-    /// Buffer `b`'s number, given where it is first named.
-    fn number(&mut self, b: &CudaBuffer) -> u64 {
+    /// The roles buffer `id` has among the held kernels ([`role`]; 0: none).
+    pub(super) fn roles(&self, id: usize) -> u8 {
+        self.ids.get(&id).map_or(0, |n| n.roles)
+    }
+
+    /// Buffer `b`'s number (given where it is first named), adding `roles` to it.
+    fn name(&mut self, b: &CudaBuffer, roles: u8) -> u64 {
         let next = self.ptrs.len() as u32;
-        let n = *self.ids.entry(b.id()).or_insert(next);
+        let named = self.ids.entry(b.id()).or_insert(Named {
+            number: next,
+            roles: 0,
+        });
+        named.roles |= roles;
+        let n = named.number;
         if n == next {
             self.ptrs.push(b.ptr());
         }
         u64::from(n)
     }
 
+    /// The held norm (held first: nothing else is).
+    pub(super) fn add_norm(&mut self, n: &HeldNorm) {
+        let dst = self.name(&n.dst, role::NORM_DST);
+        self.norm.extend([1, dst, n.srcs.len() as u64]);
+        for b in n.srcs.iter() {
+            let t = self.name(b, role::NORM_SRC);
+            self.norm.extend([t, b.len as u64]);
+        }
+    }
+
+    /// The held clip (held behind nothing but the norm). A clip of the norm's own list
+    /// names its buffers through the norm's part of the key.
+    pub(super) fn add_clip(&mut self, c: &HeldClip) {
+        let norm = self.name(&c.norm, role::CLIP_NORM);
+        let bits = u64::from(c.max_norm.to_bits());
+        if c.norms_list {
+            self.clip.extend([2, norm, bits]);
+            return;
+        }
+        self.clip.extend([1, norm, bits, c.bufs.len() as u64]);
+        for b in c.bufs.iter() {
+            let t = self.name(b, role::CLIP_BUF);
+            self.clip.extend([t, b.len as u64]);
+        }
+    }
+
+    /// A held step: its kind, lengths, matrix shape and Newton–Schulz settings, its
+    /// group, its buffers, its guard and whether it applies the clip.
+    pub(super) fn add_step(&mut self, (_, h, guard, clipped): &Entry) {
+        let g = guard
+            .as_ref()
+            .map_or(u64::MAX, |b| self.name(b, role::GUARD));
+        let clipped = u64::from(*clipped);
+        match h {
+            Held::Adamw {
+                param,
+                grad,
+                state,
+                hp,
+                step,
+            } => {
+                let group = group_of(&mut self.adamw, (*hp, *step, g, clipped));
+                let p = self.name(param, role::HELD);
+                let gr = self.name(grad, role::HELD);
+                let st = self.name(state, role::HELD);
+                self.steps
+                    .extend([2, p, param.len as u64, gr, st, g, clipped, group]);
+            }
+            Held::Muon {
+                param,
+                grad,
+                momentum,
+                rows,
+                cols,
+                hp,
+            } => {
+                let shape = (*rows as u64, *cols as u64);
+                let group = group_of(&mut self.muon, (shape, *hp, g, clipped));
+                let p = self.name(param, role::HELD);
+                let gr = self.name(grad, role::HELD);
+                let m = self.name(momentum, role::HELD);
+                self.steps
+                    .extend([3, p, shape.0, shape.1, gr, m, g, clipped, group]);
+                self.steps
+                    .extend([u64::from(hp.ns_steps), hp.ns_dtype as u64]);
+            }
+        }
+    }
+
+    /// Puts the key together: the norm's part (or 0), the clip's (or 0), the steps'.
+    fn assemble(&mut self) {
+        self.key.clear();
+        for part in [&self.norm, &self.clip] {
+            if part.is_empty() {
+                self.key.push(0);
+            } else {
+                self.key.extend_from_slice(part);
+            }
+        }
+        self.key.extend_from_slice(&self.steps);
+    }
+
     /// Buffer `b`'s stand-in address (`None` for a buffer the key does not name).
     fn symbol(&self, b: &CudaBuffer) -> Option<u64> {
         self.ids
             .get(&b.id())
-            .map(|&n| SYMBOL + (u64::from(n) << SHIFT))
+            .map(|n| SYMBOL + (u64::from(n.number) << SHIFT))
     }
 }
 
@@ -184,8 +270,6 @@ struct Cached {
 /// One stream's planned flush (module docs).
 #[derive(Default)]
 pub(super) struct FlushCache {
-    /// The shape of the flush being issued.
-    shape: Shape,
     cached: Option<Cached>,
     /// A flush whose shape could not be cached, planned directly.
     direct: Option<FlushPlan>,
@@ -200,15 +284,16 @@ impl std::fmt::Debug for FlushCache {
 }
 
 impl FlushCache {
-    /// The plan of the flush of `held` behind `norm` and `clip`, with this flush's
-    /// addresses and scalars.
+    /// The plan of the flush of `held` behind `norm` and `clip`, whose shape is `shape`
+    /// (built as they were held), with this flush's addresses and scalars.
     pub(super) fn plan(
         &mut self,
+        shape: &mut Shape,
         (norm, clip): (Option<&HeldNorm>, Option<&HeldClip>),
         held: &[Entry],
     ) -> Result<&mut FlushPlan, OpsError> {
-        Shape::fill(&mut self.shape, (norm, clip), held);
-        let shape = &self.shape;
+        shape.assemble();
+        let shape = &*shape;
         let hit = self.cached.as_ref().is_some_and(|c| c.key == shape.key);
         if hit {
             self.reuses += 1;

@@ -7,6 +7,8 @@
 //! Invariant: the norm never reaches the host during a step: the clip and the guarded
 //! optimizers read it in device memory.
 
+use std::sync::Arc;
+
 use overlap_graph::Stream;
 
 use super::backend::Shared;
@@ -27,12 +29,12 @@ impl Issue {
     ) -> Result<(), OpsError> {
         let rank = shared.rank;
         match kernel {
-            Kernel::SumSquares { dst, srcs } => self.sum_squares(shared, (stream, tag), dst, &srcs),
+            Kernel::SumSquares { dst, srcs } => self.sum_squares(shared, (stream, tag), dst, srcs),
             Kernel::Clip {
                 norm,
                 bufs,
                 max_norm,
-            } => self.clip(shared, (stream, tag), norm, &bufs, max_norm),
+            } => self.clip(shared, (stream, tag), norm, bufs, max_norm),
             // The optimizer, told to read the norm on the device and do nothing when it
             // is not finite: no extra launch, no host synchronisation.
             Kernel::IfFinite { norm, kernel } => {
@@ -52,12 +54,19 @@ impl Issue {
         shared: &Shared,
         (stream, tag): (Stream, Tag),
         norm: CudaBuffer,
-        bufs: &[CudaBuffer],
+        bufs: Arc<[CudaBuffer]>,
         max_norm: f32,
     ) -> Result<(), OpsError> {
         const K: &str = "clip";
         expect(K, shared.rank, "norm", &norm, 1)?;
-        for b in bufs.iter() {
+        // Scaling exactly what the held norm sums (no empty buffer aside), by the norm's
+        // result, it passes the norm's checks: no need to repeat them.
+        let norms_list = self.pending[stream.index()].norm().is_some_and(|n| {
+            n.dst.same(&norm)
+                && n.srcs.len() == bufs.len()
+                && n.srcs.iter().zip(bufs.iter()).all(|(a, b)| a.same(b))
+        });
+        for b in bufs.iter().filter(|_| !norms_list) {
             expect(K, shared.rank, "grad", b, b.len)?;
             if b.same(&norm) {
                 return Err(OpsError::Shape {
@@ -66,12 +75,12 @@ impl Issue {
                 });
             }
         }
-        let bufs = bufs.iter().filter(|b| b.len > 0).cloned().collect();
         let held = HeldClip {
             tag,
             norm,
-            bufs,
+            bufs: non_empty(bufs),
             max_norm,
+            norms_list,
         };
         self.hold_clip(shared, stream, held);
         Ok(())
@@ -151,11 +160,11 @@ impl Issue {
         shared: &Shared,
         (stream, tag): (Stream, Tag),
         dst: CudaBuffer,
-        srcs: &[CudaBuffer],
+        srcs: Arc<[CudaBuffer]>,
     ) -> Result<(), OpsError> {
         const K: &str = "sum_squares";
         expect(K, shared.rank, "dst", &dst, 1)?;
-        for src in srcs {
+        for src in srcs.iter() {
             expect(K, shared.rank, "src", src, src.len)?;
             if src.same(&dst) {
                 return Err(OpsError::Shape {
@@ -164,8 +173,17 @@ impl Issue {
                 });
             }
         }
-        let srcs = srcs.iter().filter(|b| b.len > 0).cloned().collect();
+        let srcs = non_empty(srcs);
         self.hold_norm(shared, stream, HeldNorm { tag, dst, srcs });
         Ok(())
+    }
+}
+
+/// `bufs` without its empty buffers: the same list, not a copy, when it has none.
+fn non_empty(bufs: Arc<[CudaBuffer]>) -> Arc<[CudaBuffer]> {
+    if bufs.iter().all(|b| b.len > 0) {
+        bufs
+    } else {
+        bufs.iter().filter(|b| b.len > 0).cloned().collect()
     }
 }
