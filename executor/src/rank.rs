@@ -25,10 +25,11 @@ type Bound<B> = (Tag, crate::bind::Kernels<<B as Backend>::Buffer>);
 /// A row's kernels, in order, each under its node's tag.
 type Launches<B> = Vec<(Tag, Kernel<<B as Backend>::Buffer>)>;
 
-/// A pooled buffer waiting for its release events.
+/// A pooled buffer waiting for its release events (shared by every buffer a row
+/// released behind its one event).
 struct Pooled<B: Backend> {
     buf: B::Buffer,
-    release: Vec<B::Event>,
+    release: Arc<[B::Event]>,
 }
 
 pub(crate) struct RankState<B: Backend> {
@@ -310,6 +311,7 @@ impl<B: Backend> RankState<B> {
         if row.clone().any(|n| !p.finals[n].is_empty()) {
             let ev = backend.event(self.rank);
             backend.record(self.rank, stream, &ev);
+            let ev: Arc<[B::Event]> = Arc::from([ev]);
             for n in row.clone() {
                 self.release_behind(backend, p, n, &ev);
             }
@@ -687,22 +689,25 @@ impl<B: Backend> RankState<B> {
         }
         let ev = backend.event(self.rank);
         backend.record(self.rank, stream, &ev);
-        self.release_behind(backend, p, n, &ev);
+        self.release_behind(backend, p, n, &Arc::from([ev]));
     }
 
-    /// Releases node `n`'s final accesses behind `ev`, an event recorded after it.
-    fn release_behind(&mut self, backend: &B, p: &Prepared, n: usize, ev: &B::Event) {
+    /// Releases node `n`'s final accesses behind `ev`, one event recorded after it.
+    fn release_behind(&mut self, backend: &B, p: &Prepared, n: usize, ev: &Arc<[B::Event]>) {
         for &(root, last) in &p.finals[n] {
             if !last {
-                self.pending.entry(root).or_default().push(ev.clone());
+                self.pending
+                    .entry(root)
+                    .or_default()
+                    .extend(ev.iter().cloned());
                 continue;
             }
             let release = match self.pending.remove(&root) {
                 Some(mut earlier) => {
-                    earlier.push(ev.clone());
-                    earlier
+                    earlier.extend(ev.iter().cloned());
+                    Arc::from(earlier)
                 }
-                None => vec![ev.clone()],
+                None => Arc::clone(ev),
             };
             // Every name of the memory goes; the memory itself once.
             let mut mem = None;
