@@ -113,7 +113,7 @@ pub(crate) async fn run_steps<B: overlap::ops::Backend>(
     let (start, steps) = resume_point(&mut session, cfg, ckpt, steps)?;
     let last = start + u64::from(steps);
     println!(
-        "overlap run {}: mesh {} ({} ranks), {} params, {} buckets, gates {}, backend {backend}, transport {}, {steps} steps",
+        "overlap run {}: mesh {} ({} ranks), {} params, {} buckets, gates {}, backend {backend}, transport {}, {steps} steps{}",
         cfg.source,
         cfg.plan.mesh,
         cfg.plan.mesh.world(),
@@ -121,6 +121,10 @@ pub(crate) async fn run_steps<B: overlap::ops::Backend>(
         session.buckets().len(),
         Gate::pattern_label(&cfg.gates),
         transport_label(cfg),
+        match cfg.run.grads {
+            GradSource::Host => "",
+            GradSource::Device => ", gradients on the device",
+        },
     );
     let local_ranks = session.local_ranks();
     let mut host = HostKinds::default();

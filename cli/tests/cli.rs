@@ -53,6 +53,40 @@ fn run_prints_a_line_per_step_and_honours_steps() {
 }
 
 #[test]
+fn run_with_device_gradients_is_the_host_runs_first_step() {
+    // `[run] grads = "device"` hands in step 0's gradients, kept on the backend, every
+    // step: one step of it is one step of the host path, bit for bit; two are not.
+    let host = scratch("grads_host.toml", GOOD);
+    let device = scratch(
+        "grads_device.toml",
+        &format!("{GOOD}[run]\ngrads = \"device\"\n"),
+    );
+    let digest = |config: &PathBuf, steps: &str| {
+        let o = overlap(&[
+            "run",
+            "--config",
+            config.to_str().unwrap(),
+            "--steps",
+            steps,
+            "--param-digest",
+        ]);
+        let (out, err) = text(&o);
+        assert!(o.status.success(), "{err}");
+        let lines: Vec<String> = out
+            .lines()
+            .filter(|l| l.starts_with("params rank"))
+            .map(str::to_string)
+            .collect();
+        assert_eq!(lines.len(), 4, "{out}");
+        (out, lines)
+    };
+    let (out, one) = digest(&device, "1");
+    assert!(out.contains("gradients on the device"), "{out}");
+    assert_eq!(one, digest(&host, "1").1);
+    assert_ne!(digest(&device, "2").1, digest(&host, "2").1);
+}
+
+#[test]
 fn run_with_timing_every_runs_and_prints_every_step() {
     let config = scratch(
         "timing_every.toml",

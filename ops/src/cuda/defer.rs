@@ -146,12 +146,11 @@ pub(super) struct Pending {
 }
 
 impl Pending {
-    /// Whether `step` (guarded by `guard`) shares a buffer with a held kernel (a guard
-    /// shared by two is no conflict: nothing writes it), or touches one the held clip
-    /// scales or reads other than as its gradient.
-    fn conflicts(&self, step: &Held, guard: Option<&CudaBuffer>) -> bool {
-        let [p, g, s] = step.buffers().map(|b| self.shape.roles(b.id()));
-        let guard = guard.map_or(0, |b| self.shape.roles(b.id()));
+    /// Whether a step whose guard and buffers had `roles` before it was named shares a
+    /// buffer with a held kernel (a guard shared by two is no conflict: nothing writes
+    /// it), or touches one the held clip scales or reads other than as its gradient.
+    fn conflicts(&self, roles: [u8; 4]) -> bool {
+        let [guard, p, g, s] = roles;
         let any = p | g | s;
         let with_held = any & (role::HELD | role::GUARD) != 0 || guard & role::HELD != 0;
         // The norm is issued first: a step may read what it reads (its gradient, which
@@ -173,14 +172,9 @@ impl Pending {
         }
     }
 
-    /// Whether the held clip scales `step`'s gradient.
-    fn clips(&self, step: &Held) -> bool {
-        self.clip.is_some() && self.shape.roles(step.buffers()[1].id()) & self.scaled() != 0
-    }
-
-    fn push(&mut self, entry: Entry) {
-        self.shape.add_step(&entry);
-        self.held.push(entry);
+    /// Whether the held clip scales the gradient of a step whose buffers had `roles`.
+    fn clips(&self, roles: [u8; 4]) -> bool {
+        self.clip.is_some() && roles[2] & self.scaled() != 0
     }
 
     pub(super) fn is_empty(&self) -> bool {
@@ -212,13 +206,20 @@ impl Issue {
         step: Held,
         guard: Option<&CudaBuffer>,
     ) {
-        let pending = &self.pending[stream.index()];
-        if pending.held.len() >= MAX_HELD || pending.conflicts(&step, guard) {
+        if self.pending[stream.index()].held.len() >= MAX_HELD {
             self.flush(shared, stream);
         }
+        let mut names = self.pending[stream.index()].shape.name_step(&step, guard);
+        if self.pending[stream.index()].conflicts(names.roles) {
+            // The flush clears the shape: named again, the step conflicts with nothing.
+            self.flush(shared, stream);
+            names = self.pending[stream.index()].shape.name_step(&step, guard);
+        }
         let pending = &mut self.pending[stream.index()];
-        let clipped = self.fuse_clip && pending.clips(&step);
-        pending.push((tag, step, guard.cloned(), clipped));
+        let clipped = self.fuse_clip && pending.clips(names.roles);
+        let entry = (tag, step, guard.cloned(), clipped);
+        pending.shape.add_step(&entry, &names);
+        pending.held.push(entry);
     }
 
     /// Holds a validated global norm on `stream`, behind nothing: what is held there

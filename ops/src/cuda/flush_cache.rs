@@ -62,6 +62,15 @@ struct Named {
     roles: u8,
 }
 
+/// A step's guard and buffers as [`Shape::name_step`] named them: their numbers and
+/// the roles they had before (each `[guard, param, grad, state]`; a step without a
+/// guard has number `u64::MAX` and no roles there).
+pub(super) struct StepNames {
+    numbers: [u64; 4],
+    /// The roles before the step was named.
+    pub(super) roles: [u8; 4],
+}
+
 /// A stream's held flush as it grows (`defer.rs` adds each kernel as it is held): its
 /// shape's key, its buffers' real addresses numbered in the order the key names them,
 /// and every named buffer's roles, which is what a new kernel is checked against. Built
@@ -106,24 +115,46 @@ impl Shape {
         self.muon.clear();
     }
 
-    /// The roles buffer `id` has among the held kernels ([`role`]; 0: none).
-    pub(super) fn roles(&self, id: usize) -> u8 {
-        self.ids.get(&id).map_or(0, |n| n.roles)
-    }
-
     /// Buffer `b`'s number (given where it is first named), adding `roles` to it.
     fn name(&mut self, b: &CudaBuffer, roles: u8) -> u64 {
+        self.name_was(b, roles).0
+    }
+
+    /// [`Self::name`], and the roles `b` had before.
+    fn name_was(&mut self, b: &CudaBuffer, roles: u8) -> (u64, u8) {
         let next = self.ptrs.len() as u32;
         let named = self.ids.entry(b.id()).or_insert(Named {
             number: next,
             roles: 0,
         });
+        let before = named.roles;
         named.roles |= roles;
         let n = named.number;
         if n == next {
             self.ptrs.push(b.ptr());
         }
-        u64::from(n)
+        (u64::from(n), before)
+    }
+
+    /// Names a step's guard and buffers (in the key's order: the guard, then the
+    /// parameter, the gradient, the state or momentum): their numbers and the roles they
+    /// had before, which is what the step is checked against ([`StepNames::roles`]).
+    /// A step that conflicts is not added: the stream is flushed, which clears the
+    /// shape, and the step named again.
+    pub(super) fn name_step(&mut self, h: &Held, guard: Option<&CudaBuffer>) -> StepNames {
+        let (g, guard_roles) = guard.map_or((u64::MAX, 0), |b| self.name_was(b, role::GUARD));
+        let [p, gr, st] = h.buffers().map(|b| {
+            let (n, before) = self.name_was(b, role::HELD);
+            // A buffer that is also the step's guard had the guard's roles before.
+            match guard {
+                Some(gb) if gb.id() == b.id() => (n, guard_roles),
+                _ => (n, before),
+            }
+        });
+        StepNames {
+            numbers: [g, p.0, gr.0, st.0],
+            roles: [guard_roles, p.1, gr.1, st.1],
+        }
     }
 
     /// The held norm (held first: nothing else is).
@@ -152,43 +183,25 @@ impl Shape {
         }
     }
 
-    /// A held step: its kind, lengths, matrix shape and Newton–Schulz settings, its
-    /// group, its buffers, its guard and whether it applies the clip.
-    pub(super) fn add_step(&mut self, (_, h, guard, clipped): &Entry) {
-        let g = guard
-            .as_ref()
-            .map_or(u64::MAX, |b| self.name(b, role::GUARD));
+    /// A held step, named by [`Self::name_step`]: its kind, lengths, matrix shape and
+    /// Newton–Schulz settings, its group, its buffers, its guard and whether it applies
+    /// the clip.
+    pub(super) fn add_step(&mut self, (_, h, _, clipped): &Entry, names: &StepNames) {
+        let [g, p, gr, st] = names.numbers;
         let clipped = u64::from(*clipped);
         match h {
             Held::Adamw {
-                param,
-                grad,
-                state,
-                hp,
-                step,
+                param, hp, step, ..
             } => {
                 let group = group_of(&mut self.adamw, (*hp, *step, g, clipped));
-                let p = self.name(param, role::HELD);
-                let gr = self.name(grad, role::HELD);
-                let st = self.name(state, role::HELD);
                 self.steps
                     .extend([2, p, param.len as u64, gr, st, g, clipped, group]);
             }
-            Held::Muon {
-                param,
-                grad,
-                momentum,
-                rows,
-                cols,
-                hp,
-            } => {
+            Held::Muon { rows, cols, hp, .. } => {
                 let shape = (*rows as u64, *cols as u64);
                 let group = group_of(&mut self.muon, (shape, *hp, g, clipped));
-                let p = self.name(param, role::HELD);
-                let gr = self.name(grad, role::HELD);
-                let m = self.name(momentum, role::HELD);
                 self.steps
-                    .extend([3, p, shape.0, shape.1, gr, m, g, clipped, group]);
+                    .extend([3, p, shape.0, shape.1, gr, st, g, clipped, group]);
                 self.steps
                     .extend([u64::from(hp.ns_steps), hp.ns_dtype as u64]);
             }
