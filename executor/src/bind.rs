@@ -35,6 +35,11 @@ pub(crate) trait Buffers {
     fn len(&self, buf: &Self::Buf) -> usize;
     /// New memory of `len` elements that the kernels bound with it overwrite first.
     fn scratch(&self, len: usize) -> Result<Self::Buf, ExecError>;
+    /// The reduced gradients of [`Prepared::norm_params`] as this step's `grad_norm` was
+    /// bound to them, if it was: a clip of the same parameters scales that list.
+    fn norm_list(&self) -> Option<Arc<[Self::Buf]>> {
+        None
+    }
 }
 
 /// The step's settings binding uses.
@@ -528,10 +533,13 @@ fn norm<S: Buffers>(
         }
         Op::Clip => match set.max_norm {
             Some(max_norm) => {
-                let bufs_ = reduced(&p.held_params)?;
+                let list = match bufs.norm_list() {
+                    Some(list) if p.held_params == p.norm_params => list,
+                    _ => reduced(&p.held_params)?.into(),
+                };
                 Kernel::Clip {
                     norm: bufs.get(&Buffer::Norm)?,
-                    bufs: bufs_.into(),
+                    bufs: list,
                     max_norm,
                 }
             }

@@ -87,6 +87,9 @@ pub(crate) struct RankState<B: Backend> {
     pub last_issued: [Option<u32>; Stream::ALL.len()],
     /// Whether [`IssueCtx::fault`] was injected already (once per executor).
     fault_fired: bool,
+    /// The reduced gradients this step's `grad_norm` was bound to, which a clip of the
+    /// same list scales (one list for both; forgotten when the step begins).
+    norm_list: Option<Arc<[B::Buffer]>>,
 }
 
 /// Settings an issuing rank needs.
@@ -126,6 +129,8 @@ struct RankBuffers<'a, B: Backend> {
     rank: u32,
     buffers: &'a BufferMap<B::Buffer>,
     backend: &'a B,
+    /// The gradients this step's `grad_norm` was bound to ([`RankState::norm_list`]).
+    norm_list: Option<&'a Arc<[B::Buffer]>>,
 }
 
 impl<B: Backend> Buffers for RankBuffers<'_, B> {
@@ -137,6 +142,10 @@ impl<B: Backend> Buffers for RankBuffers<'_, B> {
 
     fn len(&self, buf: &B::Buffer) -> usize {
         self.backend.len(buf)
+    }
+
+    fn norm_list(&self) -> Option<Arc<[B::Buffer]>> {
+        self.norm_list.cloned()
     }
 
     fn scratch(&self, len: usize) -> Result<B::Buffer, ExecError> {
@@ -178,6 +187,7 @@ impl<B: Backend> RankState<B> {
             borrowed: HashSet::default(),
             last_issued: Default::default(),
             fault_fired: false,
+            norm_list: None,
         }
     }
 
@@ -605,9 +615,13 @@ impl<B: Backend> RankState<B> {
                 rank: self.rank,
                 buffers: &self.buffers,
                 backend,
+                norm_list: self.norm_list.as_ref(),
             };
             crate::bind::bind(p, self.rank, n, &ctx.settings(), &bufs)?
         };
+        if let crate::bind::Kernels::One(Kernel::SumSquares { srcs, .. }) = &kernels {
+            self.norm_list = Some(Arc::clone(srcs));
+        }
         Ok((p.tags[n], kernels))
     }
 
@@ -757,6 +771,7 @@ impl<B: Backend> RankState<B> {
     /// Drops reduced gradients kept from the previous step.
     pub(crate) fn begin_step(&mut self) {
         self.buffers.retain(|b, _| b.is_persistent());
+        self.norm_list = None;
         self.issued = 0;
         self.aliased = 0;
         self.issue_by_kind = Default::default();
