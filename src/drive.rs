@@ -31,6 +31,26 @@ pub async fn synthetic_step_with<B: Backend>(
     seed: u64,
     step: u64,
     gates: &[Gate],
+    full: impl FnMut(u8, u32, ParamId, &[f32]),
+) -> Result<StepReport, Error> {
+    drive(session, Grads::Host { seed, step }, gates, full).await
+}
+
+/// Where a driven step's gradients come from.
+enum Grads<'a, B: Backend> {
+    /// Written on the host: [`synthetic::grad`] of this seed and step.
+    Host { seed: u64, step: u64 },
+    /// Kept on the device.
+    Device(&'a DeviceGrads<B>),
+}
+
+/// One step: every micro-batch with its gate, the forward's layers first where the plan
+/// gathers parameters, every layer's backward point and gradients from the highest
+/// layer down, the full parameters handed to `full` (as [`synthetic_step_with`]).
+async fn drive<B: Backend>(
+    session: &mut Session<B>,
+    grads: Grads<'_, B>,
+    gates: &[Gate],
     mut full: impl FnMut(u8, u32, ParamId, &[f32]),
 ) -> Result<StepReport, Error> {
     let forward = session.has_forward();
@@ -49,11 +69,26 @@ pub async fn synthetic_step_with<B: Backend>(
                     .backward_ready(layer, |r, p, v| full(1, r, p, v))
                     .await?;
             }
-            session
-                .grad_ready(layer, |rank, param, out| {
-                    synthetic::grad(seed, step, m as u32, rank, param, out)
-                })
-                .await?;
+            match &grads {
+                Grads::Host { seed, step } => {
+                    session
+                        .grad_ready(layer, |rank, param, out| {
+                            synthetic::grad(*seed, *step, m as u32, rank, param, out)
+                        })
+                        .await?
+                }
+                // `DeviceGrads::new` made a buffer for every local rank and parameter;
+                // one the session would ask for beyond those gets the empty buffer,
+                // which the binding's length check turns into an error naming the
+                // parameter and rank.
+                Grads::Device(g) => {
+                    session
+                        .grad_ready_device(layer, &[], |rank, param| {
+                            g.get(m, rank, param).unwrap_or(&g.empty).clone()
+                        })
+                        .await?
+                }
+            }
         }
     }
     session.step().await
@@ -125,29 +160,7 @@ pub async fn device_step<B: Backend>(
     grads: &DeviceGrads<B>,
     gates: &[Gate],
 ) -> Result<StepReport, Error> {
-    let forward = session.has_forward();
-    for (m, &gate) in gates.iter().enumerate() {
-        session.begin_micro_batch(gate).await?;
-        if forward {
-            for layer in session.forward_layers() {
-                session.forward_ready(layer, |_, _, _| {}).await?;
-            }
-        }
-        for layer in session.layers() {
-            if forward {
-                session.backward_ready(layer, |_, _, _| {}).await?;
-            }
-            // `new` made a buffer for every local rank and parameter; one the session
-            // would ask for beyond those gets the empty buffer, which the binding's
-            // length check turns into an error naming the parameter and rank.
-            session
-                .grad_ready_device(layer, &[], |rank, param| {
-                    grads.get(m, rank, param).unwrap_or(&grads.empty).clone()
-                })
-                .await?;
-        }
-    }
-    session.step().await
+    drive(session, Grads::Device(grads), gates, |_, _, _, _| {}).await
 }
 
 /// The no_sync reference pattern for `m` micro-batches: no_sync for all but the last.
