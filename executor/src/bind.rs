@@ -534,7 +534,7 @@ fn norm<S: Buffers>(
         Op::Clip => match set.max_norm {
             Some(max_norm) => {
                 let list = match bufs.norm_list() {
-                    Some(list) if p.held_params == p.norm_params => list,
+                    Some(list) if p.clip_is_norm => list,
                     _ => reduced(&p.held_params)?.into(),
                 };
                 Kernel::Clip {

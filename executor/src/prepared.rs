@@ -112,6 +112,9 @@ pub(crate) struct Prepared {
     /// The parameters whose reduced gradients the rank's `clip` scales
     /// ([`Plan::held_params`]).
     pub held_params: Vec<overlap_graph::ParamId>,
+    /// Whether the clip scales exactly the parameters the norm sums, in its order (then
+    /// it scales the list the norm was bound to).
+    pub clip_is_norm: bool,
     /// Per node: its tag (node, kind, micro-batch), as the backend reports it.
     pub tags: Vec<Tag>,
     /// Per node: whether issuing it is only its marker: a publish or a norm's
@@ -188,6 +191,7 @@ impl Prepared {
             plain,
             partials,
             runs,
+            clip_is_norm: plan.norm_params(rank) == plan.held_params(rank),
             norm_params: plan.norm_params(rank),
             held_params: plan.held_params(rank),
             plan,
