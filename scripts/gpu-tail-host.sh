@@ -14,7 +14,8 @@
 # GRADS="host device" (default "host") runs BINARY once per gradient source
 # ([run] grads: "device" hands the gradients in where they are on the GPU, as a trainer
 # whose backward runs there, instead of writing them on the host each step); BASELINE
-# runs with the configs as they are (host).
+# runs with the configs as they are (host), or as BASE_GRADS (default "host") says.
+# REPS (default 3) runs of each; BENCH=0 leaves the bench-optimizer run out.
 # Everything goes to OUTDIR/log.txt as well.
 set -u
 BIN=${1:-target/release/overlap}
@@ -27,14 +28,16 @@ export OVERLAP_FLUSH_CLOCK=1
 {
   echo "== $(date -u +%Y-%m-%dT%H:%M:%SZ) $(nvidia-smi --query-gpu=name,driver_version --format=csv,noheader 2>/dev/null | head -1)"
   echo "== host: $(grep -m1 'model name' /proc/cpuinfo | cut -d: -f2) ($(nproc) cores)"
-  for rep in 1 2 3; do
+  for rep in $(seq 1 "${REPS:-3}"); do
     for opt in muon adamw; do
       for who in ${BASE:+base} $(for g in ${GRADS:-host}; do [ "$g" = host ] && echo new || echo "new-$g"; done); do
         bin=$BIN
         [ "$who" = base ] && bin=$BASE
         cfg=examples/gpu/gpt2_small_1x1_$opt.toml
-        if [ "${who#new-}" != "$who" ]; then
-          sed "s/^\[run\]/[run]\ngrads = \"${who#new-}\"/" "$cfg" >"$OUT/$opt-$who.toml"
+        grads=${who#new-}
+        [ "$who" = base ] && grads=${BASE_GRADS:-host}
+        if [ "$grads" != "$who" ] && [ "$grads" != host ]; then
+          sed "s/^\[run\]/[run]\ngrads = \"$grads\"/" "$cfg" >"$OUT/$opt-$who.toml"
           cfg=$OUT/$opt-$who.toml
         fi
         o=$OUT/run-$opt-$who-$rep
@@ -55,6 +58,7 @@ export OVERLAP_FLUSH_CLOCK=1
         awk -v o="$opt" -v w="$who" '{ v[NR] = $1 } END { printf "%-6s %-10s median %s (runs:", o, w, v[int((NR + 1) / 2)]; for (i = 1; i <= NR; i++) printf " %s", v[i]; print ")" }'
     done
   done
+  [ "${BENCH:-1}" = 0 ] && exit 0
   echo "== $BIN bench-optimizer --shapes gpt2-small --muon --clip"
   timeout 300 "$BIN" bench-optimizer --shapes gpt2-small --muon --clip >"$OUT/bench.out" 2>"$OUT/bench.err"
   echo "exit $?"

@@ -551,7 +551,7 @@ fn norm<S: Buffers>(
 }
 
 /// A node handed to the wrong binder (a bug in [`bind`]'s dispatch).
-fn not_a(node: &Node, what: &str) -> ExecError {
+pub(crate) fn not_a(node: &Node, what: &str) -> ExecError {
     ExecError::Internal(format!(
         "node {} ({}) is not a {what}",
         node.id,

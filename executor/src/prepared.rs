@@ -128,6 +128,10 @@ pub(crate) struct Prepared {
     /// Per node: whether it reads or writes a partial or a no_sync accumulation (whose
     /// liveness the rank tracks as it issues).
     pub partials: Vec<bool>,
+    /// Per node: whether the row issued from it ([`Self::runs`]) is optimizer nodes
+    /// only, none aliasing: the executor binds it as one [`overlap_ops::Kernel::Optimizers`]
+    /// whose buffers it keeps from step to step (`rank.rs`).
+    pub optimizers: Vec<bool>,
 }
 
 /// Whether `segs` copy one parameter's `len` elements to the same offsets, each once.
@@ -185,7 +189,14 @@ impl Prepared {
         });
         let issue_end = issue_ends(rp.nodes.len(), &issue);
         let runs = runs(&plan, rank, &issue, &issue_end);
+        let optimizers = (0..rp.nodes.len())
+            .map(|n| {
+                (n..runs[n])
+                    .all(|m| matches!(rp.nodes[m].op, Op::Optimizer { .. }) && alias[m].is_none())
+            })
+            .collect();
         Prepared {
+            optimizers,
             tags,
             noop,
             plain,

@@ -9,7 +9,7 @@ use rustc_hash::{FxHashMap as HashMap, FxHashSet as HashSet};
 use std::sync::Arc;
 
 use overlap_graph::{Access, BucketId, Buffer, CopySeg, Instr, Op, ParamId, Plan, Stream};
-use overlap_ops::{Backend, CommId, EventStatus, Kernel, OpsError, Tag};
+use overlap_ops::{Backend, CommId, EventStatus, Kernel, OpsError, OptimizerStep, Tag, Update};
 
 use crate::bind::{Buffers, Settings};
 use crate::prepared::Prepared;
@@ -90,6 +90,19 @@ pub(crate) struct RankState<B: Backend> {
     /// The reduced gradients this step's `grad_norm` was bound to, which a clip of the
     /// same list scales (one list for both; forgotten when the step begins).
     norm_list: Option<Arc<[B::Buffer]>>,
+    /// Rows of optimizers as last bound, by their first node: handed to the backend
+    /// again while their plan, settings and buffers are the ones in use
+    /// ([`Self::bind_optimizers`]).
+    kept: HashMap<usize, KeptRow<B>>,
+}
+
+/// A row of optimizers as bound ([`RankState::bind_optimizers`]), with the plan and
+/// the settings it was bound under (held, so that neither can be another one at the
+/// same address).
+struct KeptRow<B: Backend> {
+    prepared: Arc<Prepared>,
+    hyper: Arc<crate::HyperTable>,
+    steps: Arc<[OptimizerStep<B::Buffer>]>,
 }
 
 /// Settings an issuing rank needs.
@@ -188,6 +201,7 @@ impl<B: Backend> RankState<B> {
             last_issued: Default::default(),
             fault_fired: false,
             norm_list: None,
+            kept: HashMap::default(),
         }
     }
 
@@ -345,6 +359,9 @@ impl<B: Backend> RankState<B> {
         row: std::ops::Range<usize>,
         ctx: &IssueCtx,
     ) -> Result<Launches<B>, ExecError> {
+        if ctx.fault.is_none() && p.optimizers[row.start] {
+            return self.bind_optimizers(backend, p, row, ctx);
+        }
         let mut launches = Vec::with_capacity(row.len());
         if ctx.fault.is_none() {
             // The steady case, each node's kernels straight into the row; its markers
@@ -381,6 +398,141 @@ impl<B: Backend> RankState<B> {
             launches.extend(kernels.into_iter().map(|k| (tag, k)));
         }
         Ok(launches)
+    }
+
+    /// A row of optimizer nodes as one [`Kernel::Optimizers`] under its first node's
+    /// tag (each step under its own). What stays from step to step (each node's
+    /// parameter, state and settings) is bound once and kept while the plan and the
+    /// settings are the ones in use and each kept buffer is still the one its name
+    /// holds ([`Backend::same_buffer`]); what moves (the reduced gradients, which a
+    /// step allocates anew, and the global norm) is looked up every step.
+    ///
+    /// Why: binding a node clones its buffers, the guard and the settings into a
+    /// kernel, and each clone is an atomic on a handle the backend last touched;
+    /// a kept row leaves one clone a node (docs/performance.md, "The optimizer row
+    /// kept").
+    fn bind_optimizers(
+        &mut self,
+        backend: &B,
+        p: &Prepared,
+        row: std::ops::Range<usize>,
+        ctx: &IssueCtx,
+    ) -> Result<Launches<B>, ExecError> {
+        for n in row.clone() {
+            if !p.plain[n] {
+                self.alias_or_allocate(backend, p, n)?;
+            }
+            if p.partials[n] {
+                self.track_partials(&p.access[n]);
+            }
+        }
+        let still = self
+            .kept
+            .get(&row.start)
+            .is_some_and(|k| self.still_bound(backend, p, k, row.clone(), ctx));
+        if !still {
+            let kept = self.bound_row(p, row.clone(), ctx)?;
+            self.kept.insert(row.start, kept);
+        }
+        let nodes = &p.plan.rank(self.rank).nodes;
+        let mut grads = Vec::with_capacity(row.len());
+        for n in row.clone() {
+            let Op::Optimizer { param, .. } = nodes[n].op else {
+                return Err(crate::bind::not_a(&nodes[n], "optimizer"));
+            };
+            grads.push(self.buf(&Buffer::Reduced { param })?);
+        }
+        let guard = if p.plan.grad_norm {
+            Some(self.buf(&Buffer::Norm)?)
+        } else {
+            None
+        };
+        let kernel = Kernel::Optimizers {
+            steps: Arc::clone(&self.kept[&row.start].steps),
+            grads,
+            guard,
+            step: ctx.step,
+            lr_factor: ctx.lr_factor,
+        };
+        Ok(vec![(p.tags[row.start], kernel)])
+    }
+
+    /// Whether `k` is `row` as it would be bound now: the same plan and settings, and
+    /// every kept buffer still the one its name holds.
+    fn still_bound(
+        &self,
+        backend: &B,
+        p: &Prepared,
+        k: &KeptRow<B>,
+        row: std::ops::Range<usize>,
+        ctx: &IssueCtx,
+    ) -> bool {
+        let same = |name: &Buffer, kept: &B::Buffer| {
+            self.buffers
+                .get(name)
+                .is_some_and(|b| backend.same_buffer(b, kept))
+        };
+        let nodes = &p.plan.rank(self.rank).nodes;
+        std::ptr::eq(&*k.prepared, p)
+            && Arc::ptr_eq(&k.hyper, &ctx.hyper)
+            && k.steps.len() == row.len()
+            && row.zip(k.steps.iter()).all(|(n, s)| match nodes[n].op {
+                Op::Optimizer { param, .. } => {
+                    same(&Buffer::Param { param }, &s.param)
+                        && same(&Buffer::OptState { param }, &s.state)
+                }
+                _ => false,
+            })
+    }
+
+    /// `row` bound: each node's parameter and state and its update at learning-rate
+    /// factor 1.
+    fn bound_row(
+        &self,
+        p: &Prepared,
+        row: std::ops::Range<usize>,
+        ctx: &IssueCtx,
+    ) -> Result<KeptRow<B>, ExecError> {
+        let plan = &p.plan;
+        let nodes = &plan.rank(self.rank).nodes;
+        let mut steps = Vec::with_capacity(row.len());
+        for n in row {
+            let Op::Optimizer { param, optimizer } = nodes[n].op else {
+                return Err(crate::bind::not_a(&nodes[n], "optimizer"));
+            };
+            let lr = ctx.hyper.lr(param, optimizer, 1.0);
+            let update = match optimizer {
+                overlap_graph::OptimizerKind::Adamw => Update::Adamw {
+                    hp: ctx.hyper.adamw(param, 1.0),
+                    lr,
+                },
+                overlap_graph::OptimizerKind::Muon => {
+                    let (rows, cols) = plan.param(param).spec.matrix_dims();
+                    Update::Muon {
+                        rows: rows as usize,
+                        cols: cols as usize,
+                        hp: ctx.hyper.muon(param, 1.0),
+                        lr,
+                    }
+                }
+            };
+            steps.push(OptimizerStep {
+                tag: p.tags[n],
+                param: self.buf(&Buffer::Param { param })?,
+                state: self.buf(&Buffer::OptState { param })?,
+                update,
+            });
+        }
+        let prepared = self
+            .prepared
+            .clone()
+            .filter(|a| std::ptr::eq(&**a, p))
+            .ok_or_else(|| ExecError::Internal("a row bound outside its plan".into()))?;
+        Ok(KeptRow {
+            prepared,
+            hyper: Arc::clone(&ctx.hyper),
+            steps: steps.into(),
+        })
     }
 
     /// Issues what is left of the plan's instructions after its last node, once every

@@ -630,6 +630,112 @@ pub enum Kernel<B> {
         /// The guarded kernel.
         kernel: Box<Kernel<B>>,
     },
+    /// A row of optimizer steps, each run as its own kernel under its own tag, in
+    /// order ([`OptimizerStep::kernel`]): step `i` updates its parameter from
+    /// `grads[i]` by [`Kernel::Adamw`] with step `step` or [`Kernel::Muon`], at
+    /// learning rate `lr · lr_factor`, guarded by `guard` as [`Kernel::IfFinite`] when
+    /// there is one. The result is the steps' kernels launched one by one; it exists so
+    /// that a caller can keep what stays from step to step (the parameters, the
+    /// states, the settings: one `Arc` to clone) and hand in only what moves (the
+    /// gradients, the guard, the step count and the learning-rate factor). A backend
+    /// reports a failure under the failing step's tag; `grads` shorter or longer than
+    /// `steps` fails the row under its own tag, launching none of it.
+    Optimizers {
+        /// The steps, in order.
+        steps: Arc<[OptimizerStep<B>]>,
+        /// Each step's reduced gradient, at its index.
+        grads: Vec<B>,
+        /// The one-element squared global norm every step is guarded by.
+        guard: Option<B>,
+        /// AdamW's 1-based step count.
+        step: u64,
+        /// The learning-rate factor of this step (a schedule's).
+        lr_factor: f64,
+    },
+}
+
+/// One step of [`Kernel::Optimizers`]: a parameter's update, under its own tag (its
+/// gradient is handed in with the row).
+#[derive(Debug, Clone)]
+pub struct OptimizerStep<B> {
+    /// Who launched it (its own node).
+    pub tag: Tag,
+    /// Parameter values (updated in place).
+    pub param: B,
+    /// AdamW's moments, or Muon's momentum.
+    pub state: B,
+    /// The update and its settings.
+    pub update: Update,
+}
+
+/// What an [`OptimizerStep`] runs, with its settings at learning-rate factor 1: the
+/// learning rate of a step of factor `f` is `(lr · f)` computed in f64 and stored in
+/// f32 (the `lr` field of `hp` is not read).
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub enum Update {
+    /// [`Kernel::Adamw`].
+    Adamw {
+        /// Hyper-parameters.
+        hp: AdamwParams,
+        /// The unscaled learning rate.
+        lr: f64,
+    },
+    /// [`Kernel::Muon`] on a `rows × cols` matrix.
+    Muon {
+        /// Rows.
+        rows: usize,
+        /// Columns.
+        cols: usize,
+        /// Hyper-parameters.
+        hp: MuonParams,
+        /// The unscaled learning rate.
+        lr: f64,
+    },
+}
+
+impl<B: Clone> OptimizerStep<B> {
+    /// The step as a kernel of its own, unguarded, reading `grad`: AdamW step `step`,
+    /// learning-rate factor `lr_factor`.
+    pub fn kernel(&self, grad: B, step: u64, lr_factor: f64) -> Kernel<B> {
+        let (param, state) = (self.param.clone(), self.state.clone());
+        match self.update {
+            Update::Adamw { hp, lr } => Kernel::Adamw {
+                param,
+                grad,
+                state,
+                hp: hp.with_lr((lr * lr_factor) as f32),
+                step,
+            },
+            Update::Muon { rows, cols, hp, lr } => Kernel::Muon {
+                param,
+                grad,
+                momentum: state,
+                rows,
+                cols,
+                hp: hp.with_lr((lr * lr_factor) as f32),
+            },
+        }
+    }
+
+    /// [`Self::kernel`], guarded by `guard` as [`Kernel::IfFinite`] when there is one.
+    pub fn guarded(&self, grad: B, (step, lr_factor): (u64, f64), guard: Option<&B>) -> Kernel<B> {
+        let kernel = self.kernel(grad, step, lr_factor);
+        match guard {
+            Some(norm) => Kernel::IfFinite {
+                norm: norm.clone(),
+                kernel: Box::new(kernel),
+            },
+            None => kernel,
+        }
+    }
+}
+
+/// What [`Kernel::Optimizers`] fails with when its gradients do not match its steps.
+pub fn optimizers_mismatch(steps: usize, grads: usize) -> OpsError {
+    OpsError::Shape {
+        kernel: "optimizers",
+        reason: format!("{grads} gradients for {steps} steps"),
+    }
 }
 
 impl<B> Kernel<B> {
@@ -651,6 +757,7 @@ impl<B> Kernel<B> {
             Kernel::SumSquares { .. } => "sum_squares",
             Kernel::Clip { .. } => "clip",
             Kernel::IfFinite { kernel, .. } => kernel.name(),
+            Kernel::Optimizers { .. } => "optimizers",
         }
     }
 }
@@ -760,6 +867,13 @@ pub trait Backend: Send + Sync + 'static {
     /// says no while timings are off (its markers then launch nothing).
     fn needs_markers(&self, _rank: u32) -> bool {
         true
+    }
+    /// Whether `a` and `b` are handles of one buffer (clones of one allocation). A
+    /// caller that keeps kernels' buffers from step to step ([`Kernel::Optimizers`])
+    /// asks this to see that they are still the ones to use. The default says no,
+    /// which only makes such a caller bind them again.
+    fn same_buffer(&self, _a: &Self::Buffer, _b: &Self::Buffer) -> bool {
+        false
     }
     /// Whether [`Kernel::Exchange`]s on `comm` leave what they receive where it
     /// arrived, for the combine to read there: then their `recv` buffer only names the

@@ -19,7 +19,7 @@ use std::time::Duration;
 use common::{buffer, gpu, sync, TAG};
 use overlap_ops::cuda::CudaBuffer;
 use overlap_ops::graph::Stream;
-use overlap_ops::{math, AdamwParams, Backend, Kernel, MuonParams, NsDtype};
+use overlap_ops::{math, AdamwParams, Backend, Kernel, MuonParams, NsDtype, OptimizerStep, Update};
 
 fn adamw(p: &CudaBuffer, g: &CudaBuffer, s: &CudaBuffer, step: u64) -> Kernel<CudaBuffer> {
     Kernel::Adamw {
@@ -375,6 +375,12 @@ struct ReplaySet {
 }
 
 const REPLAY_ADAMW: [usize; 2] = [8192, 4099];
+
+/// The learning rate of step `step` of a [`ReplaySet`]: `1e-3 · step` in f64, stored
+/// in f32 (as [`Kernel::Optimizers`] computes it from a factor).
+fn replay_lr(step: u64) -> f32 {
+    (1e-3 * step as f64) as f32
+}
 /// Two shapes iterated directly (one class) and two on their Gram matrix (another).
 const REPLAY_MUON: [(usize, usize); 4] = [(48, 64), (96, 48), (64, 256), (256, 64)];
 
@@ -426,8 +432,13 @@ impl ReplaySet {
     }
 
     /// Launches one step (its gradients restored: the clip of an earlier step scaled
-    /// them).
+    /// them), the optimizers one by one.
     fn step(&self, b: &overlap_ops::cuda::CudaBackend, step: u64) {
+        self.step_as(b, step, false);
+    }
+
+    /// [`Self::step`], the optimizers one by one or as one [`Kernel::Optimizers`].
+    fn step_as(&self, b: &overlap_ops::cuda::CudaBackend, step: u64, row: bool) {
         let (grads, norm) = (self.grads(step), self.norm(step));
         for (g, host) in grads.iter().zip(&self.pristine) {
             b.upload(g, host).unwrap();
@@ -451,8 +462,13 @@ impl ReplaySet {
                 max_norm: 0.5,
             },
         );
-        let lr = 1e-3 * step as f32;
+        let lr = replay_lr(step);
         let n = REPLAY_ADAMW.len();
+        if row {
+            self.optimizers(b, step);
+            sync(b, Stream::Compute);
+            return;
+        }
         for i in 0..self.params.len() {
             let kernel = if i < n {
                 Kernel::Adamw {
@@ -483,6 +499,46 @@ impl ReplaySet {
             b.launch(0, Stream::Compute, TAG, guarded);
         }
         sync(b, Stream::Compute);
+    }
+
+    /// The step's optimizers as one [`Kernel::Optimizers`]: the settings those of
+    /// [`Self::step_as`]'s kernels, the learning rate `1e-3 · step` as a factor.
+    fn optimizers(&self, b: &overlap_ops::cuda::CudaBackend, step: u64) {
+        let n = REPLAY_ADAMW.len();
+        let steps: Vec<OptimizerStep<CudaBuffer>> = (0..self.params.len())
+            .map(|i| OptimizerStep {
+                tag: overlap_ops::Tag {
+                    node: i as u32,
+                    ..TAG
+                },
+                param: self.params[i].clone(),
+                state: self.states[i].clone(),
+                update: if i < n {
+                    Update::Adamw {
+                        hp: AdamwParams::default(),
+                        lr: 1e-3,
+                    }
+                } else {
+                    let (rows, cols) = REPLAY_MUON[i - n];
+                    Update::Muon {
+                        rows,
+                        cols,
+                        hp: MuonParams::default()
+                            .with_weight_decay(0.1)
+                            .with_ns_dtype(NsDtype::Bf16),
+                        lr: 1e-3,
+                    }
+                },
+            })
+            .collect();
+        let kernel = Kernel::Optimizers {
+            steps: steps.into(),
+            grads: self.grads(step).to_vec(),
+            guard: Some(self.norm(step).clone()),
+            step,
+            lr_factor: step as f64,
+        };
+        b.launch(0, Stream::Compute, TAG, kernel);
     }
 
     fn bits(&self, b: &overlap_ops::cuda::CudaBackend) -> Vec<Vec<u32>> {
@@ -542,7 +598,7 @@ fn a_replayed_flush_reads_each_steps_scalars_and_matches_one_issued_call_by_call
             vec![0.0; n],
         );
         for step in 1..=5u64 {
-            let hp = AdamwParams::default().with_lr(1e-3 * step as f32);
+            let hp = AdamwParams::default().with_lr(replay_lr(step));
             math::adamw(&mut p, &g, &mut m, &mut v, &hp, step);
         }
         assert_eq!(
@@ -551,4 +607,40 @@ fn a_replayed_flush_reads_each_steps_scalars_and_matches_one_issued_call_by_call
             "AdamW {n}"
         );
     }
+}
+
+#[test]
+fn a_row_of_optimizers_holds_and_replays_as_its_steps_one_by_one() {
+    let Some(b) = gpu() else { return };
+    // Set `a` hands each step's optimizers in as one row, set `d` one by one; both
+    // flush with graphs, the gradients and the norm moving every step.
+    b.set_tail_graphs(true);
+    let (a, d) = (ReplaySet::new(&b), ReplaySet::new(&b));
+    for step in 1..=4 {
+        a.step_as(&b, step, true);
+        d.step_as(&b, step, false);
+        assert_eq!(
+            a.bits(&b),
+            d.bits(&b),
+            "step {step}: row against one by one"
+        );
+    }
+    assert!(b.errors().is_empty(), "{:?}", b.errors());
+    // A row whose gradients do not match its steps fails under its tag, holding none.
+    let before = a.bits(&b);
+    let mut steps_grads = a.grads(5).to_vec();
+    steps_grads.pop();
+    let kernel = Kernel::Optimizers {
+        steps: Vec::<OptimizerStep<CudaBuffer>>::new().into(),
+        grads: steps_grads,
+        guard: None,
+        step: 5,
+        lr_factor: 1.0,
+    };
+    b.launch(0, Stream::Copy, TAG, kernel);
+    sync(&b, Stream::Copy);
+    let errors = b.errors();
+    assert_eq!(errors.len(), 1, "{errors:?}");
+    assert_eq!(errors[0].2, TAG);
+    assert_eq!(a.bits(&b), before);
 }

@@ -325,6 +325,10 @@ impl Backend for CpuBackend {
         buf.len()
     }
 
+    fn same_buffer(&self, a: &CpuBuffer, b: &CpuBuffer) -> bool {
+        a.same(b)
+    }
+
     fn upload(&self, buf: &CpuBuffer, data: &[f32]) -> Result<(), OpsError> {
         if data.len() != buf.len() {
             return Err(OpsError::Shape {
@@ -487,6 +491,24 @@ impl Worker {
     }
 
     fn launch(&self, tag: Tag, kernel: Kernel<CpuBuffer>) {
+        // A row of optimizer steps is its steps, each a kernel of its own under its
+        // own tag (poison, faults, timings and errors per step).
+        // (A row whose gradients do not match its steps fails as one kernel below.)
+        let kernel = match kernel {
+            Kernel::Optimizers {
+                steps,
+                grads,
+                guard,
+                step,
+                lr_factor,
+            } if grads.len() == steps.len() => {
+                for (s, grad) in steps.iter().zip(grads) {
+                    self.launch(s.tag, s.guarded(grad, (step, lr_factor), guard.as_ref()));
+                }
+                return;
+            }
+            kernel => kernel,
+        };
         let poison = self.poison();
         if poison.is_some()
             && !matches!(

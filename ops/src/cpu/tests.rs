@@ -824,6 +824,146 @@ fn optimizer_kernels_equal_the_reference_math() {
     assert_eq!(b.download(&mbufs[2]).unwrap(), mm_ref);
 }
 
+/// A row of optimizers over `n` fresh sets of buffers (AdamW, Muon, AdamW, ...) of
+/// values seeded by `seed`: the steps, their gradients, and each step's parameter and
+/// state as handles.
+fn optimizer_row(
+    b: &CpuBackend,
+    seed: f32,
+) -> (Vec<crate::OptimizerStep<CpuBuffer>>, Vec<CpuBuffer>) {
+    let values = |n: usize, k: f32| {
+        (0..n)
+            .map(|i| ((i as f32 + k + seed) * 0.37).sin())
+            .collect::<Vec<f32>>()
+    };
+    let mut steps = Vec::new();
+    let mut grads = Vec::new();
+    for i in 0..3u32 {
+        let k = i as f32 * 3.0;
+        let (update, len, state_len) = if i == 1 {
+            let hp = MuonParams::default().with_weight_decay(0.1);
+            let update = crate::Update::Muon {
+                rows: 4,
+                cols: 3,
+                hp,
+                lr: 0.02,
+            };
+            (update, 12, 12)
+        } else {
+            let hp = AdamwParams::default().with_weight_decay(0.01);
+            (crate::Update::Adamw { hp, lr: 1e-3 }, 5, 10)
+        };
+        let state: Vec<f32> = values(state_len, k + 2.0).iter().map(|x| x.abs()).collect();
+        steps.push(crate::OptimizerStep {
+            tag: tag(10 + i, "optimizer"),
+            param: buffer(b, 0, &values(len, k)),
+            state: buffer(b, 0, &state),
+            update,
+        });
+        grads.push(buffer(b, 0, &values(len, k + 1.0)));
+    }
+    (steps, grads)
+}
+
+#[test]
+fn a_row_of_optimizers_is_its_steps_launched_one_by_one() {
+    for finite in [true, false] {
+        let b = CpuBackend::new(mesh(1, 1));
+        let (row, row_grads) = optimizer_row(&b, 0.0);
+        let (one, one_grads) = optimizer_row(&b, 0.0);
+        let norm = if finite { 4.0 } else { f32::NAN };
+        let (g1, g2) = (buffer(&b, 0, &[norm]), buffer(&b, 0, &[norm]));
+        let (step, factor) = (7, 0.3);
+        for (s, g) in one.iter().zip(&one_grads) {
+            b.launch(
+                0,
+                Stream::Compute,
+                s.tag,
+                s.guarded(g.clone(), (step, factor), Some(&g2)),
+            );
+        }
+        let steps: Arc<[crate::OptimizerStep<CpuBuffer>]> = row.clone().into();
+        b.launch(
+            0,
+            Stream::Compute,
+            tag(10, "optimizer"),
+            Kernel::Optimizers {
+                steps,
+                grads: row_grads,
+                guard: Some(g1),
+                step,
+                lr_factor: factor,
+            },
+        );
+        sync(&b);
+        assert_eq!(b.errors(), vec![]);
+        for (r, o) in row.iter().zip(&one) {
+            assert_eq!(b.download(&r.param).unwrap(), b.download(&o.param).unwrap());
+            assert_eq!(b.download(&r.state).unwrap(), b.download(&o.state).unwrap());
+        }
+        // The learning rate is `lr · factor` in f64, stored in f32; a non-finite
+        // guard leaves every step undone.
+        let (fresh, _) = optimizer_row(&b, 0.0);
+        let moved = b.download(&row[0].param).unwrap() != b.download(&fresh[0].param).unwrap();
+        assert_eq!(moved, finite);
+    }
+}
+
+#[test]
+fn a_row_of_optimizers_fails_at_its_bad_step_or_as_a_whole() {
+    // A bad step is reported under its own tag; the steps before it ran, the ones
+    // after it are skipped (the stream is poisoned), as when launched one by one.
+    let b = CpuBackend::new(mesh(1, 1));
+    let (row, mut grads) = optimizer_row(&b, 1.0);
+    let (fresh, _) = optimizer_row(&b, 1.0);
+    grads[1] = buffer(&b, 0, &[1.0]);
+    let kernel = Kernel::Optimizers {
+        steps: row.clone().into(),
+        grads,
+        guard: None,
+        step: 1,
+        lr_factor: 1.0,
+    };
+    b.launch(0, Stream::Compute, tag(10, "optimizer"), kernel);
+    sync(&b);
+    let errors = b.errors();
+    assert_eq!(errors.len(), 1, "{errors:?}");
+    assert_eq!(errors[0].2, row[1].tag);
+    assert!(matches!(
+        errors[0].3,
+        OpsError::Shape { kernel: "muon", .. }
+    ));
+    let param = |s: &crate::OptimizerStep<CpuBuffer>| b.download(&s.param).unwrap();
+    assert_ne!(param(&row[0]), param(&fresh[0]));
+    assert_eq!(param(&row[2]), param(&fresh[2]));
+
+    // Gradients that do not match the steps fail the row under its tag, running none.
+    let b = CpuBackend::new(mesh(1, 1));
+    let (row, mut grads) = optimizer_row(&b, 2.0);
+    let (fresh, _) = optimizer_row(&b, 2.0);
+    grads.pop();
+    let kernel = Kernel::Optimizers {
+        steps: row.clone().into(),
+        grads,
+        guard: None,
+        step: 1,
+        lr_factor: 1.0,
+    };
+    b.launch(0, Stream::Compute, tag(9, "optimizer"), kernel);
+    sync(&b);
+    let errors = b.errors();
+    assert_eq!(errors.len(), 1, "{errors:?}");
+    assert_eq!(errors[0].2, tag(9, "optimizer"));
+    assert!(
+        errors[0].3.to_string().contains("2 gradients for 3 steps"),
+        "{}",
+        errors[0].3
+    );
+    for (r, f) in row.iter().zip(&fresh) {
+        assert_eq!(b.download(&r.param).unwrap(), b.download(&f.param).unwrap());
+    }
+}
+
 #[test]
 fn bad_kernels_report_shape_errors_and_write_nothing() {
     let b = CpuBackend::new(mesh(2, 1));

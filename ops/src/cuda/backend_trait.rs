@@ -57,6 +57,10 @@ impl Backend for CudaBackend {
         buf.len
     }
 
+    fn same_buffer(&self, a: &CudaBuffer, b: &CudaBuffer) -> bool {
+        a.same(b) && a.len == b.len
+    }
+
     fn upload(&self, buf: &CudaBuffer, data: &[f32]) -> Result<(), OpsError> {
         if data.len() != buf.len {
             return Err(OpsError::Shape {

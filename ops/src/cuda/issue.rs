@@ -65,6 +65,8 @@ pub(super) struct Issue {
     pub(super) tail_graphs: [TailGraphs; Stream::COUNT],
     /// Each stream's flush planned once per shape (`flush_cache.rs`).
     pub(super) plans: [super::flush_cache::FlushCache; Stream::COUNT],
+    /// Each stream's page-locked areas for its flushes' words (`staging.rs`).
+    pub(super) staging: [super::staging::Staging; Stream::COUNT],
     /// Where the flushes' host time goes (`OVERLAP_FLUSH_CLOCK=1`; `defer.rs`).
     pub(super) flush_clock: Option<super::defer::FlushClocks>,
     /// Flushes that issued held kernels ([`super::CudaBackend::flushes`]).
@@ -107,6 +109,19 @@ impl Issue {
         tag: Tag,
         kernel: Kernel<CudaBuffer>,
     ) {
+        let kernel = match kernel {
+            Kernel::Optimizers {
+                steps,
+                grads,
+                guard,
+                step,
+                lr_factor,
+            } => {
+                let row = (&steps[..], grads, guard);
+                return self.optimizers(shared, (stream, tag), row, (step, lr_factor));
+            }
+            kernel => kernel,
+        };
         // An optimizer kernel is validated now and held (`defer.rs`); anything else
         // issues the held ones first, keeping the stream's order.
         let held = is_held(&kernel);
@@ -161,20 +176,25 @@ impl Issue {
             start,
             result.as_ref().ok().copied(),
         );
-        match result {
-            Ok(_) => {}
-            Err(e) if e.is_cancellation() => {
-                self.poison[stream.index()].get_or_insert(e);
-            }
-            Err(e) => {
-                let cause = format!(
-                    "{} (node {}) on rank {}, {stream} stream failed: {e}",
-                    tag.op, tag.node, shared.rank
-                );
-                shared.report(stream, tag, e);
-                self.poison[stream.index()].get_or_insert(OpsError::Cancelled(cause));
-            }
+        if let Err(e) = result {
+            self.fail(shared, (stream, tag), e);
         }
+    }
+
+    /// A kernel of `tag` failed on `stream`: a cancellation poisons the stream with
+    /// itself, anything else is reported as a root cause and poisons the stream with a
+    /// cancellation that names it.
+    pub(super) fn fail(&mut self, shared: &Shared, (stream, tag): (Stream, Tag), e: OpsError) {
+        if e.is_cancellation() {
+            self.poison[stream.index()].get_or_insert(e);
+            return;
+        }
+        let cause = format!(
+            "{} (node {}) on rank {}, {stream} stream failed: {e}",
+            tag.op, tag.node, shared.rank
+        );
+        shared.report(stream, tag, e);
+        self.poison[stream.index()].get_or_insert(OpsError::Cancelled(cause));
     }
 
     /// Runs one kernel (validated first); returns the bytes a collective moved.
@@ -242,6 +262,10 @@ impl Issue {
             | Kernel::SumSquares { .. }
             | Kernel::Clip { .. }
             | Kernel::IfFinite { .. }) => self.tail(shared, (stream, tag), tail).map(|()| 0),
+            // Taken apart in `launch`.
+            Kernel::Optimizers { .. } => Err(OpsError::Backend(
+                "a row of optimizers reached the kernel dispatch".into(),
+            )),
         }
     }
 

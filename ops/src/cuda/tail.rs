@@ -16,7 +16,7 @@ use super::checks::{check_adamw, check_muon, expect};
 use super::defer::{Held, HeldClip, HeldNorm};
 use super::issue::Issue;
 use super::memory::CudaBuffer;
-use crate::{Kernel, OpsError, Tag};
+use crate::{Kernel, OpsError, OptimizerStep, Tag};
 
 impl Issue {
     /// A kernel of the step's tail: an optimizer (guarded by [`Kernel::IfFinite`] or
@@ -42,6 +42,48 @@ impl Issue {
                 self.optimizer(shared, (stream, tag), rank, *kernel, Some(&norm))
             }
             optimizer => self.optimizer(shared, (stream, tag), rank, optimizer, None),
+        }
+    }
+
+    /// [`Kernel::Optimizers`]: each step validated and held as its own kernel would
+    /// be, under its own tag, without a kernel of its own (no guard boxed). A
+    /// poisoned stream issues none; a step that fails poisons the stream, so the steps
+    /// after it are skipped, as when launched one by one; gradients that do not match
+    /// the steps fail the row under its tag.
+    pub(super) fn optimizers(
+        &mut self,
+        shared: &Shared,
+        (stream, tag): (Stream, Tag),
+        (steps, grads, guard): (
+            &[OptimizerStep<CudaBuffer>],
+            Vec<CudaBuffer>,
+            Option<CudaBuffer>,
+        ),
+        (step, lr_factor): (u64, f64),
+    ) {
+        let rank = shared.rank;
+        if self.poison[stream.index()].is_some() {
+            return;
+        }
+        if grads.len() != steps.len() {
+            let e = crate::optimizers_mismatch(steps.len(), grads.len());
+            return self.fail(shared, (stream, tag), e);
+        }
+        for (s, grad) in steps.iter().zip(grads) {
+            if self.poison[stream.index()].is_some() {
+                return;
+            }
+            let checked = match &guard {
+                Some(norm) => expect("if_finite", rank, "norm", norm, 1),
+                None => Ok(()),
+            };
+            let kernel = s.kernel(grad, step, lr_factor);
+            let held = checked.and_then(|()| {
+                self.optimizer(shared, (stream, s.tag), rank, kernel, guard.as_ref())
+            });
+            if let Err(e) = held {
+                self.fail(shared, (stream, s.tag), e);
+            }
         }
     }
 
