@@ -626,21 +626,20 @@ fn a_row_of_optimizers_holds_and_replays_as_its_steps_one_by_one() {
         );
     }
     assert!(b.errors().is_empty(), "{:?}", b.errors());
-    // A row whose gradients do not match its steps fails under its tag, holding none.
-    let before = a.bits(&b);
-    let mut steps_grads = a.grads(5).to_vec();
-    steps_grads.pop();
+    // A row whose gradients do not match its steps fails under its tag at its launch
+    // (nothing held; the stream it names is poisoned, so no sync on it here).
+    let mut grads = a.grads(5).to_vec();
+    grads.pop();
     let kernel = Kernel::Optimizers {
         steps: Vec::<OptimizerStep<CudaBuffer>>::new().into(),
-        grads: steps_grads,
+        grads,
         guard: None,
         step: 5,
         lr_factor: 1.0,
     };
     b.launch(0, Stream::Copy, TAG, kernel);
-    sync(&b, Stream::Copy);
     let errors = b.errors();
     assert_eq!(errors.len(), 1, "{errors:?}");
     assert_eq!(errors[0].2, TAG);
-    assert_eq!(a.bits(&b), before);
+    assert!(errors[0].3.to_string().contains("5 gradients for 0 steps"));
 }

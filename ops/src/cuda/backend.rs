@@ -151,7 +151,6 @@ impl CudaBackend {
                 fuse_clip: true,
                 tail_graphs: Default::default(),
                 plans: Default::default(),
-                staging: Default::default(),
                 flush_clock: super::defer::flush_clocks_from_env(),
                 flushes: 0,
                 tickets: 0,
@@ -478,10 +477,6 @@ impl Drop for CudaBackend {
         st.flush_all(&shared);
         if let Some(c) = &st.flush_clock {
             eprintln!("{}", super::defer::flush_clock_report(c));
-            let busy: u64 = st.staging.iter().map(|s| s.busy).sum();
-            eprintln!(
-                "flush words uploaded from pageable memory, both page-locked areas busy: {busy}"
-            );
         }
         // Every peer's last acknowledgement must land in our rings before they go.
         for ring in &st.copy {
@@ -505,13 +500,6 @@ impl Drop for CudaBackend {
                 g.clear();
             } else {
                 g.leak();
-            }
-        }
-        for s in &mut st.staging {
-            if idle {
-                s.release();
-            } else {
-                s.leak();
             }
         }
         for b in &st.blas {

@@ -292,27 +292,23 @@ impl Issue {
         let pending = &mut self.pending[stream.index()];
         pending.held = held;
         pending.shape = shape;
-        let staged = self.staging[stream.index()].needs_seal();
-        if !records.is_empty() || staged {
-            let made = self.record_after(shared, stream);
-            for (event, ticket) in records {
-                event.land((stream, ticket), made.as_ref());
-            }
-            self.staging[stream.index()].seal(made.as_ref());
+        if !records.is_empty() {
+            self.land_records(shared, stream, records);
         }
     }
 
-    /// One record on `stream` after a flush (carrying its poison, as a record does),
-    /// shared by every event deferred behind the flush and by the page-locked area its
-    /// words were copied from (`staging.rs`).
-    fn record_after(&mut self, shared: &Shared, stream: Stream) -> Option<Arc<Record>> {
+    /// One record on `stream` (carrying its poison, as a record does), shared by every
+    /// event deferred behind the flush.
+    fn land_records(&mut self, shared: &Shared, stream: Stream, records: Vec<(CudaEvent, u64)>) {
         let raw = shared.device.stream(stream);
         let failed = self.poison[stream.index()].clone();
         let made = Record::new(&shared.events, raw, failed).map(Arc::new);
         if let Err(e) = &made {
             shared.report(stream, super::backend::host_tag("record"), e.clone());
         }
-        made.ok()
+        for (event, ticket) in records {
+            event.land((stream, ticket), made.as_ref().ok());
+        }
     }
 
     /// The kernels of [`Self::flush`].
@@ -405,7 +401,7 @@ impl Issue {
         }
         let t1 = now();
         let scratch = self.scratch(shared, stream, plan.scratch_bytes().max(8))?;
-        plan.upload(raw, scratch, &mut self.staging[stream.index()])?;
+        plan.upload(raw, scratch)?;
         let t2 = now();
         let (kernels, blas) = (&self.kernels, &self.blas[stream.index()]);
         let keyed = std::cell::Cell::new(std::time::Duration::ZERO);

@@ -32,7 +32,6 @@ use super::muon::{self, Blas, ClassLayout};
 use super::optim::{
     adamw_scalars, adamw_tables, muon_scalars, AdamwTensor, FusedClip, MuonMats, MUON_MATS,
 };
-use super::staging::Staging;
 use super::tail_graph::TailKey;
 use crate::{AdamwParams, MuonParams, NsDtype, OpsError};
 
@@ -241,34 +240,22 @@ impl FlushPlan {
     }
 
     /// Copies the words (the scalars and the tables, the links to the scalars filled
-    /// in) to their place in `scratch`, on `stream`, before the flush: from one of the
-    /// stream's page-locked areas when one is free (`staging.rs`; the caller seals it
-    /// with a record made after the flush), else from the words themselves.
-    pub(super) fn upload(
-        &mut self,
-        stream: sys::CUstream,
-        scratch: u64,
-        staging: &mut Staging,
-    ) -> Result<(), OpsError> {
+    /// in) to their place in `scratch`, on `stream`, before the flush.
+    pub(super) fn upload(&mut self, stream: sys::CUstream, scratch: u64) -> Result<(), OpsError> {
         if self.words.is_empty() {
             return Ok(());
         }
         for &(word, target) in &self.links {
             self.words[word] = self.at(scratch, target);
         }
-        let src = staging
-            .stage(&self.words)
-            .unwrap_or(self.words.as_ptr().cast());
-        // SAFETY: the scratch holds `scratch_bytes`. From pageable memory (the words)
-        // the driver has staged the bytes before the call returns; a page-locked area
-        // holds a copy of them that is not written again until the record made after
-        // this flush is complete (`staging.rs`). The copy is ordered on the stream
-        // before the launches that read it and after everything earlier that used the
-        // scratch.
+        // SAFETY: the scratch holds `scratch_bytes`; the host memory is pageable, so the
+        // driver has staged it before the call returns, and the copy is ordered on the
+        // stream before the launches that read it and after everything earlier that
+        // used the scratch.
         unsafe {
             sys::cuMemcpyHtoDAsync_v2(
                 scratch + self.scalars_at as u64,
-                src.cast(),
+                self.words.as_ptr().cast(),
                 self.words.len() * 8,
                 stream,
             )

@@ -65,8 +65,6 @@ pub(super) struct Issue {
     pub(super) tail_graphs: [TailGraphs; Stream::COUNT],
     /// Each stream's flush planned once per shape (`flush_cache.rs`).
     pub(super) plans: [super::flush_cache::FlushCache; Stream::COUNT],
-    /// Each stream's page-locked areas for its flushes' words (`staging.rs`).
-    pub(super) staging: [super::staging::Staging; Stream::COUNT],
     /// Where the flushes' host time goes (`OVERLAP_FLUSH_CLOCK=1`; `defer.rs`).
     pub(super) flush_clock: Option<super::defer::FlushClocks>,
     /// Flushes that issued held kernels ([`super::CudaBackend::flushes`]).

@@ -59,8 +59,6 @@ pub(super) const DRIVER: Lib = Lib {
         "cuMemsetD32Async",
         "cuMemcpyHtoDAsync_v2",
         "cuMemcpyDtoHAsync_v2",
-        "cuMemHostAlloc",
-        "cuMemFreeHost",
         "cuMemcpyDtoDAsync_v2",
         "cuModuleLoadData",
         "cuModuleGetFunction",

@@ -108,7 +108,6 @@ mod nccl;
 mod optim;
 mod options;
 mod probe;
-mod staging;
 mod tail;
 mod tail_graph;
 mod timing;
