@@ -609,6 +609,8 @@ impl<B: Backend> Executor<B> {
         let r = self.rank_mut(rank)?;
         let buf = backend.alloc(rank, values.len())?;
         backend.upload(&buf, values)?;
+        // The replaced buffer goes now, not when a kept row would be bound again.
+        r.forget_rows();
         r.buffers.insert(buffer, buf);
         Ok(())
     }
@@ -617,7 +619,9 @@ impl<B: Backend> Executor<B> {
     /// the next step (a parameter must be written again before one). Call between steps.
     pub fn clear(&mut self, rank: u32, buffer: Buffer) -> Result<(), ExecError> {
         self.check_persistent("clear", &buffer)?;
-        self.rank_mut(rank)?.buffers.remove(&buffer);
+        let r = self.rank_mut(rank)?;
+        r.forget_rows();
+        r.buffers.remove(&buffer);
         Ok(())
     }
 
@@ -1356,6 +1360,14 @@ impl<B: Backend> Executor<B> {
     /// adopted again is not prepared again).
     pub fn plans_prepared(&self) -> u64 {
         self.prepares
+    }
+
+    /// Rows of optimizers bound so far, over every local rank. A row is bound once and
+    /// handed to the backend again step after step while its plan, the optimizer
+    /// settings and its parameters and states stay the ones in use; a new plan, new
+    /// settings, [`Self::write`] or [`Self::clear`] make the next step bind it again.
+    pub fn optimizer_rows_bound(&self) -> u64 {
+        self.ranks.iter().map(|r| r.rows_bound).sum()
     }
 
     /// Plans prepared and cached per local rank (those the caller still holds, up to a

@@ -94,6 +94,8 @@ pub(crate) struct RankState<B: Backend> {
     /// again while their plan, settings and buffers are the ones in use
     /// ([`Self::bind_optimizers`]).
     kept: HashMap<usize, KeptRow<B>>,
+    /// Rows of optimizers bound (not handed in again as kept), over the rank's life.
+    pub rows_bound: u64,
 }
 
 /// A row of optimizers as bound ([`RankState::bind_optimizers`]), with the plan and
@@ -202,6 +204,7 @@ impl<B: Backend> RankState<B> {
             fault_fired: false,
             norm_list: None,
             kept: HashMap::default(),
+            rows_bound: 0,
         }
     }
 
@@ -433,6 +436,7 @@ impl<B: Backend> RankState<B> {
         if !still {
             let kept = self.bound_row(p, row.clone(), ctx)?;
             self.kept.insert(row.start, kept);
+            self.rows_bound += 1;
         }
         let nodes = &p.plan.rank(self.rank).nodes;
         let mut grads = Vec::with_capacity(row.len());
@@ -455,6 +459,12 @@ impl<B: Backend> RankState<B> {
             lr_factor: ctx.lr_factor,
         };
         Ok(vec![(p.tags[row.start], kernel)])
+    }
+
+    /// Forgets the kept rows (their buffers go with them): a parameter or a state was
+    /// replaced or dropped.
+    pub(crate) fn forget_rows(&mut self) {
+        self.kept.clear();
     }
 
     /// Whether `k` is `row` as it would be bound now: the same plan and settings, and

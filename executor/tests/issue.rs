@@ -137,3 +137,42 @@ async fn discard_between_steps_is_a_no_op() {
     rig.step(&plan).await.expect("a step after the discard");
     assert_eq!(rig.exec.steps_done(), 2);
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_row_of_optimizers_is_bound_once_and_again_after_a_write() {
+    // Mesh 1x1: one rank, its optimizers in rows on one stream.
+    let mut rig = Rig::new(spec(1, 1, 3), ExecConfig::default());
+    let plan = rig.plan(&[Gate::On]);
+    rig.step(&plan).await.expect("step");
+    let rows = rig.exec.optimizer_rows_bound();
+    assert!(rows > 0, "no row of optimizers was bound");
+    for _ in 0..3 {
+        rig.step(&plan).await.expect("step");
+    }
+    assert_eq!(
+        rig.exec.optimizer_rows_bound(),
+        rows,
+        "kept rows were bound again"
+    );
+    // A parameter written between steps is the one the next step updates: the row is
+    // bound again (a row still holding the old buffer would leave the new one as
+    // written).
+    let params = rig.params();
+    let written: Vec<f32> = params[0]
+        .as_ref()
+        .expect("rank 0 holds param 0")
+        .iter()
+        .map(|x| x + 100.0)
+        .collect();
+    rig.exec
+        .write(0, Buffer::Param { param: 0 }, &written)
+        .expect("write");
+    rig.step(&plan).await.expect("step");
+    assert_eq!(rig.exec.optimizer_rows_bound(), 2 * rows);
+    let after = rig.params()[0].clone().expect("param 0");
+    assert_ne!(after, written, "the written parameter was not updated");
+    assert!(after.iter().zip(&written).all(|(a, w)| (a - w).abs() < 1.0));
+    // And the same plan again keeps the new row.
+    rig.step(&plan).await.expect("step");
+    assert_eq!(rig.exec.optimizer_rows_bound(), 2 * rows);
+}
