@@ -90,10 +90,11 @@ pub(crate) struct RankState<B: Backend> {
     /// The reduced gradients this step's `grad_norm` was bound to, which a clip of the
     /// same list scales (one list for both; forgotten when the step begins).
     norm_list: Option<Arc<[B::Buffer]>>,
-    /// Rows of optimizers as last bound, by their first node: handed to the backend
-    /// again while their plan, settings and buffers are the ones in use
-    /// ([`Self::bind_optimizers`]).
-    kept: HashMap<usize, KeptRow<B>>,
+    /// Rows of optimizers as last bound, by their plan (its address, which the kept
+    /// row's hold on it keeps unique) and first node: handed to the backend again
+    /// while their settings and buffers are the ones in use ([`Self::bind_optimizers`]).
+    /// Only rows of plans still in [`Self::prepared_cache`] stay.
+    kept: HashMap<(usize, usize), KeptRow<B>>,
     /// Rows of optimizers bound (not handed in again as kept), over the rank's life.
     pub rows_bound: u64,
 }
@@ -429,13 +430,18 @@ impl<B: Backend> RankState<B> {
                 self.track_partials(&p.access[n]);
             }
         }
+        let key = (std::ptr::from_ref(p) as usize, row.start);
         let still = self
             .kept
-            .get(&row.start)
+            .get(&key)
             .is_some_and(|k| self.still_bound(backend, p, k, row.clone(), ctx));
         if !still {
             let kept = self.bound_row(p, row.clone(), ctx)?;
-            self.kept.insert(row.start, kept);
+            // Rows of plans no longer cached go (with their hold on plan and buffers).
+            let cache = &self.prepared_cache;
+            self.kept
+                .retain(|_, k| cache.iter().any(|c| Arc::ptr_eq(c, &k.prepared)));
+            self.kept.insert(key, kept);
             self.rows_bound += 1;
         }
         let nodes = &p.plan.rank(self.rank).nodes;
@@ -452,7 +458,7 @@ impl<B: Backend> RankState<B> {
             None
         };
         let kernel = Kernel::Optimizers {
-            steps: Arc::clone(&self.kept[&row.start].steps),
+            steps: Arc::clone(&self.kept[&key].steps),
             grads,
             guard,
             step: ctx.step,

@@ -172,7 +172,16 @@ async fn a_row_of_optimizers_is_bound_once_and_again_after_a_write() {
     let after = rig.params()[0].clone().expect("param 0");
     assert_ne!(after, written, "the written parameter was not updated");
     assert!(after.iter().zip(&written).all(|(a, w)| (a - w).abs() < 1.0));
-    // And the same plan again keeps the new row.
+    // And the same plan again keeps the new row; steps alternating with another plan
+    // keep the rows of both.
     rig.step(&plan).await.expect("step");
     assert_eq!(rig.exec.optimizer_rows_bound(), 2 * rows);
+    let other = rig.plan(&[Gate::NoSync, Gate::On]);
+    rig.step(&other).await.expect("step");
+    let both = rig.exec.optimizer_rows_bound();
+    assert!(both > 2 * rows);
+    for p in [&plan, &other, &plan, &other] {
+        rig.step(p).await.expect("step");
+    }
+    assert_eq!(rig.exec.optimizer_rows_bound(), both);
 }
