@@ -423,12 +423,7 @@ impl<B: Backend> RankState<B> {
         ctx: &IssueCtx,
     ) -> Result<Launches<B>, ExecError> {
         for n in row.clone() {
-            if !p.plain[n] {
-                self.alias_or_allocate(backend, p, n)?;
-            }
-            if p.partials[n] {
-                self.track_partials(&p.access[n]);
-            }
+            self.give_memory(backend, p, n)?;
         }
         let key = (std::ptr::from_ref(p) as usize, row.start);
         let still = self
@@ -769,12 +764,7 @@ impl<B: Backend> RankState<B> {
         n: usize,
         ctx: &IssueCtx,
     ) -> Result<Bound<B>, ExecError> {
-        if !p.plain[n] {
-            self.alias_or_allocate(backend, p, n)?;
-        }
-        if p.partials[n] {
-            self.track_partials(&p.access[n]);
-        }
+        self.give_memory(backend, p, n)?;
         let kernels = if p.alias[n].is_some() {
             self.aliased += 1;
             crate::bind::Kernels::One(Kernel::Marker)
@@ -791,6 +781,18 @@ impl<B: Backend> RankState<B> {
             self.norm_list = Some(Arc::clone(srcs));
         }
         Ok((p.tags[n], kernels))
+    }
+
+    /// Node `n`'s memory before its binding: its outputs allocated or aliased, its
+    /// partials tracked (each only where `prepared.rs` says the node has any).
+    fn give_memory(&mut self, backend: &B, p: &Prepared, n: usize) -> Result<(), ExecError> {
+        if !p.plain[n] {
+            self.alias_or_allocate(backend, p, n)?;
+        }
+        if p.partials[n] {
+            self.track_partials(&p.access[n]);
+        }
+        Ok(())
     }
 
     /// Gives node `n`'s outputs their memory: an aliasing node's output is its input's

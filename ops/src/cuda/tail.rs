@@ -69,19 +69,21 @@ impl Issue {
             let e = crate::optimizers_mismatch(steps.len(), grads.len());
             return self.fail(shared, (stream, tag), e);
         }
+        // The guard is every step's: checked once, a bad one fails the first step (and
+        // so, the stream poisoned, the row), as the steps launched one by one would.
+        if let Some(norm) = &guard {
+            if let (Err(e), Some(first)) =
+                (expect("if_finite", rank, "norm", norm, 1), steps.first())
+            {
+                return self.fail(shared, (stream, first.tag), e);
+            }
+        }
         for (s, grad) in steps.iter().zip(grads) {
             if self.poison[stream.index()].is_some() {
                 return;
             }
-            let checked = match &guard {
-                Some(norm) => expect("if_finite", rank, "norm", norm, 1),
-                None => Ok(()),
-            };
             let kernel = s.kernel(grad, step, lr_factor);
-            let held = checked.and_then(|()| {
-                self.optimizer(shared, (stream, s.tag), rank, kernel, guard.as_ref())
-            });
-            if let Err(e) = held {
+            if let Err(e) = self.optimizer(shared, (stream, s.tag), rank, kernel, guard.as_ref()) {
                 self.fail(shared, (stream, s.tag), e);
             }
         }
