@@ -754,6 +754,7 @@ impl<B: Backend> Executor<B> {
         for r in &mut self.ranks {
             r.prepared_cache
                 .retain(|p| !dead.contains(&Arc::as_ptr(&p.plan)));
+            r.prune_rows();
         }
     }
 

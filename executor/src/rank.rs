@@ -432,10 +432,7 @@ impl<B: Backend> RankState<B> {
             .is_some_and(|k| self.still_bound(backend, p, k, row.clone(), ctx));
         if !still {
             let kept = self.bound_row(p, row.clone(), ctx)?;
-            // Rows of plans no longer cached go (with their hold on plan and buffers).
-            let cache = &self.prepared_cache;
-            self.kept
-                .retain(|_, k| cache.iter().any(|c| Arc::ptr_eq(c, &k.prepared)));
+            self.prune_rows();
             self.kept.insert(key, kept);
             self.rows_bound += 1;
         }
@@ -460,6 +457,14 @@ impl<B: Backend> RankState<B> {
             lr_factor: ctx.lr_factor,
         };
         Ok(vec![(p.tags[row.start], kernel)])
+    }
+
+    /// Forgets the kept rows of plans no longer cached (with their hold on the plan
+    /// and the buffers).
+    pub(crate) fn prune_rows(&mut self) {
+        let cache = &self.prepared_cache;
+        self.kept
+            .retain(|_, k| cache.iter().any(|c| Arc::ptr_eq(c, &k.prepared)));
     }
 
     /// Forgets the kept rows (their buffers go with them): a parameter or a state was

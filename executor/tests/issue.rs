@@ -185,3 +185,18 @@ async fn a_row_of_optimizers_is_bound_once_and_again_after_a_write() {
     }
     assert_eq!(rig.exec.optimizer_rows_bound(), both);
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_plan_let_go_of_leaves_no_kept_row_holding_it() {
+    // Mesh 1x1, whose optimizers run in rows the executor keeps.
+    let mut rig = Rig::new(spec(1, 1, 3), ExecConfig::default());
+    let kept = rig.plan(&[Gate::On]);
+    let dropped = rig.plan(&[Gate::On, Gate::On]);
+    rig.step(&dropped).await.expect("step");
+    assert!(rig.exec.optimizer_rows_bound() > 0);
+    let weak = std::sync::Arc::downgrade(dropped.plan());
+    drop(dropped);
+    rig.step(&kept).await.expect("step");
+    rig.step(&kept).await.expect("step");
+    assert!(weak.upgrade().is_none(), "a plan let go of is still held");
+}
