@@ -149,6 +149,8 @@ impl CudaBackend {
                 },
                 pending: Default::default(),
                 fuse_clip: true,
+                row_hold: std::env::var("OVERLAP_ROW_HOLD").as_deref() != Ok("0"),
+                rows: Default::default(),
                 tail_graphs: Default::default(),
                 plans: Default::default(),
                 flush_clock: super::defer::flush_clocks_from_env(),

@@ -55,13 +55,15 @@ use overlap_graph::Stream;
 
 use super::backend::Shared;
 use super::event::{CudaEvent, Record};
-use super::flush_cache::{role, FlushCache, Shape};
+use super::flush_cache::{role, FlushCache, RowNames, Shape, StepNames};
 use super::issue::Issue;
 use super::memory::CudaBuffer;
+use super::optim::{adamw_scalars, muon_scalars};
+use super::row::{HeldRow, RowMemo};
 use crate::{AdamwParams, MuonParams, OpsError, Tag};
 
 /// Most kernels held per stream before a flush.
-const MAX_HELD: usize = 512;
+pub(super) const MAX_HELD: usize = 512;
 
 /// One validated optimizer step, held until its stream is flushed.
 #[derive(Debug)]
@@ -83,7 +85,55 @@ pub(super) enum Held {
     },
 }
 
+/// What a held step's scalar block in a flush's words is made of (`flush.rs`): AdamW's
+/// settings and step, or Muon's settings and shape.
+#[derive(Debug, Clone, Copy)]
+pub(super) enum StepScalars {
+    Adamw(AdamwParams, u64),
+    Muon(MuonParams, (usize, usize)),
+}
+
+impl StepScalars {
+    /// Writes the block (f64 bits) into the start of `words`.
+    pub(super) fn write(&self, words: &mut [u64]) {
+        let mut put = |xs: &[f64]| {
+            for (w, x) in words.iter_mut().zip(xs) {
+                *w = x.to_bits();
+            }
+        };
+        match self {
+            StepScalars::Adamw(hp, step) => put(&adamw_scalars(hp, *step)),
+            StepScalars::Muon(hp, shape) => put(&muon_scalars(hp, *shape)),
+        }
+    }
+}
+
+/// A flush's held steps: one by one, or a row held as one (`row.rs`).
+#[derive(Clone, Copy)]
+pub(super) enum HeldSteps<'a> {
+    Entries(&'a [Entry]),
+    Row(&'a HeldRow),
+}
+
+impl HeldSteps<'_> {
+    /// Step `e`'s scalars.
+    pub(super) fn scalars(&self, e: usize) -> StepScalars {
+        match self {
+            HeldSteps::Entries(held) => held[e].1.scalars(),
+            HeldSteps::Row(row) => row.scalars(e),
+        }
+    }
+}
+
 impl Held {
+    /// Its scalar settings.
+    pub(super) fn scalars(&self) -> StepScalars {
+        match self {
+            Held::Adamw { hp, step, .. } => StepScalars::Adamw(*hp, *step),
+            Held::Muon { hp, rows, cols, .. } => StepScalars::Muon(*hp, (*rows, *cols)),
+        }
+    }
+
     pub(super) fn buffers(&self) -> [&CudaBuffer; 3] {
         match self {
             Held::Adamw {
@@ -139,6 +189,8 @@ pub(super) struct Pending {
     norm: Option<HeldNorm>,
     clip: Option<HeldClip>,
     held: Vec<Entry>,
+    /// A row held as one (`row.rs`): nothing is held after it.
+    row: Option<HeldRow>,
     shape: Shape,
     /// Events recorded on the stream behind the held kernels, with their tickets: they
     /// land on one record made after the flush.
@@ -178,7 +230,7 @@ impl Pending {
     }
 
     pub(super) fn is_empty(&self) -> bool {
-        self.held.is_empty() && self.clip.is_none() && self.norm.is_none()
+        self.held.is_empty() && self.row.is_none() && self.clip.is_none() && self.norm.is_none()
     }
 
     /// The held norm, if any.
@@ -186,14 +238,83 @@ impl Pending {
         self.norm.as_ref()
     }
 
-    /// What is held, taken out (the norm, the clip, the steps, the shape); what stays
-    /// is empty.
-    fn take(&mut self) -> (Option<HeldNorm>, Option<HeldClip>, Vec<Entry>, Shape) {
+    /// What is held, taken out (the norm, the clip, the steps, the row, the shape);
+    /// what stays is empty.
+    fn take(&mut self) -> Taken {
         let held = std::mem::take(&mut self.held);
         let shape = std::mem::take(&mut self.shape);
-        (self.norm.take(), self.clip.take(), held, shape)
+        (
+            self.norm.take(),
+            self.clip.take(),
+            held,
+            self.row.take(),
+            shape,
+        )
+    }
+
+    /// Holds a step named by [`Shape::name_step`] and found in no conflict: whether it
+    /// applies the held clip is decided here (`entry.3` is ignored).
+    fn push_named(&mut self, mut entry: Entry, names: &StepNames, fuse_clip: bool) {
+        entry.3 = fuse_clip && self.clips(names.roles);
+        self.shape.add_step(&entry, names);
+        self.held.push(entry);
+    }
+
+    /// Holds `row` as one (`row.rs`) when its steps' numbering in the shape is certain:
+    /// nothing held but (for a guarded row) the norm of exactly its gradients, guarding
+    /// it, and that norm's clip; every parameter and state distinct (`memo`, the memo of
+    /// its list) and none of them a gradient or the norm. The row back otherwise, to be
+    /// held step by step.
+    pub(super) fn hold_row(
+        &mut self,
+        mut row: HeldRow,
+        memo: &RowMemo,
+        fuse_clip: bool,
+    ) -> Result<(), HeldRow> {
+        if !memo.fits(&row) || !self.held.is_empty() || self.row.is_some() {
+            return Err(row);
+        }
+        let n = row.grads.len();
+        let names = match (&self.norm, &self.clip, &row.guard) {
+            (Some(norm), clip, Some(guard)) => {
+                // The norm named its result, then each gradient in order, all distinct
+                // (one number each); its clip, if any, named nothing new.
+                let behind = guard.same(&norm.dst)
+                    && clip.as_ref().map_or(true, |c| c.norms_list)
+                    && norm.srcs.len() == n
+                    && self.shape.addresses().len() == n + 1
+                    && norm.srcs.iter().zip(&row.grads).all(|(a, b)| a.same(b));
+                if !behind || !memo.clear_of(self.shape.addresses()) {
+                    return Err(row);
+                }
+                row.clipped = fuse_clip && clip.is_some();
+                RowNames::BehindNorm
+            }
+            (None, None, None) if self.shape.addresses().is_empty() => {
+                let grads: Vec<u64> = row.grads.iter().map(CudaBuffer::ptr).collect();
+                let mut sorted = grads.clone();
+                sorted.sort_unstable();
+                if sorted.windows(2).any(|w| w[0] == w[1]) || !memo.clear_of(&grads) {
+                    return Err(row);
+                }
+                RowNames::Alone(grads)
+            }
+            _ => return Err(row),
+        };
+        self.shape.add_row(&row, &names, &memo.ptrs);
+        self.row = Some(row);
+        Ok(())
     }
 }
+
+/// What [`Pending::take`] takes out: the norm, the clip, the steps, the row, the shape.
+type Taken = (
+    Option<HeldNorm>,
+    Option<HeldClip>,
+    Vec<Entry>,
+    Option<HeldRow>,
+    Shape,
+);
 
 impl Issue {
     /// Holds a validated optimizer step on `stream` (flushing first what it conflicts
@@ -206,7 +327,8 @@ impl Issue {
         step: Held,
         guard: Option<&CudaBuffer>,
     ) {
-        if self.pending[stream.index()].held.len() >= MAX_HELD {
+        let pending = &self.pending[stream.index()];
+        if pending.held.len() >= MAX_HELD || pending.row.is_some() {
             self.flush(shared, stream);
         }
         let mut names = self.pending[stream.index()].shape.name_step(&step, guard);
@@ -215,11 +337,8 @@ impl Issue {
             self.flush(shared, stream);
             names = self.pending[stream.index()].shape.name_step(&step, guard);
         }
-        let pending = &mut self.pending[stream.index()];
-        let clipped = self.fuse_clip && pending.clips(names.roles);
-        let entry = (tag, step, guard.cloned(), clipped);
-        pending.shape.add_step(&entry, &names);
-        pending.held.push(entry);
+        let entry = (tag, step, guard.cloned(), false);
+        self.pending[stream.index()].push_named(entry, &names, self.fuse_clip);
     }
 
     /// Holds a validated global norm on `stream`, behind nothing: what is held there
@@ -236,7 +355,7 @@ impl Issue {
     /// shares the norm's list).
     pub(super) fn hold_clip(&mut self, shared: &Shared, stream: Stream, mut clip: HeldClip) {
         let pending = &self.pending[stream.index()];
-        if !pending.held.is_empty() || pending.clip.is_some() {
+        if !pending.held.is_empty() || pending.row.is_some() || pending.clip.is_some() {
             self.flush(shared, stream);
             clip.norms_list = false;
         }
@@ -284,8 +403,8 @@ impl Issue {
             return;
         }
         let records = std::mem::take(&mut pending.records);
-        let (norm, clip, mut held, mut shape) = pending.take();
-        self.flush_held(shared, stream, (norm, clip), (&mut held, &mut shape));
+        let (norm, clip, mut held, row, mut shape) = pending.take();
+        self.flush_held(shared, stream, (norm, clip, row), (&mut held, &mut shape));
         // The steps' vector and the shape go back, empty, for the stream's next tail.
         held.clear();
         shape.clear();
@@ -316,12 +435,13 @@ impl Issue {
         &mut self,
         shared: &Shared,
         stream: Stream,
-        (norm, clip): (Option<HeldNorm>, Option<HeldClip>),
+        (norm, clip, mut row): (Option<HeldNorm>, Option<HeldClip>, Option<HeldRow>),
         (held, shape): (&mut Vec<Entry>, &mut Shape),
     ) {
         let first = norm.as_ref().map(|n| n.tag);
         let first = first.or_else(|| clip.as_ref().map(|c| c.tag));
-        let Some(tag) = first.or_else(|| held.first().map(|e| e.0)) else {
+        let first = first.or_else(|| held.first().map(|e| e.0));
+        let Some(tag) = first.or_else(|| row.as_ref().and_then(HeldRow::first_tag)) else {
             return;
         };
         self.flushes += 1;
@@ -331,8 +451,13 @@ impl Issue {
         } else {
             None
         };
-        let held_now = (norm.as_ref(), clip.as_ref(), &held[..]);
-        let result = self.issue_held(shared, (stream, raw), held_now, shape);
+        let result = self.issue_held(
+            shared,
+            (stream, raw),
+            (norm.as_ref(), clip.as_ref()),
+            (held, &mut row),
+            shape,
+        );
         self.end_timing(
             shared,
             (stream, raw),
@@ -349,7 +474,7 @@ impl Issue {
             self.poison[stream.index()].get_or_insert(OpsError::Cancelled(cause));
         }
         // The buffers go back to the pool only now, after their kernels were issued.
-        drop((norm, clip));
+        drop((norm, clip, row));
         held.clear();
     }
 
@@ -367,7 +492,8 @@ impl Issue {
         &mut self,
         shared: &Shared,
         (stream, raw): (Stream, sys::CUstream),
-        (norm, clip, held): (Option<&HeldNorm>, Option<&HeldClip>, &[Entry]),
+        (norm, clip): (Option<&HeldNorm>, Option<&HeldClip>),
+        held: (&mut Vec<Entry>, &mut Option<HeldRow>),
         shape: &mut Shape,
     ) -> Result<(), OpsError> {
         let mut plans = std::mem::take(&mut self.plans[stream.index()]);
@@ -389,13 +515,24 @@ impl Issue {
         (stream, raw): (Stream, sys::CUstream),
         (plans, shape): (&mut FlushCache, &mut Shape),
         (norm, clip): (Option<&HeldNorm>, Option<&HeldClip>),
-        held: &[Entry],
+        (held, row): (&mut Vec<Entry>, &mut Option<HeldRow>),
     ) -> Result<(), OpsError> {
         // Timed only with `OVERLAP_FLUSH_CLOCK=1`: no clock reads on the hot path else.
         let clocked = self.flush_clock.is_some();
         let now = || clocked.then(std::time::Instant::now);
+        // What the flush holds (steps, Muon among them), for the clock's kind.
+        let counts = clocked.then(|| {
+            let muon = held
+                .iter()
+                .filter(|e| matches!(e.1, Held::Muon { .. }))
+                .count();
+            let (rows, row_muon) = row
+                .as_ref()
+                .map_or((0, 0), |r| (r.steps.len(), r.muon_count()));
+            (held.len() + rows, muon + row_muon)
+        });
         let t0 = now();
-        let plan = plans.plan(shape, (norm, clip), held)?;
+        let plan = plans.plan(shape, (norm, clip), (held, row))?;
         if plan.is_empty() {
             return Ok(());
         }
@@ -413,13 +550,10 @@ impl Issue {
         };
         let ran = self.tail_graphs[stream.index()]
             .run(raw, key, || plan.issue(kernels, blas, raw, scratch));
-        if let (Some(c), Some(t0), Some(t1), Some(t2)) = (&mut self.flush_clock, t0, t1, t2) {
-            let muon = held
-                .iter()
-                .filter(|e| matches!(e.1, Held::Muon { .. }))
-                .count();
+        let clock = (&mut self.flush_clock, t0, t1, t2, counts);
+        if let (Some(c), Some(t0), Some(t1), Some(t2), Some((steps, muon))) = clock {
             let graphs = !self.tail_graphs[stream.index()].off;
-            let kind = (held.len(), muon, norm.is_some(), clip.is_some(), graphs);
+            let kind = (steps, muon, norm.is_some(), clip.is_some(), graphs);
             let parts = [t1 - t0, t2 - t1, keyed.get(), t2.elapsed() - keyed.get()];
             c.entry(kind).or_default().add(parts);
         }
@@ -497,6 +631,10 @@ impl FlushClock {
         )
     }
 }
+
+#[cfg(test)]
+#[path = "defer_row_tests.rs"]
+mod row_tests;
 
 #[cfg(test)]
 mod tests {

@@ -132,6 +132,21 @@ impl Device {
         Ok(Arc::new(device))
     }
 
+    /// A device of null handles for tests of host-side logic (`memory.rs`'s
+    /// `stand_in_buffers`, which never lets it drop).
+    #[cfg(test)]
+    pub(super) fn stand_in() -> Device {
+        Device {
+            ordinal: 0,
+            name: "stand-in".into(),
+            capability: (9, 0),
+            ctx: std::ptr::null_mut(),
+            dev: 0,
+            streams: [std::ptr::null_mut(); Stream::COUNT],
+            host: std::ptr::null_mut(),
+        }
+    }
+
     /// Makes the context current on the calling thread.
     pub(super) fn bind(&self) -> Result<(), OpsError> {
         // SAFETY: the context is retained for the device's lifetime.

@@ -23,7 +23,7 @@ use std::collections::HashSet;
 
 use cudarc::driver::sys;
 
-use super::defer::{Entry, Held, HeldClip, HeldNorm};
+use super::defer::{Entry, Held, HeldClip, HeldNorm, HeldSteps};
 use super::fast_hash::WordHash;
 use super::flush_cache::Reloc;
 use super::kernels::{self, Kernels, Span, SumSqLaunch};
@@ -195,24 +195,12 @@ impl FlushPlan {
     /// Writes this flush's buffer addresses (`ptrs[t] + offset` at each relocation,
     /// `flush_cache.rs`) and each scalar block (from its held step's settings) into the
     /// words.
-    pub(super) fn patch(&mut self, relocs: &[Reloc], ptrs: &[u64], held: &[Entry]) {
+    pub(super) fn patch(&mut self, relocs: &[Reloc], ptrs: &[u64], held: HeldSteps<'_>) {
         for &(i, t, off) in relocs {
             self.words[i] = ptrs[t as usize] + off;
         }
         for &(at, e) in &self.scalars {
-            let words = &mut self.words[at..];
-            match &held[e].1 {
-                Held::Adamw { hp, step, .. } => {
-                    for (w, x) in words.iter_mut().zip(adamw_scalars(hp, *step)) {
-                        *w = x.to_bits();
-                    }
-                }
-                Held::Muon { hp, rows, cols, .. } => {
-                    for (w, x) in words.iter_mut().zip(muon_scalars(hp, (*rows, *cols))) {
-                        *w = x.to_bits();
-                    }
-                }
-            }
+            held.scalars(e).write(&mut self.words[at..]);
         }
     }
 

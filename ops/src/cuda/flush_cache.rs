@@ -27,10 +27,11 @@
 
 use std::collections::HashMap;
 
-use super::defer::{Entry, Held, HeldClip, HeldNorm};
+use super::defer::{Entry, Held, HeldClip, HeldNorm, HeldSteps, StepScalars};
 use super::fast_hash::WordHash;
 use super::flush::FlushPlan;
 use super::memory::CudaBuffer;
+use super::row::HeldRow;
 use crate::OpsError;
 use crate::{AdamwParams, MuonParams};
 
@@ -71,6 +72,18 @@ pub(super) struct StepNames {
     pub(super) roles: [u8; 4],
 }
 
+/// How a row held as one (`row.rs`) numbers its steps' buffers: as holding its steps
+/// one by one would.
+pub(super) enum RowNames {
+    /// Behind the held norm of exactly its gradients (which named its result 0 and
+    /// gradient `i` as `i + 1`), guarded by it: each step's parameter and state are new,
+    /// in the steps' order.
+    BehindNorm,
+    /// Behind nothing, unguarded: each step's parameter, gradient (its address here)
+    /// and state are new, in the steps' order.
+    Alone(Vec<u64>),
+}
+
 /// A stream's held flush as it grows (`defer.rs` adds each kernel as it is held): its
 /// shape's key, its buffers' real addresses numbered in the order the key names them,
 /// and every named buffer's roles, which is what a new kernel is checked against. Built
@@ -103,6 +116,11 @@ impl std::fmt::Debug for Shape {
 }
 
 impl Shape {
+    /// The held buffers' addresses, by number.
+    pub(super) fn addresses(&self) -> &[u64] {
+        &self.ptrs
+    }
+
     /// Forgets everything held (the memory stays).
     pub(super) fn clear(&mut self) {
         self.norm.clear();
@@ -187,24 +205,72 @@ impl Shape {
     /// Newton–Schulz settings, its group, its buffers, its guard and whether it applies
     /// the clip.
     pub(super) fn add_step(&mut self, (_, h, _, clipped): &Entry, names: &StepNames) {
-        let [g, p, gr, st] = names.numbers;
-        let clipped = u64::from(*clipped);
-        match h {
-            Held::Adamw {
-                param, hp, step, ..
-            } => {
-                let group = group_of(&mut self.adamw, (*hp, *step, g, clipped));
+        let len = h.buffers()[0].len;
+        self.push_step(names.numbers, (len, h.scalars()), *clipped);
+    }
+
+    /// A step's part of the key: numbered `[guard, param, grad, state]`, of `len`
+    /// elements and these settings.
+    fn push_step(&mut self, [g, p, gr, st]: [u64; 4], (len, s): (usize, StepScalars), clip: bool) {
+        let clipped = u64::from(clip);
+        match s {
+            StepScalars::Adamw(hp, step) => {
+                let group = group_of(&mut self.adamw, (hp, step, g, clipped));
                 self.steps
-                    .extend([2, p, param.len as u64, gr, st, g, clipped, group]);
+                    .extend([2, p, len as u64, gr, st, g, clipped, group]);
             }
-            Held::Muon { rows, cols, hp, .. } => {
-                let shape = (*rows as u64, *cols as u64);
-                let group = group_of(&mut self.muon, (shape, *hp, g, clipped));
+            StepScalars::Muon(hp, (rows, cols)) => {
+                let shape = (rows as u64, cols as u64);
+                let group = group_of(&mut self.muon, (shape, hp, g, clipped));
                 self.steps
                     .extend([3, p, shape.0, shape.1, gr, st, g, clipped, group]);
                 self.steps
                     .extend([u64::from(hp.ns_steps), hp.ns_dtype as u64]);
             }
+        }
+    }
+
+    /// A row held as one (`row.rs`): its steps' part of the key and their new buffers'
+    /// addresses, numbered as `names` says (`param_state`: each step's parameter and
+    /// state addresses, in the steps' order). Its buffers are not named in the map:
+    /// nothing is held after a row, and a flush that plans its shape anew builds it again
+    /// step by step ([`Self::rebuild`]).
+    pub(super) fn add_row(&mut self, row: &HeldRow, names: &RowNames, param_state: &[u64]) {
+        let base = self.ptrs.len() as u64;
+        for (i, s) in row.steps.iter().enumerate() {
+            let (at, ps) = (i as u64, &param_state[2 * i..2 * i + 2]);
+            let numbers = match names {
+                RowNames::BehindNorm => {
+                    self.ptrs.extend_from_slice(ps);
+                    [0, base + 2 * at, at + 1, base + 2 * at + 1]
+                }
+                RowNames::Alone(grads) => {
+                    self.ptrs.extend([ps[0], grads[i], ps[1]]);
+                    let p = base + 3 * at;
+                    [u64::MAX, p, p + 1, p + 2]
+                }
+            };
+            self.push_step(numbers, (s.param.len, row.scalars(i)), row.clipped);
+        }
+    }
+
+    /// Forgets the shape and builds it again from the held norm, clip and steps, step
+    /// by step (the steps named in order, as they were held).
+    pub(super) fn rebuild(
+        &mut self,
+        (norm, clip): (Option<&HeldNorm>, Option<&HeldClip>),
+        held: &[Entry],
+    ) {
+        self.clear();
+        if let Some(n) = norm {
+            self.add_norm(n);
+        }
+        if let Some(c) = clip {
+            self.add_clip(c);
+        }
+        for e in held {
+            let names = self.name_step(&e.1, e.2.as_ref());
+            self.add_step(e, &names);
         }
     }
 
@@ -219,6 +285,13 @@ impl Shape {
             }
         }
         self.key.extend_from_slice(&self.steps);
+    }
+
+    /// The key as a flush would see it (put together now).
+    #[cfg(test)]
+    pub(super) fn assembled_key(&mut self) -> Vec<u64> {
+        self.assemble();
+        self.key.clone()
     }
 
     /// Buffer `b`'s stand-in address (`None` for a buffer the key does not name).
@@ -299,15 +372,32 @@ impl std::fmt::Debug for FlushCache {
 impl FlushCache {
     /// The plan of the flush of `held` behind `norm` and `clip`, whose shape is `shape`
     /// (built as they were held), with this flush's addresses and scalars.
+    ///
+    /// A row held as one (`row`) stays so when the shape was planned before; else it is
+    /// expanded into `held` and the shape built again step by step before planning, so
+    /// that what is cached is always planned from the steps one by one.
     pub(super) fn plan(
         &mut self,
         shape: &mut Shape,
         (norm, clip): (Option<&HeldNorm>, Option<&HeldClip>),
-        held: &[Entry],
+        (held, row): (&mut Vec<Entry>, &mut Option<HeldRow>),
     ) -> Result<&mut FlushPlan, OpsError> {
         shape.assemble();
-        let shape = &*shape;
         let hit = self.cached.as_ref().is_some_and(|c| c.key == shape.key);
+        if !hit {
+            if let Some(r) = row.take() {
+                r.expand_into(held);
+                let fast = std::mem::take(&mut shape.key);
+                shape.rebuild((norm, clip), held);
+                shape.assemble();
+                debug_assert_eq!(fast, shape.key, "a row held as one keys its flush apart");
+            }
+        }
+        let shape = &*shape;
+        let steps = match row {
+            Some(r) => HeldSteps::Row(r),
+            None => HeldSteps::Entries(held),
+        };
         if hit {
             self.reuses += 1;
         } else {
@@ -327,7 +417,7 @@ impl FlushCache {
         let Some(c) = self.cached.as_mut() else {
             unreachable!("a shape was cached above");
         };
-        c.plan.patch(&c.relocs, &shape.ptrs, held);
+        c.plan.patch(&c.relocs, &shape.ptrs, steps);
         Ok(&mut c.plan)
     }
 
@@ -354,7 +444,7 @@ impl FlushCache {
         if relocs.iter().any(|r| r.1 as usize >= shape.ptrs.len()) {
             return Ok(None);
         }
-        plan.patch(&relocs, &shape.ptrs, held);
+        plan.patch(&relocs, &shape.ptrs, HeldSteps::Entries(held));
         let same = plan.words() == direct.words() && plan.key(0) == direct.key(0);
         debug_assert!(same, "a flush planned with stand-in addresses differs");
         Ok(same.then_some((plan, relocs)))

@@ -22,6 +22,7 @@ use super::kernels::Kernels;
 use super::memory::{CudaBuffer, DevMem};
 use super::muon::Blas;
 use super::nccl::Comm;
+use super::row::HeldRow;
 use super::tail_graph::TailGraphs;
 use super::timing::{PendingTiming, Timings};
 use crate::{CommId, Kernel, OpsError, Tag};
@@ -57,6 +58,11 @@ pub(super) struct Issue {
     /// Optimizer kernels validated and held per stream, at [`Stream::index`], until
     /// the stream is flushed (`defer.rs`).
     pub(super) pending: [Pending; Stream::COUNT],
+    /// Whether a row of optimizers may be held as one (`row.rs`; `OVERLAP_ROW_HOLD=0`
+    /// holds every row step by step, a diagnostic).
+    pub(super) row_hold: bool,
+    /// What is known of the lists of optimizer steps last held as rows (`row.rs`).
+    pub(super) rows: super::row::RowMemos,
     /// Whether optimizers apply a held clip to the gradients they read (`defer.rs`;
     /// [`CudaBackend::set_clip_fusion`]).
     pub(super) fuse_clip: bool,
@@ -115,8 +121,15 @@ impl Issue {
                 step,
                 lr_factor,
             } => {
-                let row = (&steps[..], grads, guard);
-                return self.optimizers(shared, (stream, tag), row, (step, lr_factor));
+                let row = HeldRow {
+                    steps,
+                    grads,
+                    guard,
+                    step,
+                    lr_factor,
+                    clipped: false,
+                };
+                return self.optimizers(shared, (stream, tag), row);
             }
             kernel => kernel,
         };

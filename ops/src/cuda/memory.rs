@@ -371,6 +371,33 @@ impl Drop for Memory {
     }
 }
 
+/// Buffers of `lens` elements on `rank` for tests of the host-side logic that runs
+/// without a GPU: each at a distinct stand-in address (unique in the process), never
+/// handed to the driver. Their allocator is leaked, so nothing behind them ever calls
+/// the driver when dropped.
+#[cfg(test)]
+pub(super) fn stand_in_buffers(rank: u32, lens: &[usize]) -> Vec<CudaBuffer> {
+    static NEXT: AtomicU64 = AtomicU64::new(1);
+    let device = Arc::new(Device::stand_in());
+    let memory = Memory::new(Arc::clone(&device), EventPool::new(device));
+    std::mem::forget(Arc::clone(&memory));
+    lens.iter()
+        .map(|&len| {
+            let id = NEXT.fetch_add(1, Ordering::Relaxed);
+            CudaBuffer {
+                mem: Arc::new(DevMem {
+                    ptr: (1 << 44) + (id << 24),
+                    bytes: (len * 4).div_ceil(GRANULE) * GRANULE,
+                    id,
+                    memory: Arc::clone(&memory),
+                }),
+                rank,
+                len,
+            }
+        })
+        .collect()
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

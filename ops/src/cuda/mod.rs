@@ -108,6 +108,7 @@ mod nccl;
 mod optim;
 mod options;
 mod probe;
+mod row;
 mod tail;
 mod tail_graph;
 mod timing;

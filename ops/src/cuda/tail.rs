@@ -13,10 +13,11 @@ use overlap_graph::Stream;
 
 use super::backend::Shared;
 use super::checks::{check_adamw, check_muon, expect};
-use super::defer::{Held, HeldClip, HeldNorm};
+use super::defer::{Held, HeldClip, HeldNorm, MAX_HELD};
 use super::issue::Issue;
 use super::memory::CudaBuffer;
-use crate::{Kernel, OpsError, OptimizerStep, Tag};
+use super::row::HeldRow;
+use crate::{Kernel, OpsError, Tag};
 
 impl Issue {
     /// A kernel of the step's tail: an optimizer (guarded by [`Kernel::IfFinite`] or
@@ -45,39 +46,53 @@ impl Issue {
         }
     }
 
-    /// [`Kernel::Optimizers`]: each step validated and held as its own kernel would
-    /// be, under its own tag, without a kernel of its own (no guard boxed). A
-    /// poisoned stream issues none; a step that fails poisons the stream, so the steps
-    /// after it are skipped, as when launched one by one; gradients that do not match
-    /// the steps fail the row under its tag.
+    /// [`Kernel::Optimizers`]: held as one where that is certain to flush as its steps
+    /// would (`row.rs`); else each step validated and held as its own kernel would be,
+    /// under its own tag, without a kernel of its own (no guard boxed). A poisoned
+    /// stream issues none; a step that fails poisons the stream, so the steps after it
+    /// are skipped, as when launched one by one; gradients that do not match the steps
+    /// fail the row under its tag.
     pub(super) fn optimizers(
         &mut self,
         shared: &Shared,
         (stream, tag): (Stream, Tag),
-        (steps, grads, guard): (
-            &[OptimizerStep<CudaBuffer>],
-            Vec<CudaBuffer>,
-            Option<CudaBuffer>,
-        ),
-        (step, lr_factor): (u64, f64),
+        row: HeldRow,
     ) {
         let rank = shared.rank;
         if self.poison[stream.index()].is_some() {
             return;
         }
-        if grads.len() != steps.len() {
-            let e = crate::optimizers_mismatch(steps.len(), grads.len());
+        if row.grads.len() != row.steps.len() {
+            let e = crate::optimizers_mismatch(row.steps.len(), row.grads.len());
             return self.fail(shared, (stream, tag), e);
         }
         // The guard is every step's: checked once, a bad one fails the first step (and
         // so, the stream poisoned, the row), as the steps launched one by one would.
-        if let Some(norm) = &guard {
-            if let (Err(e), Some(first)) =
-                (expect("if_finite", rank, "norm", norm, 1), steps.first())
-            {
+        if let Some(norm) = &row.guard {
+            if let (Err(e), Some(first)) = (
+                expect("if_finite", rank, "norm", norm, 1),
+                row.steps.first(),
+            ) {
                 return self.fail(shared, (stream, first.tag), e);
             }
         }
+        let row = if self.row_hold {
+            let memo = self.rows.of(rank, &row.steps, MAX_HELD);
+            match self.pending[stream.index()].hold_row(row, memo, self.fuse_clip) {
+                Ok(()) => return,
+                Err(row) => row,
+            }
+        } else {
+            row
+        };
+        let HeldRow {
+            steps,
+            grads,
+            guard,
+            step,
+            lr_factor,
+            ..
+        } = row;
         for (s, grad) in steps.iter().zip(grads) {
             if self.poison[stream.index()].is_some() {
                 return;
