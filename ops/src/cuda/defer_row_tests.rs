@@ -286,3 +286,53 @@ fn rows_whose_numbering_is_not_certain_are_held_step_by_step() {
         .hold_row(row(&shared, &grads, None, (1, 1.0)), memo, true)
         .is_err());
 }
+
+/// Host µs of holding GPT-2 small's 148 AdamW steps behind their norm and clip: the
+/// norm and clip held, the row held as one, the same steps held one by one (a figure
+/// for `docs/performance.md`, not a check):
+/// `cargo test --release -p overlap-ops --features cuda --lib host_cost_of_holding -- --ignored --nocapture`
+#[test]
+#[ignore = "prints host timings; run by hand"]
+fn host_cost_of_holding_a_row_as_one_and_step_by_step() {
+    let lens: Vec<usize> = (0..148).flat_map(|i| [768 + 64 * (i % 7); 2]).collect();
+    let bufs = stand_in_buffers(0, &lens);
+    let steps: Arc<[OptimizerStep<CudaBuffer>]> = bufs
+        .chunks(2)
+        .enumerate()
+        .map(|(i, b)| OptimizerStep {
+            tag: tag(i as u32),
+            param: b[0].clone(),
+            state: stand_in_buffers(0, &[2 * b[1].len]).remove(0),
+            update: Update::Adamw {
+                hp: AdamwParams::default(),
+                lr: 1e-3,
+            },
+        })
+        .collect();
+    let mut memos = RowMemos::default();
+    let reps = 2000;
+    let mut secs = [0.0f64; 3];
+    let mut time = |i: usize, t: std::time::Instant| secs[i] += t.elapsed().as_secs_f64();
+    for _ in 0..reps {
+        let (grads, norm) = grads_of(&steps);
+        let t = std::time::Instant::now();
+        let mut p = behind_norm(&grads, &norm, true);
+        time(0, t);
+        let t = std::time::Instant::now();
+        let memo = memos.of(0, &steps, MAX_HELD);
+        let r = row(&steps, &grads, Some(&norm), (3, 0.5));
+        assert!(p.hold_row(r, memo, true).is_ok());
+        time(1, t);
+        let mut q = behind_norm(&grads, &norm, true);
+        let t = std::time::Instant::now();
+        one_by_one(&mut q, row(&steps, &grads, Some(&norm), (3, 0.5)), true);
+        time(2, t);
+    }
+    let us = |x: f64| x / f64::from(reps) * 1e6;
+    eprintln!(
+        "148 AdamW steps, host µs: norm and clip held {:.2}, row held as one {:.2}, held one by one {:.2}",
+        us(secs[0]),
+        us(secs[1]),
+        us(secs[2])
+    );
+}
