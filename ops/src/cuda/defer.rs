@@ -555,7 +555,8 @@ impl Issue {
             let graphs = !self.tail_graphs[stream.index()].off;
             let kind = (steps, muon, norm.is_some(), clip.is_some(), graphs);
             let parts = [t1 - t0, t2 - t1, keyed.get(), t2.elapsed() - keyed.get()];
-            c.entry(kind).or_default().add(parts);
+            let nodes = self.tail_graphs[stream.index()].last_nodes;
+            c.entry(kind).or_default().add(parts, nodes);
         }
         ran
     }
@@ -597,14 +598,17 @@ pub(super) fn flush_clock_report(clocks: &FlushClocks) -> String {
 pub(super) struct FlushClock {
     flushes: u64,
     samples: Vec<[std::time::Duration; 4]>,
+    /// The most nodes of a graph a flush of this kind launched.
+    nodes: usize,
 }
 
 /// Most flushes of one kind kept for the medians.
 const FLUSH_CLOCK_SAMPLES: usize = 100_000;
 
 impl FlushClock {
-    fn add(&mut self, parts: [std::time::Duration; 4]) {
+    fn add(&mut self, parts: [std::time::Duration; 4], nodes: usize) {
         self.flushes += 1;
+        self.nodes = self.nodes.max(nodes);
         if self.samples.len() < FLUSH_CLOCK_SAMPLES {
             self.samples.push(parts);
         }
@@ -621,8 +625,12 @@ impl FlushClock {
             v.sort_by(f64::total_cmp);
             v.get(v.len() / 2).copied().unwrap_or(0.0)
         };
+        let graph = match self.nodes {
+            0 => String::new(),
+            n => format!(" (a graph of {n} nodes)"),
+        };
         format!(
-            "{} flushes, host µs per flush (median): plan {:.1}, scratch and upload {:.1}, graph key {:.1}, launch {:.1}",
+            "{} flushes, host µs per flush (median): plan {:.1}, scratch and upload {:.1}, graph key {:.1}, launch {:.1}{graph}",
             self.flushes,
             us(0),
             us(1),
@@ -649,19 +657,19 @@ mod tests {
         clocks
             .entry(kind)
             .or_default()
-            .add([us(10), us(4), us(2), us(30)]);
+            .add([us(10), us(4), us(2), us(30)], 63);
         clocks
             .entry(kind)
             .or_default()
-            .add([us(20), us(6), us(4), us(50)]);
+            .add([us(20), us(6), us(4), us(50)], 63);
         clocks
             .entry(kind)
             .or_default()
-            .add([us(15), us(5), us(3), us(40_000)]);
+            .add([us(15), us(5), us(3), us(40_000)], 0);
         clocks
             .entry((148, 0, false, false, false))
             .or_default()
-            .add([us(1), us(1), us(0), us(500)]);
+            .add([us(1), us(1), us(0), us(500)], 0);
         let report = flush_clock_report(&clocks);
         let lines: Vec<&str> = report.lines().collect();
         assert_eq!(lines.len(), 2, "{report}");
@@ -669,7 +677,7 @@ mod tests {
             lines[1]
                 .starts_with("148 held (48 Muon), norm true, clip true, graphs true: 3 flushes")
                 && lines[1]
-                    .ends_with("plan 15.0, scratch and upload 5.0, graph key 3.0, launch 50.0"),
+                    .ends_with("plan 15.0, scratch and upload 5.0, graph key 3.0, launch 50.0 (a graph of 63 nodes)"),
             "{report}"
         );
         assert!(

@@ -46,6 +46,8 @@ pub(super) const MAX_KEYS: usize = 64;
 struct Graph {
     graph: sys::CUgraph,
     exec: sys::CUgraphExec,
+    /// Its nodes (for the flush clock's report, `defer.rs`).
+    nodes: usize,
 }
 
 /// What is known of a flush's key.
@@ -66,6 +68,9 @@ pub(super) struct TailGraphs {
     pub(super) off: bool,
     /// Flushes issued as one graph launch ([`super::CudaBackend::tail_replays`]).
     pub(super) replays: u64,
+    /// The nodes of the graph launched last (0: the last flush was issued call by
+    /// call).
+    pub(super) last_nodes: usize,
 }
 
 impl std::fmt::Debug for TailGraphs {
@@ -95,6 +100,7 @@ impl TailGraphs {
         key: impl FnOnce() -> TailKey,
         mut issue: impl FnMut() -> Result<(), OpsError>,
     ) -> Result<(), OpsError> {
+        self.last_nodes = 0;
         if self.off {
             return issue();
         }
@@ -118,6 +124,7 @@ impl TailGraphs {
         match known {
             Known::Captured(g) => {
                 self.replays += 1;
+                self.last_nodes = g.nodes;
                 // SAFETY: an instantiated graph of this stream's context; its nodes
                 // touch the buffers and scratch the key names, which are still
                 // allocated (the caller keeps them alive until the stream passes).
@@ -174,10 +181,13 @@ fn capture(
         }
         return None;
     }
+    let mut nodes = 0;
+    // SAFETY: a complete captured graph; a null array asks for the count only.
+    let _ = unsafe { sys::cuGraphGetNodes(graph, std::ptr::null_mut(), &mut nodes) };
     let mut exec: sys::CUgraphExec = std::ptr::null_mut();
     // SAFETY: a complete captured graph.
     match unsafe { sys::cuGraphInstantiateWithFlags(&mut exec, graph, 0) }.result() {
-        Ok(()) => Some(Graph { graph, exec }),
+        Ok(()) => Some(Graph { graph, exec, nodes }),
         Err(_) => {
             // SAFETY: the graph above, not instantiated.
             unsafe {
