@@ -124,7 +124,6 @@ impl CudaBackend {
             errors: Mutex::new(Vec::new()),
         });
         let sink_shared = Arc::clone(&shared);
-        let upload_mode = super::upload::mode_for(&device);
         let waiter = Waiter::start(
             device,
             Arc::new(move |e| sink_shared.report(Stream::Compute, host_tag("device"), e)),
@@ -142,9 +141,6 @@ impl CudaBackend {
                 poisoned_join: true,
                 blas,
                 scratch: Default::default(),
-                scratch_handouts: Default::default(),
-                shadows: Default::default(),
-                upload_mode,
                 gemm: None,
                 timings: Timings {
                     on: opts.timings,
@@ -520,7 +516,6 @@ impl Drop for CudaBackend {
             st.kernels.unload();
         }
         st.scratch = Default::default();
-        st.shadows = Default::default();
     }
 }
 

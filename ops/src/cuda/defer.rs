@@ -60,7 +60,6 @@ use super::issue::Issue;
 use super::memory::CudaBuffer;
 use super::optim::{adamw_scalars, muon_scalars};
 use super::row::{HeldRow, RowMemo};
-use super::upload;
 use crate::{AdamwParams, MuonParams, OpsError, Tag};
 
 /// Most kernels held per stream before a flush.
@@ -539,15 +538,7 @@ impl Issue {
         }
         let t1 = now();
         let scratch = self.scratch(shared, stream, plan.scratch_bytes().max(8))?;
-        let (at, words) = plan.link(scratch);
-        let target = upload::Target {
-            stream: raw,
-            scratch: self.scratch_state(stream),
-            at,
-            words,
-        };
-        let shadow = &mut self.shadows[stream.index()];
-        let changed = upload::upload(shadow, self.upload_mode, &target)?;
+        plan.upload(raw, scratch)?;
         let t2 = now();
         let (kernels, blas) = (&self.kernels, &self.blas[stream.index()]);
         let keyed = std::cell::Cell::new(std::time::Duration::ZERO);
@@ -565,8 +556,7 @@ impl Issue {
             let kind = (steps, muon, norm.is_some(), clip.is_some(), graphs);
             let parts = [t1 - t0, t2 - t1, keyed.get(), t2.elapsed() - keyed.get()];
             let nodes = self.tail_graphs[stream.index()].last_nodes;
-            let words = (changed, plan.words().len());
-            c.entry(kind).or_default().add(parts, nodes, words);
+            c.entry(kind).or_default().add(parts, nodes);
         }
         ran
     }
@@ -610,28 +600,15 @@ pub(super) struct FlushClock {
     samples: Vec<[std::time::Duration; 4]>,
     /// The most nodes of a graph a flush of this kind launched.
     nodes: usize,
-    /// Per upload over words the scratch held, how many differed (the first
-    /// [`FLUSH_CLOCK_SAMPLES`]), and the words of the last flush.
-    changed: Vec<usize>,
-    words: usize,
 }
 
 /// Most flushes of one kind kept for the medians.
 const FLUSH_CLOCK_SAMPLES: usize = 100_000;
 
 impl FlushClock {
-    fn add(
-        &mut self,
-        parts: [std::time::Duration; 4],
-        nodes: usize,
-        (changed, words): (Option<usize>, usize),
-    ) {
+    fn add(&mut self, parts: [std::time::Duration; 4], nodes: usize) {
         self.flushes += 1;
         self.nodes = self.nodes.max(nodes);
-        self.words = words;
-        if let Some(c) = changed.filter(|_| self.changed.len() < FLUSH_CLOCK_SAMPLES) {
-            self.changed.push(c);
-        }
         if self.samples.len() < FLUSH_CLOCK_SAMPLES {
             self.samples.push(parts);
         }
@@ -652,18 +629,8 @@ impl FlushClock {
             0 => String::new(),
             n => format!(" (a graph of {n} nodes)"),
         };
-        let mut changed = self.changed.clone();
-        changed.sort_unstable();
-        let words = match changed.get(changed.len() / 2) {
-            Some(c) => format!(
-                "; words changed since the last upload (median of {}): {c} of {}",
-                changed.len(),
-                self.words
-            ),
-            None => String::new(),
-        };
         format!(
-            "{} flushes, host µs per flush (median): plan {:.1}, scratch and upload {:.1}, graph key {:.1}, launch {:.1}{graph}{words}",
+            "{} flushes, host µs per flush (median): plan {:.1}, scratch and upload {:.1}, graph key {:.1}, launch {:.1}{graph}",
             self.flushes,
             us(0),
             us(1),
@@ -690,19 +657,19 @@ mod tests {
         clocks
             .entry(kind)
             .or_default()
-            .add([us(10), us(4), us(2), us(30)], 63, (None, 900));
+            .add([us(10), us(4), us(2), us(30)], 63);
         clocks
             .entry(kind)
             .or_default()
-            .add([us(20), us(6), us(4), us(50)], 63, (Some(7), 900));
+            .add([us(20), us(6), us(4), us(50)], 63);
         clocks
             .entry(kind)
             .or_default()
-            .add([us(15), us(5), us(3), us(40_000)], 0, (Some(9), 900));
+            .add([us(15), us(5), us(3), us(40_000)], 0);
         clocks
             .entry((148, 0, false, false, false))
             .or_default()
-            .add([us(1), us(1), us(0), us(500)], 0, (None, 10));
+            .add([us(1), us(1), us(0), us(500)], 0);
         let report = flush_clock_report(&clocks);
         let lines: Vec<&str> = report.lines().collect();
         assert_eq!(lines.len(), 2, "{report}");
@@ -710,7 +677,7 @@ mod tests {
             lines[1]
                 .starts_with("148 held (48 Muon), norm true, clip true, graphs true: 3 flushes")
                 && lines[1]
-                    .ends_with("plan 15.0, scratch and upload 5.0, graph key 3.0, launch 50.0 (a graph of 63 nodes); words changed since the last upload (median of 2): 9 of 900"),
+                    .ends_with("plan 15.0, scratch and upload 5.0, graph key 3.0, launch 50.0 (a graph of 63 nodes)"),
             "{report}"
         );
         assert!(

@@ -147,12 +147,6 @@ impl Device {
         }
     }
 
-    /// A device attribute (`None` when the driver cannot say).
-    pub(super) fn attribute(&self, a: sys::CUdevice_attribute) -> Option<i32> {
-        // SAFETY: `dev` is a valid device handle for the device's lifetime.
-        unsafe { cu::device::get_attribute(self.dev, a) }.ok()
-    }
-
     /// Makes the context current on the calling thread.
     pub(super) fn bind(&self) -> Result<(), OpsError> {
         // SAFETY: the context is retained for the device's lifetime.

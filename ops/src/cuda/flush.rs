@@ -227,13 +227,29 @@ impl FlushPlan {
                 .map_or(0, |n| n.partials.max(1) as usize * 8)
     }
 
-    /// Fills in the links to the scalars for the flush in `scratch`: the words as they
-    /// go there (`upload.rs`), and the device address of the first.
-    pub(super) fn link(&mut self, scratch: u64) -> (u64, &[u64]) {
+    /// Copies the words (the scalars and the tables, the links to the scalars filled
+    /// in) to their place in `scratch`, on `stream`, before the flush.
+    pub(super) fn upload(&mut self, stream: sys::CUstream, scratch: u64) -> Result<(), OpsError> {
+        if self.words.is_empty() {
+            return Ok(());
+        }
         for &(word, target) in &self.links {
             self.words[word] = self.at(scratch, target);
         }
-        (self.at(scratch, 0), &self.words)
+        // SAFETY: the scratch holds `scratch_bytes`; the host memory is pageable, so the
+        // driver has staged it before the call returns, and the copy is ordered on the
+        // stream before the launches that read it and after everything earlier that
+        // used the scratch.
+        unsafe {
+            sys::cuMemcpyHtoDAsync_v2(
+                scratch + self.scalars_at as u64,
+                self.words.as_ptr().cast(),
+                self.words.len() * 8,
+                stream,
+            )
+        }
+        .result()
+        .map_err(|e| super::device::failed("optimizer", e))
     }
 
     /// The device address of word `i` of the flush in `scratch`.

@@ -51,14 +51,6 @@ pub(super) struct Issue {
     pub(super) blas: Vec<Blas>,
     /// Scratch per stream, at [`Stream::index`].
     pub(super) scratch: [Option<Arc<DevMem>>; Stream::COUNT],
-    /// How often each stream's scratch was handed out ([`Issue::scratch`]), at
-    /// [`Stream::index`]: a flush's words are still there only if nothing else asked
-    /// for it since (`upload.rs`).
-    pub(super) scratch_handouts: [u64; Stream::COUNT],
-    /// What each stream's scratch holds of the last flush's words (`upload.rs`).
-    pub(super) shadows: [Option<super::upload::Shadow>; Stream::COUNT],
-    /// How a flush writes its words (`upload.rs`).
-    pub(super) upload_mode: super::upload::UploadMode,
     /// The read-only bf16 operands `A` then `B` of [`Kernel::Gemm`], filled once with
     /// pseudo-random values, with their `(m, n, k)`.
     pub(super) gemm: Option<((u32, u32, u32), Arc<DevMem>)>,
@@ -296,7 +288,6 @@ impl Issue {
         stream: Stream,
         bytes: usize,
     ) -> Result<u64, OpsError> {
-        self.scratch_handouts[stream.index()] += 1;
         let slot = &mut self.scratch[stream.index()];
         if let Some(mem) = slot.as_ref().filter(|m| m.bytes() >= bytes) {
             return Ok(mem.ptr());
@@ -307,13 +298,5 @@ impl Issue {
         let ptr = mem.ptr();
         *slot = Some(mem);
         Ok(ptr)
-    }
-
-    /// The stream's scratch allocation's serial (0: none) and how often the scratch
-    /// was handed out.
-    pub(super) fn scratch_state(&self, stream: Stream) -> (u64, u64) {
-        let i = stream.index();
-        let serial = self.scratch[i].as_ref().map_or(0, |m| m.serial());
-        (serial, self.scratch_handouts[i])
     }
 }

@@ -49,12 +49,6 @@ impl DevMem {
         self.ptr
     }
 
-    /// The allocation's serial, unique in the process (a block handed out again is
-    /// another allocation).
-    pub(super) fn serial(&self) -> u64 {
-        self.id
-    }
-
     /// Usable bytes (the size class).
     pub(super) fn bytes(&self) -> usize {
         self.bytes

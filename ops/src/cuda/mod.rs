@@ -113,7 +113,6 @@ mod tail;
 mod tail_graph;
 mod timing;
 mod transport;
-mod upload;
 
 #[cfg(doc)]
 use crate::{Backend, Kernel};
