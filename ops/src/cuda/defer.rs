@@ -60,7 +60,7 @@ use super::issue::Issue;
 use super::memory::CudaBuffer;
 use super::optim::{adamw_scalars, muon_scalars};
 use super::row::{HeldRow, RowMemo};
-use crate::{AdamwParams, MuonParams, OpsError, Tag};
+use crate::{AdamwParams, Kernel, MuonParams, OpsError, Tag};
 
 /// Most kernels held per stream before a flush.
 pub(super) const MAX_HELD: usize = 512;
@@ -126,6 +126,41 @@ impl HeldSteps<'_> {
 }
 
 impl Held {
+    /// An AdamW or Muon kernel as held (any other kernel back).
+    pub(super) fn of(kernel: Kernel<CudaBuffer>) -> Result<Held, Kernel<CudaBuffer>> {
+        match kernel {
+            Kernel::Adamw {
+                param,
+                grad,
+                state,
+                hp,
+                step,
+            } => Ok(Held::Adamw {
+                param,
+                grad,
+                state,
+                hp,
+                step,
+            }),
+            Kernel::Muon {
+                param,
+                grad,
+                momentum,
+                rows,
+                cols,
+                hp,
+            } => Ok(Held::Muon {
+                param,
+                grad,
+                momentum,
+                rows,
+                cols,
+                hp,
+            }),
+            other => Err(other),
+        }
+    }
+
     /// Its scalar settings.
     pub(super) fn scalars(&self) -> StepScalars {
         match self {

@@ -74,34 +74,11 @@ impl HeldRow {
 
     /// Its steps as the step by step hold holds them, appended to `out`.
     pub(super) fn expand_into(self, out: &mut Vec<Entry>) {
-        let HeldRow {
-            steps,
-            grads,
-            guard,
-            step,
-            lr_factor,
-            clipped,
-        } = self;
-        for (s, grad) in steps.iter().zip(grads) {
-            let (param, state) = (s.param.clone(), s.state.clone());
-            let held = match s.update {
-                Update::Adamw { hp, lr } => Held::Adamw {
-                    param,
-                    grad,
-                    state,
-                    hp: hp.with_lr((lr * lr_factor) as f32),
-                    step,
-                },
-                Update::Muon { rows, cols, hp, lr } => Held::Muon {
-                    param,
-                    grad,
-                    momentum: state,
-                    rows,
-                    cols,
-                    hp: hp.with_lr((lr * lr_factor) as f32),
-                },
+        for (s, grad) in self.steps.iter().zip(self.grads) {
+            let Ok(held) = Held::of(s.kernel(grad, self.step, self.lr_factor)) else {
+                unreachable!("an optimizer step is an AdamW or a Muon kernel");
             };
-            out.push((s.tag, held, guard.clone(), clipped));
+            out.push((s.tag, held, self.guard.clone(), self.clipped));
         }
     }
 }

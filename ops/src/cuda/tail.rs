@@ -85,20 +85,13 @@ impl Issue {
         } else {
             row
         };
-        let HeldRow {
-            steps,
-            grads,
-            guard,
-            step,
-            lr_factor,
-            ..
-        } = row;
-        for (s, grad) in steps.iter().zip(grads) {
+        let guard = row.guard.as_ref();
+        for (s, grad) in row.steps.iter().zip(row.grads) {
             if self.poison[stream.index()].is_some() {
                 return;
             }
-            let kernel = s.kernel(grad, step, lr_factor);
-            if let Err(e) = self.optimizer(shared, (stream, s.tag), rank, kernel, guard.as_ref()) {
+            let kernel = s.kernel(grad, row.step, row.lr_factor);
+            if let Err(e) = self.optimizer(shared, (stream, s.tag), rank, kernel, guard) {
                 self.fail(shared, (stream, s.tag), e);
             }
         }
@@ -156,54 +149,35 @@ impl Issue {
         kernel: Kernel<CudaBuffer>,
         guard: Option<&CudaBuffer>,
     ) -> Result<(), OpsError> {
-        let held = match kernel {
-            Kernel::Adamw {
+        let held = Held::of(kernel).map_err(|other| OpsError::Shape {
+            kernel: "if_finite",
+            reason: format!(
+                "the CUDA backend guards optimizers (adamw, muon) only, got {}",
+                other.name()
+            ),
+        })?;
+        match &held {
+            Held::Adamw {
                 param,
                 grad,
                 state,
-                hp,
                 step,
-            } => {
-                check_adamw(rank, (&param, &grad, &state), step, guard)?;
-                Held::Adamw {
-                    param,
-                    grad,
-                    state,
-                    hp,
-                    step,
-                }
-            }
-            Kernel::Muon {
+                ..
+            } => check_adamw(rank, (param, grad, state), *step, guard)?,
+            Held::Muon {
                 param,
                 grad,
                 momentum,
                 rows,
                 cols,
-                hp,
+                ..
             } => {
-                check_muon(rank, (&param, &grad, &momentum), (rows, cols), guard)?;
-                if rows == 0 || cols == 0 {
+                check_muon(rank, (param, grad, momentum), (*rows, *cols), guard)?;
+                if *rows == 0 || *cols == 0 {
                     return Ok(());
                 }
-                Held::Muon {
-                    param,
-                    grad,
-                    momentum,
-                    rows,
-                    cols,
-                    hp,
-                }
             }
-            other => {
-                return Err(OpsError::Shape {
-                    kernel: "if_finite",
-                    reason: format!(
-                        "the CUDA backend guards optimizers (adamw, muon) only, got {}",
-                        other.name()
-                    ),
-                })
-            }
-        };
+        }
         self.hold(shared, stream, tag, held, guard);
         Ok(())
     }
