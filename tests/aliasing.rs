@@ -123,12 +123,16 @@ async fn the_copy_transport_is_bit_identical_to_the_collectives_and_keeps_the_po
                 assert!(aliased > 0, "{what}: nothing was aliased");
                 assert_same_bits(&nccl, &got, &what);
                 // Receive buffers join the pool, and a later combine holds its buffers
-                // longer; but every step returns what it took: after warm-up the pool
-                // may wobble by a buffer or two with the threads' timing, never grow by
-                // one a step (over ten steps, that would be +10).
-                let (warm, last) = (pooled[1], pooled[pooled.len() - 1]);
+                // longer; but every step returns what it took. How many a warm-up step
+                // leaves depends on the threads' timing (a run has gone from 22 after
+                // its second step to 26 after its third and stayed there), so the pool
+                // is checked over the second half of the steps, where a buffer kept a
+                // step would add one a step (+6 over six steps), and against the
+                // warm-up's size with room for that timing.
+                let (warm, mid) = (pooled[1], pooled[pooled.len() / 2]);
+                let last = pooled[pooled.len() - 1];
                 assert!(
-                    last <= warm + 3,
+                    pooled.len() >= 10 && last <= mid + 2 && last <= warm + 6,
                     "{what}: pooled buffers per step {pooled:?}"
                 );
             }
