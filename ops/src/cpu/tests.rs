@@ -909,6 +909,17 @@ fn a_row_of_optimizers_is_its_steps_launched_one_by_one() {
     }
 }
 
+/// `row` as one unguarded kernel of step 1 at learning-rate factor 1, reading `grads`.
+fn step_one(row: &[crate::OptimizerStep<CpuBuffer>], grads: Vec<CpuBuffer>) -> Kernel<CpuBuffer> {
+    Kernel::Optimizers {
+        steps: row.into(),
+        grads,
+        guard: None,
+        step: 1,
+        lr_factor: 1.0,
+    }
+}
+
 #[test]
 fn a_row_of_optimizers_fails_at_its_bad_step_or_as_a_whole() {
     // A bad step is reported under its own tag; the steps before it ran, the ones
@@ -917,14 +928,12 @@ fn a_row_of_optimizers_fails_at_its_bad_step_or_as_a_whole() {
     let (row, mut grads) = optimizer_row(&b, 1.0);
     let (fresh, _) = optimizer_row(&b, 1.0);
     grads[1] = buffer(&b, 0, &[1.0]);
-    let kernel = Kernel::Optimizers {
-        steps: row.clone().into(),
-        grads,
-        guard: None,
-        step: 1,
-        lr_factor: 1.0,
-    };
-    b.launch(0, Stream::Compute, tag(10, "optimizer"), kernel);
+    b.launch(
+        0,
+        Stream::Compute,
+        tag(10, "optimizer"),
+        step_one(&row, grads),
+    );
     sync(&b);
     let errors = b.errors();
     assert_eq!(errors.len(), 1, "{errors:?}");
@@ -942,14 +951,12 @@ fn a_row_of_optimizers_fails_at_its_bad_step_or_as_a_whole() {
     let (row, mut grads) = optimizer_row(&b, 2.0);
     let (fresh, _) = optimizer_row(&b, 2.0);
     grads.pop();
-    let kernel = Kernel::Optimizers {
-        steps: row.clone().into(),
-        grads,
-        guard: None,
-        step: 1,
-        lr_factor: 1.0,
-    };
-    b.launch(0, Stream::Compute, tag(9, "optimizer"), kernel);
+    b.launch(
+        0,
+        Stream::Compute,
+        tag(9, "optimizer"),
+        step_one(&row, grads),
+    );
     sync(&b);
     let errors = b.errors();
     assert_eq!(errors.len(), 1, "{errors:?}");

@@ -134,10 +134,16 @@ pub(super) fn check_muon(
     expect(K, rank, "momentum (rows × cols)", momentum, n)?;
     distinct(K, &[param, grad, momentum])?;
     guarded(K, guard, &[param, momentum])?;
-    if n > 0 && muon::ClassLayout::new(&[((rows, cols), 1)], crate::NsDtype::F32).is_none() {
+    if n > 0 && !muon_fits((rows, cols)) {
         return Err(too_big());
     }
     Ok(())
+}
+
+/// Whether the scratch of a Muon batch of one `rows × cols` matrix can be laid out
+/// (what [`check_muon`] requires of a non-empty matrix).
+pub(super) fn muon_fits(shape: (usize, usize)) -> bool {
+    muon::ClassLayout::new(&[(shape, 1)], crate::NsDtype::F32).is_some()
 }
 
 /// Checks that `buf` lives on `rank` and holds `len` elements.
