@@ -46,7 +46,7 @@ export OVERLAP_FLUSH_CLOCK=1
         echo "exit $?"
         grep -E "^step (1|2|3|20)/" "$o.out"
         sed -n '/^host issue time by node kind/,$p' "$o.out"
-        grep -E "held \(" "$o.err"
+        grep -E "held \(|^flush graph captured" "$o.err"
         echo "$opt $who $(awk '$1 == "tail" { print $3 }' "$o.out")" >>"$OUT/tails.txt"
       done
     done

@@ -583,8 +583,9 @@ impl Issue {
             keyed.set(t.map_or(std::time::Duration::ZERO, |t| t.elapsed()));
             k
         };
-        let ran = self.tail_graphs[stream.index()]
-            .run(raw, key, || plan.issue(kernels, blas, raw, scratch));
+        let ran = self.tail_graphs[stream.index()].run((raw, kernels.fill), key, || {
+            plan.issue(kernels, blas, raw, scratch)
+        });
         let clock = (&mut self.flush_clock, t0, t1, t2, counts);
         if let (Some(c), Some(t0), Some(t1), Some(t2), Some((steps, muon))) = clock {
             let graphs = !self.tail_graphs[stream.index()].off;

@@ -349,3 +349,22 @@ extern "C" __global__ void ov_spin(u64 nanos) {
         asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(now));
     } while (now - start < nanos);
 }
+
+// What a memset node of a captured graph does, as a kernel (tail_graph.rs puts it in
+// the memset's place: a graph of kernels only launches in constant host time): `height`
+// rows `pitch` bytes apart, each `width` elements of `esize` bytes (1, 2 or 4) set to
+// the low `esize` bytes of `value`.
+extern "C" __global__ void ov_fill(u64 dst, u64 pitch, u32 value, u32 esize, u64 width,
+                                   u64 height) {
+    GRID_STRIDE(i, width * height) {
+        char* row = (char*)dst + (i / width) * pitch;
+        const u64 c = i % width;
+        if (esize == 4) {
+            ((u32*)row)[c] = value;
+        } else if (esize == 2) {
+            ((u16*)row)[c] = (u16)value;
+        } else {
+            ((unsigned char*)row)[c] = (unsigned char)value;
+        }
+    }
+}

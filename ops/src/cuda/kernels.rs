@@ -237,6 +237,8 @@ pub(super) struct Kernels {
     sumsq_final: sys::CUfunction,
     clip: sys::CUfunction,
     spin: sys::CUfunction,
+    /// A memset as a kernel (`ov_fill`, for `tail_graph.rs`).
+    pub(super) fill: sys::CUfunction,
     /// The optimizer tail's batched kernels (`optim.cu`).
     pub(super) optim: super::optim::OptimFns,
 }
@@ -326,6 +328,7 @@ impl Kernels {
             sumsq_final: get("ov_sumsq_final")?,
             clip: get("ov_clip")?,
             spin: get("ov_spin")?,
+            fill: get("ov_fill")?,
             optim: super::optim::OptimFns::load(&get)?,
         })
     }
