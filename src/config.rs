@@ -513,6 +513,18 @@ impl Config {
         }
     }
 
+    /// Per parameter of the plan (by id), the precision and iteration count of its
+    /// Muon Newton–Schulz as the optimizer groups give them (`ns_dtype`, `ns_steps`):
+    /// what `overlap simulate` and `overlap tune` cost Muon by. A parameter on another
+    /// route gets the values a Muon step of its group would use.
+    pub fn newton_schulz(&self) -> Vec<(NsDtype, u32)> {
+        newton_schulz_runs((self.adamw, self.muon), &self.groups, &self.plan.params)
+            // A checked config always resolves; the base settings otherwise.
+            .unwrap_or_else(|| {
+                vec![(self.muon.ns_dtype, self.muon.ns_steps); self.plan.params.len()]
+            })
+    }
+
     /// The optimizer settings in effect, as `overlap plan --format text` prints them: one
     /// line per `[[optimizer.group]]` (its match, the settings it changes, the parameters
     /// it got), a line for the parameters in no group (the base `[optimizer.adamw]` /
@@ -1736,26 +1748,43 @@ fn update_rates(
     params: &[ParamSpec],
 ) -> UpdateRates {
     // The groups were checked against these parameters already.
-    let Ok(table) = HyperTable::resolve(adamw, muon, groups, params) else {
+    let Some(runs) = newton_schulz_runs((adamw, muon), groups, params) else {
         return UpdateRates::default();
     };
     let mut flops = [0.0f64; 3];
-    for (id, p) in params.iter().enumerate() {
+    for (p, (dtype, steps)) in params.iter().zip(runs) {
         if p.route != Route::Muon {
             continue;
         }
-        let hp = table.muon(id as overlap_graph::ParamId, 1.0);
         let (rows, cols) = p.matrix_dims();
-        let slot = match hp.ns_dtype {
+        let slot = match dtype {
             NsDtype::Bf16 => 0,
             NsDtype::Tf32 => 1,
             NsDtype::F32 => 2,
         };
-        flops[slot] += overlap_graph::owner::ns_flops(rows, cols, hp.ns_steps);
+        flops[slot] += overlap_graph::owner::ns_flops(rows, cols, steps);
     }
     let gflops = [739_000, 369_500, 50_000];
     let most = (0..3).fold(0, |best, i| if flops[i] > flops[best] { i } else { best });
     UpdateRates::default().with_ns_gflops(gflops[most])
+}
+
+/// Per parameter, the precision and iteration count of its Newton–Schulz as the
+/// optimizer groups resolve them (every parameter, whatever its route); `None` when
+/// the groups do not resolve against `params`.
+fn newton_schulz_runs(
+    (adamw, muon): (AdamwParams, MuonParams),
+    groups: &[ParamGroup],
+    params: &[ParamSpec],
+) -> Option<Vec<(NsDtype, u32)>> {
+    let table = HyperTable::resolve(adamw, muon, groups, params).ok()?;
+    let runs = (0..params.len())
+        .map(|id| {
+            let hp = table.muon(id as overlap_graph::ParamId, 1.0);
+            (hp.ns_dtype, hp.ns_steps)
+        })
+        .collect();
+    Some(runs)
 }
 
 fn plan_reason(e: PlanError) -> String {

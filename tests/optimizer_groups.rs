@@ -169,6 +169,20 @@ fn newton_schulz_runs_in_bf16_unless_the_base_or_a_group_says_otherwise() {
 }
 
 #[test]
+fn each_parameters_newton_schulz_is_what_its_group_gives_it() {
+    use overlap::NsDtype::{Bf16, Tf32, F32};
+    let cfg = config(
+        "[[optimizer.group]]\nmatch = \"w\"\nns_dtype = \"tf32\"\nns_steps = 3\n\
+         [[optimizer.group]]\nmatch = \"emb\"\nns_dtype = \"f32\"\n",
+    );
+    // By parameter id: w (its group), norm and bias (the base), emb (its group).
+    assert_eq!(
+        cfg.newton_schulz(),
+        vec![(Tf32, 3), (Bf16, 5), (Bf16, 5), (F32, 5)]
+    );
+}
+
+#[test]
 fn a_groups_ns_steps_and_momentum_reach_the_muon_kernel() {
     let cfg = config("[[optimizer.group]]\nmatch = \"w\"\nns_steps = 1\nmomentum = 0.5\n");
     runtime().block_on(async {

@@ -119,6 +119,9 @@ struct Workload {
     aliasing: bool,
     /// Stage-1 buffers in flight per rank (`--window`, `[overlap] stage1_window`).
     window: u32,
+    /// Per parameter, Muon's Newton–Schulz precision and iterations (a config's groups;
+    /// empty for the bench workload: the defaults).
+    newton_schulz: Vec<(overlap::NsDtype, u32)>,
 }
 
 /// Runs `overlap simulate`.
@@ -168,6 +171,7 @@ fn bench_workload(b: &BenchArgs, p: &Profile) -> Result<Workload, Error> {
         aliasing: !b.no_alias,
         // As the bench hands it to the executor.
         window: b.window.max(1),
+        newton_schulz: Vec::new(),
     })
 }
 
@@ -222,6 +226,7 @@ fn config_workload(
         },
         aliasing: true,
         window: cfg.overlap.stage1_window,
+        newton_schulz: cfg.newton_schulz(),
     })
 }
 
@@ -242,6 +247,7 @@ fn options(plan: &Arc<Plan>, w: &Workload, backward: Backward) -> Options {
                 .map(|r| overlap_executor::stage1_releases(plan, r, w.aliasing))
                 .collect(),
         }),
+        newton_schulz: w.newton_schulz.clone(),
     }
 }
 

@@ -336,6 +336,7 @@ fn predict(cfg: &Config, plan: &Arc<Plan>, issue: &Issue, p: &Profile) -> Result
             window: cfg.overlap.stage1_window,
             releases: issue.releases.clone(),
         }),
+        newton_schulz: cfg.newton_schulz(),
     };
     let s = simulate::simulate(plan, p, &o).map_err(usage)?;
     Ok(s.span(0) * 1e3)

@@ -17,7 +17,9 @@ use std::sync::Arc;
 
 use overlap::{Error, Mesh};
 use overlap_graph::{Collective, CollectiveKind, DType, Group, ReduceOp, Stream};
-use overlap_ops::{collective_roles, exchange_roles, Backend, CommId, Kernel, MuonParams, Tag};
+use overlap_ops::{
+    collective_roles, exchange_roles, Backend, CommId, Kernel, MuonParams, NsDtype, Tag,
+};
 
 use crate::bench::{self, drain, repeat_timed, BenchArgs};
 use crate::interference::{self, BesideArgs, InterferenceArgs};
@@ -394,7 +396,9 @@ async fn muon_alone<B: Backend>(
                 momentum: buf::<B>(v, 2)?,
                 rows,
                 cols,
-                hp: MuonParams::default(),
+                // The f32 rate is what `compute.fp32_tflops` stands for (the bf16 and
+                // TF32 products run at `compute.gemm_tflops`, measured by the GEMMs).
+                hp: MuonParams::default().with_ns_dtype(NsDtype::F32),
             };
             launch(b, r, Stream::Compute, t, kernel)
         },

@@ -701,10 +701,8 @@ fn muon(
     hbm: f64,
 ) -> Result<(), Error> {
     let (rows, cols, muon_s) = m.muon;
-    let (mm, kk) = (rows.min(cols) as f64, rows.max(cols) as f64);
-    let ns = f64::from(crate::simulate::MUON_NS_STEPS);
     let launches = crate::simulate::MUON_LAUNCHES;
-    let flops = ns * (4.0 * mm * mm * kk + 2.0 * mm * mm * mm);
+    let flops = overlap_graph::owner::ns_flops(rows, cols, crate::simulate::MUON_NS_STEPS);
     let traffic = 5.0 * (rows * cols) as f64 * 4.0;
     let gemm_s = muon_s - f64::from(launches) * kernel_us * 1e-6 - traffic / (hbm * 1e9);
     if gemm_s.is_nan() || gemm_s <= 0.0 {
@@ -721,7 +719,7 @@ fn muon(
         flops / gemm_s / 1e12,
         Source::Measured,
         format!(
-            "Muon alone on a {rows}×{cols} f32 matrix (`Kernel::Muon`, {reps}): {:.3} ms, less {launches} × `memory.kernel_us` (its device operations) and its memory traffic (5 × {} at `memory.hbm_gbs`): {:.3} ms for the cost model's 5 Newton–Schulz iterations of 4m²k + 2m³ operations ({flops:.3e}).",
+            "Muon alone on a {rows}×{cols} f32 matrix, Newton–Schulz in f32 (`Kernel::Muon`, `ns_dtype = \"f32\"`, {reps}): {:.3} ms, less {launches} × `memory.kernel_us` (its device operations) and its memory traffic (5 × {} at `memory.hbm_gbs`): {:.3} ms for the cost model's 5 Newton–Schulz iterations of 4m²k + 2m³ operations ({flops:.3e}).",
             ms(muon_s),
             size_text((rows * cols * 4) as f64),
             ms(gemm_s)

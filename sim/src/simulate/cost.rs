@@ -13,9 +13,11 @@
 //!   receive is copied out of the ring, a local copy at `copy_engine.local_gbs`;
 //! - the combine: the bytes it reads and writes at `combine.gbs`; every other executor
 //!   kernel (pack, unpack, fold, accumulate, a group-of-one stage, the norm, the clip,
-//!   AdamW) at `memory.hbm_gbs`; Muon's Newton–Schulz at `compute.fp32_tflops`, plus
-//!   `memory.kernel_us` for each of its [`MUON_LAUNCHES`] device operations (small
-//!   matrices are launch-bound: their GEMMs take microseconds each);
+//!   AdamW) at `memory.hbm_gbs`; Muon's Newton–Schulz at the rate of the precision it
+//!   runs in ([`ns_tflops`]: bf16 at `compute.gemm_tflops`, TF32 at half of it, f32 at
+//!   `compute.fp32_tflops`), plus `memory.kernel_us` for each of its [`MUON_LAUNCHES`]
+//!   device operations (small matrices are launch-bound: their GEMMs take microseconds
+//!   each);
 //! - a node the executor aliases (it launches a marker, [`Options::aliased`]): nothing.
 //!
 //! The host issues a node in `host.issue_us_per_node`, plus `host.launch_us` for each
@@ -25,6 +27,8 @@ use overlap_graph::mesh::Group;
 use overlap_graph::node::{BucketId, Collective, CollectiveKind, Node, Op, OptimizerKind};
 use overlap_graph::param::ParamId;
 use overlap_graph::plan::Plan;
+
+use overlap::NsDtype;
 
 use super::profile::Profile;
 use super::{Backward, Options, SimError};
@@ -283,7 +287,7 @@ pub(super) fn node_cost(
                 let n = plan.local_elems(param, rank) as f64;
                 kernel(p, 7.0 * n * F32, hbm)
             }
-            OptimizerKind::Muon => muon_cost(plan, p, param),
+            OptimizerKind::Muon => muon_cost(plan, p, opts, param),
         },
     })
 }
@@ -415,21 +419,40 @@ fn combine_cost(plan: &Plan, p: &Profile, rank: u32, collective: &Collective) ->
     kernel(p, f64::from(n + 1) * chunk, p.combine_gbs)
 }
 
-/// Muon on `param`'s whole matrix (the owner's): its launches, the momentum, five
-/// Newton–Schulz iterations (mostly f32 GEMMs) and the update's memory traffic.
-fn muon_cost(plan: &Plan, p: &Profile, param: ParamId) -> Cost {
-    let shape = &plan.param(param).spec.shape;
-    let numel = plan.param(param).spec.numel() as f64;
-    let (r, c) = match shape.as_slice() {
-        [r, c, ..] => (*r as f64, *c as f64),
-        [n] => (1.0, *n as f64),
-        [] => (1.0, 1.0),
+/// The rate of Newton–Schulz's products in `dtype`, TFLOP/s: bf16 at the profile's
+/// GEMM rate (`compute.gemm_tflops`, the tensor cores' bf16), TF32 at half of it (the
+/// H200 datasheet's ratio of dense TF32 to bf16, as owners are balanced by), f32 at
+/// `compute.fp32_tflops`.
+pub fn ns_tflops(p: &Profile, dtype: NsDtype) -> f64 {
+    match dtype {
+        NsDtype::Bf16 => p.gemm_tflops,
+        NsDtype::Tf32 => p.gemm_tflops / 2.0,
+        NsDtype::F32 => p.fp32_tflops,
+    }
+}
+
+/// Muon on `param`'s whole matrix (the owner's): its launches, the momentum, the
+/// Newton–Schulz iterations in the precision and count [`Options::newton_schulz`] gives
+/// it ([`overlap_graph::owner::ns_flops`] at [`ns_tflops`]) and the update's memory
+/// traffic.
+fn muon_cost(plan: &Plan, p: &Profile, opts: &Options, param: ParamId) -> Cost {
+    let spec = &plan.param(param).spec;
+    let numel = spec.numel() as f64;
+    let (rows, cols) = if spec.shape.is_empty() {
+        (1, 1)
+    } else {
+        spec.matrix_dims()
     };
-    let (m, k) = (r.min(c), r.max(c));
-    let flops = f64::from(MUON_NS_STEPS) * (4.0 * m * m * k + 2.0 * m * m * m);
+    let d = overlap::MuonParams::default();
+    let (dtype, steps) = opts
+        .newton_schulz
+        .get(param as usize)
+        .copied()
+        .unwrap_or((d.ns_dtype, d.ns_steps));
+    let flops = overlap_graph::owner::ns_flops(rows, cols, steps);
     Cost::compute(
         f64::from(MUON_LAUNCHES) * p.kernel_us * 1e-6
-            + flops / (p.fp32_tflops * 1e12)
+            + flops / (ns_tflops(p, dtype) * 1e12)
             + 5.0 * numel * F32 / (p.hbm_gbs * 1e9),
     )
 }

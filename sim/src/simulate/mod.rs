@@ -40,10 +40,13 @@ mod profile;
 #[cfg(test)]
 mod tests;
 
+use overlap::NsDtype;
 use overlap_graph::node::{NodeId, Stream};
 use overlap_graph::plan::Plan;
 
-pub use cost::{copy_seconds, launches, nccl_seconds, Class, Cost, MUON_LAUNCHES, MUON_NS_STEPS};
+pub use cost::{
+    copy_seconds, launches, nccl_seconds, ns_tflops, Class, Cost, MUON_LAUNCHES, MUON_NS_STEPS,
+};
 pub use engine::simulate;
 pub use profile::{Beside, BusBandwidth, Key, Network, Profile, ProfileError, Rule, KEYS};
 
@@ -118,6 +121,11 @@ pub struct Options {
     pub copy: CopyRing,
     /// The Stage-1 backpressure; `None`: the host never waits (an unbounded window).
     pub stage1: Option<Stage1Window>,
+    /// Per parameter (by id): the precision and iteration count of its Muon
+    /// Newton–Schulz, as the config's optimizer groups resolve them
+    /// (`overlap::config::Config::newton_schulz`). A parameter past the end runs
+    /// Muon's defaults (bf16, 5 iterations).
+    pub newton_schulz: Vec<(NsDtype, u32)>,
 }
 
 impl Default for Options {
@@ -127,6 +135,7 @@ impl Default for Options {
             aliased: Vec::new(),
             copy: CopyRing::default(),
             stage1: None,
+            newton_schulz: Vec::new(),
         }
     }
 }

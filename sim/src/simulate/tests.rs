@@ -738,3 +738,53 @@ fn a_forward_plan_adds_the_forwards_and_its_gathers() {
         "{with} vs {without}"
     );
 }
+
+/// Muon's device time on a planned 1x1 step of one 64 × 256 Muon matrix, with its
+/// Newton–Schulz in `run` (or the defaults when `None`), on a profile whose bf16 GEMM
+/// rate is 8 TFLOP/s and f32 rate 1.
+fn muon_seconds(run: Option<(NsDtype, u32)>) -> f64 {
+    let spec = PlanSpec::new(
+        Mesh::new(1, 1).unwrap(),
+        vec![ParamSpec::new("m", vec![64, 256], Route::Muon, 0)],
+    );
+    let plan = Planner::new(spec).unwrap().plan(&[Gate::On]).unwrap();
+    let mut p = profile();
+    (p.gemm_tflops, p.fp32_tflops, p.hbm_gbs) = (8.0, 1.0, 1e6);
+    let o = Options {
+        newton_schulz: run.into_iter().collect(),
+        ..options()
+    };
+    let s = simulate(&plan, &p, &o).unwrap();
+    let muon = plan.ranks[0]
+        .nodes
+        .iter()
+        .find(|n| matches!(n.op, Op::Optimizer { .. }))
+        .expect("the step updates its parameter");
+    let t = s.node(0, muon.id);
+    t.end - t.start
+}
+
+#[test]
+fn muon_costs_its_newton_schulz_at_the_rate_of_its_precision() {
+    // 64 × 256: 5 iterations of 4m²n + 2m³; its traffic, 5 × 16384 f32 at 1 PB/s.
+    let flops = |steps: f64| steps * (4.0 * 64.0 * 64.0 * 256.0 + 2.0 * 64f64.powi(3));
+    let traffic = 5.0 * 16384.0 * 4.0 / 1e15;
+    assert_close!(
+        muon_seconds(Some((NsDtype::F32, 5))),
+        flops(5.0) / 1e12 + traffic
+    );
+    assert_close!(
+        muon_seconds(Some((NsDtype::Bf16, 5))),
+        flops(5.0) / 8e12 + traffic
+    );
+    assert_close!(
+        muon_seconds(Some((NsDtype::Tf32, 5))),
+        flops(5.0) / 4e12 + traffic
+    );
+    assert_close!(
+        muon_seconds(Some((NsDtype::Bf16, 3))),
+        flops(3.0) / 8e12 + traffic
+    );
+    // No entry: Muon's defaults, bf16 and 5 iterations.
+    assert_close!(muon_seconds(None), flops(5.0) / 8e12 + traffic);
+}
