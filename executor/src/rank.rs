@@ -9,7 +9,9 @@ use rustc_hash::{FxHashMap as HashMap, FxHashSet as HashSet};
 use std::sync::Arc;
 
 use overlap_graph::{Access, BucketId, Buffer, CopySeg, Instr, Op, ParamId, Plan, Stream};
-use overlap_ops::{Backend, CommId, EventStatus, Kernel, OpsError, OptimizerStep, Tag, Update};
+use overlap_ops::{
+    Backend, CommId, EventStatus, Kernel, OpsError, OptimizerRow, OptimizerStep, Tag, Update,
+};
 
 use crate::bind::{Buffers, Settings};
 use crate::prepared::Prepared;
@@ -449,13 +451,13 @@ impl<B: Backend> RankState<B> {
         } else {
             None
         };
-        let kernel = Kernel::Optimizers {
+        let kernel = Kernel::Optimizers(OptimizerRow {
             steps: Arc::clone(&self.kept[&key].steps),
             grads,
             guard,
             step: ctx.step,
             lr_factor: ctx.lr_factor,
-        };
+        });
         Ok(vec![(p.tags[row.start], kernel)])
     }
 

@@ -640,18 +640,45 @@ pub enum Kernel<B> {
     /// gradients, the guard, the step count and the learning-rate factor). A backend
     /// reports a failure under the failing step's tag; `grads` shorter or longer than
     /// `steps` fails the row under its own tag, launching none of it.
-    Optimizers {
-        /// The steps, in order.
-        steps: Arc<[OptimizerStep<B>]>,
-        /// Each step's reduced gradient, at its index.
-        grads: Vec<B>,
-        /// The one-element squared global norm every step is guarded by.
-        guard: Option<B>,
-        /// AdamW's 1-based step count.
-        step: u64,
-        /// The learning-rate factor of this step (a schedule's).
-        lr_factor: f64,
-    },
+    Optimizers(OptimizerRow<B>),
+}
+
+/// The row of a [`Kernel::Optimizers`]: what stays from step to step (the steps, one
+/// `Arc`) and what moves (the gradients, the guard, the step count and the
+/// learning-rate factor).
+#[derive(Debug, Clone)]
+pub struct OptimizerRow<B> {
+    /// The steps, in order.
+    pub steps: Arc<[OptimizerStep<B>]>,
+    /// Each step's reduced gradient, at its index.
+    pub grads: Vec<B>,
+    /// The one-element squared global norm every step is guarded by.
+    pub guard: Option<B>,
+    /// AdamW's 1-based step count.
+    pub step: u64,
+    /// The learning-rate factor of this step (a schedule's).
+    pub lr_factor: f64,
+}
+
+impl<B: Clone> OptimizerRow<B> {
+    /// Whether there is one gradient per step ([`optimizers_mismatch`] if not).
+    pub fn check(&self) -> Result<(), OpsError> {
+        if self.grads.len() == self.steps.len() {
+            Ok(())
+        } else {
+            Err(optimizers_mismatch(self.steps.len(), self.grads.len()))
+        }
+    }
+
+    /// Each step's tag and kernel ([`OptimizerStep::guarded`]), in order, reading its
+    /// gradient. Call [`Self::check`] first: a step without a gradient is left out.
+    pub fn kernels(&self) -> impl Iterator<Item = (Tag, Kernel<B>)> + '_ {
+        let at = (self.step, self.lr_factor);
+        self.steps
+            .iter()
+            .zip(&self.grads)
+            .map(move |(s, g)| (s.tag, s.guarded(g.clone(), at, self.guard.as_ref())))
+    }
 }
 
 /// One step of [`Kernel::Optimizers`]: a parameter's update, under its own tag (its
@@ -757,7 +784,7 @@ impl<B> Kernel<B> {
             Kernel::SumSquares { .. } => "sum_squares",
             Kernel::Clip { .. } => "clip",
             Kernel::IfFinite { kernel, .. } => kernel.name(),
-            Kernel::Optimizers { .. } => "optimizers",
+            Kernel::Optimizers(_) => "optimizers",
         }
     }
 }

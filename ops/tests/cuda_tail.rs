@@ -19,7 +19,9 @@ use std::time::Duration;
 use common::{buffer, gpu, sync, TAG};
 use overlap_ops::cuda::CudaBuffer;
 use overlap_ops::graph::Stream;
-use overlap_ops::{math, AdamwParams, Backend, Kernel, MuonParams, NsDtype, OptimizerStep, Update};
+use overlap_ops::{
+    math, AdamwParams, Backend, Kernel, MuonParams, NsDtype, OptimizerRow, OptimizerStep, Update,
+};
 
 fn adamw(p: &CudaBuffer, g: &CudaBuffer, s: &CudaBuffer, step: u64) -> Kernel<CudaBuffer> {
     Kernel::Adamw {
@@ -531,13 +533,13 @@ impl ReplaySet {
                 },
             })
             .collect();
-        let kernel = Kernel::Optimizers {
+        let kernel = Kernel::Optimizers(OptimizerRow {
             steps: steps.into(),
             grads: self.grads(step).to_vec(),
             guard: Some(self.norm(step).clone()),
             step,
             lr_factor: step as f64,
-        };
+        });
         b.launch(0, Stream::Compute, TAG, kernel);
     }
 
@@ -630,13 +632,13 @@ fn a_row_of_optimizers_holds_and_replays_as_its_steps_one_by_one() {
     // (nothing held; the stream it names is poisoned, so no sync on it here).
     let mut grads = a.grads(5).to_vec();
     grads.pop();
-    let kernel = Kernel::Optimizers {
+    let kernel = Kernel::Optimizers(OptimizerRow {
         steps: Vec::<OptimizerStep<CudaBuffer>>::new().into(),
         grads,
         guard: None,
         step: 5,
         lr_factor: 1.0,
-    };
+    });
     b.launch(0, Stream::Copy, TAG, kernel);
     let errors = b.errors();
     assert_eq!(errors.len(), 1, "{errors:?}");

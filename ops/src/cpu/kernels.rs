@@ -77,22 +77,9 @@ pub(super) fn run(rank: u32, kernel: &Kernel<CpuBuffer>) -> Result<(), OpsError>
             max_norm,
         } => clip(rank, norm, bufs, *max_norm),
         Kernel::IfFinite { norm, kernel } => if_finite(rank, norm, kernel),
-        Kernel::Optimizers {
-            steps,
-            grads,
-            guard,
-            step,
-            lr_factor,
-        } => {
-            if grads.len() != steps.len() {
-                return Err(crate::optimizers_mismatch(steps.len(), grads.len()));
-            }
-            steps.iter().zip(grads).try_for_each(|(s, g)| {
-                run(
-                    rank,
-                    &s.guarded(g.clone(), (*step, *lr_factor), guard.as_ref()),
-                )
-            })
+        Kernel::Optimizers(row) => {
+            row.check()?;
+            row.kernels().try_for_each(|(_, k)| run(rank, &k))
         }
         Kernel::Collective { .. } | Kernel::Exchange { .. } | Kernel::Gather { .. } => {
             Err(OpsError::Backend(format!(

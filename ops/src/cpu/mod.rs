@@ -495,15 +495,9 @@ impl Worker {
         // own tag (poison, faults, timings and errors per step).
         // (A row whose gradients do not match its steps fails as one kernel below.)
         let kernel = match kernel {
-            Kernel::Optimizers {
-                steps,
-                grads,
-                guard,
-                step,
-                lr_factor,
-            } if grads.len() == steps.len() => {
-                for (s, grad) in steps.iter().zip(grads) {
-                    self.launch(s.tag, s.guarded(grad, (step, lr_factor), guard.as_ref()));
+            Kernel::Optimizers(row) if row.check().is_ok() => {
+                for (tag, kernel) in row.kernels() {
+                    self.launch(tag, kernel);
                 }
                 return;
             }

@@ -887,13 +887,13 @@ fn a_row_of_optimizers_is_its_steps_launched_one_by_one() {
             0,
             Stream::Compute,
             tag(10, "optimizer"),
-            Kernel::Optimizers {
+            Kernel::Optimizers(crate::OptimizerRow {
                 steps,
                 grads: row_grads,
                 guard: Some(g1),
                 step,
                 lr_factor: factor,
-            },
+            }),
         );
         sync(&b);
         assert_eq!(b.errors(), vec![]);
@@ -911,13 +911,13 @@ fn a_row_of_optimizers_is_its_steps_launched_one_by_one() {
 
 /// `row` as one unguarded kernel of step 1 at learning-rate factor 1, reading `grads`.
 fn step_one(row: &[crate::OptimizerStep<CpuBuffer>], grads: Vec<CpuBuffer>) -> Kernel<CpuBuffer> {
-    Kernel::Optimizers {
+    Kernel::Optimizers(crate::OptimizerRow {
         steps: row.into(),
         grads,
         guard: None,
         step: 1,
         lr_factor: 1.0,
-    }
+    })
 }
 
 #[test]

@@ -114,13 +114,13 @@ impl Issue {
         kernel: Kernel<CudaBuffer>,
     ) {
         let kernel = match kernel {
-            Kernel::Optimizers {
+            Kernel::Optimizers(crate::OptimizerRow {
                 steps,
                 grads,
                 guard,
                 step,
                 lr_factor,
-            } => {
+            }) => {
                 let row = HeldRow {
                     steps,
                     grads,
@@ -274,7 +274,7 @@ impl Issue {
             | Kernel::Clip { .. }
             | Kernel::IfFinite { .. }) => self.tail(shared, (stream, tag), tail).map(|()| 0),
             // Taken apart in `launch`.
-            Kernel::Optimizers { .. } => Err(OpsError::Backend(
+            Kernel::Optimizers(_) => Err(OpsError::Backend(
                 "a row of optimizers reached the kernel dispatch".into(),
             )),
         }
