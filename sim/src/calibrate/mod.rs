@@ -701,7 +701,8 @@ fn muon(
     hbm: f64,
 ) -> Result<(), Error> {
     let (rows, cols, muon_s) = m.muon;
-    let launches = crate::simulate::MUON_LAUNCHES;
+    // A matrix alone: a batch of one.
+    let launches = crate::simulate::muon_batch_launches(crate::simulate::MUON_NS_STEPS);
     let flops = overlap_graph::owner::ns_flops(rows, cols, crate::simulate::MUON_NS_STEPS);
     let traffic = 5.0 * (rows * cols) as f64 * 4.0;
     let gemm_s = muon_s - f64::from(launches) * kernel_us * 1e-6 - traffic / (hbm * 1e9);

@@ -75,7 +75,7 @@ fn synthetic(t: &Profile, world: u32) -> Measurements {
     let step = 48.0 * ops / (t.gemm_tflops * 1e12);
     let combine_bytes = 3.0 * 32.0 * MIB;
     let numel = 4096.0 * 4096.0;
-    let muon = f64::from(crate::simulate::MUON_LAUNCHES) * t.kernel_us * 1e-6
+    let muon = f64::from(crate::simulate::muon_batch_launches(5)) * t.kernel_us * 1e-6
         + 5.0 * (6.0 * 4096f64.powi(3)) / (t.fp32_tflops * 1e12)
         + 5.0 * numel * 4.0 / (t.hbm_gbs * 1e9);
     let slot = 32.0 * MIB;

@@ -15,9 +15,9 @@
 //!   kernel (pack, unpack, fold, accumulate, a group-of-one stage, the norm, the clip,
 //!   AdamW) at `memory.hbm_gbs`; Muon's Newton–Schulz at the rate of the precision it
 //!   runs in ([`ns_tflops`]: bf16 at `compute.gemm_tflops`, TF32 at half of it, f32 at
-//!   `compute.fp32_tflops`), plus `memory.kernel_us` for each of its [`MUON_LAUNCHES`]
-//!   device operations (small matrices are launch-bound: their GEMMs take microseconds
-//!   each);
+//!   `compute.fp32_tflops`), plus `memory.kernel_us` for each of its device operations:
+//!   the CUDA backend runs a step's Muon matrices of one shape as one batch
+//!   ([`muon_batch_launches`] operations), so each is charged its share of them;
 //! - a node the executor aliases (it launches a marker, [`Options::aliased`]): nothing.
 //!
 //! The host issues a node in `host.issue_us_per_node`, plus `host.launch_us` for each
@@ -73,10 +73,19 @@ const F32: f64 = 4.0;
 /// Newton–Schulz iterations the cost model assumes for Muon (the default `ns_steps`).
 pub const MUON_NS_STEPS: u32 = 5;
 
-/// Device operations of one Muon node on the CUDA backend (`ops/src/cuda/muon.rs`):
-/// the momentum, the norm's two passes, the initial scaling, per Newton–Schulz iteration
-/// three SGEMMs and two copies, and the update.
+/// Host operations of one Muon node as the host model counts them (the CUDA backend
+/// ran Muon matrix by matrix when `host.launch_us` was measured: the momentum, the
+/// norm's two passes, the initial scaling, per Newton–Schulz iteration three SGEMMs and
+/// two copies, and the update).
 pub const MUON_LAUNCHES: u32 = 5 + 5 * MUON_NS_STEPS;
+
+/// Device operations of a batch of Muon matrices of one shape, precision and iteration
+/// count on the CUDA backend (`ops/src/cuda/muon.rs`), which a flush runs together: the
+/// momentum, the norms and the scaling, per Newton–Schulz iteration three products
+/// (the direct iteration), and the update. A matrix alone is a batch of one.
+pub const fn muon_batch_launches(steps: u32) -> u32 {
+    4 + 3 * steps
+}
 
 /// How many device operations the host issues for `op` (the first costs it
 /// `host.issue_us_per_node`, each further one `host.launch_us`): [`MUON_LAUNCHES`] for
@@ -287,7 +296,7 @@ pub(super) fn node_cost(
                 let n = plan.local_elems(param, rank) as f64;
                 kernel(p, 7.0 * n * F32, hbm)
             }
-            OptimizerKind::Muon => muon_cost(plan, p, opts, param),
+            OptimizerKind::Muon => muon_cost(plan, p, opts, (rank, param)),
         },
     })
 }
@@ -431,27 +440,47 @@ pub fn ns_tflops(p: &Profile, dtype: NsDtype) -> f64 {
     }
 }
 
-/// Muon on `param`'s whole matrix (the owner's): its launches, the momentum, the
-/// Newton–Schulz iterations in the precision and count [`Options::newton_schulz`] gives
-/// it ([`overlap_graph::owner::ns_flops`] at [`ns_tflops`]) and the update's memory
-/// traffic.
-fn muon_cost(plan: &Plan, p: &Profile, opts: &Options, param: ParamId) -> Cost {
-    let spec = &plan.param(param).spec;
-    let numel = spec.numel() as f64;
-    let (rows, cols) = if spec.shape.is_empty() {
-        (1, 1)
-    } else {
-        spec.matrix_dims()
+/// Muon on `param`'s whole matrix (the owner's): its share of its batch's launches
+/// ([`muon_batch_launches`] over the matrices of `rank`'s step with its shape, precision
+/// and iteration count), the Newton–Schulz iterations in the precision and count
+/// [`Options::newton_schulz`] gives it ([`overlap_graph::owner::ns_flops`] at
+/// [`ns_tflops`]) and the update's memory traffic.
+fn muon_cost(plan: &Plan, p: &Profile, opts: &Options, (rank, param): (u32, ParamId)) -> Cost {
+    let run = |q: ParamId| {
+        let spec = &plan.param(q).spec;
+        let dims = if spec.shape.is_empty() {
+            (1, 1)
+        } else {
+            spec.matrix_dims()
+        };
+        let d = overlap::MuonParams::default();
+        let ns = opts
+            .newton_schulz
+            .get(q as usize)
+            .copied()
+            .unwrap_or((d.ns_dtype, d.ns_steps));
+        (dims, ns)
     };
-    let d = overlap::MuonParams::default();
-    let (dtype, steps) = opts
-        .newton_schulz
-        .get(param as usize)
-        .copied()
-        .unwrap_or((d.ns_dtype, d.ns_steps));
+    let mine = run(param);
+    let ((rows, cols), (dtype, steps)) = mine;
+    let batch = plan.ranks.get(rank as usize).map_or(1, |rp| {
+        rp.nodes
+            .iter()
+            .filter(|n| match n.op {
+                Op::Optimizer {
+                    param: q,
+                    optimizer: OptimizerKind::Muon,
+                } => run(q) == mine,
+                _ => false,
+            })
+            .count()
+            .max(1)
+    });
+    let launches = f64::from(muon_batch_launches(steps)) / batch as f64;
+    let numel = plan.param(param).spec.numel() as f64;
     let flops = overlap_graph::owner::ns_flops(rows, cols, steps);
     Cost::compute(
-        f64::from(MUON_LAUNCHES) * p.kernel_us * 1e-6
+        launches * p.kernel_us * 1e-6
             + flops / (ns_tflops(p, dtype) * 1e12)
             + 5.0 * numel * F32 / (p.hbm_gbs * 1e9),
     )

@@ -45,7 +45,8 @@ use overlap_graph::node::{NodeId, Stream};
 use overlap_graph::plan::Plan;
 
 pub use cost::{
-    copy_seconds, launches, nccl_seconds, ns_tflops, Class, Cost, MUON_LAUNCHES, MUON_NS_STEPS,
+    copy_seconds, launches, muon_batch_launches, nccl_seconds, ns_tflops, Class, Cost,
+    MUON_LAUNCHES, MUON_NS_STEPS,
 };
 pub use engine::simulate;
 pub use profile::{Beside, BusBandwidth, Key, Network, Profile, ProfileError, Rule, KEYS};

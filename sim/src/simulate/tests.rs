@@ -788,3 +788,35 @@ fn muon_costs_its_newton_schulz_at_the_rate_of_its_precision() {
     // No entry: Muon's defaults, bf16 and 5 iterations.
     assert_close!(muon_seconds(None), flops(5.0) / 8e12 + traffic);
 }
+
+#[test]
+fn muon_matrices_of_one_shape_share_their_batchs_launches() {
+    // Two 64 × 256 matrices and one 32 × 32 on one rank, launches of 10 µs and
+    // everything else free: the pair shares one batch's 19 launches (5 iterations),
+    // the third has a batch of its own.
+    let params = vec![
+        ParamSpec::new("a", vec![64, 256], Route::Muon, 0),
+        ParamSpec::new("b", vec![64, 256], Route::Muon, 0),
+        ParamSpec::new("c", vec![32, 32], Route::Muon, 0),
+    ];
+    let plan = Planner::new(PlanSpec::new(Mesh::new(1, 1).unwrap(), params))
+        .unwrap()
+        .plan(&[Gate::On])
+        .unwrap();
+    let mut p = profile();
+    (p.gemm_tflops, p.hbm_gbs, p.kernel_us) = (1e9, 1e9, 10.0);
+    let s = simulate(&plan, &p, &options()).unwrap();
+    let launch = |param: u32| {
+        let n = plan.ranks[0]
+            .nodes
+            .iter()
+            .find(|n| matches!(n.op, Op::Optimizer { param: q, .. } if q == param))
+            .unwrap();
+        let t = s.node(0, n.id);
+        (t.end - t.start) / 10e-6
+    };
+    let close_to = |a: f64, b: f64| (a - b).abs() < 1e-3;
+    assert!(close_to(launch(0), 9.5), "{}", launch(0));
+    assert!(close_to(launch(1), 9.5), "{}", launch(1));
+    assert!(close_to(launch(2), 19.0), "{}", launch(2));
+}
