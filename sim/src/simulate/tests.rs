@@ -739,29 +739,42 @@ fn a_forward_plan_adds_the_forwards_and_its_gathers() {
     );
 }
 
+/// A planned 1x1 step of Muon matrices of these shapes (parameters 0, 1, ...).
+fn muon_plan(shapes: &[[u64; 2]]) -> Plan {
+    let params = shapes
+        .iter()
+        .enumerate()
+        .map(|(i, s)| ParamSpec::new(format!("m{i}"), s.to_vec(), Route::Muon, 0))
+        .collect();
+    Planner::new(PlanSpec::new(Mesh::new(1, 1).unwrap(), params))
+        .unwrap()
+        .plan(&[Gate::On])
+        .unwrap()
+}
+
+/// Seconds of the optimizer node of `param` on rank 0 of `plan` in `s`.
+fn optimizer_seconds(plan: &Plan, s: &Simulation, param: u32) -> f64 {
+    let node = plan.ranks[0]
+        .nodes
+        .iter()
+        .find(|n| matches!(n.op, Op::Optimizer { param: q, .. } if q == param))
+        .expect("the step updates the parameter");
+    let t = s.node(0, node.id);
+    t.end - t.start
+}
+
 /// Muon's device time on a planned 1x1 step of one 64 × 256 Muon matrix, with its
 /// Newton–Schulz in `run` (or the defaults when `None`), on a profile whose bf16 GEMM
 /// rate is 8 TFLOP/s and f32 rate 1.
 fn muon_seconds(run: Option<(NsDtype, u32)>) -> f64 {
-    let spec = PlanSpec::new(
-        Mesh::new(1, 1).unwrap(),
-        vec![ParamSpec::new("m", vec![64, 256], Route::Muon, 0)],
-    );
-    let plan = Planner::new(spec).unwrap().plan(&[Gate::On]).unwrap();
+    let plan = muon_plan(&[[64, 256]]);
     let mut p = profile();
     (p.gemm_tflops, p.fp32_tflops, p.hbm_gbs) = (8.0, 1.0, 1e6);
     let o = Options {
         newton_schulz: run.into_iter().collect(),
         ..options()
     };
-    let s = simulate(&plan, &p, &o).unwrap();
-    let muon = plan.ranks[0]
-        .nodes
-        .iter()
-        .find(|n| matches!(n.op, Op::Optimizer { .. }))
-        .expect("the step updates its parameter");
-    let t = s.node(0, muon.id);
-    t.end - t.start
+    optimizer_seconds(&plan, &simulate(&plan, &p, &o).unwrap(), 0)
 }
 
 #[test]
@@ -769,24 +782,17 @@ fn muon_costs_its_newton_schulz_at_the_rate_of_its_precision() {
     // 64 × 256: 5 iterations of 4m²n + 2m³; its traffic, 5 × 16384 f32 at 1 PB/s.
     let flops = |steps: f64| steps * (4.0 * 64.0 * 64.0 * 256.0 + 2.0 * 64f64.powi(3));
     let traffic = 5.0 * 16384.0 * 4.0 / 1e15;
-    assert_close!(
-        muon_seconds(Some((NsDtype::F32, 5))),
-        flops(5.0) / 1e12 + traffic
-    );
-    assert_close!(
-        muon_seconds(Some((NsDtype::Bf16, 5))),
-        flops(5.0) / 8e12 + traffic
-    );
-    assert_close!(
-        muon_seconds(Some((NsDtype::Tf32, 5))),
-        flops(5.0) / 4e12 + traffic
-    );
-    assert_close!(
-        muon_seconds(Some((NsDtype::Bf16, 3))),
-        flops(3.0) / 8e12 + traffic
-    );
-    // No entry: Muon's defaults, bf16 and 5 iterations.
-    assert_close!(muon_seconds(None), flops(5.0) / 8e12 + traffic);
+    let cases = [
+        (Some((NsDtype::F32, 5)), flops(5.0) / 1e12),
+        (Some((NsDtype::Bf16, 5)), flops(5.0) / 8e12),
+        (Some((NsDtype::Tf32, 5)), flops(5.0) / 4e12),
+        (Some((NsDtype::Bf16, 3)), flops(3.0) / 8e12),
+        // No entry: Muon's defaults, bf16 and 5 iterations.
+        (None, flops(5.0) / 8e12),
+    ];
+    for (run, ns) in cases {
+        assert_close!(muon_seconds(run), ns + traffic);
+    }
 }
 
 #[test]
@@ -794,29 +800,16 @@ fn muon_matrices_of_one_shape_share_their_batchs_launches() {
     // Two 64 × 256 matrices and one 32 × 32 on one rank, launches of 10 µs and
     // everything else free: the pair shares one batch's 19 launches (5 iterations),
     // the third has a batch of its own.
-    let params = vec![
-        ParamSpec::new("a", vec![64, 256], Route::Muon, 0),
-        ParamSpec::new("b", vec![64, 256], Route::Muon, 0),
-        ParamSpec::new("c", vec![32, 32], Route::Muon, 0),
-    ];
-    let plan = Planner::new(PlanSpec::new(Mesh::new(1, 1).unwrap(), params))
-        .unwrap()
-        .plan(&[Gate::On])
-        .unwrap();
+    let plan = muon_plan(&[[64, 256], [64, 256], [32, 32]]);
     let mut p = profile();
     (p.gemm_tflops, p.hbm_gbs, p.kernel_us) = (1e9, 1e9, 10.0);
     let s = simulate(&plan, &p, &options()).unwrap();
-    let launch = |param: u32| {
-        let n = plan.ranks[0]
-            .nodes
-            .iter()
-            .find(|n| matches!(n.op, Op::Optimizer { param: q, .. } if q == param))
-            .unwrap();
-        let t = s.node(0, n.id);
-        (t.end - t.start) / 10e-6
-    };
-    let close_to = |a: f64, b: f64| (a - b).abs() < 1e-3;
-    assert!(close_to(launch(0), 9.5), "{}", launch(0));
-    assert!(close_to(launch(1), 9.5), "{}", launch(1));
-    assert!(close_to(launch(2), 19.0), "{}", launch(2));
+    let launches = |param| optimizer_seconds(&plan, &s, param) / 10e-6;
+    for (param, want) in [(0, 9.5), (1, 9.5), (2, 19.0)] {
+        assert!(
+            (launches(param) - want).abs() < 1e-3,
+            "{param}: {}",
+            launches(param)
+        );
+    }
 }
