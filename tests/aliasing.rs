@@ -123,16 +123,18 @@ async fn the_copy_transport_is_bit_identical_to_the_collectives_and_keeps_the_po
                 assert!(aliased > 0, "{what}: nothing was aliased");
                 assert_same_bits(&nccl, &got, &what);
                 // Receive buffers join the pool, and a later combine holds its buffers
-                // longer; but every step returns what it took. How many a warm-up step
-                // leaves depends on the threads' timing (a run has gone from 22 after
-                // its second step to 26 after its third and stayed there), so the pool
-                // is checked over the second half of the steps, where a buffer kept a
-                // step would add one a step (+6 over six steps), and against the
-                // warm-up's size with room for that timing.
-                let (warm, mid) = (pooled[1], pooled[pooled.len() / 2]);
-                let last = pooled[pooled.len() - 1];
+                // longer; but every step returns what it took. How many the pool holds
+                // depends on the threads' timing: runs have gone from 22 after their
+                // second step to 26 after their third and stayed there, and from 24 to
+                // 27 over steps 8 and 9, then stayed. A buffer kept a step adds one in
+                // every step instead, so the second half of the steps may grow by more
+                // than two only in fewer than half of its steps, and the whole run by
+                // at most six over the warm-up's size.
+                let (n, h) = (pooled.len(), pooled.len() / 2);
+                let (warm, mid, last) = (pooled[1], pooled[h], pooled[n - 1]);
+                let grew = (h + 1..n).filter(|&i| pooled[i] > pooled[i - 1]).count();
                 assert!(
-                    pooled.len() >= 10 && last <= mid + 2 && last <= warm + 6,
+                    n >= 10 && last <= warm + 6 && (last <= mid + 2 || 2 * grew < n - 1 - h),
                     "{what}: pooled buffers per step {pooled:?}"
                 );
             }
